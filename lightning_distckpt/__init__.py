@@ -1,0 +1,42 @@
+"""lightning_distckpt: distributed (sharded) checkpointing for PyTorch Lightning and Fabric.
+
+Describe how each local tensor sits in its global tensor (:class:`ShardedTensor`), then call the
+collective :func:`save` / :func:`load`. Checkpoints load under any world size or parallel split.
+"""
+
+from .core.errors import (
+    CheckpointingError,
+    FormatError,
+    IncompleteCheckpointError,
+    MissingKeysError,
+    SaveFailedError,
+    ShardingError,
+    ValidationError,
+)
+from .core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
+from .core.strict import StrictHandling
+from .serialization import load, load_common_state_dict, load_plain_tensors, load_tensors_metadata, save
+from .storage.tensorstore_io import StorageOptions
+from .version import __version__
+
+__all__ = [
+    "CheckpointingError",
+    "FormatError",
+    "IncompleteCheckpointError",
+    "LocalNonpersistentObject",
+    "MissingKeysError",
+    "SaveFailedError",
+    "ShardedObject",
+    "ShardedTensor",
+    "ShardedTensorFactory",
+    "ShardingError",
+    "StorageOptions",
+    "StrictHandling",
+    "ValidationError",
+    "__version__",
+    "load",
+    "load_common_state_dict",
+    "load_plain_tensors",
+    "load_tensors_metadata",
+    "save",
+]

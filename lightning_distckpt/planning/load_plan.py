@@ -1,0 +1,94 @@
+"""What to read: for each requested shard, the pieces of stored shards that overlap it.
+
+Pure functions of the requested ShardedTensor and the checkpoint index, so any rank can read
+any slice of any tensor (resharding) and the plan is testable without files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from ..core.errors import CheckpointingError, ShardingError
+from ..core.mapping import ShardedTensor
+from .metadata import StoredShard, TensorEntry
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Copy ``src`` of stored shard ``(writer, index)`` into ``dst`` of the requested shard.
+
+    Both are tuples of slices in the shard's own coordinates (global axes, prepended included).
+    """
+
+    writer: int
+    index: int
+    src: Tuple[slice, ...]
+    dst: Tuple[slice, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(s.stop - s.start for s in self.src)
+
+
+@dataclass(frozen=True)
+class TensorReadPlan:
+    key: str
+    items: Tuple[ReadItem, ...]
+    zero_fill: bool  # part of the requested shard lies outside the saved tensor
+
+
+def intersect(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], b_shape: Sequence[int]):
+    """Intersection of two boxes as (offset, shape), or None when empty."""
+    lo = [max(a, b) for a, b in zip(a_off, b_off)]
+    hi = [min(a + sa, b + sb) for a, sa, b, sb in zip(a_off, a_shape, b_off, b_shape)]
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+
+
+def _rel(off: Sequence[int], shape: Sequence[int], origin: Sequence[int]) -> Tuple[slice, ...]:
+    return tuple(slice(o - g, o - g + s) for o, s, g in zip(off, shape, origin))
+
+
+def plan_tensor_read(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: str) -> TensorReadPlan:
+    """Plan reading ``request``'s shard from the stored shards of ``entry``.
+
+    With ``allow_shape_mismatch`` the saved global shape may differ: the requested box is clipped
+    to the saved tensor and the rest zero-filled (a larger target is padded, a smaller one truncated).
+    """
+    key = request.key
+    saved_shape = tuple(entry.global_shape)
+    if len(saved_shape) != len(request.global_shape):
+        raise ShardingError(
+            f"checkpoint {checkpoint_dir}: {key!r} has {len(saved_shape)} axes {saved_shape} in the checkpoint but "
+            f"{len(request.global_shape)} axes {request.global_shape} were asked for"
+        )
+    if saved_shape != tuple(request.global_shape) and not request.allow_shape_mismatch:
+        raise ShardingError(
+            f"checkpoint {checkpoint_dir}: {key!r} has global shape {saved_shape} in the checkpoint but "
+            f"{request.global_shape} was asked for (set allow_shape_mismatch=True to pad/truncate)"
+        )
+    if request.flattened_range is not None or any(s.flat for s in entry.shards):
+        raise ShardingError(
+            f"checkpoint {checkpoint_dir}: {key!r}: flattened shards are read by plan_flat_read, not plan_tensor_read"
+        )
+    off, shape = request.global_offset, request.shard_shape
+    items: List[ReadItem] = []
+    covered = 0
+    for s in entry.shards:
+        inter = intersect(off, shape, s.offset, s.shape)
+        if inter is None:
+            continue
+        ioff, ishape = inter
+        items.append(ReadItem(s.writer, s.index, _rel(ioff, ishape, s.offset), _rel(ioff, ishape, off)))
+        covered += math.prod(ishape)
+    clipped = intersect(off, shape, (0,) * len(saved_shape), saved_shape)
+    wanted = math.prod(clipped[1]) if clipped else 0
+    if covered != wanted:
+        raise CheckpointingError(
+            f"checkpoint {checkpoint_dir}: {key!r}: stored shards cover {covered} of the {wanted} elements asked for "
+            f"at offset {off} shape {shape}; the checkpoint is incomplete or corrupt"
+        )
+    return TensorReadPlan(key, tuple(items), zero_fill=wanted < math.prod(shape))

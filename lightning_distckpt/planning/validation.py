@@ -1,0 +1,140 @@
+"""Checks on the exchanged shard records of all ranks, run identically on every rank before
+anything is written, so a violation fails everywhere with the same message."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+from ..core.errors import ValidationError
+from .metadata import ObjectRecord, ShardRecord
+
+
+def _overlap(a_off, a_shape, b_off, b_shape) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape))
+
+
+def _ranks(records: Iterable[ShardRecord]) -> List[int]:
+    return sorted({r.rank for r in records})
+
+
+def validate_tensor_records(records: Sequence[ShardRecord]) -> List[str]:
+    """Return every problem found (empty list = consistent).
+
+    Per key: global shape and dtype agree on all ranks; main replicas are unique; the main
+    replicas tile the global tensor exactly once (no gap, no overlap); flattened ranges of a
+    shard cover it exactly once.
+    """
+    problems: List[str] = []
+    by_key: Dict[str, List[ShardRecord]] = defaultdict(list)
+    for r in records:
+        by_key[r.key].append(r)
+    for key in sorted(by_key):
+        recs = by_key[key]
+        shapes = {r.global_shape for r in recs}
+        dtypes = {r.dtype for r in recs}
+        if len(shapes) > 1:
+            detail = {s: _ranks(r for r in recs if r.global_shape == s) for s in shapes}
+            problems.append(f"{key!r}: ranks disagree on global shape: " + "; ".join(f"{s} on ranks {rk}" for s, rk in detail.items()))
+            continue
+        if len(dtypes) > 1:
+            detail = {d: _ranks(r for r in recs if r.dtype == d) for d in dtypes}
+            problems.append(f"{key!r}: ranks disagree on dtype: " + "; ".join(f"{d} on ranks {rk}" for d, rk in detail.items()))
+            continue
+        (global_shape,) = shapes
+        mains = [r for r in recs if r.main]
+        seen: Dict[tuple, int] = {}
+        for r in mains:
+            if r.shard_id in seen:
+                problems.append(
+                    f"{key!r}: shard at offset {r.offset} shape {r.shape}"
+                    + (f" flat {r.flat}" if r.flat else "")
+                    + f" is a main replica on ranks {seen[r.shard_id]} and {r.rank} (replica_id must differ)"
+                )
+            else:
+                seen[r.shard_id] = r.rank
+        # Group flattened pieces by the non-flat shard they cut.
+        boxes: Dict[Tuple[tuple, tuple], List[ShardRecord]] = defaultdict(list)
+        for r in mains:
+            boxes[(r.offset, r.shape)].append(r)
+        for (off, shape), pieces in boxes.items():
+            flat = [p for p in pieces if p.flat]
+            if flat and len(flat) != len(pieces):
+                problems.append(f"{key!r}: shard at offset {off} is saved both flattened and whole")
+                continue
+            if flat:
+                covered = 0
+                for p in sorted(flat, key=lambda p: p.flat):
+                    if p.flat[0] != covered:
+                        kind = "gap" if p.flat[0] > covered else "overlap"
+                        problems.append(
+                            f"{key!r}: flattened ranges of shard at offset {off} have a {kind} at element "
+                            f"{min(covered, p.flat[0])} (rank {p.rank} holds {p.flat[0]}:{p.flat[1]})"
+                        )
+                        break
+                    covered = p.flat[1]
+                else:
+                    if covered != math.prod(shape):
+                        problems.append(
+                            f"{key!r}: flattened ranges of shard at offset {off} cover {covered} of "
+                            f"{math.prod(shape)} elements"
+                        )
+        box_list = sorted(boxes)
+        for i, (ao, ash) in enumerate(box_list):
+            for bo, bsh in box_list[i + 1:]:
+                if _overlap(ao, ash, bo, bsh):
+                    ra = _ranks(boxes[(ao, ash)])
+                    rb = _ranks(boxes[(bo, bsh)])
+                    problems.append(
+                        f"{key!r}: main replicas overlap: offset {ao} shape {ash} (ranks {ra}) and "
+                        f"offset {bo} shape {bsh} (ranks {rb})"
+                    )
+        covered = sum(math.prod(s) for _, s in box_list)
+        total = math.prod(global_shape)
+        if covered < total:
+            problems.append(
+                f"{key!r}: main replicas cover {covered} of {total} elements of global shape {global_shape} "
+                f"(a gap: some part has no replica with replica_id 0; shards held by ranks {_ranks(recs)})"
+            )
+    return problems
+
+
+def validate_object_records(records: Sequence[ObjectRecord]) -> List[str]:
+    """Per key: one global shape, unique main replicas, every element of the object array present."""
+    problems: List[str] = []
+    by_key: Dict[str, List[ObjectRecord]] = defaultdict(list)
+    for r in records:
+        by_key[r.key].append(r)
+    for key in sorted(by_key):
+        recs = by_key[key]
+        shapes = {r.global_shape for r in recs}
+        if len(shapes) > 1:
+            problems.append(f"{key!r}: ranks disagree on ShardedObject global shape: {sorted(shapes)}")
+            continue
+        seen: Dict[tuple, int] = {}
+        for r in recs:
+            if not r.main:
+                continue
+            if r.offset in seen:
+                problems.append(
+                    f"{key!r}: ShardedObject at offset {r.offset} is a main replica on ranks {seen[r.offset]} and {r.rank}"
+                )
+            seen[r.offset] = r.rank
+        (shape,) = shapes
+        if len(seen) < math.prod(shape):
+            problems.append(
+                f"{key!r}: ShardedObject array of shape {shape} has main replicas for only {len(seen)} elements"
+            )
+    return problems
+
+
+def raise_on_problems(problems: List[str], checkpoint_dir: str) -> None:
+    if problems:
+        shown = problems[:20]
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ValidationError(
+            f"sharded state dict for checkpoint {checkpoint_dir} is inconsistent; nothing was written:\n  "
+            + "\n  ".join(shown)
+            + more
+        )

@@ -1,0 +1,122 @@
+"""Public entry points: ``save`` and ``load`` (collective), and single-process readers."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .comm import get_comm
+from .core.mapping import ShardedTensor
+from .core.strict import StrictHandling
+from .planning.metadata import dtype_from_name
+from .storage.tensorstore_io import StorageOptions
+from .strategies.load import OpenedCheckpoint, load_every_rank_reads, read_tensors
+from .strategies.save import finalize_save, prepare_save, write_local
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def save(
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: PathLike,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    validate_access_integrity: bool = True,
+    balance_writes: bool = True,
+    storage: Optional[StorageOptions] = None,
+) -> None:
+    """Save a sharded state dict to ``checkpoint_dir`` (collective over ``process_group``).
+
+    Every rank passes its own sharded state dict. Each unique shard is written once: by one of the
+    ranks holding a replica of it, balanced by bytes (``balance_writes``), or by its main replica.
+    Common (non-sharded) state is written by rank 0. The checkpoint appears at ``checkpoint_dir``
+    only once every rank has written and fsync'd its part; an earlier checkpoint there is replaced
+    atomically and survives any failure of this save.
+
+    Args:
+        sharded_state_dict: nested dict of ShardedTensor / ShardedObject / ShardedTensorFactory /
+            LocalNonpersistentObject and common values.
+        checkpoint_dir: the checkpoint directory (same path on every rank, shared file system).
+        process_group: the ranks taking part (default: the world; none needed single-process).
+        validate_access_integrity: check before writing that the main replicas tile every tensor
+            exactly once and that all ranks agree on shapes and dtypes.
+        balance_writes: spread replicated shards' writes over their holders.
+        storage: array layout options (see :class:`StorageOptions`).
+
+    Raises:
+        ValidationError, SaveFailedError, CheckpointingError: on every rank alike.
+    """
+    comm = get_comm(process_group)
+    prep = prepare_save(
+        sharded_state_dict,
+        os.fspath(checkpoint_dir),
+        comm,
+        validate_access_integrity=validate_access_integrity,
+        balance_writes=balance_writes,
+        options=storage or StorageOptions(),
+    )
+    try:
+        local: Any = write_local(prep)
+    except Exception as e:  # reported collectively in finalize_save so no rank hangs
+        local = e
+    finalize_save(prep, local)
+
+
+def load(
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: PathLike,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    strict: Union[StrictHandling, str] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    extra_safe_globals: Sequence[Any] = (),
+) -> Union[Dict[str, Any], Tuple[Dict[str, Any], set, set]]:
+    """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
+
+    Returns the state dict with each ShardedTensor replaced by its tensor (read straight into its
+    ``data`` when that is a contiguous CPU tensor), each ShardedObject by its object, each
+    LocalNonpersistentObject by its value, factories merged, and the checkpoint's common state
+    merged in. The template's sharding may differ from the saved one (resharding).
+
+    With ``strict`` = RETURN_UNEXPECTED / RETURN_ALL returns ``(state_dict, missing, unexpected)``.
+    ``extra_safe_globals`` lists further trusted types that common state / objects may contain.
+    """
+    strict = StrictHandling.parse(strict)
+    comm = get_comm(process_group)
+    state, missing, unexpected = load_every_rank_reads(
+        sharded_state_dict, os.fspath(checkpoint_dir), comm, strict, extra_safe_globals
+    )
+    if strict.returns_keys:
+        return state, missing, unexpected
+    return state
+
+
+def load_tensors_metadata(checkpoint_dir: PathLike) -> Dict[str, ShardedTensor]:
+    """key -> ShardedTensor without data, describing the whole saved tensor (global shape, dtype)."""
+    ckpt = OpenedCheckpoint.open(os.fspath(checkpoint_dir))
+    out = {}
+    for key, e in ckpt.index.tensors.items():
+        shape = tuple(e.global_shape)
+        out[key] = ShardedTensor(
+            key=key, data=None, dtype=dtype_from_name(e.dtype, key), local_shape=shape,
+            global_shape=shape, global_offset=(0,) * len(shape), axis_fragmentations=(1,) * len(shape),
+        )
+    return out
+
+
+def load_common_state_dict(checkpoint_dir: PathLike, extra_safe_globals: Sequence[Any] = ()) -> Any:
+    """The checkpoint's common (non-sharded) state, read safely."""
+    return OpenedCheckpoint.open(os.fspath(checkpoint_dir)).load_common(extra_safe_globals)
+
+
+def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:
+    """key -> the whole global tensor, assembled from its shards (single process, no group needed)."""
+    template = {key: ShardedTensor(key=key, data=torch.empty(st.global_shape, dtype=st.dtype), dtype=st.dtype,
+                                   local_shape=st.global_shape, global_shape=st.global_shape,
+                                   global_offset=st.global_offset)
+                for key, st in load_tensors_metadata(checkpoint_dir).items()}
+    ckpt = OpenedCheckpoint.open(os.fspath(checkpoint_dir))
+    loaded, _ = read_tensors(ckpt, list(template.values()), set())
+    return {key: loaded[id(st)] for key, st in template.items()}

@@ -1,0 +1,99 @@
+"""Durable, atomic commit: ranks write into a hidden staging directory beside the target; rank 0
+writes ``metadata.json`` and the commit marker after every rank has finished and fsync'd, then
+swaps the staging directory into place. A crash at any point leaves the previous checkpoint intact
+and never leaves a directory that looks complete but is not."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import uuid
+from typing import Optional
+
+from ..core.errors import CheckpointingError
+from .layout import COMMIT_MARKER, METADATA_FILE, is_checkpoint_dir
+from .safe_pickle import write_file_durable
+
+logger = logging.getLogger("lightning_distckpt")
+
+_STAGING_TAG = ".distckpt-staging-"
+_RENAME_EXCHANGE = 2
+
+
+def new_staging_dir(target: str) -> str:
+    """A fresh staging path beside ``target`` (same file system, so the final rename is atomic)."""
+    parent, name = os.path.split(os.path.abspath(target))
+    return os.path.join(parent, f".{name}{_STAGING_TAG}{uuid.uuid4().hex[:12]}")
+
+
+def check_target(target: str) -> None:
+    """Refuse to replace anything that is not an earlier checkpoint or an empty directory."""
+    if not os.path.lexists(target):
+        return
+    if not os.path.isdir(target) or os.path.islink(target):
+        raise CheckpointingError(f"checkpoint {target}: exists and is not a directory; refusing to replace it")
+    if os.listdir(target) and not is_checkpoint_dir(target):
+        raise CheckpointingError(
+            f"checkpoint {target}: directory exists, is not empty and is not a checkpoint; refusing to replace it"
+        )
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree_dirs(root: str) -> None:
+    """fsync every directory under ``root`` so new entries survive a crash (file data is fsync'd
+    by whoever wrote it)."""
+    for dirpath, _, _ in os.walk(root):
+        fsync_dir(dirpath)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> None:
+    """Write metadata and marker into ``staging`` and move it to ``target`` (rank 0 only)."""
+    write_file_durable(os.path.join(staging, METADATA_FILE), metadata_json.encode())
+    fsync_tree_dirs(staging)
+    write_file_durable(os.path.join(staging, COMMIT_MARKER), marker_json.encode())
+    fsync_dir(staging)
+    parent = os.path.dirname(os.path.abspath(target))
+    if os.path.lexists(target):
+        check_target(target)  # re-check: something may have appeared while we wrote
+        if _exchange(staging, target):
+            shutil.rmtree(staging, ignore_errors=True)  # now holds the old checkpoint
+        else:
+            old = staging + ".old"
+            os.rename(target, old)
+            os.rename(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, target)
+    fsync_dir(parent)
+
+
+def discard(staging: Optional[str]) -> None:
+    """Remove an uncommitted staging directory (after a failed save)."""
+    if staging and _STAGING_TAG in os.path.basename(staging):
+        shutil.rmtree(staging, ignore_errors=True)

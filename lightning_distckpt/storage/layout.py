@@ -1,0 +1,100 @@
+"""The on-disk layout of a checkpoint directory and its ``metadata.json``.
+
+::
+
+    CKPT/
+      metadata.json      format name/version, library version, storage options, tensor/object index
+      common.pt          common (non-sharded) state, torch.save'd by rank 0, read with weights_only
+      data/rank_00000/   rank 0's tensorstore key-value store (OCDBT database, or plain files)
+        t/<key>/<i>/       zarr v3 array: stored shard i of tensor <key>
+        o/<key>/<i>        bytes: ShardedObject element i of <key>
+      COMMITTED          commit marker, written last; without it the directory is no checkpoint
+
+Keys are percent-encoded into single path components, so no key can leave its folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Dict
+from urllib.parse import quote
+
+from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError
+
+FORMAT_NAME = "lightning_distckpt"
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+METADATA_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+COMMIT_MARKER = "COMMITTED"
+DATA_DIR = "data"
+_MAX_COMPONENT = 180
+
+
+def encode_key(key: str) -> str:
+    """One safe path component for ``key``: percent-encoded; long keys shortened with a hash."""
+    if key in (".", ".."):
+        raise ShardingError(f"key {key!r} is not allowed")
+    enc = quote(key, safe="")
+    if enc.startswith("."):
+        enc = "%2E" + enc[1:]
+    if len(enc) > _MAX_COMPONENT:
+        enc = enc[:120] + "~" + hashlib.sha256(key.encode()).hexdigest()[:32]
+    return enc
+
+
+def rank_dir(checkpoint_dir: str, writer: int) -> str:
+    return os.path.join(checkpoint_dir, DATA_DIR, f"rank_{int(writer):05d}")
+
+
+def tensor_path(key: str, index: int) -> str:
+    return f"t/{encode_key(key)}/{int(index)}"
+
+
+def object_path(key: str, index: int) -> str:
+    return f"o/{encode_key(key)}/{int(index)}"
+
+
+def is_committed(checkpoint_dir: str) -> bool:
+    return os.path.isfile(os.path.join(checkpoint_dir, COMMIT_MARKER)) and os.path.isfile(
+        os.path.join(checkpoint_dir, METADATA_FILE)
+    )
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """A directory that this library wrote (committed or not)."""
+    return os.path.isfile(os.path.join(path, METADATA_FILE)) or os.path.isdir(os.path.join(path, DATA_DIR))
+
+
+def read_metadata(checkpoint_dir: str) -> Dict[str, Any]:
+    """The parsed ``metadata.json`` of a committed checkpoint, its format checked."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        raise IncompleteCheckpointError(f"checkpoint {checkpoint_dir}: no such directory")
+    if not is_committed(checkpoint_dir):
+        what = (
+            "incomplete checkpoint: the save did not finish (no commit marker)"
+            if is_checkpoint_dir(checkpoint_dir)
+            else "not a lightning_distckpt checkpoint (no metadata.json / commit marker)"
+        )
+        raise IncompleteCheckpointError(f"checkpoint {checkpoint_dir}: {what}")
+    path = os.path.join(checkpoint_dir, METADATA_FILE)
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FormatError(f"checkpoint {checkpoint_dir}: cannot read {METADATA_FILE}: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise FormatError(
+            f"checkpoint {checkpoint_dir}: {METADATA_FILE} names format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+            f"expected {FORMAT_NAME!r}"
+        )
+    version = meta.get("format_version")
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+        raise FormatError(
+            f"checkpoint {checkpoint_dir}: format version {version!r} is not supported by this version of "
+            f"lightning_distckpt (supports {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade the library"
+        )
+    return meta

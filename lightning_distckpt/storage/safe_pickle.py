@@ -1,0 +1,64 @@
+"""Common state and ShardedObjects: written with ``torch.save``, read with ``weights_only=True``.
+
+Loading never runs code from the checkpoint: only tensors, containers, primitives and the
+allow-listed types below can be restored. Users add their own with ``extra_safe_globals``.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import typing
+from typing import Any, Iterable, List, Sequence
+
+import torch
+
+from ..core.errors import CheckpointingError
+
+
+def default_safe_globals() -> List[Any]:
+    """Types that training state commonly holds: omegaconf containers (Lightning hparams),
+    ordered/default dicts, enums of our own, ``typing.Any`` (omegaconf metadata)."""
+    allowed: List[Any] = [collections.OrderedDict, collections.defaultdict, typing.Any, dict, list, set, tuple,
+                          int, float, str, bool, slice]
+    try:
+        from omegaconf import DictConfig, ListConfig, nodes
+        from omegaconf.base import ContainerMetadata, Metadata
+
+        allowed += [DictConfig, ListConfig, ContainerMetadata, Metadata]
+        allowed += [getattr(nodes, n) for n in ("AnyNode", "IntegerNode", "FloatNode", "StringNode", "BooleanNode",
+                                                "BytesNode", "PathNode", "EnumNode", "ValueNode") if hasattr(nodes, n)]
+    except ImportError:  # omegaconf is a dependency, but keep loading usable without it
+        pass
+    return allowed
+
+
+def dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def loads(data: bytes, where: str, extra_safe_globals: Sequence[Any] = ()) -> Any:
+    """Deserialize ``data`` without running code; a refused type is a clear CheckpointingError."""
+    try:
+        with torch.serialization.safe_globals(default_safe_globals() + list(extra_safe_globals)):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError / RuntimeError with a long explanation
+        raise CheckpointingError(
+            f"{where}: refused to deserialize (only tensors, containers, primitives and allow-listed types "
+            f"load; pass extra_safe_globals=[...] for trusted types of your own): {str(e).splitlines()[0][:500]}"
+        ) from None
+
+
+def write_file_durable(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()

@@ -1,0 +1,177 @@
+"""The save path: exchange metadata, validate, plan, write in parallel, agree, commit.
+
+Split into ``prepare_save`` (collective, cheap: metadata only), ``write_local`` (this rank's
+writes; no collectives, so it can run in a background thread for async save) and
+``finalize_save`` (collective: agree on success, commit, log).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..version import __version__
+from ..comm import Comm
+from ..core.errors import CheckpointingError, SaveFailedError
+from ..core.mapping import ShardedObject, ShardedTensor
+from ..core.state_dict import apply_factories, collect, split_common
+from ..planning.metadata import ObjectRecord, ShardRecord
+from ..planning.save_plan import SavePlan, make_save_plan
+from ..planning.validation import raise_on_problems, validate_object_records, validate_tensor_records
+from ..storage import commit as commit_mod
+from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION
+from ..storage.safe_pickle import dumps, write_file_durable
+from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
+from .stats import log_throughput
+
+logger = logging.getLogger("lightning_distckpt")
+
+
+@dataclass
+class PreparedSave:
+    """Everything a rank needs to write its part, decided collectively."""
+
+    target: str
+    staging: str
+    comm: Comm
+    plan: SavePlan
+    options: StorageOptions
+    tensors: List[Tuple[str, int, torch.Tensor]]  # (key, index, data in global-axes shape)
+    objects: List[Tuple[str, int, bytes]]
+    common: Optional[bytes]  # rank 0 only
+    started: float = field(default_factory=time.perf_counter)
+
+
+def prepare_save(
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: str,
+    comm: Comm,
+    *,
+    validate_access_integrity: bool = True,
+    balance_writes: bool = True,
+    options: StorageOptions = StorageOptions(),
+) -> PreparedSave:
+    """Collective: exchange shard metadata, validate, plan, and agree on a staging directory.
+
+    Raises the same ValidationError on every rank when the shards are inconsistent.
+    """
+    target = os.path.abspath(os.fspath(checkpoint_dir))
+    started = time.perf_counter()
+    local_error: Optional[str] = None
+    tensors: List[ShardedTensor] = []
+    objects: List[ShardedObject] = []
+    common: Any = None
+    records: Tuple[List[ShardRecord], List[ObjectRecord]] = ([], [])
+    try:
+        expanded = apply_factories(sharded_state_dict)
+        sharded, common = split_common(expanded)
+        found = collect(sharded)
+        tensors, objects = found["tensors"], found["objects"]
+        records = (
+            [ShardRecord.of(t, comm.rank) for t in tensors],
+            [ObjectRecord.of(o, comm.rank) for o in objects],
+        )
+        if comm.rank == 0:
+            commit_mod.check_target(target)
+    except CheckpointingError as e:
+        local_error = str(e)
+    # One exchange carries the records, any local error, and rank 0's staging directory name.
+    staging = commit_mod.new_staging_dir(target) if comm.rank == 0 else None
+    gathered = comm.all_gather_object((records, local_error, staging))
+    errors = [(rk, err) for rk, (_, err, _) in enumerate(gathered) if err]
+    if errors:
+        raise CheckpointingError(
+            f"save to {target} failed before writing: " + "; ".join(f"rank {rk}: {err}" for rk, err in errors)
+        )
+    staging = gathered[0][2]
+    all_tensors = [r for recs, _, _ in gathered for r in recs[0]]
+    all_objects = [r for recs, _, _ in gathered for r in recs[1]]
+    if validate_access_integrity:
+        raise_on_problems(validate_tensor_records(all_tensors) + validate_object_records(all_objects), target)
+    plan = make_save_plan(all_tensors, all_objects, comm.size, balance_writes=balance_writes)
+
+    by_id = {(t.key, ShardRecord.of(t, comm.rank).shard_id): t for t in tensors}
+    mine = []
+    for key, sid, index in plan.writes.get(comm.rank, []):
+        st = by_id[(key, sid)]
+        data = st.data.detach()
+        if st.flattened_range is None:
+            data = data.reshape(st.shard_shape)
+        mine.append((key, index, data))
+    obj_by_id = {(o.key, o.global_offset): o for o in objects}
+    my_objects = [(key, index, dumps(obj_by_id[(key, off)].data)) for key, off, index in plan.object_writes.get(comm.rank, [])]
+    logger.debug(
+        "rank %d: save plan for %s: %d shards / %d objects to write, %d bytes (planning %.3fs)",
+        comm.rank, target, len(mine), len(my_objects), plan.bytes_per_rank.get(comm.rank, 0),
+        time.perf_counter() - started,
+    )
+    return PreparedSave(
+        target=target,
+        staging=staging,
+        comm=comm,
+        plan=plan,
+        options=options,
+        tensors=mine,
+        objects=my_objects,
+        common=dumps(common) if comm.rank == 0 else None,
+        started=started,
+    )
+
+
+def write_local(prep: PreparedSave) -> Tuple[int, float]:
+    """This rank's writes into the staging directory (no collectives). Returns (bytes, seconds)."""
+    t0 = time.perf_counter()
+    os.makedirs(prep.staging, exist_ok=True)
+    io = TensorStoreIO(prep.staging, prep.options)
+    tensors = [(k, i, d.cpu() if d.device.type != "cpu" else d) for k, i, d in prep.tensors]
+    nbytes = io.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
+    if prep.common is not None:
+        write_file_durable(os.path.join(prep.staging, COMMON_FILE), prep.common)
+        nbytes += len(prep.common)
+    return nbytes, time.perf_counter() - t0
+
+
+def finalize_save(prep: PreparedSave, local: Tuple[int, float] | BaseException) -> None:
+    """Collective: every rank reports success or its error; if all succeeded rank 0 commits.
+
+    On any failure every rank raises SaveFailedError naming the failing ranks, and the staging
+    directory is removed: the previous checkpoint at the target is untouched.
+    """
+    comm = prep.comm
+    status = (None, local) if not isinstance(local, BaseException) else (f"{type(local).__name__}: {local}", None)
+    gathered = comm.all_gather_object(status)
+    failures = [(rk, err) for rk, (err, _) in enumerate(gathered) if err]
+    commit_error: Optional[str] = None
+    if not failures and comm.rank == 0:
+        total = sum(r[1][0] for r in gathered)
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "library_version": __version__,
+            "torch_version": torch.__version__,
+            "storage": {"backend": "tensorstore", **prep.options.to_json()},
+            "world_size": comm.size,
+            "created_unix": time.time(),
+            **prep.plan.index.to_json(),
+        }
+        marker = {"bytes": total, "world_size": comm.size, "committed_unix": time.time()}
+        try:
+            commit_mod.commit(prep.staging, prep.target, json.dumps(meta), json.dumps(marker))
+        except Exception as e:  # disk full while writing metadata, permissions, ...
+            commit_error = f"{type(e).__name__}: {e}"
+    if not failures:
+        commit_error = comm.broadcast_object(commit_error, src=0)
+    if failures or commit_error:
+        if comm.rank == 0:
+            commit_mod.discard(prep.staging)
+        detail = "; ".join(f"rank {rk}: {err}" for rk, err in failures) or f"rank 0 (commit): {commit_error}"
+        raise SaveFailedError(f"save to {prep.target} failed, nothing was committed: {detail}")
+    seconds = time.perf_counter() - prep.started
+    per_rank = [r[1] for r in gathered]
+    log_throughput("save", prep.target, comm.rank, per_rank, seconds)
