@@ -1,0 +1,105 @@
+"""Planning is plain data in, plain data out: tested without files or processes."""
+
+import torch
+
+from lightning_distckpt import ShardedObject, ShardedTensor
+from lightning_distckpt.planning.load_plan import plan_tensor_read
+from lightning_distckpt.planning.metadata import CheckpointIndex, ObjectRecord, ShardRecord
+from lightning_distckpt.planning.save_plan import make_save_plan
+from lightning_distckpt.planning.validation import validate_object_records, validate_tensor_records
+
+
+def rec(key, offset, shape, rank, main=True, global_shape=(8, 4), dtype="float32", flat=None):
+    return ShardRecord(key, dtype, tuple(global_shape), tuple(offset), tuple(shape), flat, main, rank)
+
+
+def test_exact_tiling_is_valid():
+    recs = [rec("w", (0, 0), (4, 4), 0), rec("w", (4, 0), (4, 4), 1)]
+    assert validate_tensor_records(recs) == []
+
+
+def test_gap_overlap_and_disagreement_are_reported():
+    gap = validate_tensor_records([rec("w", (0, 0), (4, 4), 0)])
+    assert any("cover 16 of 32" in p for p in gap)
+    overlap = validate_tensor_records([rec("w", (0, 0), (5, 4), 0), rec("w", (4, 0), (4, 4), 1)])
+    assert any("overlap" in p and "ranks [0]" in p and "ranks [1]" in p for p in overlap)
+    shape = validate_tensor_records([rec("w", (0, 0), (4, 4), 0), rec("w", (4, 0), (4, 4), 1, global_shape=(8, 5))])
+    assert any("disagree on global shape" in p for p in shape)
+    dtype = validate_tensor_records([rec("w", (0, 0), (4, 4), 0), rec("w", (4, 0), (4, 4), 1, dtype="bfloat16")])
+    assert any("disagree on dtype" in p for p in dtype)
+    dup = validate_tensor_records([rec("w", (0, 0), (8, 4), 0), rec("w", (0, 0), (8, 4), 1)])
+    assert any("main replica on ranks 0 and 1" in p for p in dup)
+
+
+def test_flat_ranges_must_cover_shard_once():
+    ok = [rec("w", (0, 0), (8, 4), 0, flat=(0, 10)), rec("w", (0, 0), (8, 4), 1, flat=(10, 32))]
+    assert validate_tensor_records(ok) == []
+    gap = [rec("w", (0, 0), (8, 4), 0, flat=(0, 10)), rec("w", (0, 0), (8, 4), 1, flat=(12, 32))]
+    assert any("gap at element 10" in p for p in validate_tensor_records(gap))
+    over = [rec("w", (0, 0), (8, 4), 0, flat=(0, 12)), rec("w", (0, 0), (8, 4), 1, flat=(10, 32))]
+    assert any("overlap" in p for p in validate_tensor_records(over))
+
+
+def test_objects_unique_and_complete():
+    objs = [ObjectRecord("rng", (2,), (0,), True, 0), ObjectRecord("rng", (2,), (0,), True, 1)]
+    problems = validate_object_records(objs)
+    assert any("main replica on ranks 0 and 1" in p for p in problems)
+    assert any("only 1 elements" in p for p in problems)
+
+
+def test_replicated_writes_are_spread_by_bytes():
+    # 4 tensors, each fully replicated on 2 ranks (DP=2): each rank should write half the bytes.
+    recs = []
+    for i, rows in enumerate([8, 8, 4, 4]):
+        for rank in range(2):
+            recs.append(rec(f"t{i}", (0, 0), (rows, 4), rank, main=rank == 0, global_shape=(rows, 4)))
+    plan = make_save_plan(recs, [], world_size=2)
+    assert plan.bytes_per_rank == {0: 12 * 16, 1: 12 * 16}
+    written = sorted(k for writes in plan.writes.values() for k, _, _ in writes)
+    assert written == ["t0", "t1", "t2", "t3"]  # each unique shard once
+    main_only = make_save_plan(recs, [], world_size=2, balance_writes=False)
+    assert main_only.bytes_per_rank == {0: 24 * 16, 1: 0}
+
+
+def _index_for(shards, global_shape=(8, 4)):
+    recs = [rec("w", off, shape, rank, global_shape=global_shape) for rank, (off, shape) in enumerate(shards)]
+    return make_save_plan(recs, [], world_size=len(shards)).index
+
+
+def test_load_plan_reshards_rows_to_columns():
+    index = _index_for([((0, 0), (4, 4)), ((4, 0), (4, 4))])
+    want = ShardedTensor.from_rank_offsets("w", torch.zeros(8, 2), (1, 1, 2))
+    plan = plan_tensor_read(want, index.tensors["w"], "ck")
+    assert [(i.writer, i.src, i.dst) for i in plan.items] == [
+        (0, (slice(0, 4), slice(2, 4)), (slice(0, 4), slice(0, 2))),
+        (1, (slice(0, 4), slice(2, 4)), (slice(4, 8), slice(0, 2))),
+    ]
+    assert not plan.zero_fill
+
+
+def test_load_plan_shape_mismatch_pads_or_refuses():
+    index = _index_for([((0, 0), (8, 4))])
+    bigger = ShardedTensor.from_rank_offsets("w", torch.zeros(10, 4), allow_shape_mismatch=True)
+    plan = plan_tensor_read(bigger, index.tensors["w"], "ck")
+    assert plan.zero_fill and plan.items[0].dst == (slice(0, 8), slice(0, 4))
+    strict = ShardedTensor.from_rank_offsets("w", torch.zeros(10, 4))
+    try:
+        plan_tensor_read(strict, index.tensors["w"], "ck")
+    except Exception as e:
+        assert "global shape (8, 4)" in str(e) and "(10, 4)" in str(e) and "'w'" in str(e)
+    else:
+        raise AssertionError("shape mismatch was accepted")
+
+
+def test_index_json_round_trip_and_rejects_bad_types():
+    index = _index_for([((0, 0), (4, 4)), ((4, 0), (4, 4))])
+    again = CheckpointIndex.from_json(index.to_json(), "ck")
+    assert again.to_json() == index.to_json()
+    bad = index.to_json()
+    bad["tensors"]["w"]["shards"][0]["writer"] = "../../etc"
+    try:
+        CheckpointIndex.from_json(bad, "ck")
+    except Exception as e:
+        assert "writer" in str(e)
+    else:
+        raise AssertionError("malformed writer accepted")
