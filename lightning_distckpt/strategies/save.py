@@ -25,7 +25,7 @@ from ..planning.metadata import ObjectRecord, ShardRecord
 from ..planning.save_plan import SavePlan, make_save_plan
 from ..planning.validation import raise_on_problems, validate_object_records, validate_tensor_records
 from ..storage import commit as commit_mod
-from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION
+from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, encode_key
 from ..storage.safe_pickle import dumps, write_file_durable
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .stats import log_throughput
@@ -73,6 +73,8 @@ def prepare_save(
         sharded, common = split_common(expanded)
         found = collect(sharded)
         tensors, objects = found["tensors"], found["objects"]
+        for entry in tensors + objects:
+            encode_key(entry.key)  # refuse keys that cannot be stored before anyone writes
         records = (
             [ShardRecord.of(t, comm.rank) for t in tensors],
             [ObjectRecord.of(o, comm.rank) for o in objects],

@@ -1,0 +1,219 @@
+"""Save/load semantics: dtypes, objects, common state, strictness, safety and atomicity."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import lightning_distckpt as ldc
+from lightning_distckpt import StrictHandling
+from lightning_distckpt.storage.layout import COMMIT_MARKER, METADATA_FILE
+from dist_utils import run_distributed
+
+ALL_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+              torch.int64, torch.uint8, torch.bool]
+
+
+def test_dtypes_round_trip_bit_exact(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for dt in ALL_DTYPES:
+        raw = torch.randint(0, 255, (5, 7), generator=g, dtype=torch.uint8)
+        if dt.is_floating_point:
+            t = torch.randn(5, 7, generator=g, dtype=torch.float64).to(dt)
+            t[0, 0] = float("nan")
+            t[0, 1] = float("-inf")
+        elif dt == torch.bool:
+            t = raw > 100
+        else:
+            t = raw.to(dt) - (0 if dt == torch.uint8 else 100)
+        sd[str(dt)] = ldc.ShardedTensor.from_rank_offsets(str(dt), t)
+    ldc.save(sd, tmp_path / "ck")
+    plain = ldc.load_plain_tensors(tmp_path / "ck")
+    for dt in ALL_DTYPES:
+        want = sd[str(dt)].data
+        got = plain[str(dt)]
+        assert got.dtype == dt
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dt  # bit-exact, NaN payload included
+    meta = ldc.load_tensors_metadata(tmp_path / "ck")
+    assert meta["torch.bfloat16"].dtype == torch.bfloat16 and meta["torch.bfloat16"].global_shape == (5, 7)
+    stored = json.loads((tmp_path / "ck" / METADATA_FILE).read_text())
+    assert stored["tensors"]["torch.bfloat16"]["dtype"] == "bfloat16"  # stored natively, not as float32
+
+
+def test_objects_nonpersistent_and_common(tmp_path):
+    cfg = OmegaConf.create({"lr": 0.1, "layers": [1, 2], "name": "gpt"})
+    sd = {
+        "model": {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.ones(3))},
+        "rng": ldc.ShardedObject("rng", {"seed": 7, "state": torch.arange(3)}, (1,), (0,)),
+        "local": ldc.LocalNonpersistentObject("not saved"),
+        "hparams": cfg,
+        "step": 12,
+        "schedulers": [{"last_epoch": 3}],
+    }
+    ldc.save(sd, tmp_path / "ck")
+    common = ldc.load_common_state_dict(tmp_path / "ck")
+    assert common["step"] == 12 and "local" not in common and "model" not in common
+    template = {
+        "model": {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(3))},
+        "rng": ldc.ShardedObject("rng", None, (1,), (0,)),
+        "local": ldc.LocalNonpersistentObject("mine"),
+        "step": -1,
+    }
+    out = ldc.load(template, tmp_path / "ck")
+    assert torch.equal(out["model"]["w"], torch.ones(3))
+    assert out["rng"]["seed"] == 7 and torch.equal(out["rng"]["state"], torch.arange(3))
+    assert out["local"] == "mine"
+    assert out["step"] == 12  # common state comes from the checkpoint
+    assert OmegaConf.is_config(out["hparams"]) and out["hparams"].lr == 0.1
+    assert out["schedulers"] == [{"last_epoch": 3}]
+
+
+def _template(keys):
+    return {k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(2)) for k in keys}
+
+
+def test_strict_handling_modes(tmp_path):
+    ldc.save(_template(["a", "b"]), tmp_path / "ck")
+    ck = tmp_path / "ck"
+    # Asking for a missing key raises by default and names it.
+    with pytest.raises(ldc.MissingKeysError, match="'c'"):
+        ldc.load(_template(["a", "c"]), ck)
+    # Unexpected keys are ignored by default, raised by RAISE_UNEXPECTED / RAISE_ALL.
+    ldc.load(_template(["a"]), ck)
+    with pytest.raises(ldc.MissingKeysError, match="unexpected keys \\['b'\\]"):
+        ldc.load(_template(["a"]), ck, strict=StrictHandling.RAISE_UNEXPECTED)
+    with pytest.raises(ldc.MissingKeysError, match="missing keys \\['c'\\]"):
+        ldc.load(_template(["a", "b", "c"]), ck, strict="raise_all")
+    # RETURN_ALL skips missing keys (template kept) and reports both sets.
+    tmpl = _template(["a", "c"])
+    tmpl["c"].data.fill_(5)
+    out, missing, unexpected = ldc.load(tmpl, ck, strict=StrictHandling.RETURN_ALL)
+    assert missing == {"c"} and unexpected == {"b"}
+    assert torch.equal(out["c"], torch.full((2,), 5.0))
+    with pytest.raises(ldc.MissingKeysError):
+        ldc.load(_template(["c"]), ck, strict=StrictHandling.RETURN_UNEXPECTED)
+    out = ldc.load(_template(["a", "c"]), ck, strict=StrictHandling.IGNORE_ALL)
+    assert set(out) == {"a", "c"}
+    out = ldc.load(_template(["a", "c"]), ck, strict=StrictHandling.LOG_ALL)
+    assert set(out) == {"a", "c"}
+
+
+def test_incomplete_and_foreign_directories(tmp_path):
+    with pytest.raises(ldc.IncompleteCheckpointError, match="no such directory"):
+        ldc.load(_template(["a"]), tmp_path / "nope")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(ldc.IncompleteCheckpointError, match="not a lightning_distckpt checkpoint"):
+        ldc.load(_template(["a"]), tmp_path / "foreign")
+    # Saving over a directory that is not a checkpoint refuses and keeps its content.
+    with pytest.raises(ldc.CheckpointingError, match="refusing to replace"):
+        ldc.save(_template(["a"]), tmp_path / "foreign")
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
+    # A checkpoint without its commit marker is incomplete.
+    ldc.save(_template(["a"]), tmp_path / "ck")
+    os.remove(tmp_path / "ck" / COMMIT_MARKER)
+    with pytest.raises(ldc.IncompleteCheckpointError, match="incomplete checkpoint"):
+        ldc.load(_template(["a"]), tmp_path / "ck")
+
+
+def test_unknown_format_version_is_refused(tmp_path):
+    ldc.save(_template(["a"]), tmp_path / "ck")
+    meta_path = tmp_path / "ck" / METADATA_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["format_version"] = 99
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ldc.FormatError, match="format version 99"):
+        ldc.load(_template(["a"]), tmp_path / "ck")
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_malicious_pickle_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ldc.save(_template(["a"]), tmp_path / "ck")
+    with open(tmp_path / "ck" / "common.pt", "wb") as f:
+        pickle.dump({"x": Evil()}, f)
+    with pytest.raises(ldc.CheckpointingError, match="refused to deserialize"):
+        ldc.load(_template(["a"]), tmp_path / "ck")
+    with pytest.raises(ldc.CheckpointingError, match="refused to deserialize"):
+        ldc.load_common_state_dict(tmp_path / "ck")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_keys_cannot_escape_the_checkpoint(tmp_path):
+    keys = ["../../escape", "/abs/path", "a/b\\c:d*?", "..", "x" * 400, "ünï cødé"]
+    good = [k for k in keys if k != ".."]
+    sd = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.full((2,), float(i))) for i, k in enumerate(good)}
+    ldc.save(sd, tmp_path / "ck")
+    for root, _, files in os.walk(tmp_path):
+        assert str(root).startswith(str(tmp_path / "ck")) or root == str(tmp_path)
+        for f in files:
+            assert len(f) < 256
+    plain = ldc.load_plain_tensors(tmp_path / "ck")
+    assert sorted(plain) == sorted(good)
+    with pytest.raises(ldc.CheckpointingError, match="key '..' is not allowed"):
+        ldc.save({"k": ldc.ShardedTensor.from_rank_offsets("..", torch.zeros(1))}, tmp_path / "ck2")
+
+
+def test_overwrite_keeps_old_until_new_commits(tmp_path):
+    ck = tmp_path / "ck"
+    ldc.save({"a": ldc.ShardedTensor.from_rank_offsets("a", torch.ones(2))}, ck)
+    # A save that fails validation writes nothing and leaves the old checkpoint loadable.
+    bad = {"a": ldc.ShardedTensor.from_offsets("a", torch.zeros(2), (4,), (0,))}  # gap: half the tensor missing
+    with pytest.raises(ldc.ValidationError, match="cover 2 of 4"):
+        ldc.save(bad, ck)
+    assert torch.equal(ldc.load(_template(["a"]), ck)["a"], torch.ones(2))
+    # A successful save replaces it; no staging directories are left behind.
+    ldc.save({"a": ldc.ShardedTensor.from_rank_offsets("a", torch.full((2,), 3.0))}, ck)
+    assert torch.equal(ldc.load(_template(["a"]), ck)["a"], torch.full((2,), 3.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+def _inconsistent_save(rank, world, path):
+    # Rank 1 claims a different global shape: every rank must get the same error, nobody hangs.
+    shape = (4, 2) if rank == 0 else (4, 3)
+    t = torch.zeros(2, shape[1])
+    sd = {"w": ldc.ShardedTensor.from_offsets("w", t, shape, (2 * rank, 0))}
+    try:
+        ldc.save(sd, path)
+    except ldc.ValidationError as e:
+        return str(e)
+    return None
+
+
+def test_validation_fails_on_every_rank(tmp_path):
+    msgs = run_distributed(_inconsistent_save, 2, str(tmp_path / "ck"))
+    assert msgs[0] is not None and msgs[0] == msgs[1]
+    assert "disagree on global shape" in msgs[0] and "ranks [0]" in msgs[0] and "ranks [1]" in msgs[0]
+    assert not (tmp_path / "ck").exists()
+
+
+def _failing_rank_save(rank, world, path):
+    sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.full((4,), float(rank)), (0, rank, world))}
+    ldc.save(sd, path)  # the good checkpoint
+    # Second save: rank 1's data cannot be written (a meta tensor has no bytes), ranks 0 writes fine.
+    data = torch.full((4,), 9.0) if rank == 0 else torch.empty(4, device="meta")
+    sd2 = {"w": ldc.ShardedTensor.from_rank_offsets("w", data, (0, rank, world))}
+    try:
+        ldc.save(sd2, path)
+    except ldc.SaveFailedError as e:
+        err = str(e)
+    else:
+        err = None
+    out = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, world))}, path)
+    return err, out["w"].tolist()
+
+
+def test_write_failure_on_one_rank_fails_all_and_keeps_old(tmp_path):
+    results = run_distributed(_failing_rank_save, 2, str(tmp_path / "ck"))
+    for rank, (err, values) in enumerate(results):
+        assert err is not None and "rank 1" in err and "nothing was committed" in err
+        assert values == [float(rank)] * 4  # the previous checkpoint is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # staging removed
