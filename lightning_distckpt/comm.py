@@ -9,6 +9,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from .core.errors import CheckpointingError
+
 
 @dataclass(frozen=True)
 class Comm:
@@ -27,11 +29,20 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group or dist.group.WORLD, group_rank)
 
+    def _failed(self, op: str, e: Exception) -> CheckpointingError:
+        return CheckpointingError(
+            f"rank {self.rank}: {op} over {self.size} ranks failed (a rank may have died or timed out): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        )
+
     def all_gather_object(self, obj: Any) -> List[Any]:
         if not self.distributed:
             return [obj]
         out: List[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except (RuntimeError, ValueError) as e:  # DistBackendError derives from RuntimeError
+            raise self._failed("all_gather_object", e) from e
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -39,15 +50,20 @@ class Comm:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
+        try:
+            dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
+        except (RuntimeError, ValueError) as e:
+            raise self._failed("broadcast_object", e) from e
         return box[0]
 
     def barrier(self) -> None:
         if self.distributed:
-            # all_reduce rather than dist.barrier: gloo's barrier ignores device placement issues,
-            # and an all_reduce doubles as a liveness check with the group's timeout.
-            t = torch.zeros(1)
-            dist.all_reduce(t, group=self.group)
+            # An all_reduce rather than dist.barrier: it works the same on every backend and fails
+            # with the group's timeout when a rank is gone.
+            try:
+                dist.all_reduce(torch.zeros(1), group=self.group)
+            except (RuntimeError, ValueError) as e:
+                raise self._failed("barrier", e) from e
 
 
 def get_comm(process_group: Optional[dist.ProcessGroup] = None) -> Comm:
