@@ -2,7 +2,7 @@
 
 import torch
 
-from lightning_distckpt import ShardedObject, ShardedTensor
+from lightning_distckpt import ShardedTensor
 from lightning_distckpt.planning.load_plan import plan_tensor_read
 from lightning_distckpt.planning.metadata import CheckpointIndex, ObjectRecord, ShardRecord
 from lightning_distckpt.planning.save_plan import make_save_plan

@@ -12,7 +12,7 @@ A *sharded state dict* is a nested dict/list whose leaves are either:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from ..core.errors import CheckpointingError, ShardingError
 from ..core.mapping import ShardedTensor
-from .metadata import StoredShard, TensorEntry
+from .metadata import TensorEntry
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import collections
 import io
 import os
 import typing
-from typing import Any, Iterable, List, Sequence
+from typing import Any, List, Sequence
 
 import torch
 
