@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Sequence, Tuple
 
 from ..core.errors import CheckpointingError, ShardingError
 from ..core.mapping import ShardedTensor
 from .metadata import TensorEntry
+
+if TYPE_CHECKING:
+    from .flat_plan import FlatReadPlan
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,12 @@ def _rel(off: Sequence[int], shape: Sequence[int], origin: Sequence[int]) -> Tup
     return tuple(slice(o - g, o - g + s) for o, s, g in zip(off, shape, origin))
 
 
-def plan_tensor_read(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: str) -> TensorReadPlan:
+def plan_tensor_read(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: str) -> "TensorReadPlan | FlatReadPlan":
     """Plan reading ``request``'s shard from the stored shards of ``entry``.
 
     With ``allow_shape_mismatch`` the saved global shape may differ: the requested box is clipped
     to the saved tensor and the rest zero-filled (a larger target is padded, a smaller one truncated).
+    When the request or a stored shard is flattened, returns :func:`plan_flat_read`'s plan.
     """
     key = request.key
     saved_shape = tuple(entry.global_shape)
@@ -71,9 +75,9 @@ def plan_tensor_read(request: ShardedTensor, entry: TensorEntry, checkpoint_dir:
             f"{request.global_shape} was asked for (set allow_shape_mismatch=True to pad/truncate)"
         )
     if request.flattened_range is not None or any(s.flat for s in entry.shards):
-        raise ShardingError(
-            f"checkpoint {checkpoint_dir}: {key!r}: flattened shards are read by plan_flat_read, not plan_tensor_read"
-        )
+        from .flat_plan import plan_flat_read  # flat_plan builds on this module's box helpers
+
+        return plan_flat_read(request, entry, checkpoint_dir)
     off, shape = request.global_offset, request.shard_shape
     items: List[ReadItem] = []
     covered = 0

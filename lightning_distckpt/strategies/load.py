@@ -17,7 +17,8 @@ from ..core.errors import CheckpointingError
 from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from ..core.state_dict import apply_factories, collect, merge, merge_factories, replace_leaves, split_common
 from ..core.strict import StrictHandling, check_keys
-from ..planning.load_plan import TensorReadPlan, plan_tensor_read
+from ..planning.flat_plan import BoxRead, FlatReadPlan, StridedView
+from ..planning.load_plan import plan_tensor_read
 from ..planning.metadata import CheckpointIndex
 from ..storage.layout import COMMON_FILE, read_metadata
 from ..storage.safe_pickle import loads, read_file
@@ -86,9 +87,9 @@ def destination(st: ShardedTensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(tensor to return, CPU view in global-axes shape to read into). Reads land directly in the
     template's ``data`` when it is a contiguous CPU tensor; otherwise in a fresh CPU buffer."""
     shape = st.shard_shape if st.flattened_range is None else (st.flattened_range.stop - st.flattened_range.start,)
-    data = st.data
+    data = st.data.detach() if st.data is not None else None  # parameters (keep_vars) are written in place
     if data is not None and data.device.type == "cpu" and data.is_contiguous():
-        return data, data.view(shape)
+        return st.data, data.view(shape)
     buf = torch.empty(shape, dtype=st.dtype)
     return buf, buf
 
@@ -98,27 +99,57 @@ def read_tensors(ckpt: OpenedCheckpoint, tensors: Sequence[ShardedTensor], skip:
     io = TensorStoreIO(ckpt.path, ckpt.options)
     out: Dict[int, torch.Tensor] = {}
     reads = []
+    copies: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (span buffer view, destination view), after reads
     for st in tensors:
         if st.key in skip:
             continue
-        plan: TensorReadPlan = plan_tensor_read(st, ckpt.index.tensors[st.key], ckpt.path)
+        plan = plan_tensor_read(st, ckpt.index.tensors[st.key], ckpt.path)
         result, view = destination(st)
         if plan.zero_fill:
             view.zero_()
-        for item in plan.items:
-            reads.append((st.key, item.writer, item.index, item.src, view[item.dst]))
+        if isinstance(plan, FlatReadPlan):
+            _flat_reads(st.key, plan, view.reshape(-1), reads, copies)
+        else:
+            for item in plan.items:
+                reads.append((st.key, item.writer, item.index, item.src, view[item.dst]))
         out[id(st)] = result
     nbytes = io.read_into(reads)
+    for src, dst in copies:
+        dst.copy_(src)
     for st in tensors:
         res = out.get(id(st))
         if res is None:
             continue
         if st.data is not None and res is not st.data:
-            st.data.copy_(res.view(st.data.shape))  # e.g. a GPU parameter: one host-to-device copy
+            st.data.detach().copy_(res.view(st.data.shape))  # e.g. a GPU parameter: one host-to-device copy
             out[id(st)] = st.data
         elif st.data is None:
             out[id(st)] = res.view(st.local_shape) if st.flattened_range is None else res
     return out, nbytes
+
+
+def _strided(buf: torch.Tensor, v: StridedView) -> torch.Tensor:
+    return buf.as_strided(v.shape, v.strides, buf.storage_offset() + v.offset)
+
+
+def _flat_reads(key: str, plan: FlatReadPlan, dest: torch.Tensor, reads: List[Any],
+                copies: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Turn a flat plan into reads (into ``dest``, the request in row-major order, or into span
+    buffers) and the strided copies from span buffers into ``dest`` done after the reads."""
+    for item in plan.items:
+        if isinstance(item, BoxRead):
+            reads.append((key, item.writer, item.index, item.src, _strided(dest, item.dst)))
+        elif item.direct:
+            dst = item.copies[0][1]
+            start = int(item.starts[0])
+            reads.append((key, item.writer, item.index, (slice(start, start + item.length),),
+                          dest[dst.offset:dst.offset + item.length]))
+        else:
+            buf = torch.empty(item.read_numel, dtype=dest.dtype)
+            for j, start in enumerate(item.starts.tolist()):
+                reads.append((key, item.writer, item.index, (slice(start, start + item.length),),
+                              buf[j * item.length:(j + 1) * item.length]))
+            copies.extend((_strided(buf, src), _strided(dest, dst)) for src, dst in item.copies)
 
 
 def read_objects(ckpt: OpenedCheckpoint, objects: Sequence[ShardedObject], skip: Set[str],
