@@ -13,7 +13,8 @@ from .core.mapping import ShardedTensor
 from .core.strict import StrictHandling
 from .planning.metadata import dtype_from_name
 from .storage.tensorstore_io import StorageOptions
-from .strategies.load import OpenedCheckpoint, load_every_rank_reads, read_tensors
+from .strategies.load import OpenedCheckpoint, read_tensors
+from .strategies.loaders import Loader, resolve_loader
 from .strategies.save import finalize_save, prepare_save, write_local
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -72,6 +73,7 @@ def load(
     process_group: Optional[dist.ProcessGroup] = None,
     strict: Union[StrictHandling, str] = StrictHandling.ASSUME_OK_UNEXPECTED,
     extra_safe_globals: Sequence[Any] = (),
+    loader: Union[str, Loader, None] = None,
 ) -> Union[Dict[str, Any], Tuple[Dict[str, Any], set, set]]:
     """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -82,10 +84,12 @@ def load(
 
     With ``strict`` = RETURN_UNEXPECTED / RETURN_ALL returns ``(state_dict, missing, unexpected)``.
     ``extra_safe_globals`` lists further trusted types that common state / objects may contain.
+    ``loader`` picks how chunks are read: ``"every_rank"``, ``"parallel"``, ``"two_stage"`` or a
+    loader object such as ``TwoStageDataParallelLoader(dp_group)`` (see docs/loaders.md).
     """
     strict = StrictHandling.parse(strict)
     comm = get_comm(process_group)
-    state, missing, unexpected = load_every_rank_reads(
+    state, missing, unexpected = resolve_loader(loader).load(
         sharded_state_dict, os.fspath(checkpoint_dir), comm, strict, extra_safe_globals
     )
     if strict.returns_keys:

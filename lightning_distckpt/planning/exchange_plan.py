@@ -1,0 +1,172 @@
+"""Who reads which chunk from storage and who receives it: a pure, deterministic function of the
+chunk requests exchanged within a group, computed identically on every rank of the group.
+
+A *chunk* is one requested shard (key, offset, shape, flattened range, dtype). Ranks that ask
+for the same chunk (data-parallel replicas) share one storage read: one of them - the *reader*,
+chosen to balance read bytes over the ranks needing chunks, never simply the lowest rank -
+reads it and the others receive it over the group. Small chunks with the same reader and the
+same receivers travel together in one bucket. The ops are ordered so that consecutive ops come
+from different readers, spreading storage reads over the group from the first op on.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.mapping import ShardedTensor
+from .metadata import dtype_name
+
+# (key, global offset, shard shape in global axes, flattened range or None, dtype name)
+ChunkId = Tuple[str, Tuple[int, ...], Tuple[int, ...], Optional[Tuple[int, int]], str]
+
+LOCAL, BROADCAST, P2P = "local", "broadcast", "p2p"
+
+
+def chunk_id(st: ShardedTensor) -> ChunkId:
+    """The identity of the data a ShardedTensor asks for; replicas share it."""
+    fr = st.flattened_range
+    return (st.key, tuple(st.global_offset), tuple(st.shard_shape), (fr.start, fr.stop) if fr else None,
+            dtype_name(st.dtype, st.key))
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """One rank's request for a chunk, as exchanged (plain data)."""
+
+    chunk: ChunkId
+    nbytes: int
+
+    @classmethod
+    def of(cls, st: ShardedTensor) -> "ChunkRequest":
+        return cls(chunk_id(st), st.local_nbytes())
+
+
+@dataclass(frozen=True)
+class ExchangeOp:
+    """Chunks read by ``src`` and delivered to every rank in ``needers`` (group ranks, src included).
+
+    ``transport``: ``local`` (only src needs them: no communication), ``broadcast`` (every rank
+    of the group needs them) or ``p2p`` (a subset: src sends to each other needer).
+    """
+
+    src: int
+    chunks: Tuple[ChunkId, ...]
+    sizes: Tuple[int, ...]  # bytes of each chunk
+    needers: Tuple[int, ...]
+    transport: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def receivers(self) -> Tuple[int, ...]:
+        return tuple(r for r in self.needers if r != self.src)
+
+    def involves(self, rank: int) -> bool:
+        return rank in self.needers
+
+
+@dataclass
+class ExchangePlan:
+    """The ops in the order every rank posts them, and the bytes each rank reads from storage."""
+
+    ops: List[ExchangeOp] = field(default_factory=list)
+    read_bytes: Dict[int, int] = field(default_factory=dict)
+    requested_bytes: int = 0  # sum over ranks of what they asked for (every-rank-reads would read this)
+
+    @property
+    def unique_bytes(self) -> int:
+        return sum(self.read_bytes.values())
+
+    def ops_for(self, rank: int) -> List[ExchangeOp]:
+        return [op for op in self.ops if op.involves(rank)]
+
+
+def _sort_key(c: ChunkId) -> tuple:
+    key, offset, shape, flat, dtype = c
+    return (key, offset, shape, flat or (-1, -1), dtype)
+
+
+def _spread_start(c: ChunkId, size: int) -> int:
+    """A stable pseudo-random rank to start tie-breaking from (crc32, not hash(): that differs per process)."""
+    return zlib.crc32(repr(c).encode()) % max(1, size)
+
+
+def plan_exchange(requests: Sequence[Sequence[ChunkRequest]], *, bucket_bytes: int = 4 << 20) -> ExchangePlan:
+    """Plan reads and deliveries for a group whose rank ``r`` asked for ``requests[r]``.
+
+    Readers are chosen greedily, largest chunk first, as the needer with the fewest bytes read so
+    far; ties go to the needer first reached from a per-chunk pseudo-random rank, so equal loads
+    do not pile onto rank 0. Chunks smaller than ``bucket_bytes`` are bucketed (same reader and
+    needers, at most ``bucket_bytes`` per bucket).
+    """
+    size = len(requests)
+    needers: Dict[ChunkId, set] = defaultdict(set)
+    nbytes: Dict[ChunkId, int] = {}
+    requested = 0
+    for rank, reqs in enumerate(requests):
+        for r in reqs:
+            needers[r.chunk].add(rank)
+            nbytes[r.chunk] = r.nbytes
+            requested += r.nbytes
+
+    load = [0] * size
+    reader: Dict[ChunkId, int] = {}
+    for c in sorted(needers, key=lambda c: (-nbytes[c], _sort_key(c))):
+        start = _spread_start(c, size)
+        reader[c] = min(needers[c], key=lambda rk: (load[rk], (rk - start) % size))
+        load[reader[c]] += nbytes[c]
+
+    # Group into ops: big chunks alone, small ones bucketed by (reader, needers).
+    per_src: Dict[int, List[ExchangeOp]] = defaultdict(list)
+    buckets: Dict[Tuple[int, Tuple[int, ...]], List[ChunkId]] = defaultdict(list)
+    for c in sorted(needers, key=_sort_key):
+        who = tuple(sorted(needers[c]))
+        if nbytes[c] >= bucket_bytes:
+            per_src[reader[c]].append(_op(reader[c], [c], nbytes, who, size))
+        else:
+            buckets[(reader[c], who)].append(c)
+    for (src, who), chunks in sorted(buckets.items()):
+        current: List[ChunkId] = []
+        for c in chunks:
+            if current and sum(nbytes[x] for x in current) + nbytes[c] > bucket_bytes:
+                per_src[src].append(_op(src, current, nbytes, who, size))
+                current = []
+            current.append(c)
+        if current:
+            per_src[src].append(_op(src, current, nbytes, who, size))
+
+    # Interleave the readers: next op from the reader with the fewest bytes scheduled so far,
+    # so every reader starts at once and they progress at the same pace.
+    plan = ExchangePlan(read_bytes={rk: load[rk] for rk in range(size)}, requested_bytes=requested)
+    queues = {src: list(ops) for src, ops in per_src.items()}
+    scheduled = {src: 0 for src in queues}
+    while queues:
+        src = min(queues, key=lambda s: (scheduled[s], s))
+        op = queues[src].pop(0)
+        plan.ops.append(op)
+        scheduled[src] += op.nbytes
+        if not queues[src]:
+            del queues[src]
+    return plan
+
+
+def _op(src: int, chunks: List[ChunkId], nbytes: Dict[ChunkId, int], who: Tuple[int, ...], size: int) -> ExchangeOp:
+    transport = LOCAL if len(who) == 1 else BROADCAST if len(who) == size else P2P
+    return ExchangeOp(src, tuple(chunks), tuple(nbytes[c] for c in chunks), who, transport)
+
+
+def chunk_numel(c: ChunkId) -> int:
+    _, _, shape, flat, _ = c
+    return (flat[1] - flat[0]) if flat else math.prod(shape)
+
+
+def element_size_of(c: ChunkId) -> int:
+    return torch.empty((), dtype=getattr(torch, c[4])).element_size()
