@@ -14,8 +14,10 @@ from .core.errors import (
     ValidationError,
 )
 from .core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
+from .core.factories import fused_split_factory, transposed_factory
 from .core.strict import StrictHandling
 from .serialization import load, load_common_state_dict, load_plain_tensors, load_tensors_metadata, save
+from .optim import init_optimizer_state, optimizer_sharded_state_dict, restore_optimizer_state
 from .storage.tensorstore_io import StorageOptions
 from .version import __version__
 
@@ -34,6 +36,11 @@ __all__ = [
     "StrictHandling",
     "ValidationError",
     "__version__",
+    "fused_split_factory",
+    "init_optimizer_state",
+    "optimizer_sharded_state_dict",
+    "restore_optimizer_state",
+    "transposed_factory",
     "load",
     "load_common_state_dict",
     "load_plain_tensors",

@@ -1,0 +1,228 @@
+"""A ``torch.optim`` optimizer's state as a sharded state dict, derived from the model's.
+
+Per-parameter state tensors of the parameter's shape (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's
+``momentum_buffer``, ...) are sharded exactly like their parameter: same global shape, offset,
+replica id, factory. Everything else the optimizer keeps (scalar state such as Adam's 0-d
+``step``, and ``param_groups``) is common state. Parameters are named by their model key, not
+by their position in the optimizer, so a checkpoint loads under any split of the model.
+
+Layout of the returned dict (``prefix="optimizer"``)::
+
+    {"state": {param_key: {"exp_avg": ShardedTensor("optimizer.state.exp_avg.<param_key>"),
+                           "step": tensor(3.)}},            # scalar: common state
+     "param_groups": [{"lr": ..., "params": [param_key, ...]}],
+     "param_keys": LocalNonpersistentObject([...])}       # this rank's parameter order
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from ..core.errors import CheckpointingError
+from ..core.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
+from ..core.state_dict import iter_leaves
+
+ParamEntry = Union[ShardedTensor, ShardedTensorFactory]
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the lazily initialised state of every parameter that has none, without changing
+    any parameter.
+
+    Runs one ``optimizer.step()`` with zero gradients on those parameters only (the others get
+    no gradient for it, so optimizers skip them), puts the parameters and gradients back, and
+    zeroes the new state. For optimizers whose fresh state is all zeros (Adam, AdamW, SGD with
+    momentum and ``dampening=0``, RMSprop, Adamax, RAdam, Adadelta, ...) this is exactly the
+    state their first step would create; for others it is a placeholder that ``load``
+    overwrites. Optimizers that need a closure get one returning a zero loss.
+    """
+    params = _params(optimizer)
+    fresh = [p for p in params if not optimizer.state.get(p)]
+    if not fresh:
+        return
+    fresh_ids = {id(p) for p in fresh}
+    grads = [p.grad for p in params]
+    kept = [p.detach().clone() for p in fresh]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p) if id(p) in fresh_ids else None
+        try:
+            optimizer.step(lambda: torch.zeros(()))
+        except Exception as e:
+            raise CheckpointingError(
+                f"cannot initialise the state of {type(optimizer).__name__} (one step on zero gradients failed: "
+                f"{type(e).__name__}: {e}); take one real step before building its sharded state dict"
+            ) from e
+    finally:
+        with torch.no_grad():
+            for p, saved in zip(fresh, kept):
+                p.copy_(saved)
+        for p, g in zip(params, grads):
+            p.grad = g
+    with torch.no_grad():
+        for p in fresh:
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+
+
+def _param_entries(model_sharded_state_dict: Any) -> Dict[int, ParamEntry]:
+    """id(parameter) -> the first ShardedTensor / factory whose ``data`` is that parameter."""
+    out: Dict[int, ParamEntry] = {}
+    for _, leaf in iter_leaves(model_sharded_state_dict):
+        if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) and leaf.data is not None:
+            out.setdefault(id(leaf.data), leaf)
+    return out
+
+
+def _state_entry(optimizer: torch.optim.Optimizer, name: str, value: Any, param: torch.Tensor,
+                 entry: ParamEntry, prefix: str) -> Any:
+    """A ShardedTensor / factory for per-parameter state, the value itself for scalar state."""
+    cls = type(optimizer).__name__
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and param.dim() != 0:
+            return value  # scalar state (Adam's step): common
+        if tuple(value.shape) == tuple(param.shape):
+            key = f"{prefix}.state.{name}.{entry.key}"
+            if isinstance(entry, ShardedTensorFactory):
+                return replace(entry, key=key, data=value)
+            return replace(entry, key=key, data=value, dtype=value.dtype)
+        raise CheckpointingError(
+            f"cannot map state {name!r} of optimizer {cls} for parameter {entry.key!r}: it is a tensor of shape "
+            f"{tuple(value.shape)} but the parameter has shape {tuple(param.shape)}; only state of the parameter's "
+            f"shape (sharded like the parameter) and scalar state (common) can be checkpointed"
+        )
+    if isinstance(value, _PLAIN):
+        return value
+    raise CheckpointingError(
+        f"cannot map state {name!r} of optimizer {cls} for parameter {entry.key!r}: values of type "
+        f"{type(value).__name__} are neither a tensor of the parameter's shape nor a scalar"
+    )
+
+
+def optimizer_sharded_state_dict(
+    optimizer: torch.optim.Optimizer,
+    model_sharded_state_dict: Dict[str, Any],
+    *,
+    prefix: str = "optimizer",
+    init_state: bool = True,
+) -> Dict[str, Any]:
+    """The optimizer's sharded state dict, sharded like the model.
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer over (some of) the model's parameters.
+        model_sharded_state_dict: the model's sharded state dict whose ShardedTensors (or
+            ShardedTensorFactories) have the parameters themselves as ``data`` (build it from
+            ``module.state_dict(keep_vars=True)``); parameters are matched by identity.
+        prefix: first component of the state keys: ``<prefix>.state.<state name>.<param key>``.
+        init_state: first create missing state (see :func:`init_optimizer_state`) so that a
+            template for ``load`` exists before the first step.
+
+    Each per-parameter state tensor of the parameter's shape becomes a ShardedTensor with the
+    parameter's sharding and replica id (or the parameter's factory, applied to the state);
+    scalar state and ``param_groups`` are common state.
+
+    Raises:
+        CheckpointingError: a parameter is not in the model's sharded state dict, or a state
+            cannot be mapped (naming the optimizer class and the state).
+    """
+    if init_state:
+        init_optimizer_state(optimizer)
+    entries = _param_entries(model_sharded_state_dict)
+    cls = type(optimizer).__name__
+    state: Dict[str, Dict[str, Any]] = {}
+    groups: List[Dict[str, Any]] = []
+    param_keys: List[str] = []
+    seen: Dict[str, int] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        keys = []
+        for p in group["params"]:
+            entry = entries.get(id(p))
+            i = len(param_keys)
+            if entry is None:
+                raise CheckpointingError(
+                    f"optimizer {cls}: parameter #{i} (param group {g}, shape {tuple(p.shape)}, dtype {p.dtype}) is not "
+                    f"the data of any ShardedTensor or ShardedTensorFactory of the model's sharded state dict "
+                    f"(build it from module.state_dict(keep_vars=True) so the parameters themselves are its data)"
+                )
+            if entry.key in seen:
+                raise CheckpointingError(
+                    f"optimizer {cls}: parameters #{seen[entry.key]} and #{i} both map to model key {entry.key!r}"
+                )
+            seen[entry.key] = i
+            keys.append(entry.key)
+            param_keys.append(entry.key)
+            pstate = optimizer.state.get(p)
+            if pstate:
+                state[entry.key] = {name: _state_entry(optimizer, name, v, p, entry, prefix) for name, v in pstate.items()}
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": keys})
+    return {"state": state, "param_groups": groups, "param_keys": LocalNonpersistentObject(param_keys)}
+
+
+def restore_optimizer_state(optimizer: torch.optim.Optimizer, loaded_optimizer_state: Dict[str, Any]) -> None:
+    """Put what ``load`` returned for an :func:`optimizer_sharded_state_dict` template back into
+    ``optimizer`` (via ``optimizer.load_state_dict``).
+
+    Hyperparameters come from the checkpoint's ``param_groups``; per-parameter state is matched
+    to this optimizer's parameters by model key.
+
+    Raises:
+        CheckpointingError: the number of param groups differs, a parameter sits in another
+            group than in the checkpoint, or a state this optimizer keeps is missing.
+    """
+    cls = type(optimizer).__name__
+    try:
+        keys = loaded_optimizer_state["param_keys"]
+        saved_groups = loaded_optimizer_state["param_groups"]
+        saved_state = loaded_optimizer_state.get("state", {})
+    except (KeyError, TypeError) as e:
+        raise CheckpointingError(
+            f"optimizer {cls}: restore_optimizer_state needs what load() returned for an "
+            f"optimizer_sharded_state_dict template (missing {e})"
+        ) from None
+    if isinstance(keys, LocalNonpersistentObject):
+        keys = keys.unwrap()
+    params = _params(optimizer)
+    if len(keys) != len(params):
+        raise CheckpointingError(
+            f"optimizer {cls}: the loaded template names {len(keys)} parameters but the optimizer has {len(params)}"
+        )
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointingError(
+            f"optimizer {cls}: the checkpoint has {len(saved_groups)} param groups, the optimizer "
+            f"{len(optimizer.param_groups)}"
+        )
+    saved_group_of = {k: g for g, sg in enumerate(saved_groups) for k in sg.get("params", [])}
+    torch_state: Dict[int, Dict[str, Any]] = {}
+    torch_groups: List[Dict[str, Any]] = []
+    i = 0
+    for g, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        ids = []
+        for p in group["params"]:
+            key = keys[i]
+            if saved_group_of.get(key, g) != g:
+                raise CheckpointingError(
+                    f"optimizer {cls}: parameter {key!r} is in param group {g} but in group {saved_group_of[key]} "
+                    f"in the checkpoint"
+                )
+            loaded = saved_state.get(key)
+            current = optimizer.state.get(p) or {}
+            lacking = sorted(set(current) - set(loaded or {}))
+            if lacking:
+                raise CheckpointingError(
+                    f"optimizer {cls}: state {lacking} of parameter {key!r} is not in the checkpoint"
+                )
+            if loaded:
+                torch_state[i] = dict(loaded)
+            ids.append(i)
+            i += 1
+        torch_groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")}, "params": ids})
+    optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
