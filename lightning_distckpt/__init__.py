@@ -19,9 +19,18 @@ from .core.strict import StrictHandling
 from .serialization import load, load_common_state_dict, load_plain_tensors, load_tensors_metadata, save
 from .optim import init_optimizer_state, optimizer_sharded_state_dict, restore_optimizer_state
 from .storage.tensorstore_io import StorageOptions
+from .strategies.async_save import AsyncSaver, AsyncSaveRequest
+from .strategies.loaders import EveryRankLoader
+from .strategies.parallel_load import FullyParallelLoader
+from .strategies.two_stage import TwoStageDataParallelLoader
 from .version import __version__
 
 __all__ = [
+    "AsyncSaveRequest",
+    "AsyncSaver",
+    "EveryRankLoader",
+    "FullyParallelLoader",
+    "TwoStageDataParallelLoader",
     "CheckpointingError",
     "FormatError",
     "IncompleteCheckpointError",

@@ -15,6 +15,7 @@ from .planning.metadata import dtype_from_name
 from .storage.tensorstore_io import StorageOptions
 from .strategies.load import OpenedCheckpoint, read_tensors
 from .strategies.loaders import Loader, resolve_loader
+from .strategies.async_save import AsyncSaver, AsyncSaveRequest
 from .strategies.save import finalize_save, prepare_save, write_local
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -28,7 +29,8 @@ def save(
     validate_access_integrity: bool = True,
     balance_writes: bool = True,
     storage: Optional[StorageOptions] = None,
-) -> None:
+    async_save: Union[bool, AsyncSaver] = False,
+) -> Optional[AsyncSaveRequest]:
     """Save a sharded state dict to ``checkpoint_dir`` (collective over ``process_group``).
 
     Every rank passes its own sharded state dict. Each unique shard is written once: by one of the
@@ -46,10 +48,19 @@ def save(
             exactly once and that all ranks agree on shapes and dtypes.
         balance_writes: spread replicated shards' writes over their holders.
         storage: array layout options (see :class:`StorageOptions`).
+        async_save: ``True`` or an :class:`AsyncSaver` (which reuses its staging buffers and
+            finalizes its previous save first): return an :class:`AsyncSaveRequest` once the state
+            is snapshotted in host memory; the writes go on in the background and the checkpoint
+            is committed by the request's ``finalize()``, called on every rank.
 
     Raises:
         ValidationError, SaveFailedError, CheckpointingError: on every rank alike.
     """
+    if async_save:
+        saver = async_save if isinstance(async_save, AsyncSaver) else AsyncSaver()
+        return saver.save(sharded_state_dict, checkpoint_dir, process_group=process_group,
+                          validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
+                          storage=storage)
     comm = get_comm(process_group)
     prep = prepare_save(
         sharded_state_dict,
@@ -64,6 +75,7 @@ def save(
     except Exception as e:  # reported collectively in finalize_save so no rank hangs
         local = e
     finalize_save(prep, local)
+    return None
 
 
 def load(

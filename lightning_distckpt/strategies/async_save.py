@@ -1,0 +1,190 @@
+"""Asynchronous save: the caller is blocked only while the state is planned (a metadata exchange)
+and snapshotted into host staging buffers; the writes run in a background thread; ``finalize``
+(on the caller's thread, collective) waits for them, agrees on success over all ranks and only
+then commits.
+
+The background thread makes no collective calls, so it never races the training's collectives
+on the same group. Staging buffers are kept by the :class:`AsyncSaver` and reused by the next
+save of the same layout instead of being reallocated (pinned memory when the state lives on an
+accelerator, so device-to-host copies are asynchronous DMA).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..comm import get_comm
+from ..storage.tensorstore_io import StorageOptions
+from .save import PreparedSave, finalize_save, prepare_save, write_local
+
+logger = logging.getLogger("lightning_distckpt")
+
+BufferKey = Tuple[str, int, Tuple[int, ...], torch.dtype]
+WriteResult = Union[Tuple[int, float], BaseException]
+
+
+class AsyncSaveRequest:
+    """A save whose writes run in the background. Call :meth:`finalize` on every rank to commit.
+
+    ``done()`` says, without blocking and without communication, whether this rank's writes have
+    finished; ``finalize()`` blocks until they have, then (collectively) commits the checkpoint if
+    every rank succeeded, or raises :class:`SaveFailedError` on every rank if any failed. The
+    checkpoint does not exist at its target until ``finalize`` returns.
+    """
+
+    def __init__(self, prep: PreparedSave, blocking_s: float, staged_bytes: int,
+                 failure: Optional[BaseException] = None) -> None:
+        self.checkpoint_dir = prep.target
+        self.blocking_s = blocking_s
+        self.staged_bytes = staged_bytes
+        self._prep = prep
+        self._result: Optional[WriteResult] = failure
+        self._finalized = False
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        if failure is None:
+            self._thread = threading.Thread(target=self._write, name="distckpt-async-save", daemon=False)
+            self._thread.start()
+
+    def _write(self) -> None:
+        try:
+            self._result = write_local(self._prep)
+        except BaseException as e:  # reported on every rank by finalize
+            self._result = e
+
+    def done(self) -> bool:
+        """Whether this rank's background writes have finished (non-blocking, local)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until this rank's background writes have finished (local, no commit)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def all_done(self) -> bool:
+        """Collective: whether every rank's writes have finished (to finalize without blocking)."""
+        flags = self._prep.comm.all_gather_object(self.done())
+        return all(flags)
+
+    @property
+    def finalized(self) -> bool:
+        return self._finalized
+
+    def finalize(self) -> None:
+        """Collective: wait for the writes, then commit (or raise SaveFailedError everywhere).
+
+        Calling it again returns (or re-raises the same error) without communicating.
+        """
+        if self._finalized:
+            if self._error is not None:
+                raise self._error
+            return
+        self.wait()
+        self._finalized = True
+        result = self._result if self._result is not None else RuntimeError("background write produced no result")
+        try:
+            finalize_save(self._prep, result)
+        except BaseException as e:
+            self._error = e
+            raise
+        finally:
+            self._prep = replace(self._prep, tensors=[], objects=[], common=None)  # drop references to buffers
+        logger.info("async save %s committed (caller blocked %.3fs)", self.checkpoint_dir, self.blocking_s)
+
+
+class AsyncSaver:
+    """Saves asynchronously, reusing its host staging buffers from one save to the next.
+
+    ``save`` first finalizes the previous request if the caller has not (so at most one save is
+    in flight and its buffers are free to reuse). Keep one AsyncSaver per training run.
+
+    Args:
+        pin_memory: stage accelerator tensors in pinned host memory (default: when available).
+    """
+
+    def __init__(self, pin_memory: Optional[bool] = None) -> None:
+        self.pin_memory = pin_memory
+        self._buffers: Dict[BufferKey, torch.Tensor] = {}
+        self._pending: Optional[AsyncSaveRequest] = None
+
+    def staging_buffers(self) -> Dict[BufferKey, torch.Tensor]:
+        """The current staging buffers by (key, stored index, shape, dtype) (for inspection)."""
+        return dict(self._buffers)
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    @property
+    def pending(self) -> Optional[AsyncSaveRequest]:
+        return self._pending if self._pending is not None and not self._pending.finalized else None
+
+    def finalize(self) -> None:
+        """Finalize the pending request, if any (collective)."""
+        pending, self._pending = self.pending, None
+        if pending is not None:
+            pending.finalize()
+
+    def save(
+        self,
+        sharded_state_dict: Dict[str, Any],
+        checkpoint_dir: Union[str, "os.PathLike[str]"],
+        *,
+        process_group: Optional[dist.ProcessGroup] = None,
+        validate_access_integrity: bool = True,
+        balance_writes: bool = True,
+        storage: Optional[StorageOptions] = None,
+    ) -> AsyncSaveRequest:
+        """Start saving (collective); returns once the state is snapshotted. Same arguments as
+        :func:`lightning_distckpt.save`. Raises the previous save's error if it failed."""
+        self.finalize()
+        t0 = time.perf_counter()
+        comm = get_comm(process_group)
+        prep = prepare_save(
+            sharded_state_dict, os.fspath(checkpoint_dir), comm,
+            validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
+            options=storage or StorageOptions(),
+        )
+        failure: Optional[BaseException] = None
+        staged_bytes = 0
+        try:
+            staged, staged_bytes = self._snapshot(prep.tensors)
+            prep = replace(prep, tensors=staged)
+        except Exception as e:  # e.g. out of host memory: fail collectively at finalize, not here
+            failure = e
+        blocking = time.perf_counter() - t0
+        self._pending = AsyncSaveRequest(prep, blocking, staged_bytes, failure)
+        logger.info("async save %s started: %d bytes staged, caller blocked %.3fs", prep.target, staged_bytes, blocking)
+        return self._pending
+
+    def _snapshot(self, tensors: List[Tuple[str, int, torch.Tensor]]) -> Tuple[List[Tuple[str, int, torch.Tensor]], int]:
+        """Copy this rank's shards into the staging buffers (reused when the layout is unchanged)."""
+        staged = []
+        used: Dict[BufferKey, torch.Tensor] = {}
+        devices = set()
+        nbytes = 0
+        for key, index, data in tensors:
+            bkey: BufferKey = (key, index, tuple(data.shape), data.dtype)
+            buf = self._buffers.get(bkey)
+            if buf is None:
+                pin = data.device.type != "cpu" and (self.pin_memory if self.pin_memory is not None else True)
+                buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=pin)
+            on_device = data.device.type != "cpu"
+            buf.copy_(data, non_blocking=on_device and buf.is_pinned())
+            if on_device:
+                devices.add(data.device)
+            used[bkey] = buf
+            staged.append((key, index, buf))
+            nbytes += buf.numel() * buf.element_size()
+        for device in devices:  # the copies must have landed before the caller may change the state
+            torch.accelerator.synchronize(device)
+        self._buffers = used  # buffers of a layout no longer saved are released
+        return staged, nbytes
