@@ -99,7 +99,7 @@ def _spread_start(c: ChunkId, size: int) -> int:
     return zlib.crc32(repr(c).encode()) % max(1, size)
 
 
-def plan_exchange(requests: Sequence[Sequence[ChunkRequest]], *, bucket_bytes: int = 4 << 20) -> ExchangePlan:
+def plan_exchange(requests: Sequence[Sequence[ChunkRequest]], *, bucket_bytes: int = 256 << 10) -> ExchangePlan:
     """Plan reads and deliveries for a group whose rank ``r`` asked for ``requests[r]``.
 
     Readers are chosen greedily, largest chunk first, as the needer with the fewest bytes read so

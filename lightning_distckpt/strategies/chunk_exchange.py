@@ -12,9 +12,11 @@ in the destination tensor when that is a contiguous CPU tensor.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -27,6 +29,7 @@ from ..core.mapping import ShardedTensor
 from ..core.strict import StrictHandling
 from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ChunkRequest, ExchangeOp, ExchangePlan, chunk_id, plan_exchange
 from .load import LoadRequest, OpenedCheckpoint, assemble, make_request, match_keys, read_objects, read_tensors
+from ..storage.tensorstore_io import TensorStoreIO
 from .stats import log_throughput
 
 logger = logging.getLogger("lightning_distckpt")
@@ -113,6 +116,7 @@ class ChunkExchange:
         self.inflight = 0
         self.extra = 0
         self.results: Dict[int, torch.Tensor] = {}
+        self.io = TensorStoreIO(ckpt.path, ckpt.options)  # one reader: stores and arrays opened once
         self._pin = device.type != "cpu"
         # One destination per chunk: the first requester's data, or a fresh CPU tensor.
         self.dest: Dict[ChunkId, torch.Tensor] = {}
@@ -195,7 +199,7 @@ class ChunkExchange:
         t0 = time.perf_counter()
         views = [replace(self.local[c][0], data=t) for s in slots for c, t in zip(s.op.chunks, s.targets)]
         try:
-            _, nbytes = read_tensors(self.ckpt, views, set())
+            _, nbytes = read_tensors(self.ckpt, views, set(), io=self.io)
             return nbytes, time.perf_counter() - t0, None
         except Exception as e:  # reported on every rank at the end; the sends still happen
             return 0, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
@@ -303,23 +307,27 @@ class ChunkExchange:
         for s in slots:
             self.complete(s)
 
-    def run_streaming(self, max_inflight: int) -> None:
-        """Pipelined: reads run ahead in a reader thread while earlier ops are on the wire,
-        with at most ``max_inflight`` bytes admitted at once (an op larger than that goes alone)."""
+    def run_streaming(self, max_inflight: int, read_batch_bytes: int) -> None:
+        """Pipelined: a reader thread reads ahead (up to ``read_batch_bytes`` per tensorstore
+        batch) while earlier ops are on the wire, with at most ``max_inflight`` bytes admitted at
+        once (an op larger than that goes alone)."""
         self.stats.inflight_limit = max_inflight
         n = len(self.my_ops)
         admitted: Dict[int, _Slot] = {}
         pending: Deque[_Slot] = deque()
-        reads: List["Future[Tuple[int, float, Optional[str]]]"] = []
+        to_read: "queue.SimpleQueue[Optional[_Slot]]" = queue.SimpleQueue()
+        batches: List[Tuple[int, float, Optional[str]]] = []
+        reader = threading.Thread(target=self._reader, args=(to_read, read_batch_bytes, batches),
+                                  name="distckpt-reader", daemon=True)
+        reader.start()
         next_admit = 0
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distckpt-reader")
 
         def admit_next() -> None:
             nonlocal next_admit
             slot = self.admit(next_admit)
             if slot.op.src == self.comm.rank:
-                slot.read = pool.submit(self.read_job, [slot])
-                reads.append(slot.read)
+                slot.read = Future()
+                to_read.put(slot)
             admitted[next_admit] = slot
             next_admit += 1
 
@@ -343,10 +351,37 @@ class ChunkExchange:
             while pending:
                 self.complete(pending.popleft())
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        for f in reads:
-            if f.done() and not f.cancelled():
-                self._account_read(f)
+            to_read.put(None)
+            reader.join()
+        for nbytes, seconds, error in batches:
+            self.stats.bytes_read += nbytes
+            self.stats.read_s += seconds
+            if error and error not in self.errors:
+                self.errors.append(error)
+
+    def _reader(self, to_read: "queue.SimpleQueue[Optional[_Slot]]", batch_bytes: int,
+                batches: List[Tuple[int, float, Optional[str]]]) -> None:
+        """Reader thread: reads queued slots in order, several per tensorstore batch."""
+        stop = False
+        while not stop:
+            first = to_read.get()
+            if first is None:
+                return
+            batch, size = [first], first.op.nbytes
+            while size < batch_bytes:
+                try:
+                    nxt = to_read.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+                size += nxt.op.nbytes
+            batches.append(self.read_job(batch))
+            for s in batch:
+                assert s.read is not None
+                s.read.set_result((0, 0.0, None))
 
 
 def group_local_requests(tensors: Sequence[ShardedTensor], skip: Set[str]) -> Tuple[Dict[ChunkId, List[ShardedTensor]], List[ShardedTensor]]:

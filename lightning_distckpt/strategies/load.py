@@ -94,9 +94,11 @@ def destination(st: ShardedTensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return buf, buf
 
 
-def read_tensors(ckpt: OpenedCheckpoint, tensors: Sequence[ShardedTensor], skip: Set[str]) -> Tuple[Dict[int, torch.Tensor], int]:
-    """Read every requested tensor (not in ``skip``); returns ({id(st): tensor}, bytes read)."""
-    io = TensorStoreIO(ckpt.path, ckpt.options)
+def read_tensors(ckpt: OpenedCheckpoint, tensors: Sequence[ShardedTensor], skip: Set[str],
+                 io: Optional[TensorStoreIO] = None) -> Tuple[Dict[int, torch.Tensor], int]:
+    """Read every requested tensor (not in ``skip``); returns ({id(st): tensor}, bytes read).
+    Pass ``io`` to reuse one reader (its opened stores and arrays) over many calls."""
+    io = io or TensorStoreIO(ckpt.path, ckpt.options)
     out: Dict[int, torch.Tensor] = {}
     reads = []
     copies: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (span buffer view, destination view), after reads

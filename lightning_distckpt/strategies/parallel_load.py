@@ -30,7 +30,7 @@ class FullyParallelLoader:
         device: device for communication buffers (default: from the group's backend).
     """
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, bucket_bytes: int = 4 << 20,
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, bucket_bytes: int = 256 << 10,
                  device: Optional[torch.device] = None) -> None:
         if bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")

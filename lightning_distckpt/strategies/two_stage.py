@@ -39,18 +39,23 @@ class TwoStageDataParallelLoader:
             at once on a rank, including the loader's own buffers. A single chunk larger than the
             bound is admitted alone.
         bucket_bytes: chunks smaller than this are broadcast together, up to this many bytes per
-            broadcast.
+            broadcast (bigger chunks go straight from / into the destination tensors, no copy).
+        read_batch_bytes: the reader thread reads up to this many bytes of queued chunks in one
+            tensorstore batch (more I/O concurrency; smaller batches start the broadcasts sooner).
         device: device for communication buffers (default: from the group's backend: CPU for
             gloo, the current accelerator for nccl).
     """
 
     def __init__(self, data_parallel_group: Optional[dist.ProcessGroup] = None, *,
-                 max_inflight_bytes: int = 256 << 20, bucket_bytes: int = 4 << 20,
-                 device: Optional[torch.device] = None) -> None:
+                 max_inflight_bytes: int = 256 << 20, bucket_bytes: int = 256 << 10,
+                 read_batch_bytes: int = 16 << 20, device: Optional[torch.device] = None) -> None:
         if max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be >= 1, got {max_inflight_bytes}")
         if bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
+        if read_batch_bytes < 1:
+            raise ValueError(f"read_batch_bytes must be >= 1, got {read_batch_bytes}")
+        self.read_batch_bytes = read_batch_bytes
         self.data_parallel_group = data_parallel_group
         self.max_inflight_bytes = max_inflight_bytes
         self.bucket_bytes = bucket_bytes
@@ -63,7 +68,7 @@ class TwoStageDataParallelLoader:
         group = get_comm(self.data_parallel_group) if self.data_parallel_group is not None else comm
         state, missing, unexpected, self.last_stats = exchange_load(
             sharded_state_dict, checkpoint_dir, comm, group, strict, extra_safe_globals,
-            lambda engine: engine.run_streaming(self.max_inflight_bytes), bucket_bytes=self.bucket_bytes,
+            lambda engine: engine.run_streaming(self.max_inflight_bytes, self.read_batch_bytes), bucket_bytes=self.bucket_bytes,
             device=self.device, op_name="load (two-stage)",
         )
         return state, missing, unexpected
