@@ -25,7 +25,34 @@ from .strategies.parallel_load import FullyParallelLoader
 from .strategies.two_stage import TwoStageDataParallelLoader
 from .version import __version__
 
+# The Lightning / Fabric integration imports Lightning (slow): loaded on first use of one of its names.
+# Importing it (`import lightning_distckpt.lightning`) also registers strategy="ddp_distckpt".
+_LIGHTNING_NAMES = (
+    "DistCheckpointIO",
+    "DistCheckpointStrategy",
+    "FabricDistCheckpointStrategy",
+    "DistCheckpointConfig",
+    "StrategyConfig",
+    "ConfigError",
+    "ParallelState",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "module_sharded_state_dict",
+    "parallel_state_of",
+    "load_lightning_module",
+    "load_module_weights",
+)
+
+
+def __getattr__(name: str):
+    if name in _LIGHTNING_NAMES:
+        from . import lightning as _lightning
+
+        return getattr(_lightning, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
+    *_LIGHTNING_NAMES,
     "AsyncSaveRequest",
     "AsyncSaver",
     "EveryRankLoader",

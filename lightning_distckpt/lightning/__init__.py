@@ -1,0 +1,28 @@
+"""Lightning and Fabric integration: the ``DistCheckpointIO`` plugin, ``DistCheckpointStrategy``
+(Trainer), ``FabricDistCheckpointStrategy`` (Fabric), TP x DP process groups and their config."""
+
+from .checkpoint_io import DistCheckpointIO
+from .config import ConfigError, DistCheckpointConfig, StorageConfig, StrategyConfig, load_checkpoint_config, load_strategy_config
+from .fabric import FabricDistCheckpointStrategy
+from .inference import load_lightning_module, load_module_weights
+from .parallel import ColumnParallelLinear, ParallelState, RowParallelLinear, module_sharded_state_dict, parallel_state_of
+from .strategy import DistCheckpointStrategy
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ConfigError",
+    "DistCheckpointConfig",
+    "DistCheckpointIO",
+    "DistCheckpointStrategy",
+    "FabricDistCheckpointStrategy",
+    "ParallelState",
+    "RowParallelLinear",
+    "StorageConfig",
+    "StrategyConfig",
+    "load_checkpoint_config",
+    "load_lightning_module",
+    "load_module_weights",
+    "load_strategy_config",
+    "module_sharded_state_dict",
+    "parallel_state_of",
+]

@@ -1,0 +1,216 @@
+"""``DistCheckpointIO``: Lightning's CheckpointIO plugin writing distributed checkpoint directories.
+
+Two ways in:
+
+* the stock ``CheckpointIO`` API (``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint``),
+  for any Lightning strategy that saves from global rank 0 only (stock DDP, single device). It never
+  enters a collective: the process saves alone, as a group of one, so other ranks can never hang on
+  it; each tensor is stored whole and loads under any world size.
+* the collective API (``save_sharded`` / ``load_sharded``) used by
+  :class:`~lightning_distckpt.DistCheckpointStrategy` and
+  :class:`~lightning_distckpt.FabricDistCheckpointStrategy`, where every rank takes part.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from dataclasses import replace
+from typing import Any, Dict, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from ..comm import Comm
+from ..core.errors import CheckpointingError
+from ..core.mapping import ShardedTensor
+from ..core.state_dict import map_leaves, merge, split_common
+from ..core.strict import StrictHandling
+from ..serialization import load as dist_load
+from ..serialization import load_common_state_dict, load_tensors_metadata
+from ..serialization import save as dist_save
+from ..storage.tensorstore_io import StorageOptions
+from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
+from ..strategies.load import load_every_rank_reads
+from ..strategies.save import finalize_save, prepare_save, write_local
+from .config import ConfigLike, DistCheckpointConfig, StorageConfig, load_checkpoint_config
+from .tree import KIND_PLAIN, MANIFEST_KEY, manifest, plain_to_sharded, template_from_manifest
+
+logger = logging.getLogger("lightning_distckpt")
+
+#: This process alone, whether or not torch.distributed is initialized: no collective is entered.
+LOCAL = Comm(None, 0, 1)
+
+
+class DistCheckpointIO(CheckpointIO):
+    """Saves Lightning checkpoints as distributed checkpoint directories.
+
+    ``Trainer(plugins=[DistCheckpointIO()])`` with the stock DDP strategy or ``strategy="auto"``;
+    ``DistCheckpointStrategy`` uses one by default (pass your own to configure it).
+
+    Args:
+        config: a :class:`DistCheckpointConfig`, a mapping with its keys, or a YAML file
+            (``configs/checkpoint.yaml``); unknown keys raise :class:`ConfigError` naming them.
+        extra_safe_globals: further trusted types that the checkpoint's common state may hold
+            (loading never unpickles anything else).
+
+    Loading is always safe (``weights_only``-style): ``weights_only`` is accepted for the
+    CheckpointIO signature, and ``False`` does not widen what may be unpickled.
+    """
+
+    def __init__(self, config: ConfigLike = None, extra_safe_globals: Sequence[Any] = ()) -> None:
+        super().__init__()
+        self.config: DistCheckpointConfig = load_checkpoint_config(config)
+        self.extra_safe_globals = tuple(extra_safe_globals)
+        self._local_thread: Optional[threading.Thread] = None
+        self._local_error: Optional[BaseException] = None
+        self._saver: Optional[AsyncSaver] = None  # the core's async saver (collective saves), made on first use
+        self._pending: Optional[AsyncSaveRequest] = None
+
+    @classmethod
+    def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "DistCheckpointIO":
+        """Build from a YAML path, a mapping or a :class:`DistCheckpointConfig`."""
+        return cls(load_checkpoint_config(cfg), **kwargs)
+
+    # -- the stock CheckpointIO API (one process saves) -------------------------------------
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Save a Lightning checkpoint dict to the directory ``path``, from this process alone.
+
+        ``storage_options`` may be a :class:`StorageOptions` or a mapping of its fields, overriding
+        the configured ones for this save. With ``async_save`` the tensors are snapshotted and
+        written in a background thread; the next save, load or teardown waits for it.
+        """
+        self.wait()
+        storage = self._storage(storage_options)
+        target = os.fspath(path)
+        tree = plain_to_sharded(checkpoint)
+        tree[MANIFEST_KEY] = manifest(tree, KIND_PLAIN)
+        if not self.config.async_save:
+            self._save_local(tree, target, storage)
+            return
+        # Snapshot on the caller's thread: training mutates parameters in place.
+        snap = map_leaves(_snapshot, tree)
+
+        def run() -> None:
+            try:
+                self._save_local(snap, target, storage)
+            except BaseException as e:  # surfaced by wait()
+                self._local_error = e
+
+        self._local_thread = threading.Thread(target=run, name="distckpt-save", daemon=True)
+        self._local_thread.start()
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Read a whole checkpoint in this process (any world size wrote it): every tensor whole,
+        in its place; tensors land on the CPU unless ``map_location`` (a device or str) says otherwise."""
+        self.wait()
+        target = os.fspath(path)
+        common = load_common_state_dict(target, self.extra_safe_globals)
+        man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
+        if man is None:
+            raise CheckpointingError(f"checkpoint {target}: not a Lightning checkpoint (no {MANIFEST_KEY} manifest)")
+        template = template_from_manifest(man, load_tensors_metadata(target), target)
+        state, _, _ = load_every_rank_reads(template, target, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
+                                            self.extra_safe_globals)
+        state.pop(MANIFEST_KEY, None)
+        if map_location is not None:
+            if not isinstance(map_location, (str, torch.device)):
+                raise TypeError(f"map_location must be a device or a str for distributed checkpoints, got {map_location!r}")
+            state = apply_to_collection(state, torch.Tensor, lambda t: t.to(map_location))
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target)."""
+        target = os.fspath(path)
+        if os.path.islink(target) or os.path.isfile(target):
+            os.remove(target)
+        elif os.path.isdir(target):
+            shutil.rmtree(target)
+        logger.debug("removed checkpoint %s", target)
+
+    def teardown(self) -> None:
+        """Wait for a background save (and raise its error)."""
+        self.wait()
+
+    # -- the collective API (every rank calls) ---------------------------------------------
+    def save_sharded(self, sharded_state_dict: Dict[str, Any], path: Any, process_group: Optional[dist.ProcessGroup] = None,
+                     storage_options: Optional[Any] = None) -> None:
+        """Collective save of a sharded state dict (each rank its own shards) to ``path``."""
+        self.wait()
+        kwargs: Dict[str, Any] = dict(
+            process_group=process_group,
+            validate_access_integrity=self.config.validate_access_integrity,
+            balance_writes=self.config.balance_writes,
+            storage=self._storage(storage_options),
+        )
+        if self.config.async_save:
+            # The core returns a request; finalize() (collective) runs before the next save/load/teardown,
+            # so every rank reaches it at the same point of the training.
+            if self._saver is None:
+                self._saver = AsyncSaver()
+            self._pending = dist_save(sharded_state_dict, os.fspath(path), async_save=self._saver, **kwargs)
+        else:
+            dist_save(sharded_state_dict, os.fspath(path), **kwargs)
+
+    def load_sharded(self, template: Dict[str, Any], path: Any, process_group: Optional[dist.ProcessGroup] = None,
+                     strict: Union[StrictHandling, str, None] = None) -> Dict[str, Any]:
+        """Collective load into ``template``; returns the loaded tree merged with the common state."""
+        self.wait()
+        handling = StrictHandling.parse(self.config.strict_handling if strict is None else strict)
+        kwargs: Dict[str, Any] = {}
+        if self.config.loader is not None:
+            kwargs["loader"] = self.config.loader
+        # The template's own common values (e.g. a fresh optimizer's scalar step) fill in for what a
+        # non-strict load finds missing; the checkpoint's values win wherever it has them.
+        _, fallback = split_common(template) if handling.skips_missing else (None, None)
+        out = dist_load(template, os.fspath(path), process_group=process_group, strict=handling,
+                        extra_safe_globals=self.extra_safe_globals, **kwargs)
+        loaded = out[0] if isinstance(out, tuple) else out
+        return merge(fallback, loaded) if isinstance(fallback, dict) else loaded
+
+    # -- helpers -------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Finish a background save; raises its error. Collective when the pending save was collective."""
+        if self._local_thread is not None:
+            self._local_thread.join()
+            self._local_thread = None
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.finalize()
+        if self._local_error is not None:
+            err, self._local_error = self._local_error, None
+            raise err
+
+    def _storage(self, storage_options: Optional[Any]) -> StorageOptions:
+        if storage_options is None:
+            return self.config.storage_options
+        if isinstance(storage_options, StorageOptions):
+            return storage_options
+        if isinstance(storage_options, dict):
+            base = self.config.storage
+            return StorageConfig(**{**{"layout": base.layout, "chunk_bytes": base.chunk_bytes,
+                                       "io_concurrency": base.io_concurrency}, **storage_options}).to_options()
+        raise TypeError(f"storage_options must be StorageOptions or a dict of its fields, got {type(storage_options).__name__}")
+
+    def _save_local(self, tree: Dict[str, Any], target: str, storage: StorageOptions) -> None:
+        """The save path with a group of one: no collective, whatever the other ranks do."""
+        prep = prepare_save(tree, target, LOCAL, validate_access_integrity=self.config.validate_access_integrity,
+                            balance_writes=False, options=storage)
+        try:
+            local: Any = write_local(prep)
+        except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up
+            local = e
+        finalize_save(prep, local)
+
+
+def _snapshot(leaf: Any) -> Any:
+    """A private copy of a leaf's tensor data (for a background save)."""
+    if isinstance(leaf, ShardedTensor) and leaf.data is not None:
+        return replace(leaf, data=leaf.data.detach().clone())
+    if isinstance(leaf, torch.Tensor):
+        return leaf.detach().clone()
+    return leaf

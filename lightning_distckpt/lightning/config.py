@@ -1,0 +1,146 @@
+"""The knobs users toggle, as omegaconf structured configs (YAML files in ``configs/``).
+
+:class:`DistCheckpointConfig` is the schema: a YAML file, a dict or a DictConfig is merged into it
+with ``OmegaConf.merge``, so an unknown key or a value of the wrong type fails with omegaconf's
+error naming the key (and the file), and omitted keys keep their defaults. Choices (layout,
+strictness) are checked when the merged config is turned into the dataclass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Union
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ..core.strict import StrictHandling
+from ..storage.tensorstore_io import StorageOptions
+
+ConfigLike = Union["DistCheckpointConfig", "StrategyConfig", Mapping[str, Any], DictConfig, str, os.PathLike, None]
+
+
+class ConfigError(ValueError):
+    """A configuration file or mapping does not fit the schema (unknown key, wrong type, bad choice)."""
+
+
+@dataclass
+class StorageConfig:
+    """How arrays are written (see :class:`~lightning_distckpt.StorageOptions`)."""
+
+    layout: str = "ocdbt"  # "ocdbt": a few files per rank; "zarr": one plain zarr v3 array per shard
+    chunk_bytes: int = 64 * 1024 * 1024  # largest zarr chunk
+    io_concurrency: int = 16  # tensorstore's file I/O and copy threads (per process)
+
+    def __post_init__(self) -> None:
+        self.to_options()  # validates the choices
+
+    def to_options(self) -> StorageOptions:
+        return StorageOptions(layout=self.layout, chunk_bytes=int(self.chunk_bytes), io_concurrency=int(self.io_concurrency))
+
+
+@dataclass
+class DistCheckpointConfig:
+    """Everything that shapes how a distributed checkpoint is saved and loaded.
+
+    Attributes:
+        storage: array layout, chunk size, I/O thread count.
+        balance_writes: parallel save: spread the writes of replicated shards over the ranks that hold
+            them (off: each shard's main replica writes it).
+        validate_access_integrity: check before writing that the shards tile every tensor exactly once.
+        strict: key-mismatch handling on load, a :class:`~lightning_distckpt.StrictHandling` value
+            (e.g. ``assume_ok_unexpected``, ``log_all``, ``raise_all``, ``ignore_all``).
+        loader: which load strategy to use, passed to ``lightning_distckpt.load(loader=...)``
+            (``null``: the library's default).
+        async_save: save in the background; the next save (or the end of training) waits for it.
+    """
+
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    balance_writes: bool = True
+    validate_access_integrity: bool = True
+    strict: str = StrictHandling.ASSUME_OK_UNEXPECTED.value
+    loader: Optional[str] = None
+    async_save: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            self.strict = StrictHandling.parse(self.strict).value
+        except ValueError as e:
+            raise ValueError(f"strict: {e}") from None
+        if self.loader is not None and (not isinstance(self.loader, str) or not self.loader):
+            raise ValueError(f"loader must be a non-empty string or null, got {self.loader!r}")
+
+    @property
+    def strict_handling(self) -> StrictHandling:
+        return StrictHandling.parse(self.strict)
+
+    @property
+    def storage_options(self) -> StorageOptions:
+        return self.storage.to_options()
+
+
+@dataclass
+class StrategyConfig:
+    """The settings of :class:`~lightning_distckpt.DistCheckpointStrategy` and
+    :class:`~lightning_distckpt.FabricDistCheckpointStrategy`."""
+
+    tensor_parallel_size: int = 1
+    checkpoint: DistCheckpointConfig = field(default_factory=DistCheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+def _load(schema: type, cfg: Any, what: str) -> Any:
+    if isinstance(cfg, schema):
+        return cfg
+    source = "<config>"
+    try:
+        base = OmegaConf.structured(schema)
+        if cfg is None:
+            user: Any = {}
+        elif isinstance(cfg, (str, os.PathLike)):
+            source = os.fspath(cfg)
+            if not os.path.isfile(source):
+                raise ConfigError(f"{what} config file {source} does not exist")
+            user = OmegaConf.load(source)
+        elif isinstance(cfg, (Mapping, DictConfig)):
+            user = cfg
+        else:
+            raise ConfigError(f"{what} config must be a YAML path, a mapping or a {schema.__name__}, got {type(cfg).__name__}")
+        merged = OmegaConf.merge(base, user)
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as e:
+        # omegaconf's message names the key ("Key 'foo' not in 'DistCheckpointConfig'", with full_key).
+        raise ConfigError(f"invalid {what} config {source}: {e}") from None
+    except ValueError as e:  # a choice refused by a dataclass __post_init__
+        raise ConfigError(f"invalid {what} config {source}: {e}") from None
+
+
+def load_checkpoint_config(cfg: ConfigLike = None) -> DistCheckpointConfig:
+    """A :class:`DistCheckpointConfig` from a YAML path, a mapping, a DictConfig or one already built.
+
+    Raises:
+        ConfigError: naming the unknown key or the bad value.
+    """
+    if isinstance(cfg, StrategyConfig):
+        return cfg.checkpoint
+    return _load(DistCheckpointConfig, cfg, "checkpoint")
+
+
+def load_strategy_config(cfg: ConfigLike = None) -> StrategyConfig:
+    """A :class:`StrategyConfig` (``tensor_parallel_size`` + ``checkpoint:`` section) from YAML or a mapping."""
+    return _load(StrategyConfig, cfg, "strategy")
+
+
+def config_to_yaml(cfg: Union[DistCheckpointConfig, StrategyConfig]) -> str:
+    """The YAML text of a config (e.g. to write a starting file)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def as_plain_dict(cfg: Union[DistCheckpointConfig, StrategyConfig]) -> Dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,65 @@
+"""Building the sharded state dicts of a model and its optimizers (shared by the Trainer and the
+Fabric strategies)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, TypeVar
+
+from torch import nn
+from torch.optim import Optimizer
+
+from ..comm import Comm, get_comm
+from ..core.errors import CheckpointingError
+from .parallel import ParallelState, module_sharded_state_dict
+
+
+def model_sharded_state_dict(module: nn.Module, ps: ParallelState, prefix: str = "") -> Dict[str, Any]:
+    """``module.sharded_state_dict(prefix=prefix)`` when the module defines it; otherwise every tensor of
+    its state dict as a whole tensor replicated on all ranks (plain data parallelism)."""
+    fn = getattr(module, "sharded_state_dict", None)
+    if callable(fn):
+        out = fn(prefix=prefix)
+        if not isinstance(out, dict):
+            raise CheckpointingError(
+                f"{type(module).__name__}.sharded_state_dict() must return a dict, got {type(out).__name__}"
+            )
+        return out
+    if ps.tp_size > 1:
+        raise CheckpointingError(
+            f"{type(module).__name__} does not define sharded_state_dict(prefix=''), so its tensors cannot be "
+            f"described under tensor_parallel_size={ps.tp_size}; define it (see lightning_distckpt.lightning.parallel)"
+        )
+    return module_sharded_state_dict(module, prefix, replica_id=ps.replicated_id)
+
+
+def optimizer_sharded_state(optimizer: Optimizer, model_ssd: Dict[str, Any], prefix: str, init_state: bool) -> Dict[str, Any]:
+    """The optimizer helpers' sharded optimizer state (imported here: they are optional machinery)."""
+    from ..optim import optimizer_sharded_state_dict
+
+    return optimizer_sharded_state_dict(optimizer, model_ssd, prefix=prefix, init_state=init_state)
+
+
+def restore_optimizer(optimizer: Optimizer, loaded: Dict[str, Any]) -> None:
+    from ..optim import restore_optimizer_state
+
+    restore_optimizer_state(optimizer, loaded)
+
+
+T = TypeVar("T")
+
+
+def build_on_all_ranks(what: str, build: Callable[[], T], comm: Optional[Comm] = None) -> T:
+    """Run ``build`` (local work before a collective save/load) and agree on its outcome over the
+    group: if it failed on any rank, every rank raises the same error naming the failing ranks, so
+    no rank is left waiting in a collective the others never enter."""
+    comm = comm or get_comm()
+    result: Optional[T] = None
+    error: Optional[str] = None
+    try:
+        result = build()
+    except Exception as e:  # reported collectively below
+        error = f"{type(e).__name__}: {e}"
+    failed = [(rank, err) for rank, err in enumerate(comm.all_gather_object(error)) if err]
+    if failed:
+        raise CheckpointingError(f"{what} failed before any I/O: " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+    return result  # type: ignore[return-value]

@@ -1,0 +1,263 @@
+"""``DistCheckpointStrategy``: Lightning's DDP with TP x DP process groups and distributed checkpoints.
+
+Every rank takes part in saving and loading. The LightningModule describes its tensors with
+``sharded_state_dict(self, prefix="")`` (tensor-parallel layers return ShardedTensors wrapping their
+parameters); the optimizer state follows its parameters' sharding; the rest of the trainer state
+(loops, callbacks, LR schedulers, hyper-parameters) is common state written once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from ..core.errors import CheckpointingError
+from ..core.strict import StrictHandling
+from .checkpoint_io import DistCheckpointIO
+from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
+from .parallel import ParallelState
+from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
+from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
+
+log = logging.getLogger("lightning_distckpt")
+
+STRATEGY_NAME = "ddp_distckpt"
+
+
+def optimizer_prefix(index: int) -> str:
+    return f"optimizer_states.{index}"
+
+
+class DistCheckpointStrategy(DDPStrategy):
+    """DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
+
+    ``Trainer(strategy=DistCheckpointStrategy(tensor_parallel_size=2), devices=4)`` runs TP 2 x DP 2;
+    ``Trainer(strategy="ddp_distckpt")`` is the same with ``tensor_parallel_size=1``.
+
+    * The process groups are built when the strategy sets up its environment, before
+      ``LightningModule.configure_model``: build tensor-parallel layers there from
+      :attr:`parallel_state` (or :func:`~lightning_distckpt.lightning.parallel.parallel_state_of`).
+    * The module is wrapped in DDP over the DP group only: TP shards' gradients are not averaged across
+      TP ranks, and DDP's initial broadcast only reaches ranks holding the same shard.
+    * Dataloaders get a distributed sampler over the DP group (TP ranks see the same data).
+    * Checkpoints: every rank saves and loads its own shards; restore happens after setup.
+
+    Args:
+        tensor_parallel_size: TP ranks per model replica (must divide the world size).
+        checkpoint: checkpoint settings (:class:`DistCheckpointConfig`, mapping, or YAML path); a
+            ``DistCheckpointIO`` plugin given to the Trainer takes precedence.
+        Other arguments: as :class:`~lightning.pytorch.strategies.DDPStrategy`.
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        checkpoint: Optional[Union[str, Dict[str, Any]]] = None,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        **ddp_kwargs: Any,
+    ) -> None:
+        if int(tensor_parallel_size) < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if "process_group" in ddp_kwargs:
+            raise ValueError("process_group is set by DistCheckpointStrategy (the data-parallel group); do not pass it")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+            **ddp_kwargs,
+        )
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self._checkpoint_config: DistCheckpointConfig = load_checkpoint_config(checkpoint)  # type: ignore[arg-type]
+        self._parallel_state: Optional[ParallelState] = None
+
+    @classmethod
+    def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "DistCheckpointStrategy":
+        """Build from a strategy config (``tensor_parallel_size`` and a ``checkpoint:`` section), e.g.
+        ``configs/strategy_tp2.yaml``."""
+        sc = load_strategy_config(cfg)
+        return cls(tensor_parallel_size=sc.tensor_parallel_size, checkpoint=sc.checkpoint, **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Lightning's registration hook: ``strategy="ddp_distckpt"`` (and ``"ddp_distckpt_spawn"``)."""
+        for name, start_method in ((STRATEGY_NAME, "popen"), (f"{STRATEGY_NAME}_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"DDP with distributed checkpoints, start_method '{start_method}'",
+                    start_method=start_method,
+                )
+
+    # -- process groups ------------------------------------------------------------------
+    @property
+    def parallel_state(self) -> ParallelState:
+        """This rank's place in the TP x DP grid and its process groups (after environment setup)."""
+        if self._parallel_state is None:
+            raise RuntimeError(
+                "DistCheckpointStrategy.parallel_state is available once the strategy has set up its environment "
+                "(from LightningModule.configure_model / setup on)"
+            )
+        return self._parallel_state
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # initializes torch.distributed
+        self._parallel_state = ParallelState.build(self.tensor_parallel_size)
+        log.debug("DistCheckpointStrategy: %s", self._parallel_state.describe())
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        ps = self.parallel_state
+        return {"num_replicas": ps.dp_size, "rank": ps.dp_rank}
+
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        """DDP over the data-parallel group only."""
+        device_ids = self.determine_ddp_device_ids()
+        return DistributedDataParallel(
+            module=model, device_ids=device_ids, process_group=self.parallel_state.dp_group, **self._ddp_kwargs
+        )
+
+    def setup(self, trainer: Any) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().setup(trainer)  # wraps in DDP (over the DP group, see _setup_model)
+            return
+        # Not fitting: DDPStrategy would broadcast rank 0's weights to the whole world, overwriting
+        # other TP ranks' shards; sync over the DP group instead.
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._broadcast_over_data_parallel(self.model)
+        self.setup_precision_plugin()
+
+    def _broadcast_over_data_parallel(self, module: Module) -> None:
+        ps = self.parallel_state
+        if ps.dp_size == 1:
+            return
+        src = dist.get_global_rank(ps.dp_group, 0)
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src=src, group=ps.dp_group)
+
+    # -- checkpoint I/O ------------------------------------------------------------------
+    @property
+    def checkpoint_io(self) -> DistCheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DistCheckpointIO(self._checkpoint_config)
+        if not isinstance(self._checkpoint_io, DistCheckpointIO):
+            raise TypeError(
+                f"DistCheckpointStrategy needs a DistCheckpointIO checkpoint plugin, got {type(self._checkpoint_io).__name__} "
+                "(for background saves set async_save: true in its config instead of wrapping it)"
+            )
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Optimizers (whose sharded state is loaded in place) exist only after setup.
+        return True
+
+    def _raw_optimizers(self) -> List[Optimizer]:
+        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+
+    def _model_ssd(self) -> Dict[str, Any]:
+        assert self.lightning_module is not None
+        return model_sharded_state_dict(self.lightning_module, self.parallel_state)
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Collective: every rank saves its shards of the model and optimizer state; the rest of
+        ``checkpoint`` (loops, callbacks, schedulers, hyper-parameters) is common state."""
+        def build() -> Dict[str, Any]:
+            model_ssd = self._model_ssd()
+            tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            tree["state_dict"] = model_ssd
+            if "optimizer_states" in checkpoint:
+                tree["optimizer_states"] = [
+                    optimizer_sharded_state(opt, model_ssd, optimizer_prefix(i), init_state=True)
+                    for i, opt in enumerate(self._raw_optimizers())
+                ]
+            tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
+            return tree
+
+        tree = build_on_all_ranks(f"save to {os.fspath(filepath)}", build)
+        self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
+
+    def _strict_handling(self) -> StrictHandling:
+        strict = self.checkpoint_io.config.strict_handling
+        module = self.lightning_module
+        if module is not None and not getattr(module, "strict_loading", True) and not strict.skips_missing:
+            return StrictHandling.LOG_ALL  # the module asked for non-strict loading
+        return strict
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Collective: every rank reads its shards (in place into its parameters and optimizer state)
+        and the common state. ``weights_only`` is accepted for the signature: loading is always safe."""
+        path = os.fspath(checkpoint_path)
+        assert self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+
+        def build() -> Dict[str, Any]:
+            model_ssd = self._model_ssd()
+            template: Dict[str, Any] = {"state_dict": model_ssd}
+            if fitting and self.lightning_restore_optimizer:
+                template["optimizer_states"] = [
+                    optimizer_sharded_state(opt, model_ssd, optimizer_prefix(i), init_state=True)
+                    for i, opt in enumerate(self._raw_optimizers())
+                ]
+            return template
+
+        template = build_on_all_ranks(f"load from {path}", build)
+        strict = self._strict_handling()
+        loaded = self.checkpoint_io.load_sharded(template, path, strict=strict)
+        man = loaded.pop(MANIFEST_KEY, None)
+        if not isinstance(man, Mapping) or man.get("kind") != KIND_SHARDED:
+            raise CheckpointingError(
+                f"checkpoint {path}: was not saved by a distributed-checkpoint strategy (kind "
+                f"{man.get('kind') if isinstance(man, Mapping) else None!r}); resume it with the strategy that saved it"
+            )
+        if fitting and strict.skips_missing and "lr_schedulers" not in loaded:
+            # Non-strict resume from a weights-only checkpoint: keep the fresh scheduler states.
+            log.warning("checkpoint %s has no LR scheduler state; keeping the current schedulers (non-strict)", path)
+            loaded["lr_schedulers"] = [c.scheduler.state_dict() for c in self.lr_scheduler_configs]
+        return loaded
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        optimizers = self._raw_optimizers()
+        if len(states) != len(optimizers):
+            raise CheckpointingError(f"the checkpoint has {len(states)} optimizer states, the module has {len(optimizers)} optimizers")
+        for opt, state in zip(optimizers, states):
+            restore_optimizer(opt, state)
+
+
+DistCheckpointStrategy.register_strategies(StrategyRegistry)

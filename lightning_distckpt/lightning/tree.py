@@ -1,0 +1,130 @@
+"""Turning Lightning checkpoint dicts into sharded state dicts and back.
+
+A checkpoint is saved as its natural tree: tensors become ShardedTensors in place, everything else
+is common state. Next to it goes a small manifest (``MANIFEST_KEY``) listing where each
+ShardedTensor sat (typed path steps), so that a checkpoint can be read back without a template:
+each tensor whole, in its place (:func:`template_from_manifest`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Mapping, Tuple, Union
+
+import torch
+
+from ..core.errors import FormatError, ShardingError
+from ..core.mapping import ShardedTensor, ShardedTensorFactory
+
+MANIFEST_KEY = "__distckpt__"
+MANIFEST_VERSION = 1
+KIND_PLAIN = "plain"  # whole tensors saved by one process (stock DDP / single device)
+KIND_SHARDED = "sharded"  # ShardedTensors from every rank (DistCheckpointStrategy, Fabric strategy)
+
+# One step into a container: ("d", key) into a dict, ("l", index) into a list.
+Step = Tuple[str, Union[str, int]]
+
+
+def iter_tensor_leaves(tree: Any, steps: Tuple[Step, ...] = ()) -> Iterator[Tuple[Tuple[Step, ...], torch.Tensor]]:
+    """Tensors reachable through dicts and lists (other containers are common state as they are)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from iter_tensor_leaves(v, steps + (("d", k),))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from iter_tensor_leaves(v, steps + (("l", i),))
+    elif isinstance(tree, torch.Tensor):
+        yield steps, tree
+
+
+def key_of(steps: Tuple[Step, ...]) -> str:
+    return "/".join(str(k) for _, k in steps)
+
+
+def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of the containers of ``checkpoint`` with every tensor (1-d or more) replaced by a whole
+    ShardedTensor keyed by its path (``state_dict/layer.weight``, ``optimizer_states/0/state/3/exp_avg``).
+    Scalars (0-d tensors) stay common state."""
+    seen: Dict[str, Tuple[Step, ...]] = {}
+
+    def convert(node: Any, steps: Tuple[Step, ...]) -> Any:
+        if isinstance(node, dict):
+            return {k: convert(v, steps + (("d", k),)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [convert(v, steps + (("l", i),)) for i, v in enumerate(node)]
+        if isinstance(node, torch.Tensor) and node.ndim > 0:
+            key = key_of(steps)
+            if key in seen:  # e.g. dict keys 0 and "0" side by side
+                raise ShardingError(f"checkpoint entries {seen[key]} and {steps} would both be stored as {key!r}")
+            seen[key] = steps
+            data = node.detach()
+            if data.layout != torch.strided:
+                raise ShardingError(f"{key!r}: only dense (strided) tensors can be saved, got {data.layout}")
+            return ShardedTensor.from_rank_offsets(key, data.contiguous())
+        return node
+
+    return convert(checkpoint, ())
+
+
+def manifest(tree: Any, kind: str) -> Dict[str, Any]:
+    """Where each ShardedTensor of ``tree`` sits (factories' expansions are not listed: they can only
+    be put back by their ``merge_fn``)."""
+    paths: List[Tuple[List[Step], str]] = []
+
+    def walk(node: Any, steps: Tuple[Step, ...]) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, steps + (("d", k),))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, steps + (("l", i),))
+        elif isinstance(node, ShardedTensor) and node.flattened_range is None:
+            paths.append((list(steps), node.key))
+
+    walk(tree, ())
+    return {"version": MANIFEST_VERSION, "kind": kind, "tensor_paths": paths}
+
+
+def template_from_manifest(man: Mapping[str, Any], metadata: Mapping[str, ShardedTensor], where: str) -> Dict[str, Any]:
+    """A load template with each listed tensor whole (an empty CPU tensor of its global shape), in the
+    containers the manifest describes. Loading it and merging the common state gives back the tree."""
+    if not isinstance(man, Mapping) or man.get("version") != MANIFEST_VERSION:
+        raise FormatError(f"checkpoint {where}: unknown {MANIFEST_KEY} manifest {man!r:.200}")
+    root: Dict[str, Any] = {}
+    for steps, key in man.get("tensor_paths", []):
+        meta = metadata.get(key)
+        if meta is None:
+            raise FormatError(f"checkpoint {where}: manifest lists tensor {key!r} that metadata.json does not")
+        shape = tuple(meta.global_shape)
+        leaf = ShardedTensor(key=key, data=torch.empty(shape, dtype=meta.dtype), dtype=meta.dtype, local_shape=shape,
+                             global_shape=shape, global_offset=(0,) * len(shape))
+        _put(root, [tuple(s) for s in steps], leaf, where)
+    return root
+
+
+def _put(root: Dict[str, Any], steps: List[Step], leaf: Any, where: str) -> None:
+    node: Any = root
+    for i, (kind, k) in enumerate(steps):
+        last = i == len(steps) - 1
+        nxt_kind = None if last else steps[i + 1][0]
+        fresh: Any = leaf if last else ({} if nxt_kind == "d" else [])
+        if kind == "d" and isinstance(node, dict):
+            if last:
+                node[k] = leaf
+            node = node.setdefault(k, fresh)
+        elif kind == "l" and isinstance(node, list):
+            assert isinstance(k, int)
+            if len(node) <= k:
+                node.extend([None] * (k + 1 - len(node)))
+            if last or node[k] is None:
+                node[k] = fresh
+            node = node[k]
+        else:
+            raise FormatError(f"checkpoint {where}: manifest path {steps} does not fit its containers")
+
+
+def has_factories(tree: Any) -> bool:
+    if isinstance(tree, dict):
+        return any(has_factories(v) for v in tree.values())
+    if isinstance(tree, list):
+        return any(has_factories(v) for v in tree)
+    return isinstance(tree, ShardedTensorFactory)

@@ -1,0 +1,271 @@
+"""Real Trainer runs for tests/test_lightning_*.py, launched as ``python trainer_scenarios.py SCENARIO ...``.
+
+With ``--devices N > 1`` Lightning's own launcher re-runs this script for ranks 1..N-1. Several
+Trainers run one after another in the same processes. Every rank writes what it saw to
+``OUT.rank<r>.json``; the tests assert on those files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+from lightning_distckpt import CheckpointingError, ShardedTensor, load_common_state_dict  # noqa: E402
+from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy  # noqa: E402
+from lightning_helpers import TPMLP, StepCounter, full_weights, optimizer_full_state  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+TIMEOUT = timedelta(seconds=90)  # a hang fails the test instead of blocking it
+
+
+def trainer(args: argparse.Namespace, strategy: Any, max_steps: int, callbacks: List[Any] = (), **kw: Any) -> Trainer:
+    return Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=max_steps, max_epochs=-1,
+        callbacks=list(callbacks), logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, **kw,
+    )
+
+
+def strategy_for(args: argparse.Namespace, **cfg: Any) -> Any:
+    if args.mode == "plugin":
+        return DDPStrategy(timeout=TIMEOUT) if args.devices > 1 else "auto"
+    return DistCheckpointStrategy(tensor_parallel_size=args.tp, timeout=TIMEOUT, checkpoint=cfg or None)
+
+
+def plugins_for(args: argparse.Namespace) -> List[Any]:
+    return [DistCheckpointIO()] if args.mode == "plugin" else []
+
+
+def snapshot(model: TPMLP, trainer_: Trainer) -> Dict[str, Any]:
+    opt = trainer_.optimizers[0]
+    return {
+        "weights": full_weights(model),
+        "opt": optimizer_full_state(model, opt),
+        "lr": [g["lr"] for g in opt.param_groups],
+        "sched": trainer_.lr_scheduler_configs[0].scheduler.state_dict(),
+        "global_step": trainer_.global_step,
+        "epoch": trainer_.current_epoch,
+        "losses": dict(model.losses),
+    }
+
+
+def same(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, bool]:
+    """Exact equality of two snapshots, item by item."""
+    out = {}
+    for k in ("weights", "opt"):
+        out[k] = set(a[k]) == set(b[k]) and all(torch.equal(a[k][n], b[k][n]) for n in a[k])
+    for k in ("lr", "sched", "global_step", "epoch"):
+        out[k] = a[k] == b[k]
+    return out
+
+
+# -- scenarios ----------------------------------------------------------------------------
+def exact_resume(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """A: 6 steps straight. B: 3 steps with a checkpoint every 3 steps. C: resume B's checkpoint to 6.
+    C must end exactly where A did (weights, optimizer, schedulers, loops, losses)."""
+    hp = dict(total_steps=6, conf=OmegaConf.create({"optim": {"name": "adamw", "betas": [0.9, 0.99]}}))
+    a_model = TPMLP(**hp)
+    a = trainer(args, strategy_for(args), 6, plugins=plugins_for(args), enable_checkpointing=False)
+    a.fit(a_model)
+    snap_a = snapshot(a_model, a)
+
+    ckdir = os.path.join(args.dir, "exact")
+    b_model = TPMLP(**hp)
+    cb = ModelCheckpoint(dirpath=ckdir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    b = trainer(args, strategy_for(args), 3, [cb, StepCounter()], plugins=plugins_for(args))
+    b.fit(b_model)
+    ckpt = os.path.join(ckdir, "step=3.ckpt")
+
+    c_model = TPMLP(**hp)
+    cb_c = ModelCheckpoint(dirpath=ckdir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    counter = StepCounter()
+    c = trainer(args, strategy_for(args), 6, [cb_c, counter], plugins=plugins_for(args))
+    c.fit(c_model, ckpt_path=ckpt)
+    res["callback_count"] = counter.count  # 3 restored + 3 new
+    common = load_common_state_dict(ckpt)
+    conf = common["hyper_parameters"]["conf"]
+    res["hparams_conf"] = [type(conf).__name__, OmegaConf.to_container(conf)]
+    res["hparams_conf_is_dictconfig"] = isinstance(c_model.hparams.conf, DictConfig)
+    snap_c = snapshot(c_model, c)
+    res["exact"] = same(snap_a, snap_c)
+    res["losses_a"] = snap_a["losses"]
+    res["losses_c"] = snap_c["losses"]
+    res["resumed_global_step"] = snap_c["global_step"]
+    res["checkpoint"] = ckpt
+    res["rank_dirs"] = sorted(os.listdir(os.path.join(ckpt, "data")))
+    res["ckpt_entries"] = sorted(os.listdir(ckpt))
+
+
+class FailingSave(Callback):
+    """At step 2, try saves that fail on one rank only; record what each rank saw."""
+
+    def __init__(self, path: str, results: Dict[str, Any]) -> None:
+        self.path, self.results = path, results
+
+    def on_train_batch_end(self, trainer_: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer_.global_step != 2:
+            return
+        trainer_.save_checkpoint(self.path)  # a good one first
+        rank = trainer_.global_rank
+        for name, fault in (("write_fails_on_rank1", "meta"), ("describe_fails_on_rank1", "raise")):
+            pl_module.fault = fault if rank == 1 else None
+            try:
+                trainer_.save_checkpoint(self.path)
+                self.results[name] = "no error"
+            except CheckpointingError as e:
+                self.results[name] = f"{type(e).__name__}: {e}"
+            finally:
+                pl_module.fault = None
+
+
+class FaultyTPMLP(TPMLP):
+    fault = None
+
+    def sharded_state_dict(self, prefix: str = "") -> Dict[str, Any]:
+        out = super().sharded_state_dict(prefix)
+        if self.fault == "meta":  # a tensor only this rank holds, which cannot be written
+            out["extra"] = ShardedTensor.from_rank_offsets("extra", torch.empty(4, device="meta"))
+        elif self.fault == "raise":
+            raise CheckpointingError("this rank cannot describe its state")
+        return out
+
+
+def failures(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    path = os.path.join(args.dir, "fail", "ckpt")
+    seen: Dict[str, Any] = {}
+    model = FaultyTPMLP(total_steps=4)
+    t = trainer(args, strategy_for(args), 4, [FailingSave(path, seen)], enable_checkpointing=False)
+    t.fit(model)  # training goes on after the failed saves
+    res["failures"] = seen
+    res["failures_global_step"] = t.global_step
+    res["good_ckpt_intact"] = os.path.isfile(os.path.join(path, "COMMITTED"))
+    res["leftovers"] = sorted(n for n in os.listdir(os.path.dirname(path)) if n != "ckpt")
+
+
+def nonstrict(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Resume a model that has a layer the checkpoint lacks (so its weights and optimizer state are
+    missing): strict raises on every rank; non-strict keeps the fresh values and trains on."""
+    src = os.path.join(args.dir, "exact", "step=3.ckpt")
+    model = TPMLP(total_steps=5, extra_layer=True)
+    t = trainer(args, strategy_for(args), 5, enable_checkpointing=False)
+    try:
+        t.fit(model, ckpt_path=src)
+        res["strict"] = "no error"
+    except CheckpointingError as e:
+        res["strict"] = f"{type(e).__name__}: {e}"
+    model = TPMLP(total_steps=5, extra_layer=True)
+    t = trainer(args, strategy_for(args, strict="log_all"), 5, enable_checkpointing=False)
+    t.fit(model, ckpt_path=src)
+    opt = t.optimizers[0]
+    res["nonstrict_global_step"] = t.global_step
+    res["nonstrict_norm_weight_fresh_then_trained"] = bool(model.norm.weight.ne(1).any())
+    res["nonstrict_norm_step"] = float(opt.state[model.norm.weight]["step"])  # 2 fresh steps (3 -> 5)
+    res["nonstrict_fc1_step"] = float(opt.state[model.fc1.weight]["step"])  # 3 loaded + 2
+
+
+def resume_other_world(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Resume the 2-process TP2 checkpoint under this world size / TP size; record the losses."""
+    model = TPMLP(total_steps=6)
+    t = trainer(args, strategy_for(args), 6, enable_checkpointing=False)
+    t.fit(model, ckpt_path=args.resume)
+    res["losses"] = dict(model.losses)
+    res["global_step"] = t.global_step
+    res["parallel"] = model.ps.describe()
+    res["weights_sum"] = {k: float(v.sum()) for k, v in full_weights(model).items()}
+
+
+def committed(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "COMMITTED"))
+
+
+def topk_last(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """save_top_k=2 on the loss with save_last=True; then a crashed save leaves its staging directory
+    behind (newer than every checkpoint), and ckpt_path="last" must still pick the committed last."""
+    ckdir = os.path.join(args.dir, "topk")
+    cb = ModelCheckpoint(dirpath=ckdir, filename="{step}", monitor="train_loss", save_top_k=2,
+                         every_n_train_steps=1, save_last=True)
+    t = trainer(args, strategy_for(args), 6, [cb], plugins=plugins_for(args))
+    t.fit(TPMLP(total_steps=8))
+    res["topk_listing"] = sorted(os.listdir(ckdir))
+    res["topk_best"] = sorted(os.path.basename(p) for p in cb.best_k_models)
+    res["topk_all_committed"] = all(committed(os.path.join(ckdir, n)) for n in os.listdir(ckdir))
+    t.strategy.barrier()
+    if t.is_global_zero:  # what a save killed mid-write leaves: its staging directory, uncommitted
+        crashed = os.path.join(ckdir, ".last.ckpt.distckpt-staging-0123456789ab")
+        shutil.copytree(os.path.join(ckdir, "last.ckpt"), crashed)
+        os.remove(os.path.join(crashed, "COMMITTED"))
+    t.strategy.barrier()
+    cb2 = ModelCheckpoint(dirpath=ckdir, filename="{step}", monitor="train_loss", save_top_k=2,
+                          every_n_train_steps=1, save_last=True)
+    t2 = trainer(args, strategy_for(args), 8, [cb2], plugins=plugins_for(args))
+    model = TPMLP(total_steps=8)
+    t2.fit(model, ckpt_path="last")
+    res["last_resumed_from"] = os.path.basename(str(t2.ckpt_path))
+    res["last_first_step"] = min(model.losses)
+    res["last_global_step"] = t2.global_step
+
+
+def link_last(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """save_last="link": last.ckpt is a symlink to the newest checkpoint directory; resuming from it works."""
+    ckdir = os.path.join(args.dir, "link")
+    cb = ModelCheckpoint(dirpath=ckdir, filename="{step}", save_top_k=1, every_n_train_steps=2, save_last="link")
+    t = trainer(args, strategy_for(args), 4, [cb], plugins=plugins_for(args))
+    t.fit(TPMLP(total_steps=6))
+    last = os.path.join(ckdir, "last.ckpt")
+    res["link_listing"] = sorted(os.listdir(ckdir))
+    res["link_is_symlink"] = os.path.islink(last)
+    res["link_target"] = os.readlink(last) if os.path.islink(last) else None
+    cb2 = ModelCheckpoint(dirpath=ckdir, filename="{step}", save_top_k=1, every_n_train_steps=2, save_last="link")
+    t2 = trainer(args, strategy_for(args), 6, [cb2], plugins=plugins_for(args))
+    model = TPMLP(total_steps=6)
+    t2.fit(model, ckpt_path="last")
+    res["link_first_step"] = min(model.losses)
+    res["link_listing_after"] = sorted(os.listdir(ckdir))
+    res["link_target_after"] = os.readlink(last) if os.path.islink(last) else None
+
+
+SCENARIOS = {"exact_resume": exact_resume, "failures": failures, "nonstrict": nonstrict,
+             "resume_other_world": resume_other_world, "topk_last": topk_last, "link_last": link_last}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--mode", choices=("strategy", "plugin"), default="strategy")
+    p.add_argument("--resume", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    res: Dict[str, Any] = {}
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    try:
+        for name in args.scenarios:
+            SCENARIOS[name](args, res)
+    except BaseException:
+        res["error"] = traceback.format_exc()
+        raise
+    finally:
+        rank = int(os.environ.get("LOCAL_RANK", rank))
+        with open(f"{args.out}.rank{rank}.json", "w") as f:
+            json.dump(res, f, default=str)
+
+
+if __name__ == "__main__":
+    main()
