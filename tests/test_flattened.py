@@ -206,3 +206,137 @@ def test_validation_flat_ranges_cover_each_shard_exactly_once():
     # Replicas (replica_id != 0) of a flat piece do not count twice.
     replicas = ok + [_rec(3, (0, 7), main=False)]
     assert validate_tensor_records(replicas) == []
+
+
+# -- real saves and loads: a simulated distributed optimizer on gloo groups --------------------
+# model key -> (full shape, TP axis). b.weight is row-parallel: a TP change cuts its rows.
+PARAMS = {"a.weight": ((6, 5), 0), "a.bias": ((6,), 0), "b.weight": ((4, 6), 1)}
+STATES = ("master", "exp_avg", "exp_avg_sq")
+# Uneven DP boundaries over each TP rank's flat buffer, as fractions: they split rows and params.
+CUTS = {1: [0.0, 1.0], 2: [0.0, 0.37, 1.0], 4: [0.0, 0.11, 0.48, 0.71, 1.0]}
+
+
+def full_value(state, name):
+    """fp32 values, distinct per state and parameter, exact in bf16 for the model copy."""
+    shape, _ = PARAMS[name]
+    i, j = STATES.index(state) if state in STATES else 3, list(PARAMS).index(name)
+    return (torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + 100 * j + 1000 * i) * 0.5
+
+
+def local_shard(t, name, tp, tp_rank):
+    return t.chunk(tp, dim=PARAMS[name][1])[tp_rank]
+
+
+def dist_opt_state(rank, world, tp, fill):
+    """Model (bf16, whole shards, replicated over DP) and fp32 optimizer state kept flat: each DP
+    rank owns one contiguous range of its TP rank's concatenated parameters, ranges uneven."""
+    tp_rank, dp_rank = rank % tp, rank // tp
+    dp = world // tp
+    locals_ = {n: local_shard(full_value("model", n), n, tp, tp_rank) for n in PARAMS}
+    total = sum(t.numel() for t in locals_.values())
+    cuts = [round(f * total) for f in CUTS[dp]]
+    r0, r1 = cuts[dp_rank], cuts[dp_rank + 1]
+    sd = {"model": {}, "optimizer": {}}
+    for n, t in locals_.items():
+        data = t.to(torch.bfloat16) if fill else torch.zeros_like(t, dtype=torch.bfloat16)
+        sd["model"][n] = ldc.ShardedTensor.from_rank_offsets(
+            f"model.{n}", data, (PARAMS[n][1], tp_rank, tp), replica_id=dp_rank)
+    buffers, expected = {}, {}
+    for s in STATES:
+        flat = torch.cat([local_shard(full_value(s, n), n, tp, tp_rank).reshape(-1) for n in PARAMS])
+        expected[s] = flat[r0:r1].clone()
+        buffers[s] = expected[s].clone() if fill else torch.full((r1 - r0,), float("nan"))
+        p0 = 0
+        for n, t in locals_.items():
+            lo, hi = max(r0, p0), min(r1, p0 + t.numel())
+            if lo < hi:
+                sd["optimizer"][f"{s}.{n}"] = ldc.ShardedTensor.from_rank_offsets_flat(
+                    f"optimizer.{s}.{n}", buffers[s][lo - r0:hi - r0], t.shape, (PARAMS[n][1], tp_rank, tp),
+                    flattened_range=slice(lo - p0, hi - p0))
+            p0 += t.numel()
+    return sd, buffers, expected
+
+
+def whole_state(rank, world, tp):
+    """The same state saved without flattening (TP shards, replicated over DP)."""
+    tp_rank, dp_rank = rank % tp, rank // tp
+    return {f"optimizer.{s}.{n}": ldc.ShardedTensor.from_rank_offsets(
+        f"optimizer.{s}.{n}", local_shard(full_value(s, n), n, tp, tp_rank).clone(), (PARAMS[n][1], tp_rank, tp),
+        replica_id=dp_rank) for s in STATES for n in PARAMS}
+
+
+def load_and_check(rank, world, tp, path, what):
+    sd, buffers, expected = dist_opt_state(rank, world, tp, fill=False)
+    loaded = ldc.load(sd, path)
+    for s in STATES:
+        assert torch.equal(buffers[s], expected[s]), f"{what}: rank {rank}: {s} flat buffer differs"
+    for n in PARAMS:
+        got = loaded["model"][n]
+        assert got.dtype == torch.bfloat16
+        want = local_shard(full_value("model", n), n, tp, rank % tp).to(torch.bfloat16)
+        assert torch.equal(got, want), f"{what}: rank {rank}: model {n} differs"
+    # The flat views were filled in place: the returned tensors are the buffer slices.
+    for key, t in loaded["optimizer"].items():
+        assert t.data_ptr() == sd["optimizer"][key].data.data_ptr()
+
+
+def _save_world2(rank, world, root):
+    ldc.save(dist_opt_state(rank, world, 1, fill=True)[0], f"{root}/tp1dp2")
+    ldc.save(dist_opt_state(rank, world, 2, fill=True)[0], f"{root}/tp2dp1")
+    ldc.save(whole_state(rank, world, 2), f"{root}/whole_tp2")
+
+
+def _world4(rank, world, root):
+    load_and_check(rank, world, 1, f"{root}/tp1dp2", "DP 2->4")
+    load_and_check(rank, world, 2, f"{root}/tp1dp2", "TP 1->2, DP 2->2 (ranges move)")
+    load_and_check(rank, world, 1, f"{root}/tp2dp1", "TP 2->1, DP 1->4")
+    ldc.save(dist_opt_state(rank, world, 1, fill=True)[0], f"{root}/tp1dp4")
+
+
+def _world2_after(rank, world, root):
+    load_and_check(rank, world, 1, f"{root}/tp1dp4", "DP 4->2")
+    load_and_check(rank, world, 2, f"{root}/tp1dp4", "DP 4->1, TP 1->2")
+    # Flat requests from whole stored shards (and another TP split).
+    sd, buffers, expected = dist_opt_state(rank, world, 1, fill=False)
+    ldc.load({"optimizer": sd["optimizer"]}, f"{root}/whole_tp2")
+    for s in STATES:
+        assert torch.equal(buffers[s], expected[s]), f"whole TP2 -> flat DP2: rank {rank}: {s}"
+
+
+def test_flattened_dp_and_tp_reshards_on_gloo(tmp_path):
+    root = str(tmp_path)
+    run_distributed(_save_world2, 2, root)
+    # A flat checkpoint read whole, in one process: flat pieces -> whole tensors.
+    plain = ldc.load_plain_tensors(f"{root}/tp1dp2")
+    for s in STATES:
+        for n in PARAMS:
+            assert torch.equal(plain[f"optimizer.{s}.{n}"], full_value(s, n))
+    assert plain["model.a.weight"].dtype == torch.bfloat16
+    run_distributed(_world4, 4, root)
+    run_distributed(_world2_after, 2, root)
+
+
+def test_flat_reads_are_proportional_on_disk(tmp_path):
+    """A TP=8 column slice of a flat-saved (TP=1, two uneven DP pieces) 256x512 fp32 tensor reads
+    about its own size from the files, not the tensor."""
+    rows, cols = 256, 512
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    cut = 70_001
+    ldc.save({"a": ldc.ShardedTensor.from_rank_offsets_flat("w", full.reshape(-1)[:cut].clone(), (rows, cols),
+                                                              flattened_range=slice(0, cut)),
+              "b": ldc.ShardedTensor.from_rank_offsets_flat("w", full.reshape(-1)[cut:].clone(), (rows, cols),
+                                                              flattened_range=slice(cut, rows * cols))},
+             tmp_path / "ck")
+    ckpt = OpenedCheckpoint.open(str(tmp_path / "ck"))
+    want = ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(rows, cols // 8), (1, 5, 8))
+    out, nbytes = read_tensors(ckpt, [want], set())
+    assert torch.equal(out[id(want)], full[:, 5 * 64:6 * 64])
+    needed = rows * cols // 8 * 4
+    assert nbytes <= 2 * needed, (nbytes, needed)  # the whole tensor would be 8x
+    # A flat request under DP=3 with TP=8: a range of the column slice, cut mid-row.
+    buf = torch.zeros(5000)
+    flat = ldc.ShardedTensor.from_rank_offsets_flat("w", buf, (rows, cols // 8), (1, 5, 8),
+                                                    flattened_range=slice(3001, 8001))
+    out, nbytes = read_tensors(ckpt, [flat], set())
+    assert torch.equal(buf, full[:, 5 * 64:6 * 64].reshape(-1)[3001:8001])
+    assert nbytes <= 2 * 5000 * 4 + 4 * 64 * 4
