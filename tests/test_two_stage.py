@@ -61,11 +61,19 @@ def _two_ranks(rank, world, path):
     tmpl["t1"].data = None
     tmpl["dup"] = ldc.ShardedTensor.from_rank_offsets("layer.3", torch.zeros(40, 16, dtype=torch.bfloat16),
                                                       replica_id=rank)
+    # flattened (distributed-optimizer) requests: one the ranks share, one each of their own
+    tmpl["flat_shared"] = ldc.ShardedTensor.from_rank_offsets_flat(
+        "layer.0", torch.zeros(100), (40, 16), flattened_range=slice(50, 150), replica_id=rank)
+    tmpl["flat_own"] = ldc.ShardedTensor.from_rank_offsets_flat(
+        "layer.0", torch.zeros(320), (40, 16), flattened_range=slice(320 * rank, 320 * (rank + 1)), replica_id=rank)
     loader = TwoStageDataParallelLoader(max_inflight_bytes=6000, bucket_bytes=512)
     out = ldc.load(tmpl, path, loader=loader)
     identical = all(torch.equal(out[k], ref[k]) and torch.equal(out[k], v) for k, v in expected.items())
     identical &= torch.equal(out["dup"], expected["t3"]) and out["common"] == {"step": 7}
     identical &= out["t0"] is tmpl["t0"].data and out["t0"].stride() == (1, 40)
+    flat = expected["t0"].reshape(-1)
+    identical &= torch.equal(out["flat_shared"], flat[50:150])
+    identical &= torch.equal(out["flat_own"], flat[320 * rank:320 * (rank + 1)])
 
     # resharding on the way: save split over 2 ranks (TP), load whole tensors on both ranks
     full = _value(5, (8, 6), torch.float32)
@@ -89,15 +97,17 @@ def test_two_ranks_bit_identical_and_unique_reads(tmp_path):
     assert all(r["identical"] for r in res)
     assert all(r["resharded"] for r in res)
     unique = sum(t.numel() * t.element_size() for t in _filled(replicated_state(0)).values())
+    unique += (100 + 2 * 320) * 4  # the flattened requests: one shared range, one range per rank
     stats = res[0]["stats"]
     assert [s.rank for s in stats] == [0, 1]
     # storage reads: each unique byte once over the group, against once per rank for every-rank reads
     assert sum(s.bytes_read for s in stats) == unique
-    assert [r["every_rank_bytes"] for r in res] == [unique, unique]
+    assert [r["every_rank_bytes"] for r in res] == [unique - (100 + 2 * 320) * 4] * 2
     # reads spread over both ranks, roughly evenly (balanced by bytes, largest first)
     assert all(s.bytes_read > 0.3 * unique for s in stats)
-    # each rank receives what the other read
-    assert stats[0].bytes_received == stats[1].bytes_read and stats[1].bytes_received == stats[0].bytes_read
+    # each rank receives what the other sent: all it read but its own flattened range
+    assert stats[0].bytes_received == stats[1].bytes_sent and stats[1].bytes_received == stats[0].bytes_sent
+    assert all(s.bytes_read - s.bytes_sent == 320 * 4 for s in stats)
     # memory bound: admitted bytes and the loader's own buffers never exceed max_inflight_bytes
     assert all(0 < s.peak_extra_bytes <= s.peak_inflight_bytes <= 6000 for s in stats)
     assert all(s.inflight_limit == 6000 for s in stats)
