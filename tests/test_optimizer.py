@@ -8,7 +8,6 @@ same math as a single process, and Adam being elementwise, any split gives the s
 """
 
 import copy
-import math
 
 import pytest
 import torch
@@ -198,7 +197,7 @@ def assert_same(a, b, exact, what):
         if exact:
             assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
         else:
-            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=lambda m: f"{what}: {k}: {m}")
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
 def assert_state_dicts_equal(a, b, what):

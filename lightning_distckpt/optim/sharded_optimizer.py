@@ -17,7 +17,7 @@ Layout of the returned dict (``prefix="optimizer"``)::
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Union
 
 import torch
 
