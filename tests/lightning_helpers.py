@@ -8,6 +8,11 @@ mean) loss of every step, so runs can be compared.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -148,3 +153,35 @@ def optimizer_full_state(module: TPMLP, optimizer: torch.optim.Optimizer) -> Dic
                 t = torch.cat(parts, dim=axis)
             out[f"{name}.{k}"] = t.clone()
     return out
+
+
+# -- running the scripts under tests/lightning_scripts ------------------------------------------
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_scripts")
+
+
+def run_script(script: str, args: List[str], out: str, world_size: int, timeout: float = 300) -> List[Dict[str, Any]]:
+    """Run ``python tests/lightning_scripts/<script> ARGS --out OUT`` (Lightning launches the other
+    ranks itself) and return each rank's ``OUT.rank<r>.json``. Fails with the output's tail."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK"):
+        env.pop(var, None)  # never inherit a launcher's environment
+    env["MASTER_PORT"] = str(_free_port())
+    cmd = [sys.executable, os.path.join(SCRIPTS, script), *args, "--out", out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    results = []
+    for rank in range(world_size):
+        path = f"{out}.rank{rank}.json"
+        if not os.path.isfile(path):
+            raise AssertionError(f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        with open(path) as f:
+            results.append(json.load(f))
+    errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
+    if proc.returncode != 0 or errors:
+        raise AssertionError(f"exit {proc.returncode}\n" + "\n".join(errors) + f"\n{proc.stderr[-8000:]}")
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -37,6 +37,7 @@ from ..storage.tensorstore_io import StorageOptions
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
 from ..strategies.load import load_every_rank_reads
 from ..strategies.save import finalize_save, prepare_save, write_local
+from ..strategies.two_stage import TwoStageDataParallelLoader
 from .config import ConfigLike, DistCheckpointConfig, StorageConfig, load_checkpoint_config
 from .tree import KIND_PLAIN, MANIFEST_KEY, manifest, plain_to_sharded, template_from_manifest
 
@@ -157,12 +158,16 @@ class DistCheckpointIO(CheckpointIO):
             dist_save(sharded_state_dict, os.fspath(path), **kwargs)
 
     def load_sharded(self, template: Dict[str, Any], path: Any, process_group: Optional[dist.ProcessGroup] = None,
-                     strict: Union[StrictHandling, str, None] = None) -> Dict[str, Any]:
-        """Collective load into ``template``; returns the loaded tree merged with the common state."""
+                     strict: Union[StrictHandling, str, None] = None,
+                     data_parallel_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
+        """Collective load into ``template``; returns the loaded tree merged with the common state.
+        ``data_parallel_group``: this rank's DP group, for the ``two_stage`` loader."""
         self.wait()
         handling = StrictHandling.parse(self.config.strict_handling if strict is None else strict)
         kwargs: Dict[str, Any] = {}
-        if self.config.loader is not None:
+        if self.config.loader == "two_stage":
+            kwargs["loader"] = TwoStageDataParallelLoader(data_parallel_group=data_parallel_group)
+        elif self.config.loader is not None:
             kwargs["loader"] = self.config.loader
         # The template's own common values (e.g. a fresh optimizer's scalar step) fill in for what a
         # non-strict load finds missing; the checkpoint's values win wherever it has them.

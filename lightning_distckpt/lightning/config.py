@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..core.strict import StrictHandling
 from ..storage.tensorstore_io import StorageOptions
+from ..strategies.loaders import LOADER_NAMES
 
 ConfigLike = Union["DistCheckpointConfig", "StrategyConfig", Mapping[str, Any], DictConfig, str, os.PathLike, None]
 
@@ -51,8 +52,10 @@ class DistCheckpointConfig:
         validate_access_integrity: check before writing that the shards tile every tensor exactly once.
         strict: key-mismatch handling on load, a :class:`~lightning_distckpt.StrictHandling` value
             (e.g. ``assume_ok_unexpected``, ``log_all``, ``raise_all``, ``ignore_all``).
-        loader: which load strategy to use, passed to ``lightning_distckpt.load(loader=...)``
-            (``null``: the library's default).
+        loader: which loader reads checkpoints: ``every_rank`` (each rank reads what it needs),
+            ``parallel`` (each unique chunk read once, exchanged), ``two_stage`` (read once per
+            data-parallel group and broadcast within it; the strategies pass their DP group), or
+            ``null`` for the library's default.
         async_save: save in the background; the next save (or the end of training) waits for it.
     """
 
@@ -68,8 +71,8 @@ class DistCheckpointConfig:
             self.strict = StrictHandling.parse(self.strict).value
         except ValueError as e:
             raise ValueError(f"strict: {e}") from None
-        if self.loader is not None and (not isinstance(self.loader, str) or not self.loader):
-            raise ValueError(f"loader must be a non-empty string or null, got {self.loader!r}")
+        if self.loader is not None and self.loader not in LOADER_NAMES:
+            raise ValueError(f"unknown loader {self.loader!r}; choose one of {list(LOADER_NAMES)} or null (the default)")
 
     @property
     def strict_handling(self) -> StrictHandling:

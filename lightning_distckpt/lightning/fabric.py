@@ -194,7 +194,8 @@ class FabricDistCheckpointStrategy(DDPStrategy):
                 template[name] = module_ssds[name]
             elif isinstance(obj, Optimizer):
                 template[name] = optimizer_sharded_state(obj, all_params, name, init_state=True)
-        loaded = self.checkpoint_io.load_sharded(template, target, strict=handling)
+        loaded = self.checkpoint_io.load_sharded(template, target, strict=handling,
+                                                 data_parallel_group=self.parallel_state.dp_group)
         man = loaded.pop(MANIFEST_KEY, None)
         if not isinstance(man, Mapping) or man.get("kind") != KIND_SHARDED:
             log.warning("checkpoint %s was not saved by a distributed-checkpoint strategy", target)

@@ -238,7 +238,8 @@ class DistCheckpointStrategy(DDPStrategy):
 
         template = build_on_all_ranks(f"load from {path}", build)
         strict = self._strict_handling()
-        loaded = self.checkpoint_io.load_sharded(template, path, strict=strict)
+        loaded = self.checkpoint_io.load_sharded(template, path, strict=strict,
+                                                 data_parallel_group=self.parallel_state.dp_group)
         man = loaded.pop(MANIFEST_KEY, None)
         if not isinstance(man, Mapping) or man.get("kind") != KIND_SHARDED:
             raise CheckpointingError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -26,6 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_distckpt import CheckpointingError, ShardedTensor, load_common_state_dict  # noqa: E402
 from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy  # noqa: E402
+from lightning_distckpt.storage.layout import read_metadata  # noqa: E402
 from lightning_helpers import TPMLP, StepCounter, full_weights, optimizer_full_state  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
@@ -74,26 +76,27 @@ def same(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, bool]:
 
 
 # -- scenarios ----------------------------------------------------------------------------
-def exact_resume(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+def exact_resume(args: argparse.Namespace, res: Dict[str, Any], make_strategy: Any = None, name: str = "exact") -> None:
     """A: 6 steps straight. B: 3 steps with a checkpoint every 3 steps. C: resume B's checkpoint to 6.
     C must end exactly where A did (weights, optimizer, schedulers, loops, losses)."""
+    make_strategy = make_strategy or (lambda: strategy_for(args))
     hp = dict(total_steps=6, conf=OmegaConf.create({"optim": {"name": "adamw", "betas": [0.9, 0.99]}}))
     a_model = TPMLP(**hp)
-    a = trainer(args, strategy_for(args), 6, plugins=plugins_for(args), enable_checkpointing=False)
+    a = trainer(args, make_strategy(), 6, plugins=plugins_for(args), enable_checkpointing=False)
     a.fit(a_model)
     snap_a = snapshot(a_model, a)
 
-    ckdir = os.path.join(args.dir, "exact")
+    ckdir = os.path.join(args.dir, name)
     b_model = TPMLP(**hp)
     cb = ModelCheckpoint(dirpath=ckdir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
-    b = trainer(args, strategy_for(args), 3, [cb, StepCounter()], plugins=plugins_for(args))
+    b = trainer(args, make_strategy(), 3, [cb, StepCounter()], plugins=plugins_for(args))
     b.fit(b_model)
     ckpt = os.path.join(ckdir, "step=3.ckpt")
 
     c_model = TPMLP(**hp)
     cb_c = ModelCheckpoint(dirpath=ckdir, filename="{step}", every_n_train_steps=3, save_top_k=-1)
     counter = StepCounter()
-    c = trainer(args, strategy_for(args), 6, [cb_c, counter], plugins=plugins_for(args))
+    c = trainer(args, make_strategy(), 6, [cb_c, counter], plugins=plugins_for(args))
     c.fit(c_model, ckpt_path=ckpt)
     res["callback_count"] = counter.count  # 3 restored + 3 new
     common = load_common_state_dict(ckpt)
@@ -238,8 +241,32 @@ def link_last(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["link_target_after"] = os.readlink(last) if os.path.islink(last) else None
 
 
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def exact_resume_yaml(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """exact_resume with the strategy built from configs/strategy_tp2.yaml (async save, two-stage
+    loader, zarr layout)."""
+    logs = Records()
+    logging.getLogger("lightning_distckpt").addHandler(logs)
+    logging.getLogger("lightning_distckpt").setLevel(logging.INFO)
+    cfg = os.path.join(os.path.dirname(os.path.dirname(HERE)), "configs", "strategy_tp2.yaml")
+    sub: Dict[str, Any] = {}
+    exact_resume(args, sub, lambda: DistCheckpointStrategy.from_config(cfg, timeout=TIMEOUT), name="yaml")
+    res["yaml_exact"] = sub["exact"]
+    res["yaml_layout"] = read_metadata(sub["checkpoint"])["storage"]["layout"]
+    res["yaml_async_commits"] = sum("async save" in m and "committed" in m for m in logs.messages)
+    res["yaml_two_stage_loads"] = sum("two_stage" in m or "two-stage" in m for m in logs.messages)
+
+
 SCENARIOS = {"exact_resume": exact_resume, "failures": failures, "nonstrict": nonstrict,
-             "resume_other_world": resume_other_world, "topk_last": topk_last, "link_last": link_last}
+             "resume_other_world": resume_other_world, "exact_resume_yaml": exact_resume_yaml, "topk_last": topk_last, "link_last": link_last}
 
 
 def main() -> None:

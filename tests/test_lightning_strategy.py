@@ -1,0 +1,114 @@
+"""DistCheckpointStrategy in real Trainer runs: 2 gloo processes (TP 2) launched by Lightning, then
+resumes under 1 process (TP 1) and 4 processes (TP 2 x DP 2)."""
+
+import math
+import os
+
+import pytest
+
+from lightning_helpers import run_script
+
+SCENARIOS = ["exact_resume", "failures", "nonstrict", "topk_last", "link_last", "exact_resume_yaml"]
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """One launch of 2 processes running every scenario in turn (Lightning startup is the slow part)."""
+    d = tmp_path_factory.mktemp("strategy")
+    results = run_script("trainer_scenarios.py", [*SCENARIOS, "--dir", str(d), "--devices", "2", "--tp", "2"],
+                         str(d / "out"), world_size=2, timeout=420)
+    return d, results
+
+
+def test_exact_resume_restores_everything(tp2):
+    _, results = tp2
+    for res in results:  # every rank: weights, optimizer state, LR scheduler, loops, epoch, step
+        assert res["exact"] == {k: True for k in ("weights", "opt", "lr", "sched", "global_step", "epoch")}
+        assert res["resumed_global_step"] == 6
+        # The resumed run computes exactly the losses the uninterrupted run computed.
+        assert res["losses_c"] == {k: v for k, v in res["losses_a"].items() if int(k) >= 3}
+        assert res["callback_count"] == 6  # a stateful callback's state: 3 before the checkpoint + 3 after
+        # hparams holding an omegaconf container round-trip through the common state, type kept.
+        assert res["hparams_conf"] == ["DictConfig", {"optim": {"name": "adamw", "betas": [0.9, 0.99]}}]
+        assert res["hparams_conf_is_dictconfig"] is True
+    # Both TP ranks wrote their own shards; the checkpoint is committed.
+    assert results[0]["rank_dirs"] == ["rank_00000", "rank_00001"]
+    assert {"COMMITTED", "metadata.json", "common.pt", "data"} <= set(results[0]["ckpt_entries"])
+
+
+def test_save_failing_on_one_rank_raises_on_every_rank(tp2):
+    d, results = tp2
+    for res in results:
+        fails = res["failures"]
+        # A write that fails on rank 1 only: every rank raises SaveFailedError naming rank 1.
+        assert fails["write_fails_on_rank1"].startswith("SaveFailedError")
+        assert "rank 1" in fails["write_fails_on_rank1"] and "meta" in fails["write_fails_on_rank1"]
+        # Rank 1 cannot even describe its state: every rank raises before any collective I/O.
+        assert fails["describe_fails_on_rank1"].startswith("CheckpointingError")
+        assert "rank 1: CheckpointingError: this rank cannot describe its state" in fails["describe_fails_on_rank1"]
+        assert res["failures_global_step"] == 4  # and training went on on every rank
+        assert res["good_ckpt_intact"] is True  # the earlier checkpoint at the same path survived
+        assert res["leftovers"] == []  # failed saves left no staging directories
+
+
+def test_missing_optimizer_state_strict_and_non_strict(tp2):
+    _, results = tp2
+    for res in results:
+        # Strict (default): the missing weights and optimizer state are named, on every rank.
+        assert res["strict"].startswith("MissingKeysError")
+        for key in ("norm.weight", "optimizer_states.0.state.exp_avg.norm.weight"):
+            assert key in res["strict"]
+        # Non-strict (strict: log_all): what exists is loaded, what is missing keeps its fresh value.
+        assert res["nonstrict_global_step"] == 5
+        assert res["nonstrict_fc1_step"] == 5.0  # Adam step restored (3) + 2 new steps
+        assert res["nonstrict_norm_step"] == 2.0  # the new layer's optimizer state started fresh
+        assert res["nonstrict_norm_weight_fresh_then_trained"] is True
+
+
+def test_model_checkpoint_top_k_and_last(tp2):
+    _, results = tp2
+    for res in results:
+        assert res["topk_listing"] == ["last.ckpt", "step=5.ckpt", "step=6.ckpt"]  # older top-k dirs removed
+        assert res["topk_best"] == ["step=5.ckpt", "step=6.ckpt"]
+        assert res["topk_all_committed"] is True
+        # A newer, uncommitted directory left by a crashed save is not chosen by ckpt_path="last".
+        assert res["last_resumed_from"] == "last.ckpt"
+        assert res["last_first_step"] == 6 and res["last_global_step"] == 8
+
+
+def test_model_checkpoint_save_last_link(tp2):
+    _, results = tp2
+    for res in results:
+        assert res["link_is_symlink"] is True and res["link_target"] == "step=4.ckpt"
+        assert res["link_listing"] == ["last.ckpt", "step=4.ckpt"]
+        assert res["link_first_step"] == 4  # resumed through the link
+        assert res["link_listing_after"] == ["last.ckpt", "step=6.ckpt"] and res["link_target_after"] == "step=6.ckpt"
+
+
+def test_yaml_configured_strategy_async_two_stage_zarr(tp2):
+    _, results = tp2
+    for res in results:
+        assert res["yaml_exact"] == {k: True for k in ("weights", "opt", "lr", "sched", "global_step", "epoch")}
+        assert res["yaml_layout"] == "zarr"
+        assert res["yaml_async_commits"] == 2  # the step-3 and step-6 saves were background saves
+    assert results[0]["yaml_two_stage_loads"] >= 1
+
+
+@pytest.mark.parametrize("devices,tp", [(1, 1), (4, 2)])
+def test_resume_under_another_world_size(tp2, devices, tp):
+    """The TP2 checkpoint resumes under TP1 (1 process) and TP2 x DP2 (4 processes): the TP shards are
+    resharded, the DP replicas deduplicated, and training continues from the same loss."""
+    d, results = tp2
+    ckpt = results[0]["checkpoint"]
+    out = d / f"world{devices}"
+    res = run_script("trainer_scenarios.py", ["resume_other_world", "--dir", str(out), "--devices", str(devices),
+                                              "--tp", str(tp), "--resume", ckpt], str(out), world_size=devices)
+    baseline = results[0]["losses_a"]
+    for r in res:
+        assert r["global_step"] == 6
+        assert sorted(r["losses"], key=int) == ["3", "4", "5"]
+        for step, loss in r["losses"].items():
+            assert math.isclose(loss, baseline[step], rel_tol=1e-5), (step, loss, baseline[step])
+    assert res[0]["parallel"] == f"rank 0/{devices}: tp 0/{tp}, dp 0/{devices // tp}"
+    assert all(r["weights_sum"] == res[0]["weights_sum"] for r in res)  # every rank sees the same model
+    assert os.path.isdir(ckpt)
