@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Tuple, Union
 import torch
 
 from ..core.errors import FormatError, ShardingError
-from ..core.mapping import ShardedTensor, ShardedTensorFactory
+from ..core.mapping import ShardedTensor
 
 MANIFEST_KEY = "__distckpt__"
 MANIFEST_VERSION = 1
@@ -120,11 +120,3 @@ def _put(root: Dict[str, Any], steps: List[Step], leaf: Any, where: str) -> None
             node = node[k]
         else:
             raise FormatError(f"checkpoint {where}: manifest path {steps} does not fit its containers")
-
-
-def has_factories(tree: Any) -> bool:
-    if isinstance(tree, dict):
-        return any(has_factories(v) for v in tree.values())
-    if isinstance(tree, list):
-        return any(has_factories(v) for v in tree)
-    return isinstance(tree, ShardedTensorFactory)

@@ -110,6 +110,7 @@ def exact_resume(args: argparse.Namespace, res: Dict[str, Any], make_strategy: A
     res["resumed_global_step"] = snap_c["global_step"]
     res["checkpoint"] = ckpt
     res["rank_dirs"] = sorted(os.listdir(os.path.join(ckpt, "data")))
+    res["ckpt_world_size"] = read_metadata(ckpt)["world_size"]
     res["ckpt_entries"] = sorted(os.listdir(ckpt))
 
 
