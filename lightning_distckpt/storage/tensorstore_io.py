@@ -1,6 +1,17 @@
 """Array I/O with tensorstore: each stored shard is a zarr v3 array (raw little-endian bytes, no
 compression) in its writer's key-value store; reads copy a slice of a stored array straight into
-the destination tensor's memory."""
+the destination tensor's memory.
+
+Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
+
+* writes hand tensorstore the tensor's memory (``can_reference_source_data_indefinitely``): no
+  staging copy; with the cache pool at 0 bytes nothing is retained after the write returns;
+* every chunk is stored, zeros included (``store_data_equal_to_fill_value``): tensorstore skips
+  its compare-with-fill-value scan, and a missing chunk can be told from a zero one;
+* reads refuse missing chunks (``fill_missing_data_reads=False``) instead of returning zeros;
+* arrays are created and opened concurrently (one future each), never one after the other:
+  opening hundreds of small arrays one by one cost ~0.3 ms each.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ from ..core.errors import CheckpointingError
 from .layout import object_path, rank_dir, tensor_path
 
 LAYOUTS = ("ocdbt", "zarr")
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -26,14 +38,15 @@ class StorageOptions:
 
     layout: ``"ocdbt"`` (default) puts each rank's arrays in one OCDBT database: a handful of
         files per rank whatever the number of tensors. ``"zarr"`` writes plain zarr v3 arrays,
-        one directory per stored shard, readable by any zarr v3 tool.
+        one directory per stored shard (``zarr.json`` + one file per chunk), readable by any zarr
+        v3 tool, but thousands of small files for a real model (see docs/format.md).
     chunk_bytes: largest zarr chunk; bigger shards are split along their first axis, so a
-        resharded read fetches only the chunks it overlaps.
-    io_concurrency: tensorstore's file I/O and copy concurrency.
+        resharded read fetches only the chunks it overlaps. Recorded in ``metadata.json``.
+    io_concurrency: tensorstore's file I/O and copy concurrency (not recorded: a reader's choice).
     """
 
     layout: str = "ocdbt"
-    chunk_bytes: int = 64 * 1024 * 1024
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     io_concurrency: int = 16
 
     def __post_init__(self) -> None:
@@ -49,7 +62,7 @@ class StorageOptions:
 
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "StorageOptions":
-        return cls(layout=data.get("layout", "ocdbt"), chunk_bytes=int(data.get("chunk_bytes", 64 << 20)))
+        return cls(layout=data.get("layout", "ocdbt"), chunk_bytes=int(data.get("chunk_bytes", DEFAULT_CHUNK_BYTES)))
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -60,13 +73,22 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def chunk_shape(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> List[int]:
-    """Whole trailing axes, the first axis cut so one chunk holds at most ``chunk_bytes``."""
+    """Whole trailing axes, the first axis cut so one chunk holds at most ``chunk_bytes``
+    (or one row, if a row is bigger)."""
     shape = [max(1, int(s)) for s in shape]
     if not shape:
         return []
     row = math.prod(shape[1:]) * itemsize
     rows = max(1, chunk_bytes // max(1, row))
     return [min(shape[0], rows)] + shape[1:]
+
+
+def ts_dtype(dtype: torch.dtype) -> str:
+    """tensorstore / zarr v3 name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).replace("torch.", "")
+
+
+_ts_dtype = ts_dtype  # older name, kept for callers
 
 
 class TensorStoreIO:
@@ -76,7 +98,8 @@ class TensorStoreIO:
         self.root = os.path.abspath(checkpoint_dir)
         self.options = options
         # One context per directory: all arrays of a rank share one OCDBT database instance, and
-        # the I/O concurrency applies to the whole save or load.
+        # the I/O concurrency applies to the whole save or load. No chunk cache: checkpoint data
+        # is written or read once, and caching would keep references to the caller's tensors.
         self.context = ts.Context(
             {
                 "file_io_concurrency": {"limit": options.io_concurrency},
@@ -89,13 +112,35 @@ class TensorStoreIO:
 
     # -- specs --------------------------------------------------------------------------
     def kvstore_spec(self, writer: int) -> Dict[str, Any]:
+        """The key-value store holding ``writer``'s arrays and objects."""
         path = rank_dir(self.root, writer)
         if self.options.layout == "ocdbt":
             return {"driver": "ocdbt", "base": {"driver": "file", "path": path + "/"}}
         return {"driver": "file", "path": path + "/"}
 
     def array_spec(self, writer: int, path: str) -> Dict[str, Any]:
-        return {"driver": "zarr3", "kvstore": self.kvstore_spec(writer), "path": path + "/"}
+        """Spec to open the zarr v3 array at ``path`` of ``writer``'s store for reading: a missing
+        chunk is an error (never silently the fill value)."""
+        return {"driver": "zarr3", "kvstore": self.kvstore_spec(writer), "path": path + "/",
+                "fill_missing_data_reads": False}
+
+    def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int]) -> Dict[str, Any]:
+        """Spec creating the array for one stored shard: raw little-endian bytes, chunks of at most
+        ``chunk_bytes`` along the first axis, every chunk stored (zeros too)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return {
+            "driver": "zarr3",
+            "kvstore": self.kvstore_spec(writer),
+            "path": path + "/",
+            "store_data_equal_to_fill_value": True,
+            "metadata": {
+                "shape": [int(s) for s in shape],
+                "data_type": ts_dtype(dtype),
+                "chunk_grid": {"name": "regular",
+                               "configuration": {"chunk_shape": chunk_shape(shape, itemsize, self.options.chunk_bytes)}},
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            },
+        }
 
     # -- writing ------------------------------------------------------------------------
     def write(
@@ -106,23 +151,16 @@ class TensorStoreIO:
     ) -> int:
         """Write ``(key, index, data)`` shards and objects into ``writer``'s store; returns bytes.
 
-        ``data`` must be CPU tensors in global-axes shape. Returns once everything is durable
-        (tensorstore fsyncs the files it writes).
+        ``data`` must be CPU tensors in global-axes shape, left unchanged until this returns
+        (tensorstore reads them in place, without a staging copy). Returns once everything is
+        durable: tensorstore's file driver fsyncs every file it writes.
         """
         os.makedirs(rank_dir(self.root, writer), exist_ok=True)
         opens = []
         for key, index, data in tensors:
             arr = to_numpy(data.contiguous())
-            spec = self.array_spec(writer, tensor_path(key, index))
-            fut = ts.open(
-                spec,
-                create=True,
-                dtype=_ts_dtype(data.dtype),
-                shape=list(arr.shape),
-                chunk_layout=ts.ChunkLayout(chunk_shape=chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)),
-                context=self.context,
-            )
-            opens.append((key, fut, arr))
+            spec = self.create_spec(writer, tensor_path(key, index), data.dtype, arr.shape)
+            opens.append((key, ts.open(spec, create=True, context=self.context), arr))
         writes = []
         nbytes = 0
         for key, fut, arr in opens:
@@ -130,71 +168,100 @@ class TensorStoreIO:
                 store = fut.result()
             except Exception as e:
                 raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key!r}: {e}") from e
-            writes.append((key, store.write(arr)))
+            writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
             nbytes += arr.nbytes
-        kv_writes = []
         if objects:
             kv = self._kvstore(writer)
             for key, index, blob in objects:
-                kv_writes.append((key, kv.write(object_path(key, index), blob)))
+                writes.append((key, kv.write(object_path(key, index), blob)))
                 nbytes += len(blob)
-        for key, w in writes + kv_writes:
+        errors = []
+        for key, w in writes:  # wait for all, so no write is still running when we raise
             try:
                 w.result()
             except Exception as e:
-                raise CheckpointingError(f"checkpoint {self.root}: writing {key!r} failed: {e}") from e
+                errors.append(f"{key!r}: {e}")
+        if errors:
+            raise CheckpointingError(f"checkpoint {self.root}: writing failed for {'; '.join(errors[:5])}"
+                                     + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
         return nbytes
 
     # -- reading ------------------------------------------------------------------------
     def _kvstore(self, writer: int) -> Any:
         if writer not in self._kvstores:
-            self._kvstores[writer] = ts.KvStore.open(self.kvstore_spec(writer), context=self.context).result()
+            try:
+                self._kvstores[writer] = ts.KvStore.open(self.kvstore_spec(writer), context=self.context).result()
+            except Exception as e:
+                raise CheckpointingError(
+                    f"checkpoint {self.root}: the store of rank {writer} ({rank_dir(self.root, writer)}) cannot be "
+                    f"opened: {e}"
+                ) from e
         return self._kvstores[writer]
+
+    def open_arrays(self, shards: Iterable[Tuple[int, str, int]]) -> None:
+        """Open ``(writer, key, index)`` stored shards concurrently (cached for this reader)."""
+        pending = {}
+        for writer, key, index in shards:
+            handle = (writer, tensor_path(key, index))
+            if handle not in self._arrays and handle not in pending:
+                fut = ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context)
+                pending[handle] = (key, index, fut)
+        for handle, (key, index, fut) in pending.items():
+            try:
+                self._arrays[handle] = fut.result()
+            except Exception as e:
+                raise CheckpointingError(
+                    f"checkpoint {self.root}: {key!r} shard {index} (written by rank {handle[0]}) is missing or "
+                    f"unreadable: {e}"
+                ) from e
 
     def open_array(self, writer: int, key: str, index: int) -> Any:
         """Open stored shard ``index`` of ``key`` (cached for this reader)."""
-        path = tensor_path(key, index)
-        handle = (writer, path)
-        if handle not in self._arrays:
-            try:
-                self._arrays[handle] = ts.open(
-                    self.array_spec(writer, path), open=True, read=True, context=self.context
-                ).result()
-            except Exception as e:
-                raise CheckpointingError(
-                    f"checkpoint {self.root}: {key!r} shard {index} (written by rank {writer}) is missing or "
-                    f"unreadable: {e}"
-                ) from e
-        return self._arrays[handle]
+        self.open_arrays([(writer, key, index)])
+        return self._arrays[(writer, tensor_path(key, index))]
 
     def read_into(self, reads: Iterable[Tuple[str, int, int, Tuple[slice, ...], torch.Tensor]]) -> int:
         """Copy ``(key, writer, index, src_slices, dest)`` pieces; ``dest`` is a CPU tensor view that
         receives ``stored[src_slices]`` (converted to dest's dtype). Returns bytes read."""
+        reads = list(reads)
+        self.open_arrays((writer, key, index) for key, writer, index, _, _ in reads)
         futures = []
         nbytes = 0
         for key, writer, index, src, dest in reads:
             store = self.open_array(writer, key, index)[src]
-            if _ts_dtype(dest.dtype) != store.dtype.name:
-                store = ts.cast(store, _ts_dtype(dest.dtype))
+            if ts_dtype(dest.dtype) != store.dtype.name:
+                store = ts.cast(store, ts_dtype(dest.dtype))
             target = ts.array(to_numpy(dest), copy=False, write=True, context=self.context)
             futures.append((key, index, writer, target.write(store)))
             nbytes += dest.numel() * dest.element_size()
+        errors = []
         for key, index, writer, fut in futures:
             try:
                 fut.result()
             except Exception as e:
-                raise CheckpointingError(
-                    f"checkpoint {self.root}: reading {key!r} shard {index} (written by rank {writer}) failed: {e}"
-                ) from e
+                errors.append(f"reading {key!r} shard {index} (written by rank {writer}) failed: {e}")
+        if errors:
+            raise CheckpointingError(f"checkpoint {self.root}: " + "; ".join(errors[:5])
+                                     + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
         return nbytes
 
     def read_array(self, writer: int, key: str, index: int, src: Optional[Tuple[slice, ...]] = None) -> np.ndarray:
+        """Stored shard ``index`` of ``key`` (or its ``src`` slice) as a new numpy array; every chunk
+        it covers is read, so a missing or damaged chunk raises CheckpointingError."""
         store = self.open_array(writer, key, index)
-        return (store[src] if src is not None else store).read().result()
+        try:
+            return (store[src] if src is not None else store).read().result()
+        except Exception as e:
+            raise CheckpointingError(
+                f"checkpoint {self.root}: reading {key!r} shard {index} (written by rank {writer}) failed: {e}"
+            ) from e
 
     def read_object(self, writer: int, key: str, index: int) -> bytes:
+        """The bytes of ShardedObject element ``index`` of ``key``."""
         try:
             res = self._kvstore(writer).read(object_path(key, index)).result()
+        except CheckpointingError:
+            raise
         except Exception as e:
             raise CheckpointingError(f"checkpoint {self.root}: reading object {key!r} #{index} failed: {e}") from e
         if res.state != "value":
@@ -202,7 +269,3 @@ class TensorStoreIO:
                 f"checkpoint {self.root}: object {key!r} #{index} (written by rank {writer}) is missing"
             )
         return bytes(res.value)
-
-
-def _ts_dtype(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
