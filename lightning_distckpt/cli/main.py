@@ -1,0 +1,105 @@
+"""``lightning-distckpt`` / ``python -m lightning_distckpt``: look into and check checkpoints.
+
+    lightning-distckpt inspect DIR [--json]     keys, global shapes, dtypes, bytes, shard grid, writers
+    lightning-distckpt validate DIR [--json]    read every stored byte; exit 1 if anything is damaged
+
+Exit status: 0 fine; 1 the checkpoint is damaged (validate); 2 not a checkpoint, an incomplete
+(uncommitted) one, an unsupported format, or bad usage. Errors are one line on stderr, no traceback.
+Subcommands live in one ``argparse`` subparser group: add new ones (e.g. ``convert``) with
+:func:`add_command`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable, List, Optional
+
+from ..core.errors import CheckpointingError
+from ..version import __version__
+
+EXIT_OK, EXIT_DAMAGED, EXIT_UNUSABLE = 0, 1, 2
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """Bad arguments or a path that cannot be a checkpoint (exit status 2)."""
+
+
+def _checkpoint_path(path: str) -> str:
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file or directory")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path}: is a file, not a checkpoint directory")
+    return path
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..strategies.load import OpenedCheckpoint
+    from .inspect import render, summarize
+
+    summary = summarize(OpenedCheckpoint.open(_checkpoint_path(args.checkpoint)))
+    print(json.dumps(summary, indent=1) if args.json else render(summary))
+    return EXIT_OK
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .validate import as_json, render, validate
+
+    progress = None if args.json or not args.verbose else (lambda key: print(f"checked {key}", file=sys.stderr))
+    report = validate(_checkpoint_path(args.checkpoint), max_inflight_bytes=args.max_inflight_mib << 20,
+                      progress=progress)
+    print(json.dumps(as_json(report), indent=1) if args.json else render(report))
+    return EXIT_OK if report.ok else EXIT_DAMAGED
+
+
+def add_command(sub: "argparse._SubParsersAction", name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
+    """Register a subcommand; ``handler(args)`` returns the exit status."""
+    p = sub.add_parser(name, help=help, description=help)
+    p.set_defaults(handler=handler)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-distckpt",
+        description="Inspect and validate lightning_distckpt (sharded) checkpoints.",
+        epilog="exit status: 0 ok, 1 damaged checkpoint (validate), 2 not a (complete) checkpoint or bad usage",
+    )
+    parser.add_argument("--version", action="version", version=f"lightning_distckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = add_command(sub, "inspect", cmd_inspect,
+                    "show keys, global shapes, dtypes, bytes, shard grid and writer ranks, and whether the "
+                    "checkpoint is complete (reads metadata only)")
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p = add_command(sub, "validate", cmd_validate,
+                    "read every chunk of every stored shard, every object and the common state; report missing "
+                    "or unreadable data (exit status 1)")
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--verbose", "-v", action="store_true", help="print each key as it is checked (stderr)")
+    p.add_argument("--max-inflight-mib", type=int, default=256, help="bytes read at once per shard (default 256 MiB)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``lightning-distckpt`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (CheckpointingError, UsageError) as e:
+        print(f"lightning-distckpt {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. piped into head
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

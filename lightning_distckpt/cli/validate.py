@@ -1,0 +1,224 @@
+"""``validate``: read back every byte a checkpoint stores and report what is missing or damaged.
+
+Checks, in order: the index in ``metadata.json`` (every tensor tiled exactly once by its stored
+shards, shards inside their global shape, every object element present); every writer's store
+opens; every stored shard's zarr metadata matches the index (dtype, shape); every chunk of every
+shard is read (a missing chunk is an error, never the fill value); every object and the common
+state are read and their archives' checksums verified, then unpickled with the same allow-list as
+``load`` (a type that needs ``extra_safe_globals`` is a warning, not damage).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import re
+import time
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..core.errors import CheckpointingError
+from ..planning.metadata import ObjectRecord, ShardRecord, StoredShard, element_size
+from ..planning.validation import validate_object_records, validate_tensor_records
+from ..storage.layout import COMMON_FILE, rank_dir
+from ..storage.safe_pickle import loads
+from ..storage.tensorstore_io import TensorStoreIO
+from ..strategies.load import OpenedCheckpoint
+
+_SPEC_TAIL = re.compile(r"\s*\[(tensorstore_spec|transform|domain)=.*$", re.S)
+
+
+@dataclass
+class Report:
+    """What ``validate`` found: ``problems`` (damage: missing or unreadable data, a broken index)
+    and ``warnings`` (could not be fully checked), with counts of what was read."""
+
+    path: str
+    problems: List[str] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+    shards: int = 0
+    chunks: int = 0
+    bytes_read: int = 0
+    objects: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def short_error(e: BaseException) -> str:
+    """An exception's message without tensorstore's trailing spec dump."""
+    return _SPEC_TAIL.sub("", str(e)).strip() or type(e).__name__
+
+
+def validate(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20,
+             progress: Optional[Callable[[str], None]] = None) -> Report:
+    """Check everything ``checkpoint_dir`` stores (see module docstring). Raises
+    IncompleteCheckpointError / FormatError when it is not a readable committed checkpoint."""
+    t0 = time.perf_counter()
+    ckpt = OpenedCheckpoint.open(checkpoint_dir)
+    report = Report(ckpt.path)
+    _check_index(ckpt, report)
+    tio = TensorStoreIO(ckpt.path, ckpt.options)
+    dead = _check_writer_stores(ckpt, report)
+    for key in sorted(ckpt.index.tensors):
+        entry = ckpt.index.tensors[key]
+        for shard in entry.shards:
+            if shard.writer in dead:
+                continue
+            report.shards += 1
+            _read_shard(tio, key, entry.dtype, shard, report, max_inflight_bytes)
+        if progress:
+            progress(key)
+    _check_objects(ckpt, tio, dead, report)
+    _check_common(ckpt, report)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _check_index(ckpt: OpenedCheckpoint, report: Report) -> None:
+    records = []
+    for key, e in ckpt.index.tensors.items():
+        for s in e.shards:
+            if len(s.offset) != len(e.global_shape) or len(s.shape) != len(e.global_shape) or any(
+                    o + n > g for o, n, g in zip(s.offset, s.shape, e.global_shape)):
+                report.problems.append(f"index: {key!r} shard {s.index} (rank {s.writer}) at offset {list(s.offset)} "
+                                       f"shape {list(s.shape)} lies outside global shape {list(e.global_shape)}")
+                continue
+            records.append(ShardRecord(key, e.dtype, tuple(e.global_shape), tuple(s.offset), tuple(s.shape),
+                                       tuple(s.flat) if s.flat else None, True, s.writer))
+    objects = [ObjectRecord(key, tuple(o.global_shape), tuple(s.offset), True, s.writer)
+               for key, o in ckpt.index.objects.items() for s in o.shards]
+    report.problems += [f"index: {p}" for p in validate_tensor_records(records) + validate_object_records(objects)]
+
+
+def _check_writer_stores(ckpt: OpenedCheckpoint, report: Report) -> set:
+    """Writers whose store directory is gone (reported once, not once per shard)."""
+    writers = {s.writer for e in ckpt.index.tensors.values() for s in e.shards}
+    writers |= {s.writer for o in ckpt.index.objects.values() for s in o.shards}
+    dead = set()
+    for w in sorted(writers):
+        if not os.path.isdir(rank_dir(ckpt.path, w)):
+            dead.add(w)
+            n = sum(1 for e in ckpt.index.tensors.values() for s in e.shards if s.writer == w)
+            report.problems.append(f"rank {w}: data directory {rank_dir(ckpt.path, w)} is missing "
+                                   f"({n} stored shard(s) lost)")
+    return dead
+
+
+def _read_shard(tio: TensorStoreIO, key: str, dtype: str, shard: StoredShard, report: Report,
+                max_inflight_bytes: int) -> None:
+    where = f"{key!r} shard {shard.index} (rank {shard.writer})"
+    try:
+        store = tio.open_array(shard.writer, key, shard.index)
+    except CheckpointingError as e:
+        report.problems.append(f"{where}: cannot open: {short_error(e.__cause__ or e)}")
+        return
+    expected = (shard.flat[1] - shard.flat[0],) if shard.flat else tuple(shard.shape)
+    if store.dtype.name != dtype or tuple(store.shape) != expected:
+        report.problems.append(f"{where}: stored array is {store.dtype.name} {list(store.shape)}, the index says "
+                               f"{dtype} {list(expected)}")
+        return
+    if store.rank == 0 or math.prod(store.shape) == 0:
+        pieces: List[Tuple[Any, str]] = [(store, "all")] if store.rank == 0 else []
+    else:
+        rows = max(1, int(store.chunk_layout.read_chunk.shape[0]))
+        n = int(store.shape[0])
+        pieces = [(store[r:min(r + rows, n)], f"rows {r}:{min(r + rows, n)}") for r in range(0, n, rows)]
+    row_bytes = math.prod(store.shape[1:]) * element_size(dtype) if store.rank else element_size(dtype)
+    window: List[Tuple[Any, str, int]] = []
+    inflight = 0
+
+    def drain() -> None:
+        nonlocal inflight
+        for fut, what, nbytes in window:
+            try:
+                fut.result()
+                report.bytes_read += nbytes
+            except Exception as e:
+                report.problems.append(f"{where}: chunk {what} unreadable: {short_error(e)}")
+        window.clear()
+        inflight = 0
+
+    for piece, what in pieces:
+        nbytes = (piece.shape[0] * row_bytes) if piece.rank else row_bytes
+        if window and inflight + nbytes > max_inflight_bytes:
+            drain()
+        window.append((piece.read(), what, nbytes))
+        inflight += nbytes
+        report.chunks += 1
+    drain()
+
+
+def _check_blob(blob: bytes, where: str, report: Report) -> None:
+    """A torch.save archive: verify its zip checksums, then unpickle it safely."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+            bad = zf.testzip()
+        if bad is not None:
+            report.problems.append(f"{where}: archive member {bad} fails its checksum")
+            return
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        report.problems.append(f"{where}: not a readable torch.save archive ({e})")
+        return
+    try:
+        loads(blob, where)
+    except CheckpointingError as e:
+        if "refused to deserialize" in str(e):
+            report.warnings.append(f"{where}: holds types outside the safe allow-list; load it with "
+                                   f"extra_safe_globals=[...] ({str(e).split(': ')[-1][:200]})")
+        else:
+            report.problems.append(str(e))
+
+
+def _check_objects(ckpt: OpenedCheckpoint, tio: TensorStoreIO, dead: set, report: Report) -> None:
+    for key in sorted(ckpt.index.objects):
+        for s in ckpt.index.objects[key].shards:
+            if s.writer in dead:
+                continue
+            where = f"object {key!r} element {list(s.offset)} (rank {s.writer})"
+            try:
+                blob = tio.read_object(s.writer, key, s.index)
+            except CheckpointingError as e:
+                report.problems.append(f"{where}: {short_error(e.__cause__ or e)}")
+                continue
+            report.objects += 1
+            report.bytes_read += len(blob)
+            _check_blob(blob, where, report)
+
+
+def _check_common(ckpt: OpenedCheckpoint, report: Report) -> None:
+    path = os.path.join(ckpt.path, COMMON_FILE)
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as e:
+        report.problems.append(f"common state {path}: missing or unreadable ({e.strerror or e})")
+        return
+    report.bytes_read += len(blob)
+    _check_blob(blob, f"common state {path}", report)
+
+
+def render(report: Report, limit: int = 50) -> str:
+    lines = []
+    for p in report.problems[:limit]:
+        lines.append(f"PROBLEM  {p}")
+    if len(report.problems) > limit:
+        lines.append(f"PROBLEM  ... and {len(report.problems) - limit} more")
+    for w in report.warnings[:limit]:
+        lines.append(f"WARNING  {w}")
+    status = "OK" if report.ok else f"DAMAGED ({len(report.problems)} problem(s))"
+    lines.append(
+        f"{status}: {report.path}: read {report.shards} stored shard(s) in {report.chunks} chunk read(s), "
+        f"{report.objects} object(s) and the common state, {report.bytes_read} bytes in {report.seconds:.2f}s"
+    )
+    return "\n".join(lines)
+
+
+def as_json(report: Report) -> Dict[str, Any]:
+    return {"path": report.path, "ok": report.ok, "problems": report.problems, "warnings": report.warnings,
+            "shards": report.shards, "chunks": report.chunks, "objects": report.objects,
+            "bytes_read": report.bytes_read, "seconds": round(report.seconds, 3)}
