@@ -97,7 +97,9 @@ def load(
     With ``strict`` = RETURN_UNEXPECTED / RETURN_ALL returns ``(state_dict, missing, unexpected)``.
     ``extra_safe_globals`` lists further trusted types that common state / objects may contain.
     ``loader`` picks how chunks are read: ``"every_rank"``, ``"parallel"``, ``"two_stage"`` or a
-    loader object such as ``TwoStageDataParallelLoader(dp_group)`` (see docs/loaders.md).
+    loader object such as ``TwoStageDataParallelLoader(dp_group)`` (see docs/loaders.md). The
+    default, ``"two_stage"`` over the whole group, reads each chunk the ranks need once from
+    storage and sends it to the others, pipelined with bounded memory.
     """
     strict = StrictHandling.parse(strict)
     comm = get_comm(process_group)

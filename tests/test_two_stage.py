@@ -172,6 +172,9 @@ def _tp_dp(rank, world, path):
     # the same layout with the fully parallel loader over the whole world (point-to-point sends)
     par = ldc.load(state(False), path, loader="parallel")
     ok_par = all(torch.equal(par[k], v) for k, v in expected.items())
+    # and the default loader (two-stage over the whole world: point-to-point within the pairs)
+    whole = ldc.load(state(False), path)
+    ok_par &= all(torch.equal(whole[k], v) for k, v in expected.items())
     return {"ok": ok, "ok_par": ok_par, "dp_ranks": dist.get_process_group_ranks(dp_group),
             "stats": loader.last_stats, "group_rank": get_comm(dp_group).rank}
 
