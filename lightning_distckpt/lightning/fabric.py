@@ -32,7 +32,7 @@ from ..core.strict import StrictHandling
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
 from .parallel import ParallelState
-from .sharded import model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
+from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
 log = logging.getLogger("lightning_distckpt")
@@ -78,8 +78,9 @@ class FabricDistCheckpointStrategy(DDPStrategy):
     ) -> None:
         if int(tensor_parallel_size) < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        if "process_group" in ddp_kwargs:
-            raise ValueError("process_group is set by FabricDistCheckpointStrategy (the data-parallel group)")
+        for owned in ("process_group", "device_mesh"):  # (LightningCLI passes DDP's defaults, None)
+            if ddp_kwargs.pop(owned, None) is not None:
+                raise ValueError(f"{owned} is set by FabricDistCheckpointStrategy (the data-parallel group); do not pass it")
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
@@ -148,27 +149,30 @@ class FabricDistCheckpointStrategy(DDPStrategy):
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """Collective save of ``state``: modules and optimizers sharded, the rest common state."""
         filter = filter or {}
-        module_ssds = self._module_ssds(state)
-        all_params: Dict[str, Any] = {}
-        for ssd in module_ssds.values():
-            all_params.update(ssd)
-        tree: Dict[str, Any] = {}
-        for name, obj in state.items():
-            if isinstance(obj, Module):
-                value: Any = module_ssds[name]
-                if name in filter:
-                    prefix = f"{name}."
-                    value = {k: v for k, v in value.items() if filter[name](k[len(prefix):], v)}
-            elif isinstance(obj, Optimizer):
-                value = optimizer_sharded_state(obj, all_params, name, init_state=True)
-            elif isinstance(obj, _Stateful):
-                value = obj.state_dict()
-            else:
-                value = obj
-            if name in filter and not isinstance(obj, Module) and isinstance(value, dict):
-                value = {k: v for k, v in value.items() if filter[name](k, v)}
-            tree[name] = value
-        tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
+
+        def build() -> Dict[str, Any]:
+            module_ssds = self._module_ssds(state)
+            all_params = {k: v for ssd in module_ssds.values() for k, v in ssd.items()}
+            tree: Dict[str, Any] = {}
+            for name, obj in state.items():
+                if isinstance(obj, Module):
+                    value: Any = module_ssds[name]
+                    if name in filter:
+                        prefix = f"{name}."
+                        value = {k: v for k, v in value.items() if filter[name](k[len(prefix):], v)}
+                elif isinstance(obj, Optimizer):
+                    value = optimizer_sharded_state(obj, all_params, name, init_state=True)
+                elif isinstance(obj, _Stateful):
+                    value = obj.state_dict()
+                else:
+                    value = obj
+                if name in filter and not isinstance(obj, Module) and isinstance(value, dict):
+                    value = {k: v for k, v in value.items() if filter[name](k, v)}
+                tree[name] = value
+            tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
+            return tree
+
+        tree = build_on_all_ranks(f"save to {os.fspath(path)}", build)
         self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, state: Optional[Union[Module, Optimizer, Dict[str, Any]]] = None,
@@ -184,16 +188,19 @@ class FabricDistCheckpointStrategy(DDPStrategy):
             raise TypeError("FabricDistCheckpointStrategy.load_checkpoint: pass a dict such as {'model': model}, "
                             "not a bare module or optimizer")
         handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
-        module_ssds = self._module_ssds(state)
-        all_params: Dict[str, Any] = {}
-        for ssd in module_ssds.values():
-            all_params.update(ssd)
-        template: Dict[str, Any] = {}
-        for name, obj in state.items():
-            if isinstance(obj, Module):
-                template[name] = module_ssds[name]
-            elif isinstance(obj, Optimizer):
-                template[name] = optimizer_sharded_state(obj, all_params, name, init_state=True)
+
+        def build() -> Dict[str, Any]:
+            module_ssds = self._module_ssds(state)
+            all_params = {k: v for ssd in module_ssds.values() for k, v in ssd.items()}
+            template: Dict[str, Any] = {}
+            for name, obj in state.items():
+                if isinstance(obj, Module):
+                    template[name] = module_ssds[name]
+                elif isinstance(obj, Optimizer):
+                    template[name] = optimizer_sharded_state(obj, all_params, name, init_state=True)
+            return template
+
+        template = build_on_all_ranks(f"load from {target}", build)
         loaded = self.checkpoint_io.load_sharded(template, target, strict=handling,
                                                  data_parallel_group=self.parallel_state.dp_group)
         man = loaded.pop(MANIFEST_KEY, None)

@@ -14,8 +14,9 @@ from .parallel import ParallelState, module_sharded_state_dict
 
 
 def model_sharded_state_dict(module: nn.Module, ps: ParallelState, prefix: str = "") -> Dict[str, Any]:
-    """``module.sharded_state_dict(prefix=prefix)`` when the module defines it; otherwise every tensor of
-    its state dict as a whole tensor replicated on all ranks (plain data parallelism)."""
+    """``module.sharded_state_dict(prefix=prefix)`` when the module defines it; otherwise
+    :func:`module_sharded_state_dict`: submodules that define one describe their shards, every other
+    tensor is a whole tensor replicated on all ranks."""
     fn = getattr(module, "sharded_state_dict", None)
     if callable(fn):
         out = fn(prefix=prefix)
@@ -24,10 +25,13 @@ def model_sharded_state_dict(module: nn.Module, ps: ParallelState, prefix: str =
                 f"{type(module).__name__}.sharded_state_dict() must return a dict, got {type(out).__name__}"
             )
         return out
-    if ps.tp_size > 1:
+    if ps.tp_size > 1 and not any(callable(getattr(m, "sharded_state_dict", None)) for m in module.modules()):
+        # Nothing describes a shard: the tensors would all be saved as replicas, which is wrong for
+        # any tensor-parallel weight. Refuse rather than save one TP rank's shard as the whole tensor.
         raise CheckpointingError(
-            f"{type(module).__name__} does not define sharded_state_dict(prefix=''), so its tensors cannot be "
-            f"described under tensor_parallel_size={ps.tp_size}; define it (see lightning_distckpt.lightning.parallel)"
+            f"{type(module).__name__} and its submodules define no sharded_state_dict(prefix=''), so its tensors "
+            f"cannot be described under tensor_parallel_size={ps.tp_size}; define it (see "
+            f"lightning_distckpt.lightning.parallel)"
         )
     return module_sharded_state_dict(module, prefix, replica_id=ps.replicated_id)
 

@@ -82,8 +82,9 @@ class DistCheckpointStrategy(DDPStrategy):
     ) -> None:
         if int(tensor_parallel_size) < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        if "process_group" in ddp_kwargs:
-            raise ValueError("process_group is set by DistCheckpointStrategy (the data-parallel group); do not pass it")
+        for owned in ("process_group", "device_mesh"):  # (LightningCLI passes DDP's defaults, None)
+            if ddp_kwargs.pop(owned, None) is not None:
+                raise ValueError(f"{owned} is set by DistCheckpointStrategy (the data-parallel group); do not pass it")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

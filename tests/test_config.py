@@ -1,0 +1,128 @@
+"""YAML / omegaconf configuration: the schema, the shipped configs/*.yaml, from_config, and a real
+LightningCLI run configured from YAML (examples/cli_gpt.py + configs/cli_gpt_tp.yaml)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_distckpt import StrictHandling, load_common_state_dict
+from lightning_distckpt.lightning import (
+    ConfigError,
+    DistCheckpointConfig,
+    DistCheckpointIO,
+    DistCheckpointStrategy,
+    FabricDistCheckpointStrategy,
+    load_checkpoint_config,
+    load_strategy_config,
+)
+from lightning_distckpt.storage.layout import read_metadata
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def test_defaults_match_the_reference_yaml():
+    assert load_checkpoint_config(CONFIGS / "checkpoint.yaml") == DistCheckpointConfig()
+    assert load_checkpoint_config(None) == DistCheckpointConfig()
+
+
+@pytest.mark.parametrize("name", ["checkpoint.yaml", "checkpoint_async.yaml", "checkpoint_portable.yaml"])
+def test_shipped_checkpoint_configs_load(name):
+    cfg = load_checkpoint_config(CONFIGS / name)
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    for key, value in raw.items():  # every value in the file made it into the config
+        if key == "storage":
+            for k, v in value.items():
+                assert getattr(cfg.storage, k) == v
+        else:
+            assert getattr(cfg, key) == value
+
+
+def test_values_reach_the_plugin_and_strategies():
+    io = DistCheckpointIO.from_config(CONFIGS / "checkpoint_portable.yaml")
+    assert io.config.storage_options.layout == "zarr" and io.config.storage_options.chunk_bytes == 1 << 20
+    assert io.config.strict_handling is StrictHandling.RAISE_ALL
+    s = DistCheckpointStrategy.from_config(CONFIGS / "strategy_tp2.yaml")
+    assert s.tensor_parallel_size == 2
+    assert s.checkpoint_io.config.async_save is True and s.checkpoint_io.config.loader == "two_stage"
+    assert s.checkpoint_io.config.storage.layout == "zarr"
+    f = FabricDistCheckpointStrategy.from_config({"tensor_parallel_size": 4, "checkpoint": {"balance_writes": False}})
+    assert f.tensor_parallel_size == 4 and f.checkpoint_io.config.balance_writes is False
+    # The strategy's own checkpoint= argument takes a mapping, a YAML path or a config object.
+    assert DistCheckpointStrategy(checkpoint={"strict": "log_all"}).checkpoint_io.config.strict == "log_all"
+    assert DistCheckpointStrategy(checkpoint=str(CONFIGS / "checkpoint_async.yaml")).checkpoint_io.config.async_save
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ({"storag": {}}, "storag"),
+    ({"storage": {"layot": "zarr"}}, "storage.layot"),
+    ({"storage": {"layout": "tar"}}, "unknown storage layout 'tar'"),
+    ({"storage": {"chunk_bytes": "big"}}, "storage.chunk_bytes"),
+    ({"balance_writes": "sometimes"}, "balance_writes"),
+    ({"strict": "very"}, "unknown strict handling 'very'"),
+    ({"loader": "three_stage"}, "unknown loader 'three_stage'"),
+    ({"async_save": [1]}, "async_save"),
+])
+def test_bad_keys_and_values_are_named(bad, needle):
+    with pytest.raises(ConfigError) as e:
+        load_checkpoint_config(bad)
+    assert needle in str(e.value)
+
+
+def test_errors_name_the_file(tmp_path):
+    path = tmp_path / "ckpt.yaml"
+    path.write_text("storage:\n  layout: zarr\n  io_threads: 4\n")
+    with pytest.raises(ConfigError) as e:
+        DistCheckpointIO.from_config(path)
+    assert str(path) in str(e.value) and "storage.io_threads" in str(e.value)
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        load_strategy_config({"tensor_parallel_size": 0})
+    with pytest.raises(ConfigError, match="checkpoint.strct"):
+        load_strategy_config({"checkpoint": {"strct": "raise_all"}})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_checkpoint_config(tmp_path / "missing.yaml")
+
+
+def _cli(args, tmp_path, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "cli_gpt.py"), "fit", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_lightning_cli_yaml_run_and_resume(tmp_path):
+    """LightningCLI builds DistCheckpointStrategy (class_path / init_args) with the checkpoint settings
+    from configs/cli_gpt_tp.yaml, trains on 2 processes (TP 2); a second run resumes the newest
+    checkpoint (ckpt_path=last) on 1 process (TP 1, overridden on the command line)."""
+    root = tmp_path / "run"
+    first = _cli(["--config", str(CONFIGS / "cli_gpt_tp.yaml"), "--trainer.default_root_dir", str(root),
+                  "--trainer.max_steps", "4"], tmp_path)
+    assert first.returncode == 0, first.stderr[-6000:]
+    ckdir = root / "checkpoints"
+    assert sorted(os.listdir(ckdir)) == ["last.ckpt", "step=4.ckpt"]
+    meta = read_metadata(str(ckdir / "last.ckpt"))
+    assert meta["world_size"] == 2
+    assert meta["storage"] == {"backend": "tensorstore", "layout": "zarr", "chunk_bytes": 1048576}  # from the YAML
+    second = _cli(["--config", str(CONFIGS / "cli_gpt_tp.yaml"), "--trainer.default_root_dir", str(root),
+                   "--trainer.max_steps", "6", "--trainer.devices", "1",
+                   "--trainer.strategy.init_args.tensor_parallel_size", "1", "--ckpt_path", "last"], tmp_path)
+    assert second.returncode == 0, second.stderr[-6000:]
+    assert f"Restored all states from the checkpoint at {ckdir / 'last.ckpt'}" in second.stdout + second.stderr
+    assert load_common_state_dict(ckdir / "last.ckpt")["global_step"] == 6
+    assert read_metadata(str(ckdir / "last.ckpt"))["world_size"] == 1
+
+
+def test_lightning_cli_unknown_checkpoint_key(tmp_path):
+    cfg = yaml.safe_load((CONFIGS / "cli_gpt_tp.yaml").read_text())
+    cfg["trainer"]["strategy"]["init_args"]["checkpoint"]["storage"]["compresion"] = "zstd"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    out = _cli(["--config", str(bad), "--trainer.default_root_dir", str(tmp_path / "r")], tmp_path)
+    assert out.returncode != 0
+    assert "Key 'compresion' not in 'StorageConfig'" in out.stderr and "storage.compresion" in out.stderr
+    assert not (tmp_path / "r" / "checkpoints").exists()
