@@ -56,6 +56,9 @@ class StepBatches:
             yield self.batch(step)
 
 
+TEST_STEP = 3
+
+
 class StepCounter(Callback):
     """A stateful callback: counts the training batches it has seen, across resumes."""
 
@@ -82,6 +85,7 @@ class TPMLP(LightningModule):
         self.save_hyperparameters()
         self.fc1 = None
         self.losses: Dict[int, float] = {}
+        self.test_losses: List[float] = []
 
     def configure_model(self) -> None:
         if self.fc1 is not None:
@@ -111,6 +115,20 @@ class TPMLP(LightningModule):
             value /= self.ps.dp_size
         self.losses[self.global_step] = value.item()
         return loss
+
+    def test_step(self, batch: Tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        value = F.mse_loss(self(x), y).detach().clone()
+        if self.ps.dp_size > 1:
+            dist.all_reduce(value, group=self.ps.dp_group)
+            value /= self.ps.dp_size
+        self.test_losses.append(value.item())
+
+    def test_dataloader(self) -> StepBatches:
+        """Step ``TEST_STEP``'s batch: its loss under the checkpoint of that step is the logged training loss."""
+        hp = self.hparams
+        return StepBatches(TEST_STEP, TEST_STEP + 1, hp.global_batch, hp.d_in, hp.d_out, self.ps.dp_rank,
+                           self.ps.dp_size, hp.seed)
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)

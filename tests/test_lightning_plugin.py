@@ -27,6 +27,7 @@ def test_stock_ddp_exact_resume(stock_ddp):
         assert res["losses_c"] == {k: v for k, v in res["losses_a"].items() if int(k) >= 3}
         assert res["callback_count"] == 6
         assert res["hparams_conf"][0] == "DictConfig"
+        assert res["test_loss"] == [pytest.approx(res["losses_a"]["3"], rel=1e-6)]  # Trainer.test(ckpt_path=...)
     # Stock DDP calls save_checkpoint on rank 0 only: the plugin saved as a group of one (no
     # collective, else rank 1 would have left it waiting), loaded on every rank alone.
     assert stock_ddp[0]["rank_dirs"] == ["rank_00000"]

@@ -6,7 +6,10 @@ import os
 
 import pytest
 
-from lightning_helpers import run_script
+import torch
+
+from lightning_distckpt import load_lightning_module
+from lightning_helpers import TEST_STEP, TPMLP, run_script
 
 SCENARIOS = ["exact_resume", "failures", "nonstrict", "topk_last", "link_last", "exact_resume_yaml"]
 
@@ -31,6 +34,8 @@ def test_exact_resume_restores_everything(tp2):
         # hparams holding an omegaconf container round-trip through the common state, type kept.
         assert res["hparams_conf"] == ["DictConfig", {"optim": {"name": "adamw", "betas": [0.9, 0.99]}}]
         assert res["hparams_conf_is_dictconfig"] is True
+        # Trainer.test(ckpt_path=...) loads the step-3 weights: step 3's batch gives step 3's training loss.
+        assert len(res["test_loss"]) == 1 and math.isclose(res["test_loss"][0], res["losses_a"]["3"], rel_tol=1e-6)
     # Both TP ranks wrote their own shards; the checkpoint is committed.
     assert results[0]["rank_dirs"] == ["rank_00000", "rank_00001"]
     assert {"COMMITTED", "metadata.json", "common.pt", "data"} <= set(results[0]["ckpt_entries"])
@@ -92,6 +97,18 @@ def test_yaml_configured_strategy_async_two_stage_zarr(tp2):
         assert res["yaml_layout"] == "zarr"
         assert res["yaml_async_commits"] == 2  # the step-3 and step-6 saves were background saves
     assert results[0]["yaml_two_stage_loads"] >= 1
+
+
+def test_load_lightning_module_single_process(tp2):
+    """load_from_checkpoint-style: the TP2 checkpoint into one un-sharded module, in this process."""
+    _, results = tp2
+    model = load_lightning_module(TPMLP, results[0]["checkpoint"])
+    assert model.hparams.total_steps == 6 and not model.training  # hparams from the checkpoint, eval mode
+    assert model.fc1.weight.shape == (16, 8) and model.ps.tp_size == 1
+    x, y = model.test_dataloader().batch(TEST_STEP)
+    with torch.no_grad():
+        loss = torch.nn.functional.mse_loss(model(x), y).item()
+    assert math.isclose(loss, results[0]["losses_a"][str(TEST_STEP)], rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("devices,tp", [(1, 1), (4, 2)])

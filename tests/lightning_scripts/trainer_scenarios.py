@@ -111,6 +111,11 @@ def exact_resume(args: argparse.Namespace, res: Dict[str, Any], make_strategy: A
     res["checkpoint"] = ckpt
     res["rank_dirs"] = sorted(os.listdir(os.path.join(ckpt, "data")))
     res["ckpt_world_size"] = read_metadata(ckpt)["world_size"]
+    # Trainer.test from the checkpoint: weights only, no optimizer; the module is not DDP-wrapped.
+    t_model = TPMLP(**hp)
+    t = trainer(args, make_strategy(), 1, plugins=plugins_for(args), enable_checkpointing=False)
+    t.test(t_model, ckpt_path=ckpt, verbose=False)
+    res["test_loss"] = t_model.test_losses
     res["ckpt_entries"] = sorted(os.listdir(ckpt))
 
 
