@@ -6,14 +6,16 @@ of a GPT-like training state (see common.py). Measured, as the slowest rank's ti
 * sync: ``save(...)`` end to end (plan, write, fsync, commit);
 * async, first save: ``AsyncSaver.save`` returning (plan + snapshot into freshly allocated host
   staging buffers) - the caller's blocking time - then the wait left at ``finalize()``;
-* async, steady state: the next save with the same saver (staging buffers reused, no
+* async, steady state: the next saves with the same saver (staging buffers reused, no
   allocation), while the caller "trains" (matrix multiplies) for as long as a sync save takes,
   then ``finalize()``.
+
+Sync and steady-state async saves are repeated (``--repeats``, default 3) and medians reported.
 
 The target: blocking time at most 10% of the synchronous save time. The checkpoint written
 asynchronously is loaded back and compared with the state at the time of the save.
 
-Run: ``.venv/bin/python benchmarks/bench_async.py [--mb 512] [--worlds 1 2] [--out results.json]``
+Run: ``.venv/bin/python benchmarks/bench_async.py [--mb 512] [--worlds 1 2] [--repeats 3] [--out results.json]``
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -71,55 +74,65 @@ def _train(seconds: float) -> int:
     return steps
 
 
-def _worker(rank: int, world: int, root: str, total_bytes: int) -> Dict[str, Any]:
+def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int) -> Dict[str, Any]:
     torch.set_num_threads(1)
     tensors = local_state(total_bytes, rank, world, "tp")
     sd = _sharded(tensors, rank, world)
     out: Dict[str, Any] = {"state_bytes": state_bytes(tensors)}
 
     ldc.save(sd, f"{root}/warmup")  # first-use costs (imports, tensorstore) out of the numbers
-    os.sync()
-    _barrier()
-    t0 = time.perf_counter()
-    ldc.save(sd, f"{root}/sync")
-    out["sync_s"] = _max(time.perf_counter() - t0)
-
-    saver = ldc.AsyncSaver()
-    for phase in ("first", "steady"):
+    sync = []
+    for i in range(repeats):
         os.sync()
         _barrier()
         t0 = time.perf_counter()
-        req = saver.save(sd, f"{root}/async_{phase}")
+        ldc.save(sd, f"{root}/sync")  # overwrites: the same work each time, atomic swap included
+        sync.append(_max(time.perf_counter() - t0))
+    out["sync_s"] = statistics.median(sync)
+    out["sync_all_s"] = sync
+
+    saver = ldc.AsyncSaver()
+    phases = ["first"] + [f"steady{i}" for i in range(repeats)]
+    for phase in phases:
+        os.sync()
+        _barrier()
+        t0 = time.perf_counter()
+        req = saver.save(sd, f"{root}/async")
         blocked = time.perf_counter() - t0
-        expected = {t.key: t.data.clone() for t in tensors[:8]} if phase == "steady" else None
+        expected = {t.key: t.data.clone() for t in tensors[:8]}
         steps = 0
-        if phase == "steady":
+        if phase != "first":
             steps = _train(out["sync_s"])
             for t in tensors:  # training changes the state while the save is still being written
                 t.data.add_(1)
         t1 = time.perf_counter()
         req.finalize()
         out[f"{phase}_blocked_s"] = _max(blocked)
+        out[f"{phase}_snapshot_s"] = _max(req.snapshot_s)
         out[f"{phase}_finalize_s"] = _max(time.perf_counter() - t1)
         out[f"{phase}_total_s"] = _max(time.perf_counter() - t0)
         out[f"{phase}_steps"] = steps
         out["staged_bytes"] = saver.staging_bytes
+    steady = [f"steady{i}" for i in range(repeats)]
+    for what in ("blocked_s", "snapshot_s", "finalize_s", "total_s", "steps"):
+        out[f"steady_{what}"] = statistics.median(out[f"{p}_{what}"] for p in steady)
+    out["steady_blocked_all_s"] = [out[f"{p}_blocked_s"] for p in steady]
     # the steady-state checkpoint holds the state as it was when save returned
     assert expected is not None
     tmpl = _sharded([type(t)(t.key, torch.empty_like(t.data), t.global_shape, t.tp_axis, t.replicated)
                      for t in tensors], rank, world)
-    got = ldc.load(tmpl, f"{root}/async_steady")
+    got = ldc.load(tmpl, f"{root}/async")
     out["ok"] = all(torch.equal(got[k], v) for k, v in expected.items())
     return out
 
 
-def run(world: int, total_bytes: int) -> Dict[str, Any]:
+def run(world: int, total_bytes: int, repeats: int) -> Dict[str, Any]:
     root = tempfile.mkdtemp(prefix=f"bench_async_{world}_", dir=os.environ.get("BENCH_DIR"))
     try:
         if world == 1:
-            per_rank = [_worker(0, 1, root, total_bytes)]
+            per_rank = [_worker(0, 1, root, total_bytes, repeats)]
         else:
-            per_rank = run_distributed(_worker, world, root, total_bytes, timeout_s=600)
+            per_rank = run_distributed(_worker, world, root, total_bytes, repeats, timeout_s=600)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     res = dict(per_rank[0])
@@ -133,12 +146,15 @@ def report(results: List[Dict[str, Any]]) -> str:
     rows = []
     for r in results:
         s = r["sync_s"]
-        rows.append([r["world"], f"{r['state_bytes'] / 1e6:.0f}", f"{s:.3f}",
+        fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+        rows.append([r["world"], f"{r['state_bytes'] / 1e6:.0f}", f"{s:.3f} [{fmt(r['sync_all_s'])}]",
                      f"{r['first_blocked_s']:.3f} ({100 * r['first_blocked_s'] / s:.1f}%)",
-                     f"{r['steady_blocked_s']:.3f} ({100 * r['steady_blocked_s'] / s:.1f}%)",
-                     f"{r['steady_finalize_s']:.3f}", f"{r['steady_total_s']:.3f}", r["steady_steps"], r["ok"]])
-    return fmt_table(["ranks", "state MB", "sync save s", "async blocked s, 1st (% of sync)",
-                      "async blocked s, reused buffers (% of sync)", "finalize wait s after training",
+                     f"{r['steady_blocked_s']:.3f} ({100 * r['steady_blocked_s'] / s:.1f}%) [{fmt(r['steady_blocked_all_s'])}]",
+                     f"{r['steady_snapshot_s']:.3f}", f"{r['steady_finalize_s']:.3f}", f"{r['steady_total_s']:.3f}",
+                     r["steady_steps"], r["ok"]])
+    return fmt_table(["ranks", "state MB", "sync save s: median [all]", "async blocked s, 1st save (% of sync)",
+                      "async blocked s, reused buffers: median (% of sync) [all]", "of which snapshot s",
+                      "finalize wait s after training",
                       "async save to commit s", "training steps during save", "loads back as snapshot"], rows)
 
 
@@ -146,10 +162,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=512, help="whole training state (MB), split over the ranks")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=3, help="sync saves and steady-state async saves (medians)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    results = [run(w, args.mb * 10**6) for w in args.worlds]
+    results = [run(w, args.mb * 10**6, args.repeats) for w in args.worlds]
     print(f"machine: {machine_summary()}")
     print(report(results))
     print(f"\n(total benchmark time {time.perf_counter() - t0:.0f}s)")

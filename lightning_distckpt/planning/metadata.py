@@ -47,7 +47,7 @@ def dtype_from_name(name: str, key: str = "?") -> torch.dtype:
 
 
 def element_size(name: str) -> int:
-    return torch.empty((), dtype=_DTYPES[name]).element_size()
+    return _DTYPES[name].itemsize  # no tensor allocation: planning calls this per shard record
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,10 @@ class AsyncSaveRequest:
     """
 
     def __init__(self, prep: PreparedSave, blocking_s: float, staged_bytes: int,
-                 failure: Optional[BaseException] = None) -> None:
+                 failure: Optional[BaseException] = None, snapshot_s: float = 0.0) -> None:
         self.checkpoint_dir = prep.target
-        self.blocking_s = blocking_s
+        self.blocking_s = blocking_s  # the caller's wait in save(): planning + snapshot
+        self.snapshot_s = snapshot_s  # of which copying into the staging buffers
         self.staged_bytes = staged_bytes
         self._prep = prep
         self._result: Optional[WriteResult] = failure
@@ -155,14 +156,16 @@ class AsyncSaver:
         )
         failure: Optional[BaseException] = None
         staged_bytes = 0
+        t1 = time.perf_counter()
         try:
             staged, staged_bytes = self._snapshot(prep.tensors)
             prep = replace(prep, tensors=staged)
         except Exception as e:  # e.g. out of host memory: fail collectively at finalize, not here
             failure = e
-        blocking = time.perf_counter() - t0
-        self._pending = AsyncSaveRequest(prep, blocking, staged_bytes, failure)
-        logger.info("async save %s started: %d bytes staged, caller blocked %.3fs", prep.target, staged_bytes, blocking)
+        t2 = time.perf_counter()
+        self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1)
+        logger.info("async save %s started: %d bytes staged in %.3fs, caller blocked %.3fs", prep.target,
+                    staged_bytes, t2 - t1, t2 - t0)
         return self._pending
 
     def _snapshot(self, tensors: List[Tuple[str, int, torch.Tensor]]) -> Tuple[List[Tuple[str, int, torch.Tensor]], int]:

@@ -439,7 +439,8 @@ def exchange_load(
             f"(a rank may have died or timed out): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from e
     if engine.errors and error is None:
-        error = "; ".join(engine.errors)
+        more = len(engine.errors) - 3
+        error = "; ".join(engine.errors[:3]) + (f"; and {more} more read errors" if more > 0 else "")
     if error is None:
         try:
             tensors = dict(engine.results)
@@ -466,12 +467,12 @@ def exchange_load(
 def format_load_times(stats: Sequence[LoadStats]) -> str:
     """A per-rank table of stage times and bytes."""
     head = f"{'rank':>4} {'read_s':>8} {'wait_s':>8} {'copy_s':>8} {'comm_s':>8} {'total_s':>8} " \
-           f"{'read_MB':>9} {'sent_MB':>9} {'recv_MB':>9} {'peak_MB':>8}"
+           f"{'read_MB':>9} {'sent_MB':>9} {'recv_MB':>9} {'inflight_MB':>11} {'extra_MB':>8}"
     rows = [head]
     for s in stats:
         rows.append(
             f"{s.rank:>4} {s.read_s:>8.3f} {s.read_wait_s:>8.3f} {s.copy_s:>8.3f} {s.comm_s:>8.3f} {s.total_s:>8.3f} "
             f"{s.bytes_read / 1e6:>9.2f} {s.bytes_sent / 1e6:>9.2f} {s.bytes_received / 1e6:>9.2f} "
-            f"{s.peak_inflight_bytes / 1e6:>8.2f}"
+            f"{s.peak_inflight_bytes / 1e6:>11.2f} {s.peak_extra_bytes / 1e6:>8.2f}"
         )
     return "\n".join(rows)
