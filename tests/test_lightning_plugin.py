@@ -110,3 +110,16 @@ def test_load_rejects_incomplete_and_foreign_directories(tmp_path):
     ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "raw")
     with pytest.raises(ldc.CheckpointingError, match="not a Lightning checkpoint"):
         io.load_checkpoint(tmp_path / "raw")
+
+
+def test_strategies_refuse_a_foreign_checkpoint_io():
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from lightning_distckpt.lightning import DistCheckpointStrategy, FabricDistCheckpointStrategy
+
+    for cls in (DistCheckpointStrategy, FabricDistCheckpointStrategy):
+        with pytest.raises(TypeError, match="DistCheckpointIO"):
+            cls(checkpoint_io=TorchCheckpointIO()).checkpoint_io
+        assert isinstance(cls().checkpoint_io, DistCheckpointIO)
+        with pytest.raises(ValueError, match="process_group"):
+            cls(process_group=object())

@@ -68,6 +68,14 @@ def test_missing_optimizer_state_strict_and_non_strict(tp2):
         assert res["nonstrict_fc1_step"] == 5.0  # Adam step restored (3) + 2 new steps
         assert res["nonstrict_norm_step"] == 2.0  # the new layer's optimizer state started fresh
         assert res["nonstrict_norm_weight_fresh_then_trained"] is True
+        assert res["module_nonstrict_global_step"] == 5  # LightningModule.strict_loading = False
+        # A weights-only checkpoint (no optimizer / scheduler state): strict names what is missing...
+        assert res["wo_strict"].startswith("MissingKeysError")
+        assert "optimizer_states.0.state.exp_avg.fc1.weight" in res["wo_strict"]
+        # ...non-strict loads the weights and loops, starts the optimizer afresh.
+        assert res["wo_first_step"] == 3 and res["wo_global_step"] == 5
+        assert res["wo_fc1_opt_step"] == 2.0
+        assert math.isclose(*res["wo_first_loss"], rel_tol=1e-6)
 
 
 def test_model_checkpoint_top_k_and_last(tp2):

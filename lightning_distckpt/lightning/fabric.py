@@ -114,6 +114,7 @@ class FabricDistCheckpointStrategy(DDPStrategy):
         return self._parallel_state
 
     def setup_environment(self) -> None:
+        self.checkpoint_io  # fail early (before any process group exists) on a foreign CheckpointIO
         super().setup_environment()
         self._parallel_state = ParallelState.build(self.tensor_parallel_size)
 

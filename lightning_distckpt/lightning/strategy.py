@@ -129,6 +129,7 @@ class DistCheckpointStrategy(DDPStrategy):
         return self._parallel_state
 
     def setup_environment(self) -> None:
+        self.checkpoint_io  # fail early (before any process group exists) on a foreign CheckpointIO
         super().setup_environment()  # initializes torch.distributed
         self._parallel_state = ParallelState.build(self.tensor_parallel_size)
         log.debug("DistCheckpointStrategy: %s", self._parallel_state.describe())

@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning_distckpt import CheckpointingError, ShardedTensor, load_common_state_dict  # noqa: E402
 from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy  # noqa: E402
 from lightning_distckpt.storage.layout import read_metadata  # noqa: E402
-from lightning_helpers import TPMLP, StepCounter, full_weights, optimizer_full_state  # noqa: E402
+from lightning_helpers import TEST_STEP, TPMLP, StepCounter, full_weights, optimizer_full_state  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 TIMEOUT = timedelta(seconds=90)  # a hang fails the test instead of blocking it
@@ -184,6 +184,43 @@ def nonstrict(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["nonstrict_norm_weight_fresh_then_trained"] = bool(model.norm.weight.ne(1).any())
     res["nonstrict_norm_step"] = float(opt.state[model.norm.weight]["step"])  # 2 fresh steps (3 -> 5)
     res["nonstrict_fc1_step"] = float(opt.state[model.fc1.weight]["step"])  # 3 loaded + 2
+    # LightningModule.strict_loading = False asks for the same without touching the config.
+    model = TPMLP(total_steps=5, extra_layer=True)
+    model.strict_loading = False
+    t = trainer(args, strategy_for(args), 5, enable_checkpointing=False)
+    t.fit(model, ckpt_path=src)
+    res["module_nonstrict_global_step"] = t.global_step
+
+    # A weights-only checkpoint has no optimizer or scheduler state at all.
+    wdir = os.path.join(args.dir, "weights_only")
+    cb = ModelCheckpoint(dirpath=wdir, filename="{step}", every_n_train_steps=3, save_weights_only=True)
+    saver = TPMLP(total_steps=5)
+    trainer(args, strategy_for(args), 3, [cb]).fit(saver)
+    loss_at_3 = loss_on_test_batch(saver)  # the saver's weights are the checkpoint's
+    wo = os.path.join(wdir, "step=3.ckpt")
+    try:
+        trainer(args, strategy_for(args), 5, enable_checkpointing=False).fit(TPMLP(total_steps=5), ckpt_path=wo)
+        res["wo_strict"] = "no error"
+    except CheckpointingError as e:
+        res["wo_strict"] = f"{type(e).__name__}: {e}"
+    model = TPMLP(total_steps=5)
+    t = trainer(args, strategy_for(args, strict="log_all"), 5, enable_checkpointing=False)
+    t.fit(model, ckpt_path=wo)
+    res["wo_first_step"] = min(model.losses)
+    res["wo_global_step"] = t.global_step
+    res["wo_fc1_opt_step"] = float(t.optimizers[0].state[model.fc1.weight]["step"])  # fresh: 2 steps
+    res["wo_first_loss"] = [model.losses[TEST_STEP], loss_at_3]  # the loaded weights give the saved model's loss
+
+
+def loss_on_test_batch(model: TPMLP) -> float:
+    """The global-batch loss of the model as it is on step TEST_STEP's batch."""
+    x, y = model.test_dataloader().batch(TEST_STEP)
+    with torch.no_grad():
+        value = torch.nn.functional.mse_loss(model(x), y).detach().clone()
+    if model.ps.dp_size > 1:
+        torch.distributed.all_reduce(value, group=model.ps.dp_group)
+        value /= model.ps.dp_size
+    return value.item()
 
 
 def resume_other_world(args: argparse.Namespace, res: Dict[str, Any]) -> None:
