@@ -61,6 +61,7 @@ def _two_ranks(rank, world, path):
     tmpl["t1"].data = None
     tmpl["dup"] = ldc.ShardedTensor.from_rank_offsets("layer.3", torch.zeros(40, 16, dtype=torch.bfloat16),
                                                       replica_id=rank)
+    tmpl["dup0"] = ldc.ShardedTensor.from_rank_offsets("layer.0", torch.zeros(40, 16), replica_id=rank)
     # flattened (distributed-optimizer) requests: one the ranks share, one each of their own
     tmpl["flat_shared"] = ldc.ShardedTensor.from_rank_offsets_flat(
         "layer.0", torch.zeros(100), (40, 16), flattened_range=slice(50, 150), replica_id=rank)
@@ -70,6 +71,7 @@ def _two_ranks(rank, world, path):
     out = ldc.load(tmpl, path, loader=loader)
     identical = all(torch.equal(out[k], ref[k]) and torch.equal(out[k], v) for k, v in expected.items())
     identical &= torch.equal(out["dup"], expected["t3"]) and out["common"] == {"step": 7}
+    identical &= torch.equal(out["dup0"], expected["t0"])  # copied from a non-contiguous first request
     identical &= out["t0"] is tmpl["t0"].data and out["t0"].stride() == (1, 40)
     flat = expected["t0"].reshape(-1)
     identical &= torch.equal(out["flat_shared"], flat[50:150])

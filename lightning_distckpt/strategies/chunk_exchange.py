@@ -286,7 +286,7 @@ class ChunkExchange:
         for i, st in enumerate(self.local[c]):
             if st.data is not None:
                 if i > 0:
-                    st.data.detach().copy_(d.view(st.data.shape))
+                    st.data.detach().copy_(d.reshape(st.data.shape))
                 self.results[id(st)] = st.data
             else:
                 out = d if i == 0 else d.clone()
