@@ -126,3 +126,25 @@ def test_lightning_cli_unknown_checkpoint_key(tmp_path):
     assert out.returncode != 0
     assert "Key 'compresion' not in 'StorageConfig'" in out.stderr and "storage.compresion" in out.stderr
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_lightning_cli_plugin_with_stock_strategy(tmp_path):
+    """The plugin from a LightningCLI YAML (plugins: class_path / init_args: config), with
+    strategy="auto" on one device; and strategy="ddp_distckpt" by its registered name."""
+    cfg = yaml.safe_load((CONFIGS / "cli_gpt_tp.yaml").read_text())
+    trainer = cfg["trainer"]
+    trainer.pop("strategy")
+    trainer["devices"] = 1
+    trainer["plugins"] = [{"class_path": "lightning_distckpt.DistCheckpointIO",
+                           "init_args": {"config": {"storage": {"layout": "zarr", "chunk_bytes": 4096}}}}]
+    path = tmp_path / "plugin.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = _cli(["--config", str(path), "--trainer.default_root_dir", str(tmp_path / "a"), "--trainer.max_steps", "4"],
+               tmp_path)
+    assert out.returncode == 0, out.stderr[-6000:]
+    meta = read_metadata(str(tmp_path / "a" / "checkpoints" / "step=4.ckpt"))
+    assert meta["storage"]["layout"] == "zarr" and meta["storage"]["chunk_bytes"] == 4096
+    out = _cli(["--config", str(path), "--trainer.default_root_dir", str(tmp_path / "b"), "--trainer.max_steps", "4",
+                "--trainer.strategy", "ddp_distckpt", "--trainer.plugins", "null"], tmp_path)
+    assert out.returncode == 0, out.stderr[-6000:]
+    assert load_common_state_dict(tmp_path / "b" / "checkpoints" / "step=4.ckpt")["__distckpt__"]["kind"] == "sharded"
