@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int) ->
 
     ldc.save(sd, f"{root}/warmup")  # first-use costs (imports, tensorstore) out of the numbers
     sync = []
-    for i in range(repeats):
+    for _ in range(repeats):
         os.sync()
         _barrier()
         t0 = time.perf_counter()

@@ -94,7 +94,8 @@ def _worker(rank: int, world: int, root: str, total_bytes: int) -> Dict[str, Any
         else:
             sd = state
         _quiesce(root, rank)
-        seconds = _timed_collective(lambda: ldc.save(sd, path, balance_writes=name != "rank0_writes_all"))
+        balance = name != "rank0_writes_all"
+        seconds = _timed_collective(lambda sd=sd, path=path, balance=balance: ldc.save(sd, path, balance_writes=balance))
         out["save"][name] = {"s": seconds, "bytes_on_disk": dir_bytes(path) if rank == 0 else 0}
 
     path = f"{root}/save_fully_parallel"
@@ -114,7 +115,7 @@ def _worker(rank: int, world: int, root: str, total_bytes: int) -> Dict[str, Any
         _quiesce(path, rank)
         io0 = device_read_bytes()
         log.bytes.clear()
-        seconds = _timed_collective(lambda: ldc.load(template, path, loader=loader))
+        seconds = _timed_collective(lambda loader=loader: ldc.load(template, path, loader=loader))
         device = device_read_bytes() - io0
         ok = all(torch.equal(template[t.key].data, t.data) for t in tensors)
         if name == "every_rank":

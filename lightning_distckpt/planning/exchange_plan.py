@@ -11,13 +11,10 @@ from different readers, spreading storage reads over the group from the first op
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
-
-import torch
 
 from ..core.mapping import ShardedTensor
 from .metadata import dtype_name
@@ -162,11 +159,3 @@ def _op(src: int, chunks: List[ChunkId], nbytes: Dict[ChunkId, int], who: Tuple[
     transport = LOCAL if len(who) == 1 else BROADCAST if len(who) == size else P2P
     return ExchangeOp(src, tuple(chunks), tuple(nbytes[c] for c in chunks), who, transport)
 
-
-def chunk_numel(c: ChunkId) -> int:
-    _, _, shape, flat, _ = c
-    return (flat[1] - flat[0]) if flat else math.prod(shape)
-
-
-def element_size_of(c: ChunkId) -> int:
-    return torch.empty((), dtype=getattr(torch, c[4])).element_size()
