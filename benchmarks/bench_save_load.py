@@ -1,0 +1,371 @@
+"""Save / load throughput of lightning_distckpt against torch.save, torch.distributed.checkpoint
+(DCP) and a raw-write ceiling, side by side in one run.
+
+    .venv/bin/python benchmarks/bench_save_load.py --size-gib 1 --layouts tp,dp --repeats 2
+
+State: a GPT-like mixed-precision Adam state (bf16 weights, fp32 master weights, two fp32 Adam
+moments; a few hundred tensors, see ``common.py``) of ``--size-gib`` in all, on ``--world`` gloo
+CPU processes, laid out tensor-parallel (``tp``: big matrices split, norms replicated) or
+data-parallel (``dp``: every rank holds everything).
+
+Contestants (every one durable: data fsync'd before the timer stops):
+
+* ``ours``  - ``lightning_distckpt.save`` / ``load`` (default StorageOptions), template tensors
+  loaded in place.
+* ``torch`` - ``torch.save`` + fsync. tp: each rank saves its own local state to its own file and
+  loads it back; dp: rank 0 saves the full state, every rank loads that file. Loads include the
+  copy into the model's tensors (what ``load_state_dict`` does).
+* ``dcp``   - ``torch.distributed.checkpoint.save`` / ``load`` with its default FileSystemWriter
+  (one file per rank, one thread, ``sync_files=True``); tp state as DTensors on a CPU device mesh,
+  dp state as plain (replicated) tensors, which DCP deduplicates over ranks. Loads are in place.
+* ``raw``   - ceiling: each rank ``os.write``s exactly the bytes our save plan gives it into one
+  file and fsyncs it; loads ``preadv`` each rank's tensors straight into place.
+
+Before every load the page cache is dropped for each file of the checkpoint
+(``posix_fadvise(POSIX_FADV_DONTNEED)`` after fsync), so loads read from the device. Times are
+wall-clock from a barrier before to a barrier after (the slowest rank). GB/s for saves = bytes of
+the global state (stored once) / s; for loads = bytes delivered into all ranks' tensors / s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import (  # noqa: E402
+    LocalTensor, dir_bytes, drop_page_cache, fmt_table, local_state, machine_summary, prefault, state_bytes,
+    unique_bytes,
+)
+
+CONTESTANTS = ("ours", "torch", "dcp", "raw")
+
+
+# -- contestants -----------------------------------------------------------------------------
+def _ours(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: int, world: int,
+          loader: Optional[str] = None):
+    import lightning_distckpt as ldc
+
+    def sharded(tensors: List[torch.Tensor]) -> Dict[str, Any]:
+        out = {}
+        for t, data in zip(state, tensors):
+            if t.tp_axis is None:
+                out[t.key] = ldc.ShardedTensor.from_rank_offsets(t.key, data, replica_id=rank)
+            else:
+                out[t.key] = ldc.ShardedTensor.from_rank_offsets(t.key, data, (t.tp_axis, rank, world))
+        return out
+
+    def save() -> None:
+        ldc.save(sharded([t.data for t in state]), path)
+
+    def load() -> None:
+        ldc.load(sharded(dest), path, **({"loader": loader} if loader else {}))
+
+    return save, load
+
+
+def _torch(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: int, world: int):
+    dp = all(t.replicated for t in state)
+    mine = os.path.join(path, "full.pt" if dp else f"rank_{rank}.pt")
+
+    def save() -> None:
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        if dp and rank != 0:
+            return
+        with open(mine, "wb") as f:
+            torch.save({t.key: t.data for t in state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load() -> None:
+        loaded = torch.load(mine, weights_only=True, map_location="cpu")
+        for t, d in zip(state, dest):
+            d.copy_(loaded[t.key])
+
+    return save, load
+
+
+def _dcp(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: int, world: int):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def wrap(tensors: List[torch.Tensor]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for t, data in zip(state, tensors):
+            if all(s.replicated for s in state):
+                out[t.key] = data  # plain tensors: replicated, deduplicated by DCP
+            else:
+                placement = Replicate() if t.tp_axis is None else Shard(t.tp_axis)
+                out[t.key] = DTensor.from_local(data, mesh, [placement], run_check=False)
+        return out
+
+    def save() -> None:
+        dcp.save(wrap([t.data for t in state]), checkpoint_id=path)
+
+    def load() -> None:
+        dcp.load(wrap(dest), checkpoint_id=path)
+
+    return save, load
+
+
+def _raw(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: int, world: int):
+    from lightning_distckpt.comm import get_comm
+    from lightning_distckpt.planning.metadata import ShardRecord
+    from lightning_distckpt.planning.save_plan import make_save_plan
+    from lightning_distckpt.storage.tensorstore_io import to_numpy
+
+    import lightning_distckpt as ldc
+
+    # The same assignment of shards to writers as our save.
+    sts = [ldc.ShardedTensor.from_rank_offsets(t.key, t.data, replica_id=rank) if t.tp_axis is None
+           else ldc.ShardedTensor.from_rank_offsets(t.key, t.data, (t.tp_axis, rank, world)) for t in state]
+    comm = get_comm()
+    records = comm.all_gather_object([ShardRecord.of(st, rank) for st in sts])
+    plan = make_save_plan([r for recs in records for r in recs], [], world)
+    by_id = {(st.key, ShardRecord.of(st, rank).shard_id): st for st in sts}
+    writes = [by_id[(key, sid)] for key, sid, _ in plan.writes.get(rank, [])]
+    # Where each shard lands: (key, shard id) -> (writer, file offset), known to every rank.
+    offsets, pos = {}, 0
+    for st in writes:
+        offsets[(st.key, ShardRecord.of(st, rank).shard_id)] = (rank, pos)
+        pos += st.data.numel() * st.data.element_size()
+    where = {k: v for part in comm.all_gather_object(offsets) for k, v in part.items()}
+    fname = lambda r: os.path.join(path, f"rank_{r}.bin")  # noqa: E731
+
+    def save() -> None:
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        fd = os.open(fname(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for st in writes:
+                os.write(fd, memoryview(to_numpy(st.data).reshape(-1).view("uint8")))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def load() -> None:
+        fds = {}
+        try:
+            for st, d in zip(sts, dest):
+                writer, off = where[(st.key, ShardRecord.of(st, rank).shard_id)]
+                if writer not in fds:
+                    fds[writer] = os.open(fname(writer), os.O_RDONLY)
+                os.preadv(fds[writer], [memoryview(to_numpy(d).reshape(-1).view("uint8"))], off)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    return save, load
+
+
+FACTORIES: Dict[str, Callable] = {"ours": _ours, "torch": _torch, "dcp": _dcp, "raw": _raw}
+
+
+def factory(name: str) -> Callable:
+    """``ours`` (the library's default loader), ``ours:<loader>`` (e.g. ``ours:every_rank``), or
+    one of the other contestants."""
+    if name.startswith("ours:"):
+        loader = name.split(":", 1)[1]
+        return lambda *a: _ours(*a, loader=loader)
+    return FACTORIES[name]
+
+
+# -- the run ---------------------------------------------------------------------------------
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # all threads of this process
+    return r.ru_utime + r.ru_stime
+
+
+def _timed_collective(fn: Callable[[], None], warm_bytes: int = 0) -> Tuple[float, float]:
+    """(wall seconds of the slowest rank, CPU seconds summed over ranks) of ``fn``."""
+    prefault(warm_bytes)
+    dist.barrier()
+    c0 = _cpu_seconds()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    cpu = torch.tensor([_cpu_seconds() - c0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)
+    return float(elapsed.item()), float(cpu.item())
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=10))
+    try:
+        results = []
+        size = int(args.size_gib * 2**30)
+        for layout in args.layouts:
+            state = local_state(size, rank, world, layout, seed=1)
+            dest = [torch.empty_like(t.data) for t in state]
+            local = torch.tensor([state_bytes(state)], dtype=torch.int64)
+            dist.all_reduce(local)
+            delivered = int(local.item())
+            for rep in range(args.repeats):
+                for name in args.contestants:
+                    path = os.path.join(args.dir, f"{layout}-{name.replace(':', '-')}-{rep}")
+                    save, load = factory(name)(state, dest, path, rank, world)
+                    warm = state_bytes(state) if args.prefault else 0
+                    save_s, save_cpu = _timed_collective(save, warm)
+                    nfiles = nbytes = 0
+                    if rank == 0:
+                        nfiles = drop_page_cache(path)
+                        nbytes = dir_bytes(path)
+                    for d in dest:
+                        d.zero_()
+                    dist.barrier()
+                    load_s, load_cpu = _timed_collective(load, warm)
+                    ok = all(torch.equal(t.data, d) for t, d in zip(state, dest))
+                    oks = [None] * world
+                    dist.all_gather_object(oks, ok)
+                    dist.barrier()
+                    if rank == 0:
+                        shutil.rmtree(path, ignore_errors=True)
+                        results.append({
+                            "layout": layout, "repeat": rep, "contestant": name, "save_s": save_s,
+                            "load_s": load_s, "save_cpu_s": save_cpu, "load_cpu_s": load_cpu, "files": nfiles, "bytes_on_disk": nbytes,
+                            "state_bytes": unique_bytes(size), "delivered_bytes": delivered, "load_ok": all(oks),
+                        })
+                        print(f"[{layout} #{rep}] {name:5s} save {save_s:6.2f}s load {load_s:6.2f}s "
+                              f"files {nfiles:4d} ok {all(oks)}", flush=True)
+                    dist.barrier()
+            del state, dest
+        if rank == 0:
+            out["results"] = results
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summarize(results: List[Dict[str, Any]]) -> Tuple[str, Dict[str, Any]]:
+    """A markdown table per layout (medians over repeats; every run's seconds listed), and the
+    verdict on the targets per run and on the medians."""
+    lines: List[str] = []
+    verdict: Dict[str, Any] = {}
+    by = {(r["layout"], r["repeat"], r["contestant"]): r for r in results}
+    repeats = sorted({r["repeat"] for r in results})
+    for layout in sorted({r["layout"] for r in results}, key=["tp", "dp"].index):
+        med: Dict[str, Dict[str, float]] = {}
+        names = list(dict.fromkeys(r["contestant"] for r in results))
+        for name in names:
+            runs = [by[(layout, rep, name)] for rep in repeats if (layout, rep, name) in by]
+            if runs:
+                med[name] = {k: statistics.median(r[k] for r in runs) for k in ("save_s", "load_s", "save_cpu_s",
+                                                                                   "load_cpu_s")}
+                med[name]["runs"] = runs  # type: ignore[assignment]
+        rows = []
+        for name, m in med.items():
+            runs = m["runs"]  # type: ignore[index]
+            r0 = runs[0]
+            raw, dcp = med.get("raw"), med.get("dcp")
+            rows.append([
+                name,
+                f"{m['save_s']:.2f}", " / ".join(f"{r['save_s']:.2f}" for r in runs), f"{r0['state_bytes'] / m['save_s'] / 1e9:.2f}",
+                f"{raw['save_s'] / m['save_s']:.2f}x" if raw else "-", f"{dcp['save_s'] / m['save_s']:.2f}x" if dcp else "-",
+                f"{m['save_cpu_s']:.2f}", f"{m['load_s']:.2f}", " / ".join(f"{r['load_s']:.2f}" for r in runs),
+                f"{r0['delivered_bytes'] / m['load_s'] / 1e9:.2f}",
+                f"{raw['load_s'] / m['load_s']:.2f}x" if raw else "-", f"{dcp['load_s'] / m['load_s']:.2f}x" if dcp else "-",
+                f"{m['load_cpu_s']:.2f}", r0["files"], "yes" if all(r["load_ok"] for r in runs) else "NO",
+            ])
+        r0 = results[0]
+        lines.append(f"\n**{layout}** (state {r0['state_bytes'] / 2**30:.2f} GiB; medians of {len(repeats)} run(s), "
+                     f"every run's seconds after the median)\n")
+        lines.append(fmt_table(
+            ["contestant", "save s", "runs", "save GB/s", "vs raw", "vs DCP", "cpu s", "load s", "runs", "load GB/s",
+             "vs raw", "vs DCP", "cpu s", "files", "ok"], rows))
+
+        def judge(ours: Dict[str, Any], raw: Dict[str, Any], dcp: Dict[str, Any]) -> Dict[str, Any]:
+            v = {"save_vs_raw": round(raw["save_s"] / ours["save_s"], 3),
+                 "save_vs_dcp": round(dcp["save_s"] / ours["save_s"], 3),
+                 "load_vs_dcp": round(dcp["load_s"] / ours["load_s"], 3)}
+            v["targets_met"] = v["save_vs_raw"] >= 0.9 and v["save_vs_dcp"] >= 1.3 and v["load_vs_dcp"] >= 1.0
+            return v
+
+        if all(k in med for k in ("ours", "raw", "dcp")):
+            verdict[f"{layout} median"] = judge(med["ours"], med["raw"], med["dcp"])
+            for rep in repeats:
+                if all((layout, rep, k) in by for k in ("ours", "raw", "dcp")):
+                    verdict[f"{layout} run {rep + 1}"] = judge(by[(layout, rep, "ours")], by[(layout, rep, "raw")],
+                                                               by[(layout, rep, "dcp")])
+    return "\n".join(lines), verdict
+
+
+def main(argv: List[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gib", type=float, default=1.0, help="size of the whole training state (default 1 GiB)")
+    p.add_argument("--world", type=int, default=2, help="gloo processes (default 2)")
+    p.add_argument("--layouts", default="tp,dp", help="comma-separated: tp, dp")
+    p.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"comma-separated subset of {CONTESTANTS}")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every contestant (interleaved)")
+    p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir in the cwd)")
+    p.add_argument("--json", default=None, help="write raw results and the summary here")
+    p.add_argument("--no-prefault", dest="prefault", action="store_false",
+                   help="do not touch and free a buffer of the rank's state size before each timed operation "
+                        "(see common.prefault: evens out hypervisor page-fault costs between contestants)")
+    args = p.parse_args(argv)
+    args.layouts = [x for x in args.layouts.split(",") if x]
+    args.contestants = [x for x in args.contestants.split(",") if x]
+    for c in args.contestants:
+        if c not in CONTESTANTS and not c.startswith("ours:"):
+            p.error(f"unknown contestant {c!r}")
+    own_dir = args.dir is None
+    args.dir = tempfile.mkdtemp(prefix="bench_save_load_", dir=os.getcwd()) if own_dir else args.dir
+    os.makedirs(args.dir, exist_ok=True)
+    started = time.time()
+    try:
+        with mp.Manager() as manager:
+            out = manager.dict()
+            mp.start_processes(_worker, args=(args.world, _free_port(), args, out), nprocs=args.world,
+                               join=True, start_method="spawn")
+            results = list(out.get("results", []))
+    finally:
+        if own_dir:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    table, verdict = summarize(results)
+    print(table)
+    print("\ntargets (ours save >= 0.9x raw and >= 1.3x DCP, ours load >= DCP):")
+    for k, v in verdict.items():
+        print(f"  {k}: save {v['save_vs_raw']:.2f}x raw, {v['save_vs_dcp']:.2f}x DCP; load {v['load_vs_dcp']:.2f}x DCP"
+              f" -> {'met' if v['targets_met'] else 'MISSED'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            from lightning_distckpt.strategies.loaders import DEFAULT_LOADER
+
+            json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": machine_summary(),
+                       "default_loader": DEFAULT_LOADER,
+                       "args": {k: v for k, v in vars(args).items()}, "seconds": round(time.time() - started, 1),
+                       "results": results, "verdict": verdict, "table": table}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
