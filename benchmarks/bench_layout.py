@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (  # noqa: E402
-    dir_bytes, drop_page_cache, files_under, fmt_table, local_state, machine_summary, prefault, state_bytes,
+    dir_bytes, drop_page_cache, fmt_table, local_state, machine_summary, prefault, state_bytes,
 )
-from lightning_distckpt.storage.tensorstore_io import StorageOptions, TensorStoreIO, chunk_shape  # noqa: E402
+from lightning_distckpt.storage.tensorstore_io import StorageOptions, TensorStoreIO  # noqa: E402
 
 
 class ShardedZarrIO(TensorStoreIO):

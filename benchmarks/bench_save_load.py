@@ -247,7 +247,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                         shutil.rmtree(path, ignore_errors=True)
                         results.append({
                             "layout": layout, "repeat": rep, "contestant": name, "save_s": save_s,
-                            "load_s": load_s, "save_cpu_s": save_cpu, "load_cpu_s": load_cpu, "files": nfiles, "bytes_on_disk": nbytes,
+                            "load_s": load_s, "save_cpu_s": save_cpu, "load_cpu_s": load_cpu, "files": nfiles,
+                            "bytes_on_disk": nbytes,
                             "state_bytes": unique_bytes(size), "delivered_bytes": delivered, "load_ok": all(oks),
                         })
                         print(f"[{layout} #{rep}] {name:5s} save {save_s:6.2f}s load {load_s:6.2f}s "
@@ -289,11 +290,14 @@ def summarize(results: List[Dict[str, Any]]) -> Tuple[str, Dict[str, Any]]:
             raw, dcp = med.get("raw"), med.get("dcp")
             rows.append([
                 name,
-                f"{m['save_s']:.2f}", " / ".join(f"{r['save_s']:.2f}" for r in runs), f"{r0['state_bytes'] / m['save_s'] / 1e9:.2f}",
-                f"{raw['save_s'] / m['save_s']:.2f}x" if raw else "-", f"{dcp['save_s'] / m['save_s']:.2f}x" if dcp else "-",
+                f"{m['save_s']:.2f}", " / ".join(f"{r['save_s']:.2f}" for r in runs),
+                f"{r0['state_bytes'] / m['save_s'] / 1e9:.2f}",
+                f"{raw['save_s'] / m['save_s']:.2f}x" if raw else "-",
+                f"{dcp['save_s'] / m['save_s']:.2f}x" if dcp else "-",
                 f"{m['save_cpu_s']:.2f}", f"{m['load_s']:.2f}", " / ".join(f"{r['load_s']:.2f}" for r in runs),
                 f"{r0['delivered_bytes'] / m['load_s'] / 1e9:.2f}",
-                f"{raw['load_s'] / m['load_s']:.2f}x" if raw else "-", f"{dcp['load_s'] / m['load_s']:.2f}x" if dcp else "-",
+                f"{raw['load_s'] / m['load_s']:.2f}x" if raw else "-",
+                f"{dcp['load_s'] / m['load_s']:.2f}x" if dcp else "-",
                 f"{m['load_cpu_s']:.2f}", r0["files"], "yes" if all(r["load_ok"] for r in runs) else "NO",
             ])
         r0 = results[0]
@@ -320,7 +324,8 @@ def summarize(results: List[Dict[str, Any]]) -> Tuple[str, Dict[str, Any]]:
 
 
 def main(argv: List[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gib", type=float, default=1.0, help="size of the whole training state (default 1 GiB)")
     p.add_argument("--world", type=int, default=2, help="gloo processes (default 2)")
     p.add_argument("--layouts", default="tp,dp", help="comma-separated: tp, dp")

@@ -152,8 +152,6 @@ def fmt_table(headers: List[str], rows: List[List[object]]) -> str:
 def machine_summary() -> Dict[str, object]:
     import platform
 
-    import tensorstore  # noqa: F401
-
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {"cpus": os.cpu_count(), "mem_gib": round(mem / 2**30, 1), "python": platform.python_version(),
             "torch": torch.__version__, "platform": platform.platform()}

@@ -107,7 +107,8 @@ def render(s: Dict[str, Any]) -> str:
         f"status       committed (complete) at {_when(s['committed_unix'])}",
         f"format       {s['format']} v{s['format_version']}, written by lightning_distckpt {s['library_version']} "
         f"(torch {s['torch_version']}) on {s['world_size']} rank(s)",
-        f"storage      {st.get('backend', '?')} / {st.get('layout', '?')}, chunks <= {human_bytes(st.get('chunk_bytes', 0))}; "
+        f"storage      {st.get('backend', '?')} / {st.get('layout', '?')}, "
+        f"chunks <= {human_bytes(st.get('chunk_bytes', 0))}; "
         f"{s['data_files']} data file(s), {human_bytes(s['data_file_bytes'])}",
         f"contents     {len(s['tensors'])} tensor(s), {human_bytes(s['tensor_bytes'])}; {len(s['objects'])} object(s); "
         f"common state {human_bytes(s['common_bytes']) if s['common_bytes'] is not None else 'MISSING'}",

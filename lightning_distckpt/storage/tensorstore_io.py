@@ -127,7 +127,7 @@ class TensorStoreIO:
     def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int]) -> Dict[str, Any]:
         """Spec creating the array for one stored shard: raw little-endian bytes, chunks of at most
         ``chunk_bytes`` along the first axis, every chunk stored (zeros too)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        chunks = chunk_shape(shape, torch.empty((), dtype=dtype).element_size(), self.options.chunk_bytes)
         return {
             "driver": "zarr3",
             "kvstore": self.kvstore_spec(writer),
@@ -136,8 +136,7 @@ class TensorStoreIO:
             "metadata": {
                 "shape": [int(s) for s in shape],
                 "data_type": ts_dtype(dtype),
-                "chunk_grid": {"name": "regular",
-                               "configuration": {"chunk_shape": chunk_shape(shape, itemsize, self.options.chunk_bytes)}},
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
                 "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
             },
         }
