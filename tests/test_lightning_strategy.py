@@ -1,5 +1,5 @@
-"""DistCheckpointStrategy in real Trainer runs: 2 gloo processes (TP 2) launched by Lightning, then
-resumes under 1 process (TP 1) and 4 processes (TP 2 x DP 2)."""
+"""DistCheckpointStrategy in real Trainer runs: 2 gloo processes (TP 2) launched by Lightning, then a
+resume under 1 process (TP 1). The 4-process (TP 2 x DP 2) resume is in test_lightning_examples.py."""
 
 import math
 import os
@@ -119,10 +119,12 @@ def test_load_lightning_module_single_process(tp2):
     assert math.isclose(loss, results[0]["losses_a"][str(TEST_STEP)], rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("devices,tp", [(1, 1), (4, 2)])
+@pytest.mark.parametrize("devices,tp", [(1, 1)])
 def test_resume_under_another_world_size(tp2, devices, tp):
-    """The TP2 checkpoint resumes under TP1 (1 process) and TP2 x DP2 (4 processes): the TP shards are
-    resharded, the DP replicas deduplicated, and training continues from the same loss."""
+    """The TP2 checkpoint resumes under TP1 (1 process): the TP shards are put together and training
+    continues from the same loss. (4 processes, TP2 x DP2, where the DP replicas are also deduplicated:
+    examples/train_gpt_tp.py, run by test_lightning_examples.py, which checks the same; the scenario
+    here runs with `--devices 4 --tp 2` too.)"""
     d, results = tp2
     ckpt = results[0]["checkpoint"]
     out = d / f"world{devices}"
