@@ -11,7 +11,7 @@ import torch
 from lightning_distckpt import load_lightning_module
 from lightning_helpers import TEST_STEP, TPMLP, run_script
 
-SCENARIOS = ["exact_resume", "failures", "nonstrict", "topk_last", "link_last", "exact_resume_yaml"]
+SCENARIOS = ["tp_layers", "exact_resume", "failures", "nonstrict", "topk_last", "link_last", "exact_resume_yaml"]
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +21,22 @@ def tp2(tmp_path_factory):
     results = run_script("trainer_scenarios.py", [*SCENARIOS, "--dir", str(d), "--devices", "2", "--tp", "2"],
                          str(d / "out"), world_size=2, timeout=420)
     return d, results
+
+
+def test_tensor_parallel_layers_and_groups(tp2):
+    """TP x DP groups of the world, and TP 2 layers: same outputs and gradients as the un-sharded layers
+    (TP shards' gradients are their slices, replicated ones whole: nothing averaged across TP)."""
+    _, results = tp2
+    for rank, res in enumerate(results):
+        groups, dp_only, bad, checks, described = res["tp_layers"]
+        assert groups == [2, rank, 1, 0]
+        assert dp_only == [1, 2, rank]
+        assert "must be >= 1 and divide the world size 2" in bad
+        assert all(checks.values()), checks
+        assert described["m.fc1.weight"] == [[8, 6], [4 * rank, 0], 0, True]  # the parameter itself is the data
+        assert described["m.fc2.weight"] == [[3, 8], [0, 4 * rank], 0, True]
+        assert described["m.fc2.bias"] == [[3], [0], [rank, 0], True]  # replicated: rank 0 writes it
+        assert described["m.norm.weight"] == [[3], [0], [rank, 0], True]
 
 
 def test_exact_resume_restores_everything(tp2):

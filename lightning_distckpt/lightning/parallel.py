@@ -249,7 +249,9 @@ def parallel_state_of(module: Any) -> ParallelState:
     initialized world; else one process (e.g. for inference).
     """
     try:
-        state = module.trainer.strategy.parallel_state
-    except (AttributeError, RuntimeError):  # not attached to a Trainer / no such strategy / not set up yet
-        state = None
-    return state if isinstance(state, ParallelState) else data_parallel_world()
+        strategy = module.trainer.strategy
+    except (AttributeError, RuntimeError):  # not a LightningModule / not attached to a Trainer
+        strategy = None
+    if strategy is not None and hasattr(type(strategy), "parallel_state"):
+        return strategy.parallel_state  # raises if asked for before the strategy set up its groups
+    return data_parallel_world()

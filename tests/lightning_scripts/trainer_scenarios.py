@@ -27,7 +27,14 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_distckpt import CheckpointingError, ShardedTensor, load_common_state_dict  # noqa: E402
 from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy  # noqa: E402
+from lightning_distckpt.lightning.parallel import (  # noqa: E402
+    ColumnParallelLinear,
+    ParallelState,
+    RowParallelLinear,
+    module_sharded_state_dict,
+)
 from lightning_distckpt.storage.layout import read_metadata  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 from lightning_helpers import TEST_STEP, TPMLP, StepCounter, full_weights, optimizer_full_state  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
@@ -234,6 +241,52 @@ def resume_other_world(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["weights_sum"] = {k: float(v.sum()) for k, v in full_weights(model).items()}
 
 
+def _mlp(ps: ParallelState) -> torch.nn.ModuleDict:
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"fc1": ColumnParallelLinear(6, 8, ps), "fc2": RowParallelLinear(8, 3, ps),
+                                "norm": torch.nn.LayerNorm(3)})
+
+
+def _forward(m: torch.nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
+    return m["norm"](m["fc2"](F.gelu(m["fc1"](x))))
+
+
+def tp_layers(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """In the processes Lightning launched (world of 2): the groups, and TP 2 layers against the
+    un-sharded ones (outputs and gradients), and what their sharded state dict describes."""
+    Trainer(accelerator="cpu", devices=args.devices, strategy=DistCheckpointStrategy(timeout=TIMEOUT), logger=False,
+            enable_progress_bar=False, max_steps=0).fit(TPMLP(total_steps=1))  # initializes the world group
+    rank = torch.distributed.get_rank()
+    ps = ParallelState.build(tensor_parallel_size=2)
+    groups = (ps.tp_size, ps.tp_rank, ps.dp_size, ps.dp_rank)
+    dp_only = ParallelState.build(tensor_parallel_size=1)
+    try:
+        ParallelState.build(tensor_parallel_size=3)
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    tp, full = _mlp(ps), _mlp(ParallelState.single())  # same seed: same global weights
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x_full = x.detach().clone().requires_grad_(True)
+    out, ref = _forward(tp, x), _forward(full, x_full)
+    out.pow(2).sum().backward()
+    ref.pow(2).sum().backward()
+    rows = slice(4 * rank, 4 * (rank + 1))
+    checks = {
+        "out": torch.allclose(out, ref, atol=1e-6),
+        "x_grad": torch.allclose(x.grad, x_full.grad, atol=1e-6),  # all-reduced over TP in backward
+        "fc1_w_grad": torch.allclose(tp["fc1"].weight.grad, full["fc1"].weight.grad[rows], atol=1e-6),
+        "fc1_b_grad": torch.allclose(tp["fc1"].bias.grad, full["fc1"].bias.grad[rows], atol=1e-6),
+        "fc2_w_grad": torch.allclose(tp["fc2"].weight.grad, full["fc2"].weight.grad[:, rows], atol=1e-6),
+        "fc2_b_grad": torch.allclose(tp["fc2"].bias.grad, full["fc2"].bias.grad, atol=1e-6),  # replicated
+        "norm_grad": torch.allclose(tp["norm"].weight.grad, full["norm"].weight.grad, atol=1e-6),
+    }
+    sd = module_sharded_state_dict(tp, "m.", replica_id=ps.replicated_id)
+    described = {k: (v.global_shape, v.global_offset, v.replica_id,
+                     v.data is getattr(tp[k.split(".")[1]], k.split(".")[2])) for k, v in sd.items()}
+    res["tp_layers"] = [groups, (dp_only.tp_size, dp_only.dp_size, dp_only.dp_rank), bad, checks, described]
+
+
 def committed(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "COMMITTED"))
 
@@ -308,7 +361,7 @@ def exact_resume_yaml(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["yaml_two_stage_loads"] = sum("two_stage" in m or "two-stage" in m for m in logs.messages)
 
 
-SCENARIOS = {"exact_resume": exact_resume, "failures": failures, "nonstrict": nonstrict,
+SCENARIOS = {"tp_layers": tp_layers, "exact_resume": exact_resume, "failures": failures, "nonstrict": nonstrict,
              "resume_other_world": resume_other_world, "exact_resume_yaml": exact_resume_yaml, "topk_last": topk_last, "link_last": link_last}
 
 
