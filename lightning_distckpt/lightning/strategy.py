@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from ..core.errors import CheckpointingError
 from ..core.strict import StrictHandling
+from ..serialization import load_common_state_dict
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
 from .parallel import ParallelState
@@ -37,6 +38,13 @@ from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 log = logging.getLogger("lightning_distckpt")
 
 STRATEGY_NAME = "ddp_distckpt"
+
+
+def _kind_of(path: str, extra_safe_globals: Any = ()) -> Optional[str]:
+    """The kind recorded in a checkpoint's manifest (reads its common state)."""
+    common = load_common_state_dict(path, extra_safe_globals)
+    man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
+    return man.get("kind") if isinstance(man, Mapping) else None
 
 
 def optimizer_prefix(index: int) -> str:
@@ -229,6 +237,13 @@ class DistCheckpointStrategy(DDPStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
 
         def build() -> Dict[str, Any]:
+            kind = _kind_of(path, self.checkpoint_io.extra_safe_globals)
+            if kind != KIND_SHARDED:
+                raise CheckpointingError(
+                    f"checkpoint {path} was written by DistCheckpointIO under a rank-0-only strategy (kind {kind!r}), "
+                    "not by a distributed-checkpoint strategy; resume it with the strategy that saved it, or read it "
+                    "whole with DistCheckpointIO().load_checkpoint"
+                )
             model_ssd = self._model_ssd()
             template: Dict[str, Any] = {"state_dict": model_ssd}
             if fitting and self.lightning_restore_optimizer:
@@ -242,12 +257,7 @@ class DistCheckpointStrategy(DDPStrategy):
         strict = self._strict_handling()
         loaded = self.checkpoint_io.load_sharded(template, path, strict=strict,
                                                  data_parallel_group=self.parallel_state.dp_group)
-        man = loaded.pop(MANIFEST_KEY, None)
-        if not isinstance(man, Mapping) or man.get("kind") != KIND_SHARDED:
-            raise CheckpointingError(
-                f"checkpoint {path}: was not saved by a distributed-checkpoint strategy (kind "
-                f"{man.get('kind') if isinstance(man, Mapping) else None!r}); resume it with the strategy that saved it"
-            )
+        loaded.pop(MANIFEST_KEY, None)
         if fitting and strict.skips_missing and "lr_schedulers" not in loaded:
             # Non-strict resume from a weights-only checkpoint: keep the fresh scheduler states.
             log.warning("checkpoint %s has no LR scheduler state; keeping the current schedulers (non-strict)", path)

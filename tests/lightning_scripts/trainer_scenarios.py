@@ -170,6 +170,16 @@ def failures(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["failures_global_step"] = t.global_step
     res["good_ckpt_intact"] = os.path.isfile(os.path.join(path, "COMMITTED"))
     res["leftovers"] = sorted(n for n in os.listdir(os.path.dirname(path)) if n != "ckpt")
+    # A checkpoint the plugin wrote under a rank-0-only strategy is refused by name, on every rank.
+    plain = os.path.join(args.dir, "fail", "plain")
+    if t.is_global_zero:
+        DistCheckpointIO().save_checkpoint({"state_dict": {"fc1.weight": torch.zeros(8, 8)}}, plain)
+    t.strategy.barrier()
+    try:
+        trainer(args, strategy_for(args), 4, enable_checkpointing=False).fit(TPMLP(total_steps=4), ckpt_path=plain)
+        res["plain_refused"] = "no error"
+    except CheckpointingError as e:
+        res["plain_refused"] = str(e)
 
 
 def nonstrict(args: argparse.Namespace, res: Dict[str, Any]) -> None:
