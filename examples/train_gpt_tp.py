@@ -1,6 +1,6 @@
 """Train a tensor-parallel GPT with the Lightning Trainer, checkpoint it, resume it under other splits.
 
-One command runs everything (CPU, gloo, about a minute on 2 cores)::
+One command runs everything (CPU, gloo; about 30 seconds on 2 cores, mostly process start-up)::
 
     python examples/train_gpt_tp.py [--dir DIR]
 

@@ -36,6 +36,7 @@ from ..serialization import save as dist_save
 from ..storage.tensorstore_io import StorageOptions
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
 from ..strategies.load import load_every_rank_reads
+from ..strategies.loaders import DEFAULT_LOADER
 from ..strategies.save import finalize_save, prepare_save, write_local
 from ..strategies.two_stage import TwoStageDataParallelLoader
 from .config import ConfigLike, DistCheckpointConfig, StorageConfig, load_checkpoint_config
@@ -165,7 +166,8 @@ class DistCheckpointIO(CheckpointIO):
         self.wait()
         handling = StrictHandling.parse(self.config.strict_handling if strict is None else strict)
         kwargs: Dict[str, Any] = {}
-        if self.config.loader == "two_stage":
+        if (self.config.loader or DEFAULT_LOADER) == "two_stage" and data_parallel_group is not None:
+            # Read each chunk once per data-parallel group, broadcast within it.
             kwargs["loader"] = TwoStageDataParallelLoader(data_parallel_group=data_parallel_group)
         elif self.config.loader is not None:
             kwargs["loader"] = self.config.loader
