@@ -346,6 +346,7 @@ def main(argv: List[str] | None = None) -> int:
     args.dir = tempfile.mkdtemp(prefix="bench_save_load_", dir=os.getcwd()) if own_dir else args.dir
     os.makedirs(args.dir, exist_ok=True)
     started = time.time()
+    load_before = os.getloadavg()
     try:
         with mp.Manager() as manager:
             out = manager.dict()
@@ -356,7 +357,10 @@ def main(argv: List[str] | None = None) -> int:
         if own_dir:
             shutil.rmtree(args.dir, ignore_errors=True)
     table, verdict = summarize(results)
+    load_after = os.getloadavg()
     print(table)
+    print(f"\nload average (1, 5, 15 min) before: {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}, "
+          f"after: {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f} on {os.cpu_count()} CPUs")
     print("\ntargets (ours save >= 0.9x raw and >= 1.3x DCP, ours load >= DCP):")
     for k, v in verdict.items():
         print(f"  {k}: save {v['save_vs_raw']:.2f}x raw, {v['save_vs_dcp']:.2f}x DCP; load {v['load_vs_dcp']:.2f}x DCP"
@@ -366,7 +370,7 @@ def main(argv: List[str] | None = None) -> int:
             from lightning_distckpt.strategies.loaders import DEFAULT_LOADER
 
             json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": machine_summary(),
-                       "default_loader": DEFAULT_LOADER,
+                       "default_loader": DEFAULT_LOADER, "loadavg_before": load_before, "loadavg_after": load_after,
                        "args": {k: v for k, v in vars(args).items()}, "seconds": round(time.time() - started, 1),
                        "results": results, "verdict": verdict, "table": table}, f, indent=1)
     return 0
