@@ -158,3 +158,80 @@ def test_single_process_async(tmp_path):
     with pytest.raises(ldc.ValidationError):  # planning errors are raised by save itself, not later
         ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.ones(2), replica_id=1)}, tmp_path / "x",
                  async_save=True)
+
+
+def _plan_cache(rank, world, root):
+    """Same metadata -> the cached plan is reused; a change on one rank -> planned and validated again."""
+    saver = ldc.AsyncSaver()
+    out = {}
+    req = saver.save(state(rank, world, 1.0), f"{root}/c1")
+    req.finalize()
+    out["first"] = req.plan_reused
+    req = saver.save(state(rank, world, 2.0), f"{root}/c2")  # new values, same layout
+    req.finalize()
+    out["second"] = req.plan_reused
+    out["c2"] = same(loaded(f"{root}/c2", rank, world), state(rank, world, 2.0))
+
+    # a key only rank 1 holds: only rank 1's records changed, so both ranks plan again
+    extra = state(rank, world, 3.0)
+    if rank == 1:
+        extra["extra"] = ldc.ShardedTensor.from_rank_offsets("extra", torch.arange(5.0))
+    req = saver.save(extra, f"{root}/c3")
+    req.finalize()
+    out["one_rank_changed"] = req.plan_reused
+    out["c3_extra"] = ldc.load_tensors_metadata(f"{root}/c3")["extra"].global_shape
+
+    # rank 1's TP shard grows: its global shape disagrees with rank 0's -> ValidationError everywhere
+    bad = state(rank, world, 4.0)
+    if rank == 1:
+        bad["tp"] = ldc.ShardedTensor.from_rank_offsets("tp", torch.ones(9, 4), (0, rank, world))
+    try:
+        saver.save(bad, f"{root}/c4")
+        out["inconsistent"] = None
+    except ldc.ValidationError as e:
+        out["inconsistent"] = str(e)
+    out["c4_exists"] = os.path.exists(f"{root}/c4")
+
+    # back to the original layout: planned again (the failed save left no plan to reuse), then reused
+    req = saver.save(state(rank, world, 5.0), f"{root}/c5")
+    req.finalize()
+    out["after_error"] = req.plan_reused
+    req = saver.save(state(rank, world, 6.0), f"{root}/c5")  # overwrite with the reused plan
+    req.finalize()
+    out["again"] = req.plan_reused
+    out["c5"] = same(loaded(f"{root}/c5", rank, world), state(rank, world, 6.0))
+    out["hits_misses"] = (saver.plan_cache.hits, saver.plan_cache.misses)
+    return out
+
+
+def test_plan_cache_reuse_and_revalidation(tmp_path):
+    res = run_distributed(_plan_cache, 2, str(tmp_path), timeout_s=90)
+    for r in res:
+        assert r["first"] is False and r["second"] is True
+        assert r["c2"]
+        assert r["one_rank_changed"] is False
+        assert tuple(r["c3_extra"]) == (5,)
+        assert r["inconsistent"] is not None and "tp" in r["inconsistent"], r["inconsistent"]
+        assert not r["c4_exists"]
+        assert r["after_error"] is False and r["again"] is True
+        assert r["c5"]
+        assert r["hits_misses"] == (2, 3)
+
+
+def test_plan_cache_single_process_logs_reuse(tmp_path, caplog):
+    saver = ldc.AsyncSaver()
+    sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.arange(6.0)), "step": 1}
+    with caplog.at_level("DEBUG", logger="lightning_distckpt"):
+        saver.save(sd, tmp_path / "a").finalize()
+        sd["w"].data.mul_(2)
+        sd["step"] = 2
+        req = saver.save(sd, tmp_path / "b")
+        req.finalize()
+    assert req.plan_reused
+    assert sum("cached plan reused" in m for m in caplog.messages) == 1
+    out = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(6)), "step": 0}, tmp_path / "b")
+    assert torch.equal(out["w"], 2 * torch.arange(6.0)) and out["step"] == 2
+    # a different dtype is a different layout: planned again
+    sd["w"] = ldc.ShardedTensor.from_rank_offsets("w", torch.arange(6, dtype=torch.float64))
+    assert not saver.save(sd, tmp_path / "c").plan_reused
+    saver.finalize()

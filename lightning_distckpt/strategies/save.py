@@ -46,6 +46,50 @@ class PreparedSave:
     objects: List[Tuple[str, int, bytes]]
     common: Optional[bytes]  # rank 0 only
     started: float = field(default_factory=time.perf_counter)
+    plan_reused: bool = False  # the plan came from a SavePlanCache (no records exchange, no validation)
+
+
+Records = Tuple[List[ShardRecord], List[ObjectRecord]]
+
+
+class SavePlanCache:
+    """Remembers the last validated save plan, for repeated saves of the same layout.
+
+    Pass the same instance to every :func:`prepare_save` of a run (the :class:`AsyncSaver` keeps
+    one). When no rank's shard metadata (nor the group, nor the planning options) changed since the
+    save that made the plan, the records all-gather, validation and planning are skipped: one
+    round trip of tiny objects decides it, and also carries rank 0's staging directory name. Any
+    change on any rank plans (and validates) from scratch, as without a cache.
+
+    ``hits`` / ``misses`` count reused and freshly made plans.
+    """
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None  # this rank's records + group + options of the cached plan
+        self._token: Optional[str] = None  # same on every rank for the same plan (that save's staging name)
+        self._plan: Optional[SavePlan] = None
+        self.hits = 0
+        self.misses = 0
+
+    def lookup(self, key: tuple) -> Optional[str]:
+        """The plan's token when ``key`` matches this rank's cached plan, else None (local)."""
+        return self._token if self._plan is not None and self._key == key else None
+
+    def store(self, key: tuple, token: str, plan: SavePlan) -> None:
+        self._key, self._token, self._plan = key, token, plan
+        self.misses += 1
+
+    def reuse(self) -> SavePlan:
+        assert self._plan is not None
+        self.hits += 1
+        return self._plan
+
+    def clear(self) -> None:
+        self._key = self._token = self._plan = None
+
+
+def _group_ranks(comm: Comm) -> Tuple[int, ...]:
+    return tuple(comm.global_rank(i) for i in range(comm.size)) if comm.distributed else (0,)
 
 
 def prepare_save(
@@ -56,10 +100,13 @@ def prepare_save(
     validate_access_integrity: bool = True,
     balance_writes: bool = True,
     options: StorageOptions = StorageOptions(),
+    plan_cache: Optional[SavePlanCache] = None,
 ) -> PreparedSave:
     """Collective: exchange shard metadata, validate, plan, and agree on a staging directory.
 
-    Raises the same ValidationError on every rank when the shards are inconsistent.
+    With ``plan_cache`` (the same object on every save of a run), a plan validated by an earlier
+    save is reused when no rank's metadata changed. Raises the same ValidationError on every rank
+    when the shards are inconsistent.
     """
     target = os.path.abspath(os.fspath(checkpoint_dir))
     started = time.perf_counter()
@@ -67,7 +114,7 @@ def prepare_save(
     tensors: List[ShardedTensor] = []
     objects: List[ShardedObject] = []
     common: Any = None
-    records: Tuple[List[ShardRecord], List[ObjectRecord]] = ([], [])
+    records: Records = ([], [])
     try:
         expanded = apply_factories(sharded_state_dict)
         sharded, common = split_common(expanded)
@@ -83,22 +130,42 @@ def prepare_save(
             commit_mod.check_target(target)
     except CheckpointingError as e:
         local_error = str(e)
-    # One exchange carries the records, any local error, and rank 0's staging directory name.
     staging = commit_mod.new_staging_dir(target) if comm.rank == 0 else None
-    gathered = comm.all_gather_object((records, local_error, staging))
-    errors = [(rk, err) for rk, (_, err, _) in enumerate(gathered) if err]
+    cache_key: tuple = ()
+    token: Optional[str] = None
+    if plan_cache is not None and local_error is None:
+        cache_key = (records, _group_ranks(comm), validate_access_integrity, balance_writes)
+        token = plan_cache.lookup(cache_key)
+    # One exchange carries the records (only where they changed, when a plan is cached), any local
+    # error, and rank 0's staging directory name.
+    sent = None if token is not None else records
+    gathered = comm.all_gather_object((sent, token, local_error, staging))
+    errors = [(rk, g[2]) for rk, g in enumerate(gathered) if g[2]]
     if errors:
         raise CheckpointingError(
             f"save to {target} failed before writing: " + "; ".join(f"rank {rk}: {err}" for rk, err in errors)
         )
-    staging = gathered[0][2]
-    all_tensors = [r for recs, _, _ in gathered for r in recs[0]]
-    all_objects = [r for recs, _, _ in gathered for r in recs[1]]
-    if validate_access_integrity:
-        raise_on_problems(validate_tensor_records(all_tensors) + validate_object_records(all_objects), target)
-    plan = make_save_plan(all_tensors, all_objects, comm.size, balance_writes=balance_writes)
+    staging = gathered[0][3]
+    reuse = plan_cache is not None and all(g[1] is not None and g[1] == token for g in gathered)
+    if reuse:
+        assert plan_cache is not None
+        plan = plan_cache.reuse()
+    else:
+        if any(g[0] is None for g in gathered):  # some rank held back unchanged records: fetch all
+            per_rank: List[Records] = comm.all_gather_object(records)
+        else:
+            per_rank = [g[0] for g in gathered]
+        all_tensors = [r for recs in per_rank for r in recs[0]]
+        all_objects = [r for recs in per_rank for r in recs[1]]
+        if plan_cache is not None:
+            plan_cache.clear()  # a failed validation must not leave a stale plan behind
+        if validate_access_integrity:
+            raise_on_problems(validate_tensor_records(all_tensors) + validate_object_records(all_objects), target)
+        plan = make_save_plan(all_tensors, all_objects, comm.size, balance_writes=balance_writes)
+        if plan_cache is not None:
+            plan_cache.store(cache_key, staging, plan)  # staging name: unique, identical on every rank
 
-    by_id = {(t.key, ShardRecord.of(t, comm.rank).shard_id): t for t in tensors}
+    by_id = {(t.key, r.shard_id): t for t, r in zip(tensors, records[0])}
     mine = []
     for key, sid, index in plan.writes.get(comm.rank, []):
         st = by_id[(key, sid)]
@@ -109,9 +176,9 @@ def prepare_save(
     obj_by_id = {(o.key, o.global_offset): o for o in objects}
     my_objects = [(key, index, dumps(obj_by_id[(key, off)].data)) for key, off, index in plan.object_writes.get(comm.rank, [])]
     logger.debug(
-        "rank %d: save plan for %s: %d shards / %d objects to write, %d bytes (planning %.3fs)",
-        comm.rank, target, len(mine), len(my_objects), plan.bytes_per_rank.get(comm.rank, 0),
-        time.perf_counter() - started,
+        "rank %d: save plan for %s (%s): %d shards / %d objects to write, %d bytes (planning %.3fs)",
+        comm.rank, target, "cached plan reused" if reuse else "planned", len(mine), len(my_objects),
+        plan.bytes_per_rank.get(comm.rank, 0), time.perf_counter() - started,
     )
     return PreparedSave(
         target=target,
@@ -123,6 +190,7 @@ def prepare_save(
         objects=my_objects,
         common=dumps(common) if comm.rank == 0 else None,
         started=started,
+        plan_reused=reuse,
     )
 
 
