@@ -7,7 +7,7 @@ of a GPT-like training state (see common.py). Measured, as the slowest rank's ti
 * async, first save: ``AsyncSaver.save`` returning (plan + snapshot into freshly allocated host
   staging buffers) - the caller's blocking time - then the wait left at ``finalize()``;
 * async, steady state: the next saves with the same saver (staging buffers reused, no
-  allocation), while the caller "trains" (matrix multiplies) for as long as a sync save takes,
+  allocation, the validated save plan reused: metadata unchanged), while the caller "trains" (matrix multiplies) for as long as a sync save takes,
   then ``finalize()``.
 
 Sync and steady-state async saves are repeated (``--repeats``, default 3) and medians reported.
@@ -112,11 +112,13 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int) ->
         out[f"{phase}_finalize_s"] = _max(time.perf_counter() - t1)
         out[f"{phase}_total_s"] = _max(time.perf_counter() - t0)
         out[f"{phase}_steps"] = steps
+        out[f"{phase}_plan_reused"] = req.plan_reused
         out["staged_bytes"] = saver.staging_bytes
     steady = [f"steady{i}" for i in range(repeats)]
     for what in ("blocked_s", "snapshot_s", "finalize_s", "total_s", "steps"):
         out[f"steady_{what}"] = statistics.median(out[f"{p}_{what}"] for p in steady)
     out["steady_blocked_all_s"] = [out[f"{p}_blocked_s"] for p in steady]
+    out["steady_plan_reused"] = all(out[f"{p}_plan_reused"] for p in steady)
     # the steady-state checkpoint holds the state as it was when save returned
     assert expected is not None
     tmpl = _sharded([type(t)(t.key, torch.empty_like(t.data), t.global_shape, t.tp_axis, t.replicated)
@@ -139,6 +141,7 @@ def run(world: int, total_bytes: int, repeats: int) -> Dict[str, Any]:
     res["world"] = world
     res["state_bytes"] = sum(r["state_bytes"] for r in per_rank)
     res["ok"] = all(r["ok"] for r in per_rank)
+    res["steady_plan_reused"] = all(r["steady_plan_reused"] for r in per_rank)
     return res
 
 
@@ -151,11 +154,12 @@ def report(results: List[Dict[str, Any]]) -> str:
                      f"{r['first_blocked_s']:.3f} ({100 * r['first_blocked_s'] / s:.1f}%)",
                      f"{r['steady_blocked_s']:.3f} ({100 * r['steady_blocked_s'] / s:.1f}%) [{fmt(r['steady_blocked_all_s'])}]",
                      f"{r['steady_snapshot_s']:.3f}", f"{r['steady_finalize_s']:.3f}", f"{r['steady_total_s']:.3f}",
-                     r["steady_steps"], r["ok"]])
+                     r["steady_steps"], r["steady_plan_reused"], r["ok"]])
     return fmt_table(["ranks", "state MB", "sync save s: median [all]", "async blocked s, 1st save (% of sync)",
                       "async blocked s, reused buffers: median (% of sync) [all]", "of which snapshot s",
                       "finalize wait s after training",
-                      "async save to commit s", "training steps during save", "loads back as snapshot"], rows)
+                      "async save to commit s", "training steps during save", "cached plan reused",
+                      "loads back as snapshot"], rows)
 
 
 def main() -> None:
