@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 import lightning_distckpt.lightning  # noqa: E402,F401  (registers strategy="ddp_distckpt")
@@ -23,6 +24,9 @@ from tiny_gpt import TinyGPT  # noqa: E402
 
 def main() -> None:
     LightningCLI(TinyGPT, save_config_kwargs={"overwrite": True})
+    if dist.is_available() and dist.is_initialized():  # leave together
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

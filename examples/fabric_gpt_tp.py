@@ -69,6 +69,8 @@ def run_phase(args: argparse.Namespace) -> None:
     if fabric.global_rank == 0:
         with open(os.path.join(args.dir, f"{args.name}.json"), "w") as f:
             json.dump({"losses": losses, "parallel": ps.describe()}, f)
+    fabric.barrier()
+    dist.destroy_process_group()  # leave together: no rank exits while another still talks to it
 
 
 def drive(args: argparse.Namespace) -> int:

@@ -76,6 +76,16 @@ def run_phase(args: argparse.Namespace) -> None:
                "io": logs.lines}
         with open(os.path.join(args.dir, f"{args.name}.json"), "w") as f:
             json.dump(out, f)
+    shutdown()
+
+
+def shutdown() -> None:
+    """Leave the process group together, so no rank exits while another still talks to it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def describe_checkpoint(path: str) -> List[str]:

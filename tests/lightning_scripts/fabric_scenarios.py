@@ -202,6 +202,9 @@ def main() -> None:
         rank = fabric.global_rank if fabric is not None else int(os.environ.get("LOCAL_RANK", 0))
         with open(f"{args.out}.rank{rank}.json", "w") as f:
             json.dump(res, f, default=str)
+    if "error" not in res and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # leave together: no rank exits while another still talks to it
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
