@@ -20,6 +20,7 @@ from .serialization import load, load_common_state_dict, load_plain_tensors, loa
 from .optim import init_optimizer_state, optimizer_sharded_state_dict, restore_optimizer_state
 from .storage.tensorstore_io import StorageOptions
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
+from .strategies.save import SavePlanCache
 from .strategies.loaders import EveryRankLoader
 from .strategies.parallel_load import FullyParallelLoader
 from .strategies.two_stage import TwoStageDataParallelLoader
@@ -55,6 +56,7 @@ __all__ = [
     *_LIGHTNING_NAMES,
     "AsyncSaveRequest",
     "AsyncSaver",
+    "SavePlanCache",
     "EveryRankLoader",
     "FullyParallelLoader",
     "TwoStageDataParallelLoader",

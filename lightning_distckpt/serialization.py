@@ -16,7 +16,7 @@ from .storage.tensorstore_io import StorageOptions
 from .strategies.load import OpenedCheckpoint, read_tensors
 from .strategies.loaders import Loader, resolve_loader
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
-from .strategies.save import finalize_save, prepare_save, write_local
+from .strategies.save import SavePlanCache, finalize_save, prepare_save, write_local
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -30,6 +30,7 @@ def save(
     balance_writes: bool = True,
     storage: Optional[StorageOptions] = None,
     async_save: Union[bool, AsyncSaver] = False,
+    plan_cache: Optional[SavePlanCache] = None,
 ) -> Optional[AsyncSaveRequest]:
     """Save a sharded state dict to ``checkpoint_dir`` (collective over ``process_group``).
 
@@ -52,6 +53,9 @@ def save(
             finalizes its previous save first): return an :class:`AsyncSaveRequest` once the state
             is snapshotted in host memory; the writes go on in the background and the checkpoint
             is committed by the request's ``finalize()``, called on every rank.
+        plan_cache: a :class:`SavePlanCache` kept across the synchronous saves of a run: when no
+            rank's shard metadata changed, validation and planning are skipped (an AsyncSaver
+            keeps its own).
 
     Raises:
         ValidationError, SaveFailedError, CheckpointingError: on every rank alike.
@@ -69,6 +73,7 @@ def save(
         validate_access_integrity=validate_access_integrity,
         balance_writes=balance_writes,
         options=storage or StorageOptions(),
+        plan_cache=plan_cache,
     )
     try:
         local: Any = write_local(prep)

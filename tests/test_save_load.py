@@ -217,3 +217,13 @@ def test_write_failure_on_one_rank_fails_all_and_keeps_old(tmp_path):
         assert err is not None and "rank 1" in err and "nothing was committed" in err
         assert values == [float(rank)] * 4  # the previous checkpoint is intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # staging removed
+
+
+def test_sync_save_plan_cache(tmp_path):
+    cache = ldc.SavePlanCache()
+    for value in (1.0, 2.0):
+        ldc.save({"a": ldc.ShardedTensor.from_rank_offsets("a", torch.full((3,), value))}, tmp_path / "ck",
+                 plan_cache=cache)
+        assert torch.equal(ldc.load(_template(["a"]) | {"a": ldc.ShardedTensor.from_rank_offsets(
+            "a", torch.zeros(3))}, tmp_path / "ck")["a"], torch.full((3,), value))
+    assert (cache.hits, cache.misses) == (1, 1)
