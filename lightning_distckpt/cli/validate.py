@@ -64,15 +64,19 @@ def validate(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20,
     _check_index(ckpt, report)
     tio = TensorStoreIO(ckpt.path, ckpt.options)
     dead = _check_writer_stores(ckpt, report)
-    for key in sorted(ckpt.index.tensors):
-        entry = ckpt.index.tensors[key]
-        for shard in entry.shards:
-            if shard.writer in dead:
-                continue
-            report.shards += 1
-            _read_shard(tio, key, entry.dtype, shard, report, max_inflight_bytes)
-        if progress:
+    todo = [(key, shard) for key in sorted(ckpt.index.tensors) for shard in ckpt.index.tensors[key].shards
+            if shard.writer not in dead]
+    try:  # open every array at once (concurrently); failures are reported shard by shard below
+        tio.open_arrays((shard.writer, key, shard.index) for key, shard in todo)
+    except CheckpointingError:
+        pass
+    window = _ReadWindow(report, max_inflight_bytes)
+    for i, (key, shard) in enumerate(todo):
+        report.shards += 1
+        _read_shard(tio, key, ckpt.index.tensors[key].dtype, shard, report, window)
+        if progress and (i + 1 == len(todo) or todo[i + 1][0] != key):
             progress(key)
+    window.drain()
     _check_objects(ckpt, tio, dead, report)
     _check_common(ckpt, report)
     report.seconds = time.perf_counter() - t0
@@ -109,8 +113,35 @@ def _check_writer_stores(ckpt: OpenedCheckpoint, report: Report) -> set:
     return dead
 
 
+class _ReadWindow:
+    """Chunk reads in flight across shards, at most ``max_bytes`` at once (one bigger read alone)."""
+
+    def __init__(self, report: Report, max_bytes: int) -> None:
+        self.report = report
+        self.max_bytes = max_bytes
+        self.pending: List[Tuple[Any, str, int]] = []
+        self.inflight = 0
+
+    def submit(self, piece: Any, where: str, nbytes: int) -> None:
+        if self.pending and self.inflight + nbytes > self.max_bytes:
+            self.drain()
+        self.pending.append((piece.read(), where, nbytes))
+        self.inflight += nbytes
+        self.report.chunks += 1
+
+    def drain(self) -> None:
+        for fut, where, nbytes in self.pending:
+            try:
+                fut.result()
+                self.report.bytes_read += nbytes
+            except Exception as e:
+                self.report.problems.append(f"{where} unreadable: {short_error(e)}")
+        self.pending.clear()
+        self.inflight = 0
+
+
 def _read_shard(tio: TensorStoreIO, key: str, dtype: str, shard: StoredShard, report: Report,
-                max_inflight_bytes: int) -> None:
+                window: _ReadWindow) -> None:
     where = f"{key!r} shard {shard.index} (rank {shard.writer})"
     try:
         store = tio.open_array(shard.writer, key, shard.index)
@@ -129,28 +160,8 @@ def _read_shard(tio: TensorStoreIO, key: str, dtype: str, shard: StoredShard, re
         n = int(store.shape[0])
         pieces = [(store[r:min(r + rows, n)], f"rows {r}:{min(r + rows, n)}") for r in range(0, n, rows)]
     row_bytes = math.prod(store.shape[1:]) * element_size(dtype) if store.rank else element_size(dtype)
-    window: List[Tuple[Any, str, int]] = []
-    inflight = 0
-
-    def drain() -> None:
-        nonlocal inflight
-        for fut, what, nbytes in window:
-            try:
-                fut.result()
-                report.bytes_read += nbytes
-            except Exception as e:
-                report.problems.append(f"{where}: chunk {what} unreadable: {short_error(e)}")
-        window.clear()
-        inflight = 0
-
     for piece, what in pieces:
-        nbytes = (piece.shape[0] * row_bytes) if piece.rank else row_bytes
-        if window and inflight + nbytes > max_inflight_bytes:
-            drain()
-        window.append((piece.read(), what, nbytes))
-        inflight += nbytes
-        report.chunks += 1
-    drain()
+        window.submit(piece, f"{where}: chunk {what}", (piece.shape[0] * row_bytes) if piece.rank else row_bytes)
 
 
 def _check_blob(blob: bytes, where: str, report: Report) -> None:
