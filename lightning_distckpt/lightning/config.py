@@ -33,12 +33,14 @@ class StorageConfig:
     layout: str = "ocdbt"  # "ocdbt": a few files per rank; "zarr": one plain zarr v3 array per shard
     chunk_bytes: int = 64 * 1024 * 1024  # largest zarr chunk
     io_concurrency: int = 16  # tensorstore's file I/O and copy threads (per process)
+    data_file_bytes: int = 64 * 1024 * 1024  # "ocdbt" only: target size of each OCDBT data file
 
     def __post_init__(self) -> None:
         self.to_options()  # validates the choices
 
     def to_options(self) -> StorageOptions:
-        return StorageOptions(layout=self.layout, chunk_bytes=int(self.chunk_bytes), io_concurrency=int(self.io_concurrency))
+        return StorageOptions(layout=self.layout, chunk_bytes=int(self.chunk_bytes), io_concurrency=int(self.io_concurrency),
+                              data_file_bytes=int(self.data_file_bytes))
 
 
 @dataclass
