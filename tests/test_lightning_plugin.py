@@ -102,6 +102,25 @@ def test_async_local_save_snapshots_and_surfaces_errors(tmp_path):
         io.teardown()  # ...and the error surfaces at the next wait
 
 
+def test_async_removal_waits_for_the_new_checkpoint(tmp_path):
+    # ModelCheckpoint removes the old top-k right after asking for the new save: with async save the
+    # old one must survive until the new one is committed, and survive for good if the new one fails.
+    io = DistCheckpointIO.from_config({"async_save": True})
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(10)}}, tmp_path / "old")
+    io.teardown()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(10)}}, tmp_path / "new")
+    io.remove_checkpoint(tmp_path / "old")
+    assert (tmp_path / "old" / "COMMITTED").is_file()  # still there while "new" may be in flight
+    io.teardown()
+    assert not (tmp_path / "old").exists() and (tmp_path / "new" / "COMMITTED").is_file()
+    (tmp_path / "blocker").write_text("a file where the next checkpoint should go")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(10)}}, tmp_path / "blocker")  # will fail
+    io.remove_checkpoint(tmp_path / "new")
+    with pytest.raises(ldc.CheckpointingError):
+        io.teardown()
+    assert torch.equal(io.load_checkpoint(tmp_path / "new")["state_dict"]["w"], torch.ones(10))  # kept
+
+
 def test_load_rejects_incomplete_and_foreign_directories(tmp_path):
     io = DistCheckpointIO()
     (tmp_path / "empty").mkdir()

@@ -18,7 +18,7 @@ import os
 import shutil
 import threading
 from dataclasses import replace
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,9 @@ class DistCheckpointIO(CheckpointIO):
         self._local_error: Optional[BaseException] = None
         self._saver: Optional[AsyncSaver] = None  # the core's async saver (collective saves), made on first use
         self._pending: Optional[AsyncSaveRequest] = None
+        # Removals asked for while a background save is in flight (ModelCheckpoint drops the old
+        # top-k right after saving the new one): done only once the new checkpoint is committed.
+        self._deferred_removals: List[str] = []
 
     @classmethod
     def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "DistCheckpointIO":
@@ -128,6 +131,10 @@ class DistCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target)."""
         target = os.fspath(path)
+        if self._local_thread is not None or self._pending is not None:
+            self._deferred_removals.append(target)
+            logger.debug("removal of %s deferred until the background save commits", target)
+            return
         if os.path.islink(target) or os.path.isfile(target):
             os.remove(target)
         elif os.path.isdir(target):
@@ -181,16 +188,22 @@ class DistCheckpointIO(CheckpointIO):
 
     # -- helpers -------------------------------------------------------------------------
     def wait(self) -> None:
-        """Finish a background save; raises its error. Collective when the pending save was collective."""
+        """Finish a background save; raises its error. Collective when the pending save was collective.
+
+        Removals deferred during the save run after it committed; if it failed they are dropped,
+        so the previous checkpoints survive."""
+        removals, self._deferred_removals = self._deferred_removals, []
         if self._local_thread is not None:
             self._local_thread.join()
             self._local_thread = None
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.finalize()
+            pending.finalize()  # raises on failure: the deferred removals are dropped
         if self._local_error is not None:
             err, self._local_error = self._local_error, None
             raise err
+        for target in removals:
+            self.remove_checkpoint(target)
 
     def _storage(self, storage_options: Optional[Any]) -> StorageOptions:
         if storage_options is None:
