@@ -75,6 +75,7 @@ class DistCheckpointIO(CheckpointIO):
         # Removals asked for while a background save is in flight (ModelCheckpoint drops the old
         # top-k right after saving the new one): done only once the new checkpoint is committed.
         self._deferred_removals: List[str] = []
+        self.step_boundary_commits = 0  # background saves committed by finalize_if_done
 
     @classmethod
     def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "DistCheckpointIO":
@@ -185,6 +186,18 @@ class DistCheckpointIO(CheckpointIO):
                         extra_safe_globals=self.extra_safe_globals, **kwargs)
         loaded = out[0] if isinstance(out, tuple) else out
         return merge(fallback, loaded) if isinstance(fallback, dict) else loaded
+
+    def finalize_if_done(self) -> bool:
+        """Collective when a collective save is pending: commit it if every rank's writes have
+        finished, without blocking on unfinished ones. Returns whether nothing is pending now.
+        The strategy calls it at each training-step boundary."""
+        if self._pending is None:
+            return True
+        if not self._pending.all_done():
+            return False
+        self.wait()
+        self.step_boundary_commits += 1
+        return True
 
     # -- helpers -------------------------------------------------------------------------
     def wait(self) -> None:

@@ -264,6 +264,16 @@ class DistCheckpointStrategy(DDPStrategy):
             loaded["lr_schedulers"] = [c.scheduler.state_dict() for c in self.lr_scheduler_configs]
         return loaded
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Commit a finished async save at the step boundary, without waiting for an unfinished one."""
+        super().on_train_batch_start(batch, batch_idx)
+        self.checkpoint_io.finalize_if_done()
+
+    def on_train_end(self) -> None:
+        """The end of training waits for (and commits) the last async save."""
+        super().on_train_end()
+        self.checkpoint_io.wait()
+
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
         optimizers = self._raw_optimizers()

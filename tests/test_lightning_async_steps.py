@@ -1,0 +1,36 @@
+"""Async save with DistCheckpointStrategy: background saves are committed at step boundaries,
+the last one at the end of training, and every checkpoint ModelCheckpoint kept is complete."""
+
+import os
+import time
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+import lightning_distckpt as ldc
+from lightning_distckpt.lightning import DistCheckpointStrategy
+from lightning_helpers import TPMLP
+
+
+class SlowSteps(Callback):
+    """Stands in for real compute: a background write of a few KB finishes within a step."""
+
+    def on_train_batch_end(self, *args):
+        time.sleep(0.05)
+
+
+def test_async_saves_commit_at_step_boundaries(tmp_path):
+    torch.manual_seed(0)
+    strategy = DistCheckpointStrategy(checkpoint={"async_save": True})
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=2, monitor="train_loss")
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=12, callbacks=[ckpt, SlowSteps()],
+                      logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TPMLP(total_steps=12))
+    io = strategy.checkpoint_io
+    assert io.step_boundary_commits >= 4  # committed during training without blocking the next save
+    kept = sorted(p for p in os.listdir(tmp_path) if p.endswith(".ckpt"))
+    assert len(kept) == 2  # top-k removal happened, only after the newer saves committed
+    for name in kept:
+        assert ldc.load_tensors_metadata(tmp_path / name)  # committed, loadable
+    assert not [p for p in os.listdir(tmp_path) if "staging" in p]
