@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(script, out_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK"):
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(var, None)
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--dir", str(out_dir)], env=env,
                           capture_output=True, text=True, timeout=480)
