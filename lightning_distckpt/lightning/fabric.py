@@ -31,7 +31,7 @@ from ..core.errors import MissingKeysError
 from ..core.strict import StrictHandling
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
-from .parallel import ParallelState
+from .parallel import ParallelState, check_strategy_args
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
@@ -76,11 +76,7 @@ class FabricDistCheckpointStrategy(DDPStrategy):
         start_method: str = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        if int(tensor_parallel_size) < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        for owned in ("process_group", "device_mesh"):  # (LightningCLI passes DDP's defaults, None)
-            if ddp_kwargs.pop(owned, None) is not None:
-                raise ValueError(f"{owned} is set by FabricDistCheckpointStrategy (the data-parallel group); do not pass it")
+        tensor_parallel_size = check_strategy_args("FabricDistCheckpointStrategy", tensor_parallel_size, ddp_kwargs)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,

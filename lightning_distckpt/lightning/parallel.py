@@ -255,3 +255,16 @@ def parallel_state_of(module: Any) -> ParallelState:
     if strategy is not None and hasattr(type(strategy), "parallel_state"):
         return strategy.parallel_state  # raises if asked for before the strategy set up its groups
     return data_parallel_world()
+
+
+def check_strategy_args(owner: str, tensor_parallel_size: Any, ddp_kwargs: Dict[str, Any]) -> int:
+    """Validate a TP strategy's own arguments; drop DDP arguments it sets itself.
+
+    ``process_group`` / ``device_mesh`` are the data-parallel group's business (LightningCLI passes
+    DDP's defaults, None, which are dropped); returns the TP size as an int."""
+    if int(tensor_parallel_size) < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    for owned in ("process_group", "device_mesh"):
+        if ddp_kwargs.pop(owned, None) is not None:
+            raise ValueError(f"{owned} is set by {owner} (the data-parallel group); do not pass it")
+    return int(tensor_parallel_size)

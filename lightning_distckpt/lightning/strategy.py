@@ -31,7 +31,7 @@ from ..core.strict import StrictHandling
 from ..serialization import load_common_state_dict
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
-from .parallel import ParallelState
+from .parallel import ParallelState, check_strategy_args
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
@@ -88,11 +88,7 @@ class DistCheckpointStrategy(DDPStrategy):
         start_method: str = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        if int(tensor_parallel_size) < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        for owned in ("process_group", "device_mesh"):  # (LightningCLI passes DDP's defaults, None)
-            if ddp_kwargs.pop(owned, None) is not None:
-                raise ValueError(f"{owned} is set by DistCheckpointStrategy (the data-parallel group); do not pass it")
+        tensor_parallel_size = check_strategy_args("DistCheckpointStrategy", tensor_parallel_size, ddp_kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
