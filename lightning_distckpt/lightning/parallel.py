@@ -268,3 +268,17 @@ def check_strategy_args(owner: str, tensor_parallel_size: Any, ddp_kwargs: Dict[
         if ddp_kwargs.pop(owned, None) is not None:
             raise ValueError(f"{owned} is set by {owner} (the data-parallel group); do not pass it")
     return int(tensor_parallel_size)
+
+
+STRATEGY_NAME = "ddp_distckpt"
+
+
+def register_strategy_names(cls: Any, strategy_registry: Any) -> None:
+    """Register ``cls`` as ``ddp_distckpt`` (popen launcher) and ``ddp_distckpt_spawn`` in a
+    Lightning or Fabric strategy registry (both have the same ``register`` API)."""
+    for name, start_method in ((STRATEGY_NAME, "popen"), (f"{STRATEGY_NAME}_spawn", "spawn")):
+        if name not in strategy_registry:
+            strategy_registry.register(
+                name, cls, description=f"DDP with distributed checkpoints, start_method '{start_method}'",
+                start_method=start_method,
+            )

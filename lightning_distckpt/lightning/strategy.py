@@ -31,13 +31,12 @@ from ..core.strict import StrictHandling
 from ..serialization import load_common_state_dict
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
-from .parallel import ParallelState, check_strategy_args
+from .parallel import STRATEGY_NAME, ParallelState, check_strategy_args, register_strategy_names
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
 log = logging.getLogger("lightning_distckpt")
 
-STRATEGY_NAME = "ddp_distckpt"
 
 
 def _kind_of(path: str, extra_safe_globals: Any = ()) -> Optional[str]:
@@ -114,12 +113,7 @@ class DistCheckpointStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Lightning's registration hook: ``strategy="ddp_distckpt"`` (and ``"ddp_distckpt_spawn"``)."""
-        for name, start_method in ((STRATEGY_NAME, "popen"), (f"{STRATEGY_NAME}_spawn", "spawn")):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"DDP with distributed checkpoints, start_method '{start_method}'",
-                    start_method=start_method,
-                )
+        register_strategy_names(cls, strategy_registry)
 
     # -- process groups ------------------------------------------------------------------
     @property
