@@ -103,3 +103,22 @@ def test_index_json_round_trip_and_rejects_bad_types():
         assert "writer" in str(e)
     else:
         raise AssertionError("malformed writer accepted")
+
+
+def test_common_differences_names_paths_and_ranks():
+    from lightning_distckpt.planning.common_check import common_differences, leaf_digests
+
+    same = {"opt": {"param_groups": [{"lr": 0.1}]}, "step": 3}
+    ranks = [leaf_digests(same), leaf_digests(same), leaf_digests({**same, "step": 4}),
+             leaf_digests({"opt": same["opt"], "step": 3, "extra": 1})]
+    assert set(ranks[0]) == {"opt.param_groups.0.lr", "step"}
+    assert common_differences(ranks[:2]) == []
+    assert common_differences(ranks) == [
+        "'extra': not on rank 0, only on ranks [3] (not saved)",
+        "'step': differs from rank 0's value on ranks [2]",
+    ]
+    missing = [leaf_digests(same), leaf_digests({"step": 3})]
+    assert common_differences(missing) == ["'opt.param_groups.0.lr': missing on ranks [1]"]
+    many = [{f"k{i}": "a" for i in range(15)}, {f"k{i}": "b" for i in range(15)}]
+    lines = common_differences(many, limit=10)
+    assert len(lines) == 11 and lines[-1] == "... and 5 more"

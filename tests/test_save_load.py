@@ -227,3 +227,48 @@ def test_sync_save_plan_cache(tmp_path):
         assert torch.equal(ldc.load(_template(["a"]) | {"a": ldc.ShardedTensor.from_rank_offsets(
             "a", torch.zeros(3))}, tmp_path / "ck")["a"], torch.full((3,), value))
     assert (cache.hits, cache.misses) == (1, 1)
+
+
+def _diverging_common_save(rank, world, path):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("lightning_distckpt").addHandler(handler)
+    # Rank 1's step counter differs and it holds an extra key: only rank 0's copy can be saved.
+    common = {"step": 5 if rank == 0 else 7, "lr": 0.1, **({"stage_only": 1} if rank == 1 else {})}
+    sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.full((2,), float(rank)), (0, rank, world)), **common}
+    ldc.save(sd, path)
+    loaded = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world))}, path)
+    warnings = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    return warnings, loaded["step"], loaded["w"].tolist(), "stage_only" in loaded
+
+
+def test_common_state_differing_between_ranks_is_reported(tmp_path):
+    results = run_distributed(_diverging_common_save, 2, str(tmp_path / "ck"))
+    (warn0, step0, w0, extra0), (warn1, step1, w1, extra1) = results
+    assert len(warn0) == 1 and warn1 == []  # logged once, by rank 0
+    assert "'step': differs from rank 0's value on ranks [1]" in warn0[0]
+    assert "'stage_only': not on rank 0, only on ranks [1]" in warn0[0]
+    assert "'lr'" not in warn0[0]
+    assert (step0, step1, extra0, extra1) == (5, 5, False, False)  # rank 0's copy was saved
+    assert (w0, w1) == ([0.0, 0.0], [1.0, 1.0])
+
+
+def _unpicklable_common_save(rank, world, path):
+    # Only rank 0 holds a value torch.save cannot serialize: every rank must fail, nobody waits.
+    sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world)),
+          "hook": (lambda x: x) if rank == 0 else None}
+    try:
+        ldc.save(sd, path)
+    except ldc.CheckpointingError as e:
+        return str(e)
+    return None
+
+
+def test_unserializable_common_state_fails_on_every_rank(tmp_path):
+    msgs = run_distributed(_unpicklable_common_save, 2, str(tmp_path / "ck"), timeout_s=60)
+    for msg in msgs:
+        assert msg is not None and "rank 0" in msg and "cannot be serialized" in msg
+    assert not (tmp_path / "ck").exists()

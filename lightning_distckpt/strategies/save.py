@@ -21,6 +21,7 @@ from ..comm import Comm
 from ..core.errors import CheckpointingError, SaveFailedError
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.state_dict import apply_factories, collect, split_common
+from ..planning.common_check import common_differences, digest, leaf_digests
 from ..planning.metadata import ObjectRecord, ShardRecord
 from ..planning.save_plan import SavePlan, make_save_plan
 from ..planning.validation import raise_on_problems, validate_object_records, validate_tensor_records
@@ -114,6 +115,8 @@ def prepare_save(
     tensors: List[ShardedTensor] = []
     objects: List[ShardedObject] = []
     common: Any = None
+    common_bytes: Optional[bytes] = None
+    common_digest: Optional[str] = None
     records: Records = ([], [])
     try:
         expanded = apply_factories(sharded_state_dict)
@@ -128,6 +131,17 @@ def prepare_save(
         )
         if comm.rank == 0:
             commit_mod.check_target(target)
+        # Serialized before the exchange, so an unpicklable value is an error on every rank rather
+        # than on rank 0 alone (which would leave the others waiting). Every rank serializes when
+        # the common state is checked for consistency (only rank 0's copy is written).
+        if comm.rank == 0 or (validate_access_integrity and comm.distributed):
+            try:
+                common_bytes = dumps(common)
+            except Exception as e:
+                raise CheckpointingError(
+                    f"checkpoint {target}: the common (non-sharded) state cannot be serialized: {type(e).__name__}: {e}"
+                ) from e
+            common_digest = digest(common_bytes)
     except CheckpointingError as e:
         local_error = str(e)
     staging = commit_mod.new_staging_dir(target) if comm.rank == 0 else None
@@ -137,15 +151,17 @@ def prepare_save(
         cache_key = (records, _group_ranks(comm), validate_access_integrity, balance_writes)
         token = plan_cache.lookup(cache_key)
     # One exchange carries the records (only where they changed, when a plan is cached), any local
-    # error, and rank 0's staging directory name.
+    # error, rank 0's staging directory name and the common state's digest.
     sent = None if token is not None else records
-    gathered = comm.all_gather_object((sent, token, local_error, staging))
+    gathered = comm.all_gather_object((sent, token, local_error, staging, common_digest))
     errors = [(rk, g[2]) for rk, g in enumerate(gathered) if g[2]]
     if errors:
         raise CheckpointingError(
             f"save to {target} failed before writing: " + "; ".join(f"rank {rk}: {err}" for rk, err in errors)
         )
     staging = gathered[0][3]
+    if validate_access_integrity and len({g[4] for g in gathered}) > 1:
+        _warn_common_differs(common, comm, target)
     reuse = plan_cache is not None and all(g[1] is not None and g[1] == token for g in gathered)
     if reuse:
         assert plan_cache is not None
@@ -188,10 +204,22 @@ def prepare_save(
         options=options,
         tensors=mine,
         objects=my_objects,
-        common=dumps(common) if comm.rank == 0 else None,
+        common=common_bytes if comm.rank == 0 else None,
         started=started,
         plan_reused=reuse,
     )
+
+
+def _warn_common_differs(common: Any, comm: Comm, target: str) -> None:
+    """Collective (entered by every rank: all saw the same digests): find and log, on rank 0, the
+    common-state leaves that differ between ranks. Not an error: the save goes on with rank 0's."""
+    per_rank = comm.all_gather_object(leaf_digests(common))
+    if comm.rank == 0:
+        logger.warning(
+            "save to %s: the common (non-sharded) state differs between ranks; only rank 0's copy is saved, "
+            "so other ranks' values are lost (make rank-dependent state a ShardedObject, or identical on all "
+            "ranks):\n  %s", target, "\n  ".join(common_differences(per_rank)),
+        )
 
 
 def write_local(prep: PreparedSave) -> Tuple[int, float]:
