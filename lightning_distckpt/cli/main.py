@@ -2,6 +2,7 @@
 
     lightning-distckpt inspect DIR [--json]     keys, global shapes, dtypes, bytes, shard grid, writers
     lightning-distckpt validate DIR [--json]    read every stored byte; exit 1 if anything is damaged
+    lightning-distckpt clean DIR [--dry-run]    remove staging directories that killed saves left behind
 
 Exit status: 0 fine; 1 the checkpoint is damaged (validate); 2 not a checkpoint, an incomplete
 (uncommitted) one, an unsupported format, or bad usage. Errors are one line on stderr, no traceback.
@@ -56,6 +57,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_DAMAGED
 
 
+def cmd_clean(args: argparse.Namespace) -> int:
+    from .clean import as_json, clean, render
+
+    if not os.path.isdir(args.directory):
+        raise UsageError(f"{args.directory}: no such directory")
+    actions = clean(args.directory, args.older_than, args.dry_run)
+    print(json.dumps(as_json(actions), indent=1) if args.json else render(actions, args.directory))
+    return EXIT_OK
+
+
 def add_command(sub: "argparse._SubParsersAction", name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
     """Register a subcommand; ``handler(args)`` returns the exit status."""
     p = sub.add_parser(name, help=help, description=help)
@@ -66,7 +77,7 @@ def add_command(sub: "argparse._SubParsersAction", name: str, handler: Handler, 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-distckpt",
-        description="Inspect and validate lightning_distckpt (sharded) checkpoints.",
+        description="Inspect, validate and clean up after lightning_distckpt (sharded) checkpoints.",
         epilog="exit status: 0 ok, 1 damaged checkpoint (validate), 2 not a (complete) checkpoint or bad usage",
     )
     parser.add_argument("--version", action="version", version=f"lightning_distckpt {__version__}")
@@ -83,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--verbose", "-v", action="store_true", help="print each key as it is checked (stderr)")
     p.add_argument("--max-inflight-mib", type=int, default=256, help="bytes read at once per shard (default 256 MiB)")
+    p = add_command(sub, "clean", cmd_clean,
+                    "remove the hidden staging directories of saves that never committed (killed jobs); keeps "
+                    "those a running save may still use and any committed checkpoint whose rename was interrupted")
+    p.add_argument("directory", help="directory holding checkpoints (or one checkpoint: its own leftovers)")
+    p.add_argument("--older-than", type=float, default=600.0, metavar="SECONDS",
+                   help="only remove directories unchanged for this long (default 600): saves on other nodes "
+                   "cannot be seen from here")
+    p.add_argument("--dry-run", "-n", action="store_true", help="list what would be removed; remove nothing")
+    p.add_argument("--json", action="store_true", help="print the actions as JSON")
     return parser
 
 

@@ -10,24 +10,15 @@ import errno
 import logging
 import os
 import shutil
-import uuid
-from typing import Optional
 
 from ..core.errors import CheckpointingError
 from .layout import COMMIT_MARKER, METADATA_FILE, is_checkpoint_dir
 from .safe_pickle import write_file_durable
+from .staging import remove_owner_notes
 
 logger = logging.getLogger("lightning_distckpt")
 
-_STAGING_TAG = ".distckpt-staging-"
 _RENAME_EXCHANGE = 2
-
-
-def new_staging_dir(target: str) -> str:
-    """A fresh staging path beside ``target`` (same file system, so the final rename is atomic)."""
-    parent, name = os.path.split(os.path.abspath(target))
-    return os.path.join(parent, f".{name}{_STAGING_TAG}{uuid.uuid4().hex[:12]}")
-
 
 def check_target(target: str) -> None:
     """Refuse to replace anything that is not an earlier checkpoint or an empty directory."""
@@ -74,6 +65,7 @@ def _exchange(a: str, b: str) -> bool:
 
 def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> None:
     """Write metadata and marker into ``staging`` and move it to ``target`` (rank 0 only)."""
+    remove_owner_notes(staging)
     write_file_durable(os.path.join(staging, METADATA_FILE), metadata_json.encode())
     fsync_tree_dirs(staging)
     write_file_durable(os.path.join(staging, COMMIT_MARKER), marker_json.encode())
@@ -92,8 +84,3 @@ def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> N
         os.rename(staging, target)
     fsync_dir(parent)
 
-
-def discard(staging: Optional[str]) -> None:
-    """Remove an uncommitted staging directory (after a failed save)."""
-    if staging and _STAGING_TAG in os.path.basename(staging):
-        shutil.rmtree(staging, ignore_errors=True)

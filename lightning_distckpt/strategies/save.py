@@ -26,6 +26,7 @@ from ..planning.metadata import ObjectRecord, ShardRecord
 from ..planning.save_plan import SavePlan, make_save_plan
 from ..planning.validation import raise_on_problems, validate_object_records, validate_tensor_records
 from ..storage import commit as commit_mod
+from ..storage import staging as staging_mod
 from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, encode_key
 from ..storage.safe_pickle import dumps, write_file_durable
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
@@ -144,7 +145,7 @@ def prepare_save(
             common_digest = digest(common_bytes)
     except CheckpointingError as e:
         local_error = str(e)
-    staging = commit_mod.new_staging_dir(target) if comm.rank == 0 else None
+    staging = staging_mod.new_staging_dir(target) if comm.rank == 0 else None
     cache_key: tuple = ()
     token: Optional[str] = None
     if plan_cache is not None and local_error is None:
@@ -160,6 +161,11 @@ def prepare_save(
             f"save to {target} failed before writing: " + "; ".join(f"rank {rk}: {err}" for rk, err in errors)
         )
     staging = gathered[0][3]
+    if comm.rank == 0:
+        try:  # one listdir of the parent: leftovers of killed saves take a checkpoint's space each
+            staging_mod.warn_about_leftovers(target, staging)
+        except OSError as e:
+            logger.debug("checkpoint %s: could not look for leftover staging directories: %s", target, e)
     if validate_access_integrity and len({g[4] for g in gathered}) > 1:
         _warn_common_differs(common, comm, target)
     reuse = plan_cache is not None and all(g[1] is not None and g[1] == token for g in gathered)
@@ -226,6 +232,7 @@ def write_local(prep: PreparedSave) -> Tuple[int, float]:
     """This rank's writes into the staging directory (no collectives). Returns (bytes, seconds)."""
     t0 = time.perf_counter()
     os.makedirs(prep.staging, exist_ok=True)
+    staging_mod.write_owner_note(prep.staging, prep.comm.rank)
     io = TensorStoreIO(prep.staging, prep.options)
     tensors = [(k, i, d.cpu() if d.device.type != "cpu" else d) for k, i, d in prep.tensors]
     nbytes = io.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
@@ -267,7 +274,7 @@ def finalize_save(prep: PreparedSave, local: Tuple[int, float] | BaseException) 
         commit_error = comm.broadcast_object(commit_error, src=0)
     if failures or commit_error:
         if comm.rank == 0:
-            commit_mod.discard(prep.staging)
+            staging_mod.discard(prep.staging)
         detail = "; ".join(f"rank {rk}: {err}" for rk, err in failures) or f"rank 0 (commit): {commit_error}"
         raise SaveFailedError(f"save to {prep.target} failed, nothing was committed: {detail}")
     seconds = time.perf_counter() - prep.started

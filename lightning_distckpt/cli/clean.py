@@ -1,0 +1,68 @@
+"""``clean DIR``: remove what killed saves left behind (hidden staging directories), keeping anything
+that may still be needed: a save still running on this host, a recently changed directory (a save
+on another node), and a committed checkpoint whose rename into place was interrupted."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from ..storage.layout import is_checkpoint_dir
+from ..storage.staging import Leftover, find_leftovers
+
+
+@dataclass(frozen=True)
+class CleanAction:
+    leftover: Leftover
+    action: str  # "removed", "would remove", or "kept"
+    reason: str
+
+
+def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
+    """Leftover staging directories in ``path`` (a directory of checkpoints, or one checkpoint: then
+    its own leftovers, found beside it), removed unless kept for a reason or ``dry_run``."""
+    path = os.path.abspath(path)
+    name: Optional[str] = None
+    if is_checkpoint_dir(path):
+        path, name = os.path.split(path)
+    actions = []
+    for lo in find_leftovers(path, name):
+        verdict = lo.verdict(older_than_s)
+        if verdict == "recover":
+            reason = (f"holds a committed checkpoint and {os.path.basename(lo.target)} is missing or incomplete; "
+                      f"recover it with: mv {shlex.quote(lo.path)} {shlex.quote(lo.target)}")
+        elif verdict == "in-progress":
+            reason = "a save is writing into it (pid " + ", ".join(map(str, lo.live_owner_pids)) + " on this host)"
+        elif verdict == "recent":
+            reason = f"changed {lo.idle_s:.0f} s ago (< --older-than {older_than_s:.0f} s): a save may still be running"
+        else:
+            reason = f"uncommitted, idle {lo.idle_s:.0f} s"
+        if verdict != "remove":
+            actions.append(CleanAction(lo, "kept", reason))
+        elif dry_run:
+            actions.append(CleanAction(lo, "would remove", reason))
+        else:
+            shutil.rmtree(lo.path)
+            actions.append(CleanAction(lo, "removed", reason))
+    return actions
+
+
+def as_json(actions: List[CleanAction]) -> List[Dict[str, Any]]:
+    return [{"path": a.leftover.path, "target": a.leftover.target, "bytes": a.leftover.nbytes,
+             "idle_s": round(a.leftover.idle_s, 1), "committed": a.leftover.committed, "action": a.action,
+             "reason": a.reason} for a in actions]
+
+
+def render(actions: List[CleanAction], path: str) -> str:
+    if not actions:
+        return f"{path}: no leftover staging directories"
+    lines = []
+    for a in actions:
+        lines.append(f"{a.action:12s} {a.leftover.path} ({a.leftover.nbytes / 1e9:.3f} GB): {a.reason}")
+    freed = sum(a.leftover.nbytes for a in actions if a.action != "kept")
+    verb = "would free" if any(a.action == "would remove" for a in actions) else "freed"
+    lines.append(f"{verb} {freed / 1e9:.3f} GB; kept {sum(a.action == 'kept' for a in actions)}")
+    return "\n".join(lines)
