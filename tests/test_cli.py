@@ -173,7 +173,7 @@ def test_not_a_checkpoint(tmp_path, command, capsys):
     assert main([command, str(tmp_path / "notes.txt")]) == 2
     assert "is a file" in capsys.readouterr().err
     assert main([command, str(tmp_path / "absent")]) == 2
-    assert "no such file or directory" in capsys.readouterr().err
+    assert "no such directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["inspect", "validate"])

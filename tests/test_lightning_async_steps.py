@@ -34,7 +34,7 @@ def isolated_process_group():
     os.environ.update(saved)
 
 
-def test_async_saves_commit_at_step_boundaries(tmp_path, isolated_process_group):
+def test_async_saves_commit_at_step_boundaries(tmp_path, isolated_process_group, caplog):
     torch.manual_seed(0)
     strategy = DistCheckpointStrategy(checkpoint={"async_save": True})
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=2, monitor="train_loss")
@@ -48,3 +48,19 @@ def test_async_saves_commit_at_step_boundaries(tmp_path, isolated_process_group)
     for name in kept:
         assert ldc.load_tensors_metadata(tmp_path / name)  # committed, loadable
     assert not [p for p in os.listdir(tmp_path) if "staging" in p]
+    assert not [m for m in caplog.messages if "save_last" in m]  # no save_last="link" here
+
+
+def test_async_with_link_last_warns(tmp_path, isolated_process_group, caplog):
+    """save_last="link" links last.ckpt before an async save commits: a job dying in between leaves a
+    dangling link that Lightning's ckpt_path="last" skips. The strategy says so at setup."""
+    strategy = DistCheckpointStrategy(checkpoint={"async_save": True})
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last="link")
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, callbacks=[ckpt],
+                      logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level("WARNING", logger="lightning_distckpt"):
+        trainer.fit(TPMLP(total_steps=2))
+    warnings = [m for m in caplog.messages if 'save_last="link"' in m]
+    assert len(warnings) == 1 and "Use save_last=True" in warnings[0]
+    assert os.path.islink(tmp_path / "last.ckpt")
+    assert ldc.load_tensors_metadata(tmp_path / "last.ckpt")  # the end of training committed what it links to

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import lightning_distckpt as ldc
@@ -113,3 +114,22 @@ def test_clean_of_a_missing_directory_is_a_usage_error(tmp_path, capsys):
     assert "no such directory" in capsys.readouterr().err
     assert main(["clean", str(tmp_path)]) == 0
     assert "no leftover staging directories" in capsys.readouterr().out
+
+
+def test_loading_a_link_to_a_save_that_never_committed_names_the_good_checkpoints(tmp_path, capsys):
+    """ModelCheckpoint(save_last="link") links last.ckpt to the newest checkpoint as soon as its save
+    is issued; an async save that never finalized leaves the link dangling."""
+    ldc.save(good_state(), tmp_path / "step=2.ckpt")
+    os.symlink("step=4.ckpt", tmp_path / "last.ckpt")  # what Lightning's _link_checkpoint writes
+    template = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(4096))}
+    with pytest.raises(ldc.IncompleteCheckpointError) as err:
+        ldc.load(template, tmp_path / "last.ckpt")
+    msg = str(err.value)
+    assert "a link to step=4.ckpt, which does not exist" in msg and "never committed" in msg
+    assert f"committed checkpoints in {tmp_path}, newest first: step=2.ckpt" in msg
+    assert main(["inspect", str(tmp_path / "last.ckpt")]) == 2
+    assert "step=2.ckpt" in capsys.readouterr().err
+    # a committed copy stranded by an interrupted rename is named too
+    os.rename(tmp_path / "step=2.ckpt", new_staging_dir(str(tmp_path / "step=2.ckpt")))
+    with pytest.raises(ldc.IncompleteCheckpointError, match=r"a committed copy is stranded at .*rename it to"):
+        ldc.load(template, tmp_path / "step=2.ckpt")

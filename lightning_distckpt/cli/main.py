@@ -32,7 +32,9 @@ class UsageError(Exception):
 
 def _checkpoint_path(path: str) -> str:
     if not os.path.exists(path):
-        raise UsageError(f"{path}: no such file or directory")
+        from ..storage.staging import describe_missing
+
+        raise UsageError(f"{path}: {describe_missing(path)}")
     if not os.path.isdir(path):
         raise UsageError(f"{path}: is a file, not a checkpoint directory")
     return path

@@ -38,6 +38,18 @@ from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 log = logging.getLogger("lightning_distckpt")
 
 
+def _warn_async_link_last(trainer: Any) -> None:
+    """ModelCheckpoint(save_last="link") points last.ckpt at a checkpoint as soon as its save is
+    issued. An async save commits later; a job that dies in between leaves a dangling link, and
+    Lightning's ckpt_path="last" skips it and starts from scratch (with only a warning)."""
+    if any(getattr(cb, "save_last", None) == "link" for cb in trainer.checkpoint_callbacks) and trainer.is_global_zero:
+        log.warning(
+            'ModelCheckpoint(save_last="link") with async saves: last.ckpt links to each checkpoint before its '
+            'save commits; if the job dies in between, ckpt_path="last" finds no checkpoint and training restarts '
+            'from scratch. Use save_last=True (last.ckpt is then a checkpoint of its own, replaced atomically).'
+        )
+
+
 
 def _kind_of(path: str, extra_safe_globals: Any = ()) -> Optional[str]:
     """The kind recorded in a checkpoint's manifest (reads its common state)."""
@@ -145,6 +157,8 @@ class DistCheckpointStrategy(DDPStrategy):
         )
 
     def setup(self, trainer: Any) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and self.checkpoint_io.config.async_save:
+            _warn_async_link_last(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)  # wraps in DDP (over the DP group, see _setup_model)
             return

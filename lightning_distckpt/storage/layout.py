@@ -72,7 +72,9 @@ def read_metadata(checkpoint_dir: str) -> Dict[str, Any]:
     """The parsed ``metadata.json`` of a committed checkpoint, its format checked."""
     checkpoint_dir = os.fspath(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
-        raise IncompleteCheckpointError(f"checkpoint {checkpoint_dir}: no such directory")
+        from .staging import describe_missing  # staging builds on this module
+
+        raise IncompleteCheckpointError(f"checkpoint {checkpoint_dir}: {describe_missing(checkpoint_dir)}")
     if not is_committed(checkpoint_dir):
         what = (
             "incomplete checkpoint: the save did not finish (no commit marker)"

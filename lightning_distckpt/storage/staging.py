@@ -180,3 +180,43 @@ def warn_about_leftovers(target: str, own_staging: str) -> None:
         if recover else "",
         parent,
     )
+
+
+def _committed_siblings(parent: str, limit: int = 3) -> List[str]:
+    """Names of the newest committed checkpoints in ``parent`` (newest first)."""
+    try:
+        names = [n for n in os.listdir(parent) if not n.startswith(".")]
+    except OSError:
+        return []
+    found = []
+    for n in names:
+        path = os.path.join(parent, n)
+        if not os.path.islink(path) and os.path.isdir(path) and is_committed(path):
+            found.append((os.path.getmtime(path), n))
+    return [n for _, n in sorted(found, reverse=True)[:limit]]
+
+
+def describe_missing(path: str) -> str:
+    """Why ``path`` holds no checkpoint, and where a good one is: a dangling link (what
+    ``ModelCheckpoint(save_last="link")`` leaves when the linked save never committed), a committed
+    copy stranded in a staging directory, the newest committed checkpoints beside it."""
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    if os.path.islink(path):
+        link = os.readlink(path)
+        real = os.path.normpath(os.path.join(parent, link))
+        what = f"a link to {link}, which does not exist: that save never committed (e.g. the job stopped first)"
+        look_in, look_for = os.path.split(real)
+    else:
+        what, look_in, look_for = "no such directory", parent, name
+    hints = []
+    try:
+        stranded = [lo for lo in find_leftovers(look_in, look_for) if lo.recoverable]
+    except OSError:
+        stranded = []
+    if stranded:
+        hints.append(f"a committed copy is stranded at {stranded[0].path}: rename it to {stranded[0].target}")
+    siblings = _committed_siblings(parent)
+    if siblings:
+        hints.append(f"committed checkpoints in {parent}, newest first: {', '.join(siblings)}")
+    return "; ".join([what, *hints])
