@@ -17,6 +17,7 @@ from .core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from .core.factories import fused_split_factory, transposed_factory
 from .core.strict import StrictHandling
 from .serialization import load, load_common_state_dict, load_plain_tensors, load_tensors_metadata, save
+from .convert import ConvertReport, export_torch_file, import_torch_file, relayout_checkpoint
 from .optim import init_optimizer_state, optimizer_sharded_state_dict, restore_optimizer_state
 from .storage.tensorstore_io import StorageOptions
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
@@ -61,6 +62,7 @@ __all__ = [
     "FullyParallelLoader",
     "TwoStageDataParallelLoader",
     "CheckpointingError",
+    "ConvertReport",
     "FormatError",
     "IncompleteCheckpointError",
     "LocalNonpersistentObject",
@@ -74,7 +76,9 @@ __all__ = [
     "StrictHandling",
     "ValidationError",
     "__version__",
+    "export_torch_file",
     "fused_split_factory",
+    "import_torch_file",
     "init_optimizer_state",
     "optimizer_sharded_state_dict",
     "restore_optimizer_state",
@@ -83,5 +87,6 @@ __all__ = [
     "load_common_state_dict",
     "load_plain_tensors",
     "load_tensors_metadata",
+    "relayout_checkpoint",
     "save",
 ]

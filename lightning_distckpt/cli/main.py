@@ -3,10 +3,11 @@
     lightning-distckpt inspect DIR [--json]     keys, global shapes, dtypes, bytes, shard grid, writers
     lightning-distckpt validate DIR [--json]    read every stored byte; exit 1 if anything is damaged
     lightning-distckpt clean DIR [--dry-run]    remove staging directories that killed saves left behind
+    lightning-distckpt convert SRC DST          checkpoint -> torch.save file, file -> checkpoint, or re-layout
 
 Exit status: 0 fine; 1 the checkpoint is damaged (validate); 2 not a checkpoint, an incomplete
 (uncommitted) one, an unsupported format, or bad usage. Errors are one line on stderr, no traceback.
-Subcommands live in one ``argparse`` subparser group: add new ones (e.g. ``convert``) with
+Subcommands live in one ``argparse`` subparser group: add new ones with
 :func:`add_command`.
 """
 
@@ -69,6 +70,35 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from ..convert import export_torch_file, import_torch_file, relayout_checkpoint
+    from ..storage.tensorstore_io import StorageOptions
+
+    if not os.path.exists(args.source):
+        raise UsageError(f"{args.source}: no such file or directory")
+    to = args.to or ("torch" if os.path.isdir(args.source) else "distckpt")
+    overrides = {k: v for k, v in (("layout", args.layout),
+                                   ("chunk_bytes", args.chunk_mib and int(args.chunk_mib * 2**20))) if v}
+    try:
+        storage = StorageOptions(**overrides)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if to == "torch":
+        if not os.path.isdir(args.source):
+            raise UsageError(f"{args.source}: is a file; --to torch converts a checkpoint directory")
+        if overrides:
+            raise UsageError("--layout / --chunk-mib apply to checkpoint outputs, not to --to torch")
+        report = export_torch_file(args.source, args.destination)
+    elif os.path.isdir(args.source):
+        report = relayout_checkpoint(args.source, args.destination, storage)
+    else:
+        report = import_torch_file(args.source, args.destination, storage)
+    print(json.dumps(asdict(report), indent=1) if args.json else report.describe())
+    return EXIT_OK
+
+
 def add_command(sub: "argparse._SubParsersAction", name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
     """Register a subcommand; ``handler(args)`` returns the exit status."""
     p = sub.add_parser(name, help=help, description=help)
@@ -79,7 +109,7 @@ def add_command(sub: "argparse._SubParsersAction", name: str, handler: Handler, 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-distckpt",
-        description="Inspect, validate and clean up after lightning_distckpt (sharded) checkpoints.",
+        description="Inspect, validate, convert and clean up after lightning_distckpt (sharded) checkpoints.",
         epilog="exit status: 0 ok, 1 damaged checkpoint (validate), 2 not a (complete) checkpoint or bad usage",
     )
     parser.add_argument("--version", action="version", version=f"lightning_distckpt {__version__}")
@@ -105,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "cannot be seen from here")
     p.add_argument("--dry-run", "-n", action="store_true", help="list what would be removed; remove nothing")
     p.add_argument("--json", action="store_true", help="print the actions as JSON")
+    p = add_command(sub, "convert", cmd_convert,
+                    "convert a checkpoint directory to one torch.save file (Lightning checkpoints become Lightning's "
+                    "own checkpoint dict), a torch.save file to a checkpoint directory, or a checkpoint to another "
+                    "storage layout (--to distckpt with a directory source)")
+    p.add_argument("source", help="checkpoint directory or torch.save file")
+    p.add_argument("destination", help="output file (--to torch) or checkpoint directory")
+    p.add_argument("--to", choices=["torch", "distckpt"],
+                   help="output kind (default: torch for a directory source, distckpt for a file)")
+    p.add_argument("--layout", choices=["ocdbt", "zarr"], help="storage layout of a checkpoint output")
+    p.add_argument("--chunk-mib", type=float, help="chunk size of a checkpoint output, MiB")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 

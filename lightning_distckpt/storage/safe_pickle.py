@@ -45,11 +45,20 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: bytes, where: str, extra_safe_globals: Sequence[Any] = ()) -> Any:
     """Deserialize ``data`` without running code; a refused type is a clear CheckpointingError."""
+    # The pickle names every global it needs in plain text: import omegaconf only when needed.
+    return _safe_load(io.BytesIO(data), where, extra_safe_globals, omegaconf=b"omegaconf" in data)
+
+
+def load_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> Any:
+    """A ``torch.save`` file, deserialized without running code (memory-mapped where the format allows)."""
+    return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=True)
+
+
+def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omegaconf: bool, mmap: bool = False) -> Any:
     try:
-        # The pickle names every global it needs in plain text: import omegaconf only when needed.
-        allowed = default_safe_globals(omegaconf=b"omegaconf" in data) + list(extra_safe_globals)
+        allowed = default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)
         with torch.serialization.safe_globals(allowed):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap or None)
     except Exception as e:  # torch raises UnpicklingError / RuntimeError with a long explanation
         raise CheckpointingError(
             f"{where}: refused to deserialize (only tensors, containers, primitives and allow-listed types "

@@ -1,0 +1,241 @@
+"""Converting checkpoints: between storage layouts, to one ``torch.save`` file, and from one.
+
+* :func:`relayout_checkpoint` copies every stored shard, object and the common state as they are into a
+  checkpoint of another storage layout (``ocdbt`` <-> ``zarr``, other chunk or data-file sizes).
+  Nothing is deserialized, so flattened optimizer shards, objects and the Lightning manifest
+  survive exactly; the result still loads under any split.
+* :func:`export_torch_file` consolidates a checkpoint into one file for tools that expect
+  ``torch.load``: a Lightning checkpoint (written by ``DistCheckpointIO`` or a distckpt strategy)
+  becomes Lightning's own checkpoint dict with whole tensors (``LightningModule.load_from_checkpoint``
+  reads it); any other checkpoint becomes ``{"tensors": {key: tensor}, "objects": {key: {offset:
+  object}}, "common": common_state}``.
+* :func:`import_torch_file` turns such a file (or any ``torch.save``'d dict) into a checkpoint directory.
+
+Single process, no process group. Everything is read before anything is written, except in
+:func:`relayout_checkpoint`, which streams shard by shard. Outputs appear atomically (staging directory or
+temporary file, then a rename), and an existing output is replaced only after the new one is
+complete. Files are read with ``weights_only=True``: no code from them runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from .core.errors import CheckpointingError
+from .core.mapping import ShardedObject, ShardedTensor
+from .serialization import load_common_state_dict, load_plain_tensors, save
+from .storage import commit as commit_mod
+from .storage import staging as staging_mod
+from .storage.layout import COMMIT_MARKER, COMMON_FILE
+from .storage.safe_pickle import load_file, loads, read_file, write_file_durable
+from .storage.tensorstore_io import StorageOptions, TensorStoreIO
+from .strategies.load import OpenedCheckpoint
+
+logger = logging.getLogger("lightning_distckpt")
+
+# Keys of the file export_torch_file writes for checkpoints that are not Lightning checkpoints.
+EXPORT_KEYS = ("tensors", "objects", "common")
+# Where import_torch_file puts an export's tensors and objects in the saved tree. Sharded leaves only,
+# so the key never reaches the common state (containers left empty there are dropped).
+_IMPORTED = "__distckpt_imported__"
+_BATCH_BYTES = 256 << 20  # relayout: shards written per tensorstore call
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What a conversion did."""
+
+    source: str
+    destination: str
+    kind: str  # "relayout", "lightning", "tensors" (the EXPORT_KEYS structure) or "tree"
+    tensors: int
+    objects: int
+    bytes: int
+    seconds: float
+
+    def describe(self) -> str:
+        return (f"{self.source} -> {self.destination} ({self.kind}): {self.tensors} tensor(s), {self.objects} "
+                f"object(s), {self.bytes / 1e9:.3f} GB in {self.seconds:.2f} s")
+
+
+def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) -> ConvertReport:
+    """Copy the checkpoint ``source`` into ``destination`` stored with ``storage`` (same shards, same
+    writer ranks, same index; only the storage layout changes)."""
+    t0 = time.perf_counter()
+    ckpt = OpenedCheckpoint.open(source)
+    destination = os.path.abspath(os.fspath(destination))
+    if destination == ckpt.path:
+        raise CheckpointingError(f"checkpoint {source}: source and destination are the same directory")
+    commit_mod.check_target(destination)
+    staging = staging_mod.new_staging_dir(destination)
+    try:
+        os.makedirs(staging)
+        staging_mod.write_owner_note(staging, 0)
+        src, dst = TensorStoreIO(ckpt.path, ckpt.options), TensorStoreIO(staging, storage)
+        nbytes = _copy_shards(ckpt, src, dst) + _copy_objects(ckpt, src, dst)
+        common = read_file(os.path.join(ckpt.path, COMMON_FILE))
+        write_file_durable(os.path.join(staging, COMMON_FILE), common)
+        meta = dict(ckpt.meta, storage={"backend": "tensorstore", **storage.to_json()}, converted_unix=time.time())
+        marker = json.loads(read_file(os.path.join(ckpt.path, COMMIT_MARKER)) or b"{}")
+        marker.update(committed_unix=time.time())
+        commit_mod.commit(staging, destination, json.dumps(meta), json.dumps(marker))
+    except BaseException:
+        staging_mod.discard(staging)
+        raise
+    n_objects = sum(len(o.shards) for o in ckpt.index.objects.values())
+    return ConvertReport(ckpt.path, destination, "relayout", len(ckpt.index.tensors), n_objects,
+                         nbytes + len(common), time.perf_counter() - t0)
+
+
+def _copy_shards(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO) -> int:
+    by_writer: Dict[int, List[Tuple[str, int, torch.dtype, Tuple[int, ...]]]] = {}
+    for key, entry in ckpt.index.tensors.items():
+        for s in entry.shards:
+            shape = (s.flat[1] - s.flat[0],) if s.flat is not None else tuple(s.shape)
+            by_writer.setdefault(s.writer, []).append((key, s.index, entry.torch_dtype, shape))
+    total = 0
+    for writer, shards in sorted(by_writer.items()):
+        batch: List[Tuple[str, int, torch.Tensor]] = []
+        batch_bytes = 0
+        for key, index, dtype, shape in shards:
+            data = torch.empty(shape, dtype=dtype)
+            src.read_into([(key, writer, index, tuple(slice(0, n) for n in shape), data)])
+            batch.append((key, index, data))
+            batch_bytes += data.numel() * data.element_size()
+            if batch_bytes >= _BATCH_BYTES:
+                total += dst.write(writer, batch)
+                batch, batch_bytes = [], 0
+        if batch:
+            total += dst.write(writer, batch)
+    return total
+
+
+def _copy_objects(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO) -> int:
+    by_writer: Dict[int, List[Tuple[str, int, bytes]]] = {}
+    for key, entry in ckpt.index.objects.items():
+        for s in entry.shards:  # bytes as stored: nothing is unpickled
+            by_writer.setdefault(s.writer, []).append((key, s.index, src.read_object(s.writer, key, s.index)))
+    return sum(dst.write(writer, [], objects) for writer, objects in sorted(by_writer.items()))
+
+
+def export_torch_file(source: str, destination: str, extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
+    """Consolidate the checkpoint ``source`` into the ``torch.save`` file ``destination`` (see the
+    module docstring for what the file holds)."""
+    t0 = time.perf_counter()
+    common = load_common_state_dict(source, extra_safe_globals)
+    from .lightning.tree import MANIFEST_KEY
+
+    if isinstance(common, dict) and MANIFEST_KEY in common:
+        from .lightning.checkpoint_io import DistCheckpointIO
+
+        payload: Any = DistCheckpointIO(extra_safe_globals=extra_safe_globals).load_checkpoint(source)
+        kind = "lightning"
+        n_tensors = sum(1 for _ in _tensor_leaves(payload))
+        n_objects = 0
+    else:
+        objects = _read_objects(OpenedCheckpoint.open(source), extra_safe_globals)
+        payload = {"tensors": load_plain_tensors(source), "objects": objects, "common": common}
+        kind, n_tensors, n_objects = "tensors", len(payload["tensors"]), sum(len(v) for v in objects.values())
+    nbytes = _save_file_atomic(payload, destination)
+    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), kind, n_tensors, n_objects, nbytes,
+                         time.perf_counter() - t0)
+
+
+def _read_objects(ckpt: OpenedCheckpoint, extra_safe_globals: Sequence[Any]) -> Dict[str, Dict[Tuple[int, ...], Any]]:
+    tio = TensorStoreIO(ckpt.path, ckpt.options)
+    out: Dict[str, Dict[Tuple[int, ...], Any]] = {}
+    for key, entry in sorted(ckpt.index.objects.items()):
+        out[key] = {
+            tuple(s.offset): loads(tio.read_object(s.writer, key, s.index), f"checkpoint {ckpt.path}: object {key!r}",
+                                   extra_safe_globals)
+            for s in sorted(entry.shards, key=lambda s: tuple(s.offset))
+        }
+    return out
+
+
+def _tensor_leaves(tree: Any):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensor_leaves(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensor_leaves(v)
+    elif isinstance(tree, torch.Tensor):
+        yield tree
+
+
+def _save_file_atomic(payload: Any, destination: str) -> int:
+    """torch.save into a temporary file beside ``destination``, fsync, then rename over it."""
+    destination = os.path.abspath(destination)
+    if os.path.isdir(destination):
+        raise CheckpointingError(f"{destination}: is a directory; give a file name for the torch.save output")
+    tmp = os.path.join(os.path.dirname(destination), f".{os.path.basename(destination)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, destination)
+        commit_mod.fsync_dir(os.path.dirname(destination))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return os.path.getsize(destination)
+
+
+def import_torch_file(source: str, destination: str, storage: StorageOptions = StorageOptions(),
+                 extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
+    """Save the ``torch.save`` file ``source`` as the checkpoint directory ``destination``.
+
+    A file :func:`export_torch_file` wrote from a non-Lightning checkpoint gets its keys, objects and
+    common state back. Any other dict (a Lightning checkpoint, a model ``state_dict``, nested
+    training state) is saved the way ``DistCheckpointIO`` saves Lightning checkpoints: each tensor
+    whole, keyed by its path (``state_dict/layer.weight``), everything else common state, plus the
+    manifest that ``DistCheckpointIO.load_checkpoint`` and ``load_lightning_module`` read back.
+    """
+    t0 = time.perf_counter()
+    payload = load_file(os.fspath(source), extra_safe_globals)
+    if not isinstance(payload, dict):
+        raise CheckpointingError(f"{source}: holds a {type(payload).__name__}, not a dict; nothing to import")
+    if set(payload) == set(EXPORT_KEYS) and isinstance(payload["tensors"], dict):
+        tree, n_tensors, n_objects = _tree_from_export(payload, source)
+        save(tree, destination, storage=storage)
+        kind = "tensors"
+    else:
+        from .lightning.checkpoint_io import DistCheckpointIO
+
+        DistCheckpointIO().save_checkpoint(payload, destination, storage_options=storage)
+        kind, n_tensors, n_objects = "tree", sum(1 for t in _tensor_leaves(payload) if t.ndim > 0), 0
+    nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(destination) for f in fs)
+    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), kind, n_tensors, n_objects, nbytes,
+                         time.perf_counter() - t0)
+
+
+def _tree_from_export(payload: Dict[str, Any], source: str) -> Tuple[Dict[str, Any], int, int]:
+    common = payload["common"] if payload["common"] is not None else {}
+    if not isinstance(common, dict) or _IMPORTED in common:
+        raise CheckpointingError(f"{source}: 'common' must be a dict without the key {_IMPORTED!r}")
+    sharded: Dict[str, Any] = {}
+    for key, t in payload["tensors"].items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointingError(f"{source}: tensors[{key!r}] is a {type(t).__name__}, not a tensor")
+        sharded[f"t/{key}"] = ShardedTensor.from_rank_offsets(key, t.contiguous())
+    n_objects = 0
+    for key, shards in (payload["objects"] or {}).items():
+        offsets = [tuple(o) for o in shards]
+        global_shape = tuple(max(o[i] for o in offsets) + 1 for i in range(len(offsets[0]))) if offsets else ()
+        for off, obj in zip(offsets, shards.values()):
+            sharded[f"o/{key}/{off}"] = ShardedObject(key, obj, global_shape, off)
+            n_objects += 1
+    tree = dict(common)
+    if sharded:
+        tree[_IMPORTED] = sharded
+    return tree, len(payload["tensors"]), n_objects
