@@ -138,7 +138,7 @@ class TensorStoreIO:
     def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int]) -> Dict[str, Any]:
         """Spec creating the array for one stored shard: raw little-endian bytes, chunks of at most
         ``chunk_bytes`` along the first axis, every chunk stored (zeros too)."""
-        chunks = chunk_shape(shape, torch.empty((), dtype=dtype).element_size(), self.options.chunk_bytes)
+        chunks = chunk_shape(shape, dtype.itemsize, self.options.chunk_bytes)
         return {
             "driver": "zarr3",
             "kvstore": self.kvstore_spec(writer),
