@@ -85,6 +85,8 @@ def test_next_save_warns_about_the_leftover_and_commits_no_owner_notes(tmp_path,
     assert os.path.basename(staging) in warnings[0] and "never committed" in warnings[0]
     assert f"lightning_distckpt clean {tmp_path}" in warnings[0]
     assert os.path.isdir(staging), "a save must not delete what another save wrote"
+    assert main(["inspect", str(target)]) == 0  # inspect points at the leftover too
+    assert "leftovers    1 staging director(ies)" in capsys.readouterr().out
     assert OWNERS_DIR not in os.listdir(target)
     assert torch.equal(ldc.load_plain_tensors(target)["w"], torch.arange(4096.0))
     # a save to another checkpoint in the same folder is not about this leftover

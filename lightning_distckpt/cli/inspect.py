@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterable, List, Sequence
 
 from ..planning.metadata import TensorEntry, element_size
 from ..storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR
+from ..storage.staging import find_leftovers
 from ..strategies.load import OpenedCheckpoint
 
 
@@ -78,6 +79,9 @@ def summarize(ckpt: OpenedCheckpoint) -> Dict[str, Any]:
         "common_bytes": os.path.getsize(common) if os.path.isfile(common) else None,
         "data_files": len(files), "data_file_bytes": sum(os.path.getsize(f) for f in files),
         "tensors": tensors, "objects": objects,
+        "leftovers": [{"path": lo.path, "bytes": lo.nbytes, "idle_s": round(lo.idle_s, 1),
+                       "in_progress": bool(lo.live_owner_pids)}
+                      for lo in find_leftovers(*os.path.split(ckpt.path))],
     }
 
 
@@ -112,8 +116,14 @@ def render(s: Dict[str, Any]) -> str:
         f"{s['data_files']} data file(s), {human_bytes(s['data_file_bytes'])}",
         f"contents     {len(s['tensors'])} tensor(s), {human_bytes(s['tensor_bytes'])}; {len(s['objects'])} object(s); "
         f"common state {human_bytes(s['common_bytes']) if s['common_bytes'] is not None else 'MISSING'}",
-        "",
     ]
+    if s["leftovers"]:
+        lines.append(
+            f"leftovers    {len(s['leftovers'])} staging director(ies) of saves to this name that did not commit "
+            f"({human_bytes(sum(lo['bytes'] for lo in s['leftovers']))}): lightning-distckpt clean "
+            f"{os.path.dirname(s['path'])}"
+        )
+    lines.append("")
     rows = []
     for t in s["tensors"]:
         split = "; ".join(f"axis {a} at {_offsets(o)}" for a, o in t["split_axes"].items())
