@@ -5,9 +5,9 @@
   Nothing is deserialized, so flattened optimizer shards, objects and the Lightning manifest
   survive exactly; the result still loads under any split.
 * :func:`export_torch_file` consolidates a checkpoint into one file for tools that expect
-  ``torch.load``: a Lightning checkpoint (written by ``DistCheckpointIO`` or a distckpt strategy)
+  ``torch.load``: a Trainer checkpoint (written by ``DistCheckpointIO`` or ``DistCheckpointStrategy``)
   becomes Lightning's own checkpoint dict with whole tensors (``LightningModule.load_from_checkpoint``
-  reads it); any other checkpoint becomes ``{"tensors": {key: tensor}, "objects": {key: {offset:
+  reads it), a ``Fabric.save`` checkpoint the saved state dict; any other checkpoint becomes ``{"tensors": {key: tensor}, "objects": {key: {offset:
   object}}, "common": common_state}``.
 * :func:`import_torch_file` turns such a file (or any ``torch.save``'d dict) into a checkpoint directory.
 
