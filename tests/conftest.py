@@ -12,3 +12,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def _quiet_logs(caplog):
     caplog.set_level(logging.INFO, logger="lightning_distckpt")
     yield
+
+
+@pytest.fixture
+def isolated_process_group():
+    """For a Trainer run in this (pytest) process: leave no process group or rendezvous variables
+    (MASTER_PORT, WORLD_SIZE, ...) behind, or later tests' subprocesses would inherit them."""
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

@@ -4,6 +4,11 @@
 torch.distributed (gloo, TCP on a free loopback port), calls ``fn(rank, world_size, *args)`` in
 each and re-raises the first failure with its traceback. ``fn`` must be a module-level function.
 Returns the list of per-rank return values (must be picklable).
+
+Results travel through files (``torch.save`` in the worker, ``torch.load`` here), not a
+``multiprocessing.Manager``: a Manager's server process is *forked* from this one, and after
+in-process tensorstore or Lightning work this process runs threads; a fork taken while one of them
+holds a libc lock crashed the server (a segfault in libc, seen in CI).
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import tempfile
 import traceback
 from typing import Any, Callable, List
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -24,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, timeout_s: float) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str, timeout_s: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(
@@ -35,22 +42,28 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         try:
-            results[rank] = ("ok", fn(rank, world_size, *args))
+            result = ("ok", fn(rank, world_size, *args))
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # report every failure to the parent with its traceback
-        results[rank] = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    tmp = os.path.join(out_dir, f".rank{rank}.pt")
+    torch.save(result, tmp)
+    os.replace(tmp, os.path.join(out_dir, f"rank{rank}.pt"))  # complete or absent
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> List[Any]:
     port = free_port()
-    with mp.Manager() as manager:
-        results = manager.dict()
+    with tempfile.TemporaryDirectory(prefix="run_distributed_") as out_dir:
         mp.start_processes(
-            _worker, args=(world_size, port, fn, args, results, timeout_s), nprocs=world_size, join=True,
+            _worker, args=(world_size, port, fn, args, out_dir, timeout_s), nprocs=world_size, join=True,
             start_method="spawn",
         )
-        out = dict(results)
+        out = {}
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            if os.path.exists(path):
+                out[r] = torch.load(path, weights_only=False)  # our own workers' results
     errors = [out[r][1] for r in sorted(out) if out[r][0] == "error"]
     if errors:
         raise AssertionError("\n".join(errors))

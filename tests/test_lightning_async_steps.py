@@ -4,9 +4,7 @@ the last one at the end of training, and every checkpoint ModelCheckpoint kept i
 import os
 import time
 
-import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
@@ -20,18 +18,6 @@ class SlowSteps(Callback):
 
     def on_train_batch_end(self, *args):
         time.sleep(0.05)
-
-
-@pytest.fixture
-def isolated_process_group():
-    """The Trainer runs in this (pytest) process: leave no process group or rendezvous variables
-    behind, or later tests' subprocesses would inherit MASTER_PORT and collide with our store."""
-    saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def test_async_saves_commit_at_step_boundaries(tmp_path, isolated_process_group, caplog):
