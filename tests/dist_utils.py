@@ -8,7 +8,8 @@ Returns the list of per-rank return values (must be picklable).
 Results travel through files (``torch.save`` in the worker, ``torch.load`` here), not a
 ``multiprocessing.Manager``: a Manager's server process is *forked* from this one, and after
 in-process tensorstore or Lightning work this process runs threads; a fork taken while one of them
-holds a libc lock crashed the server (a segfault in libc, seen in CI).
+holds a libc lock crashed the server (a segfault in libc, seen in CI). Workers leave with
+``os._exit`` once their result is written (see ``_worker``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable, List
@@ -50,6 +52,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     tmp = os.path.join(out_dir, f".rank{rank}.pt")
     torch.save(result, tmp)
     os.replace(tmp, os.path.join(out_dir, f"rank{rank}.pt"))  # complete or absent
+    # The result is on disk: skip interpreter finalization, where C++ worker threads (gloo's,
+    # tensorstore's) torn down late occasionally abort the process ("terminate called without an
+    # active exception", SIGABRT; pytorch/pytorch#179291), failing a test whose work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> List[Any]:
