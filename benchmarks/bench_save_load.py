@@ -237,13 +237,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                     if rank == 0:
                         nfiles = drop_page_cache(path)
                         nbytes = dir_bytes(path)
-                    for d in dest:
-                        d.zero_()
-                    dist.barrier()
-                    load_s, load_cpu = _timed_collective(load, warm)
-                    ok = all(torch.equal(t.data, d) for t, d in zip(state, dest))
-                    oks = [None] * world
-                    dist.all_gather_object(oks, ok)
+                    load_s: Optional[float] = None
+                    load_cpu: Optional[float] = None
+                    oks: List[Optional[bool]] = [None] * world
+                    if not args.save_only:
+                        for d in dest:
+                            d.zero_()
+                        dist.barrier()
+                        load_s, load_cpu = _timed_collective(load, warm)
+                        ok = all(torch.equal(t.data, d) for t, d in zip(state, dest))
+                        dist.all_gather_object(oks, ok)
                     dist.barrier()
                     if rank == 0:
                         shutil.rmtree(path, ignore_errors=True)
@@ -251,10 +254,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                             "layout": layout, "repeat": rep, "contestant": name, "save_s": save_s,
                             "load_s": load_s, "save_cpu_s": save_cpu, "load_cpu_s": load_cpu, "files": nfiles,
                             "bytes_on_disk": nbytes,
-                            "state_bytes": unique_bytes(size), "delivered_bytes": delivered, "load_ok": all(oks),
+                            "state_bytes": unique_bytes(size), "delivered_bytes": delivered,
+                            "load_ok": None if args.save_only else all(oks),
                         })
-                        print(f"[{layout} #{rep}] {name:5s} save {save_s:6.2f}s load {load_s:6.2f}s "
-                              f"files {nfiles:4d} ok {all(oks)}", flush=True)
+                        loaded = "" if load_s is None else f" load {load_s:6.2f}s ok {all(oks)}"
+                        print(f"[{layout} #{rep}] {name:5s} save {save_s:6.2f}s{loaded} files {nfiles:4d}", flush=True)
                     dist.barrier()
             del state, dest
         if rank == 0:
@@ -267,6 +271,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _load_cells(m: Dict[str, Any], runs: List[Dict[str, Any]], raw: Optional[Dict[str, Any]],
+                dcp: Optional[Dict[str, Any]]) -> List[str]:
+    r0 = runs[0]
+    return [f"{m['load_s']:.2f}", " / ".join(f"{r['load_s']:.2f}" for r in runs),
+            f"{r0['delivered_bytes'] / m['load_s'] / 1e9:.2f}",
+            f"{raw['load_s'] / m['load_s']:.2f}x" if raw else "-",
+            f"{dcp['load_s'] / m['load_s']:.2f}x" if dcp else "-", f"{m['load_cpu_s']:.2f}"]
 
 
 def summarize(results: List[Dict[str, Any]]) -> Tuple[str, Dict[str, Any]]:
@@ -282,8 +295,8 @@ def summarize(results: List[Dict[str, Any]]) -> Tuple[str, Dict[str, Any]]:
         for name in names:
             runs = [by[(layout, rep, name)] for rep in repeats if (layout, rep, name) in by]
             if runs:
-                med[name] = {k: statistics.median(r[k] for r in runs) for k in ("save_s", "load_s", "save_cpu_s",
-                                                                                   "load_cpu_s")}
+                med[name] = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
+                             for k in ("save_s", "load_s", "save_cpu_s", "load_cpu_s")}
                 med[name]["runs"] = runs  # type: ignore[assignment]
         rows = []
         for name, m in med.items():
@@ -296,11 +309,8 @@ def summarize(results: List[Dict[str, Any]]) -> Tuple[str, Dict[str, Any]]:
                 f"{r0['state_bytes'] / m['save_s'] / 1e9:.2f}",
                 f"{raw['save_s'] / m['save_s']:.2f}x" if raw else "-",
                 f"{dcp['save_s'] / m['save_s']:.2f}x" if dcp else "-",
-                f"{m['save_cpu_s']:.2f}", f"{m['load_s']:.2f}", " / ".join(f"{r['load_s']:.2f}" for r in runs),
-                f"{r0['delivered_bytes'] / m['load_s'] / 1e9:.2f}",
-                f"{raw['load_s'] / m['load_s']:.2f}x" if raw else "-",
-                f"{dcp['load_s'] / m['load_s']:.2f}x" if dcp else "-",
-                f"{m['load_cpu_s']:.2f}", r0["files"], "yes" if all(r["load_ok"] for r in runs) else "NO",
+                f"{m['save_cpu_s']:.2f}", *(_load_cells(m, runs, raw, dcp) if m["load_s"] is not None else ["-"] * 6),
+                r0["files"], "-" if r0["load_ok"] is None else "yes" if all(r["load_ok"] for r in runs) else "NO",
             ])
         r0 = results[0]
         lines.append(f"\n**{layout}** (state {r0['state_bytes'] / 2**30:.2f} GiB; medians of {len(repeats)} run(s), "
@@ -312,8 +322,9 @@ def summarize(results: List[Dict[str, Any]]) -> Tuple[str, Dict[str, Any]]:
         def judge(ours: Dict[str, Any], raw: Dict[str, Any], dcp: Dict[str, Any]) -> Dict[str, Any]:
             v = {"save_vs_raw": round(raw["save_s"] / ours["save_s"], 3),
                  "save_vs_dcp": round(dcp["save_s"] / ours["save_s"], 3),
-                 "load_vs_dcp": round(dcp["load_s"] / ours["load_s"], 3)}
-            v["targets_met"] = v["save_vs_raw"] >= 0.9 and v["save_vs_dcp"] >= 1.3 and v["load_vs_dcp"] >= 1.0
+                 "load_vs_dcp": round(dcp["load_s"] / ours["load_s"], 3) if ours["load_s"] is not None else None}
+            v["targets_met"] = (v["save_vs_raw"] >= 0.9 and v["save_vs_dcp"] >= 1.3
+                                and (v["load_vs_dcp"] is None or v["load_vs_dcp"] >= 1.0))
             return v
 
         ours_saves = [r["save_s"] for r in results if r["layout"] == layout and r["contestant"].startswith("ours")]
@@ -344,6 +355,8 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--no-prefault", dest="prefault", action="store_false",
                    help="do not touch and free a buffer of the rank's state size before each timed operation "
                         "(see common.prefault: evens out hypervisor page-fault costs between contestants)")
+    p.add_argument("--save-only", action="store_true",
+                   help="time saves only (no loads in between): more repeats in the same time, for save-path changes")
     args = p.parse_args(argv)
     args.layouts = [x for x in args.layouts.split(",") if x]
     args.contestants = [x for x in args.contestants.split(",") if x]
@@ -371,8 +384,9 @@ def main(argv: List[str] | None = None) -> int:
           f"after: {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f} on {os.cpu_count()} CPUs")
     print("\ntargets (ours save >= 0.9x raw and >= 1.3x DCP, ours load >= DCP):")
     for k, v in verdict.items():
-        print(f"  {k}: save {v['save_vs_raw']:.2f}x raw, {v['save_vs_dcp']:.2f}x DCP; load {v['load_vs_dcp']:.2f}x DCP"
-              f" -> {'met' if v['targets_met'] else 'MISSED'}")
+        load = "not measured (--save-only)" if v["load_vs_dcp"] is None else f"{v['load_vs_dcp']:.2f}x DCP"
+        print(f"  {k}: save {v['save_vs_raw']:.2f}x raw, {v['save_vs_dcp']:.2f}x DCP; load {load}"
+              f" -> {'met' if v['targets_met'] else 'MISSED'}" + (" (saves only)" if v["load_vs_dcp"] is None else ""))
     if args.json:
         with open(args.json, "w") as f:
             from lightning_distckpt.strategies.loaders import DEFAULT_LOADER
