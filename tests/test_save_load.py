@@ -44,6 +44,26 @@ def test_dtypes_round_trip_bit_exact(tmp_path):
     assert stored["tensors"]["torch.bfloat16"]["dtype"] == "bfloat16"  # stored natively, not as float32
 
 
+def test_load_converts_within_a_dtype_kind_and_refuses_across_kinds(tmp_path):
+    master = torch.randn(4, 6, dtype=torch.float32)
+    counts = torch.arange(-5, 5, dtype=torch.int32)
+    ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", master),
+              "n": ldc.ShardedTensor.from_rank_offsets("n", counts)}, tmp_path / "ck")
+    # fp32 master weights into a bf16 model, int32 into int64: converted as Tensor.copy_ would
+    out = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.bfloat16)),
+                    "n": ldc.ShardedTensor.from_rank_offsets("n", torch.empty(10, dtype=torch.int64))}, tmp_path / "ck")
+    assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], master.to(torch.bfloat16))
+    assert out["n"].dtype == torch.int64 and torch.equal(out["n"], counts.to(torch.int64))
+    # floating -> integer or bool would silently truncate: refused, naming the key and both dtypes
+    for key, wrong in (("w", torch.empty(4, 6, dtype=torch.int64)), ("n", torch.empty(10, dtype=torch.bool)),
+                       ("n", torch.empty(10, dtype=torch.float32))):
+        with pytest.raises(ldc.CheckpointingError) as err:
+            ldc.load({key: ldc.ShardedTensor.from_rank_offsets(key, wrong)}, tmp_path / "ck")
+        stored = "float32" if key == "w" else "int32"
+        assert repr(key) in str(err.value) and f"stored as {stored}" in str(err.value)
+        assert str(wrong.dtype).replace("torch.", "") in str(err.value)
+
+
 def test_objects_nonpersistent_and_common(tmp_path):
     cfg = OmegaConf.create({"lr": 0.1, "layers": [1, 2], "name": "gpt"})
     sd = {

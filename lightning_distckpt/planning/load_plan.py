@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Sequence, Tuple
 
+import torch
+
 from ..core.errors import CheckpointingError, ShardingError
 from ..core.mapping import ShardedTensor
 from .metadata import TensorEntry
@@ -55,6 +57,28 @@ def _rel(off: Sequence[int], shape: Sequence[int], origin: Sequence[int]) -> Tup
     return tuple(slice(o - g, o - g + s) for o, s, g in zip(off, shape, origin))
 
 
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    return "floating" if dtype.is_floating_point else "integer"
+
+
+def check_dtype_conversion(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: str) -> None:
+    """Loading converts between floating dtypes (e.g. fp32 master weights into a bf16 model) and
+    between integer dtypes, as ``Tensor.copy_`` would; a conversion across kinds (floating <->
+    integer, anything <-> bool) is almost always a template built wrongly and would silently
+    truncate, so it is refused."""
+    stored = entry.torch_dtype
+    wanted = request.data.dtype if request.data is not None else request.dtype
+    if wanted is None or wanted == stored or _dtype_kind(wanted) == _dtype_kind(stored):
+        return
+    raise ShardingError(
+        f"checkpoint {checkpoint_dir}: {request.key!r} is stored as {entry.dtype} but the template asks for "
+        f"{str(wanted).replace('torch.', '')}; loading converts between floating dtypes and between integer "
+        f"dtypes only (load into a {entry.dtype} tensor and convert it yourself if this is intended)"
+    )
+
+
 def plan_tensor_read(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: str) -> "TensorReadPlan | FlatReadPlan":
     """Plan reading ``request``'s shard from the stored shards of ``entry``.
 
@@ -74,6 +98,7 @@ def plan_tensor_read(request: ShardedTensor, entry: TensorEntry, checkpoint_dir:
             f"checkpoint {checkpoint_dir}: {key!r} has global shape {saved_shape} in the checkpoint but "
             f"{request.global_shape} was asked for (set allow_shape_mismatch=True to pad/truncate)"
         )
+    check_dtype_conversion(request, entry, checkpoint_dir)
     if request.flattened_range is not None or any(s.flat for s in entry.shards):
         from .flat_plan import plan_flat_read  # flat_plan builds on this module's box helpers
 
