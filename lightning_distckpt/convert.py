@@ -30,12 +30,13 @@ import torch
 
 from .core.errors import CheckpointingError
 from .core.mapping import ShardedObject, ShardedTensor
+from .planning.metadata import StoredShard
 from .serialization import load_common_state_dict, load_plain_tensors, save
 from .storage import commit as commit_mod
 from .storage import staging as staging_mod
 from .storage.layout import COMMIT_MARKER, COMMON_FILE
 from .storage.safe_pickle import load_file, loads, read_file, write_file_durable
-from .storage.tensorstore_io import StorageOptions, TensorStoreIO
+from .storage.tensorstore_io import ShardWrite, StorageOptions, TensorStoreIO
 from .strategies.load import OpenedCheckpoint
 
 logger = logging.getLogger("lightning_distckpt")
@@ -78,7 +79,7 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
     try:
         os.makedirs(staging)
         staging_mod.write_owner_note(staging, 0)
-        src, dst = TensorStoreIO(ckpt.path, ckpt.options), TensorStoreIO(staging, storage)
+        src, dst = ckpt.reader(), TensorStoreIO(staging, storage)
         nbytes = _copy_shards(ckpt, src, dst) + _copy_objects(ckpt, src, dst)
         common = read_file(os.path.join(ckpt.path, COMMON_FILE))
         write_file_durable(os.path.join(staging, COMMON_FILE), common)
@@ -95,25 +96,31 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
 
 
 def _copy_shards(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO) -> int:
-    by_writer: Dict[int, List[Tuple[str, int, torch.dtype, Tuple[int, ...]]]] = {}
+    """Copy every stored shard to the same writer, index and pack offset; own arrays in batches of
+    about ``_BATCH_BYTES``, each writer's packed (small) shards in one write (it makes the packs)."""
+    by_writer: Dict[int, List[Tuple[str, StoredShard, torch.dtype]]] = {}
     for key, entry in ckpt.index.tensors.items():
         for s in entry.shards:
-            shape = (s.flat[1] - s.flat[0],) if s.flat is not None else tuple(s.shape)
-            by_writer.setdefault(s.writer, []).append((key, s.index, entry.torch_dtype, shape))
+            by_writer.setdefault(s.writer, []).append((key, s, entry.torch_dtype))
     total = 0
     for writer, shards in sorted(by_writer.items()):
-        batch: List[Tuple[str, int, torch.Tensor]] = []
+        packed: List[ShardWrite] = []
+        batch: List[ShardWrite] = []
         batch_bytes = 0
-        for key, index, dtype, shape in shards:
+        for key, s, dtype in shards:
+            shape = (s.flat[1] - s.flat[0],) if s.flat is not None else tuple(s.shape)
             data = torch.empty(shape, dtype=dtype)
-            src.read_into([(key, writer, index, tuple(slice(0, n) for n in shape), data)])
-            batch.append((key, index, data))
+            src.read_into([(key, writer, s.index, tuple(slice(0, n) for n in shape), data)])
+            if s.packed is not None:
+                packed.append(ShardWrite(key, s.index, data, s.packed))
+                continue
+            batch.append(ShardWrite(key, s.index, data))
             batch_bytes += data.numel() * data.element_size()
             if batch_bytes >= _BATCH_BYTES:
                 total += dst.write(writer, batch)
                 batch, batch_bytes = [], 0
-        if batch:
-            total += dst.write(writer, batch)
+        if batch or packed:
+            total += dst.write(writer, batch + packed)
     return total
 
 
@@ -149,7 +156,7 @@ def export_torch_file(source: str, destination: str, extra_safe_globals: Sequenc
 
 
 def _read_objects(ckpt: OpenedCheckpoint, extra_safe_globals: Sequence[Any]) -> Dict[str, Dict[Tuple[int, ...], Any]]:
-    tio = TensorStoreIO(ckpt.path, ckpt.options)
+    tio = ckpt.reader()
     out: Dict[str, Dict[Tuple[int, ...], Any]] = {}
     for key, entry in sorted(ckpt.index.objects.items()):
         out[key] = {

@@ -34,7 +34,8 @@ def _save_tp2(rank, world, path, layout):
         "step": 17,
         "hparams": {"lr": 0.1, "name": "gpt"},
     }
-    ldc.save(sd, path, storage=ldc.StorageOptions(layout=layout, chunk_bytes=1024))
+    # pack_max_bytes: the norm (12 bytes) is packed, the weight halves (3.2 KiB) are arrays of 1 KiB chunks
+    ldc.save(sd, path, storage=ldc.StorageOptions(layout=layout, chunk_bytes=1024, pack_max_bytes=1024))
     return True
 
 
@@ -95,6 +96,8 @@ def test_inspect_json_matches_metadata(saved):
     assert w["shape"] == [64, 25] and w["grid"] == [2, 1] and w["writers"] == [0, 1] and w["bytes"] == 64 * 25 * 4
     assert by_key["layer.norm"]["shards"] == 1 and by_key["layer.norm"]["dtype"] == "bfloat16"
     assert s["data_files"] > 0 and s["common_bytes"] > 0
+    # 2 weight halves + 2 flat pieces as arrays of their own; the norm packed in its writer's bf16 pack
+    assert s["packed_shards"] == 1 and s["stored_arrays"] == 5 and by_key["layer.norm"]["packed"] == 1
 
 
 @pytest.mark.parametrize("layout", ["ocdbt", "zarr"])
@@ -141,6 +144,20 @@ def test_validate_missing_zarr_chunk_is_not_read_as_zeros(saved, tmp_path):
     assert "'layer.weight' shard" in r.stdout and "rows 10:20" in r.stdout
     with pytest.raises(ldc.CheckpointingError, match="layer.weight"):
         ldc.load_plain_tensors(path)  # a missing chunk must never come back as zeros
+
+
+def test_validate_names_the_shards_of_a_missing_pack_array(saved, tmp_path):
+    path = damaged_copy(saved["zarr"], tmp_path)
+    with open(os.path.join(path, "metadata.json")) as f:
+        norm = json.load(f)["tensors"]["layer.norm"]["shards"][0]
+    assert norm["packed"] == 0  # the replicated bf16 norm is the only small shard: alone in its pack
+    shutil.rmtree(os.path.join(path, "data", f"rank_{norm['writer']:05d}", "p", "bfloat16"))
+    r = cli("validate", path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"'layer.norm' shard 0 (rank {norm['writer']}, packed): cannot open" in r.stdout
+    assert "'layer.weight'" not in r.stdout  # the arrays of their own are intact
+    with pytest.raises(ldc.CheckpointingError, match="layer.norm"):
+        ldc.load_plain_tensors(path)
 
 
 def test_validate_truncated_common_state(saved, tmp_path):
@@ -208,3 +225,7 @@ def test_format_doc_snippet(saved):
         shard = scope["shard"]
         rows = slice(shard["offset"][0], shard["offset"][0] + shard["shape"][0])
         np.testing.assert_array_equal(scope["data"], FULL[rows].numpy())
+        scope = {"CKPT": saved[layout], "KEY": "layer.norm"}  # a packed shard
+        exec(snippet, scope)
+        assert scope["packed"] is not None
+        np.testing.assert_array_equal(scope["data"], NORM.view(torch.int16).numpy().view(scope["data"].dtype))

@@ -1,8 +1,10 @@
 """Planning is plain data in, plain data out: tested without files or processes."""
 
+import pytest
 import torch
 
 from lightning_distckpt import ShardedTensor
+from lightning_distckpt.core.errors import FormatError
 from lightning_distckpt.planning.load_plan import plan_tensor_read
 from lightning_distckpt.planning.metadata import CheckpointIndex, ObjectRecord, ShardRecord
 from lightning_distckpt.planning.save_plan import make_save_plan
@@ -59,6 +61,42 @@ def test_replicated_writes_are_spread_by_bytes():
     assert written == ["t0", "t1", "t2", "t3"]  # each unique shard once
     main_only = make_save_plan(recs, [], world_size=2, balance_writes=False)
     assert main_only.bytes_per_rank == {0: 24 * 16, 1: 0}
+
+
+def test_small_shards_are_packed_per_writer_and_dtype():
+    recs = [
+        rec("norm", (0,), (16,), 0, global_shape=(16,)),  # 64 B fp32, written by rank 0
+        rec("bias", (0,), (8,), 1, global_shape=(8,), dtype="bfloat16"),  # 16 B bf16, rank 1
+        rec("scale", (), (), 0, global_shape=()),  # a scalar, 4 B
+        rec("w", (0, 0), (64, 64), 0, global_shape=(128, 64)),  # 16 KiB: too big to pack at 4 KiB
+        rec("w", (64, 0), (64, 64), 1, global_shape=(128, 64)),
+        rec("m", (0, 0), (2, 4), 0, flat=(0, 5)),  # flattened pieces are never packed
+        rec("m", (0, 0), (2, 4), 1, flat=(5, 8)),
+        rec("empty", (0,), (0,), 1, global_shape=(0,)),  # nothing to pack
+    ]
+    plan = make_save_plan(recs, [], world_size=2, pack_max_bytes=4096)
+    packed = {(k, sh.writer): sh.packed for k, e in plan.index.tensors.items() for sh in e.shards}
+    # rank 0's float32 pack: "norm" (16 elements) then "scale" (1), in key order; rank 1's bf16 pack: "bias"
+    assert packed[("norm", 0)] == 0 and packed[("scale", 0)] == 16 and packed[("bias", 1)] == 0
+    assert packed[("w", 0)] is None and packed[("w", 1)] is None
+    assert packed[("m", 0)] is None and packed[("m", 1)] is None and packed[("empty", 1)] is None
+    # the same records plan the same packing on every rank, and 0 packs nothing
+    assert make_save_plan(list(reversed(recs)), [], world_size=2, pack_max_bytes=4096).index == plan.index
+    none = make_save_plan(recs, [], world_size=2, pack_max_bytes=0)
+    assert all(sh.packed is None for e in none.index.tensors.values() for sh in e.shards)
+    # metadata round trip keeps the offsets; unpacked shards carry no "packed" field (as in format 1)
+    js = plan.index.to_json()
+    assert CheckpointIndex.from_json(js, "ck") == plan.index
+    assert "packed" not in js["tensors"]["w"]["shards"][0] and js["tensors"]["scale"]["shards"][0]["packed"] == 16
+    for bad in (-1, "3", 1.5):
+        broken = plan.index.to_json()
+        broken["tensors"]["norm"]["shards"][0]["packed"] = bad
+        with pytest.raises(FormatError, match="packed"):
+            CheckpointIndex.from_json(broken, "ck")
+    broken = plan.index.to_json()
+    broken["tensors"]["m"]["shards"][0]["packed"] = 0
+    with pytest.raises(FormatError, match="both flattened and packed"):
+        CheckpointIndex.from_json(broken, "ck")
 
 
 def _index_for(shards, global_shape=(8, 4)):

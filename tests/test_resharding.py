@@ -7,6 +7,7 @@ import torch
 
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
+from lightning_distckpt.strategies.load import OpenedCheckpoint
 
 GLOBAL = (8, 12)
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i64": torch.int64}
@@ -50,23 +51,33 @@ def state_for(layout, rank, zeros):
     return sd, off, shape
 
 
+# Every layout is saved twice: with the default packing (these shards are small, so each is a range
+# of its writer's pack array, read through an index-array view) and with every shard its own array.
+STORAGE = {"packed": ldc.StorageOptions(), "arrays": ldc.StorageOptions(pack_max_bytes=0)}
+
+
 def _save(rank, world, root, layouts):
     for layout in layouts:
         sd, _, _ = state_for(layout, rank, zeros=False)
-        ldc.save(sd, f"{root}/{layout}")
+        for kind, storage in STORAGE.items():
+            ldc.save(sd, f"{root}/{kind}/{layout}", storage=storage)
 
 
 def _load_check(rank, world, root, pairs):
     for saved, wanted in pairs:
-        template, off, shape = state_for(wanted, rank, zeros=True)
-        data_ptrs = {k: v.data.data_ptr() for k, v in template.items()}
-        out = ldc.load(template, f"{root}/{saved}")
-        sl = tuple(slice(o, o + s) for o, s in zip(off, shape))
-        for name in DTYPES:
-            expected = full_tensor(name)[sl]
-            assert out[name].dtype == DTYPES[name]
-            assert torch.equal(out[name], expected), f"{saved}->{wanted} {name} rank {rank}"
-            assert out[name].data_ptr() == data_ptrs[name], "load must read into the given tensor"
+        for kind in STORAGE:
+            template, off, shape = state_for(wanted, rank, zeros=True)
+            data_ptrs = {k: v.data.data_ptr() for k, v in template.items()}
+            path = f"{root}/{kind}/{saved}"
+            packed = [sh.packed for e in OpenedCheckpoint.open(path).index.tensors.values() for sh in e.shards]
+            assert all(p is not None for p in packed) if kind == "packed" else all(p is None for p in packed)
+            out = ldc.load(template, path)
+            sl = tuple(slice(o, o + s) for o, s in zip(off, shape))
+            for name in DTYPES:
+                expected = full_tensor(name)[sl]
+                assert out[name].dtype == DTYPES[name]
+                assert torch.equal(out[name], expected), f"{kind} {saved}->{wanted} {name} rank {rank}"
+                assert out[name].data_ptr() == data_ptrs[name], "load must read into the given tensor"
     return True
 
 

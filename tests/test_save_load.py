@@ -155,6 +155,28 @@ class Evil:
         return (os.system, ("touch PWNED",))
 
 
+def test_format_1_checkpoints_without_packing_still_load(tmp_path):
+    """Format 2 packs small shards; a format 1 checkpoint (every shard its own array) still loads."""
+    w, b = torch.randn(6, 5), torch.randn(5)
+    sd = lambda w_, b_: {"w": ldc.ShardedTensor.from_rank_offsets("w", w_),  # noqa: E731
+                         "b": ldc.ShardedTensor.from_rank_offsets("b", b_)}
+    ldc.save(sd(w, b), tmp_path / "v1", storage=ldc.StorageOptions(pack_max_bytes=0))
+    meta_path = tmp_path / "v1" / METADATA_FILE
+    meta = json.loads(meta_path.read_text())
+    assert all("packed" not in sh for e in meta["tensors"].values() for sh in e["shards"])
+    meta["format_version"] = 1
+    meta_path.write_text(json.dumps(meta))
+    out = ldc.load(sd(torch.empty(6, 5), torch.empty(5)), tmp_path / "v1")
+    assert torch.equal(out["w"], w) and torch.equal(out["b"], b)
+    # the default packs both (they are small) into one float32 array, and loads them back
+    ldc.save(sd(w, b), tmp_path / "v2")
+    meta = json.loads((tmp_path / "v2" / METADATA_FILE).read_text())
+    assert meta["format_version"] == 2
+    assert sorted(sh["packed"] for e in meta["tensors"].values() for sh in e["shards"]) == [0, 5]
+    out = ldc.load(sd(torch.empty(6, 5), torch.empty(5)), tmp_path / "v2")
+    assert torch.equal(out["w"], w) and torch.equal(out["b"], b)
+
+
 def test_malicious_pickle_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ldc.save(_template(["a"]), tmp_path / "ck")

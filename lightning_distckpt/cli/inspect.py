@@ -39,6 +39,7 @@ def shard_grid(entry: TensorEntry) -> Dict[str, Any]:
         "split_axes": {a: per_axis[a] for a in range(ndim) if len(per_axis[a]) > 1},
         "boxes": len(boxes),
         "flat_pieces": sum(1 for s in entry.shards if s.flat is not None),
+        "packed": sum(1 for s in entry.shards if s.packed is not None),
         "writers": sorted({s.writer for s in entry.shards}),
     }
 
@@ -78,6 +79,9 @@ def summarize(ckpt: OpenedCheckpoint) -> Dict[str, Any]:
         "tensor_bytes": sum(t["stored_bytes"] for t in tensors),
         "common_bytes": os.path.getsize(common) if os.path.isfile(common) else None,
         "data_files": len(files), "data_file_bytes": sum(os.path.getsize(f) for f in files),
+        "stored_arrays": sum(t["shards"] - t["packed"] for t in tensors) + len(
+            {(s.writer, e.dtype) for e in ckpt.index.tensors.values() for s in e.shards if s.packed is not None}),
+        "packed_shards": sum(t["packed"] for t in tensors),
         "tensors": tensors, "objects": objects,
         "leftovers": [{"path": lo.path, "bytes": lo.nbytes, "idle_s": round(lo.idle_s, 1),
                        "in_progress": bool(lo.live_owner_pids)}
@@ -113,7 +117,8 @@ def render(s: Dict[str, Any]) -> str:
         f"(torch {s['torch_version']}) on {s['world_size']} rank(s)",
         f"storage      {st.get('backend', '?')} / {st.get('layout', '?')}, "
         f"chunks <= {human_bytes(st.get('chunk_bytes', 0))}; "
-        f"{s['data_files']} data file(s), {human_bytes(s['data_file_bytes'])}",
+        f"{s['data_files']} data file(s), {human_bytes(s['data_file_bytes'])}; {s['stored_arrays']} array(s)"
+        + (f", {s['packed_shards']} small shard(s) packed" if s["packed_shards"] else ""),
         f"contents     {len(s['tensors'])} tensor(s), {human_bytes(s['tensor_bytes'])}; {len(s['objects'])} object(s); "
         f"common state {human_bytes(s['common_bytes']) if s['common_bytes'] is not None else 'MISSING'}",
     ]

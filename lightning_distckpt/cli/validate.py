@@ -62,7 +62,7 @@ def validate(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20,
     ckpt = OpenedCheckpoint.open(checkpoint_dir)
     report = Report(ckpt.path)
     _check_index(ckpt, report)
-    tio = TensorStoreIO(ckpt.path, ckpt.options)
+    tio = ckpt.reader()
     dead = _check_writer_stores(ckpt, report)
     todo = [(key, shard) for key in sorted(ckpt.index.tensors) for shard in ckpt.index.tensors[key].shards
             if shard.writer not in dead]
@@ -142,7 +142,7 @@ class _ReadWindow:
 
 def _read_shard(tio: TensorStoreIO, key: str, dtype: str, shard: StoredShard, report: Report,
                 window: _ReadWindow) -> None:
-    where = f"{key!r} shard {shard.index} (rank {shard.writer})"
+    where = f"{key!r} shard {shard.index} (rank {shard.writer}{', packed' if shard.packed is not None else ''})"
     try:
         store = tio.open_array(shard.writer, key, shard.index)
     except CheckpointingError as e:
@@ -153,15 +153,19 @@ def _read_shard(tio: TensorStoreIO, key: str, dtype: str, shard: StoredShard, re
         report.problems.append(f"{where}: stored array is {store.dtype.name} {list(store.shape)}, the index says "
                                f"{dtype} {list(expected)}")
         return
-    if store.rank == 0 or math.prod(store.shape) == 0:
-        pieces: List[Tuple[Any, str]] = [(store, "all")] if store.rank == 0 else []
+    if shard.packed is not None:  # a small range of the writer's pack array: one read
+        pieces: List[Tuple[Any, str]] = [(store, f"packed at element {shard.packed}")]
+    elif store.rank == 0 or math.prod(store.shape) == 0:
+        pieces = [(store, "all")] if store.rank == 0 else []
     else:
         rows = max(1, int(store.chunk_layout.read_chunk.shape[0]))
         n = int(store.shape[0])
         pieces = [(store[r:min(r + rows, n)], f"rows {r}:{min(r + rows, n)}") for r in range(0, n, rows)]
     row_bytes = math.prod(store.shape[1:]) * element_size(dtype) if store.rank else element_size(dtype)
     for piece, what in pieces:
-        window.submit(piece, f"{where}: chunk {what}", (piece.shape[0] * row_bytes) if piece.rank else row_bytes)
+        nbytes = math.prod(piece.shape) * element_size(dtype) if shard.packed is not None else (
+            (piece.shape[0] * row_bytes) if piece.rank else row_bytes)
+        window.submit(piece, f"{where}: chunk {what}", nbytes)
 
 
 def _check_blob(blob: bytes, where: str, report: Report) -> None:

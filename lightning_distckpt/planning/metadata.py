@@ -108,13 +108,18 @@ class ObjectRecord:
 
 @dataclass
 class StoredShard:
-    """A shard as written: where it sits in the global tensor and which rank's store holds it."""
+    """A shard as written: where it sits in the global tensor and which rank's store holds it.
+
+    ``packed``: None when the shard is its own array; else the element offset of its data (row-major)
+    in the writer's pack array for the tensor's dtype, which holds the small shards of that writer.
+    """
 
     offset: Tuple[int, ...]
     shape: Tuple[int, ...]
     flat: FlatRange
     writer: int
     index: int
+    packed: Optional[int] = None
 
     @property
     def numel(self) -> int:
@@ -164,7 +169,7 @@ class CheckpointIndex:
                     "dtype": e.dtype,
                     "shards": [
                         {"offset": list(s.offset), "shape": list(s.shape), "flat": list(s.flat) if s.flat else None,
-                         "writer": s.writer, "index": s.index}
+                         "writer": s.writer, "index": s.index, **({"packed": s.packed} if s.packed is not None else {})}
                         for s in e.shards
                     ],
                 }
@@ -200,10 +205,14 @@ class CheckpointIndex:
                 entry = TensorEntry(ints(e["global_shape"], f"{key!r} global_shape"), e["dtype"])
                 for s in e["shards"]:
                     flat = tuple(ints(s["flat"], f"{key!r} flat")) if s["flat"] is not None else None
+                    packed = s.get("packed")
                     entry.shards.append(
                         StoredShard(ints(s["offset"], f"{key!r} offset"), ints(s["shape"], f"{key!r} shape"), flat,
-                                    nonneg(s["writer"], f"{key!r} writer"), nonneg(s["index"], f"{key!r} index"))
+                                    nonneg(s["writer"], f"{key!r} writer"), nonneg(s["index"], f"{key!r} index"),
+                                    None if packed is None else nonneg(packed, f"{key!r} packed"))
                     )
+                    if packed is not None and flat is not None:
+                        raise FormatError(f"{where}: {key!r} shard {s['index']} is both flattened and packed")
                 index.tensors[key] = entry
             for key, e in data["objects"].items():
                 entry_o = ObjectEntry(ints(e["global_shape"], f"{key!r} global_shape"))

@@ -32,11 +32,15 @@ class SavePlan:
     bytes_per_rank: Dict[int, int] = field(default_factory=dict)
 
 
+PACK_MAX_BYTES = 256 * 1024
+
+
 def make_save_plan(
     tensor_records: Sequence[ShardRecord],
     object_records: Sequence[ObjectRecord],
     world_size: int,
     balance_writes: bool = True,
+    pack_max_bytes: int = PACK_MAX_BYTES,
 ) -> SavePlan:
     """Plan the writes.
 
@@ -45,6 +49,11 @@ def make_save_plan(
     largest shards first, to the holder with the fewest bytes so far (ties: lowest rank), so
     replicated (data-parallel) state is written by all its holders in parallel. Without it,
     the main replica (replica_id all zeros) writes.
+
+    Shards of at most ``pack_max_bytes`` (not empty, not flattened) are packed: each writer stores
+    its small shards of one dtype back to back in one array, at the element offsets set here
+    (``StoredShard.packed``). A model's hundreds of norms and biases then cost a few arrays per
+    rank instead of one each. 0 packs nothing.
     """
     holders: Dict[Tuple[str, tuple], List[ShardRecord]] = defaultdict(list)
     for r in tensor_records:
@@ -71,12 +80,18 @@ def make_save_plan(
     by_key: Dict[str, List[Tuple[tuple, int]]] = defaultdict(list)
     for (key, sid), w in writer_of.items():
         by_key[key].append((sid, w))
+    pack_end: Dict[Tuple[int, str], int] = defaultdict(int)  # (writer, dtype) -> elements packed so far
     for key in sorted(by_key):
         first = holders[(key, by_key[key][0][0])][0]
         entry = TensorEntry(first.global_shape, first.dtype)
         for i, (sid, writer) in enumerate(sorted(by_key[key], key=lambda t: (t[0][0], t[0][2] or (0, 0)))):
             offset, shape, flat = sid
-            entry.shards.append(StoredShard(offset, shape, flat, writer, i))
+            rec = holders[(key, sid)][0]
+            packed = None
+            if flat is None and 0 < rec.nbytes <= pack_max_bytes:
+                packed = pack_end[(writer, rec.dtype)]
+                pack_end[(writer, rec.dtype)] += rec.numel
+            entry.shards.append(StoredShard(offset, shape, flat, writer, i, packed))
             plan.writes.setdefault(writer, []).append((key, sid, i))
         plan.index.tensors[key] = entry
 

@@ -7,6 +7,8 @@
       common.pt          common (non-sharded) state, torch.save'd by rank 0, read with weights_only
       data/rank_00000/   rank 0's tensorstore key-value store (OCDBT database, or plain files)
         t/<key>/<i>/       zarr v3 array: stored shard i of tensor <key>
+        p/<dtype>/         zarr v3 1-D array: the small shards of this rank of that dtype, one after
+                           the other (each shard's ``packed`` element offset is in metadata.json)
         o/<key>/<i>        bytes: ShardedObject element i of <key>
       COMMITTED          commit marker, written last; without it the directory is no checkpoint
 
@@ -24,8 +26,8 @@ from urllib.parse import quote
 from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError
 
 FORMAT_NAME = "lightning_distckpt"
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 2  # 2: small shards packed into one array per rank and dtype
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 COMMIT_MARKER = "COMMITTED"
@@ -51,6 +53,11 @@ def rank_dir(checkpoint_dir: str, writer: int) -> str:
 
 def tensor_path(key: str, index: int) -> str:
     return f"t/{encode_key(key)}/{int(index)}"
+
+
+def pack_path(dtype: str) -> str:
+    """The pack array of a writer's small shards of ``dtype`` (a name such as ``"bfloat16"``)."""
+    return f"p/{dtype}"
 
 
 def object_path(key: str, index: int) -> str:

@@ -11,6 +11,11 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
 * reads refuse missing chunks (``fill_missing_data_reads=False``) instead of returning zeros;
 * arrays are created and opened concurrently (one future each), never one after the other:
   opening hundreds of small arrays one by one cost ~0.3 ms each;
+* small shards (norms, biases: at most ``pack_max_bytes``) are packed into one 1-D array per
+  rank and dtype (``p/<dtype>``), copied there once: creating an array costs ~0.15-0.2 ms, and a
+  GPT's ~400 small shards were most of the fixed cost of a save (2 ranks, 0.05 GiB state, tp:
+  0.130 s -> 0.102 s, raw 0.050 s). Readers see a packed shard as an array of its own shape (an
+  index-array view);
 * OCDBT data files are bounded (``data_file_bytes``, 64 MiB): by default OCDBT packs a whole
   batch of writes into one file written with a single huge ``writev`` (300 MB for 0.5 GiB),
   which was slower and far more variable than several bounded files written concurrently.
@@ -21,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -29,11 +34,26 @@ import tensorstore as ts
 import torch
 
 from ..core.errors import CheckpointingError
-from .layout import object_path, rank_dir, tensor_path
+from .layout import object_path, pack_path, rank_dir, tensor_path
+
+if TYPE_CHECKING:
+    from ..planning.metadata import CheckpointIndex
 
 LAYOUTS = ("ocdbt", "zarr")
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 DEFAULT_DATA_FILE_BYTES = 64 * 1024 * 1024
+DEFAULT_PACK_MAX_BYTES = 256 * 1024
+
+
+class ShardWrite(NamedTuple):
+    """One stored shard to write: ``data`` in global-axes shape (1-D for flattened shards).
+    ``packed``: None for an array of its own, else the element offset in the writer's pack array
+    of ``data``'s dtype (set by the save plan)."""
+
+    key: str
+    index: int
+    data: torch.Tensor
+    packed: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -50,12 +70,16 @@ class StorageOptions:
     data_file_bytes: ``"ocdbt"`` only: target size of each OCDBT data file. Bounded files are
         written concurrently and each in moderate ``writev`` calls; a rank writes about
         ``bytes / data_file_bytes`` + a few files. Not recorded: readers do not need it.
+    pack_max_bytes: shards of at most this many bytes (not flattened) are packed into one array
+        per writing rank and dtype instead of an array each; 0 packs nothing. Where each shard
+        went is recorded per shard in ``metadata.json``.
     """
 
     layout: str = "ocdbt"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     io_concurrency: int = 16
     data_file_bytes: int = DEFAULT_DATA_FILE_BYTES
+    pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -66,6 +90,8 @@ class StorageOptions:
             raise ValueError(f"io_concurrency must be >= 1, got {self.io_concurrency}")
         if self.data_file_bytes < 1024:
             raise ValueError(f"data_file_bytes must be at least 1024, got {self.data_file_bytes}")
+        if self.pack_max_bytes < 0:
+            raise ValueError(f"pack_max_bytes must be >= 0, got {self.pack_max_bytes}")
 
     def to_json(self) -> Dict[str, Any]:
         return {"layout": self.layout, "chunk_bytes": self.chunk_bytes}
@@ -104,9 +130,17 @@ _ts_dtype = ts_dtype  # older name, kept for callers
 class TensorStoreIO:
     """Reads and writes stored shards and objects of one checkpoint directory."""
 
-    def __init__(self, checkpoint_dir: str, options: StorageOptions = StorageOptions()) -> None:
+    def __init__(self, checkpoint_dir: str, options: StorageOptions = StorageOptions(),
+                 index: Optional["CheckpointIndex"] = None) -> None:
+        """``index``: the checkpoint's index, needed to read packed shards (a reader of a format 2
+        checkpoint passes it; a writer does not)."""
         self.root = os.path.abspath(checkpoint_dir)
         self.options = options
+        self._packed: Dict[Tuple[int, str], Tuple[str, int, Tuple[int, ...]]] = {}  # handle -> (dtype, offset, shape)
+        for key, entry in (index.tensors.items() if index is not None else ()):
+            for sh in entry.shards:
+                if sh.packed is not None:
+                    self._packed[(sh.writer, tensor_path(key, sh.index))] = (entry.dtype, sh.packed, tuple(sh.shape))
         # One context per directory: all arrays of a rank share one OCDBT database instance, and
         # the I/O concurrency applies to the whole save or load. No chunk cache: checkpoint data
         # is written or read once, and caching would keep references to the caller's tensors.
@@ -156,41 +190,52 @@ class TensorStoreIO:
     def write(
         self,
         writer: int,
-        tensors: Sequence[Tuple[str, int, torch.Tensor]],
+        tensors: Sequence[ShardWrite],
         objects: Sequence[Tuple[str, int, bytes]] = (),
     ) -> int:
-        """Write ``(key, index, data)`` shards and objects into ``writer``'s store; returns bytes.
+        """Write shards (:class:`ShardWrite`, or ``(key, index, data)``) and objects into ``writer``'s
+        store; returns bytes.
 
         ``data`` must be CPU tensors in global-axes shape, left unchanged until this returns
-        (tensorstore reads them in place, without a staging copy). Returns once everything is
-        durable: tensorstore's file driver fsyncs every file it writes.
+        (tensorstore reads them in place, without a staging copy; packed shards are copied into
+        their pack array). All packed shards of a writer go into one call: it creates the pack
+        arrays. Returns once everything is durable: tensorstore's file driver fsyncs every file.
         """
         os.makedirs(rank_dir(self.root, writer), exist_ok=True)
+        arrays: List[Tuple[str, str, np.ndarray]] = []  # (what, path in the store, data)
+        packs: Dict[torch.dtype, List[ShardWrite]] = {}
+        for w in map(lambda t: ShardWrite(*t), tensors):
+            if w.packed is None:
+                arrays.append((repr(w.key), tensor_path(w.key, w.index), to_numpy(w.data.contiguous())))
+            else:
+                packs.setdefault(w.data.dtype, []).append(w)
+        for dtype, members in packs.items():
+            arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
+                           to_numpy(_pack(dtype, members))))
         opens = []
-        for key, index, data in tensors:
-            arr = to_numpy(data.contiguous())
-            spec = self.create_spec(writer, tensor_path(key, index), data.dtype, arr.shape)
-            opens.append((key, ts.open(spec, create=True, context=self.context), arr))
+        for what, path, arr in arrays:
+            spec = self.create_spec(writer, path, torch_dtype_of(arr), arr.shape)
+            opens.append((what, ts.open(spec, create=True, context=self.context), arr))
         writes = []
         nbytes = 0
         for key, fut, arr in opens:
             try:
                 store = fut.result()
             except Exception as e:
-                raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key!r}: {e}") from e
+                raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: {e}") from e
             writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
             nbytes += arr.nbytes
         if objects:
             kv = self._kvstore(writer)
             for key, index, blob in objects:
-                writes.append((key, kv.write(object_path(key, index), blob)))
+                writes.append((repr(key), kv.write(object_path(key, index), blob)))
                 nbytes += len(blob)
         errors = []
         for key, w in writes:  # wait for all, so no write is still running when we raise
             try:
                 w.result()
             except Exception as e:
-                errors.append(f"{key!r}: {e}")
+                errors.append(f"{key}: {e}")
         if errors:
             raise CheckpointingError(f"checkpoint {self.root}: writing failed for {'; '.join(errors[:5])}"
                                      + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
@@ -209,21 +254,32 @@ class TensorStoreIO:
         return self._kvstores[writer]
 
     def open_arrays(self, shards: Iterable[Tuple[int, str, int]]) -> None:
-        """Open ``(writer, key, index)`` stored shards concurrently (cached for this reader)."""
+        """Open ``(writer, key, index)`` stored shards concurrently (cached for this reader). A packed
+        shard opens as a view of its range of the pack array, in the shard's own shape."""
         pending = {}
+        views = []
         for writer, key, index in shards:
             handle = (writer, tensor_path(key, index))
-            if handle not in self._arrays and handle not in pending:
-                fut = ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context)
-                pending[handle] = (key, index, fut)
+            if handle in self._arrays or handle in pending:
+                continue
+            packed = self._packed.get(handle)
+            if packed is not None:
+                views.append((handle, key, index, packed))
+                handle = (writer, pack_path(packed[0]))  # open the pack array itself
+                if handle in self._arrays or handle in pending:
+                    continue
+            fut = ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context)
+            pending[handle] = (key, index, fut)
         for handle, (key, index, fut) in pending.items():
             try:
                 self._arrays[handle] = fut.result()
             except Exception as e:
                 raise CheckpointingError(
-                    f"checkpoint {self.root}: {key!r} shard {index} (written by rank {handle[0]}) is missing or "
-                    f"unreadable: {e}"
+                    f"checkpoint {self.root}: {key!r} shard {index} (written by rank {handle[0]}"
+                    + (", packed)" if handle[1].startswith("p/") else ")") + f" is missing or unreadable: {e}"
                 ) from e
+        for handle, key, index, (dtype, offset, shape) in views:
+            self._arrays[handle] = _packed_view(self._arrays[(handle[0], pack_path(dtype))], offset, shape)
 
     def open_array(self, writer: int, key: str, index: int) -> Any:
         """Open stored shard ``index`` of ``key`` (cached for this reader)."""
@@ -279,3 +335,31 @@ class TensorStoreIO:
                 f"checkpoint {self.root}: object {key!r} #{index} (written by rank {writer}) is missing"
             )
         return bytes(res.value)
+
+
+def torch_dtype_of(arr: np.ndarray) -> torch.dtype:
+    """The torch dtype of a numpy array made by :func:`to_numpy`."""
+    if arr.dtype == ml_dtypes.bfloat16:
+        return torch.bfloat16
+    return torch.from_numpy(arr[:0]).dtype
+
+
+def _pack(dtype: torch.dtype, members: Sequence[ShardWrite]) -> torch.Tensor:
+    """One 1-D tensor holding every member's data at its planned element offset."""
+    end = max(w.packed + w.data.numel() for w in members)  # type: ignore[operator]
+    buf = torch.empty(end, dtype=dtype)
+    for w in members:
+        buf[w.packed:w.packed + w.data.numel()] = w.data.reshape(-1)  # type: ignore[operator]
+    return buf
+
+
+def _packed_view(pack: Any, offset: int, shape: Tuple[int, ...]) -> Any:
+    """A read view of ``prod(shape)`` elements of the 1-D ``pack`` from ``offset``, in ``shape``:
+    element ``i`` (row-major) of the view is ``pack[offset + i]``. Reads past the pack's end fail."""
+    numel = math.prod(shape)
+    if not shape:
+        return pack[offset]
+    if len(shape) == 1:
+        return pack[offset:offset + numel].translate_to[0]
+    positions = np.arange(offset, offset + numel, dtype=np.int64).reshape(shape)
+    return pack[ts.IndexTransform(input_shape=shape, output=[ts.OutputIndexMap(index_array=positions)])]

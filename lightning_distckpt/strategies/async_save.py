@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import get_comm
-from ..storage.tensorstore_io import StorageOptions
+from ..storage.tensorstore_io import ShardWrite, StorageOptions
 from .save import PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
 
 logger = logging.getLogger("lightning_distckpt")
@@ -174,13 +174,14 @@ class AsyncSaver:
                     staged_bytes, t2 - t1, t2 - t0, "reused" if prep.plan_reused else "made")
         return self._pending
 
-    def _snapshot(self, tensors: List[Tuple[str, int, torch.Tensor]]) -> Tuple[List[Tuple[str, int, torch.Tensor]], int]:
+    def _snapshot(self, tensors: List[ShardWrite]) -> Tuple[List[ShardWrite], int]:
         """Copy this rank's shards into the staging buffers (reused when the layout is unchanged)."""
         staged = []
         used: Dict[BufferKey, torch.Tensor] = {}
         devices = set()
         nbytes = 0
-        for key, index, data in tensors:
+        for w in tensors:
+            key, index, data = w.key, w.index, w.data
             bkey: BufferKey = (key, index, tuple(data.shape), data.dtype)
             buf = self._buffers.get(bkey)
             if buf is None:
@@ -191,7 +192,7 @@ class AsyncSaver:
             if on_device:
                 devices.add(data.device)
             used[bkey] = buf
-            staged.append((key, index, buf))
+            staged.append(w._replace(data=buf))
             nbytes += buf.numel() * buf.element_size()
         for device in devices:  # the copies must have landed before the caller may change the state
             torch.accelerator.synchronize(device)

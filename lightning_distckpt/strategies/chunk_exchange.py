@@ -116,7 +116,7 @@ class ChunkExchange:
         self.inflight = 0
         self.extra = 0
         self.results: Dict[int, torch.Tensor] = {}
-        self.io = TensorStoreIO(ckpt.path, ckpt.options)  # one reader: stores and arrays opened once
+        self.io = ckpt.reader()  # one reader: stores and arrays opened once
         self._pin = device.type != "cpu"
         # One destination per chunk: the first requester's data, or a fresh CPU tensor.
         self.dest: Dict[ChunkId, torch.Tensor] = {}

@@ -44,6 +44,10 @@ class OpenedCheckpoint:
         return cls(path, meta, CheckpointIndex.from_json(meta, f"checkpoint {path}"),
                    StorageOptions.from_json(meta.get("storage", {})))
 
+    def reader(self) -> TensorStoreIO:
+        """A reader of this checkpoint's stored shards (packed ones included) and objects."""
+        return TensorStoreIO(self.path, self.options, self.index)
+
     def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
         common_path = os.path.join(self.path, COMMON_FILE)
         if not os.path.isfile(common_path):
@@ -98,7 +102,7 @@ def read_tensors(ckpt: OpenedCheckpoint, tensors: Sequence[ShardedTensor], skip:
                  io: Optional[TensorStoreIO] = None) -> Tuple[Dict[int, torch.Tensor], int]:
     """Read every requested tensor (not in ``skip``); returns ({id(st): tensor}, bytes read).
     Pass ``io`` to reuse one reader (its opened stores and arrays) over many calls."""
-    io = io or TensorStoreIO(ckpt.path, ckpt.options)
+    io = io or ckpt.reader()
     out: Dict[int, torch.Tensor] = {}
     reads = []
     copies: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (span buffer view, destination view), after reads
@@ -156,7 +160,7 @@ def _flat_reads(key: str, plan: FlatReadPlan, dest: torch.Tensor, reads: List[An
 
 def read_objects(ckpt: OpenedCheckpoint, objects: Sequence[ShardedObject], skip: Set[str],
                  extra_safe_globals: Sequence[Any] = ()) -> Dict[int, Any]:
-    io = TensorStoreIO(ckpt.path, ckpt.options)
+    io = ckpt.reader()
     out: Dict[int, Any] = {}
     for so in objects:
         if so.key in skip:

@@ -29,7 +29,7 @@ from ..storage import commit as commit_mod
 from ..storage import staging as staging_mod
 from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, encode_key
 from ..storage.safe_pickle import dumps, write_file_durable
-from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
+from ..storage.tensorstore_io import ShardWrite, StorageOptions, TensorStoreIO
 from .stats import log_throughput
 
 logger = logging.getLogger("lightning_distckpt")
@@ -44,7 +44,7 @@ class PreparedSave:
     comm: Comm
     plan: SavePlan
     options: StorageOptions
-    tensors: List[Tuple[str, int, torch.Tensor]]  # (key, index, data in global-axes shape)
+    tensors: List[ShardWrite]  # this rank's stored shards: data in global-axes shape, pack offsets
     objects: List[Tuple[str, int, bytes]]
     common: Optional[bytes]  # rank 0 only
     started: float = field(default_factory=time.perf_counter)
@@ -149,7 +149,7 @@ def prepare_save(
     cache_key: tuple = ()
     token: Optional[str] = None
     if plan_cache is not None and local_error is None:
-        cache_key = (records, _group_ranks(comm), validate_access_integrity, balance_writes)
+        cache_key = (records, _group_ranks(comm), validate_access_integrity, balance_writes, options.pack_max_bytes)
         token = plan_cache.lookup(cache_key)
     # One exchange carries the records (only where they changed, when a plan is cached), any local
     # error, rank 0's staging directory name and the common state's digest.
@@ -183,7 +183,8 @@ def prepare_save(
             plan_cache.clear()  # a failed validation must not leave a stale plan behind
         if validate_access_integrity:
             raise_on_problems(validate_tensor_records(all_tensors) + validate_object_records(all_objects), target)
-        plan = make_save_plan(all_tensors, all_objects, comm.size, balance_writes=balance_writes)
+        plan = make_save_plan(all_tensors, all_objects, comm.size, balance_writes=balance_writes,
+                              pack_max_bytes=options.pack_max_bytes)
         if plan_cache is not None:
             plan_cache.store(cache_key, staging, plan)  # staging name: unique, identical on every rank
 
@@ -194,7 +195,7 @@ def prepare_save(
         data = st.data.detach()
         if st.flattened_range is None:
             data = data.reshape(st.shard_shape)
-        mine.append((key, index, data))
+        mine.append(ShardWrite(key, index, data, plan.index.tensors[key].shards[index].packed))
     obj_by_id = {(o.key, o.global_offset): o for o in objects}
     my_objects = [(key, index, dumps(obj_by_id[(key, off)].data)) for key, off, index in plan.object_writes.get(comm.rank, [])]
     logger.debug(
@@ -234,7 +235,7 @@ def write_local(prep: PreparedSave) -> Tuple[int, float]:
     os.makedirs(prep.staging, exist_ok=True)
     staging_mod.write_owner_note(prep.staging, prep.comm.rank)
     io = TensorStoreIO(prep.staging, prep.options)
-    tensors = [(k, i, d.cpu() if d.device.type != "cpu" else d) for k, i, d in prep.tensors]
+    tensors = [w._replace(data=w.data.cpu()) if w.data.device.type != "cpu" else w for w in prep.tensors]
     nbytes = io.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
     if prep.common is not None:
         write_file_durable(os.path.join(prep.staging, COMMON_FILE), prep.common)
