@@ -1,1 +1,1 @@
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # 0.2: on-disk format 2 (small shards packed)
