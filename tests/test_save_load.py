@@ -177,6 +177,26 @@ def test_format_1_checkpoints_without_packing_still_load(tmp_path):
     assert torch.equal(out["w"], w) and torch.equal(out["b"], b)
 
 
+def _bytes_read_by_this_process():
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io to count bytes read")
+def test_loading_many_packed_shards_reads_about_the_pack_not_a_pack_per_shard(tmp_path):
+    norms = {f"layer{i}.norm": torch.full((256,), float(i)) for i in range(300)}  # 1 KiB each: packed
+    ldc.save({k: ldc.ShardedTensor.from_rank_offsets(k, v) for k, v in norms.items()}, tmp_path / "ck")
+    meta = json.loads((tmp_path / "ck" / METADATA_FILE).read_text())
+    assert all(sh["packed"] is not None for e in meta["tensors"].values() for sh in e["shards"])
+    template = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.empty(256)) for k in norms}
+    before = _bytes_read_by_this_process()
+    out = ldc.load(template, tmp_path / "ck", loader="every_rank")
+    read = _bytes_read_by_this_process() - before
+    assert all(torch.equal(out[k], v) for k, v in norms.items())
+    # 300 KiB of data in one pack: about that much is read (plus metadata), not a pack chunk per shard
+    assert read < 2 * 1024 * 1024, read
+
+
 def test_malicious_pickle_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ldc.save(_template(["a"]), tmp_path / "ck")

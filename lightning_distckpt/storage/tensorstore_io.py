@@ -43,6 +43,7 @@ LAYOUTS = ("ocdbt", "zarr")
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 DEFAULT_DATA_FILE_BYTES = 64 * 1024 * 1024
 DEFAULT_PACK_MAX_BYTES = 256 * 1024
+PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
 
 
 class ShardWrite(NamedTuple):
@@ -169,10 +170,11 @@ class TensorStoreIO:
         return {"driver": "zarr3", "kvstore": self.kvstore_spec(writer), "path": path + "/",
                 "fill_missing_data_reads": False}
 
-    def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int]) -> Dict[str, Any]:
+    def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int],
+                    chunk_bytes: Optional[int] = None) -> Dict[str, Any]:
         """Spec creating the array for one stored shard: raw little-endian bytes, chunks of at most
-        ``chunk_bytes`` along the first axis, every chunk stored (zeros too)."""
-        chunks = chunk_shape(shape, dtype.itemsize, self.options.chunk_bytes)
+        ``chunk_bytes`` (default: the options') along the first axis, every chunk stored (zeros too)."""
+        chunks = chunk_shape(shape, dtype.itemsize, chunk_bytes or self.options.chunk_bytes)
         return {
             "driver": "zarr3",
             "kvstore": self.kvstore_spec(writer),
@@ -202,19 +204,20 @@ class TensorStoreIO:
         arrays. Returns once everything is durable: tensorstore's file driver fsyncs every file.
         """
         os.makedirs(rank_dir(self.root, writer), exist_ok=True)
-        arrays: List[Tuple[str, str, np.ndarray]] = []  # (what, path in the store, data)
+        arrays: List[Tuple[str, str, np.ndarray, Optional[int]]] = []  # (what, path, data, chunk bytes)
         packs: Dict[torch.dtype, List[ShardWrite]] = {}
         for w in map(lambda t: ShardWrite(*t), tensors):
             if w.packed is None:
-                arrays.append((repr(w.key), tensor_path(w.key, w.index), to_numpy(w.data.contiguous())))
+                arrays.append((repr(w.key), tensor_path(w.key, w.index), to_numpy(w.data.contiguous()), None))
             else:
                 packs.setdefault(w.data.dtype, []).append(w)
         for dtype, members in packs.items():
+            # Small chunks: a reader of a few packed shards fetches about what it needs.
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
-                           to_numpy(_pack(dtype, members))))
+                           to_numpy(_pack(dtype, members)), min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
         opens = []
-        for what, path, arr in arrays:
-            spec = self.create_spec(writer, path, torch_dtype_of(arr), arr.shape)
+        for what, path, arr, chunk_bytes in arrays:
+            spec = self.create_spec(writer, path, torch_dtype_of(arr), arr.shape, chunk_bytes)
             opens.append((what, ts.open(spec, create=True, context=self.context), arr))
         writes = []
         nbytes = 0
@@ -288,28 +291,90 @@ class TensorStoreIO:
 
     def read_into(self, reads: Iterable[Tuple[str, int, int, Tuple[slice, ...], torch.Tensor]]) -> int:
         """Copy ``(key, writer, index, src_slices, dest)`` pieces; ``dest`` is a CPU tensor view that
-        receives ``stored[src_slices]`` (converted to dest's dtype). Returns bytes read."""
-        reads = list(reads)
-        self.open_arrays((writer, key, index) for key, writer, index, _, _ in reads)
-        futures = []
+        receives ``stored[src_slices]`` (converted to dest's dtype). Returns bytes read.
+
+        Reads of packed shards are grouped: each pack is read once per run of nearby shards (not
+        once per shard, which would fetch the pack's chunk again for every norm and bias)."""
+        plain, packed = [], []
+        for r in reads:
+            (packed if (r[1], tensor_path(r[0], r[2])) in self._packed else plain).append(r)
+        self.open_arrays((writer, key, index) for key, writer, index, _, _ in plain)
+        futures: List[Tuple[str, Any]] = []
         nbytes = 0
-        for key, writer, index, src, dest in reads:
+        for key, writer, index, src, dest in plain:
             store = self.open_array(writer, key, index)[src]
             if ts_dtype(dest.dtype) != store.dtype.name:
                 store = ts.cast(store, ts_dtype(dest.dtype))
             target = ts.array(to_numpy(dest), copy=False, write=True, context=self.context)
-            futures.append((key, index, writer, target.write(store)))
+            futures.append((f"reading {key!r} shard {index} (written by rank {writer})", target.write(store)))
             nbytes += dest.numel() * dest.element_size()
+        runs = self._read_pack_runs(packed)
+        futures += [(what, fut) for what, fut, _ in runs]
         errors = []
-        for key, index, writer, fut in futures:
+        for what, fut in futures:
             try:
                 fut.result()
             except Exception as e:
-                errors.append(f"reading {key!r} shard {index} (written by rank {writer}) failed: {e}")
+                errors.append(f"{what} failed: {e}")
         if errors:
             raise CheckpointingError(f"checkpoint {self.root}: " + "; ".join(errors[:5])
                                      + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+        for _, fut, pieces in runs:
+            run = _as_tensor(fut.result())
+            for start, shape, src, dest in pieces:
+                dest.copy_(run[start:start + math.prod(shape)].view(shape)[src])
+                nbytes += dest.numel() * dest.element_size()
         return nbytes
+
+    def _read_pack_runs(self, reads: Sequence[Tuple[str, int, int, Tuple[slice, ...], torch.Tensor]]) -> List[Any]:
+        """Start one read per run of nearby packed shards (gaps under 1 MiB are read through).
+        Returns ``(what, future of the run's numpy array, [(start in run, shard shape, src, dest)])``."""
+        by_pack: Dict[Tuple[int, str], List[Tuple[int, Tuple[int, ...], Tuple[slice, ...], torch.Tensor]]] = {}
+        keys: Dict[Tuple[int, str], List[str]] = {}
+        for key, writer, index, src, dest in reads:
+            dtype, offset, shape = self._packed[(writer, tensor_path(key, index))]
+            by_pack.setdefault((writer, dtype), []).append((offset, shape, src, dest))
+            keys.setdefault((writer, dtype), []).append(key)
+        if not by_pack:
+            return []
+        self._open_packs(keys)
+        runs = []
+        for (writer, dtype), items in by_pack.items():
+            pack = self._arrays[(writer, pack_path(dtype))]
+            gap = (1 << 20) // max(1, int(np.dtype(pack.dtype.numpy_dtype).itemsize))
+            items.sort(key=lambda it: it[0])
+            group: List[Any] = []
+            lo = hi = 0
+            for it in items + [None]:  # type: ignore[list-item]
+                if it is not None and group and it[0] <= hi + gap:
+                    group.append(it)
+                    hi = max(hi, it[0] + math.prod(it[1]))
+                    continue
+                if group:
+                    what = f"reading packed {dtype} shards {lo}:{hi} of rank {writer}"
+                    runs.append((what, pack[lo:hi].read(),
+                                 [(off - lo, shape, src, dest) for off, shape, src, dest in group]))
+                if it is not None:
+                    group, lo, hi = [it], it[0], it[0] + math.prod(it[1])
+        return runs
+
+    def _open_packs(self, packs: Dict[Tuple[int, str], List[str]]) -> None:
+        """Open the pack arrays ``(writer, dtype)`` concurrently; errors name the keys read from them."""
+        pending = {}
+        for writer, dtype in packs:
+            handle = (writer, pack_path(dtype))
+            if handle not in self._arrays:
+                pending[handle] = (packs[(writer, dtype)],
+                                   ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context))
+        for handle, (keys, fut) in pending.items():
+            try:
+                self._arrays[handle] = fut.result()
+            except Exception as e:
+                names = ", ".join(repr(k) for k in sorted(set(keys))[:5]) + (", ..." if len(set(keys)) > 5 else "")
+                raise CheckpointingError(
+                    f"checkpoint {self.root}: packed small shards ({names}; {handle[1]}) written by rank {handle[0]} "
+                    f"are missing or unreadable: {e}"
+                ) from e
 
     def read_array(self, writer: int, key: str, index: int, src: Optional[Tuple[slice, ...]] = None) -> np.ndarray:
         """Stored shard ``index`` of ``key`` (or its ``src`` slice) as a new numpy array; every chunk
@@ -351,6 +416,13 @@ def _pack(dtype: torch.dtype, members: Sequence[ShardWrite]) -> torch.Tensor:
     for w in members:
         buf[w.packed:w.packed + w.data.numel()] = w.data.reshape(-1)  # type: ignore[operator]
     return buf
+
+
+def _as_tensor(arr: np.ndarray) -> torch.Tensor:
+    """A torch view of a numpy array read from a store (bfloat16 included)."""
+    if arr.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
 
 
 def _packed_view(pack: Any, offset: int, shape: Tuple[int, ...]) -> Any:
