@@ -107,18 +107,22 @@ def _copy_shards(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO)
         packed: List[ShardWrite] = []
         batch: List[ShardWrite] = []
         batch_bytes = 0
+        packed_reads = []
         for key, s, dtype in shards:
             shape = (s.flat[1] - s.flat[0],) if s.flat is not None else tuple(s.shape)
             data = torch.empty(shape, dtype=dtype)
-            src.read_into([(key, writer, s.index, tuple(slice(0, n) for n in shape), data)])
-            if s.packed is not None:
+            read = (key, writer, s.index, tuple(slice(0, n) for n in shape), data)
+            if s.packed is not None:  # read together below: each pack once
+                packed_reads.append(read)
                 packed.append(ShardWrite(key, s.index, data, s.packed))
                 continue
+            src.read_into([read])
             batch.append(ShardWrite(key, s.index, data))
             batch_bytes += data.numel() * data.element_size()
             if batch_bytes >= _BATCH_BYTES:
                 total += dst.write(writer, batch)
                 batch, batch_bytes = [], 0
+        src.read_into(packed_reads)
         if batch or packed:
             total += dst.write(writer, batch + packed)
     return total

@@ -32,15 +32,12 @@ class SavePlan:
     bytes_per_rank: Dict[int, int] = field(default_factory=dict)
 
 
-PACK_MAX_BYTES = 256 * 1024
-
-
 def make_save_plan(
     tensor_records: Sequence[ShardRecord],
     object_records: Sequence[ObjectRecord],
     world_size: int,
     balance_writes: bool = True,
-    pack_max_bytes: int = PACK_MAX_BYTES,
+    pack_max_bytes: int = 0,
 ) -> SavePlan:
     """Plan the writes.
 
@@ -53,7 +50,8 @@ def make_save_plan(
     Shards of at most ``pack_max_bytes`` (not empty, not flattened) are packed: each writer stores
     its small shards of one dtype back to back in one array, at the element offsets set here
     (``StoredShard.packed``). A model's hundreds of norms and biases then cost a few arrays per
-    rank instead of one each. 0 packs nothing.
+    rank instead of one each. 0 (the default here) packs nothing; saves pass
+    ``StorageOptions.pack_max_bytes``.
     """
     holders: Dict[Tuple[str, tuple], List[ShardRecord]] = defaultdict(list)
     for r in tensor_records:

@@ -14,8 +14,8 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
 * small shards (norms, biases: at most ``pack_max_bytes``) are packed into one 1-D array per
   rank and dtype (``p/<dtype>``), copied there once: creating an array costs ~0.15-0.2 ms, and a
   GPT's ~400 small shards were most of the fixed cost of a save (2 ranks, 0.05 GiB state, tp:
-  0.130 s -> 0.102 s, raw 0.050 s). Readers see a packed shard as an array of its own shape (an
-  index-array view);
+  0.130 s -> 0.102 s, raw 0.050 s). Loads read each pack once per run of nearby shards and
+  copy the shards out; ``open_array`` gives a packed shard as an index-array view in its own shape;
 * OCDBT data files are bounded (``data_file_bytes``, 64 MiB): by default OCDBT packs a whole
   batch of writes into one file written with a single huge ``writev`` (300 MB for 0.5 GiB),
   which was slower and far more variable than several bounded files written concurrently.
@@ -204,20 +204,21 @@ class TensorStoreIO:
         arrays. Returns once everything is durable: tensorstore's file driver fsyncs every file.
         """
         os.makedirs(rank_dir(self.root, writer), exist_ok=True)
-        arrays: List[Tuple[str, str, np.ndarray, Optional[int]]] = []  # (what, path, data, chunk bytes)
+        arrays: List[Tuple[str, str, np.ndarray, torch.dtype, Optional[int]]] = []  # what, path, data, dtype, chunk
         packs: Dict[torch.dtype, List[ShardWrite]] = {}
         for w in map(lambda t: ShardWrite(*t), tensors):
             if w.packed is None:
-                arrays.append((repr(w.key), tensor_path(w.key, w.index), to_numpy(w.data.contiguous()), None))
+                arrays.append((repr(w.key), tensor_path(w.key, w.index), to_numpy(w.data.contiguous()), w.data.dtype,
+                               None))
             else:
                 packs.setdefault(w.data.dtype, []).append(w)
         for dtype, members in packs.items():
             # Small chunks: a reader of a few packed shards fetches about what it needs.
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
-                           to_numpy(_pack(dtype, members)), min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
+                           to_numpy(_pack(dtype, members)), dtype, min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
         opens = []
-        for what, path, arr, chunk_bytes in arrays:
-            spec = self.create_spec(writer, path, torch_dtype_of(arr), arr.shape, chunk_bytes)
+        for what, path, arr, dtype, chunk_bytes in arrays:
+            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
             opens.append((what, ts.open(spec, create=True, context=self.context), arr))
         writes = []
         nbytes = 0
@@ -400,13 +401,6 @@ class TensorStoreIO:
                 f"checkpoint {self.root}: object {key!r} #{index} (written by rank {writer}) is missing"
             )
         return bytes(res.value)
-
-
-def torch_dtype_of(arr: np.ndarray) -> torch.dtype:
-    """The torch dtype of a numpy array made by :func:`to_numpy`."""
-    if arr.dtype == ml_dtypes.bfloat16:
-        return torch.bfloat16
-    return torch.from_numpy(arr[:0]).dtype
 
 
 def _pack(dtype: torch.dtype, members: Sequence[ShardWrite]) -> torch.Tensor:
