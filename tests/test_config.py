@@ -55,6 +55,8 @@ def test_values_reach_the_plugin_and_strategies():
     # The strategy's own checkpoint= argument takes a mapping, a YAML path or a config object.
     assert DistCheckpointStrategy(checkpoint={"strict": "log_all"}).checkpoint_io.config.strict == "log_all"
     assert DistCheckpointStrategy(checkpoint=str(CONFIGS / "checkpoint_async.yaml")).checkpoint_io.config.async_save
+    io = DistCheckpointIO.from_config({"storage": {"pack_max_bytes": 0}})
+    assert io.config.storage_options.pack_max_bytes == 0
 
 
 @pytest.mark.parametrize("bad,needle", [
@@ -62,6 +64,7 @@ def test_values_reach_the_plugin_and_strategies():
     ({"storage": {"layot": "zarr"}}, "storage.layot"),
     ({"storage": {"layout": "tar"}}, "unknown storage layout 'tar'"),
     ({"storage": {"chunk_bytes": "big"}}, "storage.chunk_bytes"),
+    ({"storage": {"pack_max_bytes": -1}}, "pack_max_bytes must be >= 0"),
     ({"balance_writes": "sometimes"}, "balance_writes"),
     ({"strict": "very"}, "unknown strict handling 'very'"),
     ({"loader": "three_stage"}, "unknown loader 'three_stage'"),

@@ -34,13 +34,14 @@ class StorageConfig:
     chunk_bytes: int = 64 * 1024 * 1024  # largest zarr chunk
     io_concurrency: int = 16  # tensorstore's file I/O and copy threads (per process)
     data_file_bytes: int = 64 * 1024 * 1024  # "ocdbt" only: target size of each OCDBT data file
+    pack_max_bytes: int = 256 * 1024  # shards up to this size share one array per rank and dtype; 0: none
 
     def __post_init__(self) -> None:
         self.to_options()  # validates the choices
 
     def to_options(self) -> StorageOptions:
         return StorageOptions(layout=self.layout, chunk_bytes=int(self.chunk_bytes), io_concurrency=int(self.io_concurrency),
-                              data_file_bytes=int(self.data_file_bytes))
+                              data_file_bytes=int(self.data_file_bytes), pack_max_bytes=int(self.pack_max_bytes))
 
 
 @dataclass
