@@ -261,17 +261,17 @@ class TensorStoreIO:
         """Open ``(writer, key, index)`` stored shards concurrently (cached for this reader). A packed
         shard opens as a view of its range of the pack array, in the shard's own shape."""
         pending = {}
-        views = []
+        views: Dict[Tuple[int, str], Tuple[Tuple[int, str], int, Tuple[int, ...]]] = {}
+        pack_keys: Dict[Tuple[int, str], List[str]] = {}
         for writer, key, index in shards:
             handle = (writer, tensor_path(key, index))
-            if handle in self._arrays or handle in pending:
+            if handle in self._arrays or handle in pending or handle in views:
                 continue
             packed = self._packed.get(handle)
             if packed is not None:
-                views.append((handle, key, index, packed))
-                handle = (writer, pack_path(packed[0]))  # open the pack array itself
-                if handle in self._arrays or handle in pending:
-                    continue
+                views[handle] = ((writer, packed[0]), packed[1], packed[2])
+                pack_keys.setdefault((writer, packed[0]), []).append(key)
+                continue
             fut = ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context)
             pending[handle] = (key, index, fut)
         for handle, (key, index, fut) in pending.items():
@@ -279,11 +279,12 @@ class TensorStoreIO:
                 self._arrays[handle] = fut.result()
             except Exception as e:
                 raise CheckpointingError(
-                    f"checkpoint {self.root}: {key!r} shard {index} (written by rank {handle[0]}"
-                    + (", packed)" if handle[1].startswith("p/") else ")") + f" is missing or unreadable: {e}"
+                    f"checkpoint {self.root}: {key!r} shard {index} (written by rank {handle[0]}) is missing or "
+                    f"unreadable: {e}"
                 ) from e
-        for handle, key, index, (dtype, offset, shape) in views:
-            self._arrays[handle] = _packed_view(self._arrays[(handle[0], pack_path(dtype))], offset, shape)
+        self._open_packs(pack_keys)
+        for handle, ((writer, dtype), offset, shape) in views.items():
+            self._arrays[handle] = _packed_view(self._arrays[(writer, pack_path(dtype))], offset, shape)
 
     def open_array(self, writer: int, key: str, index: int) -> Any:
         """Open stored shard ``index`` of ``key`` (cached for this reader)."""
