@@ -254,6 +254,24 @@ def test_validation_fails_on_every_rank(tmp_path):
     msgs = run_distributed(_inconsistent_save, 2, str(tmp_path / "ck"))
     assert msgs[0] is not None and msgs[0] == msgs[1]
     assert "disagree on global shape" in msgs[0] and "ranks [0]" in msgs[0] and "ranks [1]" in msgs[0]
+
+
+def _differing_storage_options(rank, world, path):
+    # Ranks plan independently: rank 1 packing differently from rank 0 would write shards where
+    # rank 0's index does not look. Every rank must refuse before writing.
+    sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.ones(2, 3), (0, rank, world))}
+    try:
+        ldc.save(sd, path, storage=ldc.StorageOptions(pack_max_bytes=0 if rank else 1024))
+    except ldc.CheckpointingError as e:
+        return str(e), os.path.exists(path)
+    return None, os.path.exists(path)
+
+
+def test_differing_planning_options_fail_on_every_rank(tmp_path):
+    res = run_distributed(_differing_storage_options, 2, str(tmp_path / "ck"))
+    for msg, written in res:
+        assert msg is not None and "rank 1: planning options" in msg and "pack_max_bytes" in msg, msg
+        assert not written
     assert not (tmp_path / "ck").exists()
 
 

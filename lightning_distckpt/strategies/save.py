@@ -154,8 +154,13 @@ def prepare_save(
     # One exchange carries the records (only where they changed, when a plan is cached), any local
     # error, rank 0's staging directory name and the common state's digest.
     sent = None if token is not None else records
-    gathered = comm.all_gather_object((sent, token, local_error, staging, common_digest))
+    # Every rank plans on its own: the planning options must agree, or ranks would write shards
+    # where rank 0's index does not look for them.
+    planning = {"balance_writes": balance_writes, "pack_max_bytes": options.pack_max_bytes}
+    gathered = comm.all_gather_object((sent, token, local_error, staging, common_digest, planning))
     errors = [(rk, g[2]) for rk, g in enumerate(gathered) if g[2]]
+    errors += [(rk, f"planning options {g[5]} differ from rank 0's {gathered[0][5]}")
+               for rk, g in enumerate(gathered) if g[5] != gathered[0][5]]
     if errors:
         raise CheckpointingError(
             f"save to {target} failed before writing: " + "; ".join(f"rank {rk}: {err}" for rk, err in errors)
