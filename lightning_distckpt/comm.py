@@ -4,12 +4,12 @@ is not initialized. Every collective the library makes goes through here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
-from .core.errors import CheckpointingError
+from .core.errors import CheckpointingError, CollectiveError, RankFailure, error_class
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Comm:
         return dist.get_global_rank(self.group or dist.group.WORLD, group_rank)
 
     def _failed(self, op: str, e: Exception) -> CheckpointingError:
-        return CheckpointingError(
+        return CollectiveError(
             f"rank {self.rank}: {op} over {self.size} ranks failed (a rank may have died or timed out): "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         )
@@ -56,6 +56,22 @@ class Comm:
             raise self._failed("broadcast_object", e) from e
         return box[0]
 
+    def agree(self, what: str, error: Optional[BaseException] = None, payload: Any = None, *,
+              default: Type[CheckpointingError] = CheckpointingError) -> List[Any]:
+        """Collective: every rank reports its outcome (``error``, or None for success, plus a
+        ``payload``); returns every rank's payload, in rank order, when all succeeded.
+
+        When any rank failed, every rank raises one error naming each failing rank with its
+        message; ``failures`` maps those ranks to :class:`RankFailure`. Its type is the failing
+        ranks' library error type when they all raised the same one, else ``default``.
+        """
+        mine = None if error is None else (type(error).__name__, _message(error))
+        gathered: List[Tuple[Optional[Tuple[str, str]], Any]] = self.all_gather_object((mine, payload))
+        failures = {rk: RankFailure(rk, o[0], o[1]) for rk, (o, _) in enumerate(gathered) if o is not None}
+        if failures:
+            raise _agreed_error(what, failures, default) from error
+        return [p for _, p in gathered]
+
     def barrier(self) -> None:
         if self.distributed:
             # An all_reduce rather than dist.barrier: it works the same on every backend and fails
@@ -73,3 +89,24 @@ def get_comm(process_group: Optional[dist.ProcessGroup] = None) -> Comm:
             raise RuntimeError("a process_group was given but torch.distributed is not initialized")
         return Comm(None, 0, 1)
     return Comm(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
+
+
+def _message(error: BaseException) -> str:
+    """The message of ``error``, or of the agreed error it already is (not nested twice)."""
+    if isinstance(error, CheckpointingError) and len(error.failures) == 1:
+        return next(iter(error.failures.values())).message
+    return str(error)
+
+
+def _agreed_error(what: str, failures: Dict[int, RankFailure], default: Type[CheckpointingError]) -> CheckpointingError:
+    types = {f.type_name for f in failures.values()}
+    cls = error_class(types.pop()) if len(types) == 1 else None
+    cls = cls if cls is not None else default
+
+    def line(f: RankFailure) -> str:
+        own = error_class(f.type_name) is not None
+        return f"rank {f.rank}: {f.message}" if own else f"rank {f.rank}: {f.type_name}: {f.message}"
+
+    err = cls(f"{what}: " + "; ".join(line(f) for f in failures.values()))
+    err.failures = dict(failures)
+    return err

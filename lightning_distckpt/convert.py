@@ -36,7 +36,8 @@ from .storage import commit as commit_mod
 from .storage import staging as staging_mod
 from .storage.layout import COMMIT_MARKER, COMMON_FILE
 from .storage.safe_pickle import load_file, loads, read_file, write_file_durable
-from .storage.tensorstore_io import ShardWrite, StorageOptions, TensorStoreIO
+from .storage.base import ObjectWrite, ShardRead, ShardWrite
+from .storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .strategies.load import OpenedCheckpoint
 
 logger = logging.getLogger("lightning_distckpt")
@@ -111,7 +112,7 @@ def _copy_shards(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO)
         for key, s, dtype in shards:
             shape = (s.flat[1] - s.flat[0],) if s.flat is not None else tuple(s.shape)
             data = torch.empty(shape, dtype=dtype)
-            read = (key, writer, s.index, tuple(slice(0, n) for n in shape), data)
+            read = ShardRead(key, writer, s.index, tuple(slice(0, n) for n in shape), data)
             if s.packed is not None:  # read together below: each pack once
                 packed_reads.append(read)
                 packed.append(ShardWrite(key, s.index, data, s.packed))
@@ -129,10 +130,10 @@ def _copy_shards(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO)
 
 
 def _copy_objects(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO) -> int:
-    by_writer: Dict[int, List[Tuple[str, int, bytes]]] = {}
+    by_writer: Dict[int, List[ObjectWrite]] = {}
     for key, entry in ckpt.index.objects.items():
         for s in entry.shards:  # bytes as stored: nothing is unpickled
-            by_writer.setdefault(s.writer, []).append((key, s.index, src.read_object(s.writer, key, s.index)))
+            by_writer.setdefault(s.writer, []).append(ObjectWrite(key, s.index, src.read_object(s.writer, key, s.index)))
     return sum(dst.write(writer, [], objects) for writer, objects in sorted(by_writer.items()))
 
 

@@ -1,10 +1,52 @@
-"""Exception hierarchy: every error the library raises derives from ``CheckpointingError``."""
+"""Exception hierarchy: every error the library raises derives from ``CheckpointingError``.
+
+Errors that callers may expect as builtins mix the builtin in (``ShardingError`` is a
+``ValueError``, ``MissingKeysError`` a ``KeyError``, ...), so ``except ValueError`` keeps working.
+An error agreed over ranks (:meth:`lightning_distckpt.comm.Comm.agree`) carries ``failures``:
+``{rank: RankFailure}``, the type and message each failing rank raised.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Dict, Optional, Type
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank raised: the error's class name (one of this module's, or a foreign one) and message."""
+
+    rank: int
+    type_name: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.type_name}: {self.message}"
+
 
 class CheckpointingError(Exception):
-    """Base class of all errors raised by lightning_distckpt."""
+    """Base class of all errors raised by lightning_distckpt.
+
+    ``failures`` is filled when the error was agreed over ranks: ``{rank: RankFailure}``.
+    """
+
+    failures: Dict[int, RankFailure]
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.failures = {}
+
+
+class ArgumentError(CheckpointingError, ValueError):
+    """An argument of a library call has a value it cannot take."""
+
+
+class ArgumentTypeError(CheckpointingError, TypeError):
+    """An argument of a library call has a type it cannot take."""
+
+
+class ConfigError(CheckpointingError, ValueError):
+    """A configuration (YAML / dict) has unknown keys or values of the wrong type or range."""
 
 
 class ShardingError(CheckpointingError, ValueError):
@@ -23,6 +65,10 @@ class FormatError(CheckpointingError):
     """The checkpoint's format or version is unknown, or its metadata is malformed."""
 
 
+class UnsafeContentError(FormatError):
+    """Stored content would need code to run or a type that is not allowed to deserialize."""
+
+
 class MissingKeysError(CheckpointingError, KeyError):
     """Keys asked for are not in the checkpoint (or, in strict modes, keys in it were not asked for)."""
 
@@ -32,3 +78,16 @@ class MissingKeysError(CheckpointingError, KeyError):
 
 class SaveFailedError(CheckpointingError):
     """Writing failed on at least one rank; nothing was committed."""
+
+
+class CollectiveError(CheckpointingError, RuntimeError):
+    """A collective over the ranks failed: a rank died, timed out or left."""
+
+
+def error_class(type_name: str) -> Optional[Type[CheckpointingError]]:
+    """The library error class named ``type_name`` (only this module's: a name from another rank
+    never selects arbitrary code), else None."""
+    cls = globals().get(type_name)
+    if isinstance(cls, type) and issubclass(cls, CheckpointingError):
+        return cls
+    return None

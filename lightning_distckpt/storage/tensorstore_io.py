@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -34,6 +34,7 @@ import tensorstore as ts
 import torch
 
 from ..core.errors import CheckpointingError
+from .base import ObjectWrite, ShardRead, ShardWrite
 from .layout import object_path, pack_path, rank_dir, tensor_path
 
 if TYPE_CHECKING:
@@ -44,17 +45,6 @@ DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 DEFAULT_DATA_FILE_BYTES = 64 * 1024 * 1024
 DEFAULT_PACK_MAX_BYTES = 256 * 1024
 PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
-
-
-class ShardWrite(NamedTuple):
-    """One stored shard to write: ``data`` in global-axes shape (1-D for flattened shards).
-    ``packed``: None for an array of its own, else the element offset in the writer's pack array
-    of ``data``'s dtype (set by the save plan)."""
-
-    key: str
-    index: int
-    data: torch.Tensor
-    packed: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -125,11 +115,11 @@ def ts_dtype(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-_ts_dtype = ts_dtype  # older name, kept for callers
-
-
 class TensorStoreIO:
-    """Reads and writes stored shards and objects of one checkpoint directory."""
+    """Reads and writes stored shards and objects of one checkpoint directory
+    (:class:`~lightning_distckpt.storage.base.ShardWriter` and ``ShardReader``)."""
+
+    backend: ClassVar[str] = "tensorstore"
 
     def __init__(self, checkpoint_dir: str, options: StorageOptions = StorageOptions(),
                  index: Optional["CheckpointIndex"] = None) -> None:
@@ -193,10 +183,9 @@ class TensorStoreIO:
         self,
         writer: int,
         tensors: Sequence[ShardWrite],
-        objects: Sequence[Tuple[str, int, bytes]] = (),
+        objects: Sequence[ObjectWrite] = (),
     ) -> int:
-        """Write shards (:class:`ShardWrite`, or ``(key, index, data)``) and objects into ``writer``'s
-        store; returns bytes.
+        """Write shards and objects into ``writer``'s store; returns bytes.
 
         ``data`` must be CPU tensors in global-axes shape, left unchanged until this returns
         (tensorstore reads them in place, without a staging copy; packed shards are copied into
@@ -206,7 +195,7 @@ class TensorStoreIO:
         os.makedirs(rank_dir(self.root, writer), exist_ok=True)
         arrays: List[Tuple[str, str, np.ndarray, torch.dtype, Optional[int]]] = []  # what, path, data, dtype, chunk
         packs: Dict[torch.dtype, List[ShardWrite]] = {}
-        for w in map(lambda t: ShardWrite(*t), tensors):
+        for w in tensors:
             if w.packed is None:
                 arrays.append((repr(w.key), tensor_path(w.key, w.index), to_numpy(w.data.contiguous()), w.data.dtype,
                                None))
@@ -291,15 +280,15 @@ class TensorStoreIO:
         self.open_arrays([(writer, key, index)])
         return self._arrays[(writer, tensor_path(key, index))]
 
-    def read_into(self, reads: Iterable[Tuple[str, int, int, Tuple[slice, ...], torch.Tensor]]) -> int:
-        """Copy ``(key, writer, index, src_slices, dest)`` pieces; ``dest`` is a CPU tensor view that
-        receives ``stored[src_slices]`` (converted to dest's dtype). Returns bytes read.
+    def read_into(self, reads: Iterable[ShardRead]) -> int:
+        """Perform the :class:`ShardRead` s; each ``dest`` (a CPU tensor view) receives
+        ``stored[src]`` converted to its dtype. Returns bytes read.
 
         Reads of packed shards are grouped: each pack is read once per run of nearby shards (not
         once per shard, which would fetch the pack's chunk again for every norm and bias)."""
         plain, packed = [], []
         for r in reads:
-            (packed if (r[1], tensor_path(r[0], r[2])) in self._packed else plain).append(r)
+            (packed if (r.writer, tensor_path(r.key, r.index)) in self._packed else plain).append(r)
         self.open_arrays((writer, key, index) for key, writer, index, _, _ in plain)
         futures: List[Tuple[str, Any]] = []
         nbytes = 0
@@ -328,7 +317,7 @@ class TensorStoreIO:
                 nbytes += dest.numel() * dest.element_size()
         return nbytes
 
-    def _read_pack_runs(self, reads: Sequence[Tuple[str, int, int, Tuple[slice, ...], torch.Tensor]]) -> List[Any]:
+    def _read_pack_runs(self, reads: Sequence[ShardRead]) -> List[Any]:
         """Start one read per run of nearby packed shards (gaps under 1 MiB are read through).
         Returns ``(what, future of the run's numpy array, [(start in run, shard shape, src, dest)])``."""
         by_pack: Dict[Tuple[int, str], List[Tuple[int, Tuple[int, ...], Tuple[slice, ...], torch.Tensor]]] = {}
@@ -377,17 +366,6 @@ class TensorStoreIO:
                     f"checkpoint {self.root}: packed small shards ({names}; {handle[1]}) written by rank {handle[0]} "
                     f"are missing or unreadable: {e}"
                 ) from e
-
-    def read_array(self, writer: int, key: str, index: int, src: Optional[Tuple[slice, ...]] = None) -> np.ndarray:
-        """Stored shard ``index`` of ``key`` (or its ``src`` slice) as a new numpy array; every chunk
-        it covers is read, so a missing or damaged chunk raises CheckpointingError."""
-        store = self.open_array(writer, key, index)
-        try:
-            return (store[src] if src is not None else store).read().result()
-        except Exception as e:
-            raise CheckpointingError(
-                f"checkpoint {self.root}: reading {key!r} shard {index} (written by rank {writer}) failed: {e}"
-            ) from e
 
     def read_object(self, writer: int, key: str, index: int) -> bytes:
         """The bytes of ShardedObject element ``index`` of ``key``."""

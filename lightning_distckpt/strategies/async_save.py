@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import get_comm
-from ..storage.tensorstore_io import ShardWrite, StorageOptions
+from ..storage.base import ShardWrite
+from ..storage.tensorstore_io import StorageOptions
 from .save import PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
 
 logger = logging.getLogger("lightning_distckpt")

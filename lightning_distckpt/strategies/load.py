@@ -22,6 +22,7 @@ from ..planning.load_plan import plan_tensor_read
 from ..planning.metadata import CheckpointIndex
 from ..storage.layout import COMMON_FILE, read_metadata
 from ..storage.safe_pickle import loads, read_file
+from ..storage.base import ShardRead
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .stats import log_throughput
 
@@ -117,7 +118,7 @@ def read_tensors(ckpt: OpenedCheckpoint, tensors: Sequence[ShardedTensor], skip:
             _flat_reads(st.key, plan, view.reshape(-1), reads, copies)
         else:
             for item in plan.items:
-                reads.append((st.key, item.writer, item.index, item.src, view[item.dst]))
+                reads.append(ShardRead(st.key, item.writer, item.index, item.src, view[item.dst]))
         out[id(st)] = result
     nbytes = io.read_into(reads)
     for src, dst in copies:
@@ -144,17 +145,17 @@ def _flat_reads(key: str, plan: FlatReadPlan, dest: torch.Tensor, reads: List[An
     buffers) and the strided copies from span buffers into ``dest`` done after the reads."""
     for item in plan.items:
         if isinstance(item, BoxRead):
-            reads.append((key, item.writer, item.index, item.src, _strided(dest, item.dst)))
+            reads.append(ShardRead(key, item.writer, item.index, item.src, _strided(dest, item.dst)))
         elif item.direct:
             dst = item.copies[0][1]
             start = int(item.starts[0])
-            reads.append((key, item.writer, item.index, (slice(start, start + item.length),),
-                          dest[dst.offset:dst.offset + item.length]))
+            reads.append(ShardRead(key, item.writer, item.index, (slice(start, start + item.length),),
+                                   dest[dst.offset:dst.offset + item.length]))
         else:
             buf = torch.empty(item.read_numel, dtype=dest.dtype)
             for j, start in enumerate(item.starts.tolist()):
-                reads.append((key, item.writer, item.index, (slice(start, start + item.length),),
-                              buf[j * item.length:(j + 1) * item.length]))
+                reads.append(ShardRead(key, item.writer, item.index, (slice(start, start + item.length),),
+                                       buf[j * item.length:(j + 1) * item.length]))
             copies.extend((_strided(buf, src), _strided(dest, dst)) for src, dst in item.copies)
 
 

@@ -29,7 +29,8 @@ from ..storage import commit as commit_mod
 from ..storage import staging as staging_mod
 from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION, encode_key
 from ..storage.safe_pickle import dumps, write_file_durable
-from ..storage.tensorstore_io import ShardWrite, StorageOptions, TensorStoreIO
+from ..storage.base import ObjectWrite, ShardWrite
+from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .stats import log_throughput
 
 logger = logging.getLogger("lightning_distckpt")
@@ -45,7 +46,7 @@ class PreparedSave:
     plan: SavePlan
     options: StorageOptions
     tensors: List[ShardWrite]  # this rank's stored shards: data in global-axes shape, pack offsets
-    objects: List[Tuple[str, int, bytes]]
+    objects: List[ObjectWrite]
     common: Optional[bytes]  # rank 0 only
     started: float = field(default_factory=time.perf_counter)
     plan_reused: bool = False  # the plan came from a SavePlanCache (no records exchange, no validation)
@@ -202,7 +203,7 @@ def prepare_save(
             data = data.reshape(st.shard_shape)
         mine.append(ShardWrite(key, index, data, plan.index.tensors[key].shards[index].packed))
     obj_by_id = {(o.key, o.global_offset): o for o in objects}
-    my_objects = [(key, index, dumps(obj_by_id[(key, off)].data)) for key, off, index in plan.object_writes.get(comm.rank, [])]
+    my_objects = [ObjectWrite(key, index, dumps(obj_by_id[(key, off)].data)) for key, off, index in plan.object_writes.get(comm.rank, [])]
     logger.debug(
         "rank %d: save plan for %s (%s): %d shards / %d objects to write, %d bytes (planning %.3fs)",
         comm.rank, target, "cached plan reused" if reuse else "planned", len(mine), len(my_objects),
