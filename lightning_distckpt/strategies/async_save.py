@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..comm import get_comm
+from ..comm import Comm, get_comm
 from ..storage.base import ShardWrite
 from ..storage.tensorstore_io import StorageOptions
 from .save import PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
@@ -150,12 +150,16 @@ class AsyncSaver:
         validate_access_integrity: bool = True,
         balance_writes: bool = True,
         storage: Optional[StorageOptions] = None,
+        comm: Optional[Comm] = None,
     ) -> AsyncSaveRequest:
         """Start saving (collective); returns once the state is snapshotted. Same arguments as
-        :func:`lightning_distckpt.save`. Raises the previous save's error if it failed."""
+        :func:`lightning_distckpt.save`. Raises the previous save's error if it failed.
+
+        ``comm`` replaces ``process_group`` where the caller has its own: ``Comm(None, 0, 1)`` saves
+        from this process alone, entering no collective (e.g. a rank-0-only Lightning save)."""
         self.finalize()
         t0 = time.perf_counter()
-        comm = get_comm(process_group)
+        comm = comm if comm is not None else get_comm(process_group)
         prep = prepare_save(
             sharded_state_dict, os.fspath(checkpoint_dir), comm,
             validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
