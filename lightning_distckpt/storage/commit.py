@@ -12,7 +12,7 @@ import os
 import shutil
 
 from ..core.errors import CheckpointingError
-from .layout import COMMIT_MARKER, METADATA_FILE, is_checkpoint_dir
+from .layout import COMMIT_MARKER, METADATA_FILE, is_our_committed_checkpoint
 from .safe_pickle import write_file_durable
 from .staging import remove_owner_notes
 
@@ -21,14 +21,18 @@ logger = logging.getLogger("lightning_distckpt")
 _RENAME_EXCHANGE = 2
 
 def check_target(target: str) -> None:
-    """Refuse to replace anything that is not an earlier checkpoint or an empty directory."""
+    """Refuse to replace anything but a committed checkpoint of ours or an empty directory.
+
+    Whatever else a directory holds (a ``data/`` folder included) may be a user's files: a save
+    never removes them. Checked before anything is written, and again right before the swap."""
     if not os.path.lexists(target):
         return
-    if not os.path.isdir(target) or os.path.islink(target):
+    if os.path.islink(target) or not os.path.isdir(target):
         raise CheckpointingError(f"checkpoint {target}: exists and is not a directory; refusing to replace it")
-    if os.listdir(target) and not is_checkpoint_dir(target):
+    if os.listdir(target) and not is_our_committed_checkpoint(target):
         raise CheckpointingError(
-            f"checkpoint {target}: directory exists, is not empty and is not a checkpoint; refusing to replace it"
+            f"checkpoint {target}: directory exists, is not empty and is not a committed lightning_distckpt "
+            f"checkpoint; refusing to replace it (move its contents away, or save elsewhere)"
         )
 
 

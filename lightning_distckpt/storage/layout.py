@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from typing import Any, Dict
 from urllib.parse import quote
 
@@ -73,6 +74,21 @@ def is_committed(checkpoint_dir: str) -> bool:
 def is_checkpoint_dir(path: str) -> bool:
     """A directory that this library wrote (committed or not)."""
     return os.path.isfile(os.path.join(path, METADATA_FILE)) or os.path.isdir(os.path.join(path, DATA_DIR))
+
+
+def is_our_committed_checkpoint(path: str) -> bool:
+    """``path`` holds a committed checkpoint written by this library: its commit marker and
+    ``metadata.json`` are regular files (not links) and the metadata names our format. The test a
+    save passes before it replaces a directory: anything else there may be a user's files."""
+    try:
+        for name in (COMMIT_MARKER, METADATA_FILE):
+            if not stat.S_ISREG(os.lstat(os.path.join(path, name)).st_mode):
+                return False
+        with open(os.path.join(path, METADATA_FILE), "rb") as f:
+            meta = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT_NAME
 
 
 def read_metadata(checkpoint_dir: str) -> Dict[str, Any]:
