@@ -90,7 +90,7 @@ def shutdown() -> None:
 
 def describe_checkpoint(path: str) -> List[str]:
     """A few lines on what the checkpoint holds and who wrote it."""
-    from lightning_distckpt.strategies.load import OpenedCheckpoint
+    from lightning_distckpt.reading.checkpoint import OpenedCheckpoint
 
     ckpt = OpenedCheckpoint.open(path)
     lines = [f"{os.path.basename(path)}: saved by {ckpt.meta['world_size']} processes, "

@@ -22,9 +22,7 @@ from .optim import init_optimizer_state, optimizer_sharded_state_dict, restore_o
 from .storage.tensorstore_io import StorageOptions
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
 from .strategies.save import SavePlanCache
-from .strategies.loaders import EveryRankLoader
-from .strategies.parallel_load import FullyParallelLoader
-from .strategies.two_stage import TwoStageDataParallelLoader
+from .reading import EveryRankLoader, FullyParallelLoader, TwoStageDataParallelLoader
 from .version import __version__
 
 # The Lightning / Fabric integration imports Lightning (slow): loaded on first use of one of its names.

@@ -12,9 +12,10 @@ from .comm import get_comm
 from .core.mapping import ShardedTensor
 from .core.strict import StrictHandling
 from .planning.metadata import dtype_from_name
+from .reading.checkpoint import open_checkpoint
+from .reading.loaders import Loader, resolve_loader
+from .reading.reads import read_tensors
 from .storage.tensorstore_io import StorageOptions
-from .strategies.load import OpenedCheckpoint, read_tensors
-from .strategies.loaders import Loader, resolve_loader
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
 from .strategies.save import SavePlanCache, finalize_save, prepare_save, write_local
 
@@ -118,9 +119,9 @@ def load(
 
 def load_tensors_metadata(checkpoint_dir: PathLike) -> Dict[str, ShardedTensor]:
     """key -> ShardedTensor without data, describing the whole saved tensor (global shape, dtype)."""
-    ckpt = OpenedCheckpoint.open(os.fspath(checkpoint_dir))
+    source = open_checkpoint(os.fspath(checkpoint_dir))
     out = {}
-    for key, e in ckpt.index.tensors.items():
+    for key, e in source.index.tensors.items():
         shape = tuple(e.global_shape)
         out[key] = ShardedTensor(
             key=key, data=None, dtype=dtype_from_name(e.dtype, key), local_shape=shape,
@@ -131,15 +132,13 @@ def load_tensors_metadata(checkpoint_dir: PathLike) -> Dict[str, ShardedTensor]:
 
 def load_common_state_dict(checkpoint_dir: PathLike, extra_safe_globals: Sequence[Any] = ()) -> Any:
     """The checkpoint's common (non-sharded) state, read safely."""
-    return OpenedCheckpoint.open(os.fspath(checkpoint_dir)).load_common(extra_safe_globals)
+    return open_checkpoint(os.fspath(checkpoint_dir)).load_common(extra_safe_globals)
 
 
 def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:
     """key -> the whole global tensor, assembled from its shards (single process, no group needed)."""
-    template = {key: ShardedTensor(key=key, data=torch.empty(st.global_shape, dtype=st.dtype), dtype=st.dtype,
-                                   local_shape=st.global_shape, global_shape=st.global_shape,
-                                   global_offset=st.global_offset)
-                for key, st in load_tensors_metadata(checkpoint_dir).items()}
-    ckpt = OpenedCheckpoint.open(os.fspath(checkpoint_dir))
-    loaded, _ = read_tensors(ckpt, list(template.values()), set())
-    return {key: loaded[id(st)] for key, st in template.items()}
+    template = [ShardedTensor(key=key, data=torch.empty(st.global_shape, dtype=st.dtype), dtype=st.dtype,
+                              local_shape=st.global_shape, global_shape=st.global_shape, global_offset=st.global_offset)
+                for key, st in load_tensors_metadata(checkpoint_dir).items()]
+    loaded, _ = read_tensors(open_checkpoint(os.fspath(checkpoint_dir)), template, set())
+    return {st.key: t for st, t in zip(template, loaded)}

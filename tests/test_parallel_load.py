@@ -10,7 +10,7 @@ import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.planning.exchange_plan import BROADCAST, LOCAL, P2P, ChunkRequest, plan_exchange
 from lightning_distckpt.storage.layout import METADATA_FILE
-from lightning_distckpt.strategies.parallel_load import FullyParallelLoader
+from lightning_distckpt.reading import FullyParallelLoader
 
 
 def req(key, nbytes, offset=(0,)):

@@ -7,7 +7,7 @@ import torch
 
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
-from lightning_distckpt.strategies.load import OpenedCheckpoint
+from lightning_distckpt.reading.checkpoint import OpenedCheckpoint
 
 GLOBAL = (8, 12)
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "i64": torch.int64}

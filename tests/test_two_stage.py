@@ -13,8 +13,10 @@ import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.comm import get_comm
 from lightning_distckpt.core.errors import CheckpointingError
-from lightning_distckpt.strategies.load import OpenedCheckpoint, make_request, read_tensors
-from lightning_distckpt.strategies.two_stage import TwoStageDataParallelLoader
+from lightning_distckpt.reading.checkpoint import OpenedCheckpoint
+from lightning_distckpt.reading.reads import read_tensors
+from lightning_distckpt.reading.request import make_request
+from lightning_distckpt.reading import TwoStageDataParallelLoader
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool)
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, List, Sequence
 from ..planning.metadata import TensorEntry, element_size
 from ..storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR
 from ..storage.staging import find_leftovers
-from ..strategies.load import OpenedCheckpoint
+from ..reading.checkpoint import OpenedCheckpoint
 
 
 def ranks_text(ranks: Iterable[int]) -> str:

@@ -42,7 +42,7 @@ def _checkpoint_path(path: str) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..strategies.load import OpenedCheckpoint
+    from ..reading.checkpoint import OpenedCheckpoint
     from .inspect import render, summarize
 
     summary = summarize(OpenedCheckpoint.open(_checkpoint_path(args.checkpoint)))

@@ -1,0 +1,70 @@
+"""Opening a checkpoint for reading: the source the reading pipeline reads from.
+
+A :class:`CheckpointSource` is an index of what is stored (keys, global shapes, dtypes and the
+stored shards of each tensor and object, :class:`~lightning_distckpt.planning.metadata.CheckpointIndex`),
+a :class:`~lightning_distckpt.storage.base.ShardReader` for the stored bytes and the common state.
+:class:`OpenedCheckpoint` is the source for our own directories; a reader of another format
+(a safetensors file, a DCP directory) is another class with the same three members, returned by
+:func:`open_checkpoint` for the paths it recognizes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Protocol, Sequence, runtime_checkable
+
+from ..core.errors import CheckpointingError
+from ..planning.metadata import CheckpointIndex
+from ..storage.base import ShardReader
+from ..storage.layout import COMMON_FILE, read_metadata
+from ..storage.safe_pickle import loads, read_file
+from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
+
+
+@runtime_checkable
+class CheckpointSource(Protocol):
+    """What the reading pipeline needs of a checkpoint, whatever its format or store."""
+
+    path: str
+    index: CheckpointIndex
+
+    def reader(self) -> ShardReader:
+        """A reader of the stored shards and objects (one per load: it may cache opened arrays)."""
+        ...
+
+    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
+        """The common (non-sharded) state, deserialized safely."""
+        ...
+
+
+@dataclass
+class OpenedCheckpoint:
+    """A committed lightning_distckpt checkpoint directory, its metadata parsed and checked."""
+
+    path: str
+    meta: Dict[str, Any]
+    index: CheckpointIndex
+    options: StorageOptions
+
+    @classmethod
+    def open(cls, checkpoint_dir: str) -> "OpenedCheckpoint":
+        path = os.path.abspath(os.fspath(checkpoint_dir))
+        meta = read_metadata(path)
+        return cls(path, meta, CheckpointIndex.from_json(meta, f"checkpoint {path}"),
+                   StorageOptions.from_json(meta.get("storage", {})))
+
+    def reader(self) -> TensorStoreIO:
+        """A reader of this checkpoint's stored shards (packed ones included) and objects."""
+        return TensorStoreIO(self.path, self.options, self.index)
+
+    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
+        common_path = os.path.join(self.path, COMMON_FILE)
+        if not os.path.isfile(common_path):
+            raise CheckpointingError(f"checkpoint {self.path}: {COMMON_FILE} is missing")
+        return loads(read_file(common_path), f"checkpoint {self.path}: {COMMON_FILE}", extra_safe_globals)
+
+
+def open_checkpoint(path: str) -> CheckpointSource:
+    """The source for ``path``: our own checkpoint directory (other formats plug in here)."""
+    return OpenedCheckpoint.open(path)

@@ -1,0 +1,382 @@
+"""The exchange engine shared by the fully parallel and two-stage loaders: executes this rank's
+part of an :class:`~lightning_distckpt.planning.exchange_plan.ExchangePlan` (read -> copy to the
+communication device -> broadcast / send -> copy into place), with its memory accounting and
+per-stage timings, on one of two schedules: all reads first then the exchange
+(:meth:`ChunkExchange.run_batch`), or pipelined under a bound on bytes in flight
+(:meth:`ChunkExchange.run_streaming`).
+
+The data travels as raw bytes (uint8 views), so any dtype goes over any backend. The
+communication device follows the group's backend: CPU for gloo (and mpi), the accelerator for
+nccl and other accelerator backends. Reads always land on the CPU first, straight in the
+destination tensor when that is a contiguous CPU tensor.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+from ..core.errors import CheckpointingError, CollectiveError
+from ..core.mapping import ShardedTensor
+from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ExchangeOp, ExchangePlan
+from .checkpoint import CheckpointSource
+from .reads import ReadTarget, read_shape, read_targets
+from .stats import LoadStats
+
+
+class ReadOutcome(NamedTuple):
+    """A batch of reads: bytes, seconds, and the error that stopped it (None when it succeeded)."""
+
+    nbytes: int
+    seconds: float
+    error: Optional[BaseException]
+
+
+def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """The device collectives on ``group`` take: CPU for gloo/mpi, else the current accelerator."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None:
+        raise CheckpointingError(f"process group backend {backend!r} needs an accelerator, but none is available")
+    return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class _Slot:
+    """This rank's state for one op between admission and completion."""
+
+    op: ExchangeOp
+    index: int  # position in the global op list (message tag)
+    cost: int
+    targets: List[torch.Tensor] = field(default_factory=list)  # CPU read targets (src only)
+    comm: Optional[torch.Tensor] = None  # uint8 tensor on the comm device
+    comm_is_dest: bool = False
+    extra: int = 0  # bytes allocated for this op
+    read: Optional["Future[None]"] = None  # set once this op's chunks are read
+    works: List[Any] = field(default_factory=list)
+
+
+class Requester(NamedTuple):
+    """A requested ShardedTensor and its position in the load request."""
+
+    position: int
+    tensor: ShardedTensor
+
+
+class ChunkExchange:
+    """Executes this rank's part of an exchange plan into the local destination tensors.
+
+    ``local`` maps each chunk this rank asked for to its requesters. After a run, ``results``
+    maps each requester's position to the loaded tensor (its ``data`` when given) and ``errors``
+    lists read failures (reported collectively by the driver).
+    """
+
+    def __init__(self, source: CheckpointSource, comm: Comm, plan: ExchangePlan,
+                 local: Dict[ChunkId, List[Requester]], device: torch.device) -> None:
+        self.source, self.comm, self.plan, self.device = source, comm, plan, device
+        self.local = local
+        self.stats = LoadStats(rank=comm.rank)
+        self.errors: List[BaseException] = []
+        self.inflight = 0
+        self.extra = 0
+        self.results: Dict[int, torch.Tensor] = {}
+        self.io = source.reader()  # one reader: stores and arrays opened once
+        self._pin = device.type != "cpu"
+        # One destination per chunk: the first requester's data, or a fresh CPU tensor.
+        self.dest: Dict[ChunkId, torch.Tensor] = {}
+        for c, requesters in local.items():
+            st = requesters[0].tensor
+            shape = st.local_shape if st.flattened_range is None else (st.flattened_range.stop - st.flattened_range.start,)
+            # detach: parameters (keep_vars) are written in place, outside autograd
+            self.dest[c] = st.data.detach() if st.data is not None else torch.empty(shape, dtype=st.dtype)
+        indexed = [(i, op) for i, op in enumerate(plan.ops) if op.involves(comm.rank)]
+        self.my_ops = [op for _, op in indexed]
+        self.op_index = [i for i, _ in indexed]
+
+    # -- memory planning -------------------------------------------------------------------
+    def _on_comm_device(self, t: torch.Tensor) -> bool:
+        return t.device == self.device and t.is_contiguous()
+
+    @staticmethod
+    def _cpu_direct(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.is_contiguous()
+
+    def planned_extra(self, op: ExchangeOp) -> int:
+        """Bytes of buffers this rank allocates for ``op`` (see :meth:`admit`)."""
+        extra = 0
+        single = len(op.chunks) == 1
+        if op.src == self.comm.rank:
+            extra += sum(n for c, n in zip(op.chunks, op.sizes) if not self._cpu_direct(self.dest[c]))
+            if op.transport != LOCAL:
+                if not single:
+                    extra += op.nbytes
+                elif self.device.type != "cpu" and not self._on_comm_device(self.dest[op.chunks[0]]):
+                    extra += op.nbytes
+        elif not single or not self._on_comm_device(self.dest[op.chunks[0]]):
+            extra += op.nbytes
+        return extra
+
+    def cost(self, op: ExchangeOp) -> int:
+        """What an op counts against the in-flight bound: its bytes, or its buffers if more."""
+        return max(op.nbytes, self.planned_extra(op))
+
+    def _alloc(self, slot: _Slot, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        t = torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=self._pin and device.type == "cpu")
+        n = t.numel() * t.element_size()
+        slot.extra += n
+        self.extra += n
+        self.stats.peak_extra_bytes = max(self.stats.peak_extra_bytes, self.extra)
+        return t
+
+    # -- the stages ------------------------------------------------------------------------
+    def admit(self, k: int) -> _Slot:
+        """Reserve budget for this rank's ``k``-th op and allocate its buffers (main thread)."""
+        op = self.my_ops[k]
+        slot = _Slot(op, self.op_index[k], self.cost(op))
+        self.inflight += slot.cost
+        self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.inflight)
+        me = self.comm.rank
+        if op.src == me:
+            for c in op.chunks:
+                d = self.dest[c]
+                slot.targets.append(d if self._cpu_direct(d) else self._alloc(slot, d.shape, d.dtype, torch.device("cpu")))
+            if op.transport != LOCAL:
+                if len(op.chunks) > 1:
+                    slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
+                elif self.device.type == "cpu":
+                    slot.comm = _bytes(slot.targets[0])
+                elif self._on_comm_device(self.dest[op.chunks[0]]):
+                    slot.comm, slot.comm_is_dest = _bytes(self.dest[op.chunks[0]]), True
+                else:
+                    slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
+        else:
+            d = self.dest[op.chunks[0]]
+            if len(op.chunks) == 1 and self._on_comm_device(d):
+                slot.comm, slot.comm_is_dest = _bytes(d), True
+            else:
+                slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
+        return slot
+
+    def read_job(self, slots: Sequence[_Slot]) -> ReadOutcome:
+        """Read the chunks of ``slots`` (this rank is their src) into their CPU targets; no
+        collectives, so it may run in a reader thread."""
+        t0 = time.perf_counter()
+        targets = []
+        for s in slots:
+            for c, t in zip(s.op.chunks, s.targets):
+                st = self.local[c][0].tensor
+                targets.append(ReadTarget(st, t.view(read_shape(st))))
+        try:
+            nbytes = read_targets(self.source, targets, self.io)
+            return ReadOutcome(nbytes, time.perf_counter() - t0, None)
+        except Exception as e:  # reported on every rank at the end; the sends still happen
+            return ReadOutcome(0, time.perf_counter() - t0, e)
+
+    def _account_read(self, outcome: ReadOutcome) -> None:
+        self.stats.bytes_read += outcome.nbytes
+        self.stats.read_s += outcome.seconds
+        if outcome.error is not None:
+            self.errors.append(outcome.error)
+
+    def post(self, slot: _Slot) -> None:
+        """Start the op's communication (main thread, in plan order on every rank)."""
+        op, me, g = slot.op, self.comm.rank, self.comm.group
+        if op.src == me:
+            t0 = time.perf_counter()
+            assert slot.read is not None
+            slot.read.result()
+            self.stats.read_wait_s += time.perf_counter() - t0
+            if slot.comm is None:
+                return
+            t0 = time.perf_counter()
+            if len(op.chunks) > 1:
+                o = 0
+                for t, n in zip(slot.targets, op.sizes):
+                    slot.comm[o:o + n].copy_(_bytes(t))
+                    o += n
+            elif slot.comm_is_dest:
+                self.dest[op.chunks[0]].copy_(slot.targets[0])
+            elif slot.comm.device.type != "cpu":
+                slot.comm.copy_(_bytes(slot.targets[0]))
+            self.stats.copy_s += time.perf_counter() - t0
+            if op.transport == BROADCAST:
+                slot.works.append(dist.broadcast(slot.comm, group_src=op.src, group=g, async_op=True))
+            else:
+                for r in op.receivers:
+                    slot.works.append(dist.isend(slot.comm, group_dst=r, group=g, tag=slot.index))
+            self.stats.bytes_sent += op.nbytes * (1 if op.transport == BROADCAST else len(op.receivers))
+        else:
+            if op.transport == BROADCAST:
+                slot.works.append(dist.broadcast(slot.comm, group_src=op.src, group=g, async_op=True))
+            else:
+                slot.works.append(dist.irecv(slot.comm, group_src=op.src, group=g, tag=slot.index))
+            self.stats.bytes_received += op.nbytes
+        self.stats.ops += 1
+
+    def done(self, slot: _Slot) -> bool:
+        return all(w.is_completed() for w in slot.works)
+
+    def complete(self, slot: _Slot) -> None:
+        """Wait for the op's communication, copy into the destinations, free its buffers."""
+        op = slot.op
+        t0 = time.perf_counter()
+        for w in slot.works:
+            w.wait()
+        t1 = time.perf_counter()
+        self.stats.comm_s += t1 - t0
+        if op.src == self.comm.rank:
+            for c, t in zip(op.chunks, slot.targets):
+                d = self.dest[c]
+                if t is not d and not slot.comm_is_dest:
+                    d.copy_(t)
+                self._deliver(c)
+        else:
+            o = 0
+            for c, n in zip(op.chunks, op.sizes):
+                d = self.dest[c]
+                if not slot.comm_is_dest:
+                    piece = slot.comm[o:o + n]
+                    if d.is_contiguous():
+                        _bytes(d).copy_(piece)
+                    else:  # clone: a bucket offset need not be aligned for a view as d.dtype
+                        d.copy_(piece.clone().view(d.dtype).view(d.shape))
+                o += n
+                self._deliver(c)
+        self.stats.copy_s += time.perf_counter() - t1
+        self.inflight -= slot.cost
+        self.extra -= slot.extra
+        slot.targets, slot.comm = [], None
+
+    def _deliver(self, c: ChunkId) -> None:
+        """Record the loaded tensor for every local request of chunk ``c``."""
+        d = self.dest[c]
+        for i, (position, st) in enumerate(self.local[c]):
+            if st.data is not None:
+                if i > 0:
+                    st.data.detach().copy_(d.reshape(st.data.shape))
+                self.results[position] = st.data
+            else:
+                out = d if i == 0 else d.clone()
+                self.results[position] = out.view(st.local_shape) if st.flattened_range is None else out
+
+    # -- schedules -------------------------------------------------------------------------
+    def run(self, max_inflight: Optional[int], read_batch_bytes: int) -> None:
+        """:meth:`run_batch` when ``max_inflight`` is None, else :meth:`run_streaming`. A failed
+        collective (a rank died or timed out) raises CollectiveError: no agreement is possible."""
+        try:
+            if max_inflight is None:
+                self.run_batch()
+            else:
+                self.run_streaming(max_inflight, read_batch_bytes)
+        except RuntimeError as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise CollectiveError(
+                f"load from {self.source.path}: rank {self.comm.rank}: chunk exchange over {self.comm.size} ranks "
+                f"failed (a rank may have died or timed out): {type(e).__name__}: {first}") from e
+
+    def run_batch(self) -> None:
+        """Read everything this rank reads in one batch, then exchange all ops (no bound)."""
+        slots = [self.admit(k) for k in range(len(self.my_ops))]
+        mine = [s for s in slots if s.op.src == self.comm.rank]
+        self._account_read(self.read_job(mine))
+        fut: "Future[None]" = Future()
+        fut.set_result(None)
+        for s in mine:
+            s.read = fut
+        for s in slots:
+            self.post(s)
+        for s in slots:
+            self.complete(s)
+
+    def run_streaming(self, max_inflight: int, read_batch_bytes: int) -> None:
+        """Pipelined: a reader thread reads ahead (up to ``read_batch_bytes`` per tensorstore
+        batch) while earlier ops are on the wire, with at most ``max_inflight`` bytes admitted at
+        once (an op larger than that goes alone)."""
+        self.stats.inflight_limit = max_inflight
+        n = len(self.my_ops)
+        admitted: Dict[int, _Slot] = {}
+        pending: Deque[_Slot] = deque()
+        to_read: "queue.SimpleQueue[Optional[_Slot]]" = queue.SimpleQueue()
+        batches: List[ReadOutcome] = []
+        reader = threading.Thread(target=self._reader, args=(to_read, read_batch_bytes, batches),
+                                  name="distckpt-reader", daemon=True)
+        reader.start()
+        next_admit = 0
+
+        def admit_next() -> None:
+            nonlocal next_admit
+            slot = self.admit(next_admit)
+            if slot.op.src == self.comm.rank:
+                slot.read = Future()
+                to_read.put(slot)
+            admitted[next_admit] = slot
+            next_admit += 1
+
+        def fits(k: int) -> bool:
+            return self.inflight == 0 or self.inflight + self.cost(self.my_ops[k]) <= max_inflight
+
+        try:
+            for j in range(n):
+                while next_admit <= j:
+                    if fits(next_admit):
+                        admit_next()
+                    else:  # ops before j are all posted, so one is pending: finish it to make room
+                        self.complete(pending.popleft())
+                while next_admit < n and fits(next_admit):
+                    admit_next()  # read ahead
+                slot = admitted.pop(j)
+                self.post(slot)
+                pending.append(slot)
+                while pending and self.done(pending[0]):
+                    self.complete(pending.popleft())
+            while pending:
+                self.complete(pending.popleft())
+        finally:
+            to_read.put(None)
+            reader.join()
+        for outcome in batches:
+            self._account_read(outcome)
+
+    def _reader(self, to_read: "queue.SimpleQueue[Optional[_Slot]]", batch_bytes: int,
+                batches: List[ReadOutcome]) -> None:
+        """Reader thread: reads queued slots in order, several per tensorstore batch."""
+        stop = False
+        while not stop:
+            first = to_read.get()
+            if first is None:
+                return
+            batch, size = [first], first.op.nbytes
+            while size < batch_bytes:
+                try:
+                    nxt = to_read.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+                size += nxt.op.nbytes
+            batches.append(self.read_job(batch))
+            for s in batch:
+                assert s.read is not None
+                s.read.set_result(None)

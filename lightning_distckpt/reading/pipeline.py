@@ -1,0 +1,88 @@
+"""The stages every loader shares: open the checkpoint source and match the template's keys
+(:func:`begin_load`), then, once the loader has read the tensors, read the objects and the common
+state, put everything in the template's place and agree over the ranks (:func:`finish_load`).
+
+A loader only decides how the tensors get from storage into their destinations (every rank
+reading its own, or chunks read once and exchanged). An error on any rank, at any stage, is
+held until :func:`finish_load`, where every rank raises it, so no rank waits in a collective
+the others never enter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ..comm import Comm
+from ..core.errors import CheckpointingError
+from ..core.strict import StrictHandling
+from .checkpoint import CheckpointSource, open_checkpoint
+from .reads import read_objects
+from .request import LoadRequest, assemble, make_request, match_keys
+from .stats import LoadStats
+from ..strategies.stats import log_throughput
+
+Result = Tuple[Dict[str, Any], Set[str], Set[str]]
+
+
+@dataclass
+class LoadContext:
+    """A load in progress on this rank."""
+
+    comm: Comm
+    source: CheckpointSource
+    request: LoadRequest
+    missing: Set[str]
+    unexpected: Set[str]
+    error: Optional[BaseException] = None  # the first local failure, reported in finish_load
+    started: float = field(default_factory=time.perf_counter)
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+
+def begin_load(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm, strict: StrictHandling) -> LoadContext:
+    """Collective: open the source, split the template, match keys (raising on every rank alike
+    when ``strict`` says so). A bad template is held as the context's error, not raised here."""
+    started = time.perf_counter()
+    source = open_checkpoint(checkpoint_dir)
+    error: Optional[BaseException] = None
+    try:
+        request = make_request(sharded_state_dict)
+    except Exception as e:  # keep taking part in the collectives; every rank raises it at the end
+        error, request = e, LoadRequest({}, [], [])
+    missing, unexpected = match_keys(source, request, comm, strict)
+    return LoadContext(comm, source, request, missing, unexpected, error, started)
+
+
+def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], stats: LoadStats,
+                extra_safe_globals: Sequence[Any], op_name: str) -> Tuple[Result, List[LoadStats]]:
+    """Collective: read objects and common state, assemble, agree; returns the result and every
+    rank's stats. Raises on every rank when any rank failed, naming each failing rank."""
+    state: Dict[str, Any] = {}
+    if ctx.error is None:
+        try:
+            objects = read_objects(ctx.source, ctx.request.objects, ctx.missing, extra_safe_globals)
+            state = assemble(ctx.request, ctx.source.load_common(extra_safe_globals), tensors, objects)
+        except Exception as e:  # reported on every rank below
+            ctx.fail(e)
+    stats.total_s = time.perf_counter() - ctx.started
+    gathered = ctx.comm.agree(f"load from {ctx.source.path} failed", ctx.error, stats)
+    for rk, s in enumerate(gathered):
+        s.rank = rk
+    log_throughput(op_name, ctx.source.path, ctx.comm.rank, [(s.bytes_read, s.read_s) for s in gathered],
+                   time.perf_counter() - ctx.started)
+    return (state, ctx.missing, ctx.unexpected), gathered
+
+
+def combine_errors(errors: Sequence[BaseException]) -> Optional[BaseException]:
+    """One error for a rank's several read failures: the only one as it is, else a summary."""
+    if len(errors) <= 1:
+        return errors[0] if errors else None
+    more = len(errors) - 3
+    text = "; ".join(f"{type(e).__name__}: {e}" for e in errors[:3])
+    return CheckpointingError(text + (f"; and {more} more read errors" if more > 0 else ""))

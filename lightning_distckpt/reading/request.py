@@ -1,0 +1,90 @@
+"""What a load asks for: the template split into the tensors and objects to read (by position)
+and a tree of slots that :func:`assemble` fills with what was read; key matching over ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from ..comm import Comm
+from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
+from ..core.state_dict import apply_factories, collect, merge, merge_factories, replace_leaves, split_common
+from ..core.strict import StrictHandling, check_keys
+from .checkpoint import CheckpointSource
+
+
+# Not NamedTuples: the tree walkers treat tuples as containers.
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where the loaded tensor of ``LoadRequest.tensors[position]`` goes in the tree."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class ObjectSlot:
+    """Where the loaded object of ``LoadRequest.objects[position]`` goes in the tree."""
+
+    position: int
+
+
+@dataclass
+class LoadRequest:
+    """The sharded part of an expanded template: its ShardedTensors and ShardedObjects in tree
+    order, and the tree with each of them replaced by its slot (factory expansions kept)."""
+
+    tree: Any
+    tensors: List[ShardedTensor]
+    objects: List[ShardedObject]
+
+
+def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
+    sharded, _ = split_common(apply_factories(sharded_state_dict))
+    collect(sharded)  # refuses unexpanded factories
+    tensors: List[ShardedTensor] = []
+    objects: List[ShardedObject] = []
+
+    def slot(leaf: Any) -> Any:
+        if isinstance(leaf, ShardedTensor):
+            tensors.append(leaf)
+            return TensorSlot(len(tensors) - 1)
+        if isinstance(leaf, ShardedObject):
+            objects.append(leaf)
+            return ObjectSlot(len(objects) - 1)
+        return leaf
+
+    return LoadRequest(replace_leaves(sharded, slot), tensors, objects)
+
+
+def match_keys(source: CheckpointSource, req: LoadRequest, comm: Comm, strict: StrictHandling) -> Tuple[Set[str], Set[str]]:
+    """Collective: missing keys (over all ranks) and unexpected keys (asked for by no rank);
+    raises on every rank alike when ``strict`` says so."""
+    asked = {t.key for t in req.tensors if t.key} | {o.key for o in req.objects}
+    mine_missing = {t.key for t in req.tensors if t.key not in source.index.tensors}
+    mine_missing |= {o.key for o in req.objects if o.key not in source.index.objects}
+    gathered = comm.all_gather_object((sorted(asked) if strict.needs_unexpected else [], sorted(mine_missing)))
+    missing = {k for _, m in gathered for k in m}
+    unexpected: Set[str] = set()
+    if strict.needs_unexpected:
+        asked_all = {k for a, _ in gathered for k in a}
+        unexpected = (set(source.index.tensors) | set(source.index.objects)) - asked_all
+    return check_keys(strict, source.path, missing, unexpected)
+
+
+def assemble(req: LoadRequest, common: Any, tensors: Sequence[Optional[Any]], objects: Sequence[Optional[Any]]) -> Dict[str, Any]:
+    """Put loaded values in the template's slots (a slot with nothing loaded, a missing key, keeps
+    the template's ``data``), fold factories, merge the common state."""
+
+    def fill(leaf: Any) -> Any:
+        if isinstance(leaf, TensorSlot):
+            value = tensors[leaf.position]
+            return value if value is not None else req.tensors[leaf.position].data
+        if isinstance(leaf, ObjectSlot):
+            value = objects[leaf.position]
+            return value if value is not None else req.objects[leaf.position].data
+        if isinstance(leaf, LocalNonpersistentObject):
+            return leaf.unwrap()
+        return leaf
+
+    loaded = merge_factories(replace_leaves(req.tree, fill))
+    return merge(common if isinstance(common, dict) else {}, loaded)
