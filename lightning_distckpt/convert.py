@@ -38,7 +38,7 @@ from .storage.layout import COMMIT_MARKER, COMMON_FILE
 from .storage.safe_pickle import load_file, loads, read_file, write_file_durable
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
-from .strategies.load import OpenedCheckpoint
+from .reading.checkpoint import OpenedCheckpoint
 
 logger = logging.getLogger("lightning_distckpt")
 

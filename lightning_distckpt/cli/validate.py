@@ -25,7 +25,7 @@ from ..planning.validation import validate_object_records, validate_tensor_recor
 from ..storage.layout import COMMON_FILE, rank_dir
 from ..storage.safe_pickle import loads
 from ..storage.tensorstore_io import TensorStoreIO
-from ..strategies.load import OpenedCheckpoint
+from ..reading.checkpoint import OpenedCheckpoint
 
 _SPEC_TAIL = re.compile(r"\s*\[(tensorstore_spec|transform|domain)=.*$", re.S)
 
