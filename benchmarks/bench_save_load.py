@@ -389,7 +389,7 @@ def main(argv: List[str] | None = None) -> int:
               f" -> {'met' if v['targets_met'] else 'MISSED'}" + (" (saves only)" if v["load_vs_dcp"] is None else ""))
     if args.json:
         with open(args.json, "w") as f:
-            from lightning_distckpt.strategies.loaders import DEFAULT_LOADER
+            from lightning_distckpt.reading.loaders import DEFAULT_LOADER
 
             json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": machine_summary(),
                        "default_loader": DEFAULT_LOADER, "loadavg_before": load_before, "loadavg_after": load_after,
