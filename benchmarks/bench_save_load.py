@@ -142,8 +142,7 @@ def _raw(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: in
     comm = get_comm()
     records = comm.all_gather_object([ShardRecord.of(st, rank) for st in sts])
     plan = make_save_plan([r for recs in records for r in recs], [], world)
-    by_id = {(st.key, ShardRecord.of(st, rank).shard_id): st for st in sts}
-    writes = [by_id[(key, sid)] for key, sid, _ in plan.writes.get(rank, [])]
+    writes = [sts[item.source] for item in plan.writes.get(rank, [])]
     # Where each shard lands: (key, shard id) -> (writer, file offset), known to every rank.
     offsets, pos = {}, 0
     for st in writes:

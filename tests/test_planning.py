@@ -57,7 +57,7 @@ def test_replicated_writes_are_spread_by_bytes():
             recs.append(rec(f"t{i}", (0, 0), (rows, 4), rank, main=rank == 0, global_shape=(rows, 4)))
     plan = make_save_plan(recs, [], world_size=2)
     assert plan.bytes_per_rank == {0: 12 * 16, 1: 12 * 16}
-    written = sorted(k for writes in plan.writes.values() for k, _, _ in writes)
+    written = sorted(item.key for writes in plan.writes.values() for item in writes)
     assert written == ["t0", "t1", "t2", "t3"]  # each unique shard once
     main_only = make_save_plan(recs, [], world_size=2, balance_writes=False)
     assert main_only.bytes_per_rank == {0: 24 * 16, 1: 0}

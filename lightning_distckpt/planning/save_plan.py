@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .metadata import (
     CheckpointIndex,
+    FlatRange,
     ObjectEntry,
     ObjectRecord,
     ShardRecord,
@@ -17,19 +18,54 @@ from .metadata import (
     TensorEntry,
 )
 
+ShardId = Tuple[Tuple[int, ...], Tuple[int, ...], FlatRange]  # ShardRecord.shard_id: (offset, shape, flat)
+
+
+class WriteItem(NamedTuple):
+    """One stored shard and the rank that writes it.
+
+    ``index``: the shard's number among the key's stored shards; ``packed``: its element offset in
+    the writer's pack array of its dtype (None: an array of its own); ``source``: the position of
+    the writer's record among that rank's own tensor records, i.e. of the ShardedTensor holding
+    the data in the writer's list, so the writer finds it without a lookup.
+    """
+
+    key: str
+    shard_id: ShardId
+    index: int
+    packed: Optional[int]
+    source: int
+
+
+class ObjectWriteItem(NamedTuple):
+    """One ShardedObject element and the rank that writes it (``source``: the position of its
+    record among the writer's own object records)."""
+
+    key: str
+    offset: Tuple[int, ...]
+    index: int
+    source: int
+
 
 @dataclass
 class SavePlan:
     """The checkpoint index to store, and for each rank the shards and objects it writes.
 
-    ``writes[rank]`` lists ``(key, shard_id, index)``; the writing rank finds the data in its own
-    state dict by ``(key, shard_id)``. ``bytes_per_rank`` is what each rank writes.
+    ``writes[rank]`` / ``object_writes[rank]`` list what ``rank`` writes, in index order;
+    ``bytes_per_rank`` is what each rank writes.
     """
 
     index: CheckpointIndex
-    writes: Dict[int, List[Tuple[str, tuple, int]]] = field(default_factory=dict)
-    object_writes: Dict[int, List[Tuple[str, Tuple[int, ...], int]]] = field(default_factory=dict)
+    writes: Dict[int, List[WriteItem]] = field(default_factory=dict)
+    object_writes: Dict[int, List[ObjectWriteItem]] = field(default_factory=dict)
     bytes_per_rank: Dict[int, int] = field(default_factory=dict)
+
+
+class _Held(NamedTuple):
+    """A record and its position among its rank's records."""
+
+    record: ShardRecord
+    source: int
 
 
 def make_save_plan(
@@ -40,6 +76,10 @@ def make_save_plan(
     pack_max_bytes: int = 0,
 ) -> SavePlan:
     """Plan the writes.
+
+    Each rank's records must appear in the order of that rank's own list of tensors (objects):
+    a write's ``source`` is the position of its record among its writer's records. Ranks may be
+    interleaved (an all-gather's concatenation is the usual input).
 
     Every unique shard (same key, offset, shape, flattened range) is written once. With
     ``balance_writes`` its writer is chosen among all ranks holding a replica of it, greedily,
@@ -53,57 +93,80 @@ def make_save_plan(
     rank instead of one each. 0 (the default here) packs nothing; saves pass
     ``StorageOptions.pack_max_bytes``.
     """
-    holders: Dict[Tuple[str, tuple], List[ShardRecord]] = defaultdict(list)
-    for r in tensor_records:
-        holders[(r.key, r.shard_id)].append(r)
+    holders: Dict[Tuple[str, ShardId], List[_Held]] = defaultdict(list)
+    for r, source in zip(tensor_records, _positions(tensor_records)):
+        holders[(r.key, r.shard_id)].append(_Held(r, source))
+    writer_of, load = _assign_writers(holders, world_size, balance_writes)
+    plan = SavePlan(index=CheckpointIndex(), bytes_per_rank=dict(enumerate(load)))
+    _plan_tensors(plan, holders, writer_of, pack_max_bytes)
+    _plan_objects(plan, object_records)
+    return plan
 
+
+def _positions(records: Sequence[ShardRecord] | Sequence[ObjectRecord]) -> List[int]:
+    """Each record's position among the records of its rank."""
+    seen: Dict[int, int] = defaultdict(int)
+    out = []
+    for r in records:
+        out.append(seen[r.rank])
+        seen[r.rank] += 1
+    return out
+
+
+def _assign_writers(
+    holders: Dict[Tuple[str, ShardId], List[_Held]], world_size: int, balance_writes: bool
+) -> Tuple[Dict[Tuple[str, ShardId], _Held], List[int]]:
+    """The writing holder of every shard with a main replica, and the bytes each rank writes."""
     load = [0] * world_size
-    writer_of: Dict[Tuple[str, tuple], int] = {}
+    writer_of: Dict[Tuple[str, ShardId], _Held] = {}
     # Largest first, then by key and id: identical order on every rank.
-    order = sorted(holders, key=lambda k: (-holders[k][0].nbytes, k[0], k[1][0], k[1][1], k[1][2] or (0, 0)))
+    order = sorted(holders, key=lambda k: (-holders[k][0].record.nbytes, k[0], k[1][0], k[1][1], k[1][2] or (0, 0)))
     for k in order:
-        recs = holders[k]
-        mains = [r.rank for r in recs if r.main]
+        held = holders[k]
+        mains = [h.record.rank for h in held if h.record.main]
         if not mains:
             continue  # validation reports the gap; with validation off, nothing to write
         if balance_writes:
-            candidates = sorted({r.rank for r in recs})
-            writer = min(candidates, key=lambda rk: (load[rk], rk))
+            writer = min({h.record.rank for h in held}, key=lambda rk: (load[rk], rk))
         else:
             writer = min(mains)
-        writer_of[k] = writer
-        load[writer] += recs[0].nbytes
+        writer_of[k] = next(h for h in held if h.record.rank == writer)
+        load[writer] += held[0].record.nbytes
+    return writer_of, load
 
-    plan = SavePlan(index=CheckpointIndex())
-    by_key: Dict[str, List[Tuple[tuple, int]]] = defaultdict(list)
-    for (key, sid), w in writer_of.items():
-        by_key[key].append((sid, w))
+
+def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]],
+                  writer_of: Dict[Tuple[str, ShardId], _Held], pack_max_bytes: int) -> None:
+    """Index entries in key order, stored shards numbered by offset, small shards packed."""
+    by_key: Dict[str, List[Tuple[ShardId, _Held]]] = defaultdict(list)
+    for (key, sid), held in writer_of.items():
+        by_key[key].append((sid, held))
     pack_end: Dict[Tuple[int, str], int] = defaultdict(int)  # (writer, dtype) -> elements packed so far
     for key in sorted(by_key):
-        first = holders[(key, by_key[key][0][0])][0]
+        first = holders[(key, by_key[key][0][0])][0].record
         entry = TensorEntry(first.global_shape, first.dtype)
-        for i, (sid, writer) in enumerate(sorted(by_key[key], key=lambda t: (t[0][0], t[0][2] or (0, 0)))):
-            offset, shape, flat = sid
-            rec = holders[(key, sid)][0]
+        for i, (sid, held) in enumerate(sorted(by_key[key], key=lambda t: (t[0][0], t[0][2] or (0, 0)))):
+            rec, writer = held.record, held.record.rank
             packed = None
-            if flat is None and 0 < rec.nbytes <= pack_max_bytes:
+            if rec.flat is None and 0 < rec.nbytes <= pack_max_bytes:
                 packed = pack_end[(writer, rec.dtype)]
                 pack_end[(writer, rec.dtype)] += rec.numel
-            entry.shards.append(StoredShard(offset, shape, flat, writer, i, packed))
-            plan.writes.setdefault(writer, []).append((key, sid, i))
+            entry.shards.append(StoredShard(rec.offset, rec.shape, rec.flat, writer, i, packed))
+            plan.writes.setdefault(writer, []).append(WriteItem(key, sid, i, packed, held.source))
         plan.index.tensors[key] = entry
 
-    obj_by_key: Dict[str, Dict[tuple, ObjectRecord]] = defaultdict(dict)
-    for r in object_records:
+
+def _plan_objects(plan: SavePlan, object_records: Sequence[ObjectRecord]) -> None:
+    """Each object element is written by its main replica's rank (the first one listed)."""
+    obj_by_key: Dict[str, Dict[Tuple[int, ...], Tuple[ObjectRecord, int]]] = defaultdict(dict)
+    for r, source in zip(object_records, _positions(object_records)):
         if r.main and r.offset not in obj_by_key[r.key]:
-            obj_by_key[r.key][r.offset] = r
+            obj_by_key[r.key][r.offset] = (r, source)
     for key in sorted(obj_by_key):
         recs = obj_by_key[key]
-        entry_o = ObjectEntry(next(iter(recs.values())).global_shape)
+        entry = ObjectEntry(next(iter(recs.values()))[0].global_shape)
         for i, off in enumerate(sorted(recs)):
-            writer = recs[off].rank
-            entry_o.shards.append(StoredObject(off, writer, i))
-            plan.object_writes.setdefault(writer, []).append((key, off, i))
-        plan.index.objects[key] = entry_o
-    plan.bytes_per_rank = {rk: b for rk, b in enumerate(load)}
-    return plan
+            rec, source = recs[off]
+            entry.shards.append(StoredObject(off, rec.rank, i))
+            plan.object_writes.setdefault(rec.rank, []).append(ObjectWriteItem(key, off, i, source))
+        plan.index.objects[key] = entry

@@ -22,14 +22,15 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm, get_comm
+from ..core.errors import SaveFailedError
 from ..storage.base import ShardWrite
 from ..storage.tensorstore_io import StorageOptions
-from .save import PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
+from .save import LocalWrite, PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
 
-logger = logging.getLogger("lightning_distckpt")
+logger = logging.getLogger(__name__)
 
 BufferKey = Tuple[str, int, Tuple[int, ...], torch.dtype]
-WriteResult = Union[Tuple[int, float], BaseException]
+WriteResult = Union[LocalWrite, BaseException]
 
 
 class AsyncSaveRequest:
@@ -92,7 +93,8 @@ class AsyncSaveRequest:
             return
         self.wait()
         self._finalized = True
-        result = self._result if self._result is not None else RuntimeError("background write produced no result")
+        result = self._result if self._result is not None else SaveFailedError(
+            f"save to {self.checkpoint_dir}: the background write ended without a result")
         try:
             finalize_save(self._prep, result)
         except BaseException as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence, Tuple
 
-logger = logging.getLogger("lightning_distckpt")
+logger = logging.getLogger(__name__)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

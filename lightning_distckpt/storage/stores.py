@@ -1,0 +1,17 @@
+"""Which store holds a checkpoint: the one place that picks a :class:`ShardWriter` for a location.
+
+Today every location is a local (or mounted) directory written by
+:class:`~lightning_distckpt.storage.tensorstore_io.TensorStoreIO`; an object store plugs in here
+by returning its own writer for its locations, without the save path changing.
+"""
+
+from __future__ import annotations
+
+from .base import ShardWriter
+from .tensorstore_io import StorageOptions, TensorStoreIO
+
+
+def open_writer(root: str, options: StorageOptions) -> ShardWriter:
+    """The writer of the stored shards and objects under ``root`` (a save's staging location),
+    laid out as ``options`` say. Opening touches nothing: the writer creates what it writes."""
+    return TensorStoreIO(root, options)

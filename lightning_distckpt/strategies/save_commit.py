@@ -1,0 +1,98 @@
+"""Writing and committing a prepared save: ``write_local`` (this rank's writes, no collectives:
+it may run in a background thread) and ``finalize_save`` (collective: agree on the outcome of
+every rank's writes, commit on rank 0, agree on the commit)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import List, NamedTuple, Optional, Union
+
+import torch
+
+from ..core.errors import CheckpointingError, SaveFailedError
+from ..storage import commit as commit_mod
+from ..storage import staging as staging_mod
+from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION
+from ..storage.safe_pickle import write_file_durable
+from ..version import __version__
+from .save_prepare import PreparedSave
+from .stats import log_throughput
+
+
+class LocalWrite(NamedTuple):
+    """What one rank wrote: bytes and seconds spent writing."""
+
+    nbytes: int
+    seconds: float
+
+
+def write_local(prep: PreparedSave) -> LocalWrite:
+    """This rank's writes into the staging directory (no collectives)."""
+    t0 = time.perf_counter()
+    os.makedirs(prep.staging, exist_ok=True)
+    staging_mod.write_owner_note(prep.staging, prep.comm.rank)
+    tensors = [w._replace(data=w.data.cpu()) if w.data.device.type != "cpu" else w for w in prep.tensors]
+    nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
+    if prep.common is not None:
+        write_file_durable(os.path.join(prep.staging, COMMON_FILE), prep.common)
+        nbytes += len(prep.common)
+    return LocalWrite(nbytes, time.perf_counter() - t0)
+
+
+def finalize_save(prep: PreparedSave, local: Union[LocalWrite, BaseException]) -> None:
+    """Collective: every rank reports its ``write_local`` result or error; if all succeeded rank 0
+    commits, and every rank learns whether the commit succeeded.
+
+    On any failure every rank raises :class:`SaveFailedError` naming the failing ranks (``failures``
+    keeps what each raised), and the staging directory is removed: the previous checkpoint at the
+    target is untouched.
+    """
+    comm = prep.comm
+    failed = local if isinstance(local, BaseException) else None
+    try:
+        written: List[LocalWrite] = comm.agree(f"save to {prep.target} failed, nothing was committed", failed,
+                                               None if failed is not None else local,
+                                               default=SaveFailedError)
+        commit_error = _commit(prep, written) if comm.rank == 0 else None
+        comm.agree(f"save to {prep.target}: commit failed, nothing was committed", commit_error,
+                   default=SaveFailedError)
+    except CheckpointingError as e:
+        if not e.failures:  # the exchange itself failed (a rank is gone): not an agreed outcome
+            raise
+        if comm.rank == 0:
+            staging_mod.discard(prep.staging)
+        if isinstance(e, SaveFailedError):
+            raise
+        raise _save_failed(e) from e
+    log_throughput("save", prep.target, comm.rank, written, time.perf_counter() - prep.started)
+
+
+def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[Exception]:
+    """Rank 0: write metadata.json and the commit marker and move the checkpoint into place.
+    Returns the error, if any (disk full while writing metadata, permissions, something in the way)."""
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "torch_version": torch.__version__,
+        "storage": {"backend": prep.writer.backend, **prep.options.to_json()},
+        "world_size": prep.comm.size,
+        "created_unix": time.time(),
+        **prep.plan.index.to_json(),
+    }
+    marker = {"bytes": sum(w.nbytes for w in written), "world_size": prep.comm.size, "committed_unix": time.time()}
+    try:
+        commit_mod.commit(prep.staging, prep.target, json.dumps(meta), json.dumps(marker))
+    except Exception as e:
+        return e
+    return None
+
+
+def _save_failed(agreed: CheckpointingError) -> SaveFailedError:
+    """An agreed write or commit failure as SaveFailedError, whatever library error the failing
+    ranks raised (each rank's type stays in ``failures``)."""
+    err = SaveFailedError(str(agreed))
+    err.failures = dict(agreed.failures)
+    return err

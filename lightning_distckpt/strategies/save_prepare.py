@@ -1,0 +1,275 @@
+"""Preparing a save (collective, metadata only): describe this rank's entries, tell the other
+ranks in one exchange (the :class:`Handshake`), validate and plan (or reuse a cached plan), and
+pick out this rank's writes. Nothing is written here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+from ..comm import Comm
+from ..core.errors import ArgumentError, CheckpointingError
+from ..core.mapping import ShardedObject, ShardedTensor
+from ..core.state_dict import apply_factories, collect, split_common
+from ..planning.common_check import common_differences, digest, leaf_digests
+from ..planning.metadata import ObjectRecord, ShardRecord
+from ..planning.save_plan import SavePlan, make_save_plan
+from ..planning.validation import raise_on_problems, validate_object_records, validate_tensor_records
+from ..storage import commit as commit_mod
+from ..storage import staging as staging_mod
+from ..storage.base import ObjectWrite, ShardWrite, ShardWriter
+from ..storage.layout import encode_key
+from ..storage.paths import local_path
+from ..storage.safe_pickle import dumps
+from ..storage.stores import open_writer
+from ..storage.tensorstore_io import StorageOptions
+
+logger = logging.getLogger(__name__)
+
+
+class RankRecords(NamedTuple):
+    """One rank's entries as planning sees them, in the order of its lists of tensors and objects."""
+
+    tensors: List[ShardRecord]
+    objects: List[ObjectRecord]
+
+
+@dataclass(frozen=True)
+class PlanningOptions:
+    """What every rank plans with. Ranks plan on their own, so these must be the same on every
+    rank, or a rank would write shards where rank 0's index does not look for them."""
+
+    balance_writes: bool
+    pack_max_bytes: int
+
+    def differences(self, reference: "PlanningOptions") -> List[str]:
+        """``"name=mine (rank 0: theirs)"`` for each option that differs from ``reference``."""
+        return [f"{name}={getattr(self, name)!r} (rank 0: {getattr(reference, name)!r})"
+                for name in ("balance_writes", "pack_max_bytes") if getattr(self, name) != getattr(reference, name)]
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """What one rank tells every other before anything is written (one exchange)."""
+
+    records: Optional[RankRecords]  # None: held back, unchanged since this rank's cached plan
+    plan_token: Optional[str]  # the cached plan's token, when this rank's records match it
+    staging: Optional[str]  # rank 0's: the staging directory every rank writes into
+    common_digest: Optional[str]  # of the serialized common state, where it is checked
+    planning: PlanningOptions
+
+
+@dataclass
+class LocalState:
+    """This rank's state dict, split and described (no collectives)."""
+
+    tensors: List[ShardedTensor] = field(default_factory=list)
+    objects: List[ShardedObject] = field(default_factory=list)
+    records: RankRecords = field(default_factory=lambda: RankRecords([], []))
+    common: Any = None
+    common_bytes: Optional[bytes] = None  # serialized where written (rank 0) or checked
+    common_digest: Optional[str] = None
+
+
+@dataclass
+class PreparedSave:
+    """Everything a rank needs to write its part, decided collectively."""
+
+    target: str
+    staging: str
+    comm: Comm
+    plan: SavePlan
+    options: StorageOptions
+    writer: ShardWriter  # where this rank's shards go; its ``backend`` is recorded in metadata.json
+    tensors: List[ShardWrite]  # this rank's stored shards: data in global-axes shape, pack offsets
+    objects: List[ObjectWrite]
+    common: Optional[bytes]  # rank 0 only
+    started: float = field(default_factory=time.perf_counter)
+    plan_reused: bool = False  # the plan came from a SavePlanCache (no records exchange, no validation)
+
+
+class SavePlanCache:
+    """Remembers the last validated save plan, for repeated saves of the same layout.
+
+    Pass the same instance to every :func:`prepare_save` of a run (the :class:`AsyncSaver` keeps
+    one). When no rank's shard metadata (nor the group, nor the planning options) changed since the
+    save that made the plan, the records all-gather, validation and planning are skipped: one
+    round trip of tiny objects decides it, and also carries rank 0's staging directory name. Any
+    change on any rank plans (and validates) from scratch, as without a cache.
+
+    ``hits`` / ``misses`` count reused and freshly made plans.
+    """
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None  # this rank's records + group + options of the cached plan
+        self._token: Optional[str] = None  # same on every rank for the same plan (that save's staging name)
+        self._plan: Optional[SavePlan] = None
+        self.hits = 0
+        self.misses = 0
+
+    def lookup(self, key: tuple) -> Optional[str]:
+        """The plan's token when ``key`` matches this rank's cached plan, else None (local)."""
+        return self._token if self._plan is not None and self._key == key else None
+
+    def store(self, key: tuple, token: str, plan: SavePlan) -> None:
+        self._key, self._token, self._plan = key, token, plan
+        self.misses += 1
+
+    def reuse(self) -> SavePlan:
+        if self._plan is None:
+            raise CheckpointingError("no save plan is cached: reuse() needs a plan that lookup() matched")
+        self.hits += 1
+        return self._plan
+
+    def clear(self) -> None:
+        self._key = self._token = self._plan = None
+
+
+def prepare_save(
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: str,
+    comm: Comm,
+    *,
+    validate_access_integrity: bool = True,
+    balance_writes: bool = True,
+    options: StorageOptions = StorageOptions(),
+    plan_cache: Optional[SavePlanCache] = None,
+) -> PreparedSave:
+    """Collective: exchange shard metadata, validate, plan, and agree on a staging directory.
+
+    With ``plan_cache`` (the same object on every save of a run), a plan validated by an earlier
+    save is reused when no rank's metadata changed. Raises the same ValidationError on every rank
+    when the shards are inconsistent, and an error of the same type on every rank (naming each
+    failing rank, see ``failures``) when some rank could not describe its part.
+    """
+    target = os.path.abspath(local_path(checkpoint_dir))  # same path on every rank: all refuse a URL alike
+    started = time.perf_counter()
+    planning = PlanningOptions(balance_writes, options.pack_max_bytes)
+    error: Optional[Exception] = None
+    try:
+        # Every rank serializes the common state when it is checked for consistency (only rank
+        # 0's copy is written), so an unpicklable value fails on every rank.
+        local = _describe(sharded_state_dict, target, comm,
+                          serialize_common=comm.rank == 0 or (validate_access_integrity and comm.distributed))
+    except Exception as e:  # agreed below, so no rank is left waiting in the exchange
+        local, error = LocalState(), e
+    cache_key = (local.records, _group_ranks(comm), validate_access_integrity, planning)
+    token = plan_cache.lookup(cache_key) if plan_cache is not None and error is None else None
+    mine = Handshake(
+        records=None if token is not None else local.records, plan_token=token,
+        staging=staging_mod.new_staging_dir(target) if comm.rank == 0 else None,
+        common_digest=local.common_digest, planning=planning,
+    )
+    handshakes: List[Handshake] = comm.agree(f"save to {target} failed before writing", error, mine)
+    staging = handshakes[0].staging
+    assert staging is not None  # rank 0 always names one
+    _look_around(comm, target, staging, local.common, handshakes, validate_access_integrity)
+    reuse = token is not None and all(h.plan_token == token for h in handshakes)
+    if plan_cache is not None and reuse:
+        plan = plan_cache.reuse()
+    else:
+        plan = _plan(comm, target, local.records, handshakes, validate_access_integrity, plan_cache)
+        if plan_cache is not None:
+            plan_cache.store(cache_key, staging, plan)  # staging name: unique, identical on every rank
+    tensors, objects = _local_writes(plan, local, comm.rank)
+    logger.debug(
+        "rank %d: save plan for %s (%s): %d shards / %d objects to write, %d bytes (planning %.3fs)",
+        comm.rank, target, "cached plan reused" if reuse else "planned", len(tensors), len(objects),
+        plan.bytes_per_rank.get(comm.rank, 0), time.perf_counter() - started,
+    )
+    return PreparedSave(
+        target=target, staging=staging, comm=comm, plan=plan, options=options,
+        writer=open_writer(staging, options), tensors=tensors, objects=objects,
+        common=local.common_bytes if comm.rank == 0 else None, started=started, plan_reused=reuse,
+    )
+
+
+def _describe(sharded_state_dict: Dict[str, Any], target: str, comm: Comm, serialize_common: bool) -> LocalState:
+    """Split this rank's state dict into sharded entries and common state, and describe them."""
+    sharded, common = split_common(apply_factories(sharded_state_dict))
+    found = collect(sharded)
+    local = LocalState(tensors=found["tensors"], objects=found["objects"], common=common)
+    for entry in local.tensors + local.objects:
+        encode_key(entry.key)  # refuse keys that cannot be stored before anyone writes
+    local.records = RankRecords(
+        [ShardRecord.of(t, comm.rank) for t in local.tensors],
+        [ObjectRecord.of(o, comm.rank) for o in local.objects],
+    )
+    if comm.rank == 0:
+        commit_mod.check_target(target)
+    if serialize_common:
+        # Serialized before the exchange, so an unpicklable value is an error agreed by every
+        # rank rather than rank 0's alone.
+        try:
+            local.common_bytes = dumps(common)
+        except Exception as e:
+            raise CheckpointingError(
+                f"checkpoint {target}: the common (non-sharded) state cannot be serialized: {type(e).__name__}: {e}"
+            ) from e
+        local.common_digest = digest(local.common_bytes)
+    return local
+
+
+def _group_ranks(comm: Comm) -> Tuple[int, ...]:
+    return tuple(comm.global_rank(i) for i in range(comm.size)) if comm.distributed else (0,)
+
+
+def _look_around(comm: Comm, target: str, staging: str, common: Any, handshakes: List[Handshake],
+                 validate_access_integrity: bool) -> None:
+    """Warnings that need no agreement: leftovers of killed saves, common state differing by rank."""
+    if comm.rank == 0:
+        try:  # one listdir of the parent: leftovers of killed saves take a checkpoint's space each
+            staging_mod.warn_about_leftovers(target, staging)
+        except OSError as e:
+            logger.debug("checkpoint %s: could not look for leftover staging directories: %s", target, e)
+    if validate_access_integrity and len({h.common_digest for h in handshakes}) > 1:
+        _warn_common_differs(common, comm, target)
+
+
+def _warn_common_differs(common: Any, comm: Comm, target: str) -> None:
+    """Collective (entered by every rank: all saw the same digests): find and log, on rank 0, the
+    common-state leaves that differ between ranks. Not an error: the save goes on with rank 0's."""
+    per_rank = comm.all_gather_object(leaf_digests(common))
+    if comm.rank == 0:
+        logger.warning(
+            "save to %s: the common (non-sharded) state differs between ranks; only rank 0's copy is saved, "
+            "so other ranks' values are lost (make rank-dependent state a ShardedObject, or identical on all "
+            "ranks):\n  %s", target, "\n  ".join(common_differences(per_rank)),
+        )
+
+
+def _plan(comm: Comm, target: str, records: RankRecords, handshakes: List[Handshake],
+          validate_access_integrity: bool, plan_cache: Optional[SavePlanCache]) -> SavePlan:
+    """Collective: agree on the planning options (fetching every rank's records if some held
+    them back), validate the records and plan, identically on every rank."""
+    planning = handshakes[comm.rank].planning
+    differs = planning.differences(handshakes[0].planning)
+    mismatch = ArgumentError(f"planning options differ from rank 0's: {', '.join(differs)}") if differs else None
+    held_back = any(h.records is None for h in handshakes)
+    fetched = comm.agree(f"save to {target} failed before writing", mismatch, records if held_back else None)
+    per_rank: List[RankRecords] = fetched if held_back else [h.records for h in handshakes]  # type: ignore[misc]
+    all_tensors = [r for recs in per_rank for r in recs.tensors]
+    all_objects = [r for recs in per_rank for r in recs.objects]
+    if plan_cache is not None:
+        plan_cache.clear()  # a failed validation must not leave a stale plan behind
+    if validate_access_integrity:
+        raise_on_problems(validate_tensor_records(all_tensors) + validate_object_records(all_objects), target)
+    return make_save_plan(all_tensors, all_objects, comm.size, balance_writes=planning.balance_writes,
+                          pack_max_bytes=planning.pack_max_bytes)
+
+
+def _local_writes(plan: SavePlan, local: LocalState, rank: int) -> Tuple[List[ShardWrite], List[ObjectWrite]]:
+    """This rank's writes, taken straight from its entries by the plan's positions."""
+    tensors = []
+    for item in plan.writes.get(rank, []):
+        st = local.tensors[item.source]
+        data = st.data.detach()
+        if st.flattened_range is None:
+            data = data.reshape(st.shard_shape)
+        tensors.append(ShardWrite(item.key, item.index, data, item.packed))
+    objects = [ObjectWrite(item.key, item.index, dumps(local.objects[item.source].data))
+               for item in plan.object_writes.get(rank, [])]
+    return tensors, objects
