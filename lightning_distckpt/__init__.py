@@ -35,8 +35,6 @@ _LIGHTNING_NAMES = (
     "StrategyConfig",
     "ConfigError",
     "ParallelState",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
     "module_sharded_state_dict",
     "parallel_state_of",
     "load_lightning_module",

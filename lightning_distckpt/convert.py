@@ -35,6 +35,7 @@ from .serialization import load_common_state_dict, load_plain_tensors, save
 from .storage import commit as commit_mod
 from .storage import staging as staging_mod
 from .storage.layout import COMMIT_MARKER, COMMON_FILE
+from .storage.paths import local_path
 from .storage.safe_pickle import load_file, loads, read_file, write_file_durable
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
@@ -72,7 +73,7 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
     writer ranks, same index; only the storage layout changes)."""
     t0 = time.perf_counter()
     ckpt = OpenedCheckpoint.open(source)
-    destination = os.path.abspath(os.fspath(destination))
+    destination = os.path.abspath(local_path(destination))
     if destination == ckpt.path:
         raise CheckpointingError(f"checkpoint {source}: source and destination are the same directory")
     commit_mod.check_target(destination)
@@ -185,7 +186,7 @@ def _tensor_leaves(tree: Any):
 
 def _save_file_atomic(payload: Any, destination: str) -> int:
     """torch.save into a temporary file beside ``destination``, fsync, then rename over it."""
-    destination = os.path.abspath(destination)
+    destination = os.path.abspath(local_path(destination, "output file"))
     if os.path.isdir(destination):
         raise CheckpointingError(f"{destination}: is a directory; give a file name for the torch.save output")
     tmp = os.path.join(os.path.dirname(destination), f".{os.path.basename(destination)}.tmp-{os.getpid()}")
@@ -214,7 +215,7 @@ def import_torch_file(source: str, destination: str, storage: StorageOptions = S
     manifest that ``DistCheckpointIO.load_checkpoint`` and ``load_lightning_module`` read back.
     """
     t0 = time.perf_counter()
-    payload = load_file(os.fspath(source), extra_safe_globals)
+    payload = load_file(local_path(source, "input file"), extra_safe_globals)
     if not isinstance(payload, dict):
         raise CheckpointingError(f"{source}: holds a {type(payload).__name__}, not a dict; nothing to import")
     if set(payload) == set(EXPORT_KEYS) and isinstance(payload["tensors"], dict):

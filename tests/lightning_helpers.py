@@ -20,12 +20,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule
 from torch.nn import functional as F
 
-from lightning_distckpt.lightning.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    module_sharded_state_dict,
-    parallel_state_of,
-)
+from lightning_distckpt.lightning.parallel import module_sharded_state_dict, parallel_state_of
+from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear
 
 
 class StepBatches:

@@ -127,7 +127,7 @@ def test_lightning_cli_unknown_checkpoint_key(tmp_path):
     bad.write_text(yaml.safe_dump(cfg))
     out = _cli(["--config", str(bad), "--trainer.default_root_dir", str(tmp_path / "r")], tmp_path)
     assert out.returncode != 0
-    assert "Key 'compresion' not in 'StorageConfig'" in out.stderr and "storage.compresion" in out.stderr
+    assert "Key 'compresion' not in 'StorageOptions'" in out.stderr and "storage.compresion" in out.stderr
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 

@@ -5,22 +5,18 @@ the same outputs and gradients as the un-sharded layers; the groups; the sharded
 import pytest
 import torch
 
-from lightning_distckpt.lightning.parallel import (
-    ColumnParallelLinear,
-    ParallelState,
-    RowParallelLinear,
-    module_sharded_state_dict,
-    parallel_state_of,
-)
+from lightning_distckpt.core.errors import ArgumentError
+from lightning_distckpt.lightning.parallel import ParallelState, module_sharded_state_dict, parallel_state_of
+from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear
 
 
 def test_single_process_state_and_errors():
     ps = ParallelState.single()
     assert (ps.tp_size, ps.dp_size, ps.tp_group, ps.dp_group) == (1, 1, None, None)
     assert parallel_state_of(torch.nn.Linear(2, 2)) == ps  # no trainer, no process group: one process
-    with pytest.raises(ValueError, match="needs torch.distributed"):
+    with pytest.raises(ArgumentError, match="needs torch.distributed"):
         ParallelState.build(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="not divisible"):
+    with pytest.raises(ArgumentError, match="out_features=6 is not divisible"):
         ColumnParallelLinear(4, 6, ParallelState(world_size=4, rank=0, tp_size=4, tp_rank=0, dp_size=1, dp_rank=0))
 
 

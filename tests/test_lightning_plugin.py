@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lightning_distckpt as ldc
+from lightning_distckpt.core.errors import ArgumentError
 from lightning_distckpt.lightning import DistCheckpointIO
 from lightning_distckpt.storage.layout import read_metadata
 from lightning_helpers import run_script
@@ -85,8 +86,24 @@ def test_storage_options_per_save_and_remove(tmp_path):
     assert not os.path.lexists(tmp_path / "last.ckpt") and os.path.isdir(tmp_path / "z")
     io.remove_checkpoint(tmp_path / "z")
     assert not os.path.exists(tmp_path / "z")
-    with pytest.raises(TypeError, match="storage_options"):
+    with pytest.raises(TypeError, match="storage_options"):  # an ArgumentTypeError
         io.save_checkpoint({"x": 1}, tmp_path / "y", storage_options=3)
+
+
+def test_storage_options_dict_keeps_the_configured_fields(tmp_path):
+    """A per-save dict overrides only the fields it names: the plugin's configured pack_max_bytes and
+    data_file_bytes stay (they used to fall back to the defaults)."""
+    io = DistCheckpointIO.from_config({"storage": {"pack_max_bytes": 0, "data_file_bytes": 4096}})
+    ckpt = {"state_dict": {"small": torch.ones(8), "big": torch.randn(64, 64)}}
+    io.save_checkpoint(ckpt, tmp_path / "a", storage_options={"chunk_bytes": 4096})
+    meta = read_metadata(str(tmp_path / "a"))
+    assert meta["storage"]["chunk_bytes"] == 4096
+    shards = [s for key in ("state_dict/small", "state_dict/big") for s in meta["tensors"][key]["shards"]]
+    assert all(s.get("packed") is None for s in shards)  # pack_max_bytes=0: nothing packed
+    data = [f for _, _, fs in os.walk(tmp_path / "a" / "data") for f in fs]
+    assert len(data) > 4  # 16 KiB of weights in data files of about 4 KiB (the default would make one)
+    with pytest.raises(ArgumentError, match="pack_max"):
+        io.save_checkpoint(ckpt, tmp_path / "b", storage_options={"pack_max": 1})
 
 
 def test_async_local_save_snapshots_and_surfaces_errors(tmp_path):
@@ -97,9 +114,15 @@ def test_async_local_save_snapshots_and_surfaces_errors(tmp_path):
     io.teardown()
     assert torch.equal(io.load_checkpoint(tmp_path / "a")["state_dict"]["w"], torch.zeros(1000))
     (tmp_path / "file").write_text("not a checkpoint")
-    io.save_checkpoint({"state_dict": {"w": w}}, tmp_path / "file")  # fails in the background...
     with pytest.raises(ldc.CheckpointingError, match="not a directory"):
+        io.save_checkpoint({"state_dict": {"w": w}}, tmp_path / "file")  # refused before anything is written
+    io.save_checkpoint({"state_dict": {"w": w}}, tmp_path / "b")
+    (tmp_path / "b").write_text("in the way of the commit")  # appears while the save is in flight...
+    with pytest.raises(ldc.SaveFailedError, match="not a directory"):
         io.teardown()  # ...and the error surfaces at the next wait
+    io.save_checkpoint({"state_dict": {"w": w}}, tmp_path / "c")  # the plugin goes on saving
+    io.teardown()
+    assert torch.equal(io.load_checkpoint(tmp_path / "c")["state_dict"]["w"], torch.ones(1000))
 
 
 def test_async_removal_waits_for_the_new_checkpoint(tmp_path):
@@ -113,10 +136,10 @@ def test_async_removal_waits_for_the_new_checkpoint(tmp_path):
     assert (tmp_path / "old" / "COMMITTED").is_file()  # still there while "new" may be in flight
     io.teardown()
     assert not (tmp_path / "old").exists() and (tmp_path / "new" / "COMMITTED").is_file()
-    (tmp_path / "blocker").write_text("a file where the next checkpoint should go")
-    io.save_checkpoint({"state_dict": {"w": torch.ones(10)}}, tmp_path / "blocker")  # will fail
+    io.save_checkpoint({"state_dict": {"w": torch.ones(10)}}, tmp_path / "blocker")
+    (tmp_path / "blocker").write_text("a file where the checkpoint should go")  # the commit will fail
     io.remove_checkpoint(tmp_path / "new")
-    with pytest.raises(ldc.CheckpointingError):
+    with pytest.raises(ldc.SaveFailedError):
         io.teardown()
     assert torch.equal(io.load_checkpoint(tmp_path / "new")["state_dict"]["w"], torch.ones(10))  # kept
 

@@ -20,6 +20,7 @@ import sys
 from typing import Callable, List, Optional
 
 from ..core.errors import CheckpointingError
+from ..storage.paths import local_path
 from ..version import __version__
 
 EXIT_OK, EXIT_DAMAGED, EXIT_UNUSABLE = 0, 1, 2
@@ -32,6 +33,7 @@ class UsageError(Exception):
 
 
 def _checkpoint_path(path: str) -> str:
+    local_path(path)  # a URL is refused as such, not as a missing directory
     if not os.path.exists(path):
         from ..storage.staging import describe_missing
 
@@ -63,7 +65,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     from .clean import as_json, clean, render
 
-    if not os.path.isdir(args.directory):
+    if not os.path.isdir(local_path(args.directory, "directory")):
         raise UsageError(f"{args.directory}: no such directory")
     actions = clean(args.directory, args.older_than, args.dry_run)
     print(json.dumps(as_json(actions), indent=1) if args.json else render(actions, args.directory))
@@ -76,8 +78,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..convert import export_torch_file, import_torch_file, relayout_checkpoint
     from ..storage.tensorstore_io import StorageOptions
 
-    if not os.path.exists(args.source):
+    if not os.path.exists(local_path(args.source, "source")):
         raise UsageError(f"{args.source}: no such file or directory")
+    local_path(args.destination, "destination")
     to = args.to or ("torch" if os.path.isdir(args.source) else "distckpt")
     overrides = {k: v for k, v in (("layout", args.layout),
                                    ("chunk_bytes", args.chunk_mib and int(args.chunk_mib * 2**20))) if v}

@@ -2,22 +2,19 @@
 (Trainer), ``FabricDistCheckpointStrategy`` (Fabric), TP x DP process groups and their config."""
 
 from .checkpoint_io import DistCheckpointIO
-from .config import ConfigError, DistCheckpointConfig, StorageConfig, StrategyConfig, load_checkpoint_config, load_strategy_config
+from .config import ConfigError, DistCheckpointConfig, StrategyConfig, load_checkpoint_config, load_strategy_config
 from .fabric import FabricDistCheckpointStrategy
 from .inference import load_lightning_module, load_module_weights
-from .parallel import ColumnParallelLinear, ParallelState, RowParallelLinear, module_sharded_state_dict, parallel_state_of
+from .parallel import ParallelState, module_sharded_state_dict, parallel_state_of
 from .strategy import DistCheckpointStrategy
 
 __all__ = [
-    "ColumnParallelLinear",
     "ConfigError",
     "DistCheckpointConfig",
     "DistCheckpointIO",
     "DistCheckpointStrategy",
     "FabricDistCheckpointStrategy",
     "ParallelState",
-    "RowParallelLinear",
-    "StorageConfig",
     "StrategyConfig",
     "load_checkpoint_config",
     "load_lightning_module",

@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
-from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Union
+from dataclasses import fields, replace
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -26,23 +25,22 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from ..comm import Comm
-from ..core.errors import CheckpointingError
-from ..core.mapping import ShardedTensor
-from ..core.state_dict import map_leaves, merge, split_common
+from ..core.errors import ArgumentError, ArgumentTypeError, FormatError
+from ..core.state_dict import merge, split_common
 from ..core.strict import StrictHandling
 from ..serialization import load as dist_load
 from ..serialization import load_common_state_dict, load_tensors_metadata
 from ..serialization import save as dist_save
 from ..storage.tensorstore_io import StorageOptions
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
-from ..strategies.load import load_every_rank_reads
-from ..strategies.loaders import DEFAULT_LOADER
+from ..reading.loaders import EveryRankLoader
+from ..reading.loaders import DEFAULT_LOADER
 from ..strategies.save import finalize_save, prepare_save, write_local
-from ..strategies.two_stage import TwoStageDataParallelLoader
-from .config import ConfigLike, DistCheckpointConfig, StorageConfig, load_checkpoint_config
+from ..reading.loaders import TwoStageDataParallelLoader
+from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
 from .tree import KIND_PLAIN, MANIFEST_KEY, manifest, plain_to_sharded, template_from_manifest
 
-logger = logging.getLogger("lightning_distckpt")
+logger = logging.getLogger(__name__)
 
 #: This process alone, whether or not torch.distributed is initialized: no collective is entered.
 LOCAL = Comm(None, 0, 1)
@@ -68,9 +66,7 @@ class DistCheckpointIO(CheckpointIO):
         super().__init__()
         self.config: DistCheckpointConfig = load_checkpoint_config(config)
         self.extra_safe_globals = tuple(extra_safe_globals)
-        self._local_thread: Optional[threading.Thread] = None
-        self._local_error: Optional[BaseException] = None
-        self._saver: Optional[AsyncSaver] = None  # the core's async saver (collective saves), made on first use
+        self._saver: Optional[AsyncSaver] = None  # made on the first async save, local or collective
         self._pending: Optional[AsyncSaveRequest] = None
         # Removals asked for while a background save is in flight (ModelCheckpoint drops the old
         # top-k right after saving the new one): done only once the new checkpoint is committed.
@@ -86,29 +82,22 @@ class DistCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         """Save a Lightning checkpoint dict to the directory ``path``, from this process alone.
 
-        ``storage_options`` may be a :class:`StorageOptions` or a mapping of its fields, overriding
-        the configured ones for this save. With ``async_save`` the tensors are snapshotted and
-        written in a background thread; the next save, load or teardown waits for it.
+        ``storage_options`` may be a :class:`StorageOptions` or a mapping of some of its fields,
+        overriding the configured ones for this save. With ``async_save`` the :class:`AsyncSaver`
+        snapshots the tensors and writes them in the background, as a group of one; the next save,
+        load or teardown commits it (or raises its error).
         """
         self.wait()
         storage = self._storage(storage_options)
         target = os.fspath(path)
         tree = plain_to_sharded(checkpoint)
         tree[MANIFEST_KEY] = manifest(tree, KIND_PLAIN)
-        if not self.config.async_save:
+        if self.config.async_save:
+            self._pending = self._async_saver().save(
+                tree, target, validate_access_integrity=self.config.validate_access_integrity, balance_writes=False,
+                storage=storage, comm=LOCAL)
+        else:
             self._save_local(tree, target, storage)
-            return
-        # Snapshot on the caller's thread: training mutates parameters in place.
-        snap = map_leaves(_snapshot, tree)
-
-        def run() -> None:
-            try:
-                self._save_local(snap, target, storage)
-            except BaseException as e:  # surfaced by wait()
-                self._local_error = e
-
-        self._local_thread = threading.Thread(target=run, name="distckpt-save", daemon=True)
-        self._local_thread.start()
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Read a whole checkpoint in this process (any world size wrote it): every tensor whole,
@@ -118,21 +107,21 @@ class DistCheckpointIO(CheckpointIO):
         common = load_common_state_dict(target, self.extra_safe_globals)
         man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
         if man is None:
-            raise CheckpointingError(f"checkpoint {target}: not a Lightning checkpoint (no {MANIFEST_KEY} manifest)")
+            raise FormatError(f"checkpoint {target}: not a Lightning checkpoint (no {MANIFEST_KEY} manifest)")
         template = template_from_manifest(man, load_tensors_metadata(target), target)
-        state, _, _ = load_every_rank_reads(template, target, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
+        state, _, _ = EveryRankLoader().load(template, target, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
                                             self.extra_safe_globals)
         state.pop(MANIFEST_KEY, None)
         if map_location is not None:
             if not isinstance(map_location, (str, torch.device)):
-                raise TypeError(f"map_location must be a device or a str for distributed checkpoints, got {map_location!r}")
+                raise ArgumentTypeError(f"map_location must be a device or a str for distributed checkpoints, got {map_location!r}")
             state = apply_to_collection(state, torch.Tensor, lambda t: t.to(map_location))
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target)."""
         target = os.fspath(path)
-        if self._local_thread is not None or self._pending is not None:
+        if self._pending is not None:
             self._deferred_removals.append(target)
             logger.debug("removal of %s deferred until the background save commits", target)
             return
@@ -160,9 +149,7 @@ class DistCheckpointIO(CheckpointIO):
         if self.config.async_save:
             # The core returns a request; finalize() (collective) runs before the next save/load/teardown,
             # so every rank reaches it at the same point of the training.
-            if self._saver is None:
-                self._saver = AsyncSaver()
-            self._pending = dist_save(sharded_state_dict, os.fspath(path), async_save=self._saver, **kwargs)
+            self._pending = dist_save(sharded_state_dict, os.fspath(path), async_save=self._async_saver(), **kwargs)
         else:
             dist_save(sharded_state_dict, os.fspath(path), **kwargs)
 
@@ -206,28 +193,33 @@ class DistCheckpointIO(CheckpointIO):
         Removals deferred during the save run after it committed; if it failed they are dropped,
         so the previous checkpoints survive."""
         removals, self._deferred_removals = self._deferred_removals, []
-        if self._local_thread is not None:
-            self._local_thread.join()
-            self._local_thread = None
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.finalize()  # raises on failure: the deferred removals are dropped
-        if self._local_error is not None:
-            err, self._local_error = self._local_error, None
-            raise err
         for target in removals:
             self.remove_checkpoint(target)
+
+    def _async_saver(self) -> AsyncSaver:
+        if self._saver is None:
+            self._saver = AsyncSaver()
+        return self._saver
 
     def _storage(self, storage_options: Optional[Any]) -> StorageOptions:
         if storage_options is None:
             return self.config.storage_options
         if isinstance(storage_options, StorageOptions):
             return storage_options
-        if isinstance(storage_options, dict):
-            base = self.config.storage
-            return StorageConfig(**{**{"layout": base.layout, "chunk_bytes": base.chunk_bytes,
-                                       "io_concurrency": base.io_concurrency}, **storage_options}).to_options()
-        raise TypeError(f"storage_options must be StorageOptions or a dict of its fields, got {type(storage_options).__name__}")
+        if isinstance(storage_options, Mapping):
+            # Only the fields named change: the configured ones (pack_max_bytes, data_file_bytes, ...) stay.
+            unknown = sorted(set(storage_options) - {f.name for f in fields(StorageOptions)})
+            if unknown:
+                raise ArgumentError(f"storage_options: unknown StorageOptions field(s) {unknown}")
+            try:
+                return replace(self.config.storage, **storage_options)
+            except ValueError as e:
+                raise ArgumentError(f"storage_options: {e}") from None
+        raise ArgumentTypeError(
+            f"storage_options must be StorageOptions or a mapping of its fields, got {type(storage_options).__name__}")
 
     def _save_local(self, tree: Dict[str, Any], target: str, storage: StorageOptions) -> None:
         """The save path with a group of one: no collective, whatever the other ranks do."""
@@ -239,11 +231,3 @@ class DistCheckpointIO(CheckpointIO):
             local = e
         finalize_save(prep, local)
 
-
-def _snapshot(leaf: Any) -> Any:
-    """A private copy of a leaf's tensor data (for a background save)."""
-    if isinstance(leaf, ShardedTensor) and leaf.data is not None:
-        return replace(leaf, data=leaf.data.detach().clone())
-    if isinstance(leaf, torch.Tensor):
-        return leaf.detach().clone()
-    return leaf

@@ -10,38 +10,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ..core.errors import ConfigError
 from ..core.strict import StrictHandling
 from ..storage.tensorstore_io import StorageOptions
-from ..strategies.loaders import LOADER_NAMES
+from ..reading.loaders import LOADER_NAMES
 
 ConfigLike = Union["DistCheckpointConfig", "StrategyConfig", Mapping[str, Any], DictConfig, str, os.PathLike, None]
-
-
-class ConfigError(ValueError):
-    """A configuration file or mapping does not fit the schema (unknown key, wrong type, bad choice)."""
-
-
-@dataclass
-class StorageConfig:
-    """How arrays are written (see :class:`~lightning_distckpt.StorageOptions`)."""
-
-    layout: str = "ocdbt"  # "ocdbt": a few files per rank; "zarr": one plain zarr v3 array per shard
-    chunk_bytes: int = 64 * 1024 * 1024  # largest zarr chunk
-    io_concurrency: int = 16  # tensorstore's file I/O and copy threads (per process)
-    data_file_bytes: int = 64 * 1024 * 1024  # "ocdbt" only: target size of each OCDBT data file
-    pack_max_bytes: int = 256 * 1024  # shards up to this size share one array per rank and dtype; 0: none
-
-    def __post_init__(self) -> None:
-        self.to_options()  # validates the choices
-
-    def to_options(self) -> StorageOptions:
-        return StorageOptions(layout=self.layout, chunk_bytes=int(self.chunk_bytes), io_concurrency=int(self.io_concurrency),
-                              data_file_bytes=int(self.data_file_bytes), pack_max_bytes=int(self.pack_max_bytes))
 
 
 @dataclass
@@ -49,7 +28,8 @@ class DistCheckpointConfig:
     """Everything that shapes how a distributed checkpoint is saved and loaded.
 
     Attributes:
-        storage: array layout, chunk size, I/O thread count.
+        storage: how arrays are stored (the YAML ``storage:`` section holds
+            :class:`~lightning_distckpt.StorageOptions`' fields).
         balance_writes: parallel save: spread the writes of replicated shards over the ranks that hold
             them (off: each shard's main replica writes it).
         validate_access_integrity: check before writing that the shards tile every tensor exactly once.
@@ -62,7 +42,7 @@ class DistCheckpointConfig:
         async_save: save in the background; the next save (or the end of training) waits for it.
     """
 
-    storage: StorageConfig = field(default_factory=StorageConfig)
+    storage: StorageOptions = field(default_factory=StorageOptions)
     balance_writes: bool = True
     validate_access_integrity: bool = True
     strict: str = StrictHandling.ASSUME_OK_UNEXPECTED.value
@@ -73,9 +53,9 @@ class DistCheckpointConfig:
         try:
             self.strict = StrictHandling.parse(self.strict).value
         except ValueError as e:
-            raise ValueError(f"strict: {e}") from None
+            raise ConfigError(f"strict: {e}") from None
         if self.loader is not None and self.loader not in LOADER_NAMES:
-            raise ValueError(f"unknown loader {self.loader!r}; choose one of {list(LOADER_NAMES)} or null (the default)")
+            raise ConfigError(f"unknown loader {self.loader!r}; choose one of {list(LOADER_NAMES)} or null (the default)")
 
     @property
     def strict_handling(self) -> StrictHandling:
@@ -83,7 +63,7 @@ class DistCheckpointConfig:
 
     @property
     def storage_options(self) -> StorageOptions:
-        return self.storage.to_options()
+        return self.storage
 
 
 @dataclass
@@ -96,34 +76,37 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+def _user_config(schema: type, cfg: Any, what: str) -> Any:
+    """The user's settings as omegaconf can merge them: a YAML file read, a mapping as it is."""
+    if cfg is None:
+        return {}
+    if isinstance(cfg, (str, os.PathLike)):
+        source = os.fspath(cfg)
+        if not os.path.isfile(source):
+            raise ConfigError(f"{what} config file {source} does not exist")
+        try:
+            return OmegaConf.load(source)
+        except Exception as e:  # YAML syntax, unreadable file: say which file
+            raise ConfigError(f"invalid {what} config {source}: {e}") from None
+    if isinstance(cfg, (Mapping, DictConfig)):
+        return cfg
+    raise ConfigError(f"{what} config must be a YAML path, a mapping or a {schema.__name__}, got {type(cfg).__name__}")
 
 
 def _load(schema: type, cfg: Any, what: str) -> Any:
     if isinstance(cfg, schema):
         return cfg
-    source = "<config>"
+    source = os.fspath(cfg) if isinstance(cfg, (str, os.PathLike)) else "<config>"
+    user = _user_config(schema, cfg, what)
     try:
-        base = OmegaConf.structured(schema)
-        if cfg is None:
-            user: Any = {}
-        elif isinstance(cfg, (str, os.PathLike)):
-            source = os.fspath(cfg)
-            if not os.path.isfile(source):
-                raise ConfigError(f"{what} config file {source} does not exist")
-            user = OmegaConf.load(source)
-        elif isinstance(cfg, (Mapping, DictConfig)):
-            user = cfg
-        else:
-            raise ConfigError(f"{what} config must be a YAML path, a mapping or a {schema.__name__}, got {type(cfg).__name__}")
-        merged = OmegaConf.merge(base, user)
-        return OmegaConf.to_object(merged)
-    except ConfigError:
-        raise
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), user))
     except OmegaConfBaseException as e:
         # omegaconf's message names the key ("Key 'foo' not in 'DistCheckpointConfig'", with full_key).
         raise ConfigError(f"invalid {what} config {source}: {e}") from None
-    except ValueError as e:  # a choice refused by a dataclass __post_init__
+    except ValueError as e:  # a choice refused by a dataclass __post_init__ (StorageOptions' included)
         raise ConfigError(f"invalid {what} config {source}: {e}") from None
 
 
@@ -141,12 +124,3 @@ def load_checkpoint_config(cfg: ConfigLike = None) -> DistCheckpointConfig:
 def load_strategy_config(cfg: ConfigLike = None) -> StrategyConfig:
     """A :class:`StrategyConfig` (``tensor_parallel_size`` + ``checkpoint:`` section) from YAML or a mapping."""
     return _load(StrategyConfig, cfg, "strategy")
-
-
-def config_to_yaml(cfg: Union[DistCheckpointConfig, StrategyConfig]) -> str:
-    """The YAML text of a config (e.g. to write a starting file)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def as_plain_dict(cfg: Union[DistCheckpointConfig, StrategyConfig]) -> Dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

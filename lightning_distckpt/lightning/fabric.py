@@ -14,29 +14,28 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Union
 
-import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ..core.errors import MissingKeysError
+from ..core.errors import ArgumentTypeError, MissingKeysError
 from ..core.strict import StrictHandling
-from .checkpoint_io import DistCheckpointIO
-from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
-from .parallel import ParallelState, check_strategy_args, register_strategy_names
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
+from .tp_strategy import TensorParallelStrategyMixin
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
-log = logging.getLogger("lightning_distckpt")
+log = logging.getLogger(__name__)
 
+
+class ModuleStates(NamedTuple):
+    """The sharded state dicts of the modules in a ``fabric.save`` / ``fabric.load`` state."""
+
+    by_name: Dict[str, Dict[str, Any]]  # state key -> that module's sharded state dict
+    params: Dict[str, Any]  # all of them in one dict (the optimizers' parameters are among them)
 
 
 def _unwrap(module: Module) -> Module:
@@ -47,7 +46,7 @@ def _strip(prefix: str, tree: Mapping[str, Any]) -> Dict[str, Any]:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in tree.items()}
 
 
-class FabricDistCheckpointStrategy(DDPStrategy):
+class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
     """Fabric's DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
 
     ``fabric.save(path, state)`` / ``fabric.load(path, state)`` with modules (described by their
@@ -58,83 +57,18 @@ class FabricDistCheckpointStrategy(DDPStrategy):
     Args:
         tensor_parallel_size: TP ranks per model replica (must divide the world size).
         checkpoint: checkpoint settings (:class:`DistCheckpointConfig`, mapping, or YAML path).
-        Other arguments: as :class:`lightning.fabric.strategies.DDPStrategy`.
+        Other arguments: as :class:`lightning.fabric.strategies.DDPStrategy` (see
+            :class:`~lightning_distckpt.lightning.tp_strategy.TensorParallelStrategyMixin`).
     """
 
-    def __init__(
-        self,
-        tensor_parallel_size: int = 1,
-        checkpoint: Optional[Union[str, Dict[str, Any]]] = None,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[List[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: str = "popen",
-        **ddp_kwargs: Any,
-    ) -> None:
-        tensor_parallel_size = check_strategy_args("FabricDistCheckpointStrategy", tensor_parallel_size, ddp_kwargs)
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
-            timeout=timeout, start_method=start_method, **ddp_kwargs,  # type: ignore[arg-type]
-        )
-        self.tensor_parallel_size = int(tensor_parallel_size)
-        self._checkpoint_config: DistCheckpointConfig = load_checkpoint_config(checkpoint)  # type: ignore[arg-type]
-        self._parallel_state: Optional[ParallelState] = None
-
-    @classmethod
-    def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "FabricDistCheckpointStrategy":
-        sc = load_strategy_config(cfg)
-        return cls(tensor_parallel_size=sc.tensor_parallel_size, checkpoint=sc.checkpoint, **kwargs)  # type: ignore[arg-type]
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Fabric's registration hook: ``Fabric(strategy="ddp_distckpt")`` (and ``"ddp_distckpt_spawn"``)."""
-        register_strategy_names(cls, strategy_registry)
-
-    # -- process groups ------------------------------------------------------------------
-    @property
-    def parallel_state(self) -> ParallelState:
-        """This rank's place in the TP x DP grid and its process groups (after ``fabric.launch()``)."""
-        if self._parallel_state is None:
-            raise RuntimeError("FabricDistCheckpointStrategy.parallel_state is available after fabric.launch()")
-        return self._parallel_state
-
-    def setup_environment(self) -> None:
-        self.checkpoint_io  # fail early (before any process group exists) on a foreign CheckpointIO
-        super().setup_environment()
-        self._parallel_state = ParallelState.build(self.tensor_parallel_size)
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        ps = self.parallel_state
-        return {"num_replicas": ps.dp_size, "rank": ps.dp_rank}
-
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        """DDP over the data-parallel group only (TP shards are neither averaged nor overwritten)."""
-        return DistributedDataParallel(module=module, device_ids=self._determine_ddp_device_ids(),
-                                       process_group=self.parallel_state.dp_group, **self._ddp_kwargs)
+        return self._data_parallel_ddp(module, self._determine_ddp_device_ids())
 
-    # -- checkpoint I/O ------------------------------------------------------------------
-    @property
-    def checkpoint_io(self) -> DistCheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = DistCheckpointIO(self._checkpoint_config)
-        if not isinstance(self._checkpoint_io, DistCheckpointIO):
-            raise TypeError(f"FabricDistCheckpointStrategy needs a DistCheckpointIO, got {type(self._checkpoint_io).__name__}")
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
-
-    def _module_ssds(self, state: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+    def _module_ssds(self, state: Mapping[str, Any]) -> ModuleStates:
         ps = self.parallel_state
-        return {name: model_sharded_state_dict(_unwrap(obj), ps, prefix=f"{name}.")
-                for name, obj in state.items() if isinstance(obj, Module)}
+        by_name = {name: model_sharded_state_dict(_unwrap(obj), ps, prefix=f"{name}.")
+                   for name, obj in state.items() if isinstance(obj, Module)}
+        return ModuleStates(by_name, {k: v for ssd in by_name.values() for k, v in ssd.items()})
 
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
@@ -142,17 +76,16 @@ class FabricDistCheckpointStrategy(DDPStrategy):
         filter = filter or {}
 
         def build() -> Dict[str, Any]:
-            module_ssds = self._module_ssds(state)
-            all_params = {k: v for ssd in module_ssds.values() for k, v in ssd.items()}
+            modules = self._module_ssds(state)
             tree: Dict[str, Any] = {}
             for name, obj in state.items():
                 if isinstance(obj, Module):
-                    value: Any = module_ssds[name]
+                    value: Any = modules.by_name[name]
                     if name in filter:
                         prefix = f"{name}."
                         value = {k: v for k, v in value.items() if filter[name](k[len(prefix):], v)}
                 elif isinstance(obj, Optimizer):
-                    value = optimizer_sharded_state(obj, all_params, name, init_state=True)
+                    value = optimizer_sharded_state(obj, modules.params, name, init_state=True)
                 elif isinstance(obj, _Stateful):
                     value = obj.state_dict()
                 else:
@@ -176,19 +109,16 @@ class FabricDistCheckpointStrategy(DDPStrategy):
         if not state:
             return self.checkpoint_io.load_checkpoint(target)
         if isinstance(state, (Module, Optimizer)):
-            raise TypeError("FabricDistCheckpointStrategy.load_checkpoint: pass a dict such as {'model': model}, "
+            raise ArgumentTypeError("FabricDistCheckpointStrategy.load_checkpoint: pass a dict such as {'model': model}, "
                             "not a bare module or optimizer")
         handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
 
         def build() -> Dict[str, Any]:
-            module_ssds = self._module_ssds(state)
-            all_params = {k: v for ssd in module_ssds.values() for k, v in ssd.items()}
-            template: Dict[str, Any] = {}
+            modules = self._module_ssds(state)
+            template: Dict[str, Any] = dict(modules.by_name)
             for name, obj in state.items():
-                if isinstance(obj, Module):
-                    template[name] = module_ssds[name]
-                elif isinstance(obj, Optimizer):
-                    template[name] = optimizer_sharded_state(obj, all_params, name, init_state=True)
+                if isinstance(obj, Optimizer):
+                    template[name] = optimizer_sharded_state(obj, modules.params, name, init_state=True)
             return template
 
         template = build_on_all_ranks(f"load from {target}", build)

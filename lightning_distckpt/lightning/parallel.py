@@ -1,27 +1,21 @@
-"""Tensor-parallel x data-parallel process groups, and a tiny Megatron-style tensor-parallel Linear.
+"""Tensor-parallel x data-parallel process groups, and sharded state dicts of plain modules.
 
 Rank layout (Megatron's): tensor-parallel ranks are contiguous. With ``tp`` tensor-parallel ranks,
 global rank ``r`` has ``tp_rank = r % tp`` and ``dp_rank = r // tp``; the TP group of ``r`` holds
 the ``tp`` ranks of one model replica, its DP group the ranks holding the same shard in every replica.
-
-The layers here are deliberately small (examples and tests): :class:`ColumnParallelLinear` splits
-the output features over the TP group, :class:`RowParallelLinear` the input features, and both
-describe their parameters as :class:`~lightning_distckpt.ShardedTensor` s in
-``sharded_state_dict()``, so checkpoints reshard between TP sizes.
+(Small tensor-parallel layers for examples and tests: :mod:`lightning_distckpt.testing`.)
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
-from ..comm import Comm
+from ..core.errors import ArgumentError
 from ..core.mapping import ReplicaId, ShardedTensor
 
 
@@ -52,7 +46,7 @@ class ParallelState:
         with the same ``tensor_parallel_size``. Without torch.distributed, returns :meth:`single`."""
         if not (dist.is_available() and dist.is_initialized()):
             if tensor_parallel_size != 1:
-                raise ValueError(
+                raise ArgumentError(
                     f"tensor_parallel_size={tensor_parallel_size} needs torch.distributed to be initialized "
                     "(one process can only run tensor_parallel_size=1)"
                 )
@@ -60,7 +54,7 @@ class ParallelState:
         world, rank = dist.get_world_size(), dist.get_rank()
         tp = int(tensor_parallel_size)
         if tp < 1 or world % tp:
-            raise ValueError(
+            raise ArgumentError(
                 f"tensor_parallel_size={tp} must be >= 1 and divide the world size {world} "
                 f"(the grid is tensor_parallel_size x data_parallel_size)"
             )
@@ -74,12 +68,6 @@ class ParallelState:
         return cls(world_size=world, rank=rank, tp_size=tp, tp_rank=rank % tp, dp_size=dp, dp_rank=rank // tp,
                    tp_group=tp_group, dp_group=dp_group)
 
-    def tp_comm(self) -> Comm:
-        return Comm(self.tp_group, self.tp_rank, self.tp_size)
-
-    def dp_comm(self) -> Comm:
-        return Comm(self.dp_group, self.dp_rank, self.dp_size)
-
     @property
     def replicated_id(self) -> Tuple[int, int]:
         """``replica_id`` of a tensor every rank holds whole (e.g. a LayerNorm weight): main replica on rank 0."""
@@ -89,124 +77,11 @@ class ParallelState:
         return f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}"
 
 
-# -- Megatron's "f" and "g": identity one way, all-reduce over the TP group the other ---------------
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Forward: identity. Backward: sum the input gradient over the TP group (each TP rank used the
-    same input for its own slice of the output)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """Forward: sum the partial outputs over the TP group. Backward: identity (every TP rank gets
-    the same output gradient)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def copy_to_tensor_parallel(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    return _CopyToTensorParallel.apply(x, ps.tp_group) if ps.tp_size > 1 else x
-
-
-def reduce_from_tensor_parallel(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    return _ReduceFromTensorParallel.apply(x, ps.tp_group) if ps.tp_size > 1 else x
-
-
-def _init_full_weight(out_features: int, in_features: int) -> torch.Tensor:
-    """nn.Linear's default init of the whole (global) weight. Every rank draws the same numbers from
-    the same RNG state and keeps its slice, so a model is the same whatever its TP size."""
-    w = torch.empty(out_features, in_features)
-    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-    return w
-
-
-def _init_full_bias(out_features: int, in_features: int) -> torch.Tensor:
-    bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-    return torch.empty(out_features).uniform_(-bound, bound)
-
-
-class ColumnParallelLinear(nn.Module):
-    """``y = x W^T + b`` with the output features of ``W`` (and ``b``) split over the TP group.
-
-    The output is this rank's slice of the features (feed it to a :class:`RowParallelLinear`).
-    """
-
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = True) -> None:
-        super().__init__()
-        if out_features % ps.tp_size:
-            raise ValueError(f"out_features={out_features} is not divisible by tensor_parallel_size={ps.tp_size}")
-        self.ps = ps
-        self.in_features, self.out_features = in_features, out_features
-        part = out_features // ps.tp_size
-        rows = slice(ps.tp_rank * part, (ps.tp_rank + 1) * part)
-        self.weight = nn.Parameter(_init_full_weight(out_features, in_features)[rows].clone())
-        self.bias = nn.Parameter(_init_full_bias(out_features, in_features)[rows].clone()) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tensor_parallel(x, self.ps), self.weight, self.bias)
-
-    def sharded_state_dict(self, prefix: str = "") -> Dict[str, ShardedTensor]:
-        ps = self.ps
-        out = {f"{prefix}weight": ShardedTensor.from_rank_offsets(
-            f"{prefix}weight", self.weight, (0, ps.tp_rank, ps.tp_size), replica_id=ps.dp_rank)}
-        if self.bias is not None:
-            out[f"{prefix}bias"] = ShardedTensor.from_rank_offsets(
-                f"{prefix}bias", self.bias, (0, ps.tp_rank, ps.tp_size), replica_id=ps.dp_rank)
-        return out
-
-
-class RowParallelLinear(nn.Module):
-    """``y = x W^T + b`` with the input features of ``W`` split over the TP group; takes this rank's
-    slice of the input features (a :class:`ColumnParallelLinear`'s output) and returns the full,
-    all-reduced output. The bias is replicated and added after the reduction."""
-
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool = True) -> None:
-        super().__init__()
-        if in_features % ps.tp_size:
-            raise ValueError(f"in_features={in_features} is not divisible by tensor_parallel_size={ps.tp_size}")
-        self.ps = ps
-        self.in_features, self.out_features = in_features, out_features
-        part = in_features // ps.tp_size
-        cols = slice(ps.tp_rank * part, (ps.tp_rank + 1) * part)
-        self.weight = nn.Parameter(_init_full_weight(out_features, in_features)[:, cols].clone())
-        self.bias = nn.Parameter(_init_full_bias(out_features, in_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.ps)
-        return y + self.bias if self.bias is not None else y
-
-    def sharded_state_dict(self, prefix: str = "") -> Dict[str, ShardedTensor]:
-        ps = self.ps
-        out = {f"{prefix}weight": ShardedTensor.from_rank_offsets(
-            f"{prefix}weight", self.weight, (1, ps.tp_rank, ps.tp_size), replica_id=ps.dp_rank)}
-        if self.bias is not None:
-            out[f"{prefix}bias"] = ShardedTensor.from_rank_offsets(
-                f"{prefix}bias", self.bias, replica_id=ps.replicated_id)
-        return out
-
-
 def module_sharded_state_dict(module: nn.Module, prefix: str = "", replica_id: ReplicaId = 0) -> Dict[str, Any]:
     """A sharded state dict for ``module`` whose keys are ``module.state_dict()``'s (with ``prefix``).
 
     Submodules that define ``sharded_state_dict(prefix)`` describe their own tensors (e.g. the
-    tensor-parallel layers above); every other tensor is a whole tensor replicated on every rank,
+    tensor-parallel layers of :mod:`lightning_distckpt.testing`); every other tensor is a whole tensor replicated on every rank,
     with ``replica_id`` (pass :attr:`ParallelState.replicated_id`, so that exactly one rank writes it).
     Non-tensor extra state is kept as common state. ``module``'s own ``sharded_state_dict`` is not
     called, so a module can implement its ``sharded_state_dict`` with this function.
@@ -263,10 +138,10 @@ def check_strategy_args(owner: str, tensor_parallel_size: Any, ddp_kwargs: Dict[
     ``process_group`` / ``device_mesh`` are the data-parallel group's business (LightningCLI passes
     DDP's defaults, None, which are dropped); returns the TP size as an int."""
     if int(tensor_parallel_size) < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        raise ArgumentError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     for owned in ("process_group", "device_mesh"):
         if ddp_kwargs.pop(owned, None) is not None:
-            raise ValueError(f"{owned} is set by {owner} (the data-parallel group); do not pass it")
+            raise ArgumentError(f"{owned} is set by {owner} (the data-parallel group); do not pass it")
     return int(tensor_parallel_size)
 
 

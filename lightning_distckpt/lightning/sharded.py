@@ -54,16 +54,14 @@ T = TypeVar("T")
 
 def build_on_all_ranks(what: str, build: Callable[[], T], comm: Optional[Comm] = None) -> T:
     """Run ``build`` (local work before a collective save/load) and agree on its outcome over the
-    group: if it failed on any rank, every rank raises the same error naming the failing ranks, so
-    no rank is left waiting in a collective the others never enter."""
+    group (:meth:`Comm.agree`): if it failed on any rank, every rank raises the same error naming
+    the failing ranks, so no rank is left waiting in a collective the others never enter."""
     comm = comm or get_comm()
     result: Optional[T] = None
-    error: Optional[str] = None
+    error: Optional[Exception] = None
     try:
         result = build()
     except Exception as e:  # reported collectively below
-        error = f"{type(e).__name__}: {e}"
-    failed = [(rank, err) for rank, err in enumerate(comm.all_gather_object(error)) if err]
-    if failed:
-        raise CheckpointingError(f"{what} failed before any I/O: " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+        error = e
+    comm.agree(f"{what} failed before any I/O", error)
     return result  # type: ignore[return-value]

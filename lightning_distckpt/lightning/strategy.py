@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
@@ -29,13 +24,12 @@ from torch.optim import Optimizer
 from ..core.errors import CheckpointingError
 from ..core.strict import StrictHandling
 from ..serialization import load_common_state_dict
-from .checkpoint_io import DistCheckpointIO
-from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
-from .parallel import STRATEGY_NAME, ParallelState, check_strategy_args, register_strategy_names
+from .parallel import STRATEGY_NAME
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
+from .tp_strategy import TensorParallelStrategyMixin
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
-log = logging.getLogger("lightning_distckpt")
+log = logging.getLogger(__name__)
 
 
 def _warn_async_link_last(trainer: Any) -> None:
@@ -50,7 +44,6 @@ def _warn_async_link_last(trainer: Any) -> None:
         )
 
 
-
 def _kind_of(path: str, extra_safe_globals: Any = ()) -> Optional[str]:
     """The kind recorded in a checkpoint's manifest (reads its common state)."""
     common = load_common_state_dict(path, extra_safe_globals)
@@ -62,7 +55,7 @@ def optimizer_prefix(index: int) -> str:
     return f"optimizer_states.{index}"
 
 
-class DistCheckpointStrategy(DDPStrategy):
+class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
     """DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
 
     ``Trainer(strategy=DistCheckpointStrategy(tensor_parallel_size=2), devices=4)`` runs TP 2 x DP 2;
@@ -80,81 +73,14 @@ class DistCheckpointStrategy(DDPStrategy):
         tensor_parallel_size: TP ranks per model replica (must divide the world size).
         checkpoint: checkpoint settings (:class:`DistCheckpointConfig`, mapping, or YAML path); a
             ``DistCheckpointIO`` plugin given to the Trainer takes precedence.
-        Other arguments: as :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        Other arguments: as :class:`~lightning.pytorch.strategies.DDPStrategy` (see
+            :class:`~lightning_distckpt.lightning.tp_strategy.TensorParallelStrategyMixin`).
     """
 
     strategy_name = STRATEGY_NAME
 
-    def __init__(
-        self,
-        tensor_parallel_size: int = 1,
-        checkpoint: Optional[Union[str, Dict[str, Any]]] = None,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[List[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: str = "popen",
-        **ddp_kwargs: Any,
-    ) -> None:
-        tensor_parallel_size = check_strategy_args("DistCheckpointStrategy", tensor_parallel_size, ddp_kwargs)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,  # type: ignore[arg-type]
-            **ddp_kwargs,
-        )
-        self.tensor_parallel_size = int(tensor_parallel_size)
-        self._checkpoint_config: DistCheckpointConfig = load_checkpoint_config(checkpoint)  # type: ignore[arg-type]
-        self._parallel_state: Optional[ParallelState] = None
-
-    @classmethod
-    def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "DistCheckpointStrategy":
-        """Build from a strategy config (``tensor_parallel_size`` and a ``checkpoint:`` section), e.g.
-        ``configs/strategy_tp2.yaml``."""
-        sc = load_strategy_config(cfg)
-        return cls(tensor_parallel_size=sc.tensor_parallel_size, checkpoint=sc.checkpoint, **kwargs)  # type: ignore[arg-type]
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Lightning's registration hook: ``strategy="ddp_distckpt"`` (and ``"ddp_distckpt_spawn"``)."""
-        register_strategy_names(cls, strategy_registry)
-
-    # -- process groups ------------------------------------------------------------------
-    @property
-    def parallel_state(self) -> ParallelState:
-        """This rank's place in the TP x DP grid and its process groups (after environment setup)."""
-        if self._parallel_state is None:
-            raise RuntimeError(
-                "DistCheckpointStrategy.parallel_state is available once the strategy has set up its environment "
-                "(from LightningModule.configure_model / setup on)"
-            )
-        return self._parallel_state
-
-    def setup_environment(self) -> None:
-        self.checkpoint_io  # fail early (before any process group exists) on a foreign CheckpointIO
-        super().setup_environment()  # initializes torch.distributed
-        self._parallel_state = ParallelState.build(self.tensor_parallel_size)
-        log.debug("DistCheckpointStrategy: %s", self._parallel_state.describe())
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        ps = self.parallel_state
-        return {"num_replicas": ps.dp_size, "rank": ps.dp_rank}
-
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        """DDP over the data-parallel group only."""
-        device_ids = self.determine_ddp_device_ids()
-        return DistributedDataParallel(
-            module=model, device_ids=device_ids, process_group=self.parallel_state.dp_group, **self._ddp_kwargs
-        )
+        return self._data_parallel_ddp(model, self.determine_ddp_device_ids())
 
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == TrainerFn.FITTING and self.checkpoint_io.config.async_save:
@@ -180,22 +106,6 @@ class DistCheckpointStrategy(DDPStrategy):
             for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t.data, src=src, group=ps.dp_group)
 
-    # -- checkpoint I/O ------------------------------------------------------------------
-    @property
-    def checkpoint_io(self) -> DistCheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = DistCheckpointIO(self._checkpoint_config)
-        if not isinstance(self._checkpoint_io, DistCheckpointIO):
-            raise TypeError(
-                f"DistCheckpointStrategy needs a DistCheckpointIO checkpoint plugin, got {type(self._checkpoint_io).__name__} "
-                "(for background saves set async_save: true in its config instead of wrapping it)"
-            )
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
-
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         # Optimizers (whose sharded state is loaded in place) exist only after setup.
@@ -208,6 +118,11 @@ class DistCheckpointStrategy(DDPStrategy):
         assert self.lightning_module is not None
         return model_sharded_state_dict(self.lightning_module, self.parallel_state)
 
+    def _optimizer_states(self, model_ssd: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """Each optimizer's state, sharded like the parameters of ``model_ssd``."""
+        return [optimizer_sharded_state(opt, model_ssd, optimizer_prefix(i), init_state=True)
+                for i, opt in enumerate(self._raw_optimizers())]
+
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank saves its shards of the model and optimizer state; the rest of
         ``checkpoint`` (loops, callbacks, schedulers, hyper-parameters) is common state."""
@@ -216,10 +131,7 @@ class DistCheckpointStrategy(DDPStrategy):
             tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             tree["state_dict"] = model_ssd
             if "optimizer_states" in checkpoint:
-                tree["optimizer_states"] = [
-                    optimizer_sharded_state(opt, model_ssd, optimizer_prefix(i), init_state=True)
-                    for i, opt in enumerate(self._raw_optimizers())
-                ]
+                tree["optimizer_states"] = self._optimizer_states(model_ssd)
             tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
             return tree
 
@@ -251,10 +163,7 @@ class DistCheckpointStrategy(DDPStrategy):
             model_ssd = self._model_ssd()
             template: Dict[str, Any] = {"state_dict": model_ssd}
             if fitting and self.lightning_restore_optimizer:
-                template["optimizer_states"] = [
-                    optimizer_sharded_state(opt, model_ssd, optimizer_prefix(i), init_state=True)
-                    for i, opt in enumerate(self._raw_optimizers())
-                ]
+                template["optimizer_states"] = self._optimizer_states(model_ssd)
             return template
 
         template = build_on_all_ranks(f"load from {path}", build)

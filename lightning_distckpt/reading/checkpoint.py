@@ -18,6 +18,7 @@ from ..core.errors import CheckpointingError
 from ..planning.metadata import CheckpointIndex
 from ..storage.base import ShardReader
 from ..storage.layout import COMMON_FILE, read_metadata
+from ..storage.paths import local_path
 from ..storage.safe_pickle import loads, read_file
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
 
@@ -49,7 +50,7 @@ class OpenedCheckpoint:
 
     @classmethod
     def open(cls, checkpoint_dir: str) -> "OpenedCheckpoint":
-        path = os.path.abspath(os.fspath(checkpoint_dir))
+        path = os.path.abspath(local_path(checkpoint_dir))
         meta = read_metadata(path)
         return cls(path, meta, CheckpointIndex.from_json(meta, f"checkpoint {path}"),
                    StorageOptions.from_json(meta.get("storage", {})))

@@ -25,12 +25,8 @@ from torch.nn import functional as F  # noqa: E402
 
 from lightning_distckpt import CheckpointingError  # noqa: E402
 from lightning_distckpt.lightning import FabricDistCheckpointStrategy  # noqa: E402
-from lightning_distckpt.lightning.parallel import (  # noqa: E402
-    ColumnParallelLinear,
-    ParallelState,
-    RowParallelLinear,
-    module_sharded_state_dict,
-)
+from lightning_distckpt.lightning.parallel import ParallelState, module_sharded_state_dict  # noqa: E402
+from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_helpers import StepBatches  # noqa: E402
 
 TIMEOUT = timedelta(seconds=90)

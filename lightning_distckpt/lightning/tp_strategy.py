@@ -1,0 +1,103 @@
+"""What the Trainer and the Fabric strategies share: the TP x DP grid, its sampler, DDP over the
+data-parallel group, and the ``DistCheckpointIO`` they save with.
+
+Both strategies are Lightning's (Trainer's or Fabric's) ``DDPStrategy`` with this mixin first in
+their bases; the mixin takes its own two arguments and hands every other one to ``DDPStrategy``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Union
+
+from lightning.fabric.plugins import CheckpointIO
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+from ..core.errors import ArgumentTypeError, CheckpointingError
+from .checkpoint_io import DistCheckpointIO
+from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
+from .parallel import ParallelState, check_strategy_args, register_strategy_names
+
+log = logging.getLogger(__name__)
+
+
+class TensorParallelStrategyMixin:
+    """TP x DP process groups and distributed checkpoints for a Lightning or Fabric ``DDPStrategy``.
+
+    Args:
+        tensor_parallel_size: TP ranks per model replica (must divide the world size).
+        checkpoint: checkpoint settings (:class:`DistCheckpointConfig`, mapping, or YAML path); a
+            ``DistCheckpointIO`` plugin given to the Trainer / Fabric takes precedence.
+        ddp_kwargs: the arguments of the ``DDPStrategy`` it is mixed into, except ``process_group`` /
+            ``device_mesh`` (the data-parallel group is the strategy's own).
+    """
+
+    _checkpoint_io: Optional[CheckpointIO]  # Lightning's Strategy.__init__ sets it
+    _ddp_kwargs: Dict[str, Any]
+
+    def __init__(self, tensor_parallel_size: int = 1, checkpoint: Optional[Union[str, Dict[str, Any]]] = None,
+                 **ddp_kwargs: Any) -> None:
+        tensor_parallel_size = check_strategy_args(type(self).__name__, tensor_parallel_size, ddp_kwargs)
+        super().__init__(**ddp_kwargs)
+        self.tensor_parallel_size = tensor_parallel_size
+        self._checkpoint_config: DistCheckpointConfig = load_checkpoint_config(checkpoint)  # type: ignore[arg-type]
+        self._parallel_state: Optional[ParallelState] = None
+
+    @classmethod
+    def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> Any:
+        """Build from a strategy config (``tensor_parallel_size`` and a ``checkpoint:`` section), e.g.
+        ``configs/strategy_tp2.yaml``."""
+        sc = load_strategy_config(cfg)
+        return cls(tensor_parallel_size=sc.tensor_parallel_size, checkpoint=sc.checkpoint, **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's / Fabric's registration hook: ``strategy="ddp_distckpt"`` (and ``"ddp_distckpt_spawn"``)."""
+        register_strategy_names(cls, strategy_registry)
+
+    # -- process groups ------------------------------------------------------------------
+    @property
+    def parallel_state(self) -> ParallelState:
+        """This rank's place in the TP x DP grid and its process groups (after environment setup)."""
+        if self._parallel_state is None:
+            raise CheckpointingError(
+                f"{type(self).__name__}.parallel_state is available once the strategy has set up its environment "
+                "(Trainer: from LightningModule.configure_model / setup on; Fabric: after fabric.launch())"
+            )
+        return self._parallel_state
+
+    def setup_environment(self) -> None:
+        self.checkpoint_io  # fail early (before any process group exists) on a foreign CheckpointIO
+        super().setup_environment()  # type: ignore[misc]  # initializes torch.distributed
+        self._parallel_state = ParallelState.build(self.tensor_parallel_size)
+        log.debug("%s: %s", type(self).__name__, self._parallel_state.describe())
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        """Dataloaders shard over the DP group: the ranks of one TP group see the same data."""
+        ps = self.parallel_state
+        return {"num_replicas": ps.dp_size, "rank": ps.dp_rank}
+
+    def _data_parallel_ddp(self, module: Module, device_ids: Optional[List[int]]) -> DistributedDataParallel:
+        """DDP over the data-parallel group only: TP shards are neither averaged across TP ranks nor
+        overwritten by DDP's initial broadcast."""
+        return DistributedDataParallel(module=module, device_ids=device_ids, process_group=self.parallel_state.dp_group,
+                                       **self._ddp_kwargs)
+
+    # -- checkpoint I/O ------------------------------------------------------------------
+    @property
+    def checkpoint_io(self) -> DistCheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DistCheckpointIO(self._checkpoint_config)
+        if not isinstance(self._checkpoint_io, DistCheckpointIO):
+            raise ArgumentTypeError(
+                f"{type(self).__name__} needs a DistCheckpointIO checkpoint plugin, got "
+                f"{type(self._checkpoint_io).__name__} (for background saves set async_save: true in its config "
+                "instead of wrapping it)"
+            )
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
