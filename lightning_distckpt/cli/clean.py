@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from ..storage.layout import is_checkpoint_dir
+from ..storage.paths import local_path
 from ..storage.staging import Leftover, find_leftovers
 
 
@@ -24,7 +25,7 @@ class CleanAction:
 def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
     """Leftover staging directories in ``path`` (a directory of checkpoints, or one checkpoint: then
     its own leftovers, found beside it), removed unless kept for a reason or ``dry_run``."""
-    path = os.path.abspath(path)
+    path = os.path.abspath(local_path(path, "directory"))
     name: Optional[str] = None
     if is_checkpoint_dir(path):
         path, name = os.path.split(path)

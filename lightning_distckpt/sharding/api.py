@@ -1,0 +1,170 @@
+"""Rank 0 holds the whole state dict; every rank ends with its own shards.
+
+The protocol, the same on every rank of the default process group:
+
+1. every rank checks its ``meta_sharded_state_dict`` and the ranks agree (``Comm.agree``): a bad
+   entry anywhere fails every rank before anything else;
+2. rank 0 checks each asked-for key against its state dict (present, same shape, dtype of the
+   same kind) and decides the broadcasts (:func:`~.plan.build_manifest`); it broadcasts that
+   manifest, or the error, to every rank, so a missing key or a wrong shape fails every rank
+   with the same message before any data moves;
+3. the boxes move (:class:`~.transfer.Transfer`) and each rank cuts its shards;
+4. the ranks agree once more, on any error of step 3, and only then fill ``sharded_state_dict``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, MutableMapping, Optional, Tuple
+
+import torch
+
+from ..comm import Comm, get_comm
+from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, RankFailure, error_class
+from ..reading.exchange import comm_device
+from .plan import Manifest, build_manifest, collect_needs
+from .transfer import Transfer, TransferStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """How the shards move.
+
+    Args:
+        max_inflight_bytes: bound on the bytes of broadcasts posted and not finished at once, on
+            every rank; rank 0's buffers and the others' receive buffers stay within it (a single
+            box larger than the bound goes alone).
+        bucket_bytes: tensors smaller than this share broadcasts of up to this many bytes.
+    """
+
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("max_inflight_bytes", "bucket_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ArgumentError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """What a transfer did: keys rank 0 lacked (when allowed), rank 0's keys nobody asked for,
+    bytes broadcast and what whole tensors would have been, and this rank's stats."""
+
+    missing: Tuple[str, ...]
+    unexpected: Tuple[str, ...]
+    sent_bytes: int
+    whole_bytes: int
+    stats: TransferStats
+
+
+def broadcast_and_shard_state_dict(state_dict: Mapping[str, Any], meta_sharded_state_dict: Mapping[str, Any],
+                                   sharded_state_dict: MutableMapping[str, Any], *,
+                                   max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Rank 0: broadcast what the other ranks need of ``state_dict`` and cut rank 0's own shards.
+
+    Collective over the default process group; the other ranks call
+    :func:`shard_broadcasted_state_dict` at the same time. ``meta_sharded_state_dict`` maps names
+    to :class:`~lightning_distckpt.ShardedTensor` s (their ``data`` may be on the meta device;
+    plain tensors are loaded whole); the source of an entry is ``state_dict[entry.key]``.
+    Each entry's shard, materialized in the entry's dtype (converted within floating or within
+    integer dtypes) on the entry's device (the communication device for meta entries), is stored
+    under the entry's name in ``sharded_state_dict``, ready for
+    ``module.load_state_dict(sharded_state_dict, assign=True)``.
+
+    Raises:
+        ArgumentError: (a ``ValueError``) at once, before any collective, on any rank but 0.
+        MissingKeysError, ShardingError, FormatError: on every rank, before data moves, when a
+            key is not in ``state_dict``, a shape or dtype does not fit an entry, or a value is not
+            a tensor.
+    """
+    comm = _comm_for("broadcast_and_shard_state_dict", rank0=True)
+    if not isinstance(state_dict, Mapping):
+        raise ArgumentTypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    shard_from_rank0(comm, state_dict, meta_sharded_state_dict, sharded_state_dict,
+                     ShardOptions(max_inflight_bytes, bucket_bytes))
+
+
+def shard_broadcasted_state_dict(meta_sharded_state_dict: Mapping[str, Any], sharded_state_dict: MutableMapping[str, Any],
+                                 *, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Every rank but 0: receive what rank 0 broadcasts and store this rank's shards in
+    ``sharded_state_dict`` (see :func:`broadcast_and_shard_state_dict`, which rank 0 calls).
+
+    Raises:
+        ArgumentError: (a ``ValueError``) at once, before any collective, on rank 0.
+    """
+    comm = _comm_for("shard_broadcasted_state_dict", rank0=False)
+    shard_from_rank0(comm, None, meta_sharded_state_dict, sharded_state_dict,
+                     ShardOptions(max_inflight_bytes, bucket_bytes))
+
+
+def _comm_for(what: str, rank0: bool) -> Comm:
+    comm = get_comm()
+    if rank0 and comm.rank != 0:
+        raise ArgumentError(f"{what} runs on global rank 0 only; rank {comm.rank} must call "
+                            f"shard_broadcasted_state_dict(meta_sharded_state_dict, sharded_state_dict)")
+    if not rank0 and comm.rank == 0:
+        raise ArgumentError(f"{what} runs on the ranks other than 0; rank 0 holds the state dict and must call "
+                            f"broadcast_and_shard_state_dict(state_dict, meta_sharded_state_dict, sharded_state_dict)")
+    return comm
+
+
+def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_sharded_state_dict: Mapping[str, Any],
+                     sharded_state_dict: MutableMapping[str, Any], options: ShardOptions, *,
+                     missing_ok: bool = False) -> ShardResult:
+    """The collective behind both sides (``state_dict`` on rank 0, ``None`` elsewhere). With
+    ``missing_ok`` keys rank 0 lacks are skipped (and listed in the result) instead of refused."""
+    error: Optional[BaseException] = None
+    needs: list = []
+    devices: Dict[str, torch.device] = {}
+    device = comm_device(comm.group)
+    try:
+        if not isinstance(sharded_state_dict, MutableMapping):
+            raise ArgumentTypeError(
+                f"sharded_state_dict must be a dict to store the shards in, got {type(sharded_state_dict).__name__}")
+        needs = collect_needs(meta_sharded_state_dict, comm.rank)
+        devices = {name: _target_device(entry, device) for name, entry in meta_sharded_state_dict.items()}
+    except CheckpointingError as e:
+        error = e
+    gathered = comm.agree("sharding from rank 0: checking the sharded state dicts", error, payload=needs,
+                          default=ArgumentError)
+    manifest: Optional[Manifest] = None
+    if state_dict is not None:
+        manifest = build_manifest(state_dict, [n for part in gathered for n in part],
+                                  bucket_bytes=options.bucket_bytes, missing_ok=missing_ok)
+    manifest = comm.broadcast_object(manifest)
+    if manifest.error is not None:
+        raise _manifest_error(manifest)
+    transfer = Transfer(comm, manifest, needs, devices, device, options.max_inflight_bytes, source=state_dict)
+    transfer.run()
+    failed = CheckpointingError("; ".join(transfer.errors[:3])) if transfer.errors else None
+    comm.agree(f"sharding {manifest.source} from rank 0", failed)
+    sharded_state_dict.update(transfer.shards)
+    logger.debug("rank %d: %d shards from %s, %s", comm.rank, len(transfer.shards), manifest.source, transfer.stats)
+    return ShardResult(manifest.missing, manifest.unexpected, manifest.sent_bytes, manifest.whole_bytes, transfer.stats)
+
+
+def _target_device(entry: Any, comm_dev: torch.device) -> torch.device:
+    """Where a shard goes: the entry's own device, or the communication device for meta entries."""
+    data = entry.data if not isinstance(entry, torch.Tensor) else entry
+    if data is None or data.device.type == "meta":
+        return comm_dev
+    return data.device
+
+
+def _manifest_error(manifest: Manifest) -> CheckpointingError:
+    """Rank 0's error, as the same error type and message on every rank."""
+    assert manifest.error is not None
+    type_name, message = manifest.error
+    err = (error_class(type_name) or CheckpointingError)(message)
+    err.failures = {0: RankFailure(0, type_name, message)}
+    return err

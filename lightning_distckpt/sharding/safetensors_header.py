@@ -1,0 +1,104 @@
+"""Checking a ``.safetensors`` header before anything else touches the file.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header mapping each tensor to
+its dtype, shape and ``[begin, end)`` byte range in the data section, then the data. A bad header
+(truncated file, offsets past the end or overlapping, an unknown dtype) would otherwise surface
+as a Rust panic deep in ``safe_open``, or as a huge allocation: here it is a :class:`FormatError`
+naming the file and the tensor, raised after reading only the header.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ..core.errors import FormatError
+
+# The dtypes of the safetensors format that torch has.
+DTYPES: Dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+# The header is JSON text; real ones are kilobytes to a few MB. Bigger is corruption, and reading
+# it would be the large allocation this check exists to prevent.
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors file: where its bytes are, relative to the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(path: str) -> List[HeaderEntry]:
+    """The tensors of the safetensors file ``path``, checked against the file's size; raises
+    :class:`FormatError` naming the file (and the tensor) when the header is not sound."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise FormatError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise FormatError(
+                f"{path}: safetensors header length {n} does not fit the file of {size} bytes "
+                f"(truncated or not a safetensors file)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path}: safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
+    data_bytes = size - 8 - n
+    entries = [_entry(path, name, info, data_bytes) for name, info in header.items() if name != "__metadata__"]
+    _check_overlaps(path, entries)
+    return entries
+
+
+def _entry(path: str, name: str, info: Any, data_bytes: int) -> HeaderEntry:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise FormatError(f"{where}: header entry must be an object, got {info!r:.100}")
+    dtype = DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise FormatError(f"{where}: unknown dtype {info.get('dtype')!r} (known: {', '.join(DTYPES)})")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise FormatError(f"{where}: shape must be a list of non-negative integers, got {shape!r:.100}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise FormatError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.100}")
+    begin, end = offsets
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if end - begin != expected:
+        raise FormatError(
+            f"{where}: data_offsets [{begin}, {end}) hold {end - begin} bytes but {info['dtype']} {tuple(shape)} "
+            f"needs {expected}")
+    if end > data_bytes:
+        raise FormatError(
+            f"{where}: data_offsets [{begin}, {end}) point past the end of the data section ({data_bytes} bytes; "
+            f"the file is truncated or corrupt)")
+    return HeaderEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _check_overlaps(path: str, entries: List[HeaderEntry]) -> None:
+    ordered = sorted((e for e in entries if e.end > e.begin), key=lambda e: e.begin)
+    for prev, cur in zip(ordered, ordered[1:]):
+        if cur.begin < prev.end:
+            raise FormatError(
+                f"{path}: tensor {cur.name!r} (bytes [{cur.begin}, {cur.end})) overlaps tensor {prev.name!r} "
+                f"(bytes [{prev.begin}, {prev.end})); the header is corrupt")

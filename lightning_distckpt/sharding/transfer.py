@@ -1,0 +1,194 @@
+"""Moving the manifest's boxes from rank 0 to every rank, under a bound on bytes in flight.
+
+Every rank walks the same list of broadcasts in the same order. A broadcast is posted with
+``async_op=True`` and the loop goes on to prepare the next one (rank 0 copies the next boxes out
+of the memory-mapped source; the others allocate receive buffers and cut the shards out of the
+buffers that arrived) until the bytes of posted, unfinished broadcasts would pass
+``max_inflight_bytes``; then it finishes the oldest. One box larger than the bound goes alone.
+
+Data travels as raw bytes (uint8 views), so any dtype goes over any backend. A failure while
+preparing data on rank 0 does not stop the broadcasts (the others would wait forever): it is
+recorded, zeros are sent, and the caller agrees on the errors once everything has moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+from ..core.errors import CollectiveError
+from .plan import Manifest, Need, SendOp, cut
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferStats:
+    """One rank's account of a transfer.
+
+    ``peak_inflight_bytes``: the most bytes of posted, unfinished broadcasts at once;
+    ``peak_extra_bytes``: the most bytes of buffers allocated for them at once (sends straight
+    from the source and receives straight into a shard allocate none).
+    """
+
+    ops: int = 0
+    bytes_moved: int = 0
+    peak_inflight_bytes: int = 0
+    peak_extra_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Posted:
+    op: SendOp
+    buffer: torch.Tensor
+    work: Any
+    extra: int
+    direct: Optional[str] = None  # name of the shard the buffer is (received straight into it)
+
+
+@dataclass
+class Transfer:
+    """This rank's part of moving ``manifest``'s boxes and cutting its shards.
+
+    ``needs`` are this rank's needs, ``devices`` the device of each of its shards; ``source`` is
+    rank 0's state dict (``None`` elsewhere). After :meth:`run`, ``shards`` maps names to
+    materialized shards and ``errors`` lists what went wrong on this rank.
+    """
+
+    comm: Comm
+    manifest: Manifest
+    needs: Sequence[Need]
+    devices: Mapping[str, torch.device]
+    device: torch.device  # where communication buffers live
+    max_inflight_bytes: int
+    source: Optional[Mapping[str, Any]] = None
+    shards: Dict[str, torch.Tensor] = field(default_factory=dict)
+    errors: List[str] = field(default_factory=list)
+    stats: TransferStats = field(default_factory=TransferStats)
+
+    def __post_init__(self) -> None:
+        self._by_key: Dict[str, List[Need]] = {}
+        for n in self.needs:
+            self._by_key.setdefault(n.key, []).append(n)
+        self._inflight = 0
+        self._extra = 0
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        pending: Deque[_Posted] = deque()
+        done_keys = set()
+        try:
+            for op in self.manifest.ops:
+                while pending and self._inflight + op.nbytes > self.max_inflight_bytes:
+                    self._finish(pending.popleft())
+                pending.append(self._post(op))
+                if self.source is not None:  # rank 0 cuts its own shards while the broadcast runs
+                    for item in op.items:
+                        self._cut_local(item.key)
+                        done_keys.add(item.key)
+                while pending and pending[0].work.is_completed():
+                    self._finish(pending.popleft())
+            while pending:
+                self._finish(pending.popleft())
+        except RuntimeError as e:  # a collective failed: a rank died or timed out
+            raise CollectiveError(
+                f"rank {self.comm.rank}: broadcasting the shards of {self.manifest.source} failed (a rank may have "
+                f"died or timed out): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        if self.source is not None:
+            for key in self._by_key:
+                if key not in done_keys and key not in self.manifest.missing:
+                    self._cut_local(key)
+        self.stats.seconds = time.perf_counter() - t0
+
+    # -- one broadcast -----------------------------------------------------------------------
+    def _post(self, op: SendOp) -> _Posted:
+        if self.source is not None:
+            buffer, extra = self._fill(op)
+            direct = None
+        else:
+            buffer, extra, direct = self._receive_buffer(op)
+        self._inflight += op.nbytes
+        self._extra += extra
+        self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self._inflight)
+        self.stats.peak_extra_bytes = max(self.stats.peak_extra_bytes, self._extra)
+        work = dist.broadcast(_bytes(buffer), src=self.comm.global_rank(0), group=self.comm.group, async_op=True)
+        self.stats.ops += 1
+        self.stats.bytes_moved += op.nbytes
+        return _Posted(op, buffer, work, extra, direct)
+
+    def _fill(self, op: SendOp) -> "tuple[torch.Tensor, int]":
+        """Rank 0: the buffer to send. One box that is already contiguous on the communication
+        device is sent as it is (a view of the memory map); anything else is copied."""
+        assert self.source is not None
+        try:
+            if len(op.items) == 1:
+                item = op.items[0]
+                view = self.source[item.key][_slices(item.offset, item.shape)]
+                if view.is_contiguous() and view.device == self.device:
+                    return view, 0
+                return torch.empty(item.shape, dtype=item.dtype, device=self.device).copy_(view), op.nbytes
+            buffer = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
+            for item in op.items:
+                view = self.source[item.key][_slices(item.offset, item.shape)]
+                buffer[item.start:item.start + item.nbytes].view(item.dtype).view(item.shape).copy_(view)
+            return buffer, op.nbytes
+        except Exception as e:  # reported on every rank once the broadcasts are through
+            self.errors.append(f"reading {', '.join(i.key for i in op.items)[:200]} from {self.manifest.source}: "
+                               f"{type(e).__name__}: {e}")
+            return torch.zeros(op.nbytes, dtype=torch.uint8, device=self.device), op.nbytes
+
+    def _receive_buffer(self, op: SendOp) -> "tuple[torch.Tensor, int, Optional[str]]":
+        """Other ranks: receive straight into the shard when the box is exactly one shard of
+        this rank, in the right dtype and on the communication device; else into a buffer."""
+        if len(op.items) == 1:
+            item = op.items[0]
+            mine = self._by_key.get(item.key, [])
+            if len(mine) == 1:
+                n = mine[0]
+                if ((n.offset, n.shape, n.flat, n.dtype) == (item.offset, item.shape, None, item.dtype)
+                        and self.devices[n.name] == self.device):
+                    shard = torch.empty(n.local_shape, dtype=n.dtype, device=self.device)
+                    self.shards[n.name] = shard
+                    return shard, 0, n.name
+        return torch.empty(op.nbytes, dtype=torch.uint8, device=self.device), op.nbytes, None
+
+    def _finish(self, posted: _Posted) -> None:
+        posted.work.wait()
+        if self.source is None and posted.direct is None:
+            for item in posted.op.items:
+                box = posted.buffer[item.start:item.start + item.nbytes].view(item.dtype).view(item.shape)
+                for n in self._by_key.get(item.key, []):
+                    self._store(n, box, item.offset)
+        self._inflight -= posted.op.nbytes
+        self._extra -= posted.extra
+
+    # -- cutting shards ----------------------------------------------------------------------
+    def _cut_local(self, key: str) -> None:
+        """Rank 0: cut its own shards of ``key`` straight from the source."""
+        assert self.source is not None
+        tensor = self.source[key]
+        for n in self._by_key.get(key, []):
+            self._store(n, tensor, (0,) * tensor.dim())
+
+    def _store(self, need: Need, box: torch.Tensor, origin: Sequence[int]) -> None:
+        try:
+            self.shards[need.name] = cut(need, box, origin, self.devices[need.name])
+        except Exception as e:  # reported on every rank at the end
+            self.errors.append(f"{need.name!r} (key {need.key!r}): {type(e).__name__}: {e}")
+
+
+def _slices(offset: Sequence[int], shape: Sequence[int]) -> tuple:
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor."""
+    return t.reshape(-1).view(torch.uint8)

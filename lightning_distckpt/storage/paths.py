@@ -1,0 +1,99 @@
+"""Which paths a checkpoint may be read from and written to.
+
+* A path with a URL scheme (``s3://``, ``gs://``, ``http://``, ``file://``, ...) is refused: no
+  store for it exists yet, and treated as a local path it would be written to ``./s3:/bucket/...``
+  while the caller believes it is in the bucket.
+* Nothing under a checkpoint directory is followed through a symbolic link: its files are opened
+  with ``O_NOFOLLOW`` and its data tree is walked (links not followed) before tensorstore reads it.
+  A link elsewhere would make a load read another checkpoint's (or any file's) bytes as ours. The
+  checkpoint directory itself may be reached through links (a symlinked parent, the ``last.ckpt``
+  link of Lightning's ``save_last="link"``): readers resolve it once, to its real path.
+
+File-system queries only; no collectives. The checks are made before reading and do not guard
+against a link swapped in while a load runs (whoever can do that can also rewrite the data).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from typing import Union
+
+from ..core.errors import ArgumentError, FormatError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def local_path(path: PathLike, what: str = "checkpoint") -> str:
+    """``path`` as a string, refused with ArgumentError when it is a URL rather than a local path."""
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise ArgumentError(f"{what} path must be a str or os.PathLike, got {type(path).__name__}") from None
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if _SCHEME.match(text):
+        raise ArgumentError(
+            f"{what} {text}: URLs are not supported (no object-store backend yet); give a local or "
+            f"shared file-system path (it would otherwise be written to a local directory named "
+            f"{text.split('://', 1)[0]}:)"
+        )
+    return text
+
+
+def refuse_link(path: str, what: str) -> os.stat_result:
+    """``lstat`` of ``path``; FormatError when it is a symbolic link (OSError when missing)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise FormatError(
+            f"{what} {path} is a symbolic link (to {os.readlink(path)}); refused: nothing inside a checkpoint "
+            f"is followed through a link"
+        )
+    return st
+
+
+def read_inside(path: str, what: str) -> bytes:
+    """The bytes of the regular file ``path`` inside a checkpoint, never through a link.
+    A link is a FormatError; a missing or unreadable file raises OSError (callers name it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        if os.path.islink(path):
+            refuse_link(path, what)
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{what} {path} is not a regular file")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 24)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
+def tree_bytes(root: str, what: str) -> int:
+    """Bytes of the regular files under the directory ``root`` (itself included in the check),
+    refusing any symbolic link in it (FormatError naming the link). OSError when ``root`` is
+    missing or unreadable."""
+    st = refuse_link(root, what)
+    if not stat.S_ISDIR(st.st_mode):
+        raise FormatError(f"{what} {root} is not a directory")
+    total = 0
+    stack = [root]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    refuse_link(entry.path, f"{what}: file")
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
