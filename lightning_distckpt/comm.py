@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from .core.errors import CheckpointingError, CollectiveError, RankFailure, error_class
+from .core.errors import ArgumentError, CheckpointingError, CollectiveError, RankFailure, error_class
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def get_comm(process_group: Optional[dist.ProcessGroup] = None) -> Comm:
     """The Comm for ``process_group`` (default: the world group; none when not initialized)."""
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
-            raise RuntimeError("a process_group was given but torch.distributed is not initialized")
+            raise ArgumentError("a process_group was given but torch.distributed is not initialized")
         return Comm(None, 0, 1)
     return Comm(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
 

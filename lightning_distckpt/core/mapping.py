@@ -12,7 +12,7 @@ A *sharded state dict* is a nested dict/list whose leaves are either:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
@@ -250,15 +250,9 @@ class ShardedTensor:
     def is_main_replica(self) -> bool:
         return is_main_replica(self.replica_id)
 
-    def global_slice(self) -> Tuple[slice, ...]:
-        return tuple(slice(o, o + s) for o, s in zip(self.global_offset, self.shard_shape))
-
-    def without_data(self) -> "ShardedTensor":
-        return replace(self, data=None)
-
     def local_nbytes(self) -> int:
         n = (self.flattened_range.stop - self.flattened_range.start) if self.flattened_range else math.prod(self.local_shape)
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
     def __repr__(self) -> str:
         flat = f", flattened_range={self.flattened_range.start}:{self.flattened_range.stop}" if self.flattened_range else ""
@@ -299,13 +293,6 @@ class ShardedObject:
     @property
     def is_main_replica(self) -> bool:
         return is_main_replica(self.replica_id)
-
-    @property
-    def unique_key(self) -> str:
-        return f"{self.key}/shard_{'_'.join(map(str, self.global_offset))}"
-
-    def without_data(self) -> "ShardedObject":
-        return replace(self, data=None)
 
 
 @dataclass
@@ -348,5 +335,3 @@ class ShardedTensorFactory:
     def build(self) -> Any:
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
 
-
-ShardedEntry = Union[ShardedTensor, ShardedObject]

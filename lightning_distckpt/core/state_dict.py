@@ -87,10 +87,6 @@ def merge(base: Any, other: Any) -> Any:
     return other
 
 
-def sharded_leaves(tree: Any) -> List[Tuple[Path, Any]]:
-    return [(p, v) for p, v in iter_leaves(tree) if isinstance(v, SHARDED_TYPES)]
-
-
 def apply_factories(tree: Any) -> Any:
     """Replace each ShardedTensorFactory by its expansion (recursively); factories are kept aside
     in a ``_FactoryExpansion`` wrapper so :func:`merge_factories` can fold them back after load."""

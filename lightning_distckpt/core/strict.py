@@ -6,9 +6,9 @@ import logging
 from enum import Enum
 from typing import Iterable, Set, Tuple
 
-from .errors import MissingKeysError
+from .errors import ArgumentError, MissingKeysError
 
-logger = logging.getLogger("lightning_distckpt")
+logger = logging.getLogger(__name__)
 
 
 class StrictHandling(Enum):
@@ -49,7 +49,7 @@ class StrictHandling(Enum):
             for member in cls:
                 if v in (member.value, member.name.lower()):
                     return member
-        raise ValueError(f"unknown strict handling {value!r}; choose one of {[m.value for m in cls]}")
+        raise ArgumentError(f"unknown strict handling {value!r}; choose one of {[m.value for m in cls]}")
 
     @property
     def needs_unexpected(self) -> bool:

@@ -14,13 +14,19 @@ from __future__ import annotations
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..core.mapping import ShardedTensor
 from .metadata import dtype_name
 
-# (key, global offset, shard shape in global axes, flattened range or None, dtype name)
-ChunkId = Tuple[str, Tuple[int, ...], Tuple[int, ...], Optional[Tuple[int, int]], str]
+class ChunkId(NamedTuple):
+    """The identity of the data a ShardedTensor asks for; replicas share it (plain data: exchanged)."""
+
+    key: str
+    offset: Tuple[int, ...]  # global offset
+    shape: Tuple[int, ...]  # shard shape in global axes
+    flat: Optional[Tuple[int, int]]  # flattened range
+    dtype: str
 
 LOCAL, BROADCAST, P2P = "local", "broadcast", "p2p"
 
@@ -28,8 +34,8 @@ LOCAL, BROADCAST, P2P = "local", "broadcast", "p2p"
 def chunk_id(st: ShardedTensor) -> ChunkId:
     """The identity of the data a ShardedTensor asks for; replicas share it."""
     fr = st.flattened_range
-    return (st.key, tuple(st.global_offset), tuple(st.shard_shape), (fr.start, fr.stop) if fr else None,
-            dtype_name(st.dtype, st.key))
+    return ChunkId(st.key, tuple(st.global_offset), tuple(st.shard_shape), (fr.start, fr.stop) if fr else None,
+                   dtype_name(st.dtype, st.key))
 
 
 @dataclass(frozen=True)
@@ -38,10 +44,6 @@ class ChunkRequest:
 
     chunk: ChunkId
     nbytes: int
-
-    @classmethod
-    def of(cls, st: ShardedTensor) -> "ChunkRequest":
-        return cls(chunk_id(st), st.local_nbytes())
 
 
 @dataclass(frozen=True)

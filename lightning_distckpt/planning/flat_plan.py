@@ -32,7 +32,7 @@ import numpy as np
 
 from ..core.errors import CheckpointingError, ShardingError
 from ..core.mapping import ShardedTensor
-from .load_plan import intersect
+from .boxes import intersect
 from .metadata import StoredShard, TensorEntry
 
 Shape = Tuple[int, ...]
@@ -114,13 +114,6 @@ def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> List[BoxT]:
     if c1:
         out += in_row(r1, 0, c1)
     return out
-
-
-def is_contiguous_in(sub: BoxT, box: BoxT) -> bool:
-    """Whether sub-box ``sub`` is one contiguous run of ``box``'s row-major order."""
-    shape, outer = sub[1], box[1]
-    axes = [k for k, n in enumerate(shape) if n != 1]
-    return not axes or all(shape[k] == outer[k] for k in range(axes[0] + 1, len(shape)))
 
 
 def _shift(box: BoxT, origin: Sequence[int]) -> BoxT:

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Sequence, Tuple
+from typing import List, Sequence, Tuple, Union
 
 import torch
 
 from ..core.errors import CheckpointingError, ShardingError
 from ..core.mapping import ShardedTensor
+from .boxes import intersect
+from .flat_plan import FlatReadPlan, plan_flat_read
 from .metadata import TensorEntry
-
-if TYPE_CHECKING:
-    from .flat_plan import FlatReadPlan
 
 
 @dataclass(frozen=True)
@@ -42,15 +41,6 @@ class TensorReadPlan:
     key: str
     items: Tuple[ReadItem, ...]
     zero_fill: bool  # part of the requested shard lies outside the saved tensor
-
-
-def intersect(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], b_shape: Sequence[int]):
-    """Intersection of two boxes as (offset, shape), or None when empty."""
-    lo = [max(a, b) for a, b in zip(a_off, b_off)]
-    hi = [min(a + sa, b + sb) for a, sa, b, sb in zip(a_off, a_shape, b_off, b_shape)]
-    if any(h <= l for l, h in zip(lo, hi)):
-        return None
-    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
 
 
 def _rel(off: Sequence[int], shape: Sequence[int], origin: Sequence[int]) -> Tuple[slice, ...]:
@@ -79,7 +69,8 @@ def check_dtype_conversion(request: ShardedTensor, entry: TensorEntry, checkpoin
     )
 
 
-def plan_tensor_read(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: str) -> "TensorReadPlan | FlatReadPlan":
+def plan_tensor_read(request: ShardedTensor, entry: TensorEntry,
+                     checkpoint_dir: str) -> Union["TensorReadPlan", FlatReadPlan]:
     """Plan reading ``request``'s shard from the stored shards of ``entry``.
 
     With ``allow_shape_mismatch`` the saved global shape may differ: the requested box is clipped
@@ -100,8 +91,6 @@ def plan_tensor_read(request: ShardedTensor, entry: TensorEntry, checkpoint_dir:
         )
     check_dtype_conversion(request, entry, checkpoint_dir)
     if request.flattened_range is not None or any(s.flat for s in entry.shards):
-        from .flat_plan import plan_flat_read  # flat_plan builds on this module's box helpers
-
         return plan_flat_read(request, entry, checkpoint_dir)
     off, shape = request.global_offset, request.shard_shape
     items: List[ReadItem] = []

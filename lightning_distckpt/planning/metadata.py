@@ -14,7 +14,6 @@ import torch
 from ..core.errors import FormatError, ShardingError
 from ..core.mapping import ShardedObject, ShardedTensor
 
-Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offset, shape) in global coordinates
 FlatRange = Optional[Tuple[int, int]]
 
 _DTYPES: Dict[str, torch.dtype] = {
