@@ -114,6 +114,7 @@ def _failure(rank, world, root):
             errors["fsize"] = None
         except SaveFailedError as e:
             errors["fsize"] = str(e)
+            errors["fsize_failures"] = sorted(e.failures)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     errors["after_fsize"] = same(loaded(good, rank, world), state(rank, world, 1.0))
@@ -129,6 +130,7 @@ def _failure(rank, world, root):
         errors["in_the_way"] = None
     except SaveFailedError as e:
         errors["in_the_way"] = str(e)
+        errors["in_the_way_failures"] = sorted(e.failures)
 
     # 3. the saver recovers: the next save commits
     saver.save(state(rank, world, 5.0), good).finalize()
@@ -141,9 +143,10 @@ def test_background_failure_raises_everywhere_and_keeps_previous(tmp_path):
     res = run_distributed(_failure, 2, str(tmp_path), timeout_s=60)
     for r in res:
         assert r["fsize"] is not None and "rank 1" in r["fsize"] and "nothing was committed" in r["fsize"], r["fsize"]
-        assert "rank 0:" not in r["fsize"]  # only the rank that failed is blamed
+        assert "rank 0:" not in r["fsize"] and r["fsize_failures"] == [1]  # only the rank that failed is blamed
         assert r["after_fsize"]  # the previous checkpoint is untouched and loads
         assert r["in_the_way"] is not None and "not a directory" in r["in_the_way"]
+        assert r["in_the_way_failures"] == [0]  # the commit, on rank 0
         assert r["recovered"]
         assert r["leftovers"] == []
 

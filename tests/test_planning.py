@@ -63,6 +63,37 @@ def test_replicated_writes_are_spread_by_bytes():
     assert main_only.bytes_per_rank == {0: 24 * 16, 1: 0}
 
 
+def test_plan_items_point_at_the_writers_own_records():
+    # Ranks' records interleaved (any order within the list, each rank's own in its list order):
+    # every write names the position of the writer's record, so the writer needs no lookup.
+    per_rank = {
+        0: [rec("a", (0, 0), (4, 4), 0), rec("rep", (0,), (6,), 0, global_shape=(6,)), rec("b", (0,), (8,), 0,
+                                                                                          global_shape=(8,))],
+        1: [rec("rep", (0,), (6,), 1, main=False, global_shape=(6,)), rec("a", (4, 0), (4, 4), 1)],
+    }
+    interleaved = [per_rank[0][0], per_rank[1][0], per_rank[0][1], per_rank[1][1], per_rank[0][2]]
+    objs = [ObjectRecord("rng", (2,), (1,), True, 1), ObjectRecord("rng", (2,), (0,), True, 0),
+            ObjectRecord("opt", (1,), (0,), False, 0), ObjectRecord("opt", (1,), (0,), True, 1)]
+    plan = make_save_plan(interleaved, objs, world_size=2, pack_max_bytes=16)
+    seen = []
+    for writer, items in plan.writes.items():
+        for item in items:
+            source = per_rank[writer][item.source]
+            assert (source.key, source.shard_id) == (item.key, item.shard_id)
+            stored = plan.index.tensors[item.key].shards[item.index]
+            assert (stored.writer, stored.packed) == (writer, item.packed)
+            seen.append(item.key)
+    assert sorted(seen) == ["a", "a", "b", "rep"]
+    own_objects = {0: [objs[1], objs[2]], 1: [objs[0], objs[3]]}
+    for writer, items in plan.object_writes.items():
+        for item in items:
+            source = own_objects[writer][item.source]
+            assert (source.key, source.offset, source.main) == (item.key, item.offset, True)
+            assert plan.index.objects[item.key].shards[item.index].writer == writer
+    assert sorted((i.key, i.offset) for items in plan.object_writes.values() for i in items) == [
+        ("opt", (0,)), ("rng", (0,)), ("rng", (1,))]
+
+
 def test_small_shards_are_packed_per_writer_and_dtype():
     recs = [
         rec("norm", (0,), (16,), 0, global_shape=(16,)),  # 64 B fp32, written by rank 0

@@ -263,14 +263,15 @@ def _differing_storage_options(rank, world, path):
     try:
         ldc.save(sd, path, storage=ldc.StorageOptions(pack_max_bytes=0 if rank else 1024))
     except ldc.CheckpointingError as e:
-        return str(e), os.path.exists(path)
-    return None, os.path.exists(path)
+        return str(e), os.path.exists(path), type(e).__name__, sorted(e.failures)
+    return None, os.path.exists(path), None, None
 
 
 def test_differing_planning_options_fail_on_every_rank(tmp_path):
     res = run_distributed(_differing_storage_options, 2, str(tmp_path / "ck"))
-    for msg, written in res:
+    for msg, written, kind, failing in res:
         assert msg is not None and "rank 1: planning options" in msg and "pack_max_bytes" in msg, msg
+        assert kind == "ArgumentError" and failing == [1]  # only the rank whose options differ is blamed
         assert not written
     assert not (tmp_path / "ck").exists()
 
@@ -285,6 +286,7 @@ def _failing_rank_save(rank, world, path):
         ldc.save(sd2, path)
     except ldc.SaveFailedError as e:
         err = str(e)
+        assert sorted(e.failures) == [1], e.failures
     else:
         err = None
     out = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, world))}, path)

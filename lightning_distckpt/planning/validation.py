@@ -59,27 +59,7 @@ def validate_tensor_records(records: Sequence[ShardRecord]) -> List[str]:
         for r in mains:
             boxes[(r.offset, r.shape)].append(r)
         for (off, shape), pieces in boxes.items():
-            flat = [p for p in pieces if p.flat]
-            if flat and len(flat) != len(pieces):
-                problems.append(f"{key!r}: shard at offset {off} is saved both flattened and whole")
-                continue
-            if flat:
-                covered = 0
-                for p in sorted(flat, key=lambda p: p.flat):
-                    if p.flat[0] != covered:
-                        kind = "gap" if p.flat[0] > covered else "overlap"
-                        problems.append(
-                            f"{key!r}: flattened ranges of shard at offset {off} have a {kind} at element "
-                            f"{min(covered, p.flat[0])} (rank {p.rank} holds {p.flat[0]}:{p.flat[1]})"
-                        )
-                        break
-                    covered = p.flat[1]
-                else:
-                    if covered != math.prod(shape):
-                        problems.append(
-                            f"{key!r}: flattened ranges of shard at offset {off} cover {covered} of "
-                            f"{math.prod(shape)} elements"
-                        )
+            problems += _flat_problems(key, off, shape, pieces)
         box_list = sorted(boxes)
         for i, (ao, ash) in enumerate(box_list):
             for bo, bsh in box_list[i + 1:]:
@@ -98,6 +78,25 @@ def validate_tensor_records(records: Sequence[ShardRecord]) -> List[str]:
                 f"(a gap: some part has no replica with replica_id 0; shards held by ranks {_ranks(recs)})"
             )
     return problems
+
+
+def _flat_problems(key: str, off: Tuple[int, ...], shape: Tuple[int, ...], pieces: List[ShardRecord]) -> List[str]:
+    """The flattened pieces of the main shard at ``off`` cover it exactly once (none: whole)."""
+    flat = [p for p in pieces if p.flat]
+    if not flat:
+        return []
+    if len(flat) != len(pieces):
+        return [f"{key!r}: shard at offset {off} is saved both flattened and whole"]
+    covered = 0
+    for p in sorted(flat, key=lambda p: p.flat):
+        if p.flat[0] != covered:
+            kind = "gap" if p.flat[0] > covered else "overlap"
+            return [f"{key!r}: flattened ranges of shard at offset {off} have a {kind} at element "
+                    f"{min(covered, p.flat[0])} (rank {p.rank} holds {p.flat[0]}:{p.flat[1]})"]
+        covered = p.flat[1]
+    if covered != math.prod(shape):
+        return [f"{key!r}: flattened ranges of shard at offset {off} cover {covered} of {math.prod(shape)} elements"]
+    return []
 
 
 def validate_object_records(records: Sequence[ObjectRecord]) -> List[str]:
