@@ -17,12 +17,13 @@ from .core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from .core.factories import fused_split_factory, transposed_factory
 from .core.strict import StrictHandling
 from .serialization import load, load_common_state_dict, load_plain_tensors, load_tensors_metadata, save
-from .convert import ConvertReport, export_torch_file, import_torch_file, relayout_checkpoint
+from .convert import ConvertReport, relayout_checkpoint
 from .optim import init_optimizer_state, optimizer_sharded_state_dict, restore_optimizer_state
 from .storage.tensorstore_io import StorageOptions
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
 from .strategies.save import SavePlanCache
 from .reading import EveryRankLoader, FullyParallelLoader, TwoStageDataParallelLoader
+from .sharding import DistModule, broadcast_and_shard_state_dict, shard_broadcasted_state_dict
 from .version import __version__
 
 # The Lightning / Fabric integration imports Lightning (slow): loaded on first use of one of its names.
@@ -39,6 +40,8 @@ _LIGHTNING_NAMES = (
     "parallel_state_of",
     "load_lightning_module",
     "load_module_weights",
+    "export_torch_file",  # Lightning checkpoints as Lightning's dict; others as convert.export_torch_file
+    "import_torch_file",
 )
 
 
@@ -68,13 +71,14 @@ __all__ = [
     "ShardedTensor",
     "ShardedTensorFactory",
     "ShardingError",
+    "DistModule",
+    "broadcast_and_shard_state_dict",
+    "shard_broadcasted_state_dict",
     "StorageOptions",
     "StrictHandling",
     "ValidationError",
     "__version__",
-    "export_torch_file",
     "fused_split_factory",
-    "import_torch_file",
     "init_optimizer_state",
     "optimizer_sharded_state_dict",
     "restore_optimizer_state",

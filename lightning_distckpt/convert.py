@@ -5,11 +5,12 @@
   Nothing is deserialized, so flattened optimizer shards, objects and the Lightning manifest
   survive exactly; the result still loads under any split.
 * :func:`export_torch_file` consolidates a checkpoint into one file for tools that expect
-  ``torch.load``: a Trainer checkpoint (written by ``DistCheckpointIO`` or ``DistCheckpointStrategy``)
-  becomes Lightning's own checkpoint dict with whole tensors (``LightningModule.load_from_checkpoint``
-  reads it), a ``Fabric.save`` checkpoint the saved state dict; any other checkpoint becomes ``{"tensors": {key: tensor}, "objects": {key: {offset:
-  object}}, "common": common_state}``.
-* :func:`import_torch_file` turns such a file (or any ``torch.save``'d dict) into a checkpoint directory.
+  ``torch.load``: ``{"tensors": {key: tensor}, "objects": {key: {offset: object}}, "common": common_state}``.
+* :func:`import_torch_file` turns such a file into a checkpoint directory.
+
+Lightning checkpoints (Trainer or Fabric) are exported as Lightning's own checkpoint dict, and any
+``torch.save``'d dict imported, by :mod:`lightning_distckpt.lightning.export` (the layer above this
+one; ``ldc.export_torch_file`` / ``ldc.import_torch_file`` and the CLI use it).
 
 Single process, no process group. Everything is read before anything is written, except in
 :func:`relayout_checkpoint`, which streams shard by shard. Outputs appear atomically (staging directory or
@@ -28,7 +29,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from .core.errors import CheckpointingError
+from .core.errors import CheckpointingError, FormatError
 from .core.mapping import ShardedObject, ShardedTensor
 from .planning.metadata import StoredShard
 from .serialization import load_common_state_dict, load_plain_tensors, save
@@ -139,26 +140,16 @@ def _copy_objects(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO
 
 
 def export_torch_file(source: str, destination: str, extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
-    """Consolidate the checkpoint ``source`` into the ``torch.save`` file ``destination`` (see the
-    module docstring for what the file holds)."""
+    """Consolidate the checkpoint ``source`` into the ``torch.save`` file ``destination`` as
+    ``{"tensors", "objects", "common"}`` (a Lightning checkpoint as Lightning's own dict:
+    :func:`lightning_distckpt.lightning.export.export_torch_file`, which ``ldc.export_torch_file`` is)."""
     t0 = time.perf_counter()
     common = load_common_state_dict(source, extra_safe_globals)
-    from .lightning.tree import MANIFEST_KEY
-
-    if isinstance(common, dict) and MANIFEST_KEY in common:
-        from .lightning.checkpoint_io import DistCheckpointIO
-
-        payload: Any = DistCheckpointIO(extra_safe_globals=extra_safe_globals).load_checkpoint(source)
-        kind = "lightning"
-        n_tensors = sum(1 for _ in _tensor_leaves(payload))
-        n_objects = 0
-    else:
-        objects = _read_objects(OpenedCheckpoint.open(source), extra_safe_globals)
-        payload = {"tensors": load_plain_tensors(source), "objects": objects, "common": common}
-        kind, n_tensors, n_objects = "tensors", len(payload["tensors"]), sum(len(v) for v in objects.values())
-    nbytes = _save_file_atomic(payload, destination)
-    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), kind, n_tensors, n_objects, nbytes,
-                         time.perf_counter() - t0)
+    objects = _read_objects(OpenedCheckpoint.open(source), extra_safe_globals)
+    payload = {"tensors": load_plain_tensors(source), "objects": objects, "common": common}
+    nbytes = save_file_atomic(payload, destination)
+    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), "tensors", len(payload["tensors"]),
+                         sum(len(v) for v in objects.values()), nbytes, time.perf_counter() - t0)
 
 
 def _read_objects(ckpt: OpenedCheckpoint, extra_safe_globals: Sequence[Any]) -> Dict[str, Dict[Tuple[int, ...], Any]]:
@@ -173,18 +164,7 @@ def _read_objects(ckpt: OpenedCheckpoint, extra_safe_globals: Sequence[Any]) -> 
     return out
 
 
-def _tensor_leaves(tree: Any):
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensor_leaves(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _tensor_leaves(v)
-    elif isinstance(tree, torch.Tensor):
-        yield tree
-
-
-def _save_file_atomic(payload: Any, destination: str) -> int:
+def save_file_atomic(payload: Any, destination: str) -> int:
     """torch.save into a temporary file beside ``destination``, fsync, then rename over it."""
     destination = os.path.abspath(local_path(destination, "output file"))
     if os.path.isdir(destination):
@@ -206,30 +186,37 @@ def _save_file_atomic(payload: Any, destination: str) -> int:
 
 def import_torch_file(source: str, destination: str, storage: StorageOptions = StorageOptions(),
                  extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
-    """Save the ``torch.save`` file ``source`` as the checkpoint directory ``destination``.
-
-    A file :func:`export_torch_file` wrote from a non-Lightning checkpoint gets its keys, objects and
-    common state back. Any other dict (a Lightning checkpoint, a model ``state_dict``, nested
-    training state) is saved the way ``DistCheckpointIO`` saves Lightning checkpoints: each tensor
-    whole, keyed by its path (``state_dict/layer.weight``), everything else common state, plus the
-    manifest that ``DistCheckpointIO.load_checkpoint`` and ``load_lightning_module`` read back.
+    """Save the file ``source`` that :func:`export_torch_file` wrote as the checkpoint directory
+    ``destination``: its keys, objects and common state come back. (Any other ``torch.save``'d dict:
+    :func:`lightning_distckpt.lightning.export.import_torch_file`, which ``ldc.import_torch_file`` is.)
     """
     t0 = time.perf_counter()
     payload = load_file(local_path(source, "input file"), extra_safe_globals)
+    return import_export_payload(payload, source, destination, storage, t0)
+
+
+def is_export_payload(payload: Any) -> bool:
+    """Whether ``payload`` has the structure :func:`export_torch_file` writes."""
+    return isinstance(payload, dict) and set(payload) == set(EXPORT_KEYS) and isinstance(payload["tensors"], dict)
+
+
+def import_export_payload(payload: Any, source: str, destination: str, storage: StorageOptions,
+                          started: float) -> ConvertReport:
+    """:func:`import_torch_file` of the already read ``payload`` (``started``: when reading began)."""
     if not isinstance(payload, dict):
         raise CheckpointingError(f"{source}: holds a {type(payload).__name__}, not a dict; nothing to import")
-    if set(payload) == set(EXPORT_KEYS) and isinstance(payload["tensors"], dict):
-        tree, n_tensors, n_objects = _tree_from_export(payload, source)
-        save(tree, destination, storage=storage)
-        kind = "tensors"
-    else:
-        from .lightning.checkpoint_io import DistCheckpointIO
+    if not is_export_payload(payload):
+        raise FormatError(f"{source}: not a file export_torch_file wrote (keys {sorted(EXPORT_KEYS)}); "
+                          "lightning_distckpt.lightning.export.import_torch_file saves any dict")
+    tree, n_tensors, n_objects = _tree_from_export(payload, source)
+    save(tree, destination, storage=storage)
+    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), "tensors", n_tensors, n_objects,
+                         directory_bytes(destination), time.perf_counter() - started)
 
-        DistCheckpointIO().save_checkpoint(payload, destination, storage_options=storage)
-        kind, n_tensors, n_objects = "tree", sum(1 for t in _tensor_leaves(payload) if t.ndim > 0), 0
-    nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(destination) for f in fs)
-    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), kind, n_tensors, n_objects, nbytes,
-                         time.perf_counter() - t0)
+
+def directory_bytes(path: str) -> int:
+    """The bytes of the files under ``path``."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def _tree_from_export(payload: Dict[str, Any], source: str) -> Tuple[Dict[str, Any], int, int]:

@@ -75,7 +75,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from ..convert import export_torch_file, import_torch_file, relayout_checkpoint
+    from ..convert import relayout_checkpoint
+    from ..lightning.export import export_torch_file, import_torch_file  # Lightning checkpoints: Lightning's dict
     from ..storage.tensorstore_io import StorageOptions
 
     if not os.path.exists(local_path(args.source, "source")):

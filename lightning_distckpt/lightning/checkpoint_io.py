@@ -31,12 +31,10 @@ from ..core.strict import StrictHandling
 from ..serialization import load as dist_load
 from ..serialization import load_common_state_dict, load_tensors_metadata
 from ..serialization import save as dist_save
+from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, TwoStageDataParallelLoader
 from ..storage.tensorstore_io import StorageOptions
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
-from ..reading.loaders import EveryRankLoader
-from ..reading.loaders import DEFAULT_LOADER
 from ..strategies.save import finalize_save, prepare_save, write_local
-from ..reading.loaders import TwoStageDataParallelLoader
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
 from .tree import KIND_PLAIN, MANIFEST_KEY, manifest, plain_to_sharded, template_from_manifest
 
@@ -110,7 +108,7 @@ class DistCheckpointIO(CheckpointIO):
             raise FormatError(f"checkpoint {target}: not a Lightning checkpoint (no {MANIFEST_KEY} manifest)")
         template = template_from_manifest(man, load_tensors_metadata(target), target)
         state, _, _ = EveryRankLoader().load(template, target, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
-                                            self.extra_safe_globals)
+                                             self.extra_safe_globals)
         state.pop(MANIFEST_KEY, None)
         if map_location is not None:
             if not isinstance(map_location, (str, torch.device)):
