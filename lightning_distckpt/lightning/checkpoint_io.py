@@ -172,6 +172,11 @@ class DistCheckpointIO(CheckpointIO):
         loaded = out[0] if isinstance(out, tuple) else out
         return merge(fallback, loaded) if isinstance(fallback, dict) else loaded
 
+    @property
+    def pending(self) -> Optional[AsyncSaveRequest]:
+        """The background save in flight (written or not, not yet committed), if any."""
+        return self._pending
+
     def finalize_if_done(self) -> bool:
         """Collective when a collective save is pending: commit it if every rank's writes have
         finished, without blocking on unfinished ones. Returns whether nothing is pending now.
