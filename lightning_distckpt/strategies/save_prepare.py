@@ -243,22 +243,35 @@ def _warn_common_differs(common: Any, comm: Comm, target: str) -> None:
 
 def _plan(comm: Comm, target: str, records: RankRecords, handshakes: List[Handshake],
           validate_access_integrity: bool, plan_cache: Optional[SavePlanCache]) -> SavePlan:
-    """Collective: agree on the planning options (fetching every rank's records if some held
-    them back), validate the records and plan, identically on every rank."""
-    planning = handshakes[comm.rank].planning
-    differs = planning.differences(handshakes[0].planning)
-    mismatch = ArgumentError(f"planning options differ from rank 0's: {', '.join(differs)}") if differs else None
-    held_back = any(h.records is None for h in handshakes)
-    fetched = comm.agree(f"save to {target} failed before writing", mismatch, records if held_back else None)
-    per_rank: List[RankRecords] = fetched if held_back else [h.records for h in handshakes]  # type: ignore[misc]
+    """Collective: check the planning options, fetch every rank's records if some held them
+    back, validate the records and plan, identically on every rank."""
+    _refuse_differing_planning(comm, target, handshakes)
+    if any(h.records is None for h in handshakes):
+        per_rank: List[RankRecords] = comm.all_gather_object(records)
+    else:
+        per_rank = [h.records for h in handshakes if h.records is not None]
     all_tensors = [r for recs in per_rank for r in recs.tensors]
     all_objects = [r for recs in per_rank for r in recs.objects]
     if plan_cache is not None:
         plan_cache.clear()  # a failed validation must not leave a stale plan behind
     if validate_access_integrity:
         raise_on_problems(validate_tensor_records(all_tensors) + validate_object_records(all_objects), target)
+    planning = handshakes[comm.rank].planning
     return make_save_plan(all_tensors, all_objects, comm.size, balance_writes=planning.balance_writes,
                           pack_max_bytes=planning.pack_max_bytes)
+
+
+def _refuse_differing_planning(comm: Comm, target: str, handshakes: List[Handshake]) -> None:
+    """Raise on every rank, blaming each rank whose planning options differ from rank 0's.
+
+    Every rank sees the same handshakes, so all of them enter the agreement, and only when it
+    fails: a save whose options agree pays no extra round trip."""
+    reference = handshakes[0].planning
+    if all(h.planning == reference for h in handshakes):
+        return
+    differs = handshakes[comm.rank].planning.differences(reference)
+    mismatch = ArgumentError(f"planning options differ from rank 0's: {', '.join(differs)}") if differs else None
+    comm.agree(f"save to {target} failed before writing", mismatch)
 
 
 def _local_writes(plan: SavePlan, local: LocalState, rank: int) -> Tuple[List[ShardWrite], List[ObjectWrite]]:
