@@ -13,6 +13,7 @@ from .core.mapping import ShardedTensor
 from .core.strict import StrictHandling
 from .planning.metadata import dtype_from_name
 from .reading.checkpoint import open_checkpoint
+from .reading.formats import KeyMap
 from .reading.loaders import Loader, resolve_loader
 from .reading.reads import read_tensors
 from .storage.tensorstore_io import StorageOptions
@@ -92,8 +93,15 @@ def load(
     strict: Union[StrictHandling, str] = StrictHandling.ASSUME_OK_UNEXPECTED,
     extra_safe_globals: Sequence[Any] = (),
     loader: Union[str, Loader, None] = None,
+    key_map: KeyMap = None,
 ) -> Union[Dict[str, Any], Tuple[Dict[str, Any], set, set]]:
     """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
+
+    ``checkpoint_dir`` is one of our checkpoints, or an ordinary file every rank reads its slices
+    from directly: a ``torch.save`` file (tensors named by their ``/``-joined path: a plain state
+    dict keeps its keys, a Lightning checkpoint's weights are ``"state_dict/<name>"``; the rest is
+    common state), a ``.safetensors`` file or a Hugging Face model directory. ``key_map`` maps
+    such a file's keys to the template's keys: a dict, or a callable returning None to skip a key.
 
     Returns the state dict with each ShardedTensor replaced by its tensor (read straight into its
     ``data`` when that is a contiguous CPU tensor), each ShardedObject by its object, each
@@ -109,9 +117,9 @@ def load(
     """
     strict = StrictHandling.parse(strict)
     comm = get_comm(process_group)
-    state, missing, unexpected = resolve_loader(loader).load(
-        sharded_state_dict, os.fspath(checkpoint_dir), comm, strict, extra_safe_globals
-    )
+    source = open_checkpoint(os.fspath(checkpoint_dir), key_map, extra_safe_globals)
+    state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, source, comm, strict,
+                                                             extra_safe_globals)
     if strict.returns_keys:
         return state, missing, unexpected
     return state

@@ -21,6 +21,7 @@ from ..storage.layout import COMMON_FILE, read_metadata
 from ..storage.paths import local_path
 from ..storage.safe_pickle import loads, read_file
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
+from .formats import KeyMap, detect
 
 
 @runtime_checkable
@@ -66,6 +67,9 @@ class OpenedCheckpoint:
         return loads(read_file(common_path), f"checkpoint {self.path}: {COMMON_FILE}", extra_safe_globals)
 
 
-def open_checkpoint(path: str) -> CheckpointSource:
-    """The source for ``path``: our own checkpoint directory (other formats plug in here)."""
-    return OpenedCheckpoint.open(path)
+def open_checkpoint(path: str, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = ()) -> CheckpointSource:
+    """The source for ``path``: a ``torch.save`` file, a ``.safetensors`` file or a Hugging Face
+    model directory (``key_map`` maps their keys to template keys: a dict, or a callable returning
+    None to leave a key out), else our own checkpoint directory."""
+    found = detect(os.fspath(path), key_map, extra_safe_globals)
+    return found if found is not None else OpenedCheckpoint.open(path)

@@ -24,12 +24,15 @@ from ..comm import Comm, get_comm
 from ..core.errors import ArgumentError, ArgumentTypeError
 from ..core.strict import StrictHandling
 from ..planning.exchange_plan import ChunkId, ChunkRequest, chunk_id, plan_exchange
+from .checkpoint import CheckpointSource
 from .exchange import ChunkExchange, Requester, comm_device
 from .pipeline import LoadContext, Result, begin_load, combine_errors, finish_load
 from .reads import read_tensors
 from .stats import LoadStats, format_load_times
 
 logger = logging.getLogger(__name__)
+
+Checkpoint = Union[str, CheckpointSource]  # a path, or a source opened by the caller
 
 LOADER_NAMES = ("every_rank", "parallel", "two_stage")
 # The default reads every chunk once per group, never more than every-rank reads and DP times
@@ -41,16 +44,16 @@ DEFAULT_LOADER = "two_stage"
 class Loader(Protocol):
     """What ``load(..., loader=...)`` accepts besides a name."""
 
-    def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm, strict: StrictHandling,
+    def load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
              extra_safe_globals: Sequence[Any] = ()) -> Result: ...
 
 
 class EveryRankLoader:
     """Each rank reads the pieces its own shards need."""
 
-    def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm, strict: StrictHandling,
+    def load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
              extra_safe_globals: Sequence[Any] = ()) -> Result:
-        ctx = begin_load(sharded_state_dict, checkpoint_dir, comm, strict)
+        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict)
         stats = LoadStats(rank=comm.rank)
         tensors: List[Optional[torch.Tensor]] = []
         if ctx.error is None:
@@ -97,11 +100,11 @@ class ExchangeLoader:
         self.device = device
         self.last_stats: List[LoadStats] = []
 
-    def load(self, sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm, strict: StrictHandling,
+    def load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
              extra_safe_globals: Sequence[Any] = ()) -> Result:
         """Collective over ``comm`` (the load's group); the exchange runs within ``group``."""
         exchange_comm = get_comm(self.group) if self.group is not None else comm
-        ctx = begin_load(sharded_state_dict, checkpoint_dir, comm, strict)
+        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict)
         local, empty = _group_requests(ctx)
         requests = exchange_comm.all_gather_object([ChunkRequest(c, r[0].tensor.local_nbytes()) for c, r in local.items()])
         plan = plan_exchange(requests, bucket_bytes=self.bucket_bytes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -45,11 +45,12 @@ class LoadContext:
             self.error = error
 
 
-def begin_load(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm, strict: StrictHandling) -> LoadContext:
-    """Collective: open the source, split the template, match keys (raising on every rank alike
-    when ``strict`` says so). A bad template is held as the context's error, not raised here."""
+def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, CheckpointSource], comm: Comm,
+               strict: StrictHandling) -> LoadContext:
+    """Collective: open the source (unless given one), split the template, match keys (raising on
+    every rank alike when ``strict`` says so). A bad template is held as the context's error."""
     started = time.perf_counter()
-    source = open_checkpoint(checkpoint_dir)
+    source = open_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
     error: Optional[BaseException] = None
     try:
         request = make_request(sharded_state_dict)

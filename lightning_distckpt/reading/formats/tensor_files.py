@@ -1,0 +1,103 @@
+"""A checkpoint source over files that hold whole (unsharded) tensors by name.
+
+Each file key becomes one tensor entry with one stored shard covering the whole tensor (writer =
+the file's number), so the reading pipeline plans resharded reads from such files exactly as from
+our own checkpoints. A file format supplies an opener (:class:`TensorFile`): names, shape and
+dtype of each tensor, and a slice read that touches only the bytes of the slice (safetensors
+offsets, memory-mapped torch storages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, Union
+
+import torch
+
+from ...core.errors import CheckpointingError, FormatError, ShardingError
+from ...planning.metadata import CheckpointIndex, StoredShard, TensorEntry, dtype_name
+from ...storage.base import ShardRead
+
+KeyMap = Union[Dict[str, str], Callable[[str], Optional[str]], None]
+
+
+class TensorFile(Protocol):
+    """One file of tensors, opened (lazily: no tensor data read until asked)."""
+
+    path: str
+
+    def names(self) -> List[str]: ...
+
+    def shape_dtype(self, name: str) -> Tuple[Tuple[int, ...], torch.dtype]: ...
+
+    def read(self, name: str, src: Tuple[slice, ...]) -> torch.Tensor:
+        """``tensor[src]`` as a CPU tensor, reading only what the slice needs where the format allows."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Location:
+    file: int
+    name: str  # the key in the file (before key_map)
+
+
+def map_key(key_map: KeyMap, name: str) -> Optional[str]:
+    """The template key of file key ``name`` (None: not offered to the template)."""
+    if key_map is None:
+        return name
+    if callable(key_map):
+        return key_map(name)
+    return key_map.get(name, name)
+
+
+class TensorFileSource:
+    """A :class:`~lightning_distckpt.reading.checkpoint.CheckpointSource` over tensor files."""
+
+    def __init__(self, path: str, files: Sequence[TensorFile], key_map: KeyMap = None, common: Any = None) -> None:
+        self.path = path
+        self._files = list(files)
+        self._common = {} if common is None else common
+        self._where: Dict[str, _Location] = {}
+        self.index = CheckpointIndex()
+        for i, f in enumerate(self._files):
+            for name in f.names():
+                key = map_key(key_map, name)
+                if key is None:
+                    continue
+                if key in self._where:
+                    prev = self._where[key]
+                    raise FormatError(f"{path}: key {key!r} comes from both {self._files[prev.file].path} "
+                                      f"({prev.name!r}) and {f.path} ({name!r}); fix key_map")
+                shape, dtype = f.shape_dtype(name)
+                try:
+                    stored_dtype = dtype_name(dtype, name)
+                except ShardingError:
+                    raise FormatError(f"{f.path}: tensor {name!r} has dtype {dtype}, which lightning_distckpt "
+                                      "cannot load") from None
+                self._where[key] = _Location(i, name)
+                self.index.tensors[key] = TensorEntry(shape, stored_dtype,
+                                                      [StoredShard((0,) * len(shape), shape, None, i, 0)])
+
+    def reader(self) -> "TensorFileSource":
+        return self
+
+    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
+        return self._common
+
+    def read_into(self, reads: Iterable[ShardRead]) -> int:
+        nbytes = 0
+        for r in reads:
+            loc = self._where[r.key]
+            f = self._files[loc.file]
+            try:
+                piece = f.read(loc.name, r.src)
+            except CheckpointingError:
+                raise
+            except Exception as e:  # a truncated or damaged file
+                raise FormatError(f"{f.path}: reading tensor {loc.name!r} failed: {type(e).__name__}: {e}") from e
+            r.dest.copy_(piece.reshape(r.dest.shape))
+            nbytes += r.dest.numel() * r.dest.element_size()
+        return nbytes
+
+    def read_object(self, writer: int, key: str, index: int) -> bytes:
+        raise FormatError(f"{self.path}: tensor files hold no sharded objects (asked for {key!r})")
