@@ -84,3 +84,85 @@ def test_urls_are_refused_by_every_command(tmp_path, monkeypatch, capsys):
         with pytest.raises(ArgumentError, match="URLs are not supported"):
             call()
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+# -- nothing under a checkpoint is followed through a link -----------------------------------
+def _two_checkpoints(tmp_path, layout="ocdbt"):
+    """``ck`` (the one loaded, value 1) and ``other`` (value 2) beside it, a link's likely target."""
+    opts = ldc.StorageOptions(layout=layout)
+    ldc.save(state(1.0), tmp_path / "ck", storage=opts)
+    ldc.save({**state(2.0), "step": 9}, tmp_path / "other", storage=opts)
+    return tmp_path / "ck", tmp_path / "other"
+
+
+def _link_in(ck, other, rel):
+    victim = ck / rel
+    if victim.is_dir():
+        import shutil
+
+        shutil.rmtree(victim)
+    else:
+        victim.unlink()
+    os.symlink(other / rel, victim)
+    return str(victim)
+
+
+def _every_reader_refuses(ck, tmp_path, capsys, name):
+    from lightning_distckpt.cli import main
+    from lightning_distckpt.cli.validate import validate
+    from lightning_distckpt.convert import export_torch_file
+
+    with pytest.raises(ldc.CheckpointingError, match=f"{name}.*symbolic link"):
+        ldc.load(template(), ck)
+    if name != "common.pt":  # load_plain_tensors reads tensors only
+        with pytest.raises(ldc.CheckpointingError, match=f"{name}.*symbolic link"):
+            ldc.load_plain_tensors(ck)
+    with pytest.raises(ldc.CheckpointingError, match=f"{name}.*symbolic link"):
+        export_torch_file(str(ck), str(tmp_path / "out.pt"))
+    try:
+        report = validate(str(ck))
+        assert not report.ok and any("symbolic link" in p and name in p for p in report.problems), report.problems
+    except ldc.CheckpointingError as e:
+        assert "symbolic link" in str(e) and name in str(e)
+    if name not in ("common.pt", "rank_00000"):  # inspect reads metadata only
+        assert main(["inspect", str(ck)]) == 2
+        assert "symbolic link" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rel", ["common.pt", "metadata.json", "COMMITTED", "data", "data/rank_00000"])
+def test_links_inside_a_checkpoint_are_refused(tmp_path, capsys, rel):
+    ck, other = _two_checkpoints(tmp_path)
+    path = _link_in(ck, other, rel)
+    _every_reader_refuses(ck, tmp_path, capsys, os.path.basename(path))
+
+
+@pytest.mark.parametrize("layout", ["ocdbt", "zarr"])
+def test_a_linked_data_file_is_refused(tmp_path, capsys, layout):
+    ck, other = _two_checkpoints(tmp_path, layout)
+    files = sorted(str(p.relative_to(ck)) for p in (ck / "data").rglob("*") if p.is_file())
+    rel = max(files, key=lambda r: (ck / r).stat().st_size)
+    _link_in(ck, other, rel)
+    _every_reader_refuses(ck, tmp_path, capsys, os.path.basename(rel))
+
+
+def test_the_checkpoint_itself_may_be_reached_through_links(tmp_path):
+    ck, _ = _two_checkpoints(tmp_path)
+    os.symlink("ck", tmp_path / "last.ckpt")  # Lightning's save_last="link"
+    (tmp_path / "runs").mkdir()
+    os.symlink(tmp_path, tmp_path / "runs" / "linked_parent")
+    for path in (tmp_path / "last.ckpt", tmp_path / "runs" / "linked_parent" / "ck"):
+        assert torch.equal(ldc.load(template(), path)["w"], torch.full((64,), 1.0))
+        assert torch.equal(ldc.load_plain_tensors(path)["w"], torch.full((64,), 1.0))
+
+
+def test_clean_does_not_follow_a_linked_staging_directory(tmp_path, capsys):
+    from lightning_distckpt.cli import main
+    from lightning_distckpt.storage.staging import new_staging_dir
+
+    ck, other = _two_checkpoints(tmp_path)
+    link = new_staging_dir(str(ck))
+    os.symlink(other, link)
+    assert main(["clean", str(tmp_path), "--older-than", "0", "--json"]) == 0
+    actions = json.loads(capsys.readouterr().out)
+    assert [a["action"] for a in actions] == ["kept"] and "symbolic link" in actions[0]["reason"]
+    assert os.path.islink(link) and torch.equal(ldc.load_plain_tensors(other)["w"], torch.full((64,), 2.0))

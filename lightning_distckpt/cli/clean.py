@@ -32,7 +32,9 @@ def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
     actions = []
     for lo in find_leftovers(path, name):
         verdict = lo.verdict(older_than_s)
-        if verdict == "recover":
+        if verdict == "link":
+            reason = f"refused: a symbolic link (to {lo.link_to}); links are not followed and not removed"
+        elif verdict == "recover":
             reason = (f"holds a committed checkpoint and {os.path.basename(lo.target)} is missing or incomplete; "
                       f"recover it with: mv {shlex.quote(lo.path)} {shlex.quote(lo.target)}")
         elif verdict == "in-progress":

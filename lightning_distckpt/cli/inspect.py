@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from typing import Any, Dict, Iterable, List, Sequence
 
 from ..planning.metadata import TensorEntry, element_size
-from ..storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR
+from ..storage.layout import COMMON_FILE, DATA_DIR
+from ..storage.paths import TreeStats, scan_tree
 from ..storage.staging import find_leftovers
 from ..reading.checkpoint import OpenedCheckpoint
 
@@ -61,13 +61,11 @@ def summarize(ckpt: OpenedCheckpoint) -> Dict[str, Any]:
         o = ckpt.index.objects[key]
         objects.append({"key": key, "shape": list(o.global_shape), "elements": len(o.shards),
                         "writers": sorted({s.writer for s in o.shards})})
-    marker: Dict[str, Any] = {}
+    marker = ckpt.marker
     try:
-        with open(os.path.join(ckpt.path, COMMIT_MARKER), encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
-        marker = {}
-    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ckpt.path, DATA_DIR)) for f in fs]
+        data = scan_tree(os.path.join(ckpt.path, DATA_DIR), "data directory")
+    except FileNotFoundError:
+        data = TreeStats(0, 0)
     common = os.path.join(ckpt.path, COMMON_FILE)
     return {
         "path": ckpt.path,
@@ -77,8 +75,8 @@ def summarize(ckpt: OpenedCheckpoint) -> Dict[str, Any]:
         "world_size": meta.get("world_size"), "created_unix": meta.get("created_unix"),
         "committed_unix": marker.get("committed_unix"), "storage": meta.get("storage", {}),
         "tensor_bytes": sum(t["stored_bytes"] for t in tensors),
-        "common_bytes": os.path.getsize(common) if os.path.isfile(common) else None,
-        "data_files": len(files), "data_file_bytes": sum(os.path.getsize(f) for f in files),
+        "common_bytes": os.lstat(common).st_size if os.path.isfile(common) and not os.path.islink(common) else None,
+        "data_files": data.files, "data_file_bytes": data.nbytes,
         "stored_arrays": sum(t["shards"] - t["packed"] for t in tensors) + len(
             {(s.writer, e.dtype) for e in ckpt.index.tensors.values() for s in e.shards if s.packed is not None}),
         "packed_shards": sum(t["packed"] for t in tensors),

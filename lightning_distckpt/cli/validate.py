@@ -19,10 +19,11 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..core.errors import CheckpointingError
+from ..core.errors import CheckpointingError, FormatError
 from ..planning.metadata import ObjectRecord, ShardRecord, StoredShard, element_size
 from ..planning.validation import validate_object_records, validate_tensor_records
-from ..storage.layout import COMMON_FILE, rank_dir
+from ..storage.layout import COMMON_FILE, DATA_DIR, rank_dir
+from ..storage.paths import read_inside, refuse_link, scan_tree
 from ..storage.safe_pickle import loads
 from ..storage.tensorstore_io import TensorStoreIO
 from ..reading.checkpoint import OpenedCheckpoint
@@ -105,11 +106,17 @@ def _check_writer_stores(ckpt: OpenedCheckpoint, report: Report) -> set:
     writers |= {s.writer for o in ckpt.index.objects.values() for s in o.shards}
     dead = set()
     for w in sorted(writers):
-        if not os.path.isdir(rank_dir(ckpt.path, w)):
+        n = sum(1 for e in ckpt.index.tensors.values() for s in e.shards if s.writer == w)
+        try:
+            refuse_link(os.path.join(ckpt.path, DATA_DIR), "data directory")
+            scan_tree(rank_dir(ckpt.path, w), f"rank {w}: data directory")
+        except FileNotFoundError:
             dead.add(w)
-            n = sum(1 for e in ckpt.index.tensors.values() for s in e.shards if s.writer == w)
             report.problems.append(f"rank {w}: data directory {rank_dir(ckpt.path, w)} is missing "
                                    f"({n} stored shard(s) lost)")
+        except (OSError, FormatError) as e:
+            dead.add(w)
+            report.problems.append(f"rank {w}: {e} ({n} stored shard(s) not read)")
     return dead
 
 
@@ -208,8 +215,10 @@ def _check_objects(ckpt: OpenedCheckpoint, tio: TensorStoreIO, dead: set, report
 def _check_common(ckpt: OpenedCheckpoint, report: Report) -> None:
     path = os.path.join(ckpt.path, COMMON_FILE)
     try:
-        with open(path, "rb") as f:
-            blob = f.read()
+        blob = read_inside(path, "common state")
+    except FormatError as e:
+        report.problems.append(str(e))
+        return
     except OSError as e:
         report.problems.append(f"common state {path}: missing or unreadable ({e.strerror or e})")
         return

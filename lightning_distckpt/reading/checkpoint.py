@@ -11,15 +11,12 @@ a :class:`~lightning_distckpt.storage.base.ShardReader` for the stored bytes and
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Protocol, Sequence, runtime_checkable
 
-from ..core.errors import CheckpointingError
 from ..planning.metadata import CheckpointIndex
 from ..storage.base import ShardReader
-from ..storage.layout import COMMON_FILE, read_metadata
-from ..storage.paths import local_path
-from ..storage.safe_pickle import loads, read_file
+from ..storage.integrity import open_checkpoint_metadata, read_common
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .formats import KeyMap, detect
 
@@ -48,23 +45,22 @@ class OpenedCheckpoint:
     meta: Dict[str, Any]
     index: CheckpointIndex
     options: StorageOptions
+    marker: Dict[str, Any] = field(default_factory=dict)  # the commit marker (checksums of common.pt, metadata)
 
     @classmethod
     def open(cls, checkpoint_dir: str) -> "OpenedCheckpoint":
-        path = os.path.abspath(local_path(checkpoint_dir))
-        meta = read_metadata(path)
+        # storage.integrity: refuses URLs and links inside the checkpoint, checks every field
+        opened = open_checkpoint_metadata(checkpoint_dir)
+        path, meta = opened.path, opened.meta
         return cls(path, meta, CheckpointIndex.from_json(meta, f"checkpoint {path}"),
-                   StorageOptions.from_json(meta.get("storage", {})))
+                   StorageOptions.from_json(meta.get("storage", {})), opened.marker)
 
     def reader(self) -> TensorStoreIO:
         """A reader of this checkpoint's stored shards (packed ones included) and objects."""
         return TensorStoreIO(self.path, self.options, self.index)
 
     def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
-        common_path = os.path.join(self.path, COMMON_FILE)
-        if not os.path.isfile(common_path):
-            raise CheckpointingError(f"checkpoint {self.path}: {COMMON_FILE} is missing")
-        return loads(read_file(common_path), f"checkpoint {self.path}: {COMMON_FILE}", extra_safe_globals)
+        return read_common(self.path, self.marker, extra_safe_globals)
 
 
 def open_checkpoint(path: str, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = ()) -> CheckpointSource:

@@ -21,10 +21,12 @@ import hashlib
 import json
 import os
 import stat
+from dataclasses import dataclass
 from typing import Any, Dict
 from urllib.parse import quote
 
 from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError
+from .paths import local_path, read_inside, refuse_link
 
 FORMAT_NAME = "lightning_distckpt"
 FORMAT_VERSION = 2  # 2: small shards packed into one array per rank and dtype
@@ -65,10 +67,17 @@ def object_path(key: str, index: int) -> str:
     return f"o/{encode_key(key)}/{int(index)}"
 
 
+def _is_regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def is_committed(checkpoint_dir: str) -> bool:
-    return os.path.isfile(os.path.join(checkpoint_dir, COMMIT_MARKER)) and os.path.isfile(
-        os.path.join(checkpoint_dir, METADATA_FILE)
-    )
+    """The commit marker and ``metadata.json`` are there, as regular files (links do not count)."""
+    return _is_regular_file(os.path.join(checkpoint_dir, COMMIT_MARKER)) and _is_regular_file(
+        os.path.join(checkpoint_dir, METADATA_FILE))
 
 
 def is_checkpoint_dir(path: str) -> bool:
@@ -80,46 +89,71 @@ def is_our_committed_checkpoint(path: str) -> bool:
     """``path`` holds a committed checkpoint written by this library: its commit marker and
     ``metadata.json`` are regular files (not links) and the metadata names our format. The test a
     save passes before it replaces a directory: anything else there may be a user's files."""
+    if not is_committed(path):
+        return False
     try:
-        for name in (COMMIT_MARKER, METADATA_FILE):
-            if not stat.S_ISREG(os.lstat(os.path.join(path, name)).st_mode):
-                return False
-        with open(os.path.join(path, METADATA_FILE), "rb") as f:
-            meta = json.load(f)
-    except (OSError, ValueError, RecursionError):
+        meta = json.loads(read_inside(os.path.join(path, METADATA_FILE), METADATA_FILE))
+    except (OSError, ValueError, RecursionError, FormatError):
         return False
     return isinstance(meta, dict) and meta.get("format") == FORMAT_NAME
 
 
-def read_metadata(checkpoint_dir: str) -> Dict[str, Any]:
-    """The parsed ``metadata.json`` of a committed checkpoint, its format checked."""
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    if not os.path.isdir(checkpoint_dir):
-        from .staging import describe_missing  # staging builds on this module
+@dataclass(frozen=True)
+class MetadataFile:
+    """A committed checkpoint's ``metadata.json`` and commit marker, read and checked."""
 
-        raise IncompleteCheckpointError(f"checkpoint {checkpoint_dir}: {describe_missing(checkpoint_dir)}")
-    if not is_committed(checkpoint_dir):
+    path: str  # the checkpoint directory's real path (links to it resolved once, when opened)
+    meta: Dict[str, Any]
+    marker: Dict[str, Any]
+
+
+def open_metadata(checkpoint_dir: str) -> MetadataFile:
+    """Read and check a committed checkpoint's metadata (never through a link inside it)."""
+    given = os.path.abspath(local_path(checkpoint_dir))
+    if not os.path.isdir(given):
+        raise IncompleteCheckpointError(f"checkpoint {given}: no such directory")
+    path = os.path.realpath(given)
+    if not is_committed(path):
+        for name in (COMMIT_MARKER, METADATA_FILE):
+            if os.path.islink(os.path.join(path, name)):
+                refuse_link(os.path.join(path, name), f"checkpoint {path}:")
         what = (
             "incomplete checkpoint: the save did not finish (no commit marker)"
-            if is_checkpoint_dir(checkpoint_dir)
+            if is_checkpoint_dir(path)
             else "not a lightning_distckpt checkpoint (no metadata.json / commit marker)"
         )
-        raise IncompleteCheckpointError(f"checkpoint {checkpoint_dir}: {what}")
-    path = os.path.join(checkpoint_dir, METADATA_FILE)
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise FormatError(f"checkpoint {checkpoint_dir}: cannot read {METADATA_FILE}: {e}") from None
+        raise IncompleteCheckpointError(f"checkpoint {given}: {what}")
+    raw = {}
+    for name in (COMMIT_MARKER, METADATA_FILE):
+        try:
+            raw[name] = read_inside(os.path.join(path, name), f"checkpoint {path}:")
+        except OSError as e:
+            raise FormatError(f"checkpoint {path}: cannot read {name}: {e.strerror or e}") from None
+    meta = _parse_json(raw[METADATA_FILE], f"checkpoint {path}: {METADATA_FILE}")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(
-            f"checkpoint {checkpoint_dir}: {METADATA_FILE} names format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+            f"checkpoint {path}: {METADATA_FILE} names format {meta.get('format') if isinstance(meta, dict) else None!r}, "
             f"expected {FORMAT_NAME!r}"
         )
     version = meta.get("format_version")
     if version not in SUPPORTED_FORMAT_VERSIONS:
         raise FormatError(
-            f"checkpoint {checkpoint_dir}: format version {version!r} is not supported by this version of "
+            f"checkpoint {path}: format version {version!r} is not supported by this version of "
             f"lightning_distckpt (supports {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade the library"
         )
-    return meta
+    marker = _parse_json(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
+    if not isinstance(marker, dict):
+        raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} is not a JSON object")
+    return MetadataFile(path, meta, marker)
+
+
+def read_metadata(checkpoint_dir: str) -> Dict[str, Any]:
+    """The parsed ``metadata.json`` of a committed checkpoint, its format checked."""
+    return open_metadata(checkpoint_dir).meta
+
+
+def _parse_json(raw: bytes, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from typing import Union
+from typing import NamedTuple, Union
 
 from ..core.errors import ArgumentError, FormatError
 
@@ -78,14 +78,21 @@ def read_inside(path: str, what: str) -> bytes:
         os.close(fd)
 
 
-def tree_bytes(root: str, what: str) -> int:
-    """Bytes of the regular files under the directory ``root`` (itself included in the check),
-    refusing any symbolic link in it (FormatError naming the link). OSError when ``root`` is
+class TreeStats(NamedTuple):
+    """What a walk of a directory tree found: its regular files and their bytes."""
+
+    files: int
+    nbytes: int
+
+
+def scan_tree(root: str, what: str) -> TreeStats:
+    """Count the regular files under the directory ``root`` and their bytes, refusing ``root`` or
+    anything in it that is a symbolic link (FormatError naming it). OSError when ``root`` is
     missing or unreadable."""
     st = refuse_link(root, what)
     if not stat.S_ISDIR(st.st_mode):
         raise FormatError(f"{what} {root} is not a directory")
-    total = 0
+    files = nbytes = 0
     stack = [root]
     while stack:
         with os.scandir(stack.pop()) as entries:
@@ -95,5 +102,6 @@ def tree_bytes(root: str, what: str) -> int:
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(entry.path)
                 elif entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
-    return total
+                    files += 1
+                    nbytes += entry.stat(follow_symlinks=False).st_size
+    return TreeStats(files, nbytes)

@@ -122,15 +122,18 @@ class Leftover:
     idle_s: float  # seconds since anything in it last changed
     committed: bool  # holds a complete checkpoint (metadata.json and COMMITTED)
     live_owner_pids: Tuple[int, ...]  # processes on this host still writing into it
+    link_to: Optional[str] = None  # set when the name is a symbolic link: never followed nor removed
 
     @property
     def recoverable(self) -> bool:
         """A committed checkpoint whose target is missing or incomplete: the commit's rename was
         interrupted. It is the only copy: rename it into place, never delete it."""
-        return self.committed and not is_committed(self.target)
+        return self.committed and self.link_to is None and not is_committed(self.target)
 
     def verdict(self, older_than_s: float) -> str:
-        """``"remove"``, or why it is kept: ``"recover"``, ``"in-progress"`` or ``"recent"``."""
+        """``"remove"``, or why it is kept: ``"link"``, ``"recover"``, ``"in-progress"`` or ``"recent"``."""
+        if self.link_to is not None:
+            return "link"
         if self.recoverable:
             return "recover"
         if self.live_owner_pids:
@@ -150,10 +153,15 @@ def find_leftovers(parent: str, target_name: Optional[str] = None, exclude: Sequ
     found, now = [], time.time()
     for name in names:
         path = os.path.join(parent, name)
-        if not is_staging_dir(name) or os.path.abspath(path) in skip or not os.path.isdir(path):
+        if not is_staging_dir(name) or os.path.abspath(path) in skip:
             continue
         target = target_of(path)
         if target_name is not None and os.path.basename(target) != target_name:
+            continue
+        if os.path.islink(path):  # not ours to follow: whatever it points at is left alone
+            found.append(Leftover(path, target, 0, 0.0, False, (), link_to=os.readlink(path)))
+            continue
+        if not os.path.isdir(path):
             continue
         try:
             nbytes, newest = _size_and_newest_mtime(path)

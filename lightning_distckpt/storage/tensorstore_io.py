@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -35,7 +35,8 @@ import torch
 
 from ..core.errors import CheckpointingError
 from .base import ObjectWrite, ShardRead, ShardWrite
-from .layout import object_path, pack_path, rank_dir, tensor_path
+from .layout import DATA_DIR, object_path, pack_path, rank_dir, tensor_path
+from .paths import refuse_link, scan_tree
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
@@ -144,6 +145,8 @@ class TensorStoreIO:
         )
         self._kvstores: Dict[int, Any] = {}
         self._arrays: Dict[Tuple[int, str], Any] = {}
+        self._reading = index is not None
+        self._contained: Set[int] = set()  # writers whose store was checked for links
 
     # -- specs --------------------------------------------------------------------------
     def kvstore_spec(self, writer: int) -> Dict[str, Any]:
@@ -235,8 +238,23 @@ class TensorStoreIO:
         return nbytes
 
     # -- reading ------------------------------------------------------------------------
+    def _check_contained(self, writer: int) -> None:
+        """Before a reader touches ``writer``'s store: refuse ``data/``, the store's directory or
+        anything in it that is a symbolic link (tensorstore would follow it out of the checkpoint)."""
+        if not self._reading or writer in self._contained:
+            return
+        try:
+            refuse_link(os.path.join(self.root, DATA_DIR), f"checkpoint {self.root}: data directory")
+            scan_tree(rank_dir(self.root, writer), f"checkpoint {self.root}: store of rank {writer}")
+        except FileNotFoundError:
+            pass  # reading it fails with an error naming what is missing
+        except OSError as e:
+            raise CheckpointingError(f"checkpoint {self.root}: the store of rank {writer} cannot be listed: {e}") from e
+        self._contained.add(writer)
+
     def _kvstore(self, writer: int) -> Any:
         if writer not in self._kvstores:
+            self._check_contained(writer)
             try:
                 self._kvstores[writer] = ts.KvStore.open(self.kvstore_spec(writer), context=self.context).result()
             except Exception as e:
@@ -256,6 +274,7 @@ class TensorStoreIO:
             handle = (writer, tensor_path(key, index))
             if handle in self._arrays or handle in pending or handle in views:
                 continue
+            self._check_contained(writer)
             packed = self._packed.get(handle)
             if packed is not None:
                 views[handle] = ((writer, packed[0]), packed[1], packed[2])
@@ -355,6 +374,7 @@ class TensorStoreIO:
         for writer, dtype in packs:
             handle = (writer, pack_path(dtype))
             if handle not in self._arrays:
+                self._check_contained(writer)
                 pending[handle] = (packs[(writer, dtype)],
                                    ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context))
         for handle, (keys, fut) in pending.items():
