@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Callable, List, Optional
 
-from ..core.errors import CheckpointingError
+from ..core.errors import ArgumentError, CheckpointingError
 from ..storage.paths import local_path
 from ..version import __version__
 
@@ -28,7 +28,7 @@ EXIT_OK, EXIT_DAMAGED, EXIT_UNUSABLE = 0, 1, 2
 Handler = Callable[[argparse.Namespace], int]
 
 
-class UsageError(Exception):
+class UsageError(ArgumentError):
     """Bad arguments or a path that cannot be a checkpoint (exit status 2)."""
 
 
@@ -87,7 +87,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                    ("chunk_bytes", args.chunk_mib and int(args.chunk_mib * 2**20))) if v}
     try:
         storage = StorageOptions(**overrides)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # StorageOptions' own checks
         raise UsageError(str(e)) from None
     if to == "torch":
         if not os.path.isdir(args.source):
@@ -159,7 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (CheckpointingError, UsageError) as e:
+    except CheckpointingError as e:  # UsageError included; damage found by validate is its report, not an error
         print(f"lightning-distckpt {args.command}: error: {e}", file=sys.stderr)
         return EXIT_UNUSABLE
     except KeyboardInterrupt:
