@@ -283,6 +283,14 @@ class ChunkExchange:
     def run(self, max_inflight: Optional[int], read_batch_bytes: int) -> None:
         """:meth:`run_batch` when ``max_inflight`` is None, else :meth:`run_streaming`. A failed
         collective (a rank died or timed out) raises CollectiveError: no agreement is possible."""
+        direct = self._take_direct_ops()
+        outcome: List[ReadOutcome] = []
+        # Chunks only this rank needs, landing in their CPU destinations, need no exchange: read them
+        # all in one storage batch (the most I/O concurrency, as every-rank reads would), beside the
+        # exchange of the shared ones, through a reader of their own (readers are not shared by threads).
+        side = threading.Thread(target=lambda: outcome.append(self._read_direct(direct)), name="distckpt-direct",
+                                daemon=True)
+        side.start()
         try:
             if max_inflight is None:
                 self.run_batch()
@@ -293,6 +301,36 @@ class ChunkExchange:
             raise CollectiveError(
                 f"load from {self.source.path}: rank {self.comm.rank}: chunk exchange over {self.comm.size} ranks "
                 f"failed (a rank may have died or timed out): {type(e).__name__}: {first}") from e
+        finally:
+            side.join()
+        self._account_read(outcome[0])
+        for op in direct:
+            for c in op.chunks:
+                self._deliver(c)
+
+    def _take_direct_ops(self) -> List[ExchangeOp]:
+        """Remove from this rank's schedule the local ops whose chunks all read straight into CPU
+        destinations (no buffers: nothing to count against the in-flight bound); return them."""
+        direct = [k for k, op in enumerate(self.my_ops)
+                  if op.transport == LOCAL and all(self._cpu_direct(self.dest[c]) for c in op.chunks)]
+        taken = [self.my_ops[k] for k in direct]
+        keep = sorted(set(range(len(self.my_ops))) - set(direct))
+        self.my_ops = [self.my_ops[k] for k in keep]
+        self.op_index = [self.op_index[k] for k in keep]
+        return taken
+
+    def _read_direct(self, ops: Sequence[ExchangeOp]) -> ReadOutcome:
+        t0 = time.perf_counter()
+        targets = []
+        for op in ops:
+            for c in op.chunks:
+                st = self.local[c][0].tensor
+                targets.append(ReadTarget(st, self.dest[c].view(read_shape(st))))
+        try:
+            return ReadOutcome(read_targets(self.source, targets, self.source.reader()) if targets else 0,
+                               time.perf_counter() - t0, None)
+        except Exception as e:  # reported on every rank at the end
+            return ReadOutcome(0, time.perf_counter() - t0, e)
 
     def run_batch(self) -> None:
         """Read everything this rank reads in one batch, then exchange all ops (no bound)."""
