@@ -30,8 +30,8 @@ def model_sharded_state_dict(module: nn.Module, ps: ParallelState, prefix: str =
         # any tensor-parallel weight. Refuse rather than save one TP rank's shard as the whole tensor.
         raise CheckpointingError(
             f"{type(module).__name__} and its submodules define no sharded_state_dict(prefix=''), so its tensors "
-            f"cannot be described under tensor_parallel_size={ps.tp_size}; define it (see "
-            f"lightning_distckpt.lightning.parallel)"
+            f"cannot be described under tensor_parallel_size={ps.tp_size}; define it (the layers of "
+            f"lightning_distckpt.testing show how)"
         )
     return module_sharded_state_dict(module, prefix, replica_id=ps.replicated_id)
 
