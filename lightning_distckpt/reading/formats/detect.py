@@ -1,13 +1,14 @@
 """Which source reads a path: a ``torch.save`` file, a ``.safetensors`` file, a Hugging Face model
-directory, or (None) our own checkpoint directory."""
+directory, a PyTorch DCP directory, or (None) our own checkpoint directory."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ...core.errors import FormatError
+from .dcp import DcpSource, is_dcp_dir
 from .files import SafetensorsFile, TorchFile
 from .tensor_files import KeyMap, TensorFile, TensorFileSource
 
@@ -16,14 +17,18 @@ HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 _MAX_INDEX_BYTES = 64 << 20
 
 
-def detect(path: str, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = ()) -> Optional[TensorFileSource]:
-    """The source for ``path`` when it is a tensor file or a Hugging Face directory; None otherwise
-    (then it is read as our own checkpoint directory, with that format's errors)."""
+def detect(path: str, key_map: KeyMap = None,
+           extra_safe_globals: Sequence[Any] = ()) -> Optional[Union[TensorFileSource, DcpSource]]:
+    """The source for ``path`` when it is a tensor file, a Hugging Face directory or a DCP directory
+    (one holding DCP's ``.metadata``); None otherwise (then it is read as our own checkpoint
+    directory, with that format's errors)."""
     if os.path.isfile(path):
         file = _open_file(path, extra_safe_globals)
         return TensorFileSource(path, [file], key_map, common=file.common if isinstance(file, TorchFile) else {})
     if not os.path.isdir(path):
         return None
+    if is_dcp_dir(path):
+        return DcpSource(path, key_map)
     for name in HF_INDEXES:
         if os.path.isfile(os.path.join(path, name)):
             files = [_open_file(f, extra_safe_globals) for f in _index_files(path, name)]

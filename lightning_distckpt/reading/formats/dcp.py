@@ -1,0 +1,185 @@
+"""A PyTorch DCP checkpoint (``torch.distributed.checkpoint.save`` with its ``FileSystemWriter``:
+a ``.metadata`` file and ``.distcp`` files) as a checkpoint source.
+
+Each tensor of DCP's metadata becomes a tensor entry under its fully qualified name (mapped by
+``key_map``), each stored chunk a stored shard: ``writer`` is the number of its ``.distcp`` file,
+``index`` its position among the tensor's chunks. The reading pipeline plans every rank's reads
+from these shards (resharding included); the reader seeks to each needed chunk's byte range,
+reads just that range and loads the ``torch.save``d tensor there with ``weights_only=True``.
+Objects DCP stored as bytes (``BytesStorageMetadata``) are the common state: a flat dict
+``{fqn: value}``, deserialized safely.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Dict, Iterable, List, Sequence, Tuple
+
+import torch
+
+from ...core.errors import CheckpointingError, FormatError, ShardingError
+from ...planning.metadata import CheckpointIndex, StoredShard, TensorEntry, dtype_name
+from ...storage.base import ShardRead
+from ...storage.safe_pickle import loads
+from .dcp_metadata import METADATA_NAME, DcpChunk, DcpItem, DcpMetadata, read_metadata
+from .tensor_files import KeyMap, map_key
+
+logger = logging.getLogger(__name__)
+
+
+def is_dcp_dir(path: str) -> bool:
+    """A directory holding DCP's ``.metadata`` file."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_NAME))
+
+
+@dataclass(frozen=True)
+class _StoredChunk:
+    """A stored shard of the index, as the reader finds it: the tensor's DCP name and the chunk."""
+
+    fqn: str
+    chunk: DcpChunk
+
+
+class DcpSource:
+    """A :class:`~lightning_distckpt.reading.checkpoint.CheckpointSource` over a DCP directory."""
+
+    def __init__(self, path: str, key_map: KeyMap = None) -> None:
+        self.path = path
+        meta_path = os.path.join(path, METADATA_NAME)
+        if os.path.islink(meta_path):
+            raise FormatError(f"{meta_path}: is a symlink; a DCP checkpoint's files must be its own")
+        meta = read_metadata(meta_path)
+        self._files = sorted({c.item.file for t in meta.tensors.values() for c in t.chunks}
+                             | {item.file for item in meta.objects.values()})
+        self._full_paths = {rel: self._checked_file(rel) for rel in self._files}
+        self._check_ranges(meta)
+        self._objects: Dict[str, Tuple[str, DcpItem]] = {}  # key -> (fqn, item)
+        for fqn, item in meta.objects.items():
+            key = map_key(key_map, fqn)
+            if key is not None:
+                self._objects[key] = (fqn, item)
+        self.index = CheckpointIndex()
+        self._chunks: Dict[str, List[_StoredChunk]] = {}
+        self._build_index(meta, key_map)
+        logger.debug("DCP checkpoint %s: %d tensors, %d objects in %d files", path, len(self.index.tensors),
+                     len(self._objects), len(self._files))
+
+    def _build_index(self, meta: DcpMetadata, key_map: KeyMap) -> None:
+        file_number = {rel: i for i, rel in enumerate(self._files)}
+        for fqn, tensor in meta.tensors.items():
+            key = map_key(key_map, fqn)
+            if key is None:
+                continue
+            if key in self.index.tensors or key in self._objects:
+                raise FormatError(f"{self.path}: two DCP entries map to key {key!r} (one is {fqn!r}); fix key_map")
+            try:
+                stored_dtype = dtype_name(tensor.dtype, fqn)
+            except ShardingError:
+                raise FormatError(f"{self.path}: tensor {fqn!r} has dtype {tensor.dtype}, which lightning_distckpt "
+                                  "cannot load") from None
+            shards = [StoredShard(c.offset, c.shape, None, file_number[c.item.file], i)
+                      for i, c in enumerate(tensor.chunks)]
+            self.index.tensors[key] = TensorEntry(tensor.shape, stored_dtype, shards)
+            self._chunks[key] = [_StoredChunk(fqn, c) for c in tensor.chunks]
+
+    def _checked_file(self, rel: str) -> str:
+        """The full path of ``rel``: inside the directory, through no symlink, a regular file."""
+        parts = rel.replace("\\", "/").split("/")
+        if os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
+            raise FormatError(f"{self.path}: .metadata names file {rel!r}, which is not inside the checkpoint")
+        full = self.path
+        for part in parts:
+            full = os.path.join(full, part)
+            if os.path.islink(full):
+                raise FormatError(f"{self.path}: .metadata names file {rel!r}, which goes through symlink {full}")
+        if not os.path.isfile(full):
+            raise FormatError(f"{self.path}: .metadata names file {rel!r}, which is missing")
+        return full
+
+    def _check_ranges(self, meta: DcpMetadata) -> None:
+        """Every item's byte range lies inside its file (a truncated file is found here, before reading)."""
+        sizes = {rel: os.path.getsize(full) for rel, full in self._full_paths.items()}
+        named = [(f"tensor {fqn!r} chunk at {list(c.offset)}", c.item) for fqn, t in meta.tensors.items()
+                 for c in t.chunks] + [(f"object {fqn!r}", item) for fqn, item in meta.objects.items()]
+        for what, item in named:
+            if item.offset + item.length > sizes[item.file]:
+                raise FormatError(f"{self._full_paths[item.file]}: {what} is stored at bytes "
+                                  f"[{item.offset}, {item.offset + item.length}) but the file has "
+                                  f"{sizes[item.file]} bytes (truncated?)")
+
+    def reader(self) -> "DcpReader":
+        return DcpReader(self)
+
+    def read_item(self, f: BinaryIO, item: DcpItem) -> bytes:
+        f.seek(item.offset)
+        data = f.read(item.length)
+        if len(data) != item.length:
+            raise FormatError(f"{self._full_paths[item.file]}: expected {item.length} bytes at {item.offset}, "
+                              f"got {len(data)} (truncated?)")
+        return data
+
+    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Dict[str, Any]:
+        """The objects DCP stored as bytes: ``{key: value}``, each deserialized with ``weights_only``."""
+        out: Dict[str, Any] = {}
+        for key, (fqn, item) in self._objects.items():
+            with open(self._full_paths[item.file], "rb") as f:
+                blob = self.read_item(f, item)
+            out[key] = loads(blob, f"{self._full_paths[item.file]}: object {fqn!r}", extra_safe_globals)
+        return out
+
+    def stored_chunk(self, key: str, index: int) -> _StoredChunk:
+        return self._chunks[key][index]
+
+    def full_path(self, rel: str) -> str:
+        return self._full_paths[rel]
+
+
+class DcpReader:
+    """Reads requested pieces of a DCP checkpoint's chunks: each needed chunk's byte range once per
+    call, loaded as a tensor without running code, copied piece by piece into the destinations."""
+
+    def __init__(self, source: DcpSource) -> None:
+        self._source = source
+
+    def read_into(self, reads: Iterable[ShardRead]) -> int:
+        by_file: Dict[str, Dict[Tuple[str, int], List[ShardRead]]] = defaultdict(lambda: defaultdict(list))
+        for r in reads:
+            by_file[self._source.stored_chunk(r.key, r.index).chunk.item.file][(r.key, r.index)].append(r)
+        nbytes = 0
+        for rel, chunks in by_file.items():
+            with open(self._source.full_path(rel), "rb") as f:
+                for (key, index), pieces in sorted(chunks.items(), key=lambda kv: self._offset(kv[0])):
+                    nbytes += self._read_chunk(f, key, index, pieces)
+        return nbytes
+
+    def _offset(self, key_index: Tuple[str, int]) -> int:
+        return self._source.stored_chunk(*key_index).chunk.item.offset
+
+    def _read_chunk(self, f: BinaryIO, key: str, index: int, pieces: List[ShardRead]) -> int:
+        stored = self._source.stored_chunk(key, index)
+        chunk, where = stored.chunk, self._source.full_path(stored.chunk.item.file)
+        what = f"{where}: tensor {stored.fqn!r} chunk at {list(chunk.offset)}"
+        blob = self._source.read_item(f, chunk.item)
+        try:
+            tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as e:  # damaged bytes, or not a torch.save'd tensor
+            raise FormatError(f"{what}: not a torch.save'd tensor ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:300]})") from None
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.shape:
+            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise FormatError(f"{what}: holds {got}, expected a tensor of shape {chunk.shape}")
+        nbytes = 0
+        for r in pieces:
+            try:
+                r.dest.copy_(tensor[r.src])
+            except RuntimeError as e:
+                raise CheckpointingError(f"{what}: copying {r.src} into the destination failed: {e}") from None
+            nbytes += r.dest.numel() * r.dest.element_size()
+        return nbytes
+
+    def read_object(self, writer: int, key: str, index: int) -> bytes:
+        raise FormatError(f"{self._source.path}: a DCP checkpoint holds no sharded objects (asked for {key!r})")

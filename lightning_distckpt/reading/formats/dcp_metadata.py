@@ -1,0 +1,183 @@
+"""PyTorch DCP's ``.metadata`` file, parsed without running code from it.
+
+``torch.distributed.checkpoint``'s ``FileSystemWriter`` pickles a
+``torch.distributed.checkpoint.metadata.Metadata``: for each fully qualified name either a
+``TensorStorageMetadata`` (global size, dtype, chunks: offsets and sizes) or a
+``BytesStorageMetadata`` (an object DCP stored with ``torch.save``), and ``storage_data``, which
+maps ``MetadataIndex(fqn, chunk offset)`` to ``_StorageInfo(relative_path, offset, length)``: the
+byte range of the item in one ``.distcp`` file.
+
+The pickle is read by an unpickler that resolves only the DCP metadata classes and a few torch
+values (dtypes, ``torch.Size``, layouts); any other global (a function that would run code) is
+refused with :class:`~lightning_distckpt.core.errors.UnsafeContentError`. What it builds is then
+checked field by field into the typed records below, since a pickle can put anything in a field.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ...core.errors import FormatError, UnsafeContentError
+
+METADATA_NAME = ".metadata"
+
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.serialization": ("_get_layout",),  # layout by name: a lookup in torch's table
+    "pathlib": ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"),  # StorageMeta.checkpoint_id
+    "collections": ("OrderedDict",),
+}
+
+
+@dataclass(frozen=True)
+class DcpItem:
+    """Where one stored item lives: ``length`` bytes at ``offset`` of file ``file`` (relative to
+    the checkpoint directory)."""
+
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    """One stored chunk of a tensor: its box in the global tensor and where its bytes are."""
+
+    offset: Tuple[int, ...]
+    shape: Tuple[int, ...]
+    item: DcpItem
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    chunks: List[DcpChunk] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DcpMetadata:
+    """A DCP checkpoint's contents by fully qualified name: tensors and (``torch.save``d) objects."""
+
+    tensors: Dict[str, DcpTensor]
+    objects: Dict[str, DcpItem]
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """Resolves only the DCP metadata classes and torch values; refuses every other global."""
+
+    def __init__(self, file: Any, where: str) -> None:
+        super().__init__(file)
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if name == "Size" or isinstance(value, (torch.dtype, torch.layout)):
+                return value
+        elif name in _DCP_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeContentError(f"{self._where}: refused to load global {module}.{name}: a DCP .metadata holds "
+                                 "only DCP metadata records, torch dtypes and sizes (loading runs no code from it)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeContentError(f"{self._where}: unexpected persistent id in a DCP .metadata pickle")
+
+
+def read_metadata(path: str) -> DcpMetadata:
+    """Parse and check the DCP ``.metadata`` file at ``path``."""
+    # imported here: only a DCP checkpoint needs torch.distributed.checkpoint
+    from torch.distributed.checkpoint import metadata as m
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        raw = _AllowListUnpickler(io.BytesIO(data), path).load()
+    except FormatError:
+        raise
+    except Exception as e:  # truncated or corrupted pickle
+        raise FormatError(f"{path}: not a readable DCP .metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, m.Metadata) or not isinstance(raw.state_dict_metadata, dict) \
+            or not isinstance(raw.storage_data, dict):
+        raise FormatError(f"{path}: not a DCP Metadata record written by FileSystemWriter "
+                          f"(got {type(raw).__name__})")
+    items = _storage_items(raw.storage_data, m.MetadataIndex, _StorageInfo, path)
+    tensors: Dict[str, DcpTensor] = {}
+    objects: Dict[str, DcpItem] = {}
+    for fqn, entry in raw.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise FormatError(f"{path}: state_dict_metadata key {fqn!r} is not a string")
+        if isinstance(entry, m.BytesStorageMetadata):
+            objects[fqn] = _item(items, fqn, None, path)
+        elif isinstance(entry, m.TensorStorageMetadata):
+            tensors[fqn] = _tensor(entry, fqn, items, path)
+        else:
+            raise FormatError(f"{path}: entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
+    return DcpMetadata(tensors, objects)
+
+
+_ItemKey = Tuple[str, Optional[Tuple[int, ...]]]
+
+
+def _ints(value: Any, what: str, path: str) -> Tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(type(i) is int and i >= 0 for i in value):
+        raise FormatError(f"{path}: {what} must be a sequence of non-negative ints, got {value!r}")
+    return tuple(value)
+
+
+def _storage_items(storage_data: Dict[Any, Any], index_cls: type, info_cls: type, path: str) -> Dict[_ItemKey, DcpItem]:
+    """``storage_data`` as (fqn, chunk offset or None) -> checked byte range."""
+    out: Dict[_ItemKey, DcpItem] = {}
+    for index, info in storage_data.items():
+        if not isinstance(index, index_cls) or not isinstance(index.fqn, str) or not isinstance(info, info_cls):
+            raise FormatError(f"{path}: storage_data entry {index!r} -> {info!r} is not MetadataIndex -> _StorageInfo")
+        offset = None if index.offset is None else _ints(index.offset, f"{index.fqn!r} offset", path)
+        where = f"{path}: {index.fqn!r}" + ("" if offset is None else f" chunk at {list(offset)}")
+        if getattr(info, "transform_descriptors", None):
+            raise FormatError(f"{where} is stored through transforms {info.transform_descriptors!r} "
+                              "(DCP extensions such as compression), which lightning_distckpt cannot read")
+        rel, start, length = getattr(info, "relative_path", None), getattr(info, "offset", None), \
+            getattr(info, "length", None)
+        if not isinstance(rel, str) or type(start) is not int or type(length) is not int or start < 0 or length < 0:
+            raise FormatError(f"{where}: malformed storage record {info!r}")
+        out[(index.fqn, offset)] = DcpItem(rel, start, length)
+    return out
+
+
+def _item(items: Dict[_ItemKey, DcpItem], fqn: str, offset: Optional[Tuple[int, ...]], path: str) -> DcpItem:
+    try:
+        return items[(fqn, offset)]
+    except KeyError:
+        at = "" if offset is None else f" chunk at {list(offset)}"
+        raise FormatError(f"{path}: {fqn!r}{at} has no storage record (storage_data)") from None
+
+
+def _tensor(entry: Any, fqn: str, items: Dict[_ItemKey, DcpItem], path: str) -> DcpTensor:
+    shape = _ints(entry.size, f"{fqn!r} size", path)
+    dtype = getattr(entry.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"{path}: {fqn!r} has no dtype in its properties")
+    if not isinstance(entry.chunks, list):
+        raise FormatError(f"{path}: {fqn!r} chunks must be a list")
+    out = DcpTensor(shape, dtype)
+    for chunk in entry.chunks:
+        offset = _ints(getattr(chunk, "offsets", None), f"{fqn!r} chunk offsets", path)
+        sizes = _ints(getattr(chunk, "sizes", None), f"{fqn!r} chunk sizes", path)
+        if len(offset) != len(shape) or len(sizes) != len(shape) or \
+                any(o + s > n for o, s, n in zip(offset, sizes, shape)):
+            raise FormatError(f"{path}: {fqn!r} chunk at {list(offset)} of shape {list(sizes)} "
+                              f"lies outside the tensor's shape {list(shape)}")
+        if math.prod(sizes) == 0:
+            continue  # an empty shard (a rank holding no rows): nothing stored to read
+        out.chunks.append(DcpChunk(offset, sizes, _item(items, fqn, offset, path)))
+    return out
