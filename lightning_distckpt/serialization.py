@@ -9,13 +9,15 @@ import torch
 import torch.distributed as dist
 
 from .comm import get_comm
+from .core.dtensors import shard_dtensors
 from .core.mapping import ShardedTensor
 from .core.strict import StrictHandling
 from .planning.metadata import dtype_from_name
-from .reading.checkpoint import open_checkpoint
+from .reading.checkpoint import OpenedCheckpoint, open_checkpoint
 from .reading.formats import KeyMap
 from .reading.loaders import Loader, resolve_loader
 from .reading.reads import read_tensors
+from .storage.integrity import check_stored_sizes
 from .storage.tensorstore_io import StorageOptions
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
 from .strategies.save import SavePlanCache, finalize_save, prepare_save, write_local
@@ -62,6 +64,7 @@ def save(
     Raises:
         ValidationError, SaveFailedError, CheckpointingError: on every rank alike.
     """
+    sharded_state_dict = shard_dtensors(sharded_state_dict)  # DTensor leaves: sharded tensors by tree path
     if async_save:
         saver = async_save if isinstance(async_save, AsyncSaver) else AsyncSaver()
         return saver.save(sharded_state_dict, checkpoint_dir, process_group=process_group,
@@ -116,6 +119,7 @@ def load(
     storage and sends it to the others, pipelined with bounded memory.
     """
     strict = StrictHandling.parse(strict)
+    sharded_state_dict = shard_dtensors(sharded_state_dict)  # loaded back into the template's DTensors
     comm = get_comm(process_group)
     source = open_checkpoint(os.fspath(checkpoint_dir), key_map, extra_safe_globals)
     state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, source, comm, strict,
@@ -145,8 +149,11 @@ def load_common_state_dict(checkpoint_dir: PathLike, extra_safe_globals: Sequenc
 
 def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:
     """key -> the whole global tensor, assembled from its shards (single process, no group needed)."""
+    source = open_checkpoint(os.fspath(checkpoint_dir))
+    if isinstance(source, OpenedCheckpoint):  # whole tensors are allocated as the index says: check it first
+        check_stored_sizes(source.path, source.index)
     template = [ShardedTensor(key=key, data=torch.empty(st.global_shape, dtype=st.dtype), dtype=st.dtype,
                               local_shape=st.global_shape, global_shape=st.global_shape, global_offset=st.global_offset)
                 for key, st in load_tensors_metadata(checkpoint_dir).items()]
-    loaded, _ = read_tensors(open_checkpoint(os.fspath(checkpoint_dir)), template, set())
+    loaded, _ = read_tensors(source, template, set())
     return {st.key: t for st, t in zip(template, loaded)}

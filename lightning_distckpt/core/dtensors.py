@@ -1,0 +1,124 @@
+"""``torch.distributed.tensor.DTensor`` leaves as sharded tensors, on save and on load.
+
+:func:`shard_dtensors` replaces every DTensor leaf of a state dict (anywhere in the tree) by a
+:class:`ShardedTensorFactory` keyed by the leaf's tree path, its dict keys and list positions
+joined with ``"/"`` (``{"model": {"w": dt}}`` -> ``"model/w"``, ``{"opt": [dt]}`` -> ``"opt/0"``),
+whatever the mesh. The factory is expanded inside the save's and the load's own error handling
+(``prepare_save`` / ``make_request``), so a DTensor that cannot be described fails on every rank
+alike, before anything is written, and never reaches the common state.
+
+A DTensor becomes one :class:`ShardedTensor`: data its local shard, global shape ``dt.shape``,
+global offset from the mesh coordinate and placements (torch's own
+``compute_local_shape_and_global_offset``: ``Shard(dim)`` on any mesh dim, several mesh dims on one
+tensor dim, uneven ``torch.chunk`` splits whose last shards may be empty), and a replica id made of
+the coordinates on the ``Replicate()`` mesh dims, so exactly one replica of each shard is main.
+Other placements (``Partial``, ``_StridedShard``, ...) raise :class:`ShardingError` naming the key.
+
+On load the loaded local shard is put back into the template's DTensor (its local tensor filled in
+place): the result has the template's mesh and placements, whatever the checkpoint's split was.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple, Union
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .errors import ShardingError
+from .mapping import ReplicaId, ShardedTensor, ShardedTensorFactory
+
+PathPart = Union[str, int]
+
+
+@dataclass(frozen=True)
+class DTensorLayout:
+    """Where this rank's local shard of a DTensor sits in the global tensor."""
+
+    global_shape: Tuple[int, ...]
+    local_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    replica_id: ReplicaId
+
+
+def dtensor_key(path: Tuple[PathPart, ...]) -> str:
+    """The checkpoint key of a leaf at ``path``: its parts joined with ``"/"``."""
+    if not path:
+        raise ShardingError("a DTensor cannot be the whole state dict: it needs a key (put it in a dict)")
+    return "/".join(str(p) for p in path)
+
+
+def dtensor_layout(key: str, dt: DTensor) -> DTensorLayout:
+    """Describe ``dt``'s local shard on this rank, or raise :class:`ShardingError` naming ``key``."""
+    mesh, placements = dt.device_mesh, tuple(dt.placements)
+    for mesh_dim, p in enumerate(placements):
+        if type(p) is not Shard and not isinstance(p, Replicate):  # _StridedShard is no Shard
+            raise ShardingError(
+                f"{key!r}: DTensor placement {p} on mesh dim {mesh_dim} (placements {placements}) cannot be saved "
+                "as a sharded tensor: only Shard(dim) and Replicate() can (redistribute a Partial first, e.g. "
+                "dt.redistribute(placements=[Replicate()]))"
+            )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ShardingError(f"{key!r}: this rank is not part of the DTensor's device mesh {mesh}")
+    global_shape = tuple(int(s) for s in dt.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    actual = tuple(dt.to_local().shape)
+    if tuple(local_shape) != actual:
+        raise ShardingError(
+            f"{key!r}: the DTensor's local tensor has shape {actual}, but its mesh {tuple(mesh.shape)} and "
+            f"placements {placements} give {tuple(local_shape)} for mesh coordinate {coordinate}"
+        )
+    replicas = tuple(int(c) for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
+    return DTensorLayout(global_shape, actual, tuple(int(o) for o in offset), replicas if replicas else 0)
+
+
+def dtensor_to_sharded(key: str, dt: DTensor) -> ShardedTensor:
+    """The ShardedTensor of ``dt``'s local shard (its data shares the local tensor's memory)."""
+    layout = dtensor_layout(key, dt)
+    local = dt.to_local().detach()
+    return ShardedTensor(
+        key=key, data=local, dtype=local.dtype, local_shape=layout.local_shape,
+        global_shape=layout.global_shape, global_offset=layout.global_offset, replica_id=layout.replica_id,
+    )
+
+
+def shard_dtensors(tree: Any) -> Any:
+    """A copy of the containers of ``tree`` with each DTensor leaf replaced by a factory that
+    describes it as a ShardedTensor (on save and load) and puts the loaded shard back (on load)."""
+    return _map_with_path(tree, ())
+
+
+def _map_with_path(node: Any, path: Tuple[PathPart, ...]) -> Any:
+    if isinstance(node, dict):
+        return {k: _map_with_path(v, path + (k,)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_map_with_path(v, path + (i,)) for i, v in enumerate(node)]
+    if isinstance(node, tuple):
+        return tuple(_map_with_path(v, path + (i,)) for i, v in enumerate(node))
+    if isinstance(node, DTensor):
+        key = dtensor_key(path)
+        return ShardedTensorFactory(key=key, data=node, build_fn=_build, merge_fn=functools.partial(_restore, node))
+    return node
+
+
+def _build(key: str, data: DTensor, replica_id: ReplicaId, flattened_range: Optional[slice]) -> ShardedTensor:
+    """The factory's expansion: run where the save's and the load's errors are agreed over ranks."""
+    return dtensor_to_sharded(key, data)
+
+
+def _restore(template: DTensor, loaded: Any) -> DTensor:
+    """Put the loaded local shard into ``template``'s local tensor (unless it was read in place)."""
+    local = template.to_local().detach()
+    if isinstance(loaded, torch.Tensor) and not _same_memory(loaded, local):
+        with torch.no_grad():
+            local.copy_(loaded)
+    return template
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
