@@ -1,0 +1,219 @@
+"""``ldc.load`` reads PyTorch DCP checkpoints (written here by ``torch.distributed.checkpoint.save``
+itself: DTensors with Shard(0) / Shard(1) / Replicate placements and an FSDP2 ``fully_shard``
+module on 2 gloo processes, and a plain-tensor save from one process) under another split, on real
+gloo groups of 1, 2 and 4, bit-exact; objects DCP stored as bytes come back as common state;
+crafted, truncated and escaping checkpoints are refused."""
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import lightning_distckpt as ldc
+from dist_utils import run_distributed
+from lightning_distckpt.core.errors import FormatError, UnsafeContentError
+
+
+def full_tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a": torch.randn(8, 12, generator=g),
+        "b": torch.randn(12, 8, generator=g).to(torch.bfloat16),
+        "c": torch.arange(5, dtype=torch.int64),
+        "d": torch.randn(7, 4, generator=g),  # 7 rows over 2 ranks: uneven chunks (4, 3)
+    }
+
+
+COMMON = {"step": 7, "meta.lr": 0.5, "meta.names": ["x", "y"]}
+
+
+def fsdp_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4))
+
+
+def fsdp_full():
+    return {f"model.{k}": v.detach() for k, v in fsdp_model().state_dict().items()}
+
+
+def _save(rank, world, dtensor_dir, fsdp_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_tensors()
+    placements = {"a": Shard(0), "b": Shard(1), "c": Replicate(), "d": Shard(0)}
+    model = {k: distribute_tensor(t, mesh, [placements[k]]) for k, t in full.items()}
+    dcp.save({"model": model, "step": 7, "meta": {"lr": 0.5, "names": ["x", "y"]}}, checkpoint_id=dtensor_dir)
+    module = fsdp_model()
+    for layer in (module[0], module[2], module):
+        fully_shard(layer, mesh=mesh)
+    state = module.state_dict()
+    assert all(type(v).__name__ == "DTensor" for v in state.values())
+    dcp.save({"model": state}, checkpoint_id=fsdp_dir)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dcp")
+    paths = {name: str(root / name) for name in ("dtensor", "fsdp", "plain")}
+    run_distributed(_save, 2, paths["dtensor"], paths["fsdp"])
+    dcp.save({k: v for k, v in full_tensors().items()}, checkpoint_id=paths["plain"], no_dist=True)
+    return paths
+
+
+def _sharded(key, full, axis, rank, world):
+    if axis is None:
+        return ldc.ShardedTensor.from_rank_offsets(key, torch.zeros_like(full), replica_id=rank)
+    local = torch.zeros_like(full.chunk(world, axis)[rank])
+    return ldc.ShardedTensor.from_rank_offsets(key, local, (axis, rank, world))
+
+
+def _want(full, axis, rank, world):
+    return full if axis is None else full.chunk(world, axis)[rank]
+
+
+# each tensor loaded split along another axis than saved (or whole)
+DTENSOR_AXES = {"a": 1, "b": 0, "c": None, "d": None}
+FSDP_AXES = {"model.0.weight": 1, "model.0.bias": 0, "model.2.weight": 1, "model.2.bias": None}
+
+
+def _load_all(rank, world, paths, loader=None):
+    """Load each checkpoint under this group's split; returns {tensor: bit-exact?} and the common state."""
+    full = full_tensors()
+    template = {k: _sharded(f"model.{k}", full[k], axis, rank, world) for k, axis in DTENSOR_AXES.items()}
+    out = ldc.load(template, paths["dtensor"], loader=loader)
+    equal = {k: torch.equal(out[k], _want(full[k], axis, rank, world)) for k, axis in DTENSOR_AXES.items()}
+    common = {k: out[k] for k in COMMON}
+
+    fsdp = fsdp_full()
+    template = {k: _sharded(k, fsdp[k], axis, rank, world) for k, axis in FSDP_AXES.items()}
+    out = ldc.load(template, paths["fsdp"], loader=loader)
+    equal.update({k: torch.equal(out[k], _want(fsdp[k], axis, rank, world)) for k, axis in FSDP_AXES.items()})
+
+    template = {"A": _sharded("A", full["a"], 0, rank, world), "B": _sharded("B", full["b"], 1, rank, world)}
+    out = ldc.load(template, paths["plain"], key_map={"a": "A", "b": "B"}, loader=loader)
+    equal.update({"plain A": torch.equal(out["A"], _want(full["a"], 0, rank, world)),
+                  "plain B": torch.equal(out["B"], _want(full["b"], 1, rank, world))})
+    return equal, common
+
+
+def test_load_in_one_process(saved):
+    equal, common = _load_all(0, 1, saved)
+    assert all(equal.values()), equal
+    assert common == COMMON
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_load_under_another_split(saved, world):
+    for equal, common in run_distributed(_load_all, world, saved):
+        assert all(equal.values()), equal
+        assert common == COMMON
+
+
+def _load_every_rank(rank, world, paths):
+    return _load_all(rank, world, paths, loader="every_rank")
+
+
+def test_every_rank_loader(saved):
+    for equal, _ in run_distributed(_load_every_rank, 2, saved):
+        assert all(equal.values()), equal
+
+
+def test_metadata_plain_tensors_and_common(saved):
+    meta = ldc.load_tensors_metadata(saved["dtensor"])
+    full = full_tensors()
+    assert {k: (st.global_shape, st.dtype) for k, st in meta.items()} == \
+        {f"model.{k}": (tuple(t.shape), t.dtype) for k, t in full.items()}
+    plain = ldc.load_plain_tensors(saved["dtensor"])
+    assert all(torch.equal(plain[f"model.{k}"], t) for k, t in full.items())
+    fsdp = ldc.load_plain_tensors(saved["fsdp"])
+    assert fsdp.keys() == fsdp_full().keys() and all(torch.equal(fsdp[k], v) for k, v in fsdp_full().items())
+    assert ldc.load_common_state_dict(saved["dtensor"]) == COMMON
+    assert ldc.load_common_state_dict(saved["plain"]) == {}
+
+
+# ---------------------------------------------------------------- refused checkpoints
+
+
+def _copy(src, dst):
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
+            g.write(f.read())
+    return dst
+
+
+def _edit_metadata(path, edit):
+    """Rewrite .metadata after ``edit(metadata)`` (the test's own trusted pickle)."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        meta = pickle.load(f)
+    edit(meta)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(meta, f)
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.makedirs, (self.marker,)
+
+
+def test_crafted_metadata_runs_no_code(saved, tmp_path):
+    path = _copy(saved["plain"], str(tmp_path / "ckpt"))
+    marker = str(tmp_path / "code_ran")
+    _edit_metadata(path, lambda m: setattr(m, "planner_data", _RunsCode(marker)))
+    with pytest.raises(UnsafeContentError, match="os|posix"):
+        ldc.load_plain_tensors(path)
+    assert not os.path.exists(marker)
+
+
+def test_truncated_distcp(saved, tmp_path):
+    path = _copy(saved["dtensor"], str(tmp_path / "ckpt"))
+    name = max((n for n in os.listdir(path) if n.endswith(".distcp")), key=lambda n: os.path.getsize(os.path.join(path, n)))
+    full = os.path.join(path, name)
+    os.truncate(full, os.path.getsize(full) - 100)
+    with pytest.raises(FormatError, match=f"{name}.*truncated"):
+        ldc.load_plain_tensors(path)
+
+
+def test_damaged_chunk(saved, tmp_path):
+    path = _copy(saved["plain"], str(tmp_path / "ckpt"))
+    name = next(n for n in os.listdir(path) if n.endswith(".distcp"))
+    with open(os.path.join(path, name), "r+b") as f:
+        f.write(b"\0" * 64)  # the first chunk's zip header
+    with pytest.raises(FormatError, match="not a torch.save'd tensor"):
+        ldc.load_plain_tensors(path)
+
+
+def _point_first_item_at(rel):
+    def edit(meta):
+        first = next(iter(meta.storage_data))
+        meta.storage_data[first].relative_path = rel
+    return edit
+
+
+def test_escaping_and_symlinked_files(saved, tmp_path):
+    path = _copy(saved["plain"], str(tmp_path / "escape"))
+    _edit_metadata(path, _point_first_item_at("../outside.distcp"))
+    with pytest.raises(FormatError, match="not inside the checkpoint"):
+        ldc.load_tensors_metadata(path)
+
+    path = _copy(saved["plain"], str(tmp_path / "link"))
+    name = next(n for n in os.listdir(path) if n.endswith(".distcp"))
+    os.symlink(os.path.join(path, name), os.path.join(path, "link.distcp"))
+    _edit_metadata(path, _point_first_item_at("link.distcp"))
+    with pytest.raises(FormatError, match="symlink"):
+        ldc.load_tensors_metadata(path)
+
+
+def test_unsupported_dtype_names_key(tmp_path):
+    path = str(tmp_path / "complex")
+    dcp.save({"z": torch.zeros(3, dtype=torch.complex64)}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(FormatError, match="'z'.*complex64"):
+        ldc.load_tensors_metadata(path)
