@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, MutableMapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..comm import Comm, get_comm
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, RankFailure, error_class
@@ -29,7 +30,7 @@ from .transfer import Transfer, TransferStats
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
-DEFAULT_BUCKET_BYTES = 4 << 20
+DEFAULT_BUCKET_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -125,21 +126,22 @@ def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_s
     ``missing_ok`` keys rank 0 lacks are skipped (and listed in the result) instead of refused."""
     error: Optional[BaseException] = None
     needs: list = []
-    devices: Dict[str, torch.device] = {}
-    device = comm_device(comm.group)
+    on_gpu = False
     try:
         if not isinstance(sharded_state_dict, MutableMapping):
             raise ArgumentTypeError(
                 f"sharded_state_dict must be a dict to store the shards in, got {type(sharded_state_dict).__name__}")
         needs = collect_needs(meta_sharded_state_dict, comm.rank)
-        devices = {name: _target_device(entry, device) for name, entry in meta_sharded_state_dict.items()}
+        on_gpu = any(d.type == "cuda" for d in map(_own_device, meta_sharded_state_dict.values()) if d is not None)
     except CheckpointingError as e:
         error = e
-    gathered = comm.agree("sharding from rank 0: checking the sharded state dicts", error, payload=needs,
+    gathered = comm.agree("sharding from rank 0: checking the sharded state dicts", error, payload=(needs, on_gpu),
                           default=ArgumentError)
+    device = _communication_device(comm, any(gpu for _, gpu in gathered))
+    devices = {name: _own_device(entry) or device for name, entry in meta_sharded_state_dict.items()}
     manifest: Optional[Manifest] = None
     if state_dict is not None:
-        manifest = build_manifest(state_dict, [n for part in gathered for n in part],
+        manifest = build_manifest(state_dict, [n for part, _ in gathered for n in part],
                                   bucket_bytes=options.bucket_bytes, missing_ok=missing_ok)
     manifest = comm.broadcast_object(manifest)
     if manifest.error is not None:
@@ -153,12 +155,22 @@ def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_s
     return ShardResult(manifest.missing, manifest.unexpected, manifest.sent_bytes, manifest.whole_bytes, transfer.stats)
 
 
-def _target_device(entry: Any, comm_dev: torch.device) -> torch.device:
-    """Where a shard goes: the entry's own device, or the communication device for meta entries."""
-    data = entry.data if not isinstance(entry, torch.Tensor) else entry
+def _own_device(entry: Any) -> Optional[torch.device]:
+    """The device of an entry's data; ``None`` for meta entries (their shards go to the
+    communication device)."""
+    data = entry if isinstance(entry, torch.Tensor) else entry.data
     if data is None or data.device.type == "meta":
-        return comm_dev
+        return None
     return data.device
+
+
+def _communication_device(comm: Comm, model_on_gpu: bool) -> torch.device:
+    """The group backend's device; with a group that has both gloo and NCCL, the GPU when any
+    rank's model is there (decided from the agreed payloads, so the same on every rank)."""
+    device = comm_device(comm.group)
+    if device.type == "cpu" and model_on_gpu and dist.is_initialized() and "nccl" in str(dist.get_backend(comm.group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _manifest_error(manifest: Manifest) -> CheckpointingError:
