@@ -6,13 +6,15 @@ crafted, truncated and escaping checkpoints are refused."""
 
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import lightning_distckpt as ldc
-from dist_utils import run_distributed
+from dist_utils import free_port, run_distributed
 from lightning_distckpt.core.errors import FormatError, UnsafeContentError
 
 
@@ -134,6 +136,90 @@ def test_metadata_plain_tensors_and_common(saved):
     assert fsdp.keys() == fsdp_full().keys() and all(torch.equal(fsdp[k], v) for k, v in fsdp_full().items())
     assert ldc.load_common_state_dict(saved["dtensor"]) == COMMON
     assert ldc.load_common_state_dict(saved["plain"]) == {}
+
+
+# ---------------------------------------------------------------- Lightning ModelParallelStrategy
+
+LIGHTNING_SCRIPT = """
+import sys, torch
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.save_hyperparameters({"width": 8})
+        self.l1, self.l2 = torch.nn.Linear(8, 12), torch.nn.Linear(12, 4)
+
+    def configure_model(self):
+        for layer in (self.l1, self.l2, self):
+            fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, _):
+        return self.l2(torch.relu(self.l1(batch))).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        data = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    torch.manual_seed(0)
+    model = Model()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    trainer.fit(model)
+    trainer.save_checkpoint(out + "/ckpt")  # DCP files and meta.pt
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if trainer.global_rank == 0:
+        torch.save(full, out + "/full.pt")
+"""
+
+
+@pytest.fixture(scope="module")
+def lightning_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lightning")
+    script = root / "train.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(script), str(root)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return str(root / "ckpt"), torch.load(root / "full.pt", weights_only=True)
+
+
+def module_weights(key):
+    return key.removeprefix("state_dict.") if key.startswith("state_dict.") else None
+
+
+def _load_lightning(rank, world, path):
+    meta = ldc.load_tensors_metadata(path)
+    template = {k: ldc.ShardedTensor.from_rank_offsets(
+        k, torch.zeros(meta[f"state_dict.{k}"].global_shape).chunk(world, -1)[rank].contiguous(),
+        (len(meta[f"state_dict.{k}"].global_shape) - 1, rank, world)) for k in ("l1.weight", "l2.weight", "l1.bias")}
+    out = ldc.load(template, path, key_map=module_weights)
+    return {k: out[k] for k in template}, out["global_step"], out["hyper_parameters"]
+
+
+def test_lightning_model_parallel_checkpoint(lightning_ckpt):
+    """Lightning's sharded checkpoint: DCP files (module weights under ``state_dict.``, optimizer
+    state under ``optimizer_0.``) and meta.pt (the rest), loaded under a column split."""
+    path, full = lightning_ckpt
+    for rank, (tensors, step, hparams) in enumerate(run_distributed(_load_lightning, 2, path)):
+        assert step == 2 and hparams == {"width": 8}
+        for k, t in tensors.items():
+            assert torch.equal(t, full[k].chunk(2, -1)[rank]), k
+    plain = ldc.load_plain_tensors(path)
+    assert all(torch.equal(plain[f"state_dict.{k}"], v) for k, v in full.items())
+    assert "optimizer_0.state.l1.weight.exp_avg" in plain
+    assert ldc.load_common_state_dict(path)["epoch"] == 1
 
 
 # ---------------------------------------------------------------- refused checkpoints

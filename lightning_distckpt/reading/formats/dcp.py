@@ -7,7 +7,9 @@ Each tensor of DCP's metadata becomes a tensor entry under its fully qualified n
 from these shards (resharding included); the reader seeks to each needed chunk's byte range,
 reads just that range and loads the ``torch.save``d tensor there with ``weights_only=True``.
 Objects DCP stored as bytes (``BytesStorageMetadata``) are the common state: a flat dict
-``{fqn: value}``, deserialized safely.
+``{fqn: value}``, deserialized safely. A Lightning ``ModelParallelStrategy`` / ``FSDPStrategy``
+sharded checkpoint is a DCP directory plus ``meta.pt`` (the rest of the Trainer checkpoint:
+epoch, global_step, loops, callbacks, hyperparameters); its entries join the common state.
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, BinaryIO, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...core.errors import CheckpointingError, FormatError, ShardingError
 from ...planning.metadata import CheckpointIndex, StoredShard, TensorEntry, dtype_name
 from ...storage.base import ShardRead
-from ...storage.safe_pickle import loads
+from ...storage.safe_pickle import load_file, loads
 from .dcp_metadata import METADATA_NAME, DcpChunk, DcpItem, DcpMetadata, read_metadata
 from .tensor_files import KeyMap, map_key
 
 logger = logging.getLogger(__name__)
+
+LIGHTNING_META_NAME = "meta.pt"  # what Lightning's sharded (DCP) checkpoints keep beside the DCP files
 
 
 def is_dcp_dir(path: str) -> bool:
@@ -57,6 +61,7 @@ class DcpSource:
                              | {item.file for item in meta.objects.values()})
         self._full_paths = {rel: self._checked_file(rel) for rel in self._files}
         self._check_ranges(meta)
+        self._lightning_meta = self._optional_file(LIGHTNING_META_NAME)
         self._objects: Dict[str, Tuple[str, DcpItem]] = {}  # key -> (fqn, item)
         for fqn, item in meta.objects.items():
             key = map_key(key_map, fqn)
@@ -100,6 +105,12 @@ class DcpSource:
             raise FormatError(f"{self.path}: .metadata names file {rel!r}, which is missing")
         return full
 
+    def _optional_file(self, name: str) -> Optional[str]:
+        full = os.path.join(self.path, name)
+        if os.path.islink(full):
+            raise FormatError(f"{full}: is a symlink; a checkpoint's files must be its own")
+        return full if os.path.isfile(full) else None
+
     def _check_ranges(self, meta: DcpMetadata) -> None:
         """Every item's byte range lies inside its file (a truncated file is found here, before reading)."""
         sizes = {rel: os.path.getsize(full) for rel, full in self._full_paths.items()}
@@ -123,8 +134,15 @@ class DcpSource:
         return data
 
     def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Dict[str, Any]:
-        """The objects DCP stored as bytes: ``{key: value}``, each deserialized with ``weights_only``."""
+        """Lightning's ``meta.pt`` entries (if any) and the objects DCP stored as bytes
+        (``{key: value}``), each deserialized with ``weights_only``."""
         out: Dict[str, Any] = {}
+        if self._lightning_meta is not None:
+            meta = load_file(self._lightning_meta, extra_safe_globals)
+            if not isinstance(meta, dict):
+                raise FormatError(f"{self._lightning_meta}: holds a {type(meta).__name__}, not a dict of "
+                                  "checkpoint entries")
+            out.update(meta)
         for key, (fqn, item) in self._objects.items():
             with open(self._full_paths[item.file], "rb") as f:
                 blob = self.read_item(f, item)
