@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple, TypeVar
 
 from ..core.errors import ValidationError
 from .metadata import ObjectRecord, ShardRecord
@@ -19,6 +19,17 @@ def _ranks(records: Iterable[ShardRecord]) -> List[int]:
     return sorted({r.rank for r in records})
 
 
+R = TypeVar("R", ShardRecord, ObjectRecord)
+
+
+def _by_key(records: Sequence[R]) -> List[Tuple[str, List[R]]]:
+    """The records grouped by key, in key order (every rank reports problems in the same order)."""
+    by_key: Dict[str, List[R]] = defaultdict(list)
+    for r in records:
+        by_key[r.key].append(r)
+    return sorted(by_key.items())
+
+
 def validate_tensor_records(records: Sequence[ShardRecord]) -> List[str]:
     """Return every problem found (empty list = consistent).
 
@@ -27,11 +38,7 @@ def validate_tensor_records(records: Sequence[ShardRecord]) -> List[str]:
     shard cover it exactly once.
     """
     problems: List[str] = []
-    by_key: Dict[str, List[ShardRecord]] = defaultdict(list)
-    for r in records:
-        by_key[r.key].append(r)
-    for key in sorted(by_key):
-        recs = by_key[key]
+    for key, recs in _by_key(records):
         shapes = {r.global_shape for r in recs}
         dtypes = {r.dtype for r in recs}
         if len(shapes) > 1:
@@ -102,11 +109,7 @@ def _flat_problems(key: str, off: Tuple[int, ...], shape: Tuple[int, ...], piece
 def validate_object_records(records: Sequence[ObjectRecord]) -> List[str]:
     """Per key: one global shape, unique main replicas, every element of the object array present."""
     problems: List[str] = []
-    by_key: Dict[str, List[ObjectRecord]] = defaultdict(list)
-    for r in records:
-        by_key[r.key].append(r)
-    for key in sorted(by_key):
-        recs = by_key[key]
+    for key, recs in _by_key(records):
         shapes = {r.global_shape for r in recs}
         if len(shapes) > 1:
             problems.append(f"{key!r}: ranks disagree on ShardedObject global shape: {sorted(shapes)}")
