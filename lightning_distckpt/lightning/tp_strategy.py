@@ -8,7 +8,7 @@ their bases; the mixin takes its own two arguments and hands every other one to 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Type, TypeVar, Union
 
 from lightning.fabric.plugins import CheckpointIO
 from torch.nn import Module
@@ -20,6 +20,8 @@ from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, lo
 from .parallel import ParallelState, check_strategy_args, register_strategy_names
 
 log = logging.getLogger(__name__)
+
+S = TypeVar("S", bound="TensorParallelStrategyMixin")
 
 
 class TensorParallelStrategyMixin:
@@ -45,7 +47,7 @@ class TensorParallelStrategyMixin:
         self._parallel_state: Optional[ParallelState] = None
 
     @classmethod
-    def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> Any:
+    def from_config(cls: Type[S], cfg: ConfigLike, **kwargs: Any) -> S:
         """Build from a strategy config (``tensor_parallel_size`` and a ``checkpoint:`` section), e.g.
         ``configs/strategy_tp2.yaml``."""
         sc = load_strategy_config(cfg)
