@@ -43,11 +43,13 @@ def validate_tensor_records(records: Sequence[ShardRecord]) -> List[str]:
         dtypes = {r.dtype for r in recs}
         if len(shapes) > 1:
             detail = {s: _ranks(r for r in recs if r.global_shape == s) for s in shapes}
-            problems.append(f"{key!r}: ranks disagree on global shape: " + "; ".join(f"{s} on ranks {rk}" for s, rk in detail.items()))
+            problems.append(f"{key!r}: ranks disagree on global shape: "
+                            + "; ".join(f"{s} on ranks {rk}" for s, rk in detail.items()))
             continue
         if len(dtypes) > 1:
             detail = {d: _ranks(r for r in recs if r.dtype == d) for d in dtypes}
-            problems.append(f"{key!r}: ranks disagree on dtype: " + "; ".join(f"{d} on ranks {rk}" for d, rk in detail.items()))
+            problems.append(f"{key!r}: ranks disagree on dtype: "
+                            + "; ".join(f"{d} on ranks {rk}" for d, rk in detail.items()))
             continue
         (global_shape,) = shapes
         mains = [r for r in recs if r.main]
@@ -119,9 +121,8 @@ def validate_object_records(records: Sequence[ObjectRecord]) -> List[str]:
             if not r.main:
                 continue
             if r.offset in seen:
-                problems.append(
-                    f"{key!r}: ShardedObject at offset {r.offset} is a main replica on ranks {seen[r.offset]} and {r.rank}"
-                )
+                problems.append(f"{key!r}: ShardedObject at offset {r.offset} is a main replica on ranks "
+                                f"{seen[r.offset]} and {r.rank}")
             seen[r.offset] = r.rank
         (shape,) = shapes
         if len(seen) < math.prod(shape):
