@@ -9,16 +9,17 @@ from typing import Dict, List
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning_distckpt as ldc
-from lightning_distckpt.core.dtensors import dtensor_key, shard_dtensors
+from lightning_distckpt.core.dtensors import _strided_is_contiguous, dtensor_key, shard_dtensors
 from lightning_distckpt.core.errors import ShardingError
 from lightning_distckpt.reading.checkpoint import open_checkpoint
 from dist_utils import run_distributed
 
 # key -> global shape of the tensors saved on 2 ranks (mesh (2,)) and on 4 ranks (meshes (4,), (2, 2))
 SHAPES_ON_2 = {"model/w": (8, 6), "model/b": (5,), "model/r": (4, 3), "opt/state/0/exp_avg": (6, 7)}
-SHAPES_ON_4 = {"u10": (10, 3), "u3": (3, 4), "ss": (10, 2), "rs": (6, 4), "sr": (5, 6)}
+SHAPES_ON_4 = {"u10": (10, 3), "u3": (3, 4), "ss": (10, 2), "rs": (6, 4), "sr": (5, 6), "fsdp_tp": (8, 3)}
 
 
 def full(key: str, shape) -> torch.Tensor:
@@ -119,6 +120,8 @@ def _load_on_4_and_save(rank, world, ckpt, out):
         "ss": dt("ss", SHAPES_ON_4, grid, [Shard(0), Shard(0)]),  # 10 -> 5, 5 -> 3, 2, 3, 2
         "rs": dt("rs", SHAPES_ON_4, grid, [Replicate(), Shard(1)]),
         "sr": dt("sr", SHAPES_ON_4, grid, [Shard(1), Replicate()]),
+        # FSDP2 over tensor parallel: rows split by tp first, then each tp slice by dp (contiguous slices)
+        "fsdp_tp": dt("fsdp_tp", SHAPES_ON_4, grid, [_StridedShard(0, split_factor=2), Shard(0)]),
     }, out)
 
 
@@ -149,7 +152,8 @@ def _load_on_2(rank, world, ckpt):
                 "u3": blank("u3", SHAPES_ON_4, mesh, [Shard(1)]),
                 "ss": blank("ss", SHAPES_ON_4, mesh, [Shard(1)]),
                 "rs": blank("rs", SHAPES_ON_4, mesh, [Shard(0)]),
-                "sr": blank("sr", SHAPES_ON_4, mesh, [Shard(0)])}
+                "sr": blank("sr", SHAPES_ON_4, mesh, [Shard(0)]),
+                "fsdp_tp": blank("fsdp_tp", SHAPES_ON_4, mesh, [Shard(1)])}
     loaded = ldc.load(template, ckpt)
     for key in SHAPES_ON_4:
         assert loaded[key] is template[key]
@@ -193,3 +197,11 @@ def test_key_is_the_tree_path():
     tree = {"a": [1, (torch.ones(1), "x")], "b": {"c": 2}}
     copied = shard_dtensors(tree)
     assert copied == tree and copied is not tree and copied["b"] is not tree["b"]  # no DTensor: leaves kept
+
+
+def test_strided_shards_accepted_only_when_contiguous():
+    fsdp_over_tp = [_StridedShard(0, split_factor=2), Shard(0)]  # rows 0-1 | 4-5 | 2-3 | 6-7
+    assert _strided_is_contiguous((8, 3), (2, 2), fsdp_over_tp)
+    assert _strided_is_contiguous((7, 3), (2, 2), fsdp_over_tp)  # uneven
+    assert not _strided_is_contiguous((8, 3), (2, 2), [Shard(0), _StridedShard(0, split_factor=2)])  # rows 0, 2 | 1, 3
+    assert not _strided_is_contiguous((8,), (4,), [_StridedShard(0, split_factor=2)])  # rows 0, 4 | 1, 5 | ...

@@ -12,7 +12,9 @@ global offset from the mesh coordinate and placements (torch's own
 ``compute_local_shape_and_global_offset``: ``Shard(dim)`` on any mesh dim, several mesh dims on one
 tensor dim, uneven ``torch.chunk`` splits whose last shards may be empty), and a replica id made of
 the coordinates on the ``Replicate()`` mesh dims, so exactly one replica of each shard is main.
-Other placements (``Partial``, ``_StridedShard``, ...) raise :class:`ShardingError` naming the key.
+A ``_StridedShard`` (FSDP2 over tensor parallel) is accepted where it still gives each rank one
+contiguous slice; it and other placements (``Partial``, ...) otherwise raise :class:`ShardingError`
+naming the key.
 
 On load the loaded local shard is put back into the template's DTensor (its local tensor filled in
 place): the result has the template's mesh and placements, whatever the checkpoint's split was.
@@ -21,12 +23,14 @@ place): the result has the template's mesh and placements, whatever the checkpoi
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import ShardingError
 from .mapping import ReplicaId, ShardedTensor, ShardedTensorFactory
@@ -55,16 +59,22 @@ def dtensor_layout(key: str, dt: DTensor) -> DTensorLayout:
     """Describe ``dt``'s local shard on this rank, or raise :class:`ShardingError` naming ``key``."""
     mesh, placements = dt.device_mesh, tuple(dt.placements)
     for mesh_dim, p in enumerate(placements):
-        if type(p) is not Shard and not isinstance(p, Replicate):  # _StridedShard is no Shard
+        if not isinstance(p, (Shard, Replicate, _StridedShard)):
             raise ShardingError(
                 f"{key!r}: DTensor placement {p} on mesh dim {mesh_dim} (placements {placements}) cannot be saved "
                 "as a sharded tensor: only Shard(dim) and Replicate() can (redistribute a Partial first, e.g. "
                 "dt.redistribute(placements=[Replicate()]))"
             )
+    global_shape = tuple(int(s) for s in dt.shape)
+    if any(isinstance(p, _StridedShard) for p in placements) and not _strided_is_contiguous(
+            global_shape, tuple(mesh.shape), placements):
+        raise ShardingError(
+            f"{key!r}: DTensor placements {placements} on mesh {tuple(mesh.shape)} give ranks non-contiguous "
+            "slices of the tensor, which a sharded tensor cannot describe (redistribute to Shard / Replicate first)"
+        )
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ShardingError(f"{key!r}: this rank is not part of the DTensor's device mesh {mesh}")
-    global_shape = tuple(int(s) for s in dt.shape)
     local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     actual = tuple(dt.to_local().shape)
     if tuple(local_shape) != actual:
@@ -74,6 +84,32 @@ def dtensor_layout(key: str, dt: DTensor) -> DTensorLayout:
         )
     replicas = tuple(int(c) for c, p in zip(coordinate, placements) if isinstance(p, Replicate))
     return DTensorLayout(global_shape, actual, tuple(int(o) for o in offset), replicas if replicas else 0)
+
+
+def _strided_is_contiguous(global_shape: Tuple[int, ...], mesh_shape: Tuple[int, ...],
+                            placements: Sequence[Placement]) -> bool:
+    """Whether every rank's slice is one contiguous range along each tensor dim a ``_StridedShard``
+    splits (as FSDP2 over tensor parallel makes them). The ranges torch gives (first index, size)
+    for all mesh coordinates on the mesh dims splitting that tensor dim must tile it: the slices
+    partition the dim, so tiling ranges mean each slice is its range."""
+    for dim in {p.dim for p in placements if isinstance(p, _StridedShard)}:
+        splitting = [i for i, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
+        spans = []
+        for coords in itertools.product(*(range(mesh_shape[i]) for i in splitting)):
+            coordinate = [0] * len(mesh_shape)
+            for i, c in zip(splitting, coords):
+                coordinate[i] = c
+            shape, offset = _compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)
+            if shape[dim]:
+                spans.append((offset[dim], shape[dim]))
+        end = 0
+        for start, size in sorted(spans):
+            if start != end:
+                return False
+            end += size
+        if end != global_shape[dim]:
+            return False
+    return True
 
 
 def dtensor_to_sharded(key: str, dt: DTensor) -> ShardedTensor:
