@@ -152,12 +152,22 @@ def _load_on_2(rank, world, ckpt):
                 "u3": blank("u3", SHAPES_ON_4, mesh, [Shard(1)]),
                 "ss": blank("ss", SHAPES_ON_4, mesh, [Shard(1)]),
                 "rs": blank("rs", SHAPES_ON_4, mesh, [Shard(0)]),
-                "sr": blank("sr", SHAPES_ON_4, mesh, [Shard(0)]),
+                "sr": _transposed_local("sr", mesh, rank),
                 "fsdp_tp": blank("fsdp_tp", SHAPES_ON_4, mesh, [Shard(1)])}
+    sr_local = template["sr"].to_local()
     loaded = ldc.load(template, ckpt)
     for key in SHAPES_ON_4:
         assert loaded[key] is template[key]
         check_local(loaded[key], key, SHAPES_ON_4)
+    assert loaded["sr"].to_local().data_ptr() == sr_local.data_ptr()  # copied into the template's own memory
+
+
+def _transposed_local(key: str, mesh, rank: int) -> DTensor:
+    """A Shard(0) DTensor whose local tensor is not contiguous (read elsewhere, then copied in)."""
+    rows = (3, 2)[rank]  # 5 rows on 2 ranks
+    local = torch.zeros(SHAPES_ON_4[key][1], rows).t()
+    assert not local.is_contiguous()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=SHAPES_ON_4[key], stride=(6, 1))
 
 
 def test_load_4_ranks_into_2(saved_on_4):
