@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ..comm import Comm
@@ -47,8 +47,8 @@ class PlanningOptions:
 
     def differences(self, reference: "PlanningOptions") -> List[str]:
         """``"name=mine (rank 0: theirs)"`` for each option that differs from ``reference``."""
-        return [f"{name}={getattr(self, name)!r} (rank 0: {getattr(reference, name)!r})"
-                for name in ("balance_writes", "pack_max_bytes") if getattr(self, name) != getattr(reference, name)]
+        return [f"{f.name}={getattr(self, f.name)!r} (rank 0: {getattr(reference, f.name)!r})"
+                for f in fields(self) if getattr(self, f.name) != getattr(reference, f.name)]
 
 
 @dataclass(frozen=True)
