@@ -135,6 +135,32 @@ def test_four_processes(files):
     assert run_distributed(_shard_all_ways, 4, files[:1]) == [True] * 4
 
 
+def _bounded(rank, world, path):
+    from lightning_distckpt.comm import get_comm
+    from lightning_distckpt.sharding.api import ShardOptions, shard_from_rank0
+
+    entries, expected = meta_entries(rank, world)
+    sd = load_state_dict(path)  # collective: every rank calls it
+    out = {}
+    result = shard_from_rank0(get_comm(), sd if rank == 0 else None, entries, out,
+                              ShardOptions(max_inflight_bytes=8192, bucket_bytes=1024))
+    assert all(torch.equal(out[k], v) for k, v in expected.items())
+    return result
+
+
+def test_memory_bound_and_bytes_sent(files):
+    """At most max_inflight_bytes posted at once, or one larger box alone ('big': 32 KiB per
+    half); buffers within that; half of each split tensor is not sent at all at 2 ranks."""
+    results = run_distributed(_bounded, 2, files[1])
+    for r in results:
+        assert 0 < r.stats.peak_inflight_bytes <= 32 << 10
+        assert r.stats.peak_extra_bytes <= r.stats.peak_inflight_bytes
+        assert r.unexpected == ("unused",) and r.missing == ()
+        assert r.sent_bytes < r.whole_bytes
+    # Rank 1's shards of the two big row/column splits are exactly the boxes sent: received in place.
+    assert results[1].stats.peak_extra_bytes < results[1].stats.peak_inflight_bytes
+
+
 def test_bucketing_sends_union_of_slices():
     """The manifest sends each tensor once, as the box the other ranks need, small ones bucketed."""
     from lightning_distckpt.sharding.plan import build_manifest, collect_needs

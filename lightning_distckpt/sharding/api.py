@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, MutableMapping, Optional, Tuple
+from typing import Any, Mapping, MutableMapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,10 @@ def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_s
     failed = CheckpointingError("; ".join(transfer.errors[:3])) if transfer.errors else None
     comm.agree(f"sharding {manifest.source} from rank 0", failed)
     sharded_state_dict.update(transfer.shards)
-    logger.debug("rank %d: %d shards from %s, %s", comm.rank, len(transfer.shards), manifest.source, transfer.stats)
+    if comm.rank == 0:
+        logger.info("sharded %s over %d ranks: %d broadcasts, %.1f MB (whole tensors: %.1f MB) in %.2f s",
+                    manifest.source, comm.size, transfer.stats.ops, manifest.sent_bytes / 1e6,
+                    manifest.whole_bytes / 1e6, transfer.stats.seconds)
     return ShardResult(manifest.missing, manifest.unexpected, manifest.sent_bytes, manifest.whole_bytes, transfer.stats)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Dict, Mapping
 
 from torch import nn
@@ -13,7 +12,6 @@ from ..core.errors import ArgumentTypeError, MissingKeysError
 from ..core.mapping import ShardedTensor
 from .api import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, ShardOptions, shard_from_rank0
 
-logger = logging.getLogger(__name__)
 
 _OWN = ("module", "options")  # attributes of the wrapper itself; everything else is the wrapped module's
 

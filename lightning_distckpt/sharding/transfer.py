@@ -13,7 +13,6 @@ recorded, zeros are sent, and the caller agrees on the errors once everything ha
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,7 +25,6 @@ from ..comm import Comm
 from ..core.errors import CollectiveError
 from .plan import Manifest, Need, SendOp, cut
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass
