@@ -138,6 +138,36 @@ def test_metadata_plain_tensors_and_common(saved):
     assert ldc.load_common_state_dict(saved["plain"]) == {}
 
 
+def _bytes_read_by_process():
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes read through /proc/self/io")
+def test_reads_only_the_rows_it_needs(tmp_path):
+    """A template shard of 1/16 of a 4 MiB chunk's rows reads about that much of the .distcp file."""
+    path = str(tmp_path / "big")
+    full = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))
+    dcp.save({"w": full}, checkpoint_id=path, no_dist=True)
+    template = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(64, 1024), (0, 5, 16))}
+    before = _bytes_read_by_process()
+    out = ldc.load(template, path, loader="every_rank")
+    read = _bytes_read_by_process() - before
+    assert torch.equal(out["w"], full[5 * 64:6 * 64])
+    assert read < 2 * 64 * 1024 * 4, f"read {read} bytes for a 256 KiB piece of a 4 MiB chunk"
+
+
+def test_non_contiguous_chunk_is_read_whole(tmp_path):
+    """DCP keeps a transposed tensor's strides: that chunk is loaded whole, then sliced."""
+    path = str(tmp_path / "strided")
+    base = torch.arange(48.0).reshape(6, 8)
+    dcp.save({"t": base.t(), "v": base[2:5]}, checkpoint_id=path, no_dist=True)
+    template = {"t": ldc.ShardedTensor.from_rank_offsets("t", torch.zeros(4, 6), (0, 1, 2)),
+                "v": ldc.ShardedTensor.from_rank_offsets("v", torch.zeros(3, 4), (1, 1, 2))}
+    out = ldc.load(template, path)
+    assert torch.equal(out["t"], base.t()[4:]) and torch.equal(out["v"], base[2:5, 4:])
+
+
 # ---------------------------------------------------------------- Lightning ModelParallelStrategy
 
 LIGHTNING_SCRIPT = """

@@ -4,8 +4,8 @@ a ``.metadata`` file and ``.distcp`` files) as a checkpoint source.
 Each tensor of DCP's metadata becomes a tensor entry under its fully qualified name (mapped by
 ``key_map``), each stored chunk a stored shard: ``writer`` is the number of its ``.distcp`` file,
 ``index`` its position among the tensor's chunks. The reading pipeline plans every rank's reads
-from these shards (resharding included); the reader seeks to each needed chunk's byte range,
-reads just that range and loads the ``torch.save``d tensor there with ``weights_only=True``.
+from these shards (resharding included); the reader reads, of each needed chunk's byte range,
+only the span that holds the pieces asked for (:mod:`.dcp_chunks`).
 Objects DCP stored as bytes (``BytesStorageMetadata``) are the common state: a flat dict
 ``{fqn: value}``, deserialized safely. A Lightning ``ModelParallelStrategy`` / ``FSDPStrategy``
 sharded checkpoint is a DCP directory plus ``meta.pt`` (the rest of the Trainer checkpoint:
@@ -27,6 +27,7 @@ from ...core.errors import CheckpointingError, FormatError, ShardingError
 from ...planning.metadata import CheckpointIndex, StoredShard, TensorEntry, dtype_name
 from ...storage.base import ShardRead
 from ...storage.safe_pickle import load_file, loads
+from .dcp_chunks import ChunkLayout, chunk_layout, read_pieces
 from .dcp_metadata import METADATA_NAME, DcpChunk, DcpItem, DcpMetadata, read_metadata
 from .tensor_files import KeyMap, map_key
 
@@ -157,11 +158,14 @@ class DcpSource:
 
 
 class DcpReader:
-    """Reads requested pieces of a DCP checkpoint's chunks: each needed chunk's byte range once per
-    call, loaded as a tensor without running code, copied piece by piece into the destinations."""
+    """Reads requested pieces of a DCP checkpoint's chunks. For each chunk it reads only the span of
+    the chunk's tensor data that holds the pieces asked for in one call (one seek, one read; the
+    layout comes from the chunk's zip directory and ``data.pkl``, cached per reader). A chunk whose
+    layout that does not cover is read whole and loaded with ``weights_only=True``."""
 
     def __init__(self, source: DcpSource) -> None:
         self._source = source
+        self._layouts: Dict[Tuple[str, int], Optional[ChunkLayout]] = {}
 
     def read_into(self, reads: Iterable[ShardRead]) -> int:
         by_file: Dict[str, Dict[Tuple[str, int], List[ShardRead]]] = defaultdict(lambda: defaultdict(list))
@@ -171,33 +175,44 @@ class DcpReader:
         for rel, chunks in by_file.items():
             with open(self._source.full_path(rel), "rb") as f:
                 for (key, index), pieces in sorted(chunks.items(), key=lambda kv: self._offset(kv[0])):
-                    nbytes += self._read_chunk(f, key, index, pieces)
+                    self._read_chunk(f, key, index, pieces)
+                    nbytes += sum(r.dest.numel() * r.dest.element_size() for r in pieces)
         return nbytes
 
     def _offset(self, key_index: Tuple[str, int]) -> int:
         return self._source.stored_chunk(*key_index).chunk.item.offset
 
-    def _read_chunk(self, f: BinaryIO, key: str, index: int, pieces: List[ShardRead]) -> int:
+    def _read_chunk(self, f: BinaryIO, key: str, index: int, pieces: List[ShardRead]) -> None:
         stored = self._source.stored_chunk(key, index)
-        chunk, where = stored.chunk, self._source.full_path(stored.chunk.item.file)
-        what = f"{where}: tensor {stored.fqn!r} chunk at {list(chunk.offset)}"
-        blob = self._source.read_item(f, chunk.item)
+        chunk = stored.chunk
+        what = f"{self._source.full_path(chunk.item.file)}: tensor {stored.fqn!r} chunk at {list(chunk.offset)}"
+        if (key, index) not in self._layouts:
+            layout = chunk_layout(f, chunk.item.offset, chunk.item.length, what)
+            if layout is not None and layout.shape != chunk.shape:
+                raise FormatError(f"{what}: holds a tensor of shape {layout.shape}, expected {chunk.shape}")
+            self._layouts[(key, index)] = layout
+        layout = self._layouts[(key, index)]
+        try:
+            if layout is not None:
+                read_pieces(f, layout, pieces, what)
+            else:
+                tensor = self._load_whole(f, stored, what)
+                for r in pieces:
+                    r.dest.copy_(tensor[r.src])
+        except RuntimeError as e:  # a destination that cannot take the values
+            raise CheckpointingError(f"{what}: copying into the destination failed: {e}") from None
+
+    def _load_whole(self, f: BinaryIO, stored: _StoredChunk, what: str) -> torch.Tensor:
+        blob = self._source.read_item(f, stored.chunk.item)
         try:
             tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         except Exception as e:  # damaged bytes, or not a torch.save'd tensor
             raise FormatError(f"{what}: not a torch.save'd tensor ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:300]})") from None
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.shape:
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != stored.chunk.shape:
             got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise FormatError(f"{what}: holds {got}, expected a tensor of shape {chunk.shape}")
-        nbytes = 0
-        for r in pieces:
-            try:
-                r.dest.copy_(tensor[r.src])
-            except RuntimeError as e:
-                raise CheckpointingError(f"{what}: copying {r.src} into the destination failed: {e}") from None
-            nbytes += r.dest.numel() * r.dest.element_size()
-        return nbytes
+            raise FormatError(f"{what}: holds {got}, expected a tensor of shape {stored.chunk.shape}")
+        return tensor
 
     def read_object(self, writer: int, key: str, index: int) -> bytes:
         raise FormatError(f"{self._source.path}: a DCP checkpoint holds no sharded objects (asked for {key!r})")

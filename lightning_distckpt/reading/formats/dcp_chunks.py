@@ -1,0 +1,134 @@
+"""Reading parts of one DCP chunk without reading the whole chunk.
+
+DCP's ``FileSystemWriter`` stores each chunk as a ``torch.save`` zip archive at a byte range of a
+``.distcp`` file. Its tensor data is one uncompressed zip record. :func:`chunk_layout` finds that
+record (the zip directory, a few hundred bytes) and the tensor's layout (``torch.load`` with
+``weights_only=True`` under ``torch.serialization.skip_data``, which reads ``data.pkl`` and no
+tensor bytes). :func:`read_pieces` then reads, with one seek and one read, only the span of the
+record that holds the requested pieces. A chunk this does not cover (a non-contiguous stored
+tensor, several storages, big-endian data) has no layout; the reader loads it whole.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import warnings
+import zipfile
+from dataclasses import dataclass
+from typing import Any, BinaryIO, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...core.errors import FormatError
+from ...storage.base import ShardRead
+
+_LOCAL_HEADER = struct.Struct("<4s22sHH")  # signature, fixed fields, name length, extra length
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes at ``start`` of an open file."""
+
+    def __init__(self, f: BinaryIO, start: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._length, self._pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """A chunk's tensor as stored: its data record at file offset ``data_start`` (``nbytes``
+    long), its element type and its row-major shape (contiguous, from ``storage_offset``)."""
+
+    data_start: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    storage_offset: int
+
+
+def chunk_layout(f: BinaryIO, start: int, length: int, where: str) -> Optional[ChunkLayout]:
+    """The layout of the ``torch.save``d tensor at ``[start, start + length)`` of ``f``; None when
+    it is not one contiguous little-endian storage (read it whole then)."""
+    view = RangeFile(f, start, length)
+    try:
+        archive = zipfile.ZipFile(view)
+        records = [i for i in archive.infolist() if i.filename.split("/")[-2:-1] == ["data"]]
+        byteorder = [i for i in archive.infolist() if i.filename.endswith("/byteorder")]
+        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or \
+                (byteorder and archive.read(byteorder[0]) != b"little"):
+            return None
+        record = records[0]
+        view.seek(record.header_offset)
+        signature, _, name_len, extra_len = _LOCAL_HEADER.unpack(view.read(_LOCAL_HEADER.size))
+        view.seek(0)
+        with warnings.catch_warnings(), torch.serialization.skip_data():
+            warnings.simplefilter("ignore")
+            meta = torch.load(view, map_location="cpu", weights_only=True)
+    except Exception as e:  # zipfile.BadZipFile, struct.error, UnpicklingError, RuntimeError, ...
+        raise FormatError(f"{where}: not a torch.save'd tensor ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:300] if str(e) else ''})") from None
+    data_offset = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if signature != _LOCAL_SIGNATURE or data_offset + record.file_size > length:
+        raise FormatError(f"{where}: damaged zip record {record.filename!r}")
+    if not isinstance(meta, torch.Tensor) or not meta.is_contiguous() or \
+            (meta.storage_offset() + meta.numel()) * meta.element_size() > record.file_size:
+        return None
+    return ChunkLayout(start + data_offset, record.file_size, meta.dtype, tuple(meta.shape), meta.storage_offset())
+
+
+def _span(layout: ChunkLayout, src: Sequence[slice]) -> Tuple[int, int]:
+    """Element range ``[first, last + 1)`` of the storage that holds ``chunk[src]``."""
+    strides = [math.prod(layout.shape[i + 1:]) for i in range(len(layout.shape))]
+    first = sum(s.start * st for s, st in zip(src, strides))
+    last = sum((s.stop - 1) * st for s, st in zip(src, strides))
+    return layout.storage_offset + first, layout.storage_offset + last + 1
+
+
+def read_pieces(f: BinaryIO, layout: ChunkLayout, pieces: List[ShardRead], where: str) -> None:
+    """Copy ``chunk[r.src]`` into ``r.dest`` for every piece, reading only the span that holds them."""
+    wanted = [(r, _span(layout, _full_slices(r.src, layout.shape))) for r in pieces if r.dest.numel()]
+    if not wanted:
+        return
+    lo, hi = min(s[0] for _, s in wanted), max(s[1] for _, s in wanted)
+    isz = layout.dtype.itemsize
+    buf = torch.empty((hi - lo) * isz, dtype=torch.uint8)
+    f.seek(layout.data_start + lo * isz)
+    if f.readinto(buf.numpy()) != buf.numel():
+        raise FormatError(f"{where}: the file ends inside the chunk's data (truncated?)")
+    values = buf.view(layout.dtype)
+    strides = tuple(math.prod(layout.shape[i + 1:]) for i in range(len(layout.shape)))
+    for r, (first, _) in wanted:
+        src = _full_slices(r.src, layout.shape)
+        r.dest.copy_(values.as_strided(tuple(s.stop - s.start for s in src), strides, first - lo))
+
+
+def _full_slices(src: Sequence[slice], shape: Tuple[int, ...]) -> Tuple[slice, ...]:
+    """``src`` with every axis a plain ``start:stop`` slice (missing axes taken whole)."""
+    out = []
+    for i, n in enumerate(shape):
+        start, stop, _ = (src[i] if i < len(src) else slice(None)).indices(n)  # planning's slices have no step
+        out.append(slice(start, max(start, stop)))
+    return tuple(out)
