@@ -45,6 +45,12 @@ def _check_key(kind: str, key: Any) -> None:
         raise ShardingError(f"{kind} key must be a non-empty string, got {key!r}")
 
 
+def _require_tensor(key: str, data: object) -> None:
+    """The constructors read ``data``'s shape and dtype: anything but a tensor is a ShardingError."""
+    if not isinstance(data, torch.Tensor):
+        raise ShardingError(f"{key!r}: data must be a torch.Tensor, got {type(data).__name__}")
+
+
 @dataclass
 class ShardedTensor:
     """A local tensor and its place in a global tensor.
@@ -155,6 +161,7 @@ class ShardedTensor:
         ``(0, tp_rank, tp_size)`` means the global tensor is ``tp_size`` local tensors stacked along
         axis 0 and this one is number ``tp_rank``. Axes below ``prepend_axis_num`` are global-only.
         """
+        _require_tensor(key, data)
         local_shape = tuple(local_shape) if local_shape is not None else tuple(data.shape)
         ndim = prepend_axis_num + len(local_shape)
         global_shape = [1] * prepend_axis_num + list(local_shape)
@@ -228,6 +235,7 @@ class ShardedTensor:
         allow_shape_mismatch: bool = False,
     ) -> "ShardedTensor":
         """Place ``data`` at an explicit offset of an explicit global shape (uneven shardings)."""
+        _require_tensor(key, data)
         return cls(
             key=key,
             data=data,

@@ -160,6 +160,15 @@ class CheckpointIndex:
     tensors: Dict[str, TensorEntry] = field(default_factory=dict)
     objects: Dict[str, ObjectEntry] = field(default_factory=dict)
 
+    def bytes_per_writer(self) -> Dict[int, int]:
+        """writer rank -> bytes of the tensor data this index says its store holds."""
+        out: Dict[int, int] = {}
+        for e in self.tensors.values():
+            size = element_size(e.dtype)
+            for s in e.shards:
+                out[s.writer] = out.get(s.writer, 0) + s.numel * size
+        return out
+
     def to_json(self) -> Dict[str, Any]:
         return {
             "tensors": {
@@ -185,42 +194,106 @@ class CheckpointIndex:
 
     @classmethod
     def from_json(cls, data: Dict[str, Any], where: str) -> "CheckpointIndex":
-        """Parse, checking types: metadata comes from disk and is not trusted."""
-
-        def ints(v: Any, what: str) -> Tuple[int, ...]:
-            if not isinstance(v, list) or not all(isinstance(i, int) and i >= 0 for i in v):
-                raise FormatError(f"{where}: {what} must be a list of non-negative ints, got {v!r}")
-            return tuple(v)
-
-        def nonneg(v: Any, what: str) -> int:
-            if not isinstance(v, int) or v < 0:
-                raise FormatError(f"{where}: {what} must be a non-negative int, got {v!r}")
-            return v
-
-        try:
-            index = cls()
-            for key, e in data["tensors"].items():
-                dtype_from_name(e["dtype"], key)
-                entry = TensorEntry(ints(e["global_shape"], f"{key!r} global_shape"), e["dtype"])
-                for s in e["shards"]:
-                    flat = tuple(ints(s["flat"], f"{key!r} flat")) if s["flat"] is not None else None
-                    packed = s.get("packed")
-                    entry.shards.append(
-                        StoredShard(ints(s["offset"], f"{key!r} offset"), ints(s["shape"], f"{key!r} shape"), flat,
-                                    nonneg(s["writer"], f"{key!r} writer"), nonneg(s["index"], f"{key!r} index"),
-                                    None if packed is None else nonneg(packed, f"{key!r} packed"))
-                    )
-                    if packed is not None and flat is not None:
-                        raise FormatError(f"{where}: {key!r} shard {s['index']} is both flattened and packed")
-                index.tensors[key] = entry
-            for key, e in data["objects"].items():
-                entry_o = ObjectEntry(ints(e["global_shape"], f"{key!r} global_shape"))
-                for s in e["shards"]:
-                    entry_o.shards.append(
-                        StoredObject(ints(s["offset"], f"{key!r} offset"), nonneg(s["writer"], f"{key!r} writer"),
-                                     nonneg(s["index"], f"{key!r} index"))
-                    )
-                index.objects[key] = entry_o
-        except (KeyError, TypeError, AttributeError) as e:
-            raise FormatError(f"{where}: malformed metadata.json ({type(e).__name__}: {e})") from None
+        """Parse ``metadata.json``'s index, checking every field's type and range (FormatError
+        naming the field): it comes from disk and is not trusted. Shapes are bounded and each
+        shard lies inside its tensor, so nothing sized by the index can ask for absurd memory."""
+        f = _Fields(where)
+        index = cls()
+        for key, e in f.obj(data.get("tensors"), "tensors").items():
+            name = f"tensors[{key!r}]"
+            e = f.obj(e, name)
+            dtype = e.get("dtype")
+            if dtype not in _DTYPES:
+                raise FormatError(f"{where}: metadata.json field {name}.dtype must be one of {sorted(_DTYPES)}, got {_short(dtype)}")
+            gshape = f.shape(e.get("global_shape"), f"{name}.global_shape")
+            if math.prod(gshape) * element_size(dtype) > MAX_TENSOR_BYTES:
+                raise FormatError(f"{where}: metadata.json field {name}.global_shape {list(gshape)} claims more than "
+                                  f"{MAX_TENSOR_BYTES} bytes")
+            entry = TensorEntry(gshape, dtype)
+            for i, s in enumerate(f.list(e.get("shards"), f"{name}.shards")):
+                entry.shards.append(f.stored_shard(s, gshape, f"{name}.shards[{i}]"))
+            index.tensors[f.key(key, "tensors")] = entry
+        for key, e in f.obj(data.get("objects"), "objects").items():
+            name = f"objects[{key!r}]"
+            e = f.obj(e, name)
+            gshape = f.shape(e.get("global_shape"), f"{name}.global_shape")
+            entry_o = ObjectEntry(gshape)
+            for i, s in enumerate(f.list(e.get("shards"), f"{name}.shards")):
+                what = f"{name}.shards[{i}]"
+                s = f.obj(s, what)
+                offset = f.shape(s.get("offset"), f"{what}.offset", len(gshape))
+                if any(o >= g for o, g in zip(offset, gshape)):
+                    raise FormatError(f"{where}: metadata.json field {what}.offset {list(offset)} lies outside {list(gshape)}")
+                entry_o.shards.append(StoredObject(offset, f.count(s.get("writer"), f"{what}.writer"),
+                                                   f.count(s.get("index"), f"{what}.index")))
+            index.objects[f.key(key, "objects")] = entry_o
         return index
+
+
+MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: no tensor of a checkpoint is bigger; a bigger claim is damage
+_MAX_NDIM = 32
+_MAX_COUNT = 1 << 31  # writers, indices
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Fields:
+    """Checks of the values of metadata.json's fields; each failure is a FormatError naming the field."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, field_name: str, must: str, value: Any) -> FormatError:
+        return FormatError(f"{self.where}: metadata.json field {field_name} must be {must}, got {_short(value)}")
+
+    def obj(self, v: Any, name: str) -> Dict[str, Any]:
+        if not isinstance(v, dict):
+            raise self.fail(name, "an object", v)
+        return v
+
+    def list(self, v: Any, name: str) -> List[Any]:
+        if not isinstance(v, list):
+            raise self.fail(name, "a list", v)
+        return v
+
+    def key(self, k: Any, name: str) -> str:
+        if not isinstance(k, str) or not k:
+            raise self.fail(f"{name} key", "a non-empty string", k)
+        return k
+
+    def count(self, v: Any, name: str, limit: int = _MAX_COUNT) -> int:
+        if type(v) is not int or not 0 <= v < limit:
+            raise self.fail(name, f"an int in [0, {limit})", v)
+        return v
+
+    def shape(self, v: Any, name: str, ndim: Optional[int] = None) -> Tuple[int, ...]:
+        if not isinstance(v, list) or len(v) > _MAX_NDIM or not all(type(i) is int and 0 <= i < 1 << 62 for i in v):
+            raise self.fail(name, f"a list of at most {_MAX_NDIM} non-negative ints", v)
+        if ndim is not None and len(v) != ndim:
+            raise self.fail(name, f"a list of {ndim} ints (the tensor's dimensions)", v)
+        return tuple(v)
+
+    def stored_shard(self, s: Any, gshape: Tuple[int, ...], name: str) -> StoredShard:
+        s = self.obj(s, name)
+        offset = self.shape(s.get("offset"), f"{name}.offset", len(gshape))
+        shape = self.shape(s.get("shape"), f"{name}.shape", len(gshape))
+        if any(o + n > g for o, n, g in zip(offset, shape, gshape)):
+            raise FormatError(f"{self.where}: metadata.json field {name}: offset {list(offset)} + shape {list(shape)} lies outside "
+                              f"the global shape {list(gshape)}")
+        flat: FlatRange = None
+        if s.get("flat") is not None:
+            fr = s["flat"]
+            if not (isinstance(fr, list) and len(fr) == 2 and all(type(i) is int for i in fr)
+                    and 0 <= fr[0] <= fr[1] <= math.prod(shape)):
+                raise self.fail(f"{name}.flat", f"[start, stop] with 0 <= start <= stop <= {math.prod(shape)}", fr)
+            flat = (fr[0], fr[1])
+        packed = s.get("packed")
+        if packed is not None:
+            packed = self.count(packed, f"{name}.packed", 1 << 62)
+            if flat is not None:
+                raise FormatError(f"{self.where}: metadata.json field {name} is both flattened and packed")
+        return StoredShard(offset, shape, flat, self.count(s.get("writer"), f"{name}.writer"),
+                           self.count(s.get("index"), f"{name}.index"), packed)

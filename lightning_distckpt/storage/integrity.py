@@ -6,13 +6,16 @@ it is followed through a link, and the common state is read as a regular file of
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError
-from .layout import COMMON_FILE, MetadataFile, open_metadata
-from .paths import PathLike, local_path, read_inside
+from .layout import COMMON_FILE, DATA_DIR, MetadataFile, open_metadata, rank_dir
+from .paths import PathLike, local_path, read_inside, refuse_link, scan_tree
 from .safe_pickle import loads
 from .staging import describe_missing
+
+if TYPE_CHECKING:
+    from ..planning.metadata import CheckpointIndex
 
 
 def open_checkpoint_metadata(checkpoint_dir: PathLike) -> MetadataFile:
@@ -39,3 +42,34 @@ def read_common(checkpoint_dir: str, marker: Dict[str, Any], extra_safe_globals:
     if not blob:
         raise FormatError(f"{where} is empty (0 bytes)")
     return loads(blob, where, extra_safe_globals)
+
+
+def store_bytes(checkpoint_dir: str, writer: int) -> Optional[int]:
+    """Bytes of the files in ``writer``'s store (None when it is missing), refusing ``data/``, the
+    store or anything in it that is a symbolic link (FormatError naming it)."""
+    what = f"checkpoint {checkpoint_dir}: store of rank {writer}"
+    try:
+        refuse_link(os.path.join(checkpoint_dir, DATA_DIR), f"checkpoint {checkpoint_dir}: data directory")
+        return scan_tree(rank_dir(checkpoint_dir, writer), what).nbytes
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CheckpointingError(f"{what} cannot be listed: {e}") from e
+
+
+def check_writer_store(checkpoint_dir: str, writer: int, claimed_bytes: int) -> None:
+    """Before reading ``writer``'s store: no links (see :func:`store_bytes`), and no more tensor
+    bytes claimed by the index than its files hold (a claim that would size buffers by damaged
+    metadata). A missing store is left to the read, which names what is missing."""
+    stored = store_bytes(checkpoint_dir, writer)
+    if stored is not None and stored < claimed_bytes:
+        raise FormatError(f"checkpoint {checkpoint_dir}: store of rank {writer}: metadata.json claims "
+                          f"{claimed_bytes} bytes of tensor data in it, but its files hold only {stored} bytes "
+                          f"(damaged metadata or lost data)")
+
+
+def check_stored_sizes(checkpoint_dir: str, index: "CheckpointIndex") -> None:
+    """:func:`check_writer_store` for every writer of ``index``: call before allocating whole
+    tensors from the shapes the index claims."""
+    for writer, claimed in sorted(index.bytes_per_writer().items()):
+        check_writer_store(checkpoint_dir, writer, claimed)

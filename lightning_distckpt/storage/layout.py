@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import stat
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Tuple
 from urllib.parse import quote
+
+import numpy as np
 
 from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError
 from .paths import local_path, read_inside, refuse_link
@@ -35,6 +39,7 @@ METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 COMMIT_MARKER = "COMMITTED"
 DATA_DIR = "data"
+MAX_JSON_DEPTH = 32  # metadata.json nests 6 levels
 _MAX_COMPONENT = 180
 
 
@@ -136,14 +141,16 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
             f"expected {FORMAT_NAME!r}"
         )
     version = meta.get("format_version")
-    if version not in SUPPORTED_FORMAT_VERSIONS:
+    if type(version) is not int or version not in SUPPORTED_FORMAT_VERSIONS:
         raise FormatError(
-            f"checkpoint {path}: format version {version!r} is not supported by this version of "
+            f"checkpoint {path}: {METADATA_FILE}: format version {version!r} is not supported by this version of "
             f"lightning_distckpt (supports {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade the library"
         )
+    _check_fields(meta, _META_FIELDS, f"checkpoint {path}: {METADATA_FILE}")
     marker = _parse_json(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
     if not isinstance(marker, dict):
         raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} is not a JSON object")
+    _check_fields(marker, _MARKER_FIELDS, f"checkpoint {path}: {COMMIT_MARKER}")
     return MetadataFile(path, meta, marker)
 
 
@@ -152,8 +159,58 @@ def read_metadata(checkpoint_dir: str) -> Dict[str, Any]:
     return open_metadata(checkpoint_dir).meta
 
 
+# Top-level fields: (required, check, what it must be). Their contents (the index, the storage
+# section) are checked where they are parsed (CheckpointIndex.from_json, StorageOptions.from_json).
+_Check = Tuple[bool, Callable[[Any], bool], str]
+_is_count = (lambda v: type(v) is int and 1 <= v <= 1 << 31, "an int in [1, 2**31]")
+_is_time = (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number")
+_is_str = (lambda v: isinstance(v, str), "a string")
+_is_obj = (lambda v: isinstance(v, dict), "an object")
+_META_FIELDS: Dict[str, _Check] = {
+    "library_version": (False, *_is_str), "torch_version": (False, *_is_str), "world_size": (False, *_is_count),
+    "created_unix": (False, *_is_time), "converted_unix": (False, *_is_time), "storage": (False, *_is_obj),
+    "tensors": (True, *_is_obj), "objects": (True, *_is_obj),
+}
+_MARKER_FIELDS: Dict[str, _Check] = {
+    "world_size": (False, *_is_count), "committed_unix": (False, *_is_time),
+    "bytes": (False, lambda v: type(v) is int and v >= 0, "a non-negative int"),
+}
+
+
+def _check_fields(data: Dict[str, Any], fields: Dict[str, _Check], where: str) -> None:
+    for name, (required, ok, what) in fields.items():
+        if name not in data:
+            if required:
+                raise FormatError(f"{where}: field {name!r} is missing")
+        elif not ok(data[name]):
+            raise FormatError(f"{where}: field {name!r} must be {what}, got {_short(data[name])}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _parse_json(raw: bytes, where: str) -> Any:
+    """JSON from disk, its nesting checked first: our files nest a few levels, and a hostile one
+    must not drive the parser (or later code) into deep recursion."""
+    depth = _max_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise FormatError(f"{where}: nested {depth} levels deep (at most {MAX_JSON_DEPTH}); not written by us")
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets, to delete
+
+
+def _max_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped)."""
+    brackets = _STRING.sub(b"", raw).translate(None, _BRACKETS)
+    if not brackets:
+        return 0
+    steps = np.frombuffer(brackets, dtype=np.uint8)
+    return int(np.cumsum(np.where((steps == ord("[")) | (steps == ord("{")), 1, -1)).max())

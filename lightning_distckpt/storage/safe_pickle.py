@@ -9,12 +9,13 @@ from __future__ import annotations
 import collections
 import io
 import os
+import pickle
 import typing
 from typing import Any, List, Sequence
 
 import torch
 
-from ..core.errors import CheckpointingError
+from ..core.errors import FormatError, UnsafeContentError
 
 
 def default_safe_globals(omegaconf: bool = True) -> List[Any]:
@@ -55,15 +56,24 @@ def load_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> Any:
 
 
 def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omegaconf: bool, mmap: bool = False) -> Any:
+    """torch.load with weights_only. A refused type (the weights-only unpickler raises
+    UnpicklingError) is an UnsafeContentError; anything else that fails is a damaged archive."""
     try:
         allowed = default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)
         with torch.serialization.safe_globals(allowed):
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap or None)
-    except Exception as e:  # torch raises UnpicklingError / RuntimeError with a long explanation
-        raise CheckpointingError(
+    except pickle.UnpicklingError as e:
+        raise UnsafeContentError(
             f"{where}: refused to deserialize (only tensors, containers, primitives and allow-listed types "
-            f"load; pass extra_safe_globals=[...] for trusted types of your own): {str(e).splitlines()[0][:500]}"
+            f"load; pass extra_safe_globals=[...] for trusted types of your own): {_first_line(e)}"
         ) from None
+    except Exception as e:  # torch raises RuntimeError / EOFError / ... for damaged archives
+        raise FormatError(f"{where}: not a readable torch.save archive: {type(e).__name__}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).splitlines()
+    return (lines[0] if lines else "")[:500]
 
 
 def write_file_durable(path: str, data: bytes) -> None:

@@ -35,62 +35,14 @@ import torch
 
 from ..core.errors import CheckpointingError
 from .base import ObjectWrite, ShardRead, ShardWrite
-from .layout import DATA_DIR, object_path, pack_path, rank_dir, tensor_path
-from .paths import refuse_link, scan_tree
+from .options import DEFAULT_PACK_MAX_BYTES, LAYOUTS, StorageOptions  # noqa: F401 (re-exported)
+from .integrity import check_writer_store
+from .layout import object_path, pack_path, rank_dir, tensor_path
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
 
-LAYOUTS = ("ocdbt", "zarr")
-DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
-DEFAULT_DATA_FILE_BYTES = 64 * 1024 * 1024
-DEFAULT_PACK_MAX_BYTES = 256 * 1024
 PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
-
-
-@dataclass(frozen=True)
-class StorageOptions:
-    """How arrays are stored.
-
-    layout: ``"ocdbt"`` (default) puts each rank's arrays in one OCDBT database: a handful of
-        files per rank whatever the number of tensors. ``"zarr"`` writes plain zarr v3 arrays,
-        one directory per stored shard (``zarr.json`` + one file per chunk), readable by any zarr
-        v3 tool, but thousands of small files for a real model (see docs/format.md).
-    chunk_bytes: largest zarr chunk; bigger shards are split along their first axis, so a
-        resharded read fetches only the chunks it overlaps. Recorded in ``metadata.json``.
-    io_concurrency: tensorstore's file I/O and copy concurrency (not recorded: a reader's choice).
-    data_file_bytes: ``"ocdbt"`` only: target size of each OCDBT data file. Bounded files are
-        written concurrently and each in moderate ``writev`` calls; a rank writes about
-        ``bytes / data_file_bytes`` + a few files. Not recorded: readers do not need it.
-    pack_max_bytes: shards of at most this many bytes (not flattened) are packed into one array
-        per writing rank and dtype instead of an array each; 0 packs nothing. Where each shard
-        went is recorded per shard in ``metadata.json``.
-    """
-
-    layout: str = "ocdbt"
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    io_concurrency: int = 16
-    data_file_bytes: int = DEFAULT_DATA_FILE_BYTES
-    pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES
-
-    def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown storage layout {self.layout!r}; choose one of {LAYOUTS}")
-        if self.chunk_bytes < 1024:
-            raise ValueError(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
-        if self.io_concurrency < 1:
-            raise ValueError(f"io_concurrency must be >= 1, got {self.io_concurrency}")
-        if self.data_file_bytes < 1024:
-            raise ValueError(f"data_file_bytes must be at least 1024, got {self.data_file_bytes}")
-        if self.pack_max_bytes < 0:
-            raise ValueError(f"pack_max_bytes must be >= 0, got {self.pack_max_bytes}")
-
-    def to_json(self) -> Dict[str, Any]:
-        return {"layout": self.layout, "chunk_bytes": self.chunk_bytes}
-
-    @classmethod
-    def from_json(cls, data: Dict[str, Any]) -> "StorageOptions":
-        return cls(layout=data.get("layout", "ocdbt"), chunk_bytes=int(data.get("chunk_bytes", DEFAULT_CHUNK_BYTES)))
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -123,9 +75,10 @@ class TensorStoreIO:
     backend: ClassVar[str] = "tensorstore"
 
     def __init__(self, checkpoint_dir: str, options: StorageOptions = StorageOptions(),
-                 index: Optional["CheckpointIndex"] = None) -> None:
+                 index: Optional["CheckpointIndex"] = None, check_sizes: bool = True) -> None:
         """``index``: the checkpoint's index, needed to read packed shards (a reader of a format 2
-        checkpoint passes it; a writer does not)."""
+        checkpoint passes it; a writer does not). A reader checks each store it reads before it
+        opens it (no links; with ``check_sizes``, no more bytes claimed by the index than stored)."""
         self.root = os.path.abspath(checkpoint_dir)
         self.options = options
         self._packed: Dict[Tuple[int, str], Tuple[str, int, Tuple[int, ...]]] = {}  # handle -> (dtype, offset, shape)
@@ -146,6 +99,7 @@ class TensorStoreIO:
         self._kvstores: Dict[int, Any] = {}
         self._arrays: Dict[Tuple[int, str], Any] = {}
         self._reading = index is not None
+        self._claimed = index.bytes_per_writer() if index is not None and check_sizes else {}
         self._contained: Set[int] = set()  # writers whose store was checked for links
 
     # -- specs --------------------------------------------------------------------------
@@ -239,17 +193,11 @@ class TensorStoreIO:
 
     # -- reading ------------------------------------------------------------------------
     def _check_contained(self, writer: int) -> None:
-        """Before a reader touches ``writer``'s store: refuse ``data/``, the store's directory or
-        anything in it that is a symbolic link (tensorstore would follow it out of the checkpoint)."""
+        """Before a reader touches ``writer``'s store (see :func:`integrity.check_writer_store`):
+        no links out of the checkpoint, no more bytes claimed than stored."""
         if not self._reading or writer in self._contained:
             return
-        try:
-            refuse_link(os.path.join(self.root, DATA_DIR), f"checkpoint {self.root}: data directory")
-            scan_tree(rank_dir(self.root, writer), f"checkpoint {self.root}: store of rank {writer}")
-        except FileNotFoundError:
-            pass  # reading it fails with an error naming what is missing
-        except OSError as e:
-            raise CheckpointingError(f"checkpoint {self.root}: the store of rank {writer} cannot be listed: {e}") from e
+        check_writer_store(self.root, writer, self._claimed.get(writer, 0))
         self._contained.add(writer)
 
     def _kvstore(self, writer: int) -> Any:

@@ -1,0 +1,74 @@
+"""How arrays are stored (:class:`StorageOptions`): chosen by whoever saves, partly recorded in
+``metadata.json`` and checked as data when read back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict
+
+from ..core.errors import ConfigError, FormatError
+
+LAYOUTS = ("ocdbt", "zarr")
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+DEFAULT_DATA_FILE_BYTES = 64 * 1024 * 1024
+DEFAULT_PACK_MAX_BYTES = 256 * 1024
+_MAX_CHUNK_BYTES = 1 << 40  # larger chunks are no checkpoint of ours: refuse before sizing anything by them
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """How arrays are stored.
+
+    layout: ``"ocdbt"`` (default) puts each rank's arrays in one OCDBT database: a handful of
+        files per rank whatever the number of tensors. ``"zarr"`` writes plain zarr v3 arrays,
+        one directory per stored shard (``zarr.json`` + one file per chunk), readable by any zarr
+        v3 tool, but thousands of small files for a real model (see docs/format.md).
+    chunk_bytes: largest zarr chunk; bigger shards are split along their first axis, so a
+        resharded read fetches only the chunks it overlaps. Recorded in ``metadata.json``.
+    io_concurrency: tensorstore's file I/O and copy concurrency (not recorded: a reader's choice).
+    data_file_bytes: ``"ocdbt"`` only: target size of each OCDBT data file. Bounded files are
+        written concurrently and each in moderate ``writev`` calls; a rank writes about
+        ``bytes / data_file_bytes`` + a few files. Not recorded: readers do not need it.
+    pack_max_bytes: shards of at most this many bytes (not flattened) are packed into one array
+        per writing rank and dtype instead of an array each; 0 packs nothing. Where each shard
+        went is recorded per shard in ``metadata.json``.
+    """
+
+    layout: str = "ocdbt"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    io_concurrency: int = 16
+    data_file_bytes: int = DEFAULT_DATA_FILE_BYTES
+    pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"unknown storage layout {self.layout!r}; choose one of {LAYOUTS}")
+        if self.chunk_bytes < 1024:
+            raise ConfigError(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
+        if self.io_concurrency < 1:
+            raise ConfigError(f"io_concurrency must be >= 1, got {self.io_concurrency}")
+        if self.data_file_bytes < 1024:
+            raise ConfigError(f"data_file_bytes must be at least 1024, got {self.data_file_bytes}")
+        if self.pack_max_bytes < 0:
+            raise ConfigError(f"pack_max_bytes must be >= 0, got {self.pack_max_bytes}")
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"layout": self.layout, "chunk_bytes": self.chunk_bytes}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "metadata.json") -> "StorageOptions":
+        """The recorded options of a checkpoint's ``storage`` section, every field checked
+        (FormatError naming it: the section comes from disk)."""
+        if not isinstance(data, dict):
+            raise FormatError(f"{where}: field 'storage' must be an object, got {type(data).__name__}")
+        layout = data.get("layout", "ocdbt")
+        if layout not in LAYOUTS:
+            raise FormatError(f"{where}: field 'storage.layout' must be one of {list(LAYOUTS)}, got {layout!r}")
+        chunk = data.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
+        if type(chunk) is not int or not 1024 <= chunk <= _MAX_CHUNK_BYTES:
+            raise FormatError(f"{where}: field 'storage.chunk_bytes' must be an int in [1024, {_MAX_CHUNK_BYTES}], "
+                              f"got {chunk!r}")
+        backend = data.get("backend", "tensorstore")
+        if backend != "tensorstore":
+            raise FormatError(f"{where}: field 'storage.backend' must be 'tensorstore', got {backend!r}")
+        return cls(layout=layout, chunk_bytes=chunk)
