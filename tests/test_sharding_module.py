@@ -105,3 +105,17 @@ def test_strict_keys_on_every_rank(block_file, tmp_path):
     torch.save({k: v for k, v in full.items() if k != "norm.bias"}, short)
     per_rank = run_distributed(_strictness, 2, extra, short)
     assert per_rank[0] == per_rank[1] == {"unexpected": ["extra.weight"], "missing": ["norm.bias"]}
+
+
+def test_wrapper_delegates():
+    import copy
+    import pickle
+
+    dm = DistModule(nn.Linear(2, 3))
+    assert dm.in_features == 2 and list(dm.state_dict()) == ["weight", "bias"]
+    dm.eval()
+    assert not dm.module.training
+    dm.note = 1
+    assert dm.module.note == 1 and "note" not in dm.__dict__
+    for clone in (copy.deepcopy(dm), pickle.loads(pickle.dumps(dm))):
+        assert clone.out_features == 3 and torch.equal(clone(torch.ones(1, 2)), dm(torch.ones(1, 2)))

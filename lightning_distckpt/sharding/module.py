@@ -44,7 +44,12 @@ class DistModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            # Through __dict__: while the wrapper is half-built (copy, unpickling) there is no
+            # wrapped module yet, and looking it up through attributes would recurse.
+            wrapped = self.__dict__.get("_modules", {}).get("module")
+            if wrapped is None:
+                raise
+            return getattr(wrapped, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OWN or name in self.__dict__:
