@@ -14,7 +14,7 @@ tensor dim, uneven ``torch.chunk`` splits whose last shards may be empty), and a
 the coordinates on the ``Replicate()`` mesh dims, so exactly one replica of each shard is main.
 A ``_StridedShard`` (FSDP2 over tensor parallel) is accepted where it still gives each rank one
 contiguous slice; it and other placements (``Partial``, ...) otherwise raise :class:`ShardingError`
-naming the key.
+naming the key, as does a DTensor inside a tuple (a tuple is common state as a whole).
 
 On load the loaded local shard is put back into the template's DTensor (its local tensor filled in
 place): the result has the template's mesh and placements, whatever the checkpoint's split was.
@@ -125,25 +125,35 @@ def dtensor_to_sharded(key: str, dt: DTensor) -> ShardedTensor:
 def shard_dtensors(tree: Any) -> Any:
     """A copy of the containers of ``tree`` with each DTensor leaf replaced by a factory that
     describes it as a ShardedTensor (on save and load) and puts the loaded shard back (on load)."""
-    return _map_with_path(tree, ())
+    return _map_with_path(tree, (), False)
 
 
-def _map_with_path(node: Any, path: Tuple[PathPart, ...]) -> Any:
+def _map_with_path(node: Any, path: Tuple[PathPart, ...], in_tuple: bool) -> Any:
+    """``node`` itself when it holds no DTensor, else a copy of its containers with factories."""
     if isinstance(node, dict):
-        return {k: _map_with_path(v, path + (k,)) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_map_with_path(v, path + (i,)) for i, v in enumerate(node)]
-    if isinstance(node, tuple):
-        return tuple(_map_with_path(v, path + (i,)) for i, v in enumerate(node))
+        mapped = {k: _map_with_path(v, path + (k,), in_tuple) for k, v in node.items()}
+        return mapped if any(mapped[k] is not v for k, v in node.items()) else node
+    if isinstance(node, (list, tuple)):
+        inner = in_tuple or isinstance(node, tuple)
+        items = [_map_with_path(v, path + (i,), inner) for i, v in enumerate(node)]
+        if all(a is b for a, b in zip(items, node)):
+            return node
+        return items if isinstance(node, list) else tuple(items)
     if isinstance(node, DTensor):
-        key = dtensor_key(path)
-        return ShardedTensorFactory(key=key, data=node, build_fn=_build, merge_fn=functools.partial(_restore, node))
+        build = _refuse_in_tuple if in_tuple else _build
+        return ShardedTensorFactory(key=dtensor_key(path), data=node, build_fn=build,
+                                    merge_fn=functools.partial(_restore, node))
     return node
 
 
 def _build(key: str, data: DTensor, replica_id: ReplicaId, flattened_range: Optional[slice]) -> ShardedTensor:
     """The factory's expansion: run where the save's and the load's errors are agreed over ranks."""
     return dtensor_to_sharded(key, data)
+
+
+def _refuse_in_tuple(key: str, data: DTensor, replica_id: ReplicaId, flattened_range: Optional[slice]) -> Any:
+    """A tuple is common state as a whole (sharded leaves live in dicts and lists): refuse, agreed."""
+    raise ShardingError(f"{key!r}: a DTensor inside a tuple would be saved as common state: put it in a list or dict")
 
 
 def _restore(template: DTensor, loaded: Any) -> DTensor:
