@@ -291,7 +291,8 @@ def test_crafted_metadata_runs_no_code(saved, tmp_path):
 
 def test_truncated_distcp(saved, tmp_path):
     path = _copy(saved["dtensor"], str(tmp_path / "ckpt"))
-    name = max((n for n in os.listdir(path) if n.endswith(".distcp")), key=lambda n: os.path.getsize(os.path.join(path, n)))
+    name = max((n for n in os.listdir(path) if n.endswith(".distcp")),
+               key=lambda n: os.path.getsize(os.path.join(path, n)))
     full = os.path.join(path, name)
     os.truncate(full, os.path.getsize(full) - 100)
     with pytest.raises(FormatError, match=f"{name}.*truncated"):
@@ -325,6 +326,16 @@ def test_escaping_and_symlinked_files(saved, tmp_path):
     os.symlink(os.path.join(path, name), os.path.join(path, "link.distcp"))
     _edit_metadata(path, _point_first_item_at("link.distcp"))
     with pytest.raises(FormatError, match="symlink"):
+        ldc.load_tensors_metadata(path)
+
+
+def test_megatron_torch_dist_refused(saved, tmp_path):
+    """Megatron-Core's torch_dist layout (DCP files, metadata.json, common.pt) is not read as plain
+    DCP, which would lose its common state."""
+    path = _copy(saved["plain"], str(tmp_path / "megatron"))
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    with pytest.raises(FormatError, match="Megatron-Core"):
         ldc.load_tensors_metadata(path)
 
 
