@@ -179,6 +179,8 @@ def test_bucketing_sends_union_of_slices():
     for op in m.ops:
         for item in op.items:
             assert item.start % 64 == 0 and item.start + item.nbytes <= op.nbytes
+    strict = build_manifest(state, needs, bucket_bytes=1024, unexpected_ok=False)
+    assert strict.error[0] == "MissingKeysError" and "'unused'" in strict.error[1] and not strict.ops
 
 
 # -- errors: every rank raises the same one, nobody hangs ---------------------------------------

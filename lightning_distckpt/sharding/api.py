@@ -121,9 +121,11 @@ def _comm_for(what: str, rank0: bool) -> Comm:
 
 def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_sharded_state_dict: Mapping[str, Any],
                      sharded_state_dict: MutableMapping[str, Any], options: ShardOptions, *,
-                     missing_ok: bool = False) -> ShardResult:
+                     missing_ok: bool = False, unexpected_ok: bool = True) -> ShardResult:
     """The collective behind both sides (``state_dict`` on rank 0, ``None`` elsewhere). With
-    ``missing_ok`` keys rank 0 lacks are skipped (and listed in the result) instead of refused."""
+    ``missing_ok`` keys rank 0 lacks are skipped (and listed in the result) instead of refused;
+    without ``unexpected_ok`` keys of rank 0's state dict that no entry asks for are refused (both
+    before any data moves)."""
     error: Optional[BaseException] = None
     needs: list = []
     on_gpu = False
@@ -142,7 +144,8 @@ def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_s
     manifest: Optional[Manifest] = None
     if state_dict is not None:
         manifest = build_manifest(state_dict, [n for part, _ in gathered for n in part],
-                                  bucket_bytes=options.bucket_bytes, missing_ok=missing_ok)
+                                  bucket_bytes=options.bucket_bytes, missing_ok=missing_ok,
+                                  unexpected_ok=unexpected_ok)
     manifest = comm.broadcast_object(manifest)
     if manifest.error is not None:
         raise _manifest_error(manifest)

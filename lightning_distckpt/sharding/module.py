@@ -79,11 +79,7 @@ class DistModule(nn.Module):
                 if isinstance(entry, ShardedTensor)}
         shards: Dict[str, Any] = {}
         result = shard_from_rank0(comm, state_dict if comm.rank == 0 else None, meta, shards, self.options,
-                                  missing_ok=not strict)
-        if strict and result.unexpected:
-            raise MissingKeysError(
-                f"DistModule.load_state_dict: rank 0's state dict has {len(result.unexpected)} key(s) "
-                f"{type(self.module).__name__} does not: {list(result.unexpected)[:10]}")
+                                  missing_ok=not strict, unexpected_ok=not strict)
         out = self.module.load_state_dict(shards, strict=False, assign=assign)
         missing = list(out.missing_keys)
         if strict and missing:

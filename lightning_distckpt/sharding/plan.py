@@ -116,13 +116,14 @@ def describe_source(state_dict: Mapping[str, Any], key: Optional[str] = None) ->
 
 
 def build_manifest(state_dict: Mapping[str, Any], needs: Sequence[Need], *, bucket_bytes: int,
-                   missing_ok: bool = False) -> Manifest:
+                   missing_ok: bool = False, unexpected_ok: bool = True) -> Manifest:
     """Rank 0: check every need against the source tensors and plan the broadcasts.
 
     Each source tensor is sent at most once, as the bounding box of the boxes that ranks other
     than 0 hold (rank 0 cuts its own shards from the source); tensors smaller than
     ``bucket_bytes`` share broadcasts of up to ``bucket_bytes``. Any problem is returned in
-    ``error`` instead of raised, for the caller to broadcast.
+    ``error`` instead of raised, for the caller to broadcast. Keys asked for and missing are an
+    error unless ``missing_ok``; keys of ``state_dict`` nobody asked for unless ``unexpected_ok``.
     """
     source = describe_source(state_dict)
     try:
@@ -134,6 +135,10 @@ def build_manifest(state_dict: Mapping[str, Any], needs: Sequence[Need], *, buck
             raise MissingKeysError(
                 f"{source}: {len(missing)} key(s) asked for are not in the state dict: {_names(missing, by_key)}")
         # Source order (file order for a loaded file): the memory map is read front to back.
+        unexpected = tuple(k for k in state_dict if k not in by_key)
+        if unexpected and not unexpected_ok:
+            raise MissingKeysError(f"{source}: {len(unexpected)} key(s) of the state dict are asked for by no entry: "
+                                   f"{', '.join(map(repr, unexpected[:10]))}" + (" ..." if len(unexpected) > 10 else ""))
         ordered = [k for k in state_dict if k in by_key]
         items: List[Tuple[str, torch.dtype, Box, int]] = []
         whole = 0
@@ -145,7 +150,6 @@ def build_manifest(state_dict: Mapping[str, Any], needs: Sequence[Need], *, buck
                 items.append((key, tensor.dtype, box, math.prod(box[1]) * tensor.element_size()))
                 whole += tensor.numel() * tensor.element_size()
         ops = _pack(items, bucket_bytes)
-        unexpected = tuple(k for k in state_dict if k not in by_key)
         return Manifest(source, ops, tuple(missing), unexpected, None, sum(o.nbytes for o in ops), whole)
     except CheckpointingError as e:
         return Manifest(source, error=(type(e).__name__, str(e)))
