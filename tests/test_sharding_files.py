@@ -47,6 +47,14 @@ def test_reads_memory_mapped(tmp_path, kind):
     assert _is_file_mapped(sd["a.weight"], path)
 
 
+def test_legacy_torch_format(tmp_path):
+    """Files of the pre-zip format (torch < 1.6) cannot be memory-mapped: read whole."""
+    path = str(tmp_path / "legacy.pt")
+    torch.save(_state(), path, _use_new_zipfile_serialization=False)
+    sd = load_state_dict(path)
+    assert all(torch.equal(sd[k], v) for k, v in _state().items())
+
+
 def test_device_map(tmp_path):
     path = str(tmp_path / "m.pt")
     torch.save(_state(), path)

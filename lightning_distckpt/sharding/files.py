@@ -146,7 +146,13 @@ def _open_safetensors(path: str) -> Dict[str, torch.Tensor]:
 
 def _open_torch(path: str) -> Dict[str, torch.Tensor]:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap can only be used" not in str(e):
+                raise
+            # The legacy (pre-zip, torch < 1.6) format cannot be memory-mapped: read it whole.
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "weights only" not in str(e).lower():
             raise FormatError(f"{path}: corrupt pickle: {str(e).splitlines()[0][:300]}") from None
