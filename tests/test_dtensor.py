@@ -148,18 +148,22 @@ def test_load_2_ranks_into_4_other_placements_and_save_uneven(saved_on_4):
 
 def _load_on_2(rank, world, ckpt):
     mesh = init_device_mesh("cpu", (2,))
-    template = {"u10": blank("u10", SHAPES_ON_4, mesh, [Replicate()]),
-                "u3": blank("u3", SHAPES_ON_4, mesh, [Shard(1)]),
-                "ss": blank("ss", SHAPES_ON_4, mesh, [Shard(1)]),
-                "rs": blank("rs", SHAPES_ON_4, mesh, [Shard(0)]),
-                "sr": _transposed_local("sr", mesh, rank),
-                "fsdp_tp": blank("fsdp_tp", SHAPES_ON_4, mesh, [Shard(1)])}
-    sr_local = template["sr"].to_local()
-    loaded = ldc.load(template, ckpt)
-    for key in SHAPES_ON_4:
-        assert loaded[key] is template[key]
-        check_local(loaded[key], key, SHAPES_ON_4)
-    assert loaded["sr"].to_local().data_ptr() == sr_local.data_ptr()  # copied into the template's own memory
+    for loader in ("two_stage", "parallel", "every_rank"):
+        template = {"u10": blank("u10", SHAPES_ON_4, mesh, [Replicate()]),
+                    "u3": blank("u3", SHAPES_ON_4, mesh, [Shard(1)]),
+                    "ss": blank("ss", SHAPES_ON_4, mesh, [Shard(1)]),
+                    "rs": blank("rs", SHAPES_ON_4, mesh, [Shard(0)]),
+                    "sr": _transposed_local("sr", mesh, rank),
+                    "fsdp_tp": blank("fsdp_tp", SHAPES_ON_4, mesh, [Shard(1)])}
+        sr_local = template["sr"].to_local()
+        loaded = ldc.load(template, ckpt, loader=loader)
+        for key in SHAPES_ON_4:
+            assert loaded[key] is template[key]
+            check_local(loaded[key], key, SHAPES_ON_4)
+        assert loaded["sr"].to_local().data_ptr() == sr_local.data_ptr()  # copied into the template's own memory
+    partial = DTensor.from_local(torch.zeros(10, 3), mesh, [Partial()], run_check=False)
+    with pytest.raises(ShardingError, match="'u10'.*Partial"):
+        ldc.load({"u10": partial}, ckpt)
 
 
 def _transposed_local(key: str, mesh, rank: int) -> DTensor:

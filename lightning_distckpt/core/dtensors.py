@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import ShardingError
@@ -92,6 +92,10 @@ def _strided_is_contiguous(global_shape: Tuple[int, ...], mesh_shape: Tuple[int,
     splits (as FSDP2 over tensor parallel makes them). The ranges torch gives (first index, size)
     for all mesh coordinates on the mesh dims splitting that tensor dim must tile it: the slices
     partition the dim, so tiling ranges mean each slice is its range."""
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as box_at
+    except ImportError:  # a torch without the per-coordinate helper: the split cannot be checked
+        return False
     for dim in {p.dim for p in placements if isinstance(p, _StridedShard)}:
         splitting = [i for i, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
         spans = []
@@ -99,7 +103,7 @@ def _strided_is_contiguous(global_shape: Tuple[int, ...], mesh_shape: Tuple[int,
             coordinate = [0] * len(mesh_shape)
             for i, c in zip(splitting, coords):
                 coordinate[i] = c
-            shape, offset = _compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)
+            shape, offset = box_at(global_shape, mesh_shape, coordinate, placements)
             if shape[dim]:
                 spans.append((offset[dim], shape[dim]))
         end = 0
