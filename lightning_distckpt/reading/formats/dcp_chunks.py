@@ -83,20 +83,32 @@ def chunk_layout(f: BinaryIO, start: int, length: int, where: str) -> Optional[C
         record = records[0]
         view.seek(record.header_offset)
         signature, _, name_len, extra_len = _LOCAL_HEADER.unpack(view.read(_LOCAL_HEADER.size))
-        view.seek(0)
-        with warnings.catch_warnings(), torch.serialization.skip_data():
-            warnings.simplefilter("ignore")
-            meta = torch.load(view, map_location="cpu", weights_only=True)
-    except Exception as e:  # zipfile.BadZipFile, struct.error, UnpicklingError, RuntimeError, ...
-        raise FormatError(f"{where}: not a torch.save'd tensor ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:300] if str(e) else ''})") from None
+    except Exception as e:  # zipfile.BadZipFile, struct.error, ...
+        raise FormatError(f"{where}: not a torch.save'd tensor ({type(e).__name__}: {e})") from None
     data_offset = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if signature != _LOCAL_SIGNATURE or data_offset + record.file_size > length:
         raise FormatError(f"{where}: damaged zip record {record.filename!r}")
-    if not isinstance(meta, torch.Tensor) or not meta.is_contiguous() or \
+    meta = _tensor_without_data(view)
+    if meta is None or not meta.is_contiguous() or \
             (meta.storage_offset() + meta.numel()) * meta.element_size() > record.file_size:
         return None
     return ChunkLayout(start + data_offset, record.file_size, meta.dtype, tuple(meta.shape), meta.storage_offset())
+
+
+def _tensor_without_data(view: RangeFile) -> Optional[torch.Tensor]:
+    """The archive's tensor with its storage left unread (``weights_only``); None where this torch
+    cannot load without data, or ``data.pkl`` does not load (the whole-chunk load then says why)."""
+    skip_data = getattr(torch.serialization, "skip_data", None)
+    if skip_data is None:
+        return None
+    view.seek(0)
+    try:
+        with warnings.catch_warnings(), skip_data():
+            warnings.simplefilter("ignore")
+            meta = torch.load(view, map_location="cpu", weights_only=True)
+    except Exception:  # any failure: the whole-chunk load reports it
+        return None
+    return meta if isinstance(meta, torch.Tensor) else None
 
 
 def _span(layout: ChunkLayout, src: Sequence[slice]) -> Tuple[int, int]:
