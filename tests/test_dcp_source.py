@@ -1,8 +1,10 @@
-"""``ldc.load`` reads PyTorch DCP checkpoints (written here by ``torch.distributed.checkpoint.save``
+"""``ldc.load`` reads PyTorch DCP checkpoints written by ``torch.distributed.checkpoint.save``
 itself: DTensors with Shard(0) / Shard(1) / Replicate placements and an FSDP2 ``fully_shard``
-module on 2 gloo processes, and a plain-tensor save from one process) under another split, on real
-gloo groups of 1, 2 and 4, bit-exact; objects DCP stored as bytes come back as common state;
-crafted, truncated and escaping checkpoints are refused."""
+module on 2 gloo processes, a plain-tensor save from one process, and a Lightning Trainer's
+``ModelParallelStrategy`` checkpoint. Each loads under another split on real gloo groups of 1, 2
+and 4, bit-exact. Objects DCP stored as bytes (and Lightning's meta.pt) come back as common state.
+A piece of a chunk reads about its own bytes. Crafted, truncated, damaged, escaping and Megatron
+checkpoints are refused."""
 
 import os
 import pickle
