@@ -8,11 +8,9 @@ from collections import defaultdict
 from typing import Dict, Iterable, List, Sequence, Tuple, TypeVar
 
 from ..core.errors import ValidationError
+from .boxes import Box
+from .tiling import overlapping_pairs
 from .metadata import ObjectRecord, ShardRecord
-
-
-def _overlap(a_off, a_shape, b_off, b_shape) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape))
 
 
 def _ranks(records: Iterable[ShardRecord]) -> List[int]:
@@ -64,21 +62,18 @@ def validate_tensor_records(records: Sequence[ShardRecord]) -> List[str]:
             else:
                 seen[r.shard_id] = r.rank
         # Group flattened pieces by the non-flat shard they cut.
-        boxes: Dict[Tuple[tuple, tuple], List[ShardRecord]] = defaultdict(list)
+        boxes: Dict[Box, List[ShardRecord]] = defaultdict(list)
         for r in mains:
             boxes[(r.offset, r.shape)].append(r)
         for (off, shape), pieces in boxes.items():
             problems += _flat_problems(key, off, shape, pieces)
         box_list = sorted(boxes)
-        for i, (ao, ash) in enumerate(box_list):
-            for bo, bsh in box_list[i + 1:]:
-                if _overlap(ao, ash, bo, bsh):
-                    ra = _ranks(boxes[(ao, ash)])
-                    rb = _ranks(boxes[(bo, bsh)])
-                    problems.append(
-                        f"{key!r}: main replicas overlap: offset {ao} shape {ash} (ranks {ra}) and "
-                        f"offset {bo} shape {bsh} (ranks {rb})"
-                    )
+        for i, j in overlapping_pairs(box_list):
+            (ao, ash), (bo, bsh) = box_list[i], box_list[j]
+            problems.append(
+                f"{key!r}: main replicas overlap: offset {ao} shape {ash} (ranks {_ranks(boxes[(ao, ash)])}) and "
+                f"offset {bo} shape {bsh} (ranks {_ranks(boxes[(bo, bsh)])})"
+            )
         covered = sum(math.prod(s) for _, s in box_list)
         total = math.prod(global_shape)
         if covered < total:
