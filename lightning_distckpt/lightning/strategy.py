@@ -26,6 +26,8 @@ from ..core.strict import StrictHandling
 from ..serialization import load_common_state_dict
 from .parallel import STRATEGY_NAME
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
+from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
+                    rekey_template, restore_param_keys)
 from .tp_strategy import TensorParallelStrategyMixin
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
@@ -151,25 +153,38 @@ class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         path = os.fspath(checkpoint_path)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        restore_optimizers = fitting and self.lightning_restore_optimizer
 
-        def build() -> Dict[str, Any]:
+        def build() -> StoredLayout:
             kind = _kind_of(path, self.checkpoint_io.extra_safe_globals)
-            if kind != KIND_SHARDED:
+            by_path = is_tree_path_layout(path, kind)
+            if kind != KIND_SHARDED and not by_path:
                 raise CheckpointingError(
-                    f"checkpoint {path} was written by DistCheckpointIO under a rank-0-only strategy (kind {kind!r}), "
-                    "not by a distributed-checkpoint strategy; resume it with the strategy that saved it, or read it "
-                    "whole with DistCheckpointIO().load_checkpoint"
+                    f"checkpoint {path} (kind {kind!r}) was written neither by a distributed-checkpoint strategy, nor "
+                    "by DistCheckpointIO, nor by torch.save (a stock Lightning .ckpt file); resume it with the "
+                    "strategy that saved it, or convert it (python -m lightning_distckpt convert)"
                 )
             model_ssd = self._model_ssd()
             template: Dict[str, Any] = {"state_dict": model_ssd}
-            if fitting and self.lightning_restore_optimizer:
+            if restore_optimizers:
                 template["optimizer_states"] = self._optimizer_states(model_ssd)
-            return template
+            if not by_path:
+                return StoredLayout(template, {})
+            # A stock .ckpt, or the plugin's directory: tensors named by their path in Lightning's dict.
+            optimizers = [OptimizerEntry(f"optimizer_states/{i}", s)
+                          for i, s in enumerate(template.get("optimizer_states", []))]
+            return rekey_template(path, template, {"state_dict": ModuleEntry("state_dict/", "")}, optimizers,
+                                  ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)
 
-        template = build_on_all_ranks(f"load from {path}", build)
+        layout = build_on_all_ranks(f"load from {path}", build)
         strict = self._strict_handling()
-        loaded = self.checkpoint_io.load_sharded(template, path, strict=strict,
+        loaded = self.checkpoint_io.load_sharded(layout.template, path, strict=strict,
                                                  data_parallel_group=self.parallel_state.dp_group)
+        if REST_KEY in layout.template:
+            loaded = place_stored_tensors(loaded, layout, path)
+            if restore_optimizers:
+                loaded["optimizer_states"] = [restore_param_keys(s, s["param_keys"], path)
+                                              for s in loaded["optimizer_states"]]
         loaded.pop(MANIFEST_KEY, None)
         if fitting and strict.skips_missing and "lr_schedulers" not in loaded:
             # Non-strict resume from a weights-only checkpoint: keep the fresh scheduler states.

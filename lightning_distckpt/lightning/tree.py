@@ -97,11 +97,12 @@ def template_from_manifest(man: Mapping[str, Any], metadata: Mapping[str, Sharde
         shape = tuple(meta.global_shape)
         leaf = ShardedTensor(key=key, data=torch.empty(shape, dtype=meta.dtype), dtype=meta.dtype, local_shape=shape,
                              global_shape=shape, global_offset=(0,) * len(shape))
-        _put(root, [tuple(s) for s in steps], leaf, where)
+        put_at(root, [tuple(s) for s in steps], leaf, where)
     return root
 
 
-def _put(root: Dict[str, Any], steps: List[Step], leaf: Any, where: str) -> None:
+def put_at(root: Dict[str, Any], steps: List[Step], leaf: Any, where: str) -> None:
+    """Put ``leaf`` at the typed path ``steps`` under ``root``, creating the containers on the way."""
     node: Any = root
     for i, (kind, k) in enumerate(steps):
         last = i == len(steps) - 1

@@ -166,7 +166,8 @@ def failures(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["failures_global_step"] = t.global_step
     res["good_ckpt_intact"] = os.path.isfile(os.path.join(path, "COMMITTED"))
     res["leftovers"] = sorted(n for n in os.listdir(os.path.dirname(path)) if n != "ckpt")
-    # A checkpoint the plugin wrote under a rank-0-only strategy is refused by name, on every rank.
+    # A checkpoint the plugin wrote under a rank-0-only strategy is read by its tensors' paths; one that
+    # lacks what the module holds is refused naming the stored keys, on every rank.
     plain = os.path.join(args.dir, "fail", "plain")
     if t.is_global_zero:
         DistCheckpointIO().save_checkpoint({"state_dict": {"fc1.weight": torch.zeros(8, 8)}}, plain)

@@ -1,0 +1,157 @@
+"""Loading checkpoints laid out by tree path into a sharded template: a stock Lightning / Fabric
+``torch.save`` file, or a directory ``DistCheckpointIO`` wrote under a rank-0-only strategy.
+
+Both name each tensor by its ``/``-joined path in the saved dict: a Trainer checkpoint's weights are
+``state_dict/<param>`` and its Adam moments ``optimizer_states/<i>/state/<param index>/exp_avg``;
+``fabric.save(path, {"model": m, "optimizer": o})`` gives ``model/<param>`` and
+``optimizer/state/<param index>/exp_avg``. The strategies' templates key the same tensors by the
+module's sharded keys (``fc1.weight``, ``optimizer_states.0.state.exp_avg.fc1.weight``). Here the
+template's ShardedTensors are re-keyed to the stored names (their data, the parameters and the
+optimizer state themselves, stays), so every rank reads only its slices, and the result is put
+back in the shape the strategies restore from. Every other stored tensor (a callback's score, a
+Fabric entry's tensors) is read whole into its place in the common state.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Sequence, Set, Tuple
+
+import torch
+
+from ..core.errors import CheckpointingError
+from ..core.mapping import LocalNonpersistentObject, ShardedTensor
+from ..core.state_dict import iter_leaves, map_leaves
+from ..serialization import load_common_state_dict, load_tensors_metadata
+from ..storage.safe_pickle import load_file
+from .tree import KIND_PLAIN, MANIFEST_KEY, Step, iter_tensor_leaves, key_of, put_at
+
+#: Where the stored tensors outside the modules and optimizers travel in the template.
+REST_KEY = "__stored_tensors__"
+
+
+@dataclass(frozen=True)
+class ModuleEntry:
+    """A module's tensors: ``file_prefix + name`` in the file, ``key_prefix + name`` in the template."""
+
+    file_prefix: str  # "state_dict/" (Trainer) or "model/" (Fabric)
+    key_prefix: str  # "" (Trainer) or "model." (Fabric)
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    """An optimizer's state: ``file_prefix/state/<index>/<name>`` in the file; in the template, its
+    ``optimizer_sharded_state_dict`` under ``key_prefix``."""
+
+    file_prefix: str  # "optimizer_states/0" (Trainer) or "optimizer" (Fabric)
+    sharded: Dict[str, Any]
+
+
+def is_tree_path_layout(path: str, kind: Any) -> bool:
+    """A ``torch.save`` file, or one of our directories written by the plugin (kind ``plain``)."""
+    return os.path.isfile(path) or kind == KIND_PLAIN
+
+
+def _param_keys(sharded_optimizer: Mapping[str, Any]) -> List[str]:
+    keys = sharded_optimizer["param_keys"]
+    return list(keys.unwrap() if isinstance(keys, LocalNonpersistentObject) else keys)
+
+
+def module_renames(module_ssd: Any, entry: ModuleEntry) -> Dict[str, str]:
+    """template key -> stored name, for the module's ShardedTensors."""
+    out = {}
+    for _, leaf in iter_leaves(module_ssd):
+        if isinstance(leaf, ShardedTensor) and leaf.key.startswith(entry.key_prefix):
+            out[leaf.key] = entry.file_prefix + leaf.key[len(entry.key_prefix):]
+    return out
+
+
+def optimizer_renames(entry: OptimizerEntry, stored: Set[str]) -> Dict[str, str]:
+    """template key -> stored name, for the optimizer's per-parameter state. A stored scalar state
+    (Adam's ``step`` in a ``torch.save`` file) becomes a whole ShardedTensor of the template, read
+    into the optimizer's own scalar; the plugin keeps scalars in the common state instead."""
+    out = {}
+    state = entry.sharded.get("state", {})
+    for j, pkey in enumerate(_param_keys(entry.sharded)):
+        for name, value in state.get(pkey, {}).items():
+            file_key = f"{entry.file_prefix}/state/{j}/{name}"
+            if isinstance(value, ShardedTensor):
+                out[value.key] = file_key
+            elif isinstance(value, torch.Tensor) and file_key in stored:
+                state[pkey][name] = ShardedTensor.from_rank_offsets(file_key, value)
+    return out
+
+
+@dataclass
+class StoredLayout:
+    """The template :func:`rekey_template` made, and where each stored tensor read whole goes."""
+
+    template: Dict[str, Any]
+    rest_paths: Dict[str, Tuple[Step, ...]]  # stored name -> its typed path in the saved dict
+
+
+def _stored_paths(path: str, extra_safe_globals: Sequence[Any]) -> Dict[str, Tuple[Step, ...]]:
+    """Every stored tensor's typed path: a ``torch.save`` file's own tree (memory-mapped, nothing
+    read but the pickle), or the manifest of a plugin directory."""
+    if os.path.isfile(path):
+        return {key_of(steps): steps for steps, _ in iter_tensor_leaves(load_file(path, extra_safe_globals))}
+    common = load_common_state_dict(path, extra_safe_globals)
+    man = common.get(MANIFEST_KEY, {}) if isinstance(common, dict) else {}
+    return {key: tuple((str(kind), k) for kind, k in steps) for steps, key in man.get("tensor_paths", [])}
+
+
+def rekey_template(path: str, template: Dict[str, Any], modules: Mapping[str, ModuleEntry],
+                   optimizers: Sequence[OptimizerEntry], skip_prefixes: Sequence[str],
+                   extra_safe_globals: Sequence[Any] = ()) -> StoredLayout:
+    """``template`` with each ShardedTensor keyed by its stored name, plus every stored tensor outside
+    ``skip_prefixes`` whole under :data:`REST_KEY`. ``modules`` maps template entries to their layout."""
+    stored = load_tensors_metadata(path)
+    renames: Dict[str, str] = {}
+    for name, entry in modules.items():
+        renames.update(module_renames(template[name], entry))
+    for opt in optimizers:
+        renames.update(optimizer_renames(opt, set(stored)))
+
+    def rekey(leaf: Any) -> Any:
+        if isinstance(leaf, ShardedTensor) and leaf.key in renames:
+            return replace(leaf, key=renames[leaf.key])
+        return leaf
+
+    out = map_leaves(rekey, template)
+    paths = {key: steps for key, steps in _stored_paths(path, extra_safe_globals).items()
+             if key in stored and not any(key.startswith(p) for p in skip_prefixes)}
+    out[REST_KEY] = {key: ShardedTensor.from_rank_offsets(
+        key, torch.empty(stored[key].global_shape, dtype=stored[key].dtype)) for key in paths}
+    return StoredLayout(out, paths)
+
+
+def place_stored_tensors(loaded: Dict[str, Any], layout: StoredLayout, where: str) -> Dict[str, Any]:
+    """Put the tensors read under :data:`REST_KEY` back at their paths in ``loaded`` (drops the manifest)."""
+    loaded.pop(MANIFEST_KEY, None)
+    for key, tensor in loaded.pop(REST_KEY, {}).items():
+        put_at(loaded, list(layout.rest_paths[key]), tensor, where)
+    return loaded
+
+
+def restore_param_keys(opt_state: Mapping[str, Any], param_keys: Sequence[str], where: str) -> Dict[str, Any]:
+    """A stored ``torch.optim`` state dict (state and param groups by parameter index), merged with
+    what the template read, in the layout ``restore_optimizer_state`` takes (by parameter key)."""
+    keys = list(param_keys)
+    groups = opt_state.get("param_groups", [])
+    n_stored = sum(len(g.get("params", [])) for g in groups)
+    if n_stored != len(keys):
+        raise CheckpointingError(
+            f"checkpoint {where}: the stored optimizer has {n_stored} parameters, this optimizer {len(keys)}; "
+            "resume with the same model and optimizer parameter groups that saved it")
+    state = opt_state.get("state", {})
+    by_key: Dict[str, Dict[str, Any]] = {}
+    for j, pkey in enumerate(keys):
+        entry: Dict[str, Any] = {}
+        for k in (j, str(j), pkey):
+            if isinstance(state.get(k), Mapping):
+                entry.update(state[k])
+        if entry:
+            by_key[pkey] = entry
+    new_groups = [{**g, "params": [keys[int(i)] for i in g.get("params", [])]} for g in groups]
+    return {"state": by_key, "param_groups": new_groups, "param_keys": keys}

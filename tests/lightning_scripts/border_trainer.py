@@ -1,0 +1,156 @@
+"""Trainer runs across checkpoint borders for tests/test_borders*.py: ``python border_trainer.py SCENARIO...``.
+
+Every rank writes ``OUT.rank<r>.json`` (see trainer_scenarios.py for the conventions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Any, Dict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+from lightning_distckpt import CheckpointingError  # noqa: E402
+from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy  # noqa: E402
+from lightning_helpers import TPMLP, StepCounter  # noqa: E402
+from trainer_scenarios import TIMEOUT, trainer  # noqa: E402
+
+#: The axis each TPMLP parameter is split on under TP (others are replicated).
+TP_AXIS = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
+
+
+def expected_shard(name: str, whole: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    axis = TP_AXIS.get(name)
+    if axis is None or whole.ndim == 0:
+        return whole
+    return whole.chunk(tp_size, dim=axis)[tp_rank]
+
+
+class RestoredState(Callback):
+    """On train start (after the restore): does the state equal the stored one, sliced for this rank?"""
+
+    def __init__(self, stored: Dict[str, Any], res: Dict[str, Any], tag: str) -> None:
+        self.stored, self.res, self.tag = stored, res, tag
+
+    def on_train_start(self, trainer_: Trainer, module: Any) -> None:
+        ps = module.ps
+        opt = trainer_.optimizers[0]
+        names = [n for n, _ in module.named_parameters()]
+        weights, moments = {}, {}
+        for j, (name, p) in enumerate(module.named_parameters()):
+            weights[name] = torch.equal(p.detach(), expected_shard(name, self.stored["weights"][name], ps.tp_rank, ps.tp_size))
+            for k, v in opt.state[p].items():
+                moments[f"{name}.{k}"] = torch.equal(
+                    v, expected_shard(name, self.stored["opt_state"][j][k], ps.tp_rank, ps.tp_size))
+        self.res[self.tag] = {
+            "params": names, "weights": weights, "moments": moments,
+            "global_step": trainer_.global_step, "epoch": trainer_.current_epoch,
+            "sched": trainer_.lr_scheduler_configs[0].scheduler.state_dict() == self.stored["sched"],
+            "lr": [g["lr"] for g in opt.param_groups] == [g["lr"] for g in self.stored["param_groups"]],
+            "callback_count": next(cb.count for cb in trainer_.callbacks if isinstance(cb, StepCounter)),
+            "best_model_score": float(trainer_.checkpoint_callback.best_model_score) == self.stored["best_score"],
+        }
+
+
+def stored_of(path: str) -> Dict[str, Any]:
+    """The stored state of a stock .ckpt file (read with torch.load) or a plugin directory."""
+    ckpt = torch.load(path, weights_only=False) if os.path.isfile(path) else DistCheckpointIO().load_checkpoint(path)
+    opt = ckpt["optimizer_states"][0]
+    return {"weights": ckpt["state_dict"], "opt_state": opt["state"], "param_groups": opt["param_groups"],
+            "sched": ckpt["lr_schedulers"][0], "global_step": ckpt["global_step"],
+            "best_score": next(float(v["best_model_score"]) for k, v in ckpt["callbacks"].items() if "ModelCheckpoint" in k)}
+
+
+def resume_under_tp(args: argparse.Namespace, res: Dict[str, Any], source: str, tag: str, checkpoint_dir: str) -> None:
+    """Resume ``source`` under DistCheckpointStrategy(tensor_parallel_size=2) and train to step 6
+    (with the ModelCheckpoint that saved it, whose state comes back)."""
+    stored = stored_of(source)
+    model = TPMLP(total_steps=6)
+    cb = ModelCheckpoint(dirpath=checkpoint_dir, filename="tp2-{step}", monitor="train_loss", every_n_train_steps=3)
+    t = trainer(args, DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT), 6,
+                [RestoredState(stored, res, tag), StepCounter(), cb])
+    t.fit(model, ckpt_path=source)
+    res[f"{tag}_losses"] = dict(model.losses)
+    res[f"{tag}_final_step"] = t.global_step
+
+
+def stock_ddp(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Stock DDP (TP 1 x DP 2) trains 3 steps and saves one ``torch.save`` file; the TP 2 strategy
+    resumes from it and trains on; a stock run of 6 steps gives the reference losses."""
+    ref = TPMLP(total_steps=6)
+    trainer(args, DDPStrategy(timeout=TIMEOUT), 6, enable_checkpointing=False).fit(ref)
+    res["ref_losses"] = dict(ref.losses)
+    ck = os.path.join(args.dir, "stock")
+    cb = ModelCheckpoint(dirpath=ck, filename="stock", monitor="train_loss", every_n_train_steps=3)
+    trainer(args, DDPStrategy(timeout=TIMEOUT), 3, [cb, StepCounter()]).fit(TPMLP(total_steps=6))
+    resume_under_tp(args, res, os.path.join(ck, "stock.ckpt"), "stock", checkpoint_dir=ck)
+
+
+def plugin_ddp(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """The same from a directory DistCheckpointIO wrote under stock DDP (tensors by path, scalars common)."""
+    ck = os.path.join(args.dir, "plugin")
+    cb = ModelCheckpoint(dirpath=ck, filename="{step}", monitor="train_loss", every_n_train_steps=3)
+    t = trainer(args, DDPStrategy(timeout=TIMEOUT), 3, [cb, StepCounter()], plugins=[DistCheckpointIO()])
+    t.fit(TPMLP(total_steps=6))
+    resume_under_tp(args, res, os.path.join(ck, "step=3.ckpt"), "plugin", checkpoint_dir=ck)
+
+
+def no_sharded_state_dict(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Defect 5: a module with TP layers whose tree describes no shard is refused at setup."""
+    class Plain(TPMLP):
+        def configure_model(self) -> None:
+            super().configure_model()
+            self.fc1 = torch.nn.Linear(8, 8)  # nothing left that describes a shard
+            self.fc2 = torch.nn.Linear(8, 4)
+
+        sharded_state_dict = None  # type: ignore[assignment]  # the module defines none
+
+    model = Plain(total_steps=2)
+    t = trainer(args, DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT), 2, enable_checkpointing=False)
+    try:
+        t.fit(model)
+        res["no_ssd"] = "no error"
+    except CheckpointingError as e:
+        res["no_ssd"] = f"{type(e).__name__}: {e}"
+    res["no_ssd_steps_trained"] = len(model.losses)
+
+
+SCENARIOS = {"stock_ddp": stock_ddp, "plugin_ddp": plugin_ddp, "no_sharded_state_dict": no_sharded_state_dict}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    res: Dict[str, Any] = {}
+    try:
+        for name in args.scenarios:
+            SCENARIOS[name](args, res)
+    except BaseException:
+        res["error"] = traceback.format_exc()
+        raise
+    finally:
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        with open(f"{args.out}.rank{rank}.json", "w") as f:
+            json.dump(res, f, default=str)
+    if "error" not in res and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

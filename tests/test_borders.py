@@ -1,0 +1,34 @@
+"""Checkpoints crossing borders: a stock Lightning DDP ``.ckpt`` file and a DistCheckpointIO
+directory written under stock DDP, resumed by ``DistCheckpointStrategy(tensor_parallel_size=2)``
+(2 gloo processes launched by Lightning; tests/lightning_scripts/border_trainer.py)."""
+
+import math
+
+import pytest
+
+from lightning_helpers import run_script
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("borders")
+    return run_script("border_trainer.py", ["stock_ddp", "plugin_ddp", "--dir", str(d), "--devices", "2"],
+                      str(d / "out"), world_size=2, timeout=420)
+
+
+@pytest.mark.parametrize("tag", ["stock", "plugin"])
+def test_trainer_resumes_rank0_checkpoint_under_tp2(trainer_runs, tag):
+    """Weights and Adam moments equal the stored tensors sliced for each TP rank (bit-exact); step,
+    epoch, scheduler, learning rates and a stateful callback are restored; training goes on."""
+    for res in trainer_runs:
+        got = res[tag]
+        assert got["params"] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+        assert all(got["weights"].values()) and len(got["weights"]) == 4, got["weights"]
+        assert len(got["moments"]) == 12 and all(got["moments"].values()), got["moments"]  # exp_avg, exp_avg_sq, step
+        assert got["global_step"] == 3 and got["sched"] is True and got["lr"] is True
+        assert got["callback_count"] == 3  # StepCounter's state came back
+        assert got["best_model_score"] is True  # a tensor in ModelCheckpoint's state, back in its place
+        assert res[f"{tag}_final_step"] == 6
+        # TP 2 continues where stock DDP would have gone: the same losses up to float rounding.
+        for step in ("3", "4", "5"):
+            assert math.isclose(res[f"{tag}_losses"][step], res["ref_losses"][step], rel_tol=1e-5)
