@@ -127,8 +127,9 @@ def dtensor_to_sharded(key: str, dt: DTensor) -> ShardedTensor:
 
 
 def shard_dtensors(tree: Any) -> Any:
-    """A copy of the containers of ``tree`` with each DTensor leaf replaced by a factory that
-    describes it as a ShardedTensor (on save and load) and puts the loaded shard back (on load)."""
+    """``tree`` with each DTensor leaf replaced by a factory that describes it as a ShardedTensor
+    (on save and load) and puts the loaded shard back (on load). Containers on the way to a DTensor
+    are copied (dicts as plain dicts); a tree without DTensors is returned as it is."""
     return _map_with_path(tree, (), False)
 
 
