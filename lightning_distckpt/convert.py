@@ -35,7 +35,7 @@ from .planning.metadata import StoredShard
 from .serialization import load_common_state_dict, load_plain_tensors, save
 from .storage import commit as commit_mod
 from .storage import staging as staging_mod
-from .storage.layout import COMMIT_MARKER, COMMON_FILE
+from .storage.layout import COMMIT_MARKER, COMMON_FILE, FORMAT_VERSION
 from .storage.paths import local_path
 from .storage.safe_pickle import load_file, loads, read_file, write_file_durable
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
@@ -86,7 +86,9 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
         nbytes = _copy_shards(ckpt, src, dst) + _copy_objects(ckpt, src, dst)
         common = read_file(os.path.join(ckpt.path, COMMON_FILE))
         write_file_durable(os.path.join(staging, COMMON_FILE), common)
-        meta = dict(ckpt.meta, storage={"backend": "tensorstore", **storage.to_json()}, converted_unix=time.time())
+        # rewritten now, with checksums: the copy is of the current format whatever the source's
+        meta = dict(ckpt.meta, format_version=FORMAT_VERSION, storage={"backend": "tensorstore", **storage.to_json()},
+                    converted_unix=time.time())
         marker = json.loads(read_file(os.path.join(ckpt.path, COMMIT_MARKER)) or b"{}")
         marker.update(committed_unix=time.time())
         commit_mod.commit(staging, destination, json.dumps(meta), json.dumps(marker))

@@ -1,5 +1,6 @@
 """Save/load semantics: dtypes, objects, common state, strictness, safety and atomicity."""
 
+import hashlib
 import json
 import os
 import pickle
@@ -166,12 +167,14 @@ def test_format_1_checkpoints_without_packing_still_load(tmp_path):
     assert all("packed" not in sh for e in meta["tensors"].values() for sh in e["shards"])
     meta["format_version"] = 1
     meta_path.write_text(json.dumps(meta))
+    marker = json.loads((tmp_path / "v1" / COMMIT_MARKER).read_text())  # a format 1 marker records no checksums
+    (tmp_path / "v1" / COMMIT_MARKER).write_text(json.dumps({k: marker[k] for k in ("bytes", "world_size")}))
     out = ldc.load(sd(torch.empty(6, 5), torch.empty(5)), tmp_path / "v1")
     assert torch.equal(out["w"], w) and torch.equal(out["b"], b)
     # the default packs both (they are small) into one float32 array, and loads them back
     ldc.save(sd(w, b), tmp_path / "v2")
     meta = json.loads((tmp_path / "v2" / METADATA_FILE).read_text())
-    assert meta["format_version"] == 2
+    assert meta["format_version"] == 3
     assert sorted(sh["packed"] for e in meta["tensors"].values() for sh in e["shards"]) == [0, 5]
     out = ldc.load(sd(torch.empty(6, 5), torch.empty(5)), tmp_path / "v2")
     assert torch.equal(out["w"], w) and torch.equal(out["b"], b)
@@ -202,6 +205,9 @@ def test_malicious_pickle_is_refused(tmp_path, monkeypatch):
     ldc.save(_template(["a"]), tmp_path / "ck")
     with open(tmp_path / "ck" / "common.pt", "wb") as f:
         pickle.dump({"x": Evil()}, f)
+    marker = json.loads((tmp_path / "ck" / COMMIT_MARKER).read_text())  # a hostile checkpoint is self-consistent
+    marker["common_sha256"] = hashlib.sha256((tmp_path / "ck" / "common.pt").read_bytes()).hexdigest()
+    (tmp_path / "ck" / COMMIT_MARKER).write_text(json.dumps(marker))
     with pytest.raises(ldc.CheckpointingError, match="refused to deserialize"):
         ldc.load(_template(["a"]), tmp_path / "ck")
     with pytest.raises(ldc.CheckpointingError, match="refused to deserialize"):

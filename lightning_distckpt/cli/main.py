@@ -57,7 +57,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     progress = None if args.json or not args.verbose else (lambda key: print(f"checked {key}", file=sys.stderr))
     report = validate(_checkpoint_path(args.checkpoint), max_inflight_bytes=args.max_inflight_mib << 20,
-                      progress=progress)
+                      progress=progress, require_checksums=args.require_checksums)
     print(json.dumps(as_json(report), indent=1) if args.json else render(report))
     return EXIT_OK if report.ok else EXIT_DAMAGED
 
@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--verbose", "-v", action="store_true", help="print each key as it is checked (stderr)")
     p.add_argument("--max-inflight-mib", type=int, default=256, help="bytes read at once per shard (default 256 MiB)")
+    p.add_argument("--require-checksums", action="store_true",
+                   help="a checkpoint written before checksums (format 1 or 2) is damage (exit status 1), not a warning")
     p = add_command(sub, "clean", cmd_clean,
                     "remove the hidden staging directories of saves that never committed (killed jobs); keeps "
                     "those a running save may still use and any committed checkpoint whose rename was interrupted")

@@ -1,12 +1,15 @@
 """``validate``: read back every byte a checkpoint stores and report what is missing or damaged.
 
-Checks, in order: the index in ``metadata.json`` (every tensor tiled exactly once by its stored
-shards, shards inside their global shape, every object element present); every writer's store
-opens; every stored shard's zarr metadata matches the index (dtype, shape); every chunk of every
-shard is read (a missing chunk is an error, never the fill value); every object and the common
-state are read and their archives' checksums verified, then unpickled with the same allow-list as
-``load`` (a type that needs ``extra_safe_globals`` is a warning, not damage).
-"""
+Checks, in order: ``metadata.json`` against the SHA-256 its commit marker records (on open); the
+index (every tensor tiled exactly once by its stored shards, shards inside their global shape,
+every object element present); no link in any store, and every store holds at least the bytes its
+shards claim; every stored shard's zarr metadata matches the index (dtype, shape); every chunk of
+every shard is read, concurrently under a bound on bytes in flight, and its CRC32C verified (a
+missing chunk is an error, never the fill value; a damaged one names its file); every object's
+CRC-32 and the common state's SHA-256 are verified, their archives' zip checksums too, then they
+are unpickled with the same allow-list as ``load`` (a type that needs ``extra_safe_globals`` is a
+warning, not damage). A checkpoint of format 1 or 2 carries no checksums: a warning, or a problem
+with ``require_checksums``."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..core.errors import CheckpointingError, FormatError, UnsafeContentError
 from ..planning.metadata import ObjectRecord, ShardRecord, StoredShard, element_size
 from ..planning.validation import validate_object_records, validate_tensor_records
+from ..storage.checksums import check_sha256
 from ..storage.integrity import store_bytes
 from ..storage.layout import COMMON_FILE, rank_dir
 from ..storage.paths import read_inside
@@ -57,12 +61,17 @@ def short_error(e: BaseException) -> str:
 
 
 def validate(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20,
-             progress: Optional[Callable[[str], None]] = None) -> Report:
+             progress: Optional[Callable[[str], None]] = None, require_checksums: bool = False) -> Report:
     """Check everything ``checkpoint_dir`` stores (see module docstring). Raises
-    IncompleteCheckpointError / FormatError when it is not a readable committed checkpoint."""
+    IncompleteCheckpointError / FormatError when it is not a readable committed checkpoint.
+    ``require_checksums``: a checkpoint written before checksums (format 1 or 2) is a problem,
+    not a warning."""
     t0 = time.perf_counter()
     ckpt = OpenedCheckpoint.open(checkpoint_dir)
     report = Report(ckpt.path)
+    if not ckpt.index.checksums:
+        (report.problems if require_checksums else report.warnings).append(
+            f"format {ckpt.meta.get('format_version')}: written before checksums, damaged bytes in it may go undetected")
     _check_index(ckpt, report)
     tio = TensorStoreIO(ckpt.path, ckpt.options, ckpt.index, check_sizes=False)  # damage named shard by shard
     dead = _check_writer_stores(ckpt, report)
@@ -227,6 +236,12 @@ def _check_common(ckpt: OpenedCheckpoint, report: Report) -> None:
         report.problems.append(f"common state {path}: missing or unreadable ({e.strerror or e})")
         return
     report.bytes_read += len(blob)
+    if "common_sha256" in ckpt.marker:
+        try:
+            check_sha256(blob, ckpt.marker["common_sha256"], f"common state {path}")
+        except FormatError as e:
+            report.problems.append(str(e))
+            return
     _check_blob(blob, f"common state {path}", report)
 
 

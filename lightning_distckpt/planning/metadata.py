@@ -159,6 +159,8 @@ class CheckpointIndex:
 
     tensors: Dict[str, TensorEntry] = field(default_factory=dict)
     objects: Dict[str, ObjectEntry] = field(default_factory=dict)
+    # Stored data carries checksums (format 3 on): readers then require them on objects.
+    checksums: bool = field(default=True, compare=False)
 
     def bytes_per_writer(self) -> Dict[int, int]:
         """writer rank -> bytes of the tensor data this index says its store holds."""
@@ -198,7 +200,8 @@ class CheckpointIndex:
         naming the field): it comes from disk and is not trusted. Shapes are bounded and each
         shard lies inside its tensor, so nothing sized by the index can ask for absurd memory."""
         f = _Fields(where)
-        index = cls()
+        version = data.get("format_version", _CHECKSUMS_SINCE)
+        index = cls(checksums=isinstance(version, int) and version >= _CHECKSUMS_SINCE)
         for key, e in f.obj(data.get("tensors"), "tensors").items():
             name = f"tensors[{key!r}]"
             e = f.obj(e, name)
@@ -230,6 +233,7 @@ class CheckpointIndex:
         return index
 
 
+_CHECKSUMS_SINCE = 3  # storage.layout.CHECKSUMS_SINCE (planning does not import storage)
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: no tensor of a checkpoint is bigger; a bigger claim is damage
 _MAX_NDIM = 32
 _MAX_COUNT = 1 << 31  # writers, indices

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
+import hashlib
+import json
 import os
 import shutil
 
 from ..core.errors import CheckpointingError
-from .layout import COMMIT_MARKER, METADATA_FILE, is_our_committed_checkpoint
+from .checksums import sha256_hex
+from .layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, is_our_committed_checkpoint
 from .safe_pickle import write_file_durable
 from .staging import remove_owner_notes
-
-logger = logging.getLogger("lightning_distckpt")
 
 _RENAME_EXCHANGE = 2
 
@@ -34,6 +34,14 @@ def check_target(target: str) -> None:
             f"checkpoint {target}: directory exists, is not empty and is not a committed lightning_distckpt "
             f"checkpoint; refusing to replace it (move its contents away, or save elsewhere)"
         )
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def fsync_dir(path: str) -> None:
@@ -68,11 +76,18 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> None:
-    """Write metadata and marker into ``staging`` and move it to ``target`` (rank 0 only)."""
+    """Write metadata and marker into ``staging`` and move it to ``target`` (rank 0 only).
+
+    The marker gets the SHA-256 of ``metadata.json`` and of ``common.pt`` as written (read back from
+    the staging directory: what is verified on load is what is on disk)."""
     remove_owner_notes(staging)
-    write_file_durable(os.path.join(staging, METADATA_FILE), metadata_json.encode())
+    metadata = metadata_json.encode()
+    write_file_durable(os.path.join(staging, METADATA_FILE), metadata)
     fsync_tree_dirs(staging)
-    write_file_durable(os.path.join(staging, COMMIT_MARKER), marker_json.encode())
+    marker = json.loads(marker_json)
+    marker["metadata_sha256"] = sha256_hex(metadata)
+    marker["common_sha256"] = _file_sha256(os.path.join(staging, COMMON_FILE))
+    write_file_durable(os.path.join(staging, COMMIT_MARKER), json.dumps(marker).encode())
     fsync_dir(staging)
     parent = os.path.dirname(os.path.abspath(target))
     if os.path.lexists(target):

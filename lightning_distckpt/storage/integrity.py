@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError
+from .checksums import check_sha256
 from .layout import COMMON_FILE, DATA_DIR, MetadataFile, open_metadata, rank_dir
 from .paths import PathLike, local_path, read_inside, refuse_link, scan_tree
 from .safe_pickle import loads
@@ -41,6 +42,8 @@ def read_common(checkpoint_dir: str, marker: Dict[str, Any], extra_safe_globals:
         raise CheckpointingError(f"{where} cannot be read: {e.strerror or e}") from None
     if not blob:
         raise FormatError(f"{where} is empty (0 bytes)")
+    if "common_sha256" in marker:
+        check_sha256(blob, marker["common_sha256"], where)
     return loads(blob, where, extra_safe_globals)
 
 

@@ -30,11 +30,13 @@ from urllib.parse import quote
 import numpy as np
 
 from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError
+from .checksums import check_sha256, warn_no_checksums
 from .paths import local_path, read_inside, refuse_link
 
 FORMAT_NAME = "lightning_distckpt"
-FORMAT_VERSION = 2  # 2: small shards packed into one array per rank and dtype
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2: small shards packed into one array per rank and dtype; 3: checksums on everything
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+CHECKSUMS_SINCE = 3
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 COMMIT_MARKER = "COMMITTED"
@@ -134,6 +136,10 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
             raw[name] = read_inside(os.path.join(path, name), f"checkpoint {path}:")
         except OSError as e:
             raise FormatError(f"checkpoint {path}: cannot read {name}: {e.strerror or e}") from None
+    marker = _parse_json(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
+    if not isinstance(marker, dict):
+        raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} is not a JSON object")
+    _check_fields(marker, _MARKER_FIELDS, f"checkpoint {path}: {COMMIT_MARKER}")
     meta = _parse_json(raw[METADATA_FILE], f"checkpoint {path}: {METADATA_FILE}")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(
@@ -146,11 +152,14 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
             f"checkpoint {path}: {METADATA_FILE}: format version {version!r} is not supported by this version of "
             f"lightning_distckpt (supports {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade the library"
         )
+    if "metadata_sha256" in marker:  # whatever the version claims: a damaged byte may have changed it
+        check_sha256(raw[METADATA_FILE], marker["metadata_sha256"], f"checkpoint {path}: {METADATA_FILE}")
     _check_fields(meta, _META_FIELDS, f"checkpoint {path}: {METADATA_FILE}")
-    marker = _parse_json(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
-    if not isinstance(marker, dict):
-        raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} is not a JSON object")
-    _check_fields(marker, _MARKER_FIELDS, f"checkpoint {path}: {COMMIT_MARKER}")
+    if version < CHECKSUMS_SINCE:
+        warn_no_checksums(path, version)
+    elif "metadata_sha256" not in marker or "common_sha256" not in marker:
+        raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} lacks the checksums a format {version} checkpoint "
+                          f"records (damaged)")
     return MetadataFile(path, meta, marker)
 
 
@@ -174,6 +183,7 @@ _META_FIELDS: Dict[str, _Check] = {
 _MARKER_FIELDS: Dict[str, _Check] = {
     "world_size": (False, *_is_count), "committed_unix": (False, *_is_time),
     "bytes": (False, lambda v: type(v) is int and v >= 0, "a non-negative int"),
+    "metadata_sha256": (False, *_is_str), "common_sha256": (False, *_is_str),
 }
 
 

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .layout import is_committed
 
-logger = logging.getLogger("lightning_distckpt")
+logger = logging.getLogger(__name__)
 
 STAGING_TAG = ".distckpt-staging-"
 OWNERS_DIR = ".writing"

@@ -36,6 +36,7 @@ import torch
 from ..core.errors import CheckpointingError
 from .base import ObjectWrite, ShardRead, ShardWrite
 from .options import DEFAULT_PACK_MAX_BYTES, LAYOUTS, StorageOptions  # noqa: F401 (re-exported)
+from .checksums import frame_object, unframe_object
 from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
 
@@ -99,6 +100,7 @@ class TensorStoreIO:
         self._kvstores: Dict[int, Any] = {}
         self._arrays: Dict[Tuple[int, str], Any] = {}
         self._reading = index is not None
+        self._index_checksums = index is not None and index.checksums
         self._claimed = index.bytes_per_writer() if index is not None and check_sizes else {}
         self._contained: Set[int] = set()  # writers whose store was checked for links
 
@@ -131,7 +133,8 @@ class TensorStoreIO:
                 "shape": [int(s) for s in shape],
                 "data_type": ts_dtype(dtype),
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                # crc32c: computed by tensorstore as it encodes each chunk, verified on every read
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
             },
         }
 
@@ -178,7 +181,7 @@ class TensorStoreIO:
         if objects:
             kv = self._kvstore(writer)
             for key, index, blob in objects:
-                writes.append((repr(key), kv.write(object_path(key, index), blob)))
+                writes.append((repr(key), kv.write(object_path(key, index), frame_object(blob))))
                 nbytes += len(blob)
         errors = []
         for key, w in writes:  # wait for all, so no write is still running when we raise
@@ -347,7 +350,8 @@ class TensorStoreIO:
             raise CheckpointingError(
                 f"checkpoint {self.root}: object {key!r} #{index} (written by rank {writer}) is missing"
             )
-        return bytes(res.value)
+        return unframe_object(bytes(res.value), f"checkpoint {self.root}: object {key!r} #{index} (written by rank "
+                              f"{writer})", required=self._index_checksums)
 
 
 def _pack(dtype: torch.dtype, members: Sequence[ShardWrite]) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""Checksums of everything a checkpoint stores (format 3), and the switch that turns their checks off.
+
+* array chunks: the zarr v3 ``crc32c`` codec, computed by tensorstore while it writes each chunk and
+  verified by it on every read (a mismatch is a read error naming the file);
+* ShardedObject elements: stored framed, ``MAGIC | crc32 | length | bytes``, verified on read;
+* ``common.pt`` and ``metadata.json``: their SHA-256 in the commit marker, verified on every open.
+
+``LIGHTNING_DISTCKPT_VERIFY=0`` skips the checks of objects, ``common.pt`` and ``metadata.json``
+(e.g. to salvage what still deserializes from a damaged checkpoint); chunk checksums are part of
+each chunk's encoding and are always verified by tensorstore. Checkpoints of formats 1 and 2 carry
+no checksums: they load with one warning per checkpoint and process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import zlib
+from typing import Set
+
+from ..core.errors import FormatError
+
+logger = logging.getLogger(__name__)
+
+VERIFY_ENV = "LIGHTNING_DISTCKPT_VERIFY"
+OBJECT_MAGIC = b"LDCKOBJ1"
+_HEADER = struct.Struct("<8sIQ")  # magic, crc32 of the payload, payload length
+_warned: Set[str] = set()
+
+
+def verification_enabled() -> bool:
+    """False when ``LIGHTNING_DISTCKPT_VERIFY`` is ``0`` / ``false`` / ``no`` / ``off``."""
+    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_sha256(data: bytes, expected: object, where: str) -> None:
+    """FormatError unless ``data`` hashes to ``expected`` (skipped when verification is off)."""
+    if not isinstance(expected, str) or len(expected) != 64:
+        raise FormatError(f"{where}: the commit marker's checksum is malformed ({expected!r})")
+    if verification_enabled() and sha256_hex(data) != expected:
+        raise FormatError(f"{where}: checksum mismatch (SHA-256 {sha256_hex(data)[:16]}..., the commit marker "
+                          f"records {expected[:16]}...): the file is damaged or was changed after the commit")
+
+
+def frame_object(blob: bytes) -> bytes:
+    """``blob`` as stored: a header with its CRC-32 and length, then the bytes."""
+    return _HEADER.pack(OBJECT_MAGIC, zlib.crc32(blob), len(blob)) + blob
+
+
+def unframe_object(stored: bytes, where: str, required: bool) -> bytes:
+    """The bytes of a stored object, its checksum verified. Objects of formats 1 and 2 are stored
+    unframed: accepted as they are unless ``required`` (format 3)."""
+    if not stored.startswith(OBJECT_MAGIC):
+        if required:
+            raise FormatError(f"{where}: stored without its checksum header (damaged)")
+        return stored
+    if len(stored) < _HEADER.size:
+        raise FormatError(f"{where}: truncated ({len(stored)} bytes, shorter than its header)")
+    _, crc, length = _HEADER.unpack_from(stored)
+    payload = stored[_HEADER.size:]
+    if len(payload) != length:
+        raise FormatError(f"{where}: {len(payload)} bytes stored, its header says {length} (truncated or damaged)")
+    if verification_enabled() and zlib.crc32(payload) != crc:
+        raise FormatError(f"{where}: checksum mismatch (CRC-32 {zlib.crc32(payload):#010x}, stored {crc:#010x}): "
+                          f"damaged")
+    return payload
+
+
+def warn_no_checksums(checkpoint_dir: str, version: int) -> None:
+    """One warning per checkpoint and process: a checkpoint of format 1 or 2 carries no checksums."""
+    if checkpoint_dir in _warned:
+        return
+    _warned.add(checkpoint_dir)
+    logger.warning("checkpoint %s: format %d carries no checksums; damaged bytes cannot be detected. Save it "
+                   "again (or `lightning-distckpt convert` it) to add them.", checkpoint_dir, version)
