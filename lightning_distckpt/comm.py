@@ -82,6 +82,21 @@ class Comm:
                 raise self._failed("barrier", e) from e
 
 
+def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """The device collectives on ``group`` take: CPU for gloo/mpi, else the current accelerator."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None:
+        raise ArgumentError(f"process group backend {backend!r} needs an accelerator, but none is available")
+    return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
 def get_comm(process_group: Optional[dist.ProcessGroup] = None) -> Comm:
     """The Comm for ``process_group`` (default: the world group; none when not initialized)."""
     if not (dist.is_available() and dist.is_initialized()):

@@ -82,7 +82,7 @@ def _nccl_one_rank(rank, world, path, port):
 
     import torch.distributed as dist
 
-    from lightning_distckpt.reading.exchange import comm_device
+    from lightning_distckpt.comm import comm_device
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 0))

@@ -19,41 +19,18 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..comm import Comm
-from ..core.errors import CheckpointingError, CollectiveError
-from ..core.mapping import ShardedTensor
+from ..core.errors import CollectiveError
 from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ExchangeOp, ExchangePlan
 from .checkpoint import CheckpointSource
-from .reads import ReadTarget, read_shape, read_targets
+from .reads import ReadOutcome, ReadTarget, read_shape, read_targets
+from .request import Requester
 from .stats import LoadStats
-
-
-class ReadOutcome(NamedTuple):
-    """A batch of reads: bytes, seconds, and the error that stopped it (None when it succeeded)."""
-
-    nbytes: int
-    seconds: float
-    error: Optional[BaseException]
-
-
-def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    """The device collectives on ``group`` take: CPU for gloo/mpi, else the current accelerator."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return torch.device("cpu")
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "mpi" in backend:
-        return torch.device("cpu")
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is None:
-        raise CheckpointingError(f"process group backend {backend!r} needs an accelerator, but none is available")
-    return torch.device(acc.type, torch.accelerator.current_device_index())
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -74,13 +51,6 @@ class _Slot:
     extra: int = 0  # bytes allocated for this op
     read: Optional["Future[None]"] = None  # set once this op's chunks are read
     works: List[Any] = field(default_factory=list)
-
-
-class Requester(NamedTuple):
-    """A requested ShardedTensor and its position in the load request."""
-
-    position: int
-    tensor: ShardedTensor
 
 
 class ChunkExchange:

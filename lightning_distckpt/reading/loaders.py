@@ -20,14 +20,15 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union, 
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm, get_comm
+from ..comm import Comm, comm_device, get_comm
 from ..core.errors import ArgumentError, ArgumentTypeError
 from ..core.strict import StrictHandling
 from ..planning.exchange_plan import ChunkId, ChunkRequest, chunk_id, plan_exchange
 from .checkpoint import CheckpointSource
-from .exchange import ChunkExchange, Requester, comm_device
+from .exchange import ChunkExchange
 from .pipeline import LoadContext, Result, begin_load, combine_errors, finish_load
 from .reads import read_tensors
+from .request import Requester
 from .stats import LoadStats, format_load_times
 
 logger = logging.getLogger(__name__)

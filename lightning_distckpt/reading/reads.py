@@ -30,6 +30,14 @@ class ReadTarget(NamedTuple):
     dest: torch.Tensor
 
 
+class ReadOutcome(NamedTuple):
+    """A batch of reads: bytes, seconds, and the error that stopped it (None when it succeeded)."""
+
+    nbytes: int
+    seconds: float
+    error: Optional[BaseException]
+
+
 class _Copy(NamedTuple):
     """A strided copy done after the reads (from a span buffer into the destination)."""
 

@@ -4,7 +4,7 @@ and a tree of slots that :func:`assemble` fills with what was read; key matching
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ..comm import Comm
 from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
@@ -26,6 +26,13 @@ class ObjectSlot:
     """Where the loaded object of ``LoadRequest.objects[position]`` goes in the tree."""
 
     position: int
+
+
+class Requester(NamedTuple):
+    """A requested ShardedTensor and its position in the load request."""
+
+    position: int
+    tensor: ShardedTensor
 
 
 @dataclass

@@ -21,9 +21,8 @@ from typing import Any, Mapping, MutableMapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm, get_comm
+from ..comm import Comm, comm_device, get_comm
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, RankFailure, error_class
-from ..reading.exchange import comm_device
 from .plan import Manifest, build_manifest, collect_needs
 from .transfer import Transfer, TransferStats
 
