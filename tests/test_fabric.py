@@ -32,8 +32,8 @@ def test_fabric_exact_resume(tp2):
         assert res["remainder"] == {"note": "hello", "tensor": [0, 1, 2]}  # what the state did not ask for
         assert res["rank_dirs"] == ["rank_00000", "rank_00001"]
         # fabric.load(path) without a state: every tensor whole, the TP shards put together.
-        assert res["whole_shapes"] == {"model.fc1.weight": [16, 8], "model.fc1.bias": [16],
-                                       "model.fc2.weight": [4, 16], "model.fc2.bias": [4]}
+        assert res["whole_shapes"] == {"fc1.weight": [16, 8], "fc1.bias": [16],  # the module's own keys
+                                       "fc2.weight": [4, 16], "fc2.bias": [4]}
         assert res["whole_step"] == 3
 
 
@@ -49,7 +49,7 @@ def test_fabric_strict_and_non_strict(tp2):
         assert res["nonstrict_trained"] == [3, 4]
         assert "not_saved" in res["strict_missing_entry"]
         assert res["nonstrict_missing_entry_kept"] == 1
-        assert res["filtered_keys"] == ["model.fc1.bias", "model.fc1.weight"]
+        assert res["filtered_keys"] == ["fc1.bias", "fc1.weight"]
 
 
 def test_single_process_weights_from_tp2_checkpoint(tp2):

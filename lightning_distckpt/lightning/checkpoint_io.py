@@ -32,6 +32,7 @@ from ..serialization import load as dist_load
 from ..serialization import load_common_state_dict, load_tensors_metadata
 from ..serialization import save as dist_save
 from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, TwoStageDataParallelLoader
+from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
 from ..strategies.save import finalize_save, prepare_save, write_local
@@ -99,9 +100,21 @@ class DistCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Read a whole checkpoint in this process (any world size wrote it): every tensor whole,
-        in its place; tensors land on the CPU unless ``map_location`` (a device or str) says otherwise."""
+        in its place; tensors land on the CPU unless ``map_location`` (a device or str) says otherwise.
+        A ``torch.save`` file (a stock Lightning ``.ckpt``) is read as it is, safely (``weights_only``)."""
         self.wait()
         target = os.fspath(path)
+        if os.path.isfile(target):  # a stock Lightning / Fabric torch.save file, read safely
+            state = load_file(target, self.extra_safe_globals)
+        else:
+            state = self._load_directory(target)
+        if map_location is not None:
+            if not isinstance(map_location, (str, torch.device)):
+                raise ArgumentTypeError(f"map_location must be a device or a str for distributed checkpoints, got {map_location!r}")
+            state = apply_to_collection(state, torch.Tensor, lambda t: t.to(map_location))
+        return state
+
+    def _load_directory(self, target: str) -> Dict[str, Any]:
         common = load_common_state_dict(target, self.extra_safe_globals)
         man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
         if man is None:
@@ -110,10 +123,6 @@ class DistCheckpointIO(CheckpointIO):
         state, _, _ = EveryRankLoader().load(template, target, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
                                              self.extra_safe_globals)
         state.pop(MANIFEST_KEY, None)
-        if map_location is not None:
-            if not isinstance(map_location, (str, torch.device)):
-                raise ArgumentTypeError(f"map_location must be a device or a str for distributed checkpoints, got {map_location!r}")
-            state = apply_to_collection(state, torch.Tensor, lambda t: t.to(map_location))
         return state
 
     def remove_checkpoint(self, path: Any) -> None:

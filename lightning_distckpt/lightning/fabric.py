@@ -24,9 +24,12 @@ from torch.optim import Optimizer
 
 from ..core.errors import ArgumentTypeError, MissingKeysError
 from ..core.strict import StrictHandling
+from ..serialization import load_common_state_dict, load_tensors_metadata
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tp_strategy import TensorParallelStrategyMixin
-from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
+from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
+                    rekey_template, restore_param_keys)
+from .tree import KIND_SHARDED, MANIFEST_KEY, manifest, template_from_manifest
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +68,13 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         return self._data_parallel_ddp(module, self._determine_ddp_device_ids())
 
     def _module_ssds(self, state: Mapping[str, Any]) -> ModuleStates:
+        """Each module's sharded state dict under its state name: the dict keys are the module's own
+        ``state_dict`` keys (what reading the checkpoint whole gives back), the ShardedTensors' keys
+        carry the state name (``model.fc1.weight``), so two modules never collide."""
         ps = self.parallel_state
-        by_name = {name: model_sharded_state_dict(_unwrap(obj), ps, prefix=f"{name}.")
+        by_name = {name: _strip(f"{name}.", model_sharded_state_dict(_unwrap(obj), ps, prefix=f"{name}."))
                    for name, obj in state.items() if isinstance(obj, Module)}
-        return ModuleStates(by_name, {k: v for ssd in by_name.values() for k, v in ssd.items()})
+        return ModuleStates(by_name, {f"{name}.{k}": v for name, ssd in by_name.items() for k, v in ssd.items()})
 
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
@@ -82,8 +88,7 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
                 if isinstance(obj, Module):
                     value: Any = modules.by_name[name]
                     if name in filter:
-                        prefix = f"{name}."
-                        value = {k: v for k, v in value.items() if filter[name](k[len(prefix):], v)}
+                        value = {k: v for k, v in value.items() if filter[name](k, v)}
                 elif isinstance(obj, Optimizer):
                     value = optimizer_sharded_state(obj, modules.params, name, init_state=True)
                 elif isinstance(obj, _Stateful):
@@ -112,22 +117,16 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             raise ArgumentTypeError("FabricDistCheckpointStrategy.load_checkpoint: pass a dict such as {'model': model}, "
                             "not a bare module or optimizer")
         handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
-
-        def build() -> Dict[str, Any]:
-            modules = self._module_ssds(state)
-            template: Dict[str, Any] = dict(modules.by_name)
-            for name, obj in state.items():
-                if isinstance(obj, Optimizer):
-                    template[name] = optimizer_sharded_state(obj, modules.params, name, init_state=True)
-            return template
-
-        template = build_on_all_ranks(f"load from {target}", build)
-        loaded = self.checkpoint_io.load_sharded(template, target, strict=handling,
+        layout = build_on_all_ranks(f"load from {target}", lambda: self._load_template(target, state))
+        loaded = self.checkpoint_io.load_sharded(layout.template, target, strict=handling,
                                                  data_parallel_group=self.parallel_state.dp_group)
-        man = loaded.pop(MANIFEST_KEY, None)
-        if not isinstance(man, Mapping) or man.get("kind") != KIND_SHARDED:
-            log.warning("checkpoint %s was not saved by a distributed-checkpoint strategy", target)
-        absent = [name for name in state if name not in loaded and name not in template]
+        if REST_KEY in layout.template:
+            loaded = place_stored_tensors(loaded, layout, target)
+            for name, obj in state.items():
+                if isinstance(obj, Optimizer) and name in loaded:
+                    loaded[name] = restore_param_keys(loaded[name], loaded[name]["param_keys"], target)
+        loaded.pop(MANIFEST_KEY, None)
+        absent = [name for name in state if name not in loaded and name not in layout.template]
         if strict and absent:
             raise MissingKeysError(f"checkpoint {target}: has no entry {absent} (load with strict=False to skip them)")
         for name, obj in list(state.items()):
@@ -135,7 +134,7 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
                 continue
             value = loaded.pop(name)
             if isinstance(obj, Module):
-                _unwrap(obj).load_state_dict(_strip(f"{name}.", value), strict=strict)
+                _unwrap(obj).load_state_dict(value, strict=strict)
             elif isinstance(obj, Optimizer):
                 restore_optimizer(obj, value)
             elif isinstance(obj, _Stateful):
@@ -143,6 +142,29 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             else:
                 state[name] = value
         return loaded
+
+    def _load_template(self, target: str, state: Mapping[str, Any]) -> StoredLayout:
+        """The template for ``fabric.load(target, state)``: the state's modules and optimizers sharded
+        (re-keyed to the stored names for a ``torch.save`` file or a directory the plugin wrote), and
+        every other tensor of the checkpoint whole, so what the load returns is complete."""
+        common = load_common_state_dict(target, self.checkpoint_io.extra_safe_globals)
+        man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
+        kind = man.get("kind") if isinstance(man, Mapping) else None
+        modules = self._module_ssds(state)
+        template: Dict[str, Any] = dict(modules.by_name)
+        optimizers = [name for name, obj in state.items() if isinstance(obj, Optimizer)]
+        for name in optimizers:
+            template[name] = optimizer_sharded_state(state[name], modules.params, name, init_state=True)
+        if is_tree_path_layout(target, kind):  # stock Fabric's torch.save file, or the plugin's directory
+            return rekey_template(target, template, {n: ModuleEntry(f"{n}/", f"{n}.") for n in modules.by_name},
+                                  [OptimizerEntry(n, template[n]) for n in optimizers],
+                                  tuple(f"{n}/" for n in template), self.checkpoint_io.extra_safe_globals)
+        if kind == KIND_SHARDED:  # the entries not asked for: each tensor whole
+            whole = template_from_manifest(man, load_tensors_metadata(target), target)
+            template.update({k: v for k, v in whole.items() if k not in state})
+        else:
+            log.warning("checkpoint %s was not saved by lightning_distckpt (no manifest); loading by key", target)
+        return StoredLayout(template, {})
 
 
 FabricDistCheckpointStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,0 +1,147 @@
+"""Fabric runs across checkpoint borders for tests/test_borders_fabric.py:
+``python border_fabric.py SCENARIO... --dir D --out OUT``. Every rank writes ``OUT.rank<r>.json``.
+
+Stock Fabric DDP (TP 1 x DP 2, with or without the DistCheckpointIO plugin) and
+FabricDistCheckpointStrategy(tensor_parallel_size=2) run one after the other in the same 2 processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.strategies import DDPStrategy  # noqa: E402
+
+from lightning_distckpt.lightning import DistCheckpointIO, FabricDistCheckpointStrategy, ParallelState  # noqa: E402
+from lightning_distckpt.lightning.parallel import data_parallel_world  # noqa: E402
+from fabric_scenarios import TIMEOUT, Run, TPNet  # noqa: E402
+from border_trainer import expected_shard  # noqa: E402
+
+
+class StockRun(Run):
+    """Run under stock Fabric DDP: the TP layers built for TP 1 x DP world."""
+
+    def __init__(self, fabric: Fabric) -> None:  # noqa: D107  (Run's body with the stock parallel state)
+        self.fabric = fabric
+        self.ps: ParallelState = data_parallel_world()
+        model = TPNet(self.ps)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+        self.sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        self.model, self.opt = fabric.setup(model, opt)
+        self.losses: Dict[int, float] = {}
+
+
+def fabric_with(strategy: Any, plugins: Optional[List[Any]] = None) -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=plugins)
+    fabric.launch()
+    return fabric
+
+
+def tp2_fabric() -> Fabric:
+    return fabric_with(FabricDistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT))
+
+
+def compare_to_stored(run: Run, stored: Dict[str, Any]) -> Dict[str, bool]:
+    """Each local weight and optimizer state equals the stored whole tensor sliced for this TP rank."""
+    out = {}
+    module = run.model.module
+    for j, (name, p) in enumerate(module.named_parameters()):
+        out[name] = torch.equal(p.detach(), expected_shard(name, stored["model"][name], run.ps.tp_rank, run.ps.tp_size))
+        for k, v in run.opt.optimizer.state[p].items():
+            want = expected_shard(name, stored["optimizer"]["state"][j][k], run.ps.tp_rank, run.ps.tp_size)
+            out[f"{name}.{k}"] = torch.equal(v, want)
+    return out
+
+
+def resume_tp2(source: str, res: Dict[str, Any], tag: str) -> None:
+    stored = DistCheckpointIO().load_checkpoint(source)  # a torch.save file or a plugin directory, whole
+    run = Run(tp2_fabric())
+    state = run.state(0)
+    run.fabric.load(source, state)
+    res[tag] = {"equal": compare_to_stored(run, stored), "step": state["step"],
+                "sched": run.sched.state_dict() == stored["scheduler"]}
+    run.train(state["step"], 6)
+    res[f"{tag}_losses"] = run.losses
+
+
+def stock_file(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Stock Fabric DDP saves a torch.save file; the TP 2 strategy loads it and trains on."""
+    fabric = fabric_with(DDPStrategy(timeout=TIMEOUT))
+    ref = StockRun(fabric)
+    ref.train(0, 6)
+    res["ref_losses"] = ref.losses
+    run = StockRun(fabric)
+    run.train(0, 3)
+    path = os.path.join(args.dir, "stock.ckpt")
+    fabric.save(path, run.state(3))
+    resume_tp2(path, res, "file")
+
+
+def plugin_dir(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Defect 2: stock Fabric DDP with the DistCheckpointIO plugin saves a directory; the TP 2 strategy loads it."""
+    fabric = fabric_with(DDPStrategy(timeout=TIMEOUT), plugins=[DistCheckpointIO()])
+    run = StockRun(fabric)
+    run.train(0, 3)
+    path = os.path.join(args.dir, "plugin")
+    fabric.save(path, run.state(3))
+    resume_tp2(path, res, "plugin")
+
+
+def tp2_whole(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Defects 1 and 3: a TP 2 checkpoint read whole has the module's own keys; fabric.load of the
+    model alone returns the optimizer's whole state, moments included."""
+    fabric = tp2_fabric()
+    run = Run(fabric)
+    run.train(0, 3)
+    path = os.path.join(args.dir, "tp2")
+    fabric.save(path, run.state(3))
+    whole = DistCheckpointIO().load_checkpoint(path)
+    res["whole_model_keys"] = sorted(whole["model"])
+    plain = TPNet(ParallelState.single())
+    plain.load_state_dict(whole["model"])  # strict: a stock module takes them as they are
+    res["whole_loads_strict"] = True
+    again = Run(fabric)
+    rest = fabric.load(path, {"model": again.model})
+    opt_state = rest["optimizer"]["state"]
+    res["rest_optimizer_entries"] = {k: sorted(v) for k, v in opt_state.items()}
+    res["rest_exp_avg_shape"] = list(opt_state["model.fc1.weight"]["exp_avg"].shape)
+    res["rest_step"] = rest["step"]
+
+
+SCENARIOS = {"stock_file": stock_file, "plugin_dir": plugin_dir, "tp2_whole": tp2_whole}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    res: Dict[str, Any] = {}
+    try:
+        for name in args.scenarios:
+            SCENARIOS[name](args, res)
+    except BaseException:
+        res["error"] = traceback.format_exc()
+        raise
+    finally:
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        with open(f"{args.out}.rank{rank}.json", "w") as f:
+            json.dump(res, f, default=str)
+    if "error" not in res and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
