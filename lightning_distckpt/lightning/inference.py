@@ -3,20 +3,26 @@
 Whatever split saved it (TP x DP under the strategy, any world size under the plugin, Fabric), each
 tensor is read whole and the module is built un-sharded: a tensor-parallel module built with
 ``ParallelState.single()`` has the global shapes, so its ``state_dict`` keys and shapes match.
-No process group is needed, and none is entered if one exists.
+No process group is needed, and none is entered if one exists. :func:`load_module_weights` also
+reads a ``torch.save`` / safetensors file or a Hugging Face directory, each rank only its shards.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence, Type, TypeVar, Union
+from typing import Any, Callable, Optional, Sequence, Type, TypeVar, Union
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
 from ..core.errors import CheckpointingError
-from .checkpoint_io import DistCheckpointIO
+from ..core.strict import StrictHandling
+from ..reading.formats import KeyMap, detect
+from ..reading.loaders import EveryRankLoader
+from .checkpoint_io import LOCAL, DistCheckpointIO
+from .parallel import parallel_state_of
+from .sharded import model_sharded_state_dict
 
 M = TypeVar("M", bound=LightningModule)
 
@@ -56,25 +62,61 @@ def load_lightning_module(
 
 def load_module_weights(
     module: nn.Module,
-    checkpoint_dir: Union[str, "os.PathLike[str]"],
+    checkpoint: Union[str, "os.PathLike[str]"],
     *,
     entry: str = "state_dict",
     strict: bool = True,
+    key_map: KeyMap = None,
     extra_safe_globals: Sequence[Any] = (),
 ) -> nn.Module:
-    """Load a plain ``nn.Module``'s weights from a checkpoint directory in this process alone.
+    """Load a module's weights in this process alone (no collective: call it on every rank, e.g. in
+    ``configure_model``, or on one).
 
-    ``entry`` names where the module's state sits: ``"state_dict"`` for Trainer checkpoints, the state
-    key (e.g. ``"model"``) for ``fabric.save(path, {"model": model, ...})``; a Fabric entry's keys
-    carry the ``"model."`` prefix, which is removed.
+    ``checkpoint`` is one of our checkpoint directories (every tensor read whole), or an ordinary
+    file this rank reads its shards from: a ``torch.save`` file (a state dict, or a Lightning
+    ``.ckpt`` whose weights sit under ``entry``), a ``.safetensors`` file, a Hugging Face model
+    directory (sharded with an index or not). For those, the module's shards are described by its
+    ``sharded_state_dict()`` (tensor-parallel layers) or are whole, and only the slices this rank
+    holds are read. ``key_map`` maps the file's keys to the module's (a dict, or a callable
+    returning None to skip a key); by default ``"<entry>/"`` is stripped and other nested paths
+    skipped. ``strict``: every module tensor must be found and every file tensor used.
+
+    For our directories, ``entry`` names where the module's state sits: ``"state_dict"`` for Trainer
+    checkpoints, the state key (e.g. ``"model"``) for ``fabric.save(path, {"model": model, ...})``.
     """
+    path = os.fspath(checkpoint)
+    source = detect(path, key_map if key_map is not None else _entry_key_map(entry), extra_safe_globals)
+    if source is not None:
+        return _load_shards(module, source, strict, extra_safe_globals)
     io = DistCheckpointIO(extra_safe_globals=extra_safe_globals)
-    checkpoint = io.load_checkpoint(checkpoint_dir)
-    if entry not in checkpoint:
-        raise CheckpointingError(f"checkpoint {os.fspath(checkpoint_dir)}: no entry {entry!r} (has {sorted(checkpoint)})")
-    state = checkpoint[entry]
+    loaded = io.load_checkpoint(path)
+    if entry not in loaded:
+        raise CheckpointingError(f"checkpoint {path}: no entry {entry!r} (has {sorted(loaded)})")
+    state = loaded[entry]
     prefix = f"{entry}."
-    if entry != "state_dict" and isinstance(state, dict):
+    if entry != "state_dict" and isinstance(state, dict):  # Fabric checkpoints written before the keys lost it
         state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
     module.load_state_dict(state, strict=strict)
+    return module
+
+
+def _entry_key_map(entry: str) -> Callable[[str], Optional[str]]:
+    """``"<entry>/name"`` -> ``"name"``; other nested paths (optimizer state, ...) skipped; flat names kept."""
+    prefix = f"{entry}/"
+
+    def key_map(name: str) -> Optional[str]:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+        return None if "/" in name else name
+
+    return key_map
+
+
+def _load_shards(module: nn.Module, source: Any, strict: bool, extra_safe_globals: Sequence[Any]) -> nn.Module:
+    """Read this rank's slice of each of the module's tensors from a file source (no collective)."""
+    template = model_sharded_state_dict(module, parallel_state_of(module))
+    handling = StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_ALL
+    state, _, _ = EveryRankLoader().load(template, source, LOCAL, handling, extra_safe_globals)
+    # The reads landed in the parameters where they could (contiguous CPU tensors); copy the rest.
+    module.load_state_dict({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, strict=False)
     return module
