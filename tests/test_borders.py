@@ -12,7 +12,7 @@ from lightning_helpers import run_script
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("borders")
-    return run_script("border_trainer.py", ["stock_ddp", "plugin_ddp", "--dir", str(d), "--devices", "2"],
+    return run_script("border_trainer.py", ["stock_ddp", "plugin_ddp", "no_sharded_state_dict", "--dir", str(d), "--devices", "2"],
                       str(d / "out"), world_size=2, timeout=420)
 
 
@@ -32,3 +32,12 @@ def test_trainer_resumes_rank0_checkpoint_under_tp2(trainer_runs, tag):
         # TP 2 continues where stock DDP would have gone: the same losses up to float rounding.
         for step in ("3", "4", "5"):
             assert math.isclose(res[f"{tag}_losses"][step], res["ref_losses"][step], rel_tol=1e-5)
+
+
+def test_tp_module_that_describes_no_shard_is_refused_at_setup(trainer_runs):
+    """Issue 16 defect 5: refused when the strategy sets up, on every rank, before any training step
+    (it used to fail only at the first save, after an epoch)."""
+    for res in trainer_runs:
+        assert res["no_ssd"].startswith("CheckpointingError") and "define no sharded_state_dict" in res["no_ssd"]
+        assert "tensor_parallel_size=2" in res["no_ssd"]
+        assert res["no_ssd_steps_trained"] == 0

@@ -15,7 +15,7 @@ PARAMS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 @pytest.fixture(scope="module")
 def fabric_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("borders_fabric")
-    return run_script("border_fabric.py", ["stock_file", "plugin_dir", "tp2_whole", "--dir", str(d)],
+    return run_script("border_fabric.py", ["stock_file", "plugin_dir", "tp2_whole", "no_sharded_state_dict", "--dir", str(d)],
                       str(d / "out"), world_size=2, timeout=420)
 
 
@@ -49,3 +49,9 @@ def test_fabric_load_of_model_alone_returns_complete_optimizer_state(fabric_runs
         assert all(v == ["exp_avg", "exp_avg_sq", "step"] for v in entries.values()), entries
         assert res["rest_exp_avg_shape"] == [16, 8]  # whole, not this rank's shard
         assert res["rest_step"] == 3
+
+
+def test_fabric_setup_refuses_a_module_that_describes_no_shard(fabric_runs):
+    """Defect 5: fabric.setup under TP 2 refuses, on every rank, a module with no sharded_state_dict."""
+    for res in fabric_runs:
+        assert res["no_ssd"].startswith("CheckpointingError") and "define no sharded_state_dict" in res["no_ssd"]

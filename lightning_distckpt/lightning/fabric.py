@@ -65,6 +65,7 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
     """
 
     def setup_module(self, module: Module) -> DistributedDataParallel:
+        self._check_describable(module)  # refuse now, not at the first save
         return self._data_parallel_ddp(module, self._determine_ddp_device_ids())
 
     def _module_ssds(self, state: Mapping[str, Any]) -> ModuleStates:

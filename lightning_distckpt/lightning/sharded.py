@@ -25,15 +25,19 @@ def model_sharded_state_dict(module: nn.Module, ps: ParallelState, prefix: str =
                 f"{type(module).__name__}.sharded_state_dict() must return a dict, got {type(out).__name__}"
             )
         return out
+    check_describable(module, ps)
+    return module_sharded_state_dict(module, prefix, replica_id=ps.replicated_id)
+
+
+def check_describable(module: nn.Module, ps: ParallelState) -> None:
+    """Under tensor parallelism, something in the module tree must describe its shards: otherwise
+    every tensor would be saved as a replica, one TP rank's shard as the whole tensor. Refuse."""
     if ps.tp_size > 1 and not any(callable(getattr(m, "sharded_state_dict", None)) for m in module.modules()):
-        # Nothing describes a shard: the tensors would all be saved as replicas, which is wrong for
-        # any tensor-parallel weight. Refuse rather than save one TP rank's shard as the whole tensor.
         raise CheckpointingError(
             f"{type(module).__name__} and its submodules define no sharded_state_dict(prefix=''), so its tensors "
             f"cannot be described under tensor_parallel_size={ps.tp_size}; define it (the layers of "
             f"lightning_distckpt.testing show how)"
         )
-    return module_sharded_state_dict(module, prefix, replica_id=ps.replicated_id)
 
 
 def optimizer_sharded_state(optimizer: Optimizer, model_ssd: Dict[str, Any], prefix: str, init_state: bool) -> Dict[str, Any]:

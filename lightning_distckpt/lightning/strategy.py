@@ -85,6 +85,8 @@ class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         return self._data_parallel_ddp(model, self.determine_ddp_device_ids())
 
     def setup(self, trainer: Any) -> None:
+        assert self.model is not None
+        self._check_describable(self.model)  # configure_model has run: refuse now, not at the first save
         if trainer.state.fn == TrainerFn.FITTING and self.checkpoint_io.config.async_save:
             _warn_async_link_last(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

@@ -18,6 +18,7 @@ from ..core.errors import ArgumentTypeError, CheckpointingError
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
 from .parallel import ParallelState, check_strategy_args, register_strategy_names
+from .sharded import build_on_all_ranks, check_describable
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,13 @@ class TensorParallelStrategyMixin:
         overwritten by DDP's initial broadcast."""
         return DistributedDataParallel(module=module, device_ids=device_ids, process_group=self.parallel_state.dp_group,
                                        **self._ddp_kwargs)
+
+    def _check_describable(self, module: Module) -> None:
+        """At setup, not at the first save: a tensor-parallel module must describe its shards.
+        Collective (every rank sets up): a refusal on any rank raises on every rank."""
+        ps = self.parallel_state
+        build_on_all_ranks(f"{type(self).__name__} setup of {type(module).__name__}",
+                           lambda: check_describable(module, ps))
 
     # -- checkpoint I/O ------------------------------------------------------------------
     @property

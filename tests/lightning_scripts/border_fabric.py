@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy  # noqa: E402
 
+from lightning_distckpt import CheckpointingError  # noqa: E402
 from lightning_distckpt.lightning import DistCheckpointIO, FabricDistCheckpointStrategy, ParallelState  # noqa: E402
 from lightning_distckpt.lightning.parallel import data_parallel_world  # noqa: E402
 from fabric_scenarios import TIMEOUT, Run, TPNet  # noqa: E402
@@ -117,7 +118,18 @@ def tp2_whole(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["rest_step"] = rest["step"]
 
 
-SCENARIOS = {"stock_file": stock_file, "plugin_dir": plugin_dir, "tp2_whole": tp2_whole}
+def no_sharded_state_dict(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Defect 5 under Fabric: fabric.setup refuses a module that describes no shard under TP 2."""
+    fabric = tp2_fabric()
+    try:
+        fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 8)))
+        res["no_ssd"] = "no error"
+    except CheckpointingError as e:
+        res["no_ssd"] = f"{type(e).__name__}: {e}"
+
+
+SCENARIOS = {"stock_file": stock_file, "plugin_dir": plugin_dir, "tp2_whole": tp2_whole,
+             "no_sharded_state_dict": no_sharded_state_dict}
 
 
 def main() -> None:
