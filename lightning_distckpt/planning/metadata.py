@@ -206,7 +206,7 @@ class CheckpointIndex:
             name = f"tensors[{key!r}]"
             e = f.obj(e, name)
             dtype = e.get("dtype")
-            if dtype not in _DTYPES:
+            if not isinstance(dtype, str) or dtype not in _DTYPES:
                 raise FormatError(f"{where}: metadata.json field {name}.dtype must be one of {sorted(_DTYPES)}, got {_short(dtype)}")
             gshape = f.shape(e.get("global_shape"), f"{name}.global_shape")
             if math.prod(gshape) * element_size(dtype) > MAX_TENSOR_BYTES:
