@@ -4,7 +4,7 @@ is not initialized. Every collective the library makes goes through here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,43 @@ class Comm:
         except (RuntimeError, ValueError) as e:
             raise self._failed("broadcast_object", e) from e
         return box[0]
+
+    def gather_from(self, senders: Sequence[int], obj: Any, dst: int = 0) -> Dict[int, Any]:
+        """Collective over ``senders`` and ``dst`` (group ranks): each sender's ``obj`` reaches
+        ``dst``, which gets ``{sender: obj}`` (its own included when it is a sender); every other
+        rank gets ``{}``. Point to point, so ``dst`` receives what the senders send and no more
+        (``gather_object`` would pad every rank's part, senders or not, to the largest)."""
+        if self.rank == dst:
+            out: Dict[int, Any] = {}
+            for src in senders:
+                out[src] = obj if src == dst else self._p2p("recv_object_list", src)
+            return out
+        if self.rank in senders:
+            self._p2p("send_object_list", dst, obj)
+        return {}
+
+    def _p2p(self, op: str, peer: int, obj: Any = None) -> Any:
+        box = [obj]
+        try:
+            if op == "send_object_list":
+                dist.send_object_list(box, group=self.group, group_dst=peer)
+            else:
+                dist.recv_object_list(box, group=self.group, group_src=peer)
+        except (RuntimeError, ValueError) as e:
+            raise self._failed(f"{op} with rank {peer}", e) from e
+        return box[0]
+
+    def scatter_object(self, parts: Optional[List[Any]], src: int = 0) -> Any:
+        """Collective: group rank ``src`` passes one object per rank (``parts``; the others pass
+        None) and each rank gets its own. Every rank receives as many bytes as the largest part."""
+        if not self.distributed:
+            return None if parts is None else parts[0]
+        out: List[Any] = [None]
+        try:
+            dist.scatter_object_list(out, parts if self.rank == src else None, group=self.group, group_src=src)
+        except (RuntimeError, ValueError) as e:
+            raise self._failed("scatter_object", e) from e
+        return out[0]
 
     def agree(self, what: str, error: Optional[BaseException] = None, payload: Any = None, *,
               default: Type[CheckpointingError] = CheckpointingError) -> List[Any]:

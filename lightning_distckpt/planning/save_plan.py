@@ -1,8 +1,9 @@
-"""Who writes what: a deterministic function of the exchanged records, computed on every rank
-(no extra communication), giving each unique shard exactly one writer."""
+"""Who writes what: a deterministic function of every rank's records, giving each unique shard
+exactly one writer (computed by the save's coordinator, or by every rank from an all-gather)."""
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -17,6 +18,7 @@ from .metadata import (
     StoredShard,
     TensorEntry,
 )
+from .groups import RankRecords, RecordGroup, groups_of
 
 ShardId = Tuple[Tuple[int, ...], Tuple[int, ...], FlatRange]  # ShardRecord.shard_id: (offset, shape, flat)
 
@@ -62,10 +64,12 @@ class SavePlan:
 
 
 class _Held(NamedTuple):
-    """A record and its position among its rank's records."""
+    """A record of a group's first rank, its position among that rank's records, and the ranks
+    of the group (each holds the same record at the same position)."""
 
     record: ShardRecord
     source: int
+    ranks: Sequence[int]
 
 
 def make_save_plan(
@@ -93,60 +97,86 @@ def make_save_plan(
     rank instead of one each. 0 (the default here) packs nothing; saves pass
     ``StorageOptions.pack_max_bytes``.
     """
+    per_rank = [RankRecords([], []) for _ in range(world_size)]
+    for r in tensor_records:
+        per_rank[r.rank].tensors.append(r)
+    for o in object_records:
+        per_rank[o.rank].objects.append(o)
+    return plan_record_groups(groups_of(per_rank), world_size, balance_writes, pack_max_bytes)
+
+
+def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_writes: bool = True,
+                       pack_max_bytes: int = 0) -> SavePlan:
+    """:func:`make_save_plan` of every rank's records, given as groups of ranks with the same
+    records (the same plan; its cost grows with the groups' records, not with the ranks)."""
     holders: Dict[Tuple[str, ShardId], List[_Held]] = defaultdict(list)
-    for r, source in zip(tensor_records, _positions(tensor_records)):
-        holders[(r.key, r.shard_id)].append(_Held(r, source))
+    for g in groups:
+        for source, r in enumerate(g.records.tensors):
+            holders[(r.key, r.shard_id)].append(_Held(r, source, g.ranks))
     writer_of, load = _assign_writers(holders, world_size, balance_writes)
     plan = SavePlan(index=CheckpointIndex(), bytes_per_rank=dict(enumerate(load)))
     _plan_tensors(plan, holders, writer_of, pack_max_bytes)
-    _plan_objects(plan, object_records)
+    _plan_objects(plan, groups)
     return plan
-
-
-def _positions(records: Sequence[ShardRecord] | Sequence[ObjectRecord]) -> List[int]:
-    """Each record's position among the records of its rank."""
-    seen: Dict[int, int] = defaultdict(int)
-    out = []
-    for r in records:
-        out.append(seen[r.rank])
-        seen[r.rank] += 1
-    return out
 
 
 def _assign_writers(
     holders: Dict[Tuple[str, ShardId], List[_Held]], world_size: int, balance_writes: bool
-) -> Tuple[Dict[Tuple[str, ShardId], _Held], List[int]]:
-    """The writing holder of every shard with a main replica, and the bytes each rank writes."""
+) -> Tuple[Dict[Tuple[str, ShardId], Tuple[_Held, int]], List[int]]:
+    """The writing rank (and its group's record) of every shard with a main replica, and the
+    bytes each rank writes."""
     load = [0] * world_size
-    writer_of: Dict[Tuple[str, ShardId], _Held] = {}
+    writer_of: Dict[Tuple[str, ShardId], Tuple[_Held, int]] = {}
+    fewest = _FewestBytes(load)
     # Largest first, then by key and id: identical order on every rank.
     order = sorted(holders, key=lambda k: (-holders[k][0].record.nbytes, k[0], k[1][0], k[1][1], k[1][2] or (0, 0)))
     for k in order:
         held = holders[k]
-        mains = [h.record.rank for h in held if h.record.main]
+        mains = [h for h in held if h.record.main]
         if not mains:
             continue  # validation reports the gap; with validation off, nothing to write
-        if balance_writes:
-            writer = min({h.record.rank for h in held}, key=lambda rk: (load[rk], rk))
-        else:
-            writer = min(mains)
-        writer_of[k] = next(h for h in held if h.record.rank == writer)
+        writer = fewest.pick(held) if balance_writes else min(h.ranks[0] for h in mains)
+        writer_of[k] = (next(h for h in held if writer in h.ranks), writer)
         load[writer] += held[0].record.nbytes
     return writer_of, load
 
 
+class _FewestBytes:
+    """The holder with the fewest bytes so far (ties: lowest rank), without visiting every
+    holder of every shard: one heap of (bytes, rank) per set of holding groups, refreshed lazily
+    (bytes only grow, so an entry whose rank wrote since it was pushed is pushed again)."""
+
+    def __init__(self, load: List[int]) -> None:
+        self._load = load
+        self._heaps: Dict[Tuple[int, ...], List[Tuple[int, int]]] = {}
+
+    def pick(self, held: Sequence[_Held]) -> int:
+        ident = tuple(sorted({id(h.ranks) for h in held}))
+        heap = self._heaps.get(ident)
+        if heap is None:
+            heap = [(self._load[rk], rk) for rk in sorted({rk for h in held for rk in h.ranks})]
+            heapq.heapify(heap)
+            self._heaps[ident] = heap
+        while heap[0][0] != self._load[heap[0][1]]:
+            rk = heap[0][1]
+            heapq.heapreplace(heap, (self._load[rk], rk))
+        rk = heap[0][1]
+        heapq.heapreplace(heap, (self._load[rk] + held[0].record.nbytes, rk))
+        return rk
+
+
 def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]],
-                  writer_of: Dict[Tuple[str, ShardId], _Held], pack_max_bytes: int) -> None:
+                  writer_of: Dict[Tuple[str, ShardId], Tuple[_Held, int]], pack_max_bytes: int) -> None:
     """Index entries in key order, stored shards numbered by offset, small shards packed."""
-    by_key: Dict[str, List[Tuple[ShardId, _Held]]] = defaultdict(list)
-    for (key, sid), held in writer_of.items():
-        by_key[key].append((sid, held))
+    by_key: Dict[str, List[Tuple[ShardId, Tuple[_Held, int]]]] = defaultdict(list)
+    for (key, sid), chosen in writer_of.items():
+        by_key[key].append((sid, chosen))
     pack_end: Dict[Tuple[int, str], int] = defaultdict(int)  # (writer, dtype) -> elements packed so far
     for key in sorted(by_key):
         first = holders[(key, by_key[key][0][0])][0].record
         entry = TensorEntry(first.global_shape, first.dtype)
-        for i, (sid, held) in enumerate(sorted(by_key[key], key=lambda t: (t[0][0], t[0][2] or (0, 0)))):
-            rec, writer = held.record, held.record.rank
+        for i, (sid, (held, writer)) in enumerate(sorted(by_key[key], key=lambda t: (t[0][0], t[0][2] or (0, 0)))):
+            rec = held.record
             packed = None
             if rec.flat is None and 0 < rec.nbytes <= pack_max_bytes:
                 packed = pack_end[(writer, rec.dtype)]
@@ -156,17 +186,18 @@ def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]
         plan.index.tensors[key] = entry
 
 
-def _plan_objects(plan: SavePlan, object_records: Sequence[ObjectRecord]) -> None:
-    """Each object element is written by its main replica's rank (the first one listed)."""
-    obj_by_key: Dict[str, Dict[Tuple[int, ...], Tuple[ObjectRecord, int]]] = defaultdict(dict)
-    for r, source in zip(object_records, _positions(object_records)):
-        if r.main and r.offset not in obj_by_key[r.key]:
-            obj_by_key[r.key][r.offset] = (r, source)
+def _plan_objects(plan: SavePlan, groups: Sequence[RecordGroup]) -> None:
+    """Each object element is written by the lowest rank holding a main replica of it."""
+    obj_by_key: Dict[str, Dict[Tuple[int, ...], Tuple[ObjectRecord, int, int]]] = defaultdict(dict)
+    for g in sorted(groups, key=lambda g: g.ranks[0]):
+        for source, r in enumerate(g.records.objects):
+            if r.main and r.offset not in obj_by_key[r.key]:
+                obj_by_key[r.key][r.offset] = (r, source, g.ranks[0])
     for key in sorted(obj_by_key):
         recs = obj_by_key[key]
         entry = ObjectEntry(next(iter(recs.values()))[0].global_shape)
         for i, off in enumerate(sorted(recs)):
-            rec, source = recs[off]
-            entry.shards.append(StoredObject(off, rec.rank, i))
-            plan.object_writes.setdefault(rec.rank, []).append(ObjectWriteItem(key, off, i, source))
+            _, source, writer = recs[off]
+            entry.shards.append(StoredObject(off, writer, i))
+            plan.object_writes.setdefault(writer, []).append(ObjectWriteItem(key, off, i, source))
         plan.index.objects[key] = entry

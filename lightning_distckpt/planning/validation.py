@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import replace
 from typing import Dict, Iterable, List, Sequence, Tuple, TypeVar
 
 from ..core.errors import ValidationError
 from .boxes import Box
+from .groups import RecordGroup
 from .tiling import overlapping_pairs
 from .metadata import ObjectRecord, ShardRecord
 
@@ -35,52 +37,84 @@ def validate_tensor_records(records: Sequence[ShardRecord]) -> List[str]:
     replicas tile the global tensor exactly once (no gap, no overlap); flattened ranges of a
     shard cover it exactly once.
     """
+    return [p for key, recs in _by_key(records) for p in _tensor_problems(key, recs)]
+
+
+def validate_record_groups(groups: Sequence[RecordGroup]) -> List[str]:
+    """What :func:`validate_tensor_records` and :func:`validate_object_records` find in the records
+    of every rank of ``groups``, reading each group's records once: main replicas count once per
+    rank of their group (two ranks cannot both hold a main replica), the others once. A key with a
+    problem is checked again with every rank's records, so its messages name every rank."""
+    held: Dict[str, List[Tuple[ShardRecord, List[int]]]] = defaultdict(list)
+    for g in groups:
+        for r in g.records.tensors:
+            held[r.key].append((r, g.ranks))
     problems: List[str] = []
-    for key, recs in _by_key(records):
-        shapes = {r.global_shape for r in recs}
-        dtypes = {r.dtype for r in recs}
-        if len(shapes) > 1:
-            detail = {s: _ranks(r for r in recs if r.global_shape == s) for s in shapes}
-            problems.append(f"{key!r}: ranks disagree on global shape: "
-                            + "; ".join(f"{s} on ranks {rk}" for s, rk in detail.items()))
-            continue
-        if len(dtypes) > 1:
-            detail = {d: _ranks(r for r in recs if r.dtype == d) for d in dtypes}
-            problems.append(f"{key!r}: ranks disagree on dtype: "
-                            + "; ".join(f"{d} on ranks {rk}" for d, rk in detail.items()))
-            continue
-        (global_shape,) = shapes
-        mains = [r for r in recs if r.main]
-        seen: Dict[tuple, int] = {}
-        for r in mains:
-            if r.shard_id in seen:
-                problems.append(
-                    f"{key!r}: shard at offset {r.offset} shape {r.shape}"
-                    + (f" flat {r.flat}" if r.flat else "")
-                    + f" is a main replica on ranks {seen[r.shard_id]} and {r.rank} (replica_id must differ)"
-                )
-            else:
-                seen[r.shard_id] = r.rank
-        # Group flattened pieces by the non-flat shard they cut.
-        boxes: Dict[Box, List[ShardRecord]] = defaultdict(list)
-        for r in mains:
-            boxes[(r.offset, r.shape)].append(r)
-        for (off, shape), pieces in boxes.items():
-            problems += _flat_problems(key, off, shape, pieces)
-        box_list = sorted(boxes)
-        for i, j in overlapping_pairs(box_list):
-            (ao, ash), (bo, bsh) = box_list[i], box_list[j]
+    for key in sorted(held):
+        found = _tensor_problems(key, _per_rank(held[key], every_rank=False))
+        if found and any(len(ranks) > 1 and not r.main for r, ranks in held[key]):
+            found = _tensor_problems(key, _per_rank(held[key], every_rank=True))
+        problems += found
+    objects = [replace(o, rank=rank) if rank != o.rank else o
+               for g in groups for o in g.records.objects for rank in (g.ranks if o.main else g.ranks[:1])]
+    return problems + validate_object_records(sorted(objects, key=lambda o: o.rank))
+
+
+def _per_rank(held: List[Tuple[ShardRecord, List[int]]], every_rank: bool) -> List[ShardRecord]:
+    """The records of each holding rank (non-main ones only for the group's first rank unless
+    ``every_rank``), in rank order as an all-gather lists them."""
+    out = [replace(r, rank=rank) if rank != r.rank else r
+           for r, ranks in held for rank in (ranks if r.main or every_rank else ranks[:1])]
+    return sorted(out, key=lambda r: r.rank)
+
+
+def _tensor_problems(key: str, recs: List[ShardRecord]) -> List[str]:
+    """One key's problems (its records in rank order)."""
+    problems: List[str] = []
+    shapes = {r.global_shape for r in recs}
+    dtypes = {r.dtype for r in recs}
+    if len(shapes) > 1:
+        detail = {s: _ranks(r for r in recs if r.global_shape == s) for s in shapes}
+        problems.append(f"{key!r}: ranks disagree on global shape: "
+                        + "; ".join(f"{s} on ranks {rk}" for s, rk in detail.items()))
+        return problems
+    if len(dtypes) > 1:
+        detail = {d: _ranks(r for r in recs if r.dtype == d) for d in dtypes}
+        problems.append(f"{key!r}: ranks disagree on dtype: "
+                        + "; ".join(f"{d} on ranks {rk}" for d, rk in detail.items()))
+        return problems
+    (global_shape,) = shapes
+    mains = [r for r in recs if r.main]
+    seen: Dict[tuple, int] = {}
+    for r in mains:
+        if r.shard_id in seen:
             problems.append(
-                f"{key!r}: main replicas overlap: offset {ao} shape {ash} (ranks {_ranks(boxes[(ao, ash)])}) and "
-                f"offset {bo} shape {bsh} (ranks {_ranks(boxes[(bo, bsh)])})"
+                f"{key!r}: shard at offset {r.offset} shape {r.shape}"
+                + (f" flat {r.flat}" if r.flat else "")
+                + f" is a main replica on ranks {seen[r.shard_id]} and {r.rank} (replica_id must differ)"
             )
-        covered = sum(math.prod(s) for _, s in box_list)
-        total = math.prod(global_shape)
-        if covered < total:
-            problems.append(
-                f"{key!r}: main replicas cover {covered} of {total} elements of global shape {global_shape} "
-                f"(a gap: some part has no replica with replica_id 0; shards held by ranks {_ranks(recs)})"
-            )
+        else:
+            seen[r.shard_id] = r.rank
+    # Group flattened pieces by the non-flat shard they cut.
+    boxes: Dict[Box, List[ShardRecord]] = defaultdict(list)
+    for r in mains:
+        boxes[(r.offset, r.shape)].append(r)
+    for (off, shape), pieces in boxes.items():
+        problems += _flat_problems(key, off, shape, pieces)
+    box_list = sorted(boxes)
+    for i, j in overlapping_pairs(box_list):
+        (ao, ash), (bo, bsh) = box_list[i], box_list[j]
+        problems.append(
+            f"{key!r}: main replicas overlap: offset {ao} shape {ash} (ranks {_ranks(boxes[(ao, ash)])}) and "
+            f"offset {bo} shape {bsh} (ranks {_ranks(boxes[(bo, bsh)])})"
+        )
+    covered = sum(math.prod(s) for _, s in box_list)
+    total = math.prod(global_shape)
+    if covered < total:
+        problems.append(
+            f"{key!r}: main replicas cover {covered} of {total} elements of global shape {global_shape} "
+            f"(a gap: some part has no replica with replica_id 0; shards held by ranks {_ranks(recs)})"
+        )
     return problems
 
 

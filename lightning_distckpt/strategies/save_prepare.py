@@ -8,16 +8,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..comm import Comm
 from ..core.errors import ArgumentError, CheckpointingError
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.state_dict import apply_factories, collect, split_common
 from ..planning.common_check import common_differences, digest, leaf_digests
+from ..planning.groups import RankRecords, layout_digest
 from ..planning.metadata import ObjectRecord, ShardRecord
-from ..planning.save_plan import SavePlan, make_save_plan
-from ..planning.validation import raise_on_problems, validate_object_records, validate_tensor_records
+from ..planning.save_plan import SavePlan
 from ..storage import commit as commit_mod
 from ..storage import staging as staging_mod
 from ..storage.base import ObjectWrite, ShardWrite, ShardWriter
@@ -26,15 +26,9 @@ from ..storage.paths import local_path
 from ..storage.safe_pickle import dumps
 from ..storage.stores import open_writer
 from ..storage.tensorstore_io import StorageOptions
+from .save_coordinate import CoordinatorOptions, coordinate_plan
 
 logger = logging.getLogger(__name__)
-
-
-class RankRecords(NamedTuple):
-    """One rank's entries as planning sees them, in the order of its lists of tensors and objects."""
-
-    tensors: List[ShardRecord]
-    objects: List[ObjectRecord]
 
 
 @dataclass(frozen=True)
@@ -53,9 +47,10 @@ class PlanningOptions:
 
 @dataclass(frozen=True)
 class Handshake:
-    """What one rank tells every other before anything is written (one exchange)."""
+    """What one rank tells every other before anything is written (one exchange, a few dozen
+    bytes: the records themselves go to the coordinator only, when there is no plan to reuse)."""
 
-    records: Optional[RankRecords]  # None: held back, unchanged since this rank's cached plan
+    layout: str  # digest of this rank's records (planning/groups.py): equal for replicas
     plan_token: Optional[str]  # the cached plan's token, when this rank's records match it
     staging: Optional[str]  # rank 0's: the staging directory every rank writes into
     common_digest: Optional[str]  # of the serialized common state, where it is checked
@@ -81,7 +76,7 @@ class PreparedSave:
     target: str
     staging: str
     comm: Comm
-    plan: SavePlan
+    plan: SavePlan  # rank 0: the whole plan (its index is metadata.json); other ranks: their own writes
     options: StorageOptions
     writer: ShardWriter  # where this rank's shards go; its ``backend`` is recorded in metadata.json
     tensors: List[ShardWrite]  # this rank's stored shards: data in global-axes shape, pack offsets
@@ -96,8 +91,8 @@ class SavePlanCache:
 
     Pass the same instance to every :func:`prepare_save` of a run (the :class:`AsyncSaver` keeps
     one). When no rank's shard metadata (nor the group, nor the planning options) changed since the
-    save that made the plan, the records all-gather, validation and planning are skipped: one
-    round trip of tiny objects decides it, and also carries rank 0's staging directory name. Any
+    save that made the plan, the records exchange, validation and planning are skipped: one
+    round trip of tiny objects (the handshake, with a digest of each rank's records) decides it, and also carries rank 0's staging directory name. Any
     change on any rank plans (and validates) from scratch, as without a cache.
 
     ``hits`` / ``misses`` count reused and freshly made plans.
@@ -159,7 +154,7 @@ def prepare_save(
     cache_key = (local.records, _group_ranks(comm), validate_access_integrity, planning)
     token = plan_cache.lookup(cache_key) if plan_cache is not None and error is None else None
     mine = Handshake(
-        records=None if token is not None else local.records, plan_token=token,
+        layout=layout_digest(local.records), plan_token=token,
         staging=staging_mod.new_staging_dir(target) if comm.rank == 0 else None,
         common_digest=local.common_digest, planning=planning,
     )
@@ -243,22 +238,14 @@ def _warn_common_differs(common: Any, comm: Comm, target: str) -> None:
 
 def _plan(comm: Comm, target: str, records: RankRecords, handshakes: List[Handshake],
           validate_access_integrity: bool, plan_cache: Optional[SavePlanCache]) -> SavePlan:
-    """Collective: check the planning options, fetch every rank's records if some held them
-    back, validate the records and plan, identically on every rank."""
+    """Collective: check the planning options, then validate and plan on the coordinator
+    (``save_coordinate.py``), which sends each rank its writes."""
     _refuse_differing_planning(comm, target, handshakes)
-    if any(h.records is None for h in handshakes):
-        per_rank: List[RankRecords] = comm.all_gather_object(records)
-    else:
-        per_rank = [h.records for h in handshakes if h.records is not None]
-    all_tensors = [r for recs in per_rank for r in recs.tensors]
-    all_objects = [r for recs in per_rank for r in recs.objects]
     if plan_cache is not None:
         plan_cache.clear()  # a failed validation must not leave a stale plan behind
-    if validate_access_integrity:
-        raise_on_problems(validate_tensor_records(all_tensors) + validate_object_records(all_objects), target)
-    planning = handshakes[comm.rank].planning
-    return make_save_plan(all_tensors, all_objects, comm.size, balance_writes=planning.balance_writes,
-                          pack_max_bytes=planning.pack_max_bytes)
+    planning = handshakes[0].planning
+    options = CoordinatorOptions(validate_access_integrity, planning.balance_writes, planning.pack_max_bytes)
+    return coordinate_plan(comm, target, records, [h.layout for h in handshakes], options)
 
 
 def _refuse_differing_planning(comm: Comm, target: str, handshakes: List[Handshake]) -> None:

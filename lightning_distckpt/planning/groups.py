@@ -1,0 +1,54 @@
+"""Ranks with the same records: planning works once per layout, not once per rank.
+
+Data-parallel replicas describe the same shards (same keys, offsets, shapes, main flags); only
+the rank differs. A save sends the coordinator one digest per rank and the records of one rank
+per distinct digest: with Megatron-like TP x PP x DP, TP x PP x 2 record lists (the first DP
+replica holds the main replicas) instead of one per rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, Iterator, List, NamedTuple, Sequence
+
+from .metadata import ObjectRecord, ShardRecord
+
+
+class RankRecords(NamedTuple):
+    """One rank's entries as planning sees them, in the order of its lists of tensors and objects."""
+
+    tensors: List[ShardRecord]
+    objects: List[ObjectRecord]
+
+
+class RecordGroup(NamedTuple):
+    """Ranks whose records are the same but for ``rank``: ``records`` are those of ``ranks[0]``
+    (the lowest), in its own order; ``ranks`` ascending."""
+
+    records: RankRecords
+    ranks: List[int]
+
+
+def layout_digest(records: RankRecords) -> str:
+    """Digest of the records without their rank: equal exactly for ranks describing the same
+    shards in the same order with the same main flags."""
+    h = hashlib.blake2b(digest_size=16)
+    for r in records.tensors:
+        h.update(repr((r.key, r.dtype, r.global_shape, r.offset, r.shape, r.flat, r.main)).encode())
+    h.update(b"|objects|")
+    for o in records.objects:
+        h.update(repr((o.key, o.global_shape, o.offset, o.main)).encode())
+    return h.hexdigest()
+
+
+def representatives(digests: Sequence[str]) -> Dict[str, List[int]]:
+    """digest -> the ranks that reported it (ascending); the first one sends its records."""
+    ranks: Dict[str, List[int]] = {}
+    for rank, d in enumerate(digests):
+        ranks.setdefault(d, []).append(rank)
+    return ranks
+
+
+def groups_of(per_rank: Sequence[RankRecords]) -> List[RecordGroup]:
+    """Every rank a group of its own (records all-gathered, or one process)."""
+    return [RecordGroup(recs, [rank]) for rank, recs in enumerate(per_rank)]

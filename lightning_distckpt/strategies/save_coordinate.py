@@ -1,0 +1,95 @@
+"""Planning a save on one coordinator (group rank 0), so no rank receives every rank's records.
+
+Every rank already told every other a digest of its records in the handshake (a few dozen bytes
+each). The first rank of each distinct digest sends its records to rank 0, point to point; rank 0
+validates and plans once per group of ranks with the same records (``planning/groups.py``) and
+sends each rank only its part: its writes, or the error every rank raises. Rank 0 keeps the whole
+plan (it writes ``metadata.json``); the other ranks hold their own writes only.
+
+Bytes each rank receives: the handshakes, and its part (scattered, so the largest part's size).
+Rank 0 also receives one record list per distinct layout: with data-parallel replicas, those of
+one replica, not of every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+from ..comm import Comm
+from ..core.errors import CheckpointingError, RankFailure, error_class
+from ..planning.groups import RankRecords, RecordGroup, representatives
+from ..planning.metadata import CheckpointIndex
+from ..planning.save_plan import ObjectWriteItem, SavePlan, WriteItem, plan_record_groups
+from ..planning.validation import raise_on_problems, validate_record_groups
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What the coordinator sends one rank: its share of the plan, or the error all raise."""
+
+    writes: List[WriteItem] = field(default_factory=list)
+    object_writes: List[ObjectWriteItem] = field(default_factory=list)
+    nbytes: int = 0
+    error: Optional[RankFailure] = None  # rank 0's failure to validate or plan
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """How the coordinator validates and plans (the agreed planning options)."""
+
+    validate: bool
+    balance_writes: bool
+    pack_max_bytes: int
+
+
+def coordinate_plan(comm: Comm, target: str, records: RankRecords, digests: Sequence[str],
+                    options: CoordinatorOptions) -> SavePlan:
+    """Collective: rank 0 gathers one record list per digest, validates and plans; every rank
+    gets its own writes (rank 0 the whole plan). Raises on every rank when rank 0 could not."""
+    by_digest = representatives(digests)
+    senders = [ranks[0] for ranks in by_digest.values()]
+    received = comm.gather_from(senders, records if comm.rank in senders else None)
+    plan: Optional[SavePlan] = None
+    parts: Optional[List[RankPart]] = None
+    if comm.rank == 0:
+        groups = [RecordGroup(received[ranks[0]], ranks) for ranks in by_digest.values()]
+        plan, parts = plan_for_ranks(groups, comm.size, target, options)
+    part: RankPart = comm.scatter_object(parts)
+    if part.error is not None:
+        raise _raised(part.error, target)
+    if plan is not None:
+        return plan
+    return SavePlan(index=CheckpointIndex(), writes={comm.rank: part.writes},
+                    object_writes={comm.rank: part.object_writes}, bytes_per_rank={comm.rank: part.nbytes})
+
+
+def plan_for_ranks(groups: Sequence[RecordGroup], world_size: int, target: str,
+                   options: CoordinatorOptions) -> Tuple[Optional[SavePlan], List[RankPart]]:
+    """The coordinator's work: the plan (None on failure) and each rank's part of it."""
+    try:
+        if options.validate:
+            raise_on_problems(validate_record_groups(groups), target)
+        plan = plan_record_groups(groups, world_size, options.balance_writes, options.pack_max_bytes)
+    except Exception as e:  # every rank raises it, none is left waiting for its part
+        logger.debug("save to %s: the coordinator could not plan: %s", target, e, exc_info=True)
+        failed = RankPart(error=RankFailure(0, type(e).__name__, str(e)))
+        return None, [failed] * world_size
+    parts = [RankPart(plan.writes.get(rank, []), plan.object_writes.get(rank, []), plan.bytes_per_rank.get(rank, 0))
+             for rank in range(world_size)]
+    return plan, parts
+
+
+def _raised(failure: RankFailure, target: str) -> CheckpointingError:
+    """The coordinator's error as every rank raises it: a library error keeps its type and
+    message (a ValidationError reads as if each rank had validated); anything else is a
+    CheckpointingError naming rank 0."""
+    cls = error_class(failure.type_name)
+    if cls is not None:
+        return cls(failure.message)
+    err = CheckpointingError(f"save to {target} failed before writing: {failure}")
+    err.failures = {0: failure}
+    return err
