@@ -32,7 +32,8 @@ import torch
 from .core.errors import CheckpointingError, FormatError
 from .core.mapping import ShardedObject, ShardedTensor
 from .planning.metadata import StoredShard
-from .serialization import load_common_state_dict, load_plain_tensors, save
+from .comm import Comm
+from .serialization import load_common_state_dict, load_plain_tensors
 from .storage import commit as commit_mod
 from .storage import staging as staging_mod
 from .storage.layout import COMMIT_MARKER, COMMON_FILE, FORMAT_VERSION
@@ -41,6 +42,7 @@ from .storage.safe_pickle import load_file, loads, read_file, write_file_durable
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .reading.checkpoint import OpenedCheckpoint
+from .strategies.save import finalize_save, prepare_save, write_local
 
 logger = logging.getLogger("lightning_distckpt")
 
@@ -211,9 +213,21 @@ def import_export_payload(payload: Any, source: str, destination: str, storage: 
         raise FormatError(f"{source}: not a file export_torch_file wrote (keys {sorted(EXPORT_KEYS)}); "
                           "lightning_distckpt.lightning.export.import_torch_file saves any dict")
     tree, n_tensors, n_objects = _tree_from_export(payload, source)
-    save(tree, destination, storage=storage)
+    _save_alone(tree, destination, storage)
     return ConvertReport(os.path.abspath(source), os.path.abspath(destination), "tensors", n_tensors, n_objects,
                          directory_bytes(destination), time.perf_counter() - started)
+
+
+def _save_alone(tree: Dict[str, Any], destination: str, storage: StorageOptions) -> None:
+    """Save from this process alone, as a group of one: no collective is entered, whether or not a
+    process group is initialized (the converters are single-process tools)."""
+    prep = prepare_save(tree, destination, Comm(None, 0, 1), validate_access_integrity=True, balance_writes=False,
+                        options=storage)
+    try:
+        local: Any = write_local(prep)
+    except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up
+        local = e
+    finalize_save(prep, local)
 
 
 def directory_bytes(path: str) -> int:
