@@ -151,3 +151,41 @@ def test_lightning_cli_plugin_with_stock_strategy(tmp_path):
                 "--trainer.strategy", "ddp_distckpt", "--trainer.plugins", "null"], tmp_path)
     assert out.returncode == 0, out.stderr[-6000:]
     assert load_common_state_dict(tmp_path / "b" / "checkpoints" / "step=4.ckpt")["__distckpt__"]["kind"] == "sharded"
+
+
+CLI_SCRIPT = """
+import torch.distributed as dist
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+LightningCLI(BoringModel, BoringDataModule)   # nothing of lightning_distckpt imported here
+if dist.is_available() and dist.is_initialized():
+    dist.barrier()
+    dist.destroy_process_group()
+"""
+
+
+def test_lightning_cli_strategy_by_class_path_needs_no_import(tmp_path):
+    """Issue 16 defect 6. Lightning discovers strategy names only from its own modules (no entry
+    points), so ``strategy: ddp_distckpt`` works only once ``lightning_distckpt.lightning`` is
+    imported; ``class_path: lightning_distckpt.DistCheckpointStrategy`` works in any script, and the
+    docs say so next to the registered name."""
+    script = tmp_path / "cli.py"
+    script.write_text(CLI_SCRIPT)
+    cfg = {"trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 2, "logger": False,
+                       "enable_progress_bar": False, "default_root_dir": str(tmp_path / "run"),
+                       "strategy": {"class_path": "lightning_distckpt.DistCheckpointStrategy",
+                                    "init_args": {"tensor_parallel_size": 1, "checkpoint": {"storage": {"layout": "zarr"}}}}}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, str(script), "fit", "--config", str(tmp_path / "cfg.yaml")], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-6000:]
+    (ckpt,) = (tmp_path / "run" / "checkpoints").iterdir()
+    assert load_common_state_dict(ckpt)["__distckpt__"]["kind"] == "sharded"
+    assert read_metadata(str(ckpt))["storage"]["layout"] == "zarr"
+    docs = (ROOT / "docs" / "lightning.md").read_text()
+    assert "registered only once `lightning_distckpt.lightning` is imported" in docs
+    assert "class_path: lightning_distckpt.DistCheckpointStrategy" in docs
