@@ -4,6 +4,7 @@
     lightning-distckpt validate DIR [--json]    read every stored byte; exit 1 if anything is damaged
     lightning-distckpt clean DIR [--dry-run]    remove staging directories that killed saves left behind
     lightning-distckpt convert SRC DST          checkpoint -> torch.save file, file -> checkpoint, or re-layout
+                                                (--to safetensors | dcp: Hugging Face or DCP directory)
 
 Exit status: 0 fine; 1 the checkpoint is damaged (validate); 2 not a checkpoint, an incomplete
 (uncommitted) one, an unsupported format, or bad usage. Errors are one line on stderr, no traceback.
@@ -17,11 +18,14 @@ import argparse
 import json
 import os
 import sys
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 from ..core.errors import ArgumentError, CheckpointingError
 from ..storage.paths import local_path
 from ..version import __version__
+
+if TYPE_CHECKING:
+    from ..convert import ConvertReport
 
 EXIT_OK, EXIT_DAMAGED, EXIT_UNUSABLE = 0, 1, 2
 
@@ -89,7 +93,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         storage = StorageOptions(**overrides)
     except (ValueError, TypeError) as e:  # StorageOptions' own checks
         raise UsageError(str(e)) from None
-    if to == "torch":
+    if args.max_shard_size is not None and to != "safetensors":
+        raise UsageError(f"--max-shard-size applies to --to safetensors, not to --to {to}")
+    if to in ("safetensors", "dcp"):
+        report = _export(args, to, bool(overrides))
+    elif to == "torch":
         if not os.path.isdir(args.source):
             raise UsageError(f"{args.source}: is a file; --to torch converts a checkpoint directory")
         if overrides:
@@ -101,6 +109,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
         report = import_torch_file(args.source, args.destination, storage)
     print(json.dumps(asdict(report), indent=1) if args.json else report.describe())
     return EXIT_OK
+
+
+def _export(args: argparse.Namespace, to: str, storage_overrides: bool) -> "ConvertReport":
+    """``convert --to safetensors`` / ``--to dcp`` (lightning_distckpt.export)."""
+    from ..export import export_dcp, export_safetensors, parse_size
+
+    if storage_overrides:
+        raise UsageError(f"--layout / --chunk-mib apply to checkpoint outputs, not to --to {to}")
+    if to == "dcp":
+        return export_dcp(args.source, args.destination)
+    try:
+        size = parse_size(args.max_shard_size or "5GB")
+    except CheckpointingError as e:
+        raise UsageError(str(e)) from None
+    return export_safetensors(args.source, args.destination, max_shard_size=size)
 
 
 def add_command(sub: "argparse._SubParsersAction", name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
@@ -147,8 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "storage layout (--to distckpt with a directory source)")
     p.add_argument("source", help="checkpoint directory or torch.save file")
     p.add_argument("destination", help="output file (--to torch) or checkpoint directory")
-    p.add_argument("--to", choices=["torch", "distckpt"],
-                   help="output kind (default: torch for a directory source, distckpt for a file)")
+    p.add_argument("--to", choices=["torch", "distckpt", "safetensors", "dcp"],
+                   help="output kind (default: torch for a directory source, distckpt for a file); safetensors: "
+                   "a Hugging Face model directory (a Trainer checkpoint's module weights), dcp: a PyTorch DCP directory")
+    p.add_argument("--max-shard-size", help="--to safetensors: bytes per file, e.g. 5GB (default), 500MiB")
     p.add_argument("--layout", choices=["ocdbt", "zarr"], help="storage layout of a checkpoint output")
     p.add_argument("--chunk-mib", type=float, help="chunk size of a checkpoint output, MiB")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -1,0 +1,128 @@
+"""Export to a PyTorch Distributed Checkpoint (DCP) directory, written by DCP's own
+``FileSystemWriter``, that ``torch.distributed.checkpoint.load`` reads under any DTensor split.
+
+One process writes it (``no_dist=True``) in one ``dcp.save``. The state dict handed to DCP holds,
+for each stored tensor, a tensor on the ``meta`` device (shape and dtype only, for DCP's plan); the
+planner reads each tensor whole from the checkpoint only when DCP's writer asks for its data. DCP's
+writer keeps every tensor of a file alive until that file is closed, so the export asks for one
+``.distcp`` file per tensor (``single_file_per_rank=False``): memory holds about one tensor at a time.
+
+Entries: every tensor under its stored key (a Lightning Trainer checkpoint's module weights under
+``state_dict.<module key>``, as Lightning's own DCP checkpoints name them); the common state's
+entries (a dict's items, Lightning's manifest left out) as DCP bytes entries, except 0-d tensors,
+which DCP stores as tensors. ShardedObjects are not exported (logged). The directory appears
+atomically: DCP writes a staging directory beside ``out_dir``, renamed into place when complete; an
+existing ``out_dir`` is replaced only if it is empty or a DCP checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import warnings
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import torch
+
+from ..convert import ConvertReport, directory_bytes
+from ..core.errors import CheckpointingError
+from ..reading.checkpoint import CheckpointSource
+from ..reading.formats import KeyMap
+from .tensors import LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, export_tensors, open_source, read_whole
+
+logger = logging.getLogger(__name__)
+
+DCP_METADATA = ".metadata"
+
+
+def _lazy_planner(source: CheckpointSource, by_id: Dict[int, ExportTensor]) -> Any:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class LazyReadPlanner(DefaultSavePlanner):
+        """DCP's default planner; a ``meta`` tensor is read from the checkpoint when its data is needed."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._reader = source.reader()
+
+        def lookup_object(self, index: Any) -> Any:
+            obj = super().lookup_object(index)
+            export = by_id.get(id(obj)) if isinstance(obj, torch.Tensor) and obj.is_meta else None
+            if export is None:
+                return obj
+            return read_whole(source, [export], self._reader)[export.name]
+
+    return LazyReadPlanner()
+
+
+def _common_entries(source: CheckpointSource, extra_safe_globals: Sequence[Any]) -> Dict[str, Any]:
+    common = source.load_common(extra_safe_globals)
+    if isinstance(common, Mapping):
+        return {str(k): v for k, v in common.items() if k != LIGHTNING_MANIFEST_KEY}
+    return {} if common is None else {"common": common}
+
+
+def _check_target(out: str) -> None:
+    """Refuse to replace anything but an empty directory or a DCP checkpoint."""
+    if not os.path.lexists(out):
+        return
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise CheckpointingError(f"{out}: exists and is not a directory; refusing to replace it")
+    if os.listdir(out) and not os.path.isfile(os.path.join(out, DCP_METADATA)):
+        raise CheckpointingError(f"{out}: directory exists, is not empty and is not a DCP checkpoint; "
+                                 "refusing to replace it")
+
+
+def _swap_in(staging: str, out: str) -> None:
+    _check_target(out)  # again: something may have appeared meanwhile
+    old = None
+    if os.path.lexists(out):
+        old = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
+               extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
+    """Write ``checkpoint`` (anything ``ldc.load`` reads) as the DCP directory ``out_dir``.
+
+    Single process (call it on one rank). ``key_map`` renames (dict) or leaves out (callable
+    returning None) tensors by their export name. Returns a :class:`ConvertReport` (kind ``"dcp"``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    out = os.path.abspath(os.fspath(out_dir))
+    source = open_source(checkpoint)
+    tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix=f"{MODULE_ENTRY}.")
+    state: Dict[str, Any] = _common_entries(source, extra_safe_globals)
+    by_id: Dict[int, ExportTensor] = {}
+    for t in tensors:
+        if t.name in state:
+            raise CheckpointingError(f"checkpoint {source.path}: tensor {t.key!r} and a common-state entry are both "
+                                     f"named {t.name!r}; rename the tensor with key_map")
+        state[t.name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        by_id[id(state[t.name])] = t
+    n_objects = len(getattr(source.index, "objects", {}) or {})
+    if n_objects:
+        logger.warning("%s: %d ShardedObject key(s) are not exported to DCP", source.path, n_objects)
+    _check_target(out)
+    staging = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    try:
+        writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, sync_files=True, thread_count=1)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save(state, storage_writer=writer, planner=_lazy_planner(source, by_id), no_dist=True)
+        _swap_in(staging, out)
+    except CheckpointingError:
+        raise
+    except Exception as e:  # OSError, DCP's CheckpointException (wrapping what failed)
+        raise CheckpointingError(f"{out}: writing the DCP checkpoint failed: {type(e).__name__}: {e}") from e
+    finally:
+        if os.path.exists(staging):
+            shutil.rmtree(staging)
+    return ConvertReport(source.path, out, "dcp", len(tensors), 0, directory_bytes(out), time.perf_counter() - t0)

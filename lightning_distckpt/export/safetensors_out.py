@@ -1,0 +1,205 @@
+"""Export to the Hugging Face safetensors layout: ``model-0000i-of-0000N.safetensors`` plus
+``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), or one
+``model.safetensors`` when everything fits one shard.
+
+Streaming: each shard file's tensors are read (whole, from whatever split they were saved in)
+and written, then dropped, so memory holds about one shard (``max_shard_size``; one tensor when a
+single tensor is larger). Which tensors go in which file, and which rank writes each file, is a pure
+function of the sorted names and sizes (:func:`plan_files`, :func:`assign_files`), the same on every
+rank; inside a process group each rank writes its own files, ``Comm.agree`` confirms that all were
+written, and rank 0 writes the index last. Each file appears atomically (temporary name, fsync,
+rename). Shard files of an earlier export in the directory that the new one does not name are
+removed after the index is written; a reader during the export may see a mix of old and new files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch.distributed as dist
+
+from ..comm import get_comm
+from ..convert import ConvertReport
+from ..core.errors import ArgumentError, CheckpointingError
+from ..reading.formats import KeyMap
+from ..storage.commit import fsync_dir
+from .tensors import ExportTensor, export_tensors, open_source, read_whole
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One output file: its name and the tensors it holds, in order."""
+
+    name: str
+    tensors: Tuple[ExportTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes of ``size``: an int, or a string as Hugging Face writes them (``"5GB"`` = 5e9 bytes,
+    ``"500MiB"`` = 500 * 2**20, ``"1000"`` = 1000 bytes)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = _SIZE.fullmatch(str(size))
+        if m is None:
+            raise ArgumentError(f"max_shard_size {size!r}: not a size (an int of bytes, or e.g. '5GB', '500MiB')")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if n <= 0:
+        raise ArgumentError(f"max_shard_size {size!r}: must be positive")
+    return n
+
+
+def plan_files(tensors: Sequence[ExportTensor], max_shard_size: int) -> List[ShardFile]:
+    """Fill files in name order, starting a new file when the next tensor would pass
+    ``max_shard_size`` (a tensor larger than that gets a file of its own)."""
+    groups: List[List[ExportTensor]] = []
+    size = 0
+    for t in sorted(tensors, key=lambda t: t.name):
+        if not groups or (groups[-1] and size + t.nbytes > max_shard_size):
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    if len(groups) == 1:
+        return [ShardFile(SINGLE_FILE, tuple(groups[0]))]
+    n = len(groups)
+    return [ShardFile(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(g)) for i, g in enumerate(groups)]
+
+
+def assign_files(files: Sequence[ShardFile], world_size: int) -> List[int]:
+    """The rank that writes each file: largest files first, each to the rank with the fewest bytes
+    so far (ties: the lowest rank)."""
+    load = [0] * world_size
+    writer = [0] * len(files)
+    for i in sorted(range(len(files)), key=lambda i: (-files[i].nbytes, i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        writer[i] = rank
+        load[rank] += files[i].nbytes
+    return writer
+
+
+def _plan_digest(files: Sequence[ShardFile]) -> str:
+    text = json.dumps([[f.name, [[t.name, t.key, list(t.shape), str(t.dtype)] for t in f.tensors]] for f in files])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_atomic(path: str, write: Any) -> None:
+    """``write(tmp)`` then fsync and rename to ``path``; the temporary file is removed on failure."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile]) -> None:
+    from safetensors.torch import save_file
+
+    reader = source.reader()
+    for f in files:
+        tensors = read_whole(source, f.tensors, reader)
+        try:
+            _write_atomic(os.path.join(out_dir, f.name),
+                          lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        except OSError as e:
+            raise CheckpointingError(f"{os.path.join(out_dir, f.name)}: cannot write ({e})") from e
+        logger.debug("wrote %s: %d tensor(s), %d bytes", f.name, len(f.tensors), f.nbytes)
+        del tensors
+
+
+def _write_index(out_dir: str, files: Sequence[ShardFile]) -> None:
+    """Rank 0, after every file is written: the index (when sharded), then stale files removed."""
+    names = {f.name for f in files}
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(f.nbytes for f in files)},
+                 "weight_map": {t.name: f.name for f in files for t in f.tensors}}
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: _write_text(tmp, text))
+    stale = [n for n in os.listdir(out_dir) if n not in names and
+             (_SHARD_NAME.fullmatch(n) or n == SINGLE_FILE or (n == INDEX_FILE and len(files) == 1))]
+    for n in sorted(stale, key=lambda n: n != INDEX_FILE):  # an old index first: it names old files
+        os.remove(os.path.join(out_dir, n))
+        logger.info("%s: removed %s of an earlier export", out_dir, n)
+    fsync_dir(out_dir)
+
+
+def export_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+                       key_map: KeyMap = None, process_group: Optional[dist.ProcessGroup] = None,
+                       extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
+    """Write the tensors of ``checkpoint`` to ``out_dir`` in the Hugging Face safetensors layout.
+
+    ``checkpoint``: anything ``ldc.load`` reads (a Lightning Trainer checkpoint exports its module
+    weights under the LightningModule's keys; see :mod:`lightning_distckpt.export.tensors`).
+    ``max_shard_size``: bytes per file, an int or ``"5GB"`` / ``"500MiB"``. ``key_map`` renames (dict)
+    or leaves out (callable returning None) tensors by their export name. Collective over
+    ``process_group`` when torch.distributed is initialized (call it on every rank, same arguments):
+    each rank writes its share of the files. Objects and common state are not exported.
+    Returns the same :class:`ConvertReport` (kind ``"safetensors"``) on every rank.
+    """
+    t0 = time.perf_counter()
+    comm = get_comm(process_group)
+    out = os.path.abspath(os.fspath(out_dir))
+    error: Optional[BaseException] = None
+    files: List[ShardFile] = []
+    digest = ""
+    try:
+        limit = parse_size(max_shard_size)
+        source = open_source(checkpoint)
+        tensors = export_tensors(source, key_map, extra_safe_globals)
+        if not tensors:
+            raise CheckpointingError(f"checkpoint {source.path}: no tensors to export to {out}")
+        files = plan_files(tensors, limit)
+        digest = _plan_digest(files)
+        os.makedirs(out, exist_ok=True)
+        writers = assign_files(files, comm.size)
+        _write_files(source, out, [f for f, w in zip(files, writers) if w == comm.rank])
+    except Exception as e:  # agreed below: every rank raises it, none waits
+        error = e
+    digests = comm.agree(f"export_safetensors to {out}: writing the shard files", error, digest)
+    if len(set(digests)) > 1:
+        raise CheckpointingError(f"export_safetensors to {out}: the ranks planned different files "
+                                 f"(different checkpoints or key_map?)")
+    error = None
+    if comm.rank == 0:
+        try:
+            _write_index(out, files)
+        except OSError as e:
+            error = CheckpointingError(f"{out}: cannot write {INDEX_FILE} ({e})")
+    comm.agree(f"export_safetensors to {out}: writing the index", error)
+    total = sum(f.nbytes for f in files)
+    return ConvertReport(os.path.abspath(os.fspath(checkpoint)), out, "safetensors",
+                         sum(len(f.tensors) for f in files), 0, total, time.perf_counter() - t0)

@@ -1,0 +1,115 @@
+"""What an export writes: the stored tensors of a checkpoint under their output names, and whole
+tensors read from it in batches.
+
+Any source :func:`~lightning_distckpt.reading.checkpoint.open_checkpoint` opens can be exported
+(our directories, DCP directories, tensor files, Hugging Face directories). A Lightning Trainer
+checkpoint (one whose common state carries the tree manifest that ``DistCheckpointIO`` and the
+strategies write) exports only its module weights, named by the LightningModule's ``state_dict``
+keys: the tensors the manifest places under ``"state_dict"``. Every other checkpoint exports every
+tensor under its stored key. ``key_map`` then renames (a dict; keys it lacks keep their name) or
+leaves out (a callable returning None).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.errors import CheckpointingError, FormatError
+from ..core.mapping import ShardedTensor
+from ..reading.checkpoint import CheckpointSource, OpenedCheckpoint, open_checkpoint
+from ..reading.formats import KeyMap
+from ..reading.formats.tensor_files import map_key
+from ..reading.reads import read_tensors
+from ..storage.base import ShardReader
+
+logger = logging.getLogger(__name__)
+
+# The key of the tree manifest in a Lightning checkpoint's common state
+# (lightning_distckpt.lightning.tree.MANIFEST_KEY; not imported: that package imports Lightning).
+LIGHTNING_MANIFEST_KEY = "__distckpt__"
+MODULE_ENTRY = "state_dict"  # where a Trainer checkpoint keeps the LightningModule's weights
+
+
+@dataclass(frozen=True)
+class ExportTensor:
+    """One tensor to write: its output ``name``, the stored ``key`` it is read from, shape and dtype."""
+
+    name: str
+    key: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def open_source(checkpoint: Any) -> CheckpointSource:
+    """The checkpoint to export, opened (a missing path is a CheckpointingError naming it)."""
+    path = os.fspath(checkpoint)
+    if not os.path.exists(path):
+        raise CheckpointingError(f"{path}: no such checkpoint file or directory")
+    return open_checkpoint(path)
+
+
+def module_weight_names(source: CheckpointSource, extra_safe_globals: Sequence[Any] = ()) -> Optional[Dict[str, str]]:
+    """For a Lightning Trainer checkpoint: stored key -> the LightningModule's ``state_dict`` key of
+    each module weight. None for any other checkpoint."""
+    if not isinstance(source, OpenedCheckpoint):
+        return None
+    common = source.load_common(extra_safe_globals)
+    manifest = common.get(LIGHTNING_MANIFEST_KEY) if isinstance(common, Mapping) else None
+    if not isinstance(manifest, Mapping):
+        return None
+    names: Dict[str, str] = {}
+    for steps, key in manifest.get("tensor_paths", []):
+        steps = [tuple(s) for s in steps]
+        if len(steps) >= 2 and steps[0] == ("d", MODULE_ENTRY):
+            names[key] = ".".join(str(k) for _, k in steps[1:])
+    return names or None
+
+
+def export_tensors(source: CheckpointSource, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = (),
+                   module_prefix: Optional[str] = None) -> List[ExportTensor]:
+    """The tensors an export of ``source`` writes, sorted by output name. With ``module_prefix``
+    (a full export), a Lightning checkpoint's other tensors are written too, under their stored
+    keys, and its module weights are named ``module_prefix + <module key>``."""
+    module_names = module_weight_names(source, extra_safe_globals)
+    out: Dict[str, ExportTensor] = {}
+    for key, entry in source.index.tensors.items():
+        default = key if module_names is None else module_names.get(key)
+        if module_names is not None and module_prefix is not None:
+            default = key if default is None else module_prefix + default
+        name = None if default is None else map_key(key_map, default)
+        if name is None:
+            continue
+        if name in out:
+            raise FormatError(f"checkpoint {source.path}: tensors {out[name].key!r} and {key!r} would both be "
+                              f"exported as {name!r}; fix key_map")
+        out[name] = ExportTensor(name, key, tuple(entry.global_shape), entry.torch_dtype)
+    if module_names is not None and module_prefix is None:
+        logger.info("%s: Lightning checkpoint; exporting its %d module weight(s) of %d stored tensor(s)",
+                    source.path, len(module_names), len(source.index.tensors))
+    return sorted(out.values(), key=lambda t: t.name)
+
+
+def whole_request(t: ExportTensor) -> ShardedTensor:
+    """A request for the whole stored tensor of ``t`` (read into a fresh buffer)."""
+    return ShardedTensor(key=t.key, data=None, dtype=t.dtype, local_shape=t.shape, global_shape=t.shape,
+                         global_offset=(0,) * len(t.shape))
+
+
+def read_whole(source: CheckpointSource, tensors: Sequence[ExportTensor], reader: ShardReader) -> Dict[str, torch.Tensor]:
+    """Output name -> the whole tensor, for each of ``tensors`` (one concurrent read)."""
+    loaded, _ = read_tensors(source, [whole_request(t) for t in tensors], set(), reader)
+    out: Dict[str, torch.Tensor] = {}
+    for t, data in zip(tensors, loaded):
+        assert data is not None  # nothing skipped
+        out[t.name] = data
+    return out
