@@ -166,3 +166,17 @@ def test_clean_does_not_follow_a_linked_staging_directory(tmp_path, capsys):
     actions = json.loads(capsys.readouterr().out)
     assert [a["action"] for a in actions] == ["kept"] and "symbolic link" in actions[0]["reason"]
     assert os.path.islink(link) and torch.equal(ldc.load_plain_tensors(other)["w"], torch.full((64,), 2.0))
+
+
+def test_a_load_racing_a_save_to_the_same_path_says_the_checkpoint_was_replaced(tmp_path):
+    from lightning_distckpt.reading.checkpoint import OpenedCheckpoint
+    from lightning_distckpt.storage.base import ShardRead
+
+    for layout, pack in (("ocdbt", 0), ("zarr", 1 << 20)):  # an array of its own, a packed shard
+        ck = tmp_path / layout
+        opts = ldc.StorageOptions(layout=layout, pack_max_bytes=pack)
+        ldc.save(state(1.0), ck, storage=opts)
+        reader = OpenedCheckpoint.open(ck).reader()  # opened: then a newer save commits to the same path
+        ldc.save(state(2.0), ck, storage=opts)
+        with pytest.raises(ldc.CheckpointingError, match="replaced while being read"):
+            reader.read_into([ShardRead("w", 0, 0, (slice(0, 64),), torch.empty(64))])

@@ -3,6 +3,7 @@ command line answers one line, exit status 2, no traceback); sizes the index cla
 against the bytes stored before anything is allocated; damaged common state and wrong argument types
 raise library errors, not IndexError / AttributeError."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -30,8 +31,11 @@ def _mutate(ck, fn):
     path = ck / "metadata.json"
     meta = json.loads(path.read_text())
     fn(meta)
-    text = json.dumps(meta)
-    path.write_text(text.replace('"__DEEP__"', DEEP))
+    raw = json.dumps(meta).replace('"__DEEP__"', DEEP).encode()
+    path.write_bytes(raw)
+    marker = json.loads((ck / "COMMITTED").read_text())  # self-consistent: the fields are what is wrong
+    marker["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
+    (ck / "COMMITTED").write_text(json.dumps(marker))
 
 
 def _set(path, value):

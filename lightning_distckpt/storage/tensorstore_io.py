@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import ml_dtypes
@@ -35,10 +34,11 @@ import torch
 
 from ..core.errors import CheckpointingError
 from .base import ObjectWrite, ShardRead, ShardWrite
-from .options import DEFAULT_PACK_MAX_BYTES, LAYOUTS, StorageOptions  # noqa: F401 (re-exported)
+from .options import StorageOptions
 from .checksums import frame_object, unframe_object
 from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
+from .packs import as_tensor, build_pack, packed_view
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
@@ -103,6 +103,8 @@ class TensorStoreIO:
         self._index_checksums = index is not None and index.checksums
         self._claimed = index.bytes_per_writer() if index is not None and check_sizes else {}
         self._contained: Set[int] = set()  # writers whose store was checked for links
+        # A save committing to the same path swaps another directory in while we read: told apart by its inode
+        self._root_id = _dir_id(self.root) if self._reading else None
 
     # -- specs --------------------------------------------------------------------------
     def kvstore_spec(self, writer: int) -> Dict[str, Any]:
@@ -164,7 +166,7 @@ class TensorStoreIO:
         for dtype, members in packs.items():
             # Small chunks: a reader of a few packed shards fetches about what it needs.
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
-                           to_numpy(_pack(dtype, members)), dtype, min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
+                           to_numpy(build_pack(dtype, members)), dtype, min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
         opens = []
         for what, path, arr, dtype, chunk_bytes in arrays:
             spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
@@ -203,6 +205,19 @@ class TensorStoreIO:
         check_writer_store(self.root, writer, self._claimed.get(writer, 0))
         self._contained.add(writer)
 
+    def _read_error(self, message: str) -> CheckpointingError:
+        """A read failure, saying so when the checkpoint was replaced meanwhile (what failed is then
+        a consequence, not damage)."""
+        if self._root_id is not None and _dir_id(self.root) != self._root_id:
+            return CheckpointingError(f"checkpoint {self.root} was replaced while being read (a newer save committed "
+                                      f"to the same path); load it again. ({message})")
+        return CheckpointingError(message)
+
+    def _check_not_replaced(self) -> None:
+        """After reads: what was read belongs to the checkpoint this reader opened, or it raises."""
+        if self._root_id is not None and _dir_id(self.root) != self._root_id:
+            raise self._read_error("its files changed under this load")
+
     def _kvstore(self, writer: int) -> Any:
         if writer not in self._kvstores:
             self._check_contained(writer)
@@ -237,13 +252,13 @@ class TensorStoreIO:
             try:
                 self._arrays[handle] = fut.result()
             except Exception as e:
-                raise CheckpointingError(
+                raise self._read_error(
                     f"checkpoint {self.root}: {key!r} shard {index} (written by rank {handle[0]}) is missing or "
                     f"unreadable: {e}"
                 ) from e
         self._open_packs(pack_keys)
         for handle, ((writer, dtype), offset, shape) in views.items():
-            self._arrays[handle] = _packed_view(self._arrays[(writer, pack_path(dtype))], offset, shape)
+            self._arrays[handle] = packed_view(self._arrays[(writer, pack_path(dtype))], offset, shape)
 
     def open_array(self, writer: int, key: str, index: int) -> Any:
         """Open stored shard ``index`` of ``key`` (cached for this reader)."""
@@ -278,10 +293,11 @@ class TensorStoreIO:
             except Exception as e:
                 errors.append(f"{what} failed: {e}")
         if errors:
-            raise CheckpointingError(f"checkpoint {self.root}: " + "; ".join(errors[:5])
-                                     + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+            raise self._read_error(f"checkpoint {self.root}: " + "; ".join(errors[:5])
+                                   + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+        self._check_not_replaced()
         for _, fut, pieces in runs:
-            run = _as_tensor(fut.result())
+            run = as_tensor(fut.result())
             for start, shape, src, dest in pieces:
                 dest.copy_(run[start:start + math.prod(shape)].view(shape)[src])
                 nbytes += dest.numel() * dest.element_size()
@@ -333,7 +349,7 @@ class TensorStoreIO:
                 self._arrays[handle] = fut.result()
             except Exception as e:
                 names = ", ".join(repr(k) for k in sorted(set(keys))[:5]) + (", ..." if len(set(keys)) > 5 else "")
-                raise CheckpointingError(
+                raise self._read_error(
                     f"checkpoint {self.root}: packed small shards ({names}; {handle[1]}) written by rank {handle[0]} "
                     f"are missing or unreadable: {e}"
                 ) from e
@@ -347,36 +363,17 @@ class TensorStoreIO:
         except Exception as e:
             raise CheckpointingError(f"checkpoint {self.root}: reading object {key!r} #{index} failed: {e}") from e
         if res.state != "value":
-            raise CheckpointingError(
+            raise self._read_error(
                 f"checkpoint {self.root}: object {key!r} #{index} (written by rank {writer}) is missing"
             )
+        self._check_not_replaced()
         return unframe_object(bytes(res.value), f"checkpoint {self.root}: object {key!r} #{index} (written by rank "
                               f"{writer})", required=self._index_checksums)
 
 
-def _pack(dtype: torch.dtype, members: Sequence[ShardWrite]) -> torch.Tensor:
-    """One 1-D tensor holding every member's data at its planned element offset."""
-    end = max(w.packed + w.data.numel() for w in members)  # type: ignore[operator]
-    buf = torch.empty(end, dtype=dtype)
-    for w in members:
-        buf[w.packed:w.packed + w.data.numel()] = w.data.reshape(-1)  # type: ignore[operator]
-    return buf
-
-
-def _as_tensor(arr: np.ndarray) -> torch.Tensor:
-    """A torch view of a numpy array read from a store (bfloat16 included)."""
-    if arr.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(arr)
-
-
-def _packed_view(pack: Any, offset: int, shape: Tuple[int, ...]) -> Any:
-    """A read view of ``prod(shape)`` elements of the 1-D ``pack`` from ``offset``, in ``shape``:
-    element ``i`` (row-major) of the view is ``pack[offset + i]``. Reads past the pack's end fail."""
-    numel = math.prod(shape)
-    if not shape:
-        return pack[offset]
-    if len(shape) == 1:
-        return pack[offset:offset + numel].translate_to[0]
-    positions = np.arange(offset, offset + numel, dtype=np.int64).reshape(shape)
-    return pack[ts.IndexTransform(input_shape=shape, output=[ts.OutputIndexMap(index_array=positions)])]
+def _dir_id(path: str) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
