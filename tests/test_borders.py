@@ -12,7 +12,8 @@ from lightning_helpers import run_script
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("borders")
-    return run_script("border_trainer.py", ["stock_ddp", "plugin_ddp", "no_sharded_state_dict", "--dir", str(d), "--devices", "2"],
+    return run_script("border_trainer.py", ["stock_ddp", "plugin_ddp", "no_sharded_state_dict", "strategy_to_plugin",
+                                           "fabric_checkpoint_refused", "--dir", str(d), "--devices", "2"],
                       str(d / "out"), world_size=2, timeout=420)
 
 
@@ -41,3 +42,22 @@ def test_tp_module_that_describes_no_shard_is_refused_at_setup(trainer_runs):
         assert res["no_ssd"].startswith("CheckpointingError") and "define no sharded_state_dict" in res["no_ssd"]
         assert "tensor_parallel_size=2" in res["no_ssd"]
         assert res["no_ssd_steps_trained"] == 0
+
+
+def test_strategy_checkpoint_resumes_under_stock_ddp_with_the_plugin(trainer_runs):
+    """Border: TP 2 strategy -> stock DDP + DistCheckpointIO: whole weights and moments bit-exact
+    (the optimizer state read back in torch's layout), step, scheduler, callbacks restored."""
+    for res in trainer_runs:
+        got = res["to_plugin"]
+        assert all(got["weights"].values()) and len(got["weights"]) == 4, got["weights"]
+        assert len(got["moments"]) == 12 and all(got["moments"].values()), got["moments"]
+        assert got["global_step"] == 3 and got["sched"] is True and got["lr"] is True
+        assert got["callback_count"] == 3 and got["best_model_score"] is True
+        assert res["to_plugin_final_step"] == 6
+
+
+def test_fabric_checkpoint_refused_by_the_trainer_strategy(trainer_runs):
+    for res in trainer_runs:
+        msg = res["fabric_refused"]
+        assert msg.startswith("CheckpointingError") and "written by fabric.save" in msg
+        assert "load it with fabric.load" in msg and "load_module_weights" in msg

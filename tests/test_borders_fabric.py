@@ -15,7 +15,8 @@ PARAMS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 @pytest.fixture(scope="module")
 def fabric_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("borders_fabric")
-    return run_script("border_fabric.py", ["stock_file", "plugin_dir", "tp2_whole", "no_sharded_state_dict", "--dir", str(d)],
+    return run_script("border_fabric.py", ["stock_file", "plugin_dir", "tp2_whole", "no_sharded_state_dict",
+                                           "tp2_to_plugin", "trainer_checkpoint_refused", "--dir", str(d)],
                       str(d / "out"), world_size=2, timeout=420)
 
 
@@ -55,3 +56,19 @@ def test_fabric_setup_refuses_a_module_that_describes_no_shard(fabric_runs):
     """Defect 5: fabric.setup under TP 2 refuses, on every rank, a module with no sharded_state_dict."""
     for res in fabric_runs:
         assert res["no_ssd"].startswith("CheckpointingError") and "define no sharded_state_dict" in res["no_ssd"]
+
+
+def test_tp2_checkpoint_loads_under_stock_fabric_ddp_with_the_plugin(fabric_runs):
+    """Border: Fabric TP 2 -> stock Fabric DDP + DistCheckpointIO: the module's own keys and the
+    optimizer state in torch's layout, bit-exact; step and scheduler restored."""
+    for res in fabric_runs:
+        got = res["to_plugin"]
+        assert len(got["equal"]) == 16 and all(got["equal"].values()), got["equal"]
+        assert got["step"] == 3 and got["sched"] is True
+
+
+def test_trainer_checkpoint_refused_by_fabric_tp_strategy(fabric_runs):
+    for res in fabric_runs:
+        msg = res["trainer_refused"]
+        assert msg.startswith("CheckpointingError") and "written by a Trainer" in msg
+        assert "trainer.fit" in msg and "load_module_weights" in msg

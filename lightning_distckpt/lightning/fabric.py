@@ -22,13 +22,13 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ..core.errors import ArgumentTypeError, MissingKeysError
+from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
-from ..serialization import load_common_state_dict, load_tensors_metadata
+from ..serialization import load_tensors_metadata
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tp_strategy import TensorParallelStrategyMixin
-from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
-                    rekey_template, restore_param_keys)
+from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
+                    place_stored_tensors, rekey_template, restore_param_keys)
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest, template_from_manifest
 
 log = logging.getLogger(__name__)
@@ -148,9 +148,14 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         """The template for ``fabric.load(target, state)``: the state's modules and optimizers sharded
         (re-keyed to the stored names for a ``torch.save`` file or a directory the plugin wrote), and
         every other tensor of the checkpoint whole, so what the load returns is complete."""
-        common = load_common_state_dict(target, self.checkpoint_io.extra_safe_globals)
-        man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
-        kind = man.get("kind") if isinstance(man, Mapping) else None
+        saved = describe_saved(target, self.checkpoint_io.extra_safe_globals)
+        kind, man = saved.kind, saved.manifest
+        asked = [n for n, o in state.items() if isinstance(o, (Module, Optimizer))]
+        if asked and saved.by_trainer and not set(asked) & saved.entries:
+            raise CheckpointingError(
+                f"checkpoint {target} was written by a Trainer (entries {sorted(saved.entries)}), not by fabric.save, "
+                f"so it has no {asked}; resume it with trainer.fit(model, ckpt_path=...), or load a module's weights "
+                f"with load_module_weights(module, {target!r}) (its entry 'state_dict')")
         modules = self._module_ssds(state)
         template: Dict[str, Any] = dict(modules.by_name)
         optimizers = [name for name, obj in state.items() if isinstance(obj, Optimizer)]

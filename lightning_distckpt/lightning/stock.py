@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Mapping, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -46,6 +46,31 @@ class OptimizerEntry:
 
     file_prefix: str  # "optimizer_states/0" (Trainer) or "optimizer" (Fabric)
     sharded: Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What a checkpoint's common state says about who wrote it."""
+
+    kind: Optional[str]  # the manifest's kind (KIND_PLAIN / KIND_SHARDED); None: not ours
+    manifest: Optional[Mapping[str, Any]]
+    entries: FrozenSet[str]  # top-level entries of the saved dict (a file: those not made of tensors only)
+
+    @property
+    def by_trainer(self) -> bool:
+        return bool({"state_dict", "loops"} & self.entries)
+
+
+def describe_saved(path: str, extra_safe_globals: Sequence[Any] = ()) -> SavedCheckpoint:
+    common = load_common_state_dict(path, extra_safe_globals)
+    if not isinstance(common, dict):
+        return SavedCheckpoint(None, None, frozenset())
+    man = common.get(MANIFEST_KEY)
+    entries = {str(k) for k in common if k != MANIFEST_KEY}
+    if not isinstance(man, Mapping):
+        return SavedCheckpoint(None, None, frozenset(entries))
+    entries |= {str(steps[0][1]) for steps, _ in man.get("tensor_paths", []) if steps}
+    return SavedCheckpoint(man.get("kind"), man, frozenset(entries))
 
 
 def is_tree_path_layout(path: str, kind: Any) -> bool:

@@ -23,11 +23,10 @@ from torch.optim import Optimizer
 
 from ..core.errors import CheckpointingError
 from ..core.strict import StrictHandling
-from ..serialization import load_common_state_dict
 from .parallel import STRATEGY_NAME
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
-from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
-                    rekey_template, restore_param_keys)
+from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
+                    place_stored_tensors, rekey_template, restore_param_keys)
 from .tp_strategy import TensorParallelStrategyMixin
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
@@ -44,13 +43,6 @@ def _warn_async_link_last(trainer: Any) -> None:
             'save commits; if the job dies in between, ckpt_path="last" finds no checkpoint and training restarts '
             'from scratch. Use save_last=True (last.ckpt is then a checkpoint of its own, replaced atomically).'
         )
-
-
-def _kind_of(path: str, extra_safe_globals: Any = ()) -> Optional[str]:
-    """The kind recorded in a checkpoint's manifest (reads its common state)."""
-    common = load_common_state_dict(path, extra_safe_globals)
-    man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
-    return man.get("kind") if isinstance(man, Mapping) else None
 
 
 def optimizer_prefix(index: int) -> str:
@@ -158,14 +150,19 @@ class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         restore_optimizers = fitting and self.lightning_restore_optimizer
 
         def build() -> StoredLayout:
-            kind = _kind_of(path, self.checkpoint_io.extra_safe_globals)
-            by_path = is_tree_path_layout(path, kind)
-            if kind != KIND_SHARDED and not by_path:
+            saved = describe_saved(path, self.checkpoint_io.extra_safe_globals)
+            by_path = is_tree_path_layout(path, saved.kind)
+            if saved.kind != KIND_SHARDED and not by_path:
                 raise CheckpointingError(
-                    f"checkpoint {path} (kind {kind!r}) was written neither by a distributed-checkpoint strategy, nor "
-                    "by DistCheckpointIO, nor by torch.save (a stock Lightning .ckpt file); resume it with the "
+                    f"checkpoint {path} (kind {saved.kind!r}) was written neither by a distributed-checkpoint strategy, "
+                    "nor by DistCheckpointIO, nor by torch.save (a stock Lightning .ckpt file); resume it with the "
                     "strategy that saved it, or convert it (python -m lightning_distckpt convert)"
                 )
+            if saved.kind is not None and not saved.by_trainer:
+                raise CheckpointingError(
+                    f"checkpoint {path} was written by fabric.save (entries {sorted(saved.entries)}), not by a "
+                    "Trainer; load it with fabric.load, or a module's weights in one process with "
+                    f"load_module_weights(module, {path!r}, entry=<its entry>)")
             model_ssd = self._model_ssd()
             template: Dict[str, Any] = {"state_dict": model_ssd}
             if restore_optimizers:

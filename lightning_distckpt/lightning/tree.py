@@ -84,6 +84,29 @@ def manifest(tree: Any, kind: str) -> Dict[str, Any]:
     return {"version": MANIFEST_VERSION, "kind": kind, "tensor_paths": paths}
 
 
+def torch_optimizer_states(tree: Any) -> Any:
+    """Wherever a tree read whole holds optimizer state in the strategies' layout (state and param
+    groups by parameter key), the same in ``torch.optim``'s layout (by parameter index, in param
+    group order), so a stock strategy's ``optimizer.load_state_dict`` takes it."""
+    if isinstance(tree, dict):
+        if _keyed_optimizer_state(tree):
+            order = [p for g in tree["param_groups"] for p in g.get("params", [])]
+            index = {key: i for i, key in enumerate(order)}
+            return {**tree, "state": {index[k]: v for k, v in tree.get("state", {}).items() if k in index},
+                    "param_groups": [{**g, "params": [index[p] for p in g.get("params", [])]} for g in tree["param_groups"]]}
+        return {k: torch_optimizer_states(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [torch_optimizer_states(v) for v in tree]
+    return tree
+
+
+def _keyed_optimizer_state(node: Dict[str, Any]) -> bool:
+    groups = node.get("param_groups")
+    return (isinstance(groups, list) and bool(groups) and all(isinstance(g, dict) for g in groups)
+            and all(isinstance(p, str) for g in groups for p in g.get("params", []))
+            and isinstance(node.get("state", {}), dict))
+
+
 def template_from_manifest(man: Mapping[str, Any], metadata: Mapping[str, ShardedTensor], where: str) -> Dict[str, Any]:
     """A load template with each listed tensor whole (an empty CPU tensor of its global shape), in the
     containers the manifest describes. Loading it and merging the common state gives back the tree."""

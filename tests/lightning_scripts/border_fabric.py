@@ -128,8 +128,36 @@ def no_sharded_state_dict(args: argparse.Namespace, res: Dict[str, Any]) -> None
         res["no_ssd"] = f"{type(e).__name__}: {e}"
 
 
+def tp2_to_plugin(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Border: the TP 2 checkpoint of tp2_whole loaded by stock Fabric DDP with the plugin."""
+    path = os.path.join(args.dir, "tp2")
+    stored = DistCheckpointIO().load_checkpoint(path)
+    run = StockRun(fabric_with(DDPStrategy(timeout=TIMEOUT), plugins=[DistCheckpointIO()]))
+    state = run.state(0)
+    run.fabric.load(path, state)
+    res["to_plugin"] = {"equal": compare_to_stored(run, stored), "step": state["step"],
+                        "sched": run.sched.state_dict() == stored["scheduler"]}
+
+
+def trainer_checkpoint_refused(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Border: a Trainer checkpoint (here the plugin's) is refused by fabric.load under the TP
+    strategy, saying who wrote it and what to do."""
+    path = os.path.join(args.dir, "trainer_like")
+    if torch.distributed.get_rank() == 0:
+        DistCheckpointIO().save_checkpoint({"state_dict": {"fc1.weight": torch.zeros(16, 8)}, "global_step": 3,
+                                            "loops": {}}, path)
+    torch.distributed.barrier()
+    run = Run(tp2_fabric())
+    try:
+        run.fabric.load(path, run.state(0))
+        res["trainer_refused"] = "no error"
+    except CheckpointingError as e:
+        res["trainer_refused"] = f"{type(e).__name__}: {e}"
+
+
 SCENARIOS = {"stock_file": stock_file, "plugin_dir": plugin_dir, "tp2_whole": tp2_whole,
-             "no_sharded_state_dict": no_sharded_state_dict}
+             "no_sharded_state_dict": no_sharded_state_dict, "tp2_to_plugin": tp2_to_plugin,
+             "trainer_checkpoint_refused": trainer_checkpoint_refused}
 
 
 def main() -> None:

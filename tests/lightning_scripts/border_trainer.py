@@ -125,7 +125,40 @@ def no_sharded_state_dict(args: argparse.Namespace, res: Dict[str, Any]) -> None
     res["no_ssd_steps_trained"] = len(model.losses)
 
 
-SCENARIOS = {"stock_ddp": stock_ddp, "plugin_ddp": plugin_ddp, "no_sharded_state_dict": no_sharded_state_dict}
+def strategy_to_plugin(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Border: a TP 2 checkpoint of the strategy resumed by stock DDP with the plugin (each tensor
+    read whole; the optimizer state comes back in torch's layout)."""
+    ck = os.path.join(args.dir, "tp2")
+    cb = ModelCheckpoint(dirpath=ck, filename="{step}", monitor="train_loss", every_n_train_steps=3)
+    t = trainer(args, DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT), 3, [cb, StepCounter()])
+    t.fit(TPMLP(total_steps=6))
+    source = os.path.join(ck, "step=3.ckpt")
+    stored = stored_of(source)
+    model = TPMLP(total_steps=6)
+    cb = ModelCheckpoint(dirpath=ck, filename="ddp-{step}", monitor="train_loss", every_n_train_steps=3)
+    t = trainer(args, DDPStrategy(timeout=TIMEOUT), 6, [RestoredState(stored, res, "to_plugin"), StepCounter(), cb],
+                plugins=[DistCheckpointIO()])
+    t.fit(model, ckpt_path=source)
+    res["to_plugin_final_step"] = t.global_step
+
+
+def fabric_checkpoint_refused(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Border: what fabric.save wrote (here through the plugin) is refused by the Trainer's strategy,
+    saying who wrote it and what to do."""
+    path = os.path.join(args.dir, "fabric_like")
+    if torch.distributed.get_rank() == 0:
+        DistCheckpointIO().save_checkpoint({"model": {"fc1.weight": torch.zeros(16, 8)}, "step": 3}, path)
+    torch.distributed.barrier()
+    t = trainer(args, DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT), 4, enable_checkpointing=False)
+    try:
+        t.fit(TPMLP(total_steps=4), ckpt_path=path)
+        res["fabric_refused"] = "no error"
+    except CheckpointingError as e:
+        res["fabric_refused"] = f"{type(e).__name__}: {e}"
+
+
+SCENARIOS = {"stock_ddp": stock_ddp, "plugin_ddp": plugin_ddp, "no_sharded_state_dict": no_sharded_state_dict,
+             "strategy_to_plugin": strategy_to_plugin, "fabric_checkpoint_refused": fabric_checkpoint_refused}
 
 
 def main() -> None:
