@@ -6,9 +6,11 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_distckpt.planning.groups import RankRecords, RecordGroup, layout_digest, representatives
 from lightning_distckpt.planning.metadata import ShardRecord
+from lightning_distckpt.planning.save_plan import make_save_plan, plan_record_groups
 from lightning_distckpt.planning.tiling import overlapping_pairs
-from lightning_distckpt.planning.validation import validate_tensor_records
+from lightning_distckpt.planning.validation import validate_record_groups, validate_tensor_records
 
 
 def _all_pairs(boxes):
@@ -59,3 +61,32 @@ def test_one_bad_box_among_thousands_is_named():
     recs[100] = _rec("w", (200, 0), (2, 8), 100, (ranks * 2, 8))
     (gap,) = validate_tensor_records(recs)
     assert gap.startswith("'w': main replicas cover 65528 of 65536 elements")
+
+
+def _groups_and_ranks():
+    """TP 2 x DP 3 over 6 ranks plus a rank 6 describing itself exactly as rank 0 does (main
+    replicas included): layouts shared by several ranks, and duplicate main replicas."""
+    per_rank = []
+    for rank in range(7):
+        tp, dp = rank % 2, (rank // 2 if rank < 6 else 0)
+        recs = [_rec("w", (tp * 4, 0), (4, 8), rank, (8, 8), main=dp == 0),
+                _rec("n", (0,), (8,), rank, (8,), main=rank in (0, 6))]
+        per_rank.append(RankRecords(recs, []))
+    digests = [layout_digest(r) for r in per_rank]
+    groups = [RecordGroup(per_rank[ranks[0]], ranks) for ranks in representatives(digests).values()]
+    return per_rank, groups
+
+
+def test_groups_validate_and_plan_as_every_rank_would():
+    per_rank, groups = _groups_and_ranks()
+    assert sorted(g.ranks for g in groups) == [[0, 6], [1], [2, 4], [3, 5]]
+    every = [r for recs in per_rank for r in recs.tensors]
+    problems = validate_record_groups(groups)
+    assert problems == validate_tensor_records(every)
+    assert sum("main replica on ranks 0 and 6" in p for p in problems) == 2  # 'n' and 'w' 
+    ok_groups = [g._replace(ranks=[rk for rk in g.ranks if rk < 6]) for g in groups]  # rank 6 gone
+    assert validate_record_groups(ok_groups) == []
+    flat = [r for recs in per_rank[:6] for r in recs.tensors]
+    for balance in (True, False):
+        grouped = plan_record_groups(ok_groups, 6, balance, pack_max_bytes=64)
+        assert grouped == make_save_plan(flat, [], 6, balance, pack_max_bytes=64)

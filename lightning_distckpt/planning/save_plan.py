@@ -64,12 +64,12 @@ class SavePlan:
 
 
 class _Held(NamedTuple):
-    """A record of a group's first rank, its position among that rank's records, and the ranks
-    of the group (each holds the same record at the same position)."""
+    """A record of a group's first rank, its position among that rank's records, and the group
+    (by its position among the groups; each of its ranks holds the same record there)."""
 
     record: ShardRecord
     source: int
-    ranks: Sequence[int]
+    group: int
 
 
 def make_save_plan(
@@ -110,10 +110,10 @@ def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_w
     """:func:`make_save_plan` of every rank's records, given as groups of ranks with the same
     records (the same plan; its cost grows with the groups' records, not with the ranks)."""
     holders: Dict[Tuple[str, ShardId], List[_Held]] = defaultdict(list)
-    for g in groups:
+    for gi, g in enumerate(groups):
         for source, r in enumerate(g.records.tensors):
-            holders[(r.key, r.shard_id)].append(_Held(r, source, g.ranks))
-    writer_of, load = _assign_writers(holders, world_size, balance_writes)
+            holders[(r.key, (r.offset, r.shape, r.flat))].append(_Held(r, source, gi))
+    writer_of, load = _assign_writers(holders, groups, world_size, balance_writes)
     plan = SavePlan(index=CheckpointIndex(), bytes_per_rank=dict(enumerate(load)))
     _plan_tensors(plan, holders, writer_of, pack_max_bytes)
     _plan_objects(plan, groups)
@@ -121,23 +121,31 @@ def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_w
 
 
 def _assign_writers(
-    holders: Dict[Tuple[str, ShardId], List[_Held]], world_size: int, balance_writes: bool
+    holders: Dict[Tuple[str, ShardId], List[_Held]], groups: Sequence[RecordGroup], world_size: int,
+    balance_writes: bool,
 ) -> Tuple[Dict[Tuple[str, ShardId], Tuple[_Held, int]], List[int]]:
     """The writing rank (and its group's record) of every shard with a main replica, and the
     bytes each rank writes."""
     load = [0] * world_size
+    group_of = [0] * world_size
+    for gi, g in enumerate(groups):
+        for rk in g.ranks:
+            group_of[rk] = gi
     writer_of: Dict[Tuple[str, ShardId], Tuple[_Held, int]] = {}
-    fewest = _FewestBytes(load)
+    fewest = _FewestBytes(load, groups)
     # Largest first, then by key and id: identical order on every rank.
-    order = sorted(holders, key=lambda k: (-holders[k][0].record.nbytes, k[0], k[1][0], k[1][1], k[1][2] or (0, 0)))
+    nbytes = {k: held[0].record.nbytes for k, held in holders.items()}
+    order = sorted(holders, key=lambda k: (-nbytes[k], k[0], k[1][0], k[1][1], k[1][2] or (0, 0)))
     for k in order:
         held = holders[k]
-        mains = [h for h in held if h.record.main]
-        if not mains:
+        if not any(h.record.main for h in held):
             continue  # validation reports the gap; with validation off, nothing to write
-        writer = fewest.pick(held) if balance_writes else min(h.ranks[0] for h in mains)
-        writer_of[k] = (next(h for h in held if writer in h.ranks), writer)
-        load[writer] += held[0].record.nbytes
+        if balance_writes:
+            writer = fewest.pick(held, nbytes[k])
+        else:
+            writer = min(groups[h.group].ranks[0] for h in held if h.record.main)
+        writer_of[k] = (next(h for h in held if h.group == group_of[writer]), writer)
+        load[writer] += nbytes[k]
     return writer_of, load
 
 
@@ -146,22 +154,25 @@ class _FewestBytes:
     holder of every shard: one heap of (bytes, rank) per set of holding groups, refreshed lazily
     (bytes only grow, so an entry whose rank wrote since it was pushed is pushed again)."""
 
-    def __init__(self, load: List[int]) -> None:
+    def __init__(self, load: List[int], groups: Sequence[RecordGroup]) -> None:
         self._load = load
+        self._groups = groups
         self._heaps: Dict[Tuple[int, ...], List[Tuple[int, int]]] = {}
 
-    def pick(self, held: Sequence[_Held]) -> int:
-        ident = tuple(sorted({id(h.ranks) for h in held}))
+    def pick(self, held: Sequence[_Held], nbytes: int) -> int:
+        """The holder that writes a shard of ``nbytes`` (its entry is pushed with them added)."""
+        ident = tuple(h.group for h in held)  # in group order, as the holders were listed
         heap = self._heaps.get(ident)
         if heap is None:
-            heap = [(self._load[rk], rk) for rk in sorted({rk for h in held for rk in h.ranks})]
+            heap = [(self._load[rk], rk) for gi in dict.fromkeys(ident) for rk in self._groups[gi].ranks]
             heapq.heapify(heap)
             self._heaps[ident] = heap
-        while heap[0][0] != self._load[heap[0][1]]:
+        load = self._load
+        while heap[0][0] != load[heap[0][1]]:
             rk = heap[0][1]
-            heapq.heapreplace(heap, (self._load[rk], rk))
+            heapq.heapreplace(heap, (load[rk], rk))
         rk = heap[0][1]
-        heapq.heapreplace(heap, (self._load[rk] + held[0].record.nbytes, rk))
+        heapq.heapreplace(heap, (load[rk] + nbytes, rk))
         return rk
 
 

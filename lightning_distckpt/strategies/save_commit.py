@@ -17,6 +17,7 @@ from ..storage import staging as staging_mod
 from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION
 from ..storage.safe_pickle import write_file_durable
 from ..version import __version__
+from .save_coordinate import gc_paused
 from .save_prepare import PreparedSave
 from .stats import log_throughput
 
@@ -72,7 +73,19 @@ def finalize_save(prep: PreparedSave, local: Union[LocalWrite, BaseException]) -
 def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[Exception]:
     """Rank 0: write metadata.json and the commit marker and move the checkpoint into place.
     Returns the error, if any (disk full while writing metadata, permissions, something in the way)."""
-    meta = {
+    marker = {"bytes": sum(w.nbytes for w in written), "world_size": prep.comm.size, "committed_unix": time.time()}
+    try:
+        with gc_paused():  # an index of a hundred thousand shards is as many small dicts
+            text = json.dumps(_metadata(prep))
+        commit_mod.commit(prep.staging, prep.target, text, json.dumps(marker))
+    except Exception as e:
+        return e
+    return None
+
+
+def _metadata(prep: PreparedSave) -> dict:
+    """metadata.json's content: the format, versions, storage options and the plan's index."""
+    return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
@@ -82,12 +95,6 @@ def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[Exception
         "created_unix": time.time(),
         **prep.plan.index.to_json(),
     }
-    marker = {"bytes": sum(w.nbytes for w in written), "world_size": prep.comm.size, "committed_unix": time.time()}
-    try:
-        commit_mod.commit(prep.staging, prep.target, json.dumps(meta), json.dumps(marker))
-    except Exception as e:
-        return e
-    return None
 
 
 def _save_failed(agreed: CheckpointingError) -> SaveFailedError:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ..comm import Comm
 from ..core.errors import ArgumentError, CheckpointingError
@@ -26,13 +26,12 @@ from ..storage.paths import local_path
 from ..storage.safe_pickle import dumps
 from ..storage.stores import open_writer
 from ..storage.tensorstore_io import StorageOptions
-from .save_coordinate import CoordinatorOptions, coordinate_plan
+from .save_coordinate import CoordinatorOptions, coordinate_plan, gc_paused
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PlanningOptions:
+class PlanningOptions(NamedTuple):
     """What every rank plans with. Ranks plan on their own, so these must be the same on every
     rank, or a rank would write shards where rank 0's index does not look for them."""
 
@@ -41,14 +40,14 @@ class PlanningOptions:
 
     def differences(self, reference: "PlanningOptions") -> List[str]:
         """``"name=mine (rank 0: theirs)"`` for each option that differs from ``reference``."""
-        return [f"{f.name}={getattr(self, f.name)!r} (rank 0: {getattr(reference, f.name)!r})"
-                for f in fields(self) if getattr(self, f.name) != getattr(reference, f.name)]
+        return [f"{name}={mine!r} (rank 0: {theirs!r})"
+                for name, mine, theirs in zip(self._fields, self, reference) if mine != theirs]
 
 
-@dataclass(frozen=True)
-class Handshake:
-    """What one rank tells every other before anything is written (one exchange, a few dozen
-    bytes: the records themselves go to the coordinator only, when there is no plan to reuse)."""
+class Handshake(NamedTuple):
+    """What one rank tells every other before anything is written (one exchange, about 100
+    bytes pickled, a NamedTuple for that: the records themselves go to the coordinator only,
+    when there is no plan to reuse)."""
 
     layout: str  # digest of this rank's records (planning/groups.py): equal for replicas
     plan_token: Optional[str]  # the cached plan's token, when this rank's records match it
@@ -158,7 +157,8 @@ def prepare_save(
         staging=staging_mod.new_staging_dir(target) if comm.rank == 0 else None,
         common_digest=local.common_digest, planning=planning,
     )
-    handshakes: List[Handshake] = comm.agree(f"save to {target} failed before writing", error, mine)
+    with gc_paused():  # thousands of handshakes unpickled: see gc_paused
+        handshakes: List[Handshake] = comm.agree(f"save to {target} failed before writing", error, mine)
     staging = handshakes[0].staging
     assert staging is not None  # rank 0 always names one
     _look_around(comm, target, staging, local.common, handshakes, validate_access_integrity)
