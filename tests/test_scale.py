@@ -1,0 +1,89 @@
+"""Planning on a coordinator with real processes: 8 gloo ranks (oversubscribed), TP 2 x DP 4, so
+ranks share layouts and only one rank per layout sends its records. Saves, a save reusing its
+plan, a refused inconsistent save, and loads resharded to 8 ranks and to one process."""
+
+import json
+import os
+
+import torch
+
+import lightning_distckpt as ldc
+from lightning_distckpt.comm import get_comm
+from lightning_distckpt.storage.layout import METADATA_FILE
+from lightning_distckpt.strategies.save import finalize_save, prepare_save, write_local
+from dist_utils import run_distributed
+
+TP, DP = 2, 4
+ROWS, COLS = 16, 8
+
+
+def _full(key):
+    base = {"w": 0.0, "b": 1000.0, "norm": 2000.0}[key]
+    return base + torch.arange(ROWS * COLS, dtype=torch.float32).view(ROWS, COLS)
+
+
+def _state(rank):
+    """TP splits ``w`` by rows and ``b`` by columns; ``norm`` is whole on every rank. The first
+    DP replica holds the main replicas: two layouts per TP rank (8 ranks, 4 layouts)."""
+    tp, dp = rank % TP, rank // TP
+    return {
+        "w": ldc.ShardedTensor.from_rank_offsets("w", _full("w").chunk(TP, 0)[tp].clone(), (0, tp, TP),
+                                                 replica_id=dp),
+        "b": ldc.ShardedTensor.from_rank_offsets("b", _full("b").chunk(TP, 1)[tp].clone(), (1, tp, TP),
+                                                 replica_id=dp),
+        "norm": ldc.ShardedTensor.from_rank_offsets("norm", _full("norm").clone(), replica_id=rank),
+        "step": 7,
+    }
+
+
+def _save_and_reshard(rank, world, root):
+    comm = get_comm()
+    out = {}
+    prep = prepare_save(_state(rank), f"{root}/a", comm)
+    out["a_plan_index_keys"] = sorted(prep.plan.index.tensors)  # rank 0 only: the whole index
+    out["a_bytes"] = prep.plan.bytes_per_rank.get(rank, 0)
+    finalize_save(prep, write_local(prep))
+    cache = ldc.SavePlanCache()
+    ldc.save(_state(rank), f"{root}/b", plan_cache=cache)
+    ldc.save(_state(rank), f"{root}/c", plan_cache=cache)
+    out["cache"] = (cache.hits, cache.misses)
+    bad = _state(rank)
+    if rank == 5:  # claims a different global shape
+        bad["w"] = ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(8, COLS + 1), (0, 1, TP), replica_id=2)
+    try:
+        ldc.save(bad, f"{root}/bad")
+        out["bad"] = None
+    except ldc.CheckpointingError as e:
+        out["bad"] = (type(e).__name__, str(e))
+    # load every tensor split by columns over all 8 ranks (another split than the save's)
+    template = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(ROWS, 1), (1, rank, world))
+                for k in ("w", "b", "norm")}
+    loaded = ldc.load(template, f"{root}/c")
+    out["loaded_ok"] = all(torch.equal(loaded[k], _full(k)[:, rank:rank + 1]) for k in template)
+    out["step"] = loaded.get("step")
+    return out
+
+
+def test_eight_ranks_save_reuse_refuse_and_reshard(tmp_path):
+    root = str(tmp_path)
+    results = run_distributed(_save_and_reshard, TP * DP, root, timeout_s=300)
+    assert results[0]["a_plan_index_keys"] == ["b", "norm", "w"]
+    assert all(r["a_plan_index_keys"] == [] for r in results[1:])  # other ranks hold their writes only
+    # every byte written once, spread over the replicas (balance_writes)
+    unique = 3 * ROWS * COLS * 4
+    assert sum(r["a_bytes"] for r in results) == unique
+    assert sum(1 for r in results if r["a_bytes"]) > TP
+    assert all(r["cache"] == (1, 1) for r in results)
+    kinds = {r["bad"][0] for r in results}
+    messages = {r["bad"][1] for r in results}
+    assert kinds == {"ValidationError"} and len(messages) == 1
+    (message,) = messages
+    assert "disagree on global shape" in message and "ranks [5]" in message
+    assert not os.path.exists(tmp_path / "bad")
+    assert all(r["loaded_ok"] and r["step"] == 7 for r in results)
+    meta = json.loads((tmp_path / "a" / METADATA_FILE).read_text())
+    assert meta["world_size"] == TP * DP and sorted(meta["tensors"]) == ["b", "norm", "w"]
+    # one process reads the whole of every tensor (8 -> 1)
+    whole = ldc.load({k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(ROWS, COLS)) for k in ("w", "b", "norm")},
+                     tmp_path / "a")
+    assert all(torch.equal(whole[k], _full(k)) for k in ("w", "b", "norm"))
