@@ -36,9 +36,10 @@ from .comm import Comm
 from .serialization import load_common_state_dict, load_plain_tensors
 from .storage import commit as commit_mod
 from .storage import staging as staging_mod
-from .storage.layout import COMMIT_MARKER, COMMON_FILE, FORMAT_VERSION
+from .storage.layout import COMMON_FILE, FORMAT_VERSION
 from .storage.paths import local_path
-from .storage.safe_pickle import load_file, loads, read_file, write_file_durable
+from .storage.integrity import read_common_bytes
+from .storage.safe_pickle import load_file, loads, write_file_durable
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .reading.checkpoint import OpenedCheckpoint
@@ -86,12 +87,12 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
         staging_mod.write_owner_note(staging, 0)
         src, dst = ckpt.reader(), TensorStoreIO(staging, storage)
         nbytes = _copy_shards(ckpt, src, dst) + _copy_objects(ckpt, src, dst)
-        common = read_file(os.path.join(ckpt.path, COMMON_FILE))
+        common = read_common_bytes(ckpt.path, ckpt.marker)  # contained and verified: no copy of damage
         write_file_durable(os.path.join(staging, COMMON_FILE), common)
         # rewritten now, with checksums: the copy is of the current format whatever the source's
         meta = dict(ckpt.meta, format_version=FORMAT_VERSION, storage={"backend": "tensorstore", **storage.to_json()},
                     converted_unix=time.time())
-        marker = json.loads(read_file(os.path.join(ckpt.path, COMMIT_MARKER)) or b"{}")
+        marker = dict(ckpt.marker)
         marker.update(committed_unix=time.time())
         commit_mod.commit(staging, destination, json.dumps(meta), json.dumps(marker))
     except BaseException:

@@ -110,7 +110,7 @@ def _link_in(ck, other, rel):
 def _every_reader_refuses(ck, tmp_path, capsys, name):
     from lightning_distckpt.cli import main
     from lightning_distckpt.cli.validate import validate
-    from lightning_distckpt.convert import export_torch_file
+    from lightning_distckpt.convert import export_torch_file, relayout_checkpoint
 
     with pytest.raises(ldc.CheckpointingError, match=f"{name}.*symbolic link"):
         ldc.load(template(), ck)
@@ -119,6 +119,9 @@ def _every_reader_refuses(ck, tmp_path, capsys, name):
             ldc.load_plain_tensors(ck)
     with pytest.raises(ldc.CheckpointingError, match=f"{name}.*symbolic link"):
         export_torch_file(str(ck), str(tmp_path / "out.pt"))
+    with pytest.raises(ldc.CheckpointingError, match=f"{name}.*symbolic link"):
+        relayout_checkpoint(str(ck), str(tmp_path / "copy"), ldc.StorageOptions(layout="zarr"))
+    assert not os.path.exists(tmp_path / "copy")
     try:
         report = validate(str(ck))
         assert not report.ok and any("symbolic link" in p and name in p for p in report.problems), report.problems

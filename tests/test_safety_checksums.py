@@ -149,3 +149,19 @@ def test_a_format_3_marker_without_checksums_is_damage(saved, tmp_path):
     open(os.path.join(ck, "COMMITTED"), "w").write(json.dumps(marker))
     with pytest.raises(FormatError, match="lacks the checksums"):
         assert_loads_exactly(ck)
+
+
+def test_a_relayout_does_not_launder_damage(saved, tmp_path):
+    """convert copies bytes: it verifies them first, so damage is not given fresh checksums."""
+    from lightning_distckpt.convert import relayout_checkpoint
+
+    ck = copy(saved["ocdbt"], tmp_path)
+    flip(os.path.join(ck, "common.pt"), "middle")
+    with pytest.raises(FormatError, match="common.pt: checksum mismatch"):
+        relayout_checkpoint(ck, str(tmp_path / "copy"), ldc.StorageOptions(layout="zarr"))
+    assert not os.path.exists(tmp_path / "copy")
+    ck = copy(saved["zarr"], tmp_path / "d")
+    flip(data_files(ck)[-1], "middle")
+    with pytest.raises(ldc.CheckpointingError):
+        relayout_checkpoint(ck, str(tmp_path / "copy"), ldc.StorageOptions(layout="ocdbt"))
+    assert not os.path.exists(tmp_path / "copy")

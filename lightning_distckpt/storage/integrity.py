@@ -32,6 +32,13 @@ def open_checkpoint_metadata(checkpoint_dir: PathLike) -> MetadataFile:
 def read_common(checkpoint_dir: str, marker: Dict[str, Any], extra_safe_globals: Sequence[Any] = ()) -> Any:
     """The common state (``common.pt``) of the checkpoint at the real path ``checkpoint_dir``,
     whose commit marker is ``marker``, deserialized safely."""
+    where = f"checkpoint {checkpoint_dir}: {COMMON_FILE}"
+    return loads(read_common_bytes(checkpoint_dir, marker), where, extra_safe_globals)
+
+
+def read_common_bytes(checkpoint_dir: str, marker: Dict[str, Any]) -> bytes:
+    """The bytes of ``common.pt``, read as a regular file of the checkpoint and checked against the
+    SHA-256 its commit marker records (a copy made from them is then no copy of damage)."""
     path = os.path.join(checkpoint_dir, COMMON_FILE)
     where = f"checkpoint {checkpoint_dir}: {COMMON_FILE}"
     try:
@@ -44,7 +51,7 @@ def read_common(checkpoint_dir: str, marker: Dict[str, Any], extra_safe_globals:
         raise FormatError(f"{where} is empty (0 bytes)")
     if "common_sha256" in marker:
         check_sha256(blob, marker["common_sha256"], where)
-    return loads(blob, where, extra_safe_globals)
+    return blob
 
 
 def store_bytes(checkpoint_dir: str, writer: int) -> Optional[int]:

@@ -81,8 +81,3 @@ def write_file_durable(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def read_file(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
