@@ -17,6 +17,14 @@ def trainer_runs(tmp_path_factory):
                       str(d / "out"), world_size=2, timeout=420)
 
 
+def test_stock_ckpt_resumes_under_stock_ddp_with_the_plugin(trainer_runs):
+    """Border: a stock .ckpt file under stock DDP + DistCheckpointIO (read as the torch.save file it is)."""
+    for res in trainer_runs:
+        got = res["stock_plugin"]
+        assert all(got["weights"].values()) and len(got["moments"]) == 12 and all(got["moments"].values())
+        assert got["global_step"] == 3 and got["sched"] is True and got["callback_count"] == 3
+
+
 @pytest.mark.parametrize("tag", ["stock", "plugin"])
 def test_trainer_resumes_rank0_checkpoint_under_tp2(trainer_runs, tag):
     """Weights and Adam moments equal the stored tensors sliced for each TP rank (bit-exact); step,
@@ -54,6 +62,9 @@ def test_strategy_checkpoint_resumes_under_stock_ddp_with_the_plugin(trainer_run
         assert got["global_step"] == 3 and got["sched"] is True and got["lr"] is True
         assert got["callback_count"] == 3 and got["best_model_score"] is True
         assert res["to_plugin_final_step"] == 6
+        got = res["exported"]  # convert DIR OUT.ckpt, then stock DDP with no plugin
+        assert all(got["weights"].values()) and len(got["moments"]) == 12 and all(got["moments"].values())
+        assert got["global_step"] == 3 and got["sched"] is True and got["callback_count"] == 3
 
 
 def test_fabric_checkpoint_refused_by_the_trainer_strategy(trainer_runs):

@@ -72,3 +72,9 @@ def test_trainer_checkpoint_refused_by_fabric_tp_strategy(fabric_runs):
         msg = res["trainer_refused"]
         assert msg.startswith("CheckpointingError") and "written by a Trainer" in msg
         assert "trainer.fit" in msg and "load_module_weights" in msg
+
+
+def test_stock_fabric_file_loads_under_stock_fabric_ddp_with_the_plugin(fabric_runs):
+    for res in fabric_runs:
+        got = res["file_plugin"]
+        assert len(got["equal"]) == 16 and all(got["equal"].values()) and got["step"] == 3

@@ -85,6 +85,12 @@ def stock_file(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     path = os.path.join(args.dir, "stock.ckpt")
     fabric.save(path, run.state(3))
     resume_tp2(path, res, "file")
+    # The same file under stock Fabric DDP with the plugin: DistCheckpointIO reads it as it is.
+    run = StockRun(fabric_with(DDPStrategy(timeout=TIMEOUT), plugins=[DistCheckpointIO()]))
+    state = run.state(0)
+    run.fabric.load(path, state)
+    stored = DistCheckpointIO().load_checkpoint(path)
+    res["file_plugin"] = {"equal": compare_to_stored(run, stored), "step": state["step"]}
 
 
 def plugin_dir(args: argparse.Namespace, res: Dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_distckpt import CheckpointingError  # noqa: E402
-from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy  # noqa: E402
+from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy, export_torch_file  # noqa: E402
 from lightning_helpers import TPMLP, StepCounter  # noqa: E402
 from trainer_scenarios import TIMEOUT, trainer  # noqa: E402
 
@@ -58,7 +58,8 @@ class RestoredState(Callback):
             "sched": trainer_.lr_scheduler_configs[0].scheduler.state_dict() == self.stored["sched"],
             "lr": [g["lr"] for g in opt.param_groups] == [g["lr"] for g in self.stored["param_groups"]],
             "callback_count": next(cb.count for cb in trainer_.callbacks if isinstance(cb, StepCounter)),
-            "best_model_score": float(trainer_.checkpoint_callback.best_model_score) == self.stored["best_score"],
+            "best_model_score": (trainer_.checkpoint_callback is not None and
+                                 float(trainer_.checkpoint_callback.best_model_score) == self.stored["best_score"]),
         }
 
 
@@ -94,6 +95,12 @@ def stock_ddp(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     cb = ModelCheckpoint(dirpath=ck, filename="stock", monitor="train_loss", every_n_train_steps=3)
     trainer(args, DDPStrategy(timeout=TIMEOUT), 3, [cb, StepCounter()]).fit(TPMLP(total_steps=6))
     resume_under_tp(args, res, os.path.join(ck, "stock.ckpt"), "stock", checkpoint_dir=ck)
+    # The same file under stock DDP with the plugin: DistCheckpointIO reads a torch.save file as it is.
+    source = os.path.join(ck, "stock.ckpt")
+    cb = ModelCheckpoint(dirpath=ck, filename="plugin-{step}", monitor="train_loss", every_n_train_steps=3)
+    t = trainer(args, DDPStrategy(timeout=TIMEOUT), 6, [RestoredState(stored_of(source), res, "stock_plugin"),
+                                                        StepCounter(), cb], plugins=[DistCheckpointIO()])
+    t.fit(TPMLP(total_steps=6), ckpt_path=source)
 
 
 def plugin_ddp(args: argparse.Namespace, res: Dict[str, Any]) -> None:
@@ -140,6 +147,14 @@ def strategy_to_plugin(args: argparse.Namespace, res: Dict[str, Any]) -> None:
                 plugins=[DistCheckpointIO()])
     t.fit(model, ckpt_path=source)
     res["to_plugin_final_step"] = t.global_step
+    # convert to one torch.save file, then stock DDP without any plugin resumes it.
+    exported = os.path.join(args.dir, "tp2-step3.ckpt")
+    if torch.distributed.get_rank() == 0:
+        export_torch_file(source, exported)
+    torch.distributed.barrier()
+    t = trainer(args, DDPStrategy(timeout=TIMEOUT), 6, [RestoredState(stored, res, "exported"), StepCounter()],
+                enable_checkpointing=False)
+    t.fit(TPMLP(total_steps=6), ckpt_path=exported)
 
 
 def fabric_checkpoint_refused(args: argparse.Namespace, res: Dict[str, Any]) -> None:
