@@ -71,6 +71,7 @@ def summarize(ckpt: OpenedCheckpoint) -> Dict[str, Any]:
         "path": ckpt.path,
         "committed": True,  # OpenedCheckpoint.open refuses anything else
         "format": meta.get("format"), "format_version": meta.get("format_version"),
+        "checksums": ckpt.index.checksums,
         "library_version": meta.get("library_version"), "torch_version": meta.get("torch_version"),
         "world_size": meta.get("world_size"), "created_unix": meta.get("created_unix"),
         "committed_unix": marker.get("committed_unix"), "storage": meta.get("storage", {}),
@@ -112,7 +113,9 @@ def render(s: Dict[str, Any]) -> str:
         f"checkpoint   {s['path']}",
         f"status       committed (complete) at {_when(s['committed_unix'])}",
         f"format       {s['format']} v{s['format_version']}, written by lightning_distckpt {s['library_version']} "
-        f"(torch {s['torch_version']}) on {s['world_size']} rank(s)",
+        f"(torch {s['torch_version']}) on {s['world_size']} rank(s); "
+        + ("checksums on every chunk, object, common.pt and metadata.json" if s["checksums"] else
+           "NO checksums (written before format 3)"),
         f"storage      {st.get('backend', '?')} / {st.get('layout', '?')}, "
         f"chunks <= {human_bytes(st.get('chunk_bytes', 0))}; "
         f"{s['data_files']} data file(s), {human_bytes(s['data_file_bytes'])}; {s['stored_arrays']} array(s)"
