@@ -9,10 +9,13 @@
         t/<key>/<i>/       zarr v3 array: stored shard i of tensor <key>
         p/<dtype>/         zarr v3 1-D array: the small shards of this rank of that dtype, one after
                            the other (each shard's ``packed`` element offset is in metadata.json)
-        o/<key>/<i>        bytes: ShardedObject element i of <key>
-      COMMITTED          commit marker, written last; without it the directory is no checkpoint
+        o/<key>/<i>        bytes: ShardedObject element i of <key>, behind a CRC-32 header
+      COMMITTED          commit marker (SHA-256 of metadata.json and common.pt), written last;
+                         without it the directory is no checkpoint
 
 Keys are percent-encoded into single path components, so no key can leave its folder.
+:func:`open_metadata` reads the metadata as data: never through a link, nesting bounded, every
+top-level field checked, the marker's checksum verified (checksums: :mod:`.checksums`).
 """
 
 from __future__ import annotations
