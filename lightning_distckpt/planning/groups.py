@@ -9,7 +9,7 @@ replica holds the main replicas) instead of one per rank.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Iterator, List, NamedTuple, Sequence
+from typing import Dict, List, NamedTuple, Sequence
 
 from .metadata import ObjectRecord, ShardRecord
 

@@ -91,8 +91,9 @@ class SavePlanCache:
     Pass the same instance to every :func:`prepare_save` of a run (the :class:`AsyncSaver` keeps
     one). When no rank's shard metadata (nor the group, nor the planning options) changed since the
     save that made the plan, the records exchange, validation and planning are skipped: one
-    round trip of tiny objects (the handshake, with a digest of each rank's records) decides it, and also carries rank 0's staging directory name. Any
-    change on any rank plans (and validates) from scratch, as without a cache.
+    round trip of tiny objects (the handshake, with a digest of each rank's records) decides it,
+    and also carries rank 0's staging directory name. Any change on any rank plans (and
+    validates) from scratch, as without a cache.
 
     ``hits`` / ``misses`` count reused and freshly made plans.
     """
