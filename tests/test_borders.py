@@ -13,7 +13,7 @@ from lightning_helpers import run_script
 def trainer_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("borders")
     return run_script("border_trainer.py", ["stock_ddp", "plugin_ddp", "no_sharded_state_dict", "strategy_to_plugin",
-                                           "fabric_checkpoint_refused", "--dir", str(d), "--devices", "2"],
+                                           "fabric_checkpoint_refused", "stock_weights_only", "--dir", str(d), "--devices", "2"],
                       str(d / "out"), world_size=2, timeout=420)
 
 
@@ -72,3 +72,11 @@ def test_fabric_checkpoint_refused_by_the_trainer_strategy(trainer_runs):
         msg = res["fabric_refused"]
         assert msg.startswith("CheckpointingError") and "written by fabric.save" in msg
         assert "load it with fabric.load" in msg and "load_module_weights" in msg
+
+
+def test_stock_weights_only_ckpt_strict_and_non_strict(trainer_runs):
+    """A weights-only stock .ckpt under TP 2: strict names the missing optimizer state; non-strict
+    (strict: log_all) loads the weights and trains on with a fresh optimizer."""
+    for res in trainer_runs:
+        assert res["wo_strict"].startswith("MissingKeysError") and "optimizer_states/0/state/0/exp_avg" in res["wo_strict"]
+        assert res["wo_global_step"] == 5 and res["wo_fc1_opt_step"] == 2.0

@@ -173,10 +173,13 @@ def restore_param_keys(opt_state: Mapping[str, Any], param_keys: Sequence[str], 
     by_key: Dict[str, Dict[str, Any]] = {}
     for j, pkey in enumerate(keys):
         entry: Dict[str, Any] = {}
-        for k in (j, str(j), pkey):
+        # What was read into the template (by key) first; what the checkpoint stored by index wins
+        # (the plugin keeps Adam's scalar step in the common state, a non-strict template a fresh one).
+        for k in (pkey, j, str(j)):
             if isinstance(state.get(k), Mapping):
                 entry.update(state[k])
         if entry:
             by_key[pkey] = entry
-    new_groups = [{**g, "params": [keys[int(i)] for i in g.get("params", [])]} for g in groups]
+    # Stored groups name parameters by index; a non-strict load's fallback groups name them by key.
+    new_groups = [{**g, "params": [keys[p] if isinstance(p, int) else p for p in g.get("params", [])]} for g in groups]
     return {"state": by_key, "param_groups": new_groups, "param_keys": keys}

@@ -172,7 +172,27 @@ def fabric_checkpoint_refused(args: argparse.Namespace, res: Dict[str, Any]) -> 
         res["fabric_refused"] = f"{type(e).__name__}: {e}"
 
 
-SCENARIOS = {"stock_ddp": stock_ddp, "plugin_ddp": plugin_ddp, "no_sharded_state_dict": no_sharded_state_dict,
+def stock_weights_only(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """A stock weights-only .ckpt: strict resume names what is missing; non-strict keeps a fresh optimizer."""
+    ck = os.path.join(args.dir, "stock_wo")
+    cb = ModelCheckpoint(dirpath=ck, filename="wo", every_n_train_steps=3, save_weights_only=True)
+    trainer(args, DDPStrategy(timeout=TIMEOUT), 3, [cb]).fit(TPMLP(total_steps=6))
+    source = os.path.join(ck, "wo.ckpt")
+    try:
+        trainer(args, DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT), 5,
+                enable_checkpointing=False).fit(TPMLP(total_steps=5), ckpt_path=source)
+        res["wo_strict"] = "no error"
+    except CheckpointingError as e:
+        res["wo_strict"] = f"{type(e).__name__}: {e}"
+    model = TPMLP(total_steps=5)
+    t = trainer(args, DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT, checkpoint={"strict": "log_all"}),
+                5, enable_checkpointing=False)
+    t.fit(model, ckpt_path=source)
+    res["wo_global_step"] = t.global_step
+    res["wo_fc1_opt_step"] = float(t.optimizers[0].state[model.fc1.weight]["step"])  # fresh: 2 steps
+
+
+SCENARIOS = {"stock_weights_only": stock_weights_only, "stock_ddp": stock_ddp, "plugin_ddp": plugin_ddp, "no_sharded_state_dict": no_sharded_state_dict,
              "strategy_to_plugin": strategy_to_plugin, "fabric_checkpoint_refused": fabric_checkpoint_refused}
 
 
