@@ -1,16 +1,22 @@
 """Validation and planning at many ranks: the sort-and-sweep overlap search agrees with comparing
-all pairs, and big regular layouts validate (speed is measured in benchmarks/bench_planning.py)."""
+all pairs, big regular layouts validate, groups of ranks with the same records validate and plan
+as every rank's records would, and the coordinator's errors keep their type (speed is measured in
+benchmarks/bench_planning.py)."""
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_distckpt.comm import Comm
+from lightning_distckpt.core.errors import CheckpointingError, ValidationError
 from lightning_distckpt.planning.groups import RankRecords, RecordGroup, layout_digest, representatives
 from lightning_distckpt.planning.metadata import ShardRecord
 from lightning_distckpt.planning.save_plan import make_save_plan, plan_record_groups
 from lightning_distckpt.planning.tiling import overlapping_pairs
 from lightning_distckpt.planning.validation import validate_record_groups, validate_tensor_records
+from lightning_distckpt.strategies.save_coordinate import CoordinatorOptions, coordinate_plan
 
 
 def _all_pairs(boxes):
@@ -90,3 +96,20 @@ def test_groups_validate_and_plan_as_every_rank_would():
     for balance in (True, False):
         grouped = plan_record_groups(ok_groups, 6, balance, pack_max_bytes=64)
         assert grouped == make_save_plan(flat, [], 6, balance, pack_max_bytes=64)
+
+
+def test_coordinator_errors_reach_every_rank_with_their_type():
+    one = Comm(None, 0, 1)
+    options = CoordinatorOptions(validate=True, balance_writes=True, pack_max_bytes=0)
+    gap = RankRecords([_rec("w", (0, 0), (4, 8), 0, (8, 8))], [])
+    with pytest.raises(ValidationError, match="'w': main replicas cover 32 of 64 elements") as e:
+        coordinate_plan(one, "/ck", gap, [layout_digest(gap)], options)
+    assert str(e.value).startswith("sharded state dict for checkpoint /ck is inconsistent; nothing was written")
+    # a failure that is not a library error (here: a dtype planning cannot size) names rank 0
+    odd = RankRecords([ShardRecord("w", "complex32", (8,), (0,), (8,), None, True, 0)], [])
+    with pytest.raises(CheckpointingError, match="save to /ck failed before writing: rank 0: KeyError") as e:
+        coordinate_plan(one, "/ck", odd, [layout_digest(odd)], options)
+    assert list(e.value.failures) == [0] and e.value.failures[0].type_name == "KeyError"
+    ok = RankRecords([_rec("w", (0, 0), (8, 8), 0, (8, 8))], [])
+    plan = coordinate_plan(one, "/ck", ok, [layout_digest(ok)], options)
+    assert [(i.key, i.source) for i in plan.writes[0]] == [("w", 0)] and list(plan.index.tensors) == ["w"]
