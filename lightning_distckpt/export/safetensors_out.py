@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+# Tensors read per read call: reading costs transient buffers of about the bytes in flight on top
+# of the shard being assembled (measured: about 2x with tensorstore's decoding), so read in runs.
+READ_BATCH_BYTES = 32 << 20
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -126,12 +129,27 @@ def _write_text(path: str, text: str) -> None:
         f.write(text)
 
 
+def _read_batches(tensors: Sequence[ExportTensor]) -> List[List[ExportTensor]]:
+    """``tensors`` in runs of at most :data:`READ_BATCH_BYTES` (a larger tensor alone)."""
+    batches: List[List[ExportTensor]] = []
+    size = 0
+    for t in tensors:
+        if not batches or (batches[-1] and size + t.nbytes > READ_BATCH_BYTES):
+            batches.append([])
+            size = 0
+        batches[-1].append(t)
+        size += t.nbytes
+    return batches
+
+
 def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile]) -> None:
     from safetensors.torch import save_file
 
     reader = source.reader()
     for f in files:
-        tensors = read_whole(source, f.tensors, reader)
+        tensors: Dict[str, Any] = {}
+        for batch in _read_batches(f.tensors):  # the reader's transient buffers stay about one batch
+            tensors.update(read_whole(source, batch, reader))
         try:
             _write_atomic(os.path.join(out_dir, f.name),
                           lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
