@@ -80,3 +80,22 @@ def test_stock_weights_only_ckpt_strict_and_non_strict(trainer_runs):
     for res in trainer_runs:
         assert res["wo_strict"].startswith("MissingKeysError") and "optimizer_states/0/state/0/exp_avg" in res["wo_strict"]
         assert res["wo_global_step"] == 5 and res["wo_fc1_opt_step"] == 2.0
+
+
+@pytest.fixture(scope="module")
+def tp2_dp2_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("borders4")
+    return run_script("border_trainer.py", ["stock_ddp", "--dir", str(d), "--devices", "4"],
+                      str(d / "out"), world_size=4, timeout=600)
+
+
+def test_stock_ddp_on_4_resumes_under_tp2_dp2(tp2_dp2_runs):
+    """Stock DDP on 4 processes -> TP 2 x DP 2: each rank's shards bit-exact (the two DP replicas of a
+    shard alike), everything else restored, the same losses."""
+    for res in tp2_dp2_runs:
+        got = res["stock"]
+        assert all(got["weights"].values()) and len(got["moments"]) == 12 and all(got["moments"].values())
+        assert got["global_step"] == 3 and got["sched"] is True and got["callback_count"] == 3
+        assert got["best_model_score"] is True
+        for step in ("3", "4", "5"):
+            assert math.isclose(res["stock_losses"][step], res["ref_losses"][step], rel_tol=1e-5)
