@@ -3,7 +3,6 @@ a ``.safetensors`` file, a Hugging Face directory made locally by ``transformers
 (``save_pretrained(..., max_shard_size=...)``, nothing downloaded); in one process, and under TP 2
 on 2 gloo processes where each rank reads its own shards without any collective."""
 
-import os
 
 import pytest
 import torch

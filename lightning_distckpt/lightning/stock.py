@@ -42,7 +42,7 @@ class ModuleEntry:
 @dataclass(frozen=True)
 class OptimizerEntry:
     """An optimizer's state: ``file_prefix/state/<index>/<name>`` in the file; in the template, its
-    ``optimizer_sharded_state_dict`` under ``key_prefix``."""
+    ``optimizer_sharded_state_dict`` (``sharded``; parameters named by key, in the optimizer's order)."""
 
     file_prefix: str  # "optimizer_states/0" (Trainer) or "optimizer" (Fabric)
     sharded: Dict[str, Any]
@@ -62,6 +62,7 @@ class SavedCheckpoint:
 
 
 def describe_saved(path: str, extra_safe_globals: Sequence[Any] = ()) -> SavedCheckpoint:
+    """Kind, manifest and top-level entries of the checkpoint at ``path`` (from its common state only)."""
     common = load_common_state_dict(path, extra_safe_globals)
     if not isinstance(common, dict):
         return SavedCheckpoint(None, None, frozenset())
