@@ -54,7 +54,8 @@ def saved(tmp_path_factory):
     out = {}
     for layout in ("ocdbt", "zarr"):
         out[layout] = str(root / layout)
-        ldc.save(_state(), out[layout], storage=ldc.StorageOptions(layout=layout, chunk_bytes=4096, pack_max_bytes=1024))
+        opts = ldc.StorageOptions(layout=layout, chunk_bytes=4096, pack_max_bytes=1024)
+        ldc.save(_state(), out[layout], storage=opts)
         assert _exact(_load(out[layout]))
     return out
 

@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", "-v", action="store_true", help="print each key as it is checked (stderr)")
     p.add_argument("--max-inflight-mib", type=int, default=256, help="bytes read at once per shard (default 256 MiB)")
     p.add_argument("--require-checksums", action="store_true",
-                   help="a checkpoint written before checksums (format 1 or 2) is damage (exit status 1), not a warning")
+                   help="a checkpoint written before checksums (format 1 or 2) is damage (exit status 1), "
+                   "not a warning")
     p = add_command(sub, "clean", cmd_clean,
                     "remove the hidden staging directories of saves that never committed (killed jobs); keeps "
                     "those a running save may still use and any committed checkpoint whose rename was interrupted")

@@ -71,7 +71,8 @@ def validate(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20,
     report = Report(ckpt.path)
     if not ckpt.index.checksums:
         (report.problems if require_checksums else report.warnings).append(
-            f"format {ckpt.meta.get('format_version')}: written before checksums, damaged bytes in it may go undetected")
+            f"format {ckpt.meta.get('format_version')}: written before checksums, damaged bytes in it may go "
+            f"undetected")
     _check_index(ckpt, report)
     tio = TensorStoreIO(ckpt.path, ckpt.options, ckpt.index, check_sizes=False)  # damage named shard by shard
     dead = _check_writer_stores(ckpt, report)

@@ -207,7 +207,7 @@ class CheckpointIndex:
             e = f.obj(e, name)
             dtype = e.get("dtype")
             if not isinstance(dtype, str) or dtype not in _DTYPES:
-                raise FormatError(f"{where}: metadata.json field {name}.dtype must be one of {sorted(_DTYPES)}, got {_short(dtype)}")
+                raise f.fail(f"{name}.dtype", f"one of {sorted(_DTYPES)}", dtype)
             gshape = f.shape(e.get("global_shape"), f"{name}.global_shape")
             if math.prod(gshape) * element_size(dtype) > MAX_TENSOR_BYTES:
                 raise FormatError(f"{where}: metadata.json field {name}.global_shape {list(gshape)} claims more than "
@@ -226,7 +226,7 @@ class CheckpointIndex:
                 s = f.obj(s, what)
                 offset = f.shape(s.get("offset"), f"{what}.offset", len(gshape))
                 if any(o >= g for o, g in zip(offset, gshape)):
-                    raise FormatError(f"{where}: metadata.json field {what}.offset {list(offset)} lies outside {list(gshape)}")
+                    raise f.fail(f"{what}.offset", f"inside the global shape {list(gshape)}", list(offset))
                 entry_o.shards.append(StoredObject(offset, f.count(s.get("writer"), f"{what}.writer"),
                                                    f.count(s.get("index"), f"{what}.index")))
             index.objects[f.key(key, "objects")] = entry_o
@@ -285,8 +285,8 @@ class _Fields:
         offset = self.shape(s.get("offset"), f"{name}.offset", len(gshape))
         shape = self.shape(s.get("shape"), f"{name}.shape", len(gshape))
         if any(o + n > g for o, n, g in zip(offset, shape, gshape)):
-            raise FormatError(f"{self.where}: metadata.json field {name}: offset {list(offset)} + shape {list(shape)} lies outside "
-                              f"the global shape {list(gshape)}")
+            raise FormatError(f"{self.where}: metadata.json field {name}: offset {list(offset)} + shape {list(shape)} "
+                              f"lies outside the global shape {list(gshape)}")
         flat: FlatRange = None
         if s.get("flat") is not None:
             fr = s["flat"]

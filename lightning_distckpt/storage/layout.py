@@ -146,7 +146,8 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
     meta = _parse_json(raw[METADATA_FILE], f"checkpoint {path}: {METADATA_FILE}")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(
-            f"checkpoint {path}: {METADATA_FILE} names format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+            f"checkpoint {path}: {METADATA_FILE} names format "
+            f"{meta.get('format') if isinstance(meta, dict) else None!r}, "
             f"expected {FORMAT_NAME!r}"
         )
     version = meta.get("format_version")

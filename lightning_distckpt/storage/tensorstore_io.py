@@ -166,7 +166,8 @@ class TensorStoreIO:
         for dtype, members in packs.items():
             # Small chunks: a reader of a few packed shards fetches about what it needs.
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
-                           to_numpy(build_pack(dtype, members)), dtype, min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
+                           to_numpy(build_pack(dtype, members)), dtype,
+                           min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
         opens = []
         for what, path, arr, dtype, chunk_bytes in arrays:
             spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
