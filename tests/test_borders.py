@@ -17,6 +17,13 @@ def trainer_runs(tmp_path_factory):
                       str(d / "out"), world_size=2, timeout=420)
 
 
+def test_trainer_test_from_stock_ckpt_under_tp2(trainer_runs):
+    """Trainer.test(ckpt_path="stock.ckpt") under TP 2: step 3's batch gives the stock run's step-3 loss."""
+    for res in trainer_runs:
+        (loss,) = res["stock_test_loss"]
+        assert math.isclose(loss, res["ref_losses"]["3"], rel_tol=1e-5)
+
+
 def test_stock_ckpt_resumes_under_stock_ddp_with_the_plugin(trainer_runs):
     """Border: a stock .ckpt file under stock DDP + DistCheckpointIO (read as the torch.save file it is)."""
     for res in trainer_runs:

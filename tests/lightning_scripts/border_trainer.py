@@ -95,8 +95,13 @@ def stock_ddp(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     cb = ModelCheckpoint(dirpath=ck, filename="stock", monitor="train_loss", every_n_train_steps=3)
     trainer(args, DDPStrategy(timeout=TIMEOUT), 3, [cb, StepCounter()]).fit(TPMLP(total_steps=6))
     resume_under_tp(args, res, os.path.join(ck, "stock.ckpt"), "stock", checkpoint_dir=ck)
-    # The same file under stock DDP with the plugin: DistCheckpointIO reads a torch.save file as it is.
     source = os.path.join(ck, "stock.ckpt")
+    # Trainer.test from the stock file under TP 2: the weights only, each rank its shards.
+    tested = TPMLP(total_steps=6)
+    trainer(args, DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT), 1,
+            enable_checkpointing=False).test(tested, ckpt_path=source, verbose=False)
+    res["stock_test_loss"] = tested.test_losses
+    # The same file under stock DDP with the plugin: DistCheckpointIO reads a torch.save file as it is.
     cb = ModelCheckpoint(dirpath=ck, filename="plugin-{step}", monitor="train_loss", every_n_train_steps=3)
     t = trainer(args, DDPStrategy(timeout=TIMEOUT), 6, [RestoredState(stored_of(source), res, "stock_plugin"),
                                                         StepCounter(), cb], plugins=[DistCheckpointIO()])
