@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 class PlanningOptions(NamedTuple):
-    """What every rank plans with. Ranks plan on their own, so these must be the same on every
-    rank, or a rank would write shards where rank 0's index does not look for them."""
+    """What the save plans with. Rank 0 plans with its own; a rank asking for others expects
+    another plan, so they must be the same on every rank (a difference is refused)."""
 
     balance_writes: bool
     pack_max_bytes: int
