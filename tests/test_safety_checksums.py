@@ -171,3 +171,33 @@ def test_a_relayout_does_not_launder_damage(saved, tmp_path):
     with pytest.raises(ldc.CheckpointingError):
         relayout_checkpoint(ck, str(tmp_path / "copy"), ldc.StorageOptions(layout="ocdbt"))
     assert not os.path.exists(tmp_path / "copy")
+
+
+def _save_tp2(rank, world, path):
+    rows = W.shape[0] // world
+    sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", W[rank * rows:(rank + 1) * rows].clone(), (0, rank, world))}
+    ldc.save(sd, path, storage=ldc.StorageOptions(layout="zarr", chunk_bytes=16 << 10, pack_max_bytes=0))
+    return True
+
+
+def _load_tp2(rank, world, path, loader):
+    rows = W.shape[0] // world
+    sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(rows, 300), (0, rank, world))}
+    try:
+        ldc.load(sd, path, loader=loader)
+    except ldc.CheckpointingError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("loader", ["every_rank", "two_stage"])
+def test_damage_read_by_one_rank_fails_the_load_on_every_rank(tmp_path, loader):
+    from dist_utils import run_distributed
+
+    path = str(tmp_path / "ck")
+    run_distributed(_save_tp2, 2, path)
+    victim = [f for f in data_files(path) if "rank_00001" in f and f.endswith(os.path.join("c", "0", "0"))][0]
+    flip(victim, "middle")  # a chunk only rank 1's shard holds
+    results = run_distributed(_load_tp2, 2, path, loader)
+    assert all(r is not None for r in results), results  # no rank returned normally, none hung
+    assert all("Digest mismatch" in r[1] and "rank 1" in r[1] for r in results), results
