@@ -153,8 +153,10 @@ def _run_all(args: argparse.Namespace, root: str) -> Dict[str, object]:
         for m in METHODS:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", m, "--dir", root,
                    "--max-shard-mib", str(args.max_shard_mib)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            runs[m].append(json.loads(out.strip().splitlines()[-1]))
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{m} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            runs[m].append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"| method | median s | GB/s | peak RSS MiB | peak - base MiB |\n|---|---|---|---|---|")
     summary = {}
     for m in METHODS:

@@ -200,6 +200,8 @@ def test_dcp_export_loads_under_dtensor_split_and_plain(tmp_path):
     assert all(torch.equal(plain[k], v) for k, v in tensors.items()) and plain["step"] == 7
     back = ldc.load_plain_tensors(out)  # and our own DCP reader
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    ldc.export_safetensors(out, tmp_path / "hf", max_shard_size=400)  # any source ldc reads: DCP -> safetensors
+    assert all(torch.equal(ldc.load_plain_tensors(tmp_path / "hf")[k], v) for k, v in tensors.items())
 
     ldc.export_dcp(tmp_path / "ckpt", out, key_map={"a.weight": "renamed"})  # replaces the DCP directory
     assert "renamed" in ldc.load_tensors_metadata(out)
