@@ -227,7 +227,7 @@ def test_bad_torch_files(tmp_path):
     torch.save({"w": torch.randn(256, 256)}, good)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(open(good, "rb").read()[:-4096])
-    _refused(str(truncated), "torch.load")
+    _refused(str(truncated), "torch.save archive")
     nested = str(tmp_path / "nested.pt")
     torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 3}, nested)
     _refused(nested, "'state_dict'")

@@ -11,6 +11,7 @@ import io
 import os
 import pickle
 import typing
+import zipfile
 from typing import Any, List, Sequence
 
 import torch
@@ -51,8 +52,9 @@ def loads(data: bytes, where: str, extra_safe_globals: Sequence[Any] = ()) -> An
 
 
 def load_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> Any:
-    """A ``torch.save`` file, deserialized without running code (memory-mapped where the format allows)."""
-    return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=True)
+    """A ``torch.save`` file, deserialized without running code; memory-mapped when it is a zip
+    archive (the pre-1.6 legacy format cannot be mapped: it is read whole)."""
+    return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=zipfile.is_zipfile(path))
 
 
 def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omegaconf: bool, mmap: bool = False) -> Any:

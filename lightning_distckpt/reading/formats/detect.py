@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from ...core.errors import FormatError
 from .dcp import DcpSource, is_dcp_dir
 from .files import SafetensorsFile, TorchFile
-from .tensor_files import KeyMap, TensorFile, TensorFileSource
+from .tensor_files import IndexedFile, KeyMap, TensorFile, TensorFileSource
 
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -19,23 +19,32 @@ _MAX_INDEX_BYTES = 64 << 20
 
 def detect(path: str, key_map: KeyMap = None,
            extra_safe_globals: Sequence[Any] = ()) -> Optional[Union[TensorFileSource, DcpSource]]:
-    """The source for ``path`` when it is a tensor file, a Hugging Face directory or a DCP directory
-    (one holding DCP's ``.metadata``); None otherwise (then it is read as our own checkpoint
-    directory, with that format's errors)."""
-    if os.path.isfile(path):
-        file = _open_file(path, extra_safe_globals)
-        return TensorFileSource(path, [file], key_map, common=file.common if isinstance(file, TorchFile) else {})
-    if not os.path.isdir(path):
-        return None
+    """The source for ``path`` when it is a tensor file, a Hugging Face directory or a DCP
+    directory; None otherwise (then it is read as our own checkpoint directory, with its errors)."""
     if is_dcp_dir(path):
         return DcpSource(path, key_map)
+    files = open_tensor_files(path, extra_safe_globals)
+    if files is None:
+        return None
+    only = files[0].file if len(files) == 1 and os.path.isfile(path) else None
+    common = only.common if isinstance(only, TorchFile) else {}
+    return TensorFileSource(path, files, key_map, common=common)
+
+
+def open_tensor_files(path: str, extra_safe_globals: Sequence[Any] = ()) -> Optional[List[IndexedFile]]:
+    """The tensor files of a file path or of a Hugging Face directory (with the names its index
+    assigns to each); None for anything else."""
+    if os.path.isfile(path):
+        return [IndexedFile(open_file(path, extra_safe_globals), None)]
+    if not os.path.isdir(path):
+        return None
     for name in HF_INDEXES:
         if os.path.isfile(os.path.join(path, name)):
-            files = [_open_file(f, extra_safe_globals) for f in _index_files(path, name)]
-            return TensorFileSource(path, files, key_map)
+            index = _index_files(path, name)
+            return [IndexedFile(open_file(f, extra_safe_globals), keys) for f, keys in index.items()]
     for name in HF_SINGLE_FILES:
         if os.path.isfile(os.path.join(path, name)):
-            return TensorFileSource(path, [_open_file(os.path.join(path, name), extra_safe_globals)], key_map)
+            return [IndexedFile(open_file(os.path.join(path, name), extra_safe_globals), None)]
     return None
 
 
@@ -48,25 +57,29 @@ def is_safetensors(path: str) -> bool:
     return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < os.path.getsize(path)
 
 
-def _open_file(path: str, extra_safe_globals: Sequence[Any]) -> TensorFile:
+def open_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> TensorFile:
     return SafetensorsFile(path) if is_safetensors(path) else TorchFile(path, extra_safe_globals)
 
 
-def _index_files(directory: str, index_name: str) -> List[str]:
-    """The files an index's ``weight_map`` names: plain names inside ``directory`` only."""
+def _index_files(directory: str, index_name: str) -> Dict[str, List[str]]:
+    """{file: the tensor names the index's ``weight_map`` assigns to it}; the files must be plain
+    names inside ``directory``, regular files reached through no link."""
     index_path = os.path.join(directory, index_name)
     if os.path.getsize(index_path) > _MAX_INDEX_BYTES:
         raise FormatError(f"{index_path}: larger than {_MAX_INDEX_BYTES >> 20} MiB; not an index")
     try:
         with open(index_path, encoding="utf-8") as f:
-            weight_map: Dict[str, Any] = json.load(f)["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise FormatError(f"{index_path}: malformed index ({type(e).__name__}: {e})") from None
-    for name in names:
-        if not isinstance(name, str) or os.path.basename(name) != name or name in (".", ".."):
-            raise FormatError(f"{index_path}: weight_map names {name!r}, not a file of this directory")
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"{index_path}: not a Hugging Face index (JSON with a 'weight_map'): {e}") from None
+    if not isinstance(weight_map, dict):
+        raise FormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
+    out: Dict[str, List[str]] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise FormatError(f"{index_path}: tensor {key!r}: shard file {name!r} is not a file name in {directory}")
         full = os.path.join(directory, name)
         if os.path.islink(full) or not os.path.isfile(full):
-            raise FormatError(f"{index_path}: weight_map names {name!r}, which is missing or a symlink")
-    return [os.path.join(directory, n) for n in names]
+            raise FormatError(f"{index_path}: tensor {key!r}: shard file {name!r} is missing or a symlink")
+        out.setdefault(full, []).append(key)
+    return out

@@ -1,6 +1,7 @@
 """The tensor files we read: ``.safetensors`` (through ``safetensors.safe_open``: only the slice's
 bytes are read) and ``torch.save`` files (``weights_only``, memory-mapped: only the pages of the
-slice are touched)."""
+slice are touched). Both :func:`ldc.load <lightning_distckpt.load>` and the rank-0 API
+(:mod:`lightning_distckpt.sharding`) open files through these classes."""
 
 from __future__ import annotations
 
@@ -10,36 +11,31 @@ import torch
 
 from ...core.errors import FormatError
 from ...storage.safe_pickle import load_file
-
-_SAFETENSORS_DTYPES: Dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-}
+from .safetensors_header import read_header
 
 
 class SafetensorsFile:
-    """A ``.safetensors`` file; the library checks its header (offsets inside the file, no overlaps)
-    when it is opened, before any tensor is read."""
+    """A ``.safetensors`` file: its header is checked against the file's size first
+    (:func:`~lightning_distckpt.reading.formats.safetensors_header.read_header`: truncation, offsets
+    past the end or overlapping, unknown dtypes are FormatErrors naming the tensor); then the
+    library reads: tensors are views of its memory map, slices read only their bytes."""
 
     def __init__(self, path: str) -> None:
         from safetensors import safe_open
 
         self.path = path
+        self._entries = {e.name: e for e in sorted(read_header(path), key=lambda e: e.begin)}
         try:
             self._file = safe_open(path, framework="pt", device="cpu")
-        except Exception as e:  # SafetensorError: header too large, offsets past the end, overlaps, ...
-            raise FormatError(f"{path}: not a valid safetensors file: {e}") from None
+        except Exception as e:  # SafetensorError (and Rust panics surfacing as exceptions)
+            raise FormatError(f"{path}: cannot be read as safetensors: {type(e).__name__}: {e}") from None
 
     def names(self) -> List[str]:
-        return list(self._file.keys())
+        return list(self._entries)  # file order: reading them in turn reads the map front to back
 
     def shape_dtype(self, name: str) -> Tuple[Tuple[int, ...], torch.dtype]:
-        piece = self._file.get_slice(name)
-        dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
-        if dtype is None:
-            raise FormatError(f"{self.path}: tensor {name!r} has dtype {piece.get_dtype()}, which lightning_distckpt "
-                              f"cannot load (supported: {sorted(_SAFETENSORS_DTYPES)})")
-        return tuple(int(n) for n in piece.get_shape()), dtype
+        entry = self._entries[name]
+        return entry.shape, entry.dtype
 
     def read(self, name: str, src: Tuple[slice, ...]) -> torch.Tensor:
         if not src:
@@ -55,7 +51,12 @@ class TorchFile:
     def __init__(self, path: str, extra_safe_globals: Sequence[Any] = ()) -> None:
         self.path = path
         self.tensors: Dict[str, torch.Tensor] = {}
-        self.common = _split_tensors(load_file(path, extra_safe_globals), (), self.tensors)
+        payload = load_file(path, extra_safe_globals)
+        # A plain state dict: a dict of name -> tensor and nothing else (what the rank-0 API takes).
+        self.payload_type = type(payload).__name__
+        self.is_state_dict = isinstance(payload, dict) and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in payload.items())
+        self.common = _split_tensors(payload, (), self.tensors)
 
     def names(self) -> List[str]:
         return list(self.tensors)

@@ -10,7 +10,7 @@ offsets, memory-mapped torch storages).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -35,6 +35,13 @@ class TensorFile(Protocol):
         ...
 
 
+class IndexedFile(NamedTuple):
+    """A tensor file and the names an index assigns to it (None: every tensor in it)."""
+
+    file: TensorFile
+    keys: Optional[List[str]]
+
+
 @dataclass(frozen=True)
 class _Location:
     file: int
@@ -53,30 +60,37 @@ def map_key(key_map: KeyMap, name: str) -> Optional[str]:
 class TensorFileSource:
     """A :class:`~lightning_distckpt.reading.checkpoint.CheckpointSource` over tensor files."""
 
-    def __init__(self, path: str, files: Sequence[TensorFile], key_map: KeyMap = None, common: Any = None) -> None:
+    def __init__(self, path: str, files: Sequence[IndexedFile], key_map: KeyMap = None, common: Any = None) -> None:
         self.path = path
-        self._files = list(files)
+        self._files = [f.file for f in files]
         self._common = {} if common is None else common
         self._where: Dict[str, _Location] = {}
         self.index = CheckpointIndex()
-        for i, f in enumerate(self._files):
-            for name in f.names():
+        for i, (f, listed) in enumerate(files):
+            present = f.names()
+            if listed is not None:
+                absent = sorted(set(listed) - set(present))
+                if absent:
+                    raise FormatError(f"{f.path}: tensor {absent[0]!r}, listed in the index of {path}, is not in the file")
+            for name in present if listed is None else listed:
                 key = map_key(key_map, name)
-                if key is None:
-                    continue
-                if key in self._where:
-                    prev = self._where[key]
-                    raise FormatError(f"{path}: key {key!r} comes from both {self._files[prev.file].path} "
-                                      f"({prev.name!r}) and {f.path} ({name!r}); fix key_map")
-                shape, dtype = f.shape_dtype(name)
-                try:
-                    stored_dtype = dtype_name(dtype, name)
-                except ShardingError:
-                    raise FormatError(f"{f.path}: tensor {name!r} has dtype {dtype}, which lightning_distckpt "
-                                      "cannot load") from None
-                self._where[key] = _Location(i, name)
-                self.index.tensors[key] = TensorEntry(shape, stored_dtype,
-                                                      [StoredShard((0,) * len(shape), shape, None, i, 0)])
+                if key is not None:
+                    self._add(i, name, key)
+
+    def _add(self, file: int, name: str, key: str) -> None:
+        f = self._files[file]
+        if key in self._where:
+            prev = self._where[key]
+            raise FormatError(f"{self.path}: key {key!r} comes from both {self._files[prev.file].path} "
+                              f"({prev.name!r}) and {f.path} ({name!r}); fix key_map")
+        shape, dtype = f.shape_dtype(name)
+        try:
+            stored_dtype = dtype_name(dtype, name)
+        except ShardingError:
+            raise FormatError(f"{f.path}: tensor {name!r} has dtype {dtype}, which lightning_distckpt "
+                              "cannot load") from None
+        self._where[key] = _Location(file, name)
+        self.index.tensors[key] = TensorEntry(shape, stored_dtype, [StoredShard((0,) * len(shape), shape, None, file, 0)])
 
     def reader(self) -> "TensorFileSource":
         return self

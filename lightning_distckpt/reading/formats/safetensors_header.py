@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..core.errors import FormatError
+from ...core.errors import FormatError
 
 # The dtypes of the safetensors format that torch has.
 DTYPES: Dict[str, torch.dtype] = {
@@ -83,7 +83,7 @@ def _entry(path: str, name: str, info: Any, data_bytes: int) -> HeaderEntry:
             or not 0 <= offsets[0] <= offsets[1]):
         raise FormatError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.100}")
     begin, end = offsets
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * dtype.itemsize
     if end - begin != expected:
         raise FormatError(
             f"{where}: data_offsets [{begin}, {end}) hold {end - begin} bytes but {info['dtype']} {tuple(shape)} "
