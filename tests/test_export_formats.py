@@ -251,3 +251,36 @@ def test_cli_convert_to_safetensors_and_dcp(tmp_path, capsys):
     assert cli_main(["convert", ckpt, str(tmp_path / "y"), "--to", "dcp", "--max-shard-size", "1GB"]) == 2
     assert cli_main(["convert", str(tmp_path / "nope"), str(tmp_path / "z"), "--to", "dcp"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_sharded_trainer_layout_exports_module_keys(tmp_path):
+    """The tree DistCheckpointStrategy saves: module ShardedTensors under "state_dict" keyed by the
+    module's own keys, optimizer state by its own keys, the manifest listing where each sat."""
+    from safetensors.torch import load_file
+
+    from lightning_distckpt.export.tensors import LIGHTNING_MANIFEST_KEY
+    from lightning_distckpt.lightning.tree import KIND_SHARDED, MANIFEST_KEY, manifest
+
+    assert LIGHTNING_MANIFEST_KEY == MANIFEST_KEY
+    w, m = torch.randn(6, 2), torch.randn(6, 2)
+    tree = {"state_dict": {"enc.proj.weight": ldc.ShardedTensor.from_rank_offsets("enc.proj.weight", w)},
+            "optimizer_states": [{"state": {0: {"exp_avg": ldc.ShardedTensor.from_rank_offsets(
+                "optimizer_states.0.enc.proj.weight.exp_avg", m)}}}], "epoch": 1}
+    tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
+    ldc.save(tree, tmp_path / "ckpt")
+    report = ldc.export_safetensors(tmp_path / "ckpt", tmp_path / "hf", key_map={"enc.proj.weight": "proj.weight"})
+    assert report.tensors == 1
+    got = load_file(str(tmp_path / "hf" / SINGLE_FILE))
+    assert list(got) == ["proj.weight"] and torch.equal(got["proj.weight"], w)
+
+
+def test_dcp_export_failure_is_a_checkpointing_error_and_leaves_nothing(tmp_path, monkeypatch):
+    _small_checkpoint(str(tmp_path / "ckpt"))
+
+    def broken(source, tensors, reader):
+        raise ldc.FormatError(f"chunk of {tensors[0].key!r} is damaged")
+
+    monkeypatch.setattr(dcp_out, "read_whole", broken)
+    with pytest.raises(ldc.CheckpointingError, match="is damaged"):
+        ldc.export_dcp(tmp_path / "ckpt", tmp_path / "dcp")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no output, no staging directory left

@@ -25,6 +25,7 @@ import warnings
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..convert import ConvertReport, directory_bytes
 from ..core.errors import CheckpointingError
@@ -86,6 +87,16 @@ def _swap_in(staging: str, out: str) -> None:
         shutil.rmtree(old)
 
 
+def _unwrapped(e: CheckpointException, out: str) -> CheckpointingError:
+    """The library error that failed inside ``dcp.save`` as it was raised, else a CheckpointingError
+    naming the first failure (its message, not DCP's traceback)."""
+    failures = [exc for exc, _ in e.failures.values()]
+    if len(failures) == 1 and isinstance(failures[0], CheckpointingError):
+        return failures[0]
+    first = failures[0] if failures else e
+    return CheckpointingError(f"{out}: writing the DCP checkpoint failed: {type(first).__name__}: {first}")
+
+
 def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
                extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
     """Write ``checkpoint`` (anything ``ldc.load`` reads) as the DCP directory ``out_dir``.
@@ -107,7 +118,7 @@ def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
                                      f"named {t.name!r}; rename the tensor with key_map")
         state[t.name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
         by_id[id(state[t.name])] = t
-    n_objects = len(getattr(source.index, "objects", {}) or {})
+    n_objects = len(source.index.objects)
     if n_objects:
         logger.warning("%s: %d ShardedObject key(s) are not exported to DCP", source.path, n_objects)
     _check_target(out)
@@ -120,7 +131,9 @@ def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
         _swap_in(staging, out)
     except CheckpointingError:
         raise
-    except Exception as e:  # OSError, DCP's CheckpointException (wrapping what failed)
+    except CheckpointException as e:  # a BaseException wrapping what failed inside dcp.save
+        raise _unwrapped(e, out) from e
+    except Exception as e:  # OSError
         raise CheckpointingError(f"{out}: writing the DCP checkpoint failed: {type(e).__name__}: {e}") from e
     finally:
         if os.path.exists(staging):

@@ -68,10 +68,13 @@ def module_weight_names(source: CheckpointSource, extra_safe_globals: Sequence[A
     if not isinstance(manifest, Mapping):
         return None
     names: Dict[str, str] = {}
-    for steps, key in manifest.get("tensor_paths", []):
-        steps = [tuple(s) for s in steps]
-        if len(steps) >= 2 and steps[0] == ("d", MODULE_ENTRY):
-            names[key] = ".".join(str(k) for _, k in steps[1:])
+    try:
+        for steps, key in manifest.get("tensor_paths", []):
+            steps = [tuple(s) for s in steps]
+            if len(steps) >= 2 and steps[0] == ("d", MODULE_ENTRY):
+                names[key] = ".".join(str(k) for _, k in steps[1:])
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"checkpoint {source.path}: malformed {LIGHTNING_MANIFEST_KEY} manifest ({e})") from None
     return names or None
 
 
