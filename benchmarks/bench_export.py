@@ -95,7 +95,7 @@ def run_method(method: str, root: str, max_shard: int) -> Dict[str, float]:
     elif method == "dcp":
         from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
-        files = plan_files(export_tensors(open_source(ckpt)), max_shard)  # the same files as ldc writes
+        files = plan_files(export_tensors(open_source(ckpt, out)), max_shard)  # the same files as ldc writes
         mapping = {t.name: i + 1 for i, f in enumerate(files) for t in f.tensors}
         os.makedirs(out)
         consolidate_safetensors_files(os.path.join(root, "dcp"), out, mapping)

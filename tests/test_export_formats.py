@@ -119,6 +119,8 @@ def test_single_file_and_reexport_replace_stale_files(tmp_path):
     ldc.export_safetensors(tmp_path / "ckpt", out, max_shard_size="1MiB", key_map=lambda k: None if k == "c.ids" else k)
     assert sorted(os.listdir(out)) == [SINGLE_FILE]  # index and shards of the sharded export removed
     assert set(load_file(str(out / SINGLE_FILE))) == {"a.weight", "b.weight", "d.scale"}
+    with pytest.raises(ldc.CheckpointingError, match="also the export's destination"):
+        ldc.export_safetensors(out, out)  # would overwrite the files it reads
 
 
 def _meta(name: str, nbytes: int) -> ExportTensor:

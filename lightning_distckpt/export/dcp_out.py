@@ -108,7 +108,7 @@ def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
 
     t0 = time.perf_counter()
     out = os.path.abspath(os.fspath(out_dir))
-    source = open_source(checkpoint)
+    source = open_source(checkpoint, out)
     tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix=f"{MODULE_ENTRY}.")
     state: Dict[str, Any] = _common_entries(source, extra_safe_globals)
     by_id: Dict[int, ExportTensor] = {}

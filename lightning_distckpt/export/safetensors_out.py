@@ -196,7 +196,7 @@ def export_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int,
     digest = ""
     try:
         limit = parse_size(max_shard_size)
-        source = open_source(checkpoint)
+        source = open_source(checkpoint, out)
         tensors = export_tensors(source, key_map, extra_safe_globals)
         if not tensors:
             raise CheckpointingError(f"checkpoint {source.path}: no tensors to export to {out}")

@@ -50,11 +50,14 @@ class ExportTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def open_source(checkpoint: Any) -> CheckpointSource:
-    """The checkpoint to export, opened (a missing path is a CheckpointingError naming it)."""
+def open_source(checkpoint: Any, destination: str) -> CheckpointSource:
+    """The checkpoint to export, opened (a missing path, or the destination itself, is a
+    CheckpointingError naming it)."""
     path = os.fspath(checkpoint)
     if not os.path.exists(path):
         raise CheckpointingError(f"{path}: no such checkpoint file or directory")
+    if os.path.realpath(path) == os.path.realpath(destination):
+        raise CheckpointingError(f"{path}: is also the export's destination; export elsewhere")
     return open_checkpoint(path)
 
 
