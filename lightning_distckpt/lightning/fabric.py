@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Union
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.types import _Stateful
@@ -27,8 +27,8 @@ from ..core.strict import StrictHandling
 from ..serialization import load_tensors_metadata
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tp_strategy import TensorParallelStrategyMixin
-from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
-                    place_stored_tensors, rekey_template, restore_param_keys)
+from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, describe_saved,
+                    is_tree_path_layout, place_stored_tensors, rekey_template, restore_param_keys)
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest, template_from_manifest
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,8 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             loaded = place_stored_tensors(loaded, layout, target)
             for name, obj in state.items():
                 if isinstance(obj, Optimizer) and name in loaded:
-                    loaded[name] = restore_param_keys(loaded[name], loaded[name]["param_keys"], target)
+                    loaded[name] = restore_param_keys(layout.stored_optimizer(loaded, name), loaded[name]["param_keys"],
+                                                      target)
         loaded.pop(MANIFEST_KEY, None)
         absent = [name for name in state if name not in loaded and name not in layout.template]
         if strict and absent:
@@ -150,17 +151,14 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         every other tensor of the checkpoint whole, so what the load returns is complete."""
         saved = describe_saved(target, self.checkpoint_io.extra_safe_globals)
         kind, man = saved.kind, saved.manifest
-        asked = [n for n, o in state.items() if isinstance(o, (Module, Optimizer))]
-        if asked and saved.by_trainer and not set(asked) & saved.entries:
-            raise CheckpointingError(
-                f"checkpoint {target} was written by a Trainer (entries {sorted(saved.entries)}), not by fabric.save, "
-                f"so it has no {asked}; resume it with trainer.fit(model, ckpt_path=...), or load a module's weights "
-                f"with load_module_weights(module, {target!r}) (its entry 'state_dict')")
         modules = self._module_ssds(state)
         template: Dict[str, Any] = dict(modules.by_name)
         optimizers = [name for name, obj in state.items() if isinstance(obj, Optimizer)]
         for name in optimizers:
             template[name] = optimizer_sharded_state(state[name], modules.params, name, init_state=True)
+        asked = [*modules.by_name, *optimizers]
+        if asked and saved.by_trainer and not set(asked) & saved.entries:
+            return self._trainer_layout(target, saved, template, optimizers)
         if is_tree_path_layout(target, kind):  # stock Fabric's torch.save file, or the plugin's directory
             return rekey_template(target, template, {n: ModuleEntry(f"{n}/", f"{n}.") for n in modules.by_name},
                                   [OptimizerEntry(n, template[n]) for n in optimizers],
@@ -171,6 +169,24 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         else:
             log.warning("checkpoint %s was not saved by lightning_distckpt (no manifest); loading by key", target)
         return StoredLayout(template, {})
+
+    def _trainer_layout(self, target: str, saved: SavedCheckpoint, template: Dict[str, Any],
+                        optimizers: List[str]) -> StoredLayout:
+        """A Trainer's checkpoint into a Fabric state with one module: its ``state_dict`` into the
+        module, its ``optimizer_states`` in order into the state's optimizers (a stock ``.ckpt`` file
+        or the plugin's directory: tensors named by path); the rest is returned as it was saved."""
+        modules = [n for n in template if n not in optimizers]
+        if len(modules) != 1 or not is_tree_path_layout(target, saved.kind):
+            raise CheckpointingError(
+                f"checkpoint {target} was written by a Trainer (entries {sorted(saved.entries)}), not by fabric.save; "
+                "fabric.load reads a Trainer's torch.save file or DistCheckpointIO directory into a state with exactly "
+                f"one module (this state has {modules}); resume this one with trainer.fit(model, ckpt_path=...), or "
+                f"load a module's weights with load_module_weights(module, {target!r}) (its entry 'state_dict')")
+        layout = rekey_template(target, template, {modules[0]: ModuleEntry("state_dict/", f"{modules[0]}.")},
+                                [OptimizerEntry(f"optimizer_states/{i}", template[n]) for i, n in enumerate(optimizers)],
+                                ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)
+        layout.optimizer_sources.update({n: ("optimizer_states", i) for i, n in enumerate(optimizers)})
+        return layout
 
 
 FabricDistCheckpointStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -15,8 +15,8 @@ Fabric entry's tensors) is read whole into its place in the common state.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -115,6 +115,25 @@ class StoredLayout:
 
     template: Dict[str, Any]
     rest_paths: Dict[str, Tuple[Step, ...]]  # stored name -> its typed path in the saved dict
+    # template entry of an optimizer -> where its stored param groups sit in the loaded tree, when
+    # not in the entry itself (a Trainer's optimizer_states/<i> read into a Fabric state's optimizer)
+    optimizer_sources: Dict[str, Tuple[Union[str, int], ...]] = field(default_factory=dict)
+
+    def stored_optimizer(self, loaded: Mapping[str, Any], name: str) -> Dict[str, Any]:
+        """The optimizer entry ``name`` of ``loaded``, with the stored param groups and by-index state."""
+        read = dict(loaded[name])
+        path = self.optimizer_sources.get(name)
+        if path is None:
+            return read
+        node: Any = loaded
+        for step in path:
+            ok = (isinstance(node, list) and isinstance(step, int) and step < len(node)) or \
+                (isinstance(node, Mapping) and step in node)
+            node = node[step] if ok else {}
+        if not isinstance(node, Mapping):
+            return read
+        return {**read, **{k: v for k, v in node.items() if k != "state"},
+                "state": {**node.get("state", {}), **read.get("state", {})}}
 
 
 def _stored_paths(path: str, extra_safe_globals: Sequence[Any]) -> Dict[str, Tuple[Step, ...]]:

@@ -21,7 +21,8 @@ import torch  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy  # noqa: E402
 
-from lightning_distckpt import CheckpointingError  # noqa: E402
+from lightning_distckpt import CheckpointingError, ShardedTensor, save  # noqa: E402
+from lightning_distckpt.lightning.tree import KIND_SHARDED, MANIFEST_KEY, manifest  # noqa: E402
 from lightning_distckpt.lightning import DistCheckpointIO, FabricDistCheckpointStrategy, ParallelState  # noqa: E402
 from lightning_distckpt.lightning.parallel import data_parallel_world  # noqa: E402
 from fabric_scenarios import TIMEOUT, Run, TPNet  # noqa: E402
@@ -145,15 +146,34 @@ def tp2_to_plugin(args: argparse.Namespace, res: Dict[str, Any]) -> None:
                         "sched": run.sched.state_dict() == stored["scheduler"]}
 
 
-def trainer_checkpoint_refused(args: argparse.Namespace, res: Dict[str, Any]) -> None:
-    """Border: a Trainer checkpoint (here the plugin's) is refused by fabric.load under the TP
-    strategy, saying who wrote it and what to do."""
-    path = os.path.join(args.dir, "trainer_like")
+def trainer_file(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Border: a Trainer's stock .ckpt layout (state_dict, optimizer_states, lr_schedulers, loops) read
+    by fabric.load into {"model", "optimizer"} under TP 2; the rest comes back as it was saved."""
+    run = StockRun(fabric_with(DDPStrategy(timeout=TIMEOUT)))
+    run.train(0, 3)
+    path = os.path.join(args.dir, "trainer.ckpt")
+    stored = {"model": run.model.module.state_dict(), "optimizer": run.opt.optimizer.state_dict()}
     if torch.distributed.get_rank() == 0:
-        DistCheckpointIO().save_checkpoint({"state_dict": {"fc1.weight": torch.zeros(16, 8)}, "global_step": 3,
-                                            "loops": {}}, path)
+        torch.save({"state_dict": stored["model"], "optimizer_states": [stored["optimizer"]], "global_step": 3,
+                    "epoch": 0, "loops": {"fit_loop": {}}, "lr_schedulers": [run.sched.state_dict()]}, path)
     torch.distributed.barrier()
-    run = Run(tp2_fabric())
+    tp = Run(tp2_fabric())
+    rest = tp.fabric.load(path, {"model": tp.model, "optimizer": tp.opt})
+    res["trainer_file"] = {"equal": compare_to_stored(tp, stored), "rest": sorted(rest),
+                           "sched": rest["lr_schedulers"][0] == run.sched.state_dict()}
+
+
+def trainer_checkpoint_refused(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Border: a Trainer checkpoint of the TP strategy (sharded) is refused by fabric.load under the
+    TP strategy, saying who wrote it and what to do."""
+    path = os.path.join(args.dir, "trainer_like")
+    fabric = tp2_fabric()
+    rank = torch.distributed.get_rank()
+    tree: Dict[str, Any] = {"state_dict": {"fc1.weight": ShardedTensor.from_rank_offsets(
+        "fc1.weight", torch.zeros(16, 8), replica_id=rank)}, "loops": {}}
+    tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
+    save(tree, path)
+    run = Run(fabric)
     try:
         run.fabric.load(path, run.state(0))
         res["trainer_refused"] = "no error"
@@ -163,7 +183,7 @@ def trainer_checkpoint_refused(args: argparse.Namespace, res: Dict[str, Any]) ->
 
 SCENARIOS = {"stock_file": stock_file, "plugin_dir": plugin_dir, "tp2_whole": tp2_whole,
              "no_sharded_state_dict": no_sharded_state_dict, "tp2_to_plugin": tp2_to_plugin,
-             "trainer_checkpoint_refused": trainer_checkpoint_refused}
+             "trainer_checkpoint_refused": trainer_checkpoint_refused, "trainer_file": trainer_file}
 
 
 def main() -> None:
