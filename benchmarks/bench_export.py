@@ -157,7 +157,7 @@ def _run_all(args: argparse.Namespace, root: str) -> Dict[str, object]:
             if done.returncode != 0:
                 raise SystemExit(f"{m} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
             runs[m].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"| method | median s | GB/s | peak RSS MiB | peak - base MiB |\n|---|---|---|---|---|")
+    print("| method | median s | GB/s | peak RSS MiB | peak - base MiB |\n|---|---|---|---|---|")
     summary = {}
     for m in METHODS:
         secs = statistics.median(r["seconds"] for r in runs[m])

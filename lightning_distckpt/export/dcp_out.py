@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 import warnings
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException

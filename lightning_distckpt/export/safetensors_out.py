@@ -14,6 +14,7 @@ removed after the index is written; a reader during the export may see a mix of 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -152,11 +153,10 @@ def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile]) -> None:
             tensors.update(read_whole(source, batch, reader))
         try:
             _write_atomic(os.path.join(out_dir, f.name),
-                          lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+                          functools.partial(save_file, tensors, metadata={"format": "pt"}))
         except OSError as e:
             raise CheckpointingError(f"{os.path.join(out_dir, f.name)}: cannot write ({e})") from e
         logger.debug("wrote %s: %d tensor(s), %d bytes", f.name, len(f.tensors), f.nbytes)
-        del tensors
 
 
 def _write_index(out_dir: str, files: Sequence[ShardFile]) -> None:

@@ -111,7 +111,8 @@ def whole_request(t: ExportTensor) -> ShardedTensor:
                          global_offset=(0,) * len(t.shape))
 
 
-def read_whole(source: CheckpointSource, tensors: Sequence[ExportTensor], reader: ShardReader) -> Dict[str, torch.Tensor]:
+def read_whole(source: CheckpointSource, tensors: Sequence[ExportTensor],
+               reader: ShardReader) -> Dict[str, torch.Tensor]:
     """Output name -> the whole tensor, for each of ``tensors`` (one concurrent read)."""
     loaded, _ = read_tensors(source, [whole_request(t) for t in tensors], set(), reader)
     out: Dict[str, torch.Tensor] = {}
