@@ -17,6 +17,7 @@ from typing import Any, Dict, Protocol, Sequence, runtime_checkable
 from ..planning.metadata import CheckpointIndex
 from ..storage.base import ShardReader
 from ..storage.integrity import open_checkpoint_metadata, read_common
+from ..storage.s3_url import is_s3_url
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .formats import KeyMap, detect
 
@@ -49,7 +50,7 @@ class OpenedCheckpoint:
 
     @classmethod
     def open(cls, checkpoint_dir: str) -> "OpenedCheckpoint":
-        # storage.integrity: refuses URLs and links inside the checkpoint, checks every field
+        # storage.integrity: refuses URLs but s3://, and links inside the checkpoint, checks every field
         opened = open_checkpoint_metadata(checkpoint_dir)
         path, meta = opened.path, opened.meta
         return cls(path, meta, CheckpointIndex.from_json(meta, f"checkpoint {path}"),
@@ -66,6 +67,8 @@ class OpenedCheckpoint:
 def open_checkpoint(path: str, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = ()) -> CheckpointSource:
     """The source for ``path``: a ``torch.save`` file, a ``.safetensors`` file or a Hugging Face
     model directory (``key_map`` maps their keys to template keys: a dict, or a callable returning
-    None to leave a key out), else our own checkpoint directory."""
+    None to leave a key out), else our own checkpoint directory (or ``s3://`` location)."""
+    if is_s3_url(path):
+        return OpenedCheckpoint.open(path)
     found = detect(os.fspath(path), key_map, extra_safe_globals)
     return found if found is not None else OpenedCheckpoint.open(path)

@@ -1,7 +1,8 @@
 """Durable, atomic commit: ranks write into a hidden staging directory beside the target; rank 0
 writes ``metadata.json`` and the commit marker after every rank has finished and fsync'd, then
 swaps the staging directory into place. A crash at any point leaves the previous checkpoint intact
-and never leaves a directory that looks complete but is not."""
+and never leaves a directory that looks complete but is not. ``s3://`` targets commit without a
+rename, by a marker naming the version (:mod:`.s3`)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,28 @@ import hashlib
 import json
 import os
 import shutil
+from typing import Optional
 
 from ..core.errors import CheckpointingError
+from . import s3
 from .checksums import sha256_hex
 from .layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, is_our_committed_checkpoint
+from .options import StorageOptions
+from .s3_url import is_s3_url
 from .safe_pickle import write_file_durable
 from .staging import remove_owner_notes
 
 _RENAME_EXCHANGE = 2
 
-def check_target(target: str) -> None:
+def check_target(target: str, options: Optional[StorageOptions] = None) -> None:
     """Refuse to replace anything but a committed checkpoint of ours or an empty directory.
 
     Whatever else a directory holds (a ``data/`` folder included) may be a user's files: a save
-    never removes them. Checked before anything is written, and again right before the swap."""
+    never removes them. Checked before anything is written, and again right before the swap.
+    An ``s3://`` target: the bucket answers and holds no foreign marker (:func:`.s3.check_target`)."""
+    if is_s3_url(target):
+        s3.check_target(target, options or StorageOptions())
+        return
     if not os.path.lexists(target):
         return
     if os.path.islink(target) or not os.path.isdir(target):
@@ -75,11 +84,16 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> None:
+def commit(staging: str, target: str, metadata_json: str, marker_json: str,
+           options: Optional[StorageOptions] = None) -> None:
     """Write metadata and marker into ``staging`` and move it to ``target`` (rank 0 only).
 
     The marker gets the SHA-256 of ``metadata.json`` and of ``common.pt`` as written (read back from
-    the staging directory: what is verified on load is what is on disk)."""
+    the staging directory: what is verified on load is what is on disk). An ``s3://`` target:
+    ``staging`` is a version location, committed by :func:`.s3.commit`."""
+    if is_s3_url(target):
+        s3.commit(staging, metadata_json, marker_json, options or StorageOptions())
+        return
     remove_owner_notes(staging)
     metadata = metadata_json.encode()
     write_file_durable(os.path.join(staging, METADATA_FILE), metadata)

@@ -1,6 +1,8 @@
 """Opening a checkpoint's files so that what is read can be trusted: the directory is resolved
 once to its real path (a missing one is described with where a good checkpoint is), nothing inside
 it is followed through a link, and the common state is read as a regular file of the checkpoint.
+An ``s3://`` checkpoint is opened through its commit marker (:func:`.s3.open_metadata`): its path
+is then the committed version's location.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError
+from . import s3
 from .checksums import check_sha256
 from .layout import COMMON_FILE, DATA_DIR, MetadataFile, open_metadata, rank_dir
-from .paths import PathLike, local_path, read_inside, refuse_link, scan_tree
+from .options import StorageOptions
+from .paths import PathLike, checkpoint_location, local_path, read_inside, refuse_link, scan_tree
+from .s3_url import is_s3_url
 from .safe_pickle import loads
 from .staging import describe_missing
 
@@ -23,6 +28,9 @@ def open_checkpoint_metadata(checkpoint_dir: PathLike) -> MetadataFile:
     """The checked metadata of the committed checkpoint at ``checkpoint_dir`` (see
     :func:`~lightning_distckpt.storage.layout.open_metadata`); a missing directory (or a dangling
     ``last.ckpt`` link) says where the newest committed checkpoints are."""
+    location = checkpoint_location(checkpoint_dir)
+    if is_s3_url(location):
+        return s3.open_metadata(location, StorageOptions())
     given = os.path.abspath(local_path(checkpoint_dir))
     if not os.path.isdir(given):
         raise IncompleteCheckpointError(f"checkpoint {given}: {describe_missing(given)}")
@@ -42,11 +50,14 @@ def read_common_bytes(checkpoint_dir: str, marker: Dict[str, Any]) -> bytes:
     path = os.path.join(checkpoint_dir, COMMON_FILE)
     where = f"checkpoint {checkpoint_dir}: {COMMON_FILE}"
     try:
-        blob = read_inside(path, f"checkpoint {checkpoint_dir}:")
+        blob = (s3.read_object(checkpoint_dir, COMMON_FILE, StorageOptions()) if is_s3_url(checkpoint_dir)
+                else read_inside(path, f"checkpoint {checkpoint_dir}:"))
     except FileNotFoundError:
         raise CheckpointingError(f"{where} is missing") from None
     except OSError as e:
         raise CheckpointingError(f"{where} cannot be read: {e.strerror or e}") from None
+    if blob is None:
+        raise CheckpointingError(f"{where} is missing")
     if not blob:
         raise FormatError(f"{where} is empty (0 bytes)")
     if "common_sha256" in marker:
@@ -56,7 +67,10 @@ def read_common_bytes(checkpoint_dir: str, marker: Dict[str, Any]) -> bytes:
 
 def store_bytes(checkpoint_dir: str, writer: int) -> Optional[int]:
     """Bytes of the files in ``writer``'s store (None when it is missing), refusing ``data/``, the
-    store or anything in it that is a symbolic link (FormatError naming it)."""
+    store or anything in it that is a symbolic link (FormatError naming it). None for an ``s3://``
+    checkpoint: an object store has no links, and its sizes are not listed."""
+    if is_s3_url(checkpoint_dir):
+        return None
     what = f"checkpoint {checkpoint_dir}: store of rank {writer}"
     try:
         refuse_link(os.path.join(checkpoint_dir, DATA_DIR), f"checkpoint {checkpoint_dir}: data directory")

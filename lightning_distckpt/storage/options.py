@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ..core.errors import ConfigError, FormatError
 
@@ -12,6 +12,7 @@ LAYOUTS = ("ocdbt", "zarr")
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 DEFAULT_DATA_FILE_BYTES = 64 * 1024 * 1024
 DEFAULT_PACK_MAX_BYTES = 256 * 1024
+S3_CREDENTIALS = ("environment", "default", "anonymous")
 _MAX_CHUNK_BYTES = 1 << 40  # larger chunks are no checkpoint of ours: refuse before sizing anything by them
 
 
@@ -32,6 +33,11 @@ class StorageOptions:
     pack_max_bytes: shards of at most this many bytes (not flattened) are packed into one array
         per writing rank and dtype instead of an array each; 0 packs nothing. Where each shard
         went is recorded per shard in ``metadata.json``.
+    s3_endpoint, s3_region, s3_credentials, s3_retries: ``s3://`` checkpoints only (see
+        docs/object_storage.md), never recorded. The endpoint and region override
+        ``AWS_ENDPOINT_URL`` and ``AWS_REGION``; ``s3_credentials`` is ``"environment"``
+        (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``), ``"profile:NAME"``, ``"default"``
+        (the AWS SDK's chain) or ``"anonymous"``; s3_retries: attempts per request.
     """
 
     layout: str = "ocdbt"
@@ -39,6 +45,10 @@ class StorageOptions:
     io_concurrency: int = 16
     data_file_bytes: int = DEFAULT_DATA_FILE_BYTES
     pack_max_bytes: int = DEFAULT_PACK_MAX_BYTES
+    s3_endpoint: Optional[str] = None
+    s3_region: Optional[str] = None
+    s3_credentials: Optional[str] = None
+    s3_retries: int = 4
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -51,6 +61,11 @@ class StorageOptions:
             raise ConfigError(f"data_file_bytes must be at least 1024, got {self.data_file_bytes}")
         if self.pack_max_bytes < 0:
             raise ConfigError(f"pack_max_bytes must be >= 0, got {self.pack_max_bytes}")
+        if self.s3_retries < 1:
+            raise ConfigError(f"s3_retries must be >= 1, got {self.s3_retries}")
+        creds = self.s3_credentials
+        if creds is not None and creds not in S3_CREDENTIALS and not creds.startswith("profile:"):
+            raise ConfigError(f"s3_credentials must be one of {S3_CREDENTIALS} or 'profile:NAME', got {creds!r}")
 
     def to_json(self) -> Dict[str, Any]:
         return {"layout": self.layout, "chunk_bytes": self.chunk_bytes}

@@ -1,8 +1,9 @@
 """Which paths a checkpoint may be read from and written to.
 
-* A path with a URL scheme (``s3://``, ``gs://``, ``http://``, ``file://``, ...) is refused: no
-  store for it exists yet, and treated as a local path it would be written to ``./s3:/bucket/...``
-  while the caller believes it is in the bucket.
+* A path with a URL scheme (``gs://``, ``http://``, ``file://``, ...) is refused: no store for it
+  exists yet, and treated as a local path it would be written to ``./gs:/bucket/...`` while the
+  caller believes it is in the bucket. ``s3://`` locations are taken where
+  :func:`checkpoint_location` is used (save and load; see :mod:`.s3`).
 * Nothing under a checkpoint directory is followed through a symbolic link: its files are opened
   with ``O_NOFOLLOW`` and its data tree is walked (links not followed) before tensorstore reads it.
   A link elsewhere would make a load read another checkpoint's (or any file's) bytes as ours. The
@@ -18,9 +19,11 @@ from __future__ import annotations
 import os
 import re
 import stat
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 from ..core.errors import ArgumentError, FormatError
+from .options import StorageOptions
+from .s3_url import credentials_spec, is_s3_url, parse_s3_url
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -42,6 +45,17 @@ def local_path(path: PathLike, what: str = "checkpoint") -> str:
             f"{text.split('://', 1)[0]}:)"
         )
     return text
+
+
+def checkpoint_location(path: PathLike, options: Optional[StorageOptions] = None) -> str:
+    """Where a checkpoint is: an ``s3://`` URL normalized (refused when no credentials are
+    configured), else the local path made absolute (other URLs refused, see :func:`local_path`)."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if is_s3_url(text):
+        url = parse_s3_url(text).url
+        credentials_spec(url, options or StorageOptions())
+        return url
+    return os.path.abspath(local_path(path))
 
 
 def refuse_link(path: str, what: str) -> os.stat_result:

@@ -39,6 +39,8 @@ from .checksums import frame_object, unframe_object
 from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from .packs import as_tensor, build_pack, packed_view
+from .s3_url import context_spec, is_s3_url
+from .s3_url import kvstore_spec as s3_kvstore_spec
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
@@ -80,7 +82,8 @@ class TensorStoreIO:
         """``index``: the checkpoint's index, needed to read packed shards (a reader of a format 2
         checkpoint passes it; a writer does not). A reader checks each store it reads before it
         opens it (no links; with ``check_sizes``, no more bytes claimed by the index than stored)."""
-        self.root = os.path.abspath(checkpoint_dir)
+        self.s3 = is_s3_url(checkpoint_dir)  # an s3:// version location (see storage/s3.py)
+        self.root = checkpoint_dir if self.s3 else os.path.abspath(checkpoint_dir)
         self.options = options
         self._packed: Dict[Tuple[int, str], Tuple[str, int, Tuple[int, ...]]] = {}  # handle -> (dtype, offset, shape)
         for key, entry in (index.tensors.items() if index is not None else ()):
@@ -90,7 +93,7 @@ class TensorStoreIO:
         # One context per directory: all arrays of a rank share one OCDBT database instance, and
         # the I/O concurrency applies to the whole save or load. No chunk cache: checkpoint data
         # is written or read once, and caching would keep references to the caller's tensors.
-        self.context = ts.Context(
+        self.context = ts.Context(context_spec(options) if self.s3 else
             {
                 "file_io_concurrency": {"limit": options.io_concurrency},
                 "data_copy_concurrency": {"limit": options.io_concurrency},
@@ -110,10 +113,10 @@ class TensorStoreIO:
     def kvstore_spec(self, writer: int) -> Dict[str, Any]:
         """The key-value store holding ``writer``'s arrays and objects."""
         path = rank_dir(self.root, writer)
+        base = s3_kvstore_spec(path, self.options) if self.s3 else {"driver": "file", "path": path + "/"}
         if self.options.layout == "ocdbt":
-            return {"driver": "ocdbt", "base": {"driver": "file", "path": path + "/"},
-                    "target_data_file_size": self.options.data_file_bytes}
-        return {"driver": "file", "path": path + "/"}
+            return {"driver": "ocdbt", "base": base, "target_data_file_size": self.options.data_file_bytes}
+        return base
 
     def array_spec(self, writer: int, path: str) -> Dict[str, Any]:
         """Spec to open the zarr v3 array at ``path`` of ``writer``'s store for reading: a missing
@@ -154,7 +157,8 @@ class TensorStoreIO:
         their pack array). All packed shards of a writer go into one call: it creates the pack
         arrays. Returns once everything is durable: tensorstore's file driver fsyncs every file.
         """
-        os.makedirs(rank_dir(self.root, writer), exist_ok=True)
+        if not self.s3:
+            os.makedirs(rank_dir(self.root, writer), exist_ok=True)
         arrays: List[Tuple[str, str, np.ndarray, torch.dtype, Optional[int]]] = []  # what, path, data, dtype, chunk
         packs: Dict[torch.dtype, List[ShardWrite]] = {}
         for w in tensors:

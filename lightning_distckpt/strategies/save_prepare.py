@@ -19,10 +19,12 @@ from ..planning.groups import RankRecords, layout_digest
 from ..planning.metadata import ObjectRecord, ShardRecord
 from ..planning.save_plan import SavePlan
 from ..storage import commit as commit_mod
+from ..storage import s3
 from ..storage import staging as staging_mod
 from ..storage.base import ObjectWrite, ShardWrite, ShardWriter
 from ..storage.layout import encode_key
-from ..storage.paths import local_path
+from ..storage.paths import checkpoint_location
+from ..storage.s3_url import is_s3_url
 from ..storage.safe_pickle import dumps
 from ..storage.stores import open_writer
 from ..storage.tensorstore_io import StorageOptions
@@ -140,14 +142,14 @@ def prepare_save(
     when the shards are inconsistent, and an error of the same type on every rank (naming each
     failing rank, see ``failures``) when some rank could not describe its part.
     """
-    target = os.path.abspath(local_path(checkpoint_dir))  # same path on every rank: all refuse a URL alike
+    target = checkpoint_location(checkpoint_dir, options)  # same on every rank: all refuse a URL alike
     started = time.perf_counter()
     planning = PlanningOptions(balance_writes, options.pack_max_bytes)
     error: Optional[Exception] = None
     try:
         # Every rank serializes the common state when it is checked for consistency (only rank
         # 0's copy is written), so an unpicklable value fails on every rank.
-        local = _describe(sharded_state_dict, target, comm,
+        local = _describe(sharded_state_dict, target, comm, options,
                           serialize_common=comm.rank == 0 or (validate_access_integrity and comm.distributed))
     except Exception as e:  # agreed below, so no rank is left waiting in the exchange
         local, error = LocalState(), e
@@ -155,7 +157,7 @@ def prepare_save(
     token = plan_cache.lookup(cache_key) if plan_cache is not None and error is None else None
     mine = Handshake(
         layout=layout_digest(local.records), plan_token=token,
-        staging=staging_mod.new_staging_dir(target) if comm.rank == 0 else None,
+        staging=_new_staging(target) if comm.rank == 0 else None,
         common_digest=local.common_digest, planning=planning,
     )
     with gc_paused():  # thousands of handshakes unpickled: see gc_paused
@@ -183,7 +185,14 @@ def prepare_save(
     )
 
 
-def _describe(sharded_state_dict: Dict[str, Any], target: str, comm: Comm, serialize_common: bool) -> LocalState:
+def _new_staging(target: str) -> str:
+    """Where this save writes before its commit: a hidden sibling directory, or a fresh version
+    under an ``s3://`` target."""
+    return s3.new_version(target) if is_s3_url(target) else staging_mod.new_staging_dir(target)
+
+
+def _describe(sharded_state_dict: Dict[str, Any], target: str, comm: Comm, options: StorageOptions,
+              serialize_common: bool) -> LocalState:
     """Split this rank's state dict into sharded entries and common state, and describe them."""
     sharded, common = split_common(apply_factories(sharded_state_dict))
     found = collect(sharded)
@@ -195,7 +204,7 @@ def _describe(sharded_state_dict: Dict[str, Any], target: str, comm: Comm, seria
         [ObjectRecord.of(o, comm.rank) for o in local.objects],
     )
     if comm.rank == 0:
-        commit_mod.check_target(target)
+        commit_mod.check_target(target, options)
     if serialize_common:
         # Serialized before the exchange, so an unpicklable value is an error agreed by every
         # rank rather than rank 0's alone.
@@ -216,7 +225,7 @@ def _group_ranks(comm: Comm) -> Tuple[int, ...]:
 def _look_around(comm: Comm, target: str, staging: str, common: Any, handshakes: List[Handshake],
                  validate_access_integrity: bool) -> None:
     """Warnings that need no agreement: leftovers of killed saves, common state differing by rank."""
-    if comm.rank == 0:
+    if comm.rank == 0 and not is_s3_url(target):
         try:  # one listdir of the parent: leftovers of killed saves take a checkpoint's space each
             staging_mod.warn_about_leftovers(target, staging)
         except OSError as e:

@@ -1,0 +1,203 @@
+"""Checkpoints in S3-compatible object storage, committed without a rename.
+
+::
+
+    s3://bucket/prefix/
+      COMMITTED              the commit marker: names the committed version and records the SHA-256
+                             of its metadata.json and common.pt; written last, by rank 0
+      v-<token>/             one save (the token is its staging name, fresh per save)
+        metadata.json, common.pt, data/rank_NNNNN/   as in a checkpoint directory (layout.py)
+
+Ranks write under a fresh version prefix; rank 0 then writes ``metadata.json``, reads
+``common.pt`` back to hash it and replaces the marker (one PUT: atomic). Readers trust only the
+marker, so a reader never sees a mix of two saves, and a save that fails or is killed before its
+marker leaves the previous checkpoint loadable. After the new marker is in place the previous
+version's objects are deleted. Everything (arrays through OCDBT, metadata, common state, marker)
+goes through tensorstore's ``s3`` kvstore.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from typing import Any, Dict, Optional
+
+import tensorstore as ts
+
+from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError
+from .checksums import check_sha256, sha256_hex, warn_no_checksums
+from .layout import (
+    _MARKER_FIELDS, _META_FIELDS, CHECKSUMS_SINCE, COMMIT_MARKER, COMMON_FILE, FORMAT_NAME, METADATA_FILE,
+    SUPPORTED_FORMAT_VERSIONS, MetadataFile, _check_fields, _parse_json,
+)
+from .options import StorageOptions
+from .s3_url import context_spec, explain, kvstore_spec, parse_s3_url
+
+logger = logging.getLogger(__name__)
+
+VERSION_PREFIX = "v-"
+_VERSION = re.compile(r"^v-[0-9a-f]{12}$")
+
+
+class ObjectStore:
+    """Whole objects under one ``s3://`` location, through tensorstore's ``s3`` kvstore; every
+    failure a CheckpointingError naming the URL and why, in one line."""
+
+    def __init__(self, url: str, options: StorageOptions) -> None:
+        self.url = parse_s3_url(url).url
+        self.options = options
+        spec = kvstore_spec(self.url, options)
+        self._kv = ts.KvStore.open(spec, context=ts.Context(context_spec(options))).result()  # no request yet
+
+    def _error(self, what: str, e: BaseException) -> CheckpointingError:
+        return CheckpointingError(f"checkpoint {self.url}: {what} failed: {explain(e, self.options)}")
+
+    def read(self, name: str) -> Optional[bytes]:
+        """The object ``name`` (relative to the location), None when missing."""
+        try:
+            res = self._kv.read(name).result()
+        except Exception as e:
+            raise self._error(f"reading {name}", e) from None
+        return bytes(res.value) if res.state == "value" else None
+
+    def write(self, name: str, data: bytes) -> None:
+        try:
+            self._kv.write(name, data).result()
+        except Exception as e:
+            raise self._error(f"writing {name}", e) from None
+
+    def check_bucket(self) -> None:
+        """One listing request: raises when the bucket is missing, access is denied or the endpoint
+        is unreachable (a read of a missing object in a missing bucket is just 'missing')."""
+        try:
+            self._kv.list(ts.KvStore.KeyRange(COMMIT_MARKER, COMMIT_MARKER + "\0")).result()
+        except Exception as e:
+            raise self._error("listing", e) from None
+
+    def delete_prefix(self, name: str) -> None:
+        """Delete every object under ``name/``."""
+        start = name.rstrip("/") + "/"
+        try:
+            self._kv.delete_range(ts.KvStore.KeyRange(start, start[:-1] + "0")).result()  # "0" follows "/"
+        except Exception as e:
+            raise self._error(f"deleting {start}", e) from None
+
+
+def new_version(target: str) -> str:
+    """A fresh version location under ``target`` (where one save writes before its commit)."""
+    return f"{target}/{VERSION_PREFIX}{uuid.uuid4().hex[:12]}"
+
+
+def _split(version_url: str) -> tuple:
+    """``(target, version name)`` of a version location made by :func:`new_version`."""
+    target, _, name = version_url.rpartition("/")
+    return target, name
+
+
+def read_marker(store: ObjectStore) -> Optional[Dict[str, Any]]:
+    """The parsed commit marker at ``store``'s location, None when there is none; FormatError when
+    it is not a marker of ours (its fields and the version it names checked)."""
+    raw = store.read(COMMIT_MARKER)
+    if raw is None:
+        return None
+    where = f"checkpoint {store.url}: {COMMIT_MARKER}"
+    marker = _parse_json(raw, where)
+    if not isinstance(marker, dict):
+        raise FormatError(f"{where} is not a JSON object")
+    _check_fields(marker, _MARKER_FIELDS, where)
+    if not isinstance(marker.get("version"), str) or not _VERSION.match(marker["version"]):
+        raise FormatError(f"{where}: field 'version' must name a version ('v-' and 12 hex digits), "
+                          f"got {str(marker.get('version'))[:40]!r}")
+    return marker
+
+
+def check_target(target: str, options: StorageOptions) -> None:
+    """Before a save writes: the bucket answers, and the marker there (if any) is one of ours
+    (a save never replaces another tool's ``COMMITTED`` object)."""
+    store = ObjectStore(target, options)
+    store.check_bucket()
+    try:
+        read_marker(store)
+    except FormatError as e:
+        raise CheckpointingError(f"{e}; refusing to replace it (save elsewhere)") from None
+
+
+def write_object(version_url: str, name: str, data: bytes, options: StorageOptions) -> None:
+    """Write one whole object (``common.pt``) of a version."""
+    ObjectStore(version_url, options).write(name, data)
+
+
+def commit(version_url: str, metadata_json: str, marker_json: str, options: StorageOptions) -> None:
+    """Rank 0: write ``metadata.json`` into the version, then the marker naming it (with the
+    SHA-256 of metadata.json and of common.pt as read back), then delete the previous version."""
+    target, name = _split(version_url)
+    version = ObjectStore(version_url, options)
+    metadata = metadata_json.encode()
+    version.write(METADATA_FILE, metadata)
+    common = version.read(COMMON_FILE)
+    if common is None:
+        raise CheckpointingError(f"checkpoint {version_url}: {COMMON_FILE} is missing; nothing was committed")
+    store = ObjectStore(target, options)
+    previous = read_marker(store)
+    marker = json.loads(marker_json)
+    marker.update(version=name, metadata_sha256=sha256_hex(metadata), common_sha256=sha256_hex(common))
+    store.write(COMMIT_MARKER, json.dumps(marker).encode())
+    if previous is not None and previous["version"] != name:
+        try:
+            store.delete_prefix(previous["version"])
+        except CheckpointingError as e:
+            logger.warning("%s (the previous version is left behind; `clean` removes it)", e)
+
+
+def discard(version_url: str, options: StorageOptions) -> None:
+    """Remove an uncommitted version's objects (after a failed save); failures only logged."""
+    target, name = _split(version_url)
+    try:
+        ObjectStore(target, options).delete_prefix(name)
+    except CheckpointingError as e:
+        logger.warning("%s (the uncommitted version is left behind; `clean` removes it)", e)
+
+
+def open_metadata(url: str, options: StorageOptions) -> MetadataFile:
+    """The checked metadata of the committed checkpoint at ``url``; its ``path`` is the committed
+    version's location (what the marker names: every later read goes there)."""
+    store = ObjectStore(url, options)
+    marker = read_marker(store)
+    if marker is None:
+        store.check_bucket()  # a missing bucket is said as such, not as a missing checkpoint
+        raise IncompleteCheckpointError(f"checkpoint {store.url}: no commit marker ({COMMIT_MARKER}): not a "
+                                        f"checkpoint, or its first save never committed")
+    path = f"{store.url}/{marker['version']}"
+    raw = ObjectStore(path, options).read(METADATA_FILE)
+    if raw is None:
+        raise FormatError(f"checkpoint {store.url}: {COMMIT_MARKER} names version {marker['version']}, which has "
+                          f"no {METADATA_FILE} (deleted or damaged)")
+    return MetadataFile(path, _check_meta(path, raw, marker), marker)
+
+
+def _check_meta(path: str, raw: bytes, marker: Dict[str, Any]) -> Dict[str, Any]:
+    """``metadata.json``'s content checked as :func:`~.layout.open_metadata` checks a directory's."""
+    where = f"checkpoint {path}: {METADATA_FILE}"
+    meta = _parse_json(raw, where)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise FormatError(f"{where} does not name format {FORMAT_NAME!r}")
+    version = meta.get("format_version")
+    if type(version) is not int or version not in SUPPORTED_FORMAT_VERSIONS:
+        raise FormatError(f"{where}: format version {version!r} is not supported by this version of "
+                          f"lightning_distckpt (supports {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade the library")
+    if "metadata_sha256" in marker:
+        check_sha256(raw, marker["metadata_sha256"], where)
+    _check_fields(meta, _META_FIELDS, where)
+    if version < CHECKSUMS_SINCE:
+        warn_no_checksums(path, version)
+    elif "metadata_sha256" not in marker or "common_sha256" not in marker:
+        raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} lacks the checksums a format {version} checkpoint "
+                          f"records (damaged)")
+    return meta
+
+
+def read_object(version_url: str, name: str, options: StorageOptions) -> Optional[bytes]:
+    """One whole object of a committed version (``common.pt``), None when missing."""
+    return ObjectStore(version_url, options).read(name)

@@ -1,0 +1,115 @@
+"""``s3://bucket/prefix`` locations: parsing, tensorstore's ``s3`` kvstore spec for one, and
+failures of S3 requests as one line naming the URL. No I/O here (see :mod:`.s3`).
+
+Endpoint, region and credentials come from the standard AWS environment (``AWS_ENDPOINT_URL``,
+``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` + ``AWS_SECRET_ACCESS_KEY`` or
+``AWS_PROFILE``), each overridable in :class:`~lightning_distckpt.storage.options.StorageOptions`.
+With no credentials configured at all a URL is refused before any request: the SDK's default
+chain would otherwise probe the instance metadata service.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Dict, NamedTuple, Optional
+
+from ..core.errors import ArgumentError
+from .options import StorageOptions
+
+S3_SCHEME = "s3://"
+DEFAULT_REGION = "us-east-1"  # what S3-compatible servers (and tensorstore with an endpoint) expect
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+
+
+def is_s3_url(path: Any) -> bool:
+    """``path`` is a string naming an ``s3://`` location."""
+    return isinstance(path, str) and path.startswith(S3_SCHEME)
+
+
+class S3Location(NamedTuple):
+    """A bucket and a key prefix in it (no leading or trailing ``/``; ``""`` for the bucket's root)."""
+
+    bucket: str
+    prefix: str
+
+    @property
+    def url(self) -> str:
+        return f"{S3_SCHEME}{self.bucket}/{self.prefix}" if self.prefix else f"{S3_SCHEME}{self.bucket}"
+
+
+def parse_s3_url(url: str) -> S3Location:
+    """The location of ``s3://bucket/a/b`` (``/`` runs and a trailing ``/`` collapsed); an
+    ArgumentError naming the URL for an invalid bucket name or a ``.``/``..`` component."""
+    bucket, _, rest = url[len(S3_SCHEME):].partition("/")
+    if not _BUCKET.match(bucket):
+        raise ArgumentError(f"checkpoint {url}: {bucket!r} is not a valid S3 bucket name")
+    parts = [p for p in rest.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise ArgumentError(f"checkpoint {url}: '.' and '..' are not allowed in an S3 key prefix")
+    return S3Location(bucket, "/".join(parts))
+
+
+def endpoint(options: StorageOptions) -> Optional[str]:
+    return options.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def credentials_spec(url: str, options: StorageOptions) -> Dict[str, Any]:
+    """tensorstore's ``aws_credentials`` for ``options`` and the environment; ArgumentError when
+    none are configured (nothing is then sent anywhere)."""
+    choice = options.s3_credentials
+    if choice is None:
+        if os.environ.get("AWS_ACCESS_KEY_ID"):
+            choice = "environment"
+        elif os.environ.get("AWS_PROFILE"):
+            choice = "profile:" + os.environ["AWS_PROFILE"]
+        elif os.path.isfile(os.path.expanduser("~/.aws/credentials")):
+            choice = "default"
+        else:
+            raise ArgumentError(
+                f"checkpoint {url}: s3:// URLs are not supported without credentials, and none are configured: set "
+                f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass StorageOptions(s3_credentials=...)"
+            )
+    if choice.startswith("profile:"):
+        return {"type": "profile", "profile": choice[len("profile:"):]}
+    return {"type": choice}
+
+
+def kvstore_spec(url: str, options: StorageOptions) -> Dict[str, Any]:
+    """The ``s3`` kvstore whose keys are the objects under ``url`` (a directory-like prefix)."""
+    loc = parse_s3_url(url)
+    spec: Dict[str, Any] = {"driver": "s3", "bucket": loc.bucket, "path": loc.prefix + "/" if loc.prefix else "",
+                            "aws_credentials": credentials_spec(url, options)}
+    ep = endpoint(options)
+    region = options.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if ep:
+        spec["endpoint"] = ep
+        region = region or DEFAULT_REGION
+    if region:
+        spec["aws_region"] = region
+    return spec
+
+
+def context_spec(options: StorageOptions) -> Dict[str, Any]:
+    """tensorstore context resources for S3 requests: concurrency and bounded retries (an
+    unreachable endpoint fails after ``s3_retries`` attempts, not after minutes)."""
+    return {
+        "s3_request_concurrency": {"limit": options.io_concurrency},
+        "s3_request_retries": {"max_retries": options.s3_retries, "initial_delay": "100ms", "max_delay": "5s"},
+        "data_copy_concurrency": {"limit": options.io_concurrency},
+        "cache_pool": {"total_bytes_limit": 0},
+    }
+
+
+def explain(error: BaseException, options: StorageOptions) -> str:
+    """One line saying why an S3 request failed: a missing bucket, denied access, an unreachable
+    endpoint, else the first line of tensorstore's message (the server's XML body left out)."""
+    text = str(error)
+    if "NoSuchBucket" in text:
+        return "the bucket does not exist"
+    if "AccessDenied" in text or "PERMISSION_DENIED" in text or "InvalidAccessKeyId" in text \
+            or "SignatureDoesNotMatch" in text:
+        return "access denied (check the AWS credentials)"
+    if "CURL error" in text:
+        return f"the endpoint {endpoint(options) or 'of AWS S3'} is unreachable ({text.split('CURL error', 1)[1][:120].strip()})"
+    return text.split(" [http_response_body", 1)[0].splitlines()[0][:300] if text else type(error).__name__
