@@ -1,0 +1,192 @@
+"""``s3://`` checkpoints against a real S3-protocol server on loopback (moto's server mode, started
+and stopped by this module): single- and two-process saves, resharding loads, overwrites, a save
+that never committed, and errors (missing bucket, unreachable endpoint) on every rank."""
+
+import json
+import logging
+import uuid
+
+import pytest
+import torch
+
+import lightning_distckpt as ldc
+from lightning_distckpt.core.errors import CheckpointingError, IncompleteCheckpointError, SaveFailedError
+from lightning_distckpt.storage import s3 as s3_mod
+from dist_utils import free_port, run_distributed
+
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()  # returns once the socket listens
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def bucket(endpoint, monkeypatch):
+    """A fresh bucket; the AWS environment (seen by spawned ranks too) points at the server."""
+    for name, value in (("AWS_ENDPOINT_URL", endpoint), ("AWS_ACCESS_KEY_ID", "testing"),
+                        ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    _client(endpoint).create_bucket(Bucket=name)
+    return name
+
+
+def _client(endpoint):
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                        aws_secret_access_key="testing")
+
+
+def _keys(endpoint, bucket):
+    listed = _client(endpoint).list_objects_v2(Bucket=bucket)
+    return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+def _marker(endpoint, bucket, prefix):
+    return json.loads(_client(endpoint).get_object(Bucket=bucket, Key=f"{prefix}/COMMITTED")["Body"].read())
+
+
+def _full(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(8, 6, generator=g), "h": torch.randn(4, 5, generator=g).to(torch.bfloat16),
+            "n": torch.arange(7, dtype=torch.int64) * seed}
+
+
+def _state(seed, rank=0, world=1):
+    """Rows of ``w`` and ``h`` split over the ranks; ``n`` replicated; an object per rank; common."""
+    full = _full(seed)
+    sd = {
+        "w": ldc.ShardedTensor.from_rank_offsets("w", full["w"].chunk(world)[rank].clone(), (0, rank, world)),
+        "h": ldc.ShardedTensor.from_rank_offsets("h", full["h"].chunk(world)[rank].clone(), (0, rank, world)),
+        "n": ldc.ShardedTensor.from_rank_offsets("n", full["n"].clone(), replica_id=rank),
+        "obj": ldc.ShardedObject("obj", {"rank": rank, "seed": seed}, (world,), (rank,)),
+        "step": seed,
+    }
+    return sd
+
+
+def _template(rank=0, world=1):
+    """Columns of ``w`` split over the ranks (a resharding load), ``h`` whole."""
+    full = _full(0)
+    cols = full["w"].chunk(world, dim=1)[rank]
+    return {
+        "w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros_like(cols), (1, rank, world)),
+        "h": ldc.ShardedTensor.from_rank_offsets("h", torch.zeros_like(full["h"]), replica_id=rank),
+        "n": ldc.ShardedTensor.from_rank_offsets("n", torch.zeros(7, dtype=torch.int64), replica_id=rank),
+        "obj": ldc.ShardedObject("obj", None, (world,), (rank,)),
+    }
+
+
+def _check(out, seed, rank=0, world=1):
+    full = _full(seed)
+    assert torch.equal(out["w"], full["w"].chunk(world, dim=1)[rank])
+    assert torch.equal(out["h"].view(torch.int16), full["h"].view(torch.int16))  # bit-exact bfloat16
+    assert torch.equal(out["n"], full["n"])
+    assert out["obj"] == {"rank": rank, "seed": seed} and out["step"] == seed
+
+
+def test_save_and_load_one_process_bit_exact(bucket, endpoint):
+    url = f"s3://{bucket}/runs/ck"
+    ldc.save(_state(3), url)
+    _check(ldc.load(_template(), url), 3)
+    assert ldc.load_common_state_dict(url) == {"step": 3}
+    meta = ldc.load_tensors_metadata(url)
+    assert meta["w"].global_shape == (8, 6) and meta["h"].dtype == torch.bfloat16
+    version = _marker(endpoint, bucket, "runs/ck")["version"]
+    keys = _keys(endpoint, bucket)
+    assert "runs/ck/COMMITTED" in keys and f"runs/ck/{version}/metadata.json" in keys
+    assert f"runs/ck/{version}/common.pt" in keys
+    assert f"runs/ck/{version}/data/rank_00000/manifest.ocdbt" in keys  # arrays: OCDBT over the s3 kvstore
+    assert all(k == "runs/ck/COMMITTED" or k.startswith(f"runs/ck/{version}/") for k in keys)
+
+
+def _save_then_reshard(rank, world, url):
+    ldc.save(_state(5, rank, world), url)
+    _check(ldc.load(_template(rank, world), url), 5, rank, world)
+    ldc.save(_state(6, rank, world), url)  # an overwrite, by every rank
+    _check(ldc.load(_template(rank, world), url, loader="every_rank"), 6, rank, world)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_save_resharding_load_and_overwrite_on_gloo_ranks(bucket, endpoint, world):
+    url = f"s3://{bucket}/ck"
+    assert run_distributed(_save_then_reshard, world, url) == [True] * world
+    version = _marker(endpoint, bucket, "ck")["version"]
+    stored = _keys(endpoint, bucket)
+    assert all(k == "ck/COMMITTED" or k.startswith(f"ck/{version}/") for k in stored), stored  # old version gone
+    assert sum(k.endswith("manifest.ocdbt") for k in stored) == world  # one store per writing rank
+    _check(ldc.load(_template(), url), 6)  # and from one process, resharded again
+
+
+def test_a_save_that_never_committed_is_ignored_and_the_previous_loads(bucket, endpoint, monkeypatch):
+    url = f"s3://{bucket}/ck"
+    ldc.save(_state(1), url)
+    committed = _marker(endpoint, bucket, "ck")
+
+    def killed_before_the_marker(version_url, metadata_json, marker_json, options):
+        s3_mod.ObjectStore(version_url, options).write("metadata.json", metadata_json.encode())
+        raise CheckpointingError("rank 0 killed before writing the marker")
+
+    monkeypatch.setattr(s3_mod, "commit", killed_before_the_marker)
+    monkeypatch.setattr(s3_mod, "discard", lambda *a: None)  # as after kill -9: nothing cleans up
+    with pytest.raises(SaveFailedError, match="killed before writing the marker"):
+        ldc.save(_state(2), url)
+    partial = {k.split("/")[1] for k in _keys(endpoint, bucket) if k != "ck/COMMITTED"}
+    assert len(partial) == 2 and committed["version"] in partial  # the partial version's objects are there
+    assert _marker(endpoint, bucket, "ck") == committed
+    _check(ldc.load(_template(), url), 1)
+
+
+def test_a_failed_save_removes_its_version_and_keeps_the_previous(bucket, endpoint, monkeypatch):
+    url = f"s3://{bucket}/ck"
+    ldc.save(_state(1), url)
+    before = _keys(endpoint, bucket)
+    monkeypatch.setattr(s3_mod, "write_object", lambda *a: (_ for _ in ()).throw(OSError("network down")))
+    with pytest.raises(SaveFailedError, match="network down"):
+        ldc.save(_state(2), url)
+    assert _keys(endpoint, bucket) == before
+    _check(ldc.load(_template(), url), 1)
+
+
+def _missing_bucket(rank, world, url):
+    errors = []
+    for call in (lambda: ldc.save(_state(1, rank, world), url), lambda: ldc.load(_template(rank, world), url)):
+        try:
+            call()
+        except CheckpointingError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_a_missing_bucket_is_one_clear_error_on_every_rank(bucket):
+    url = "s3://no-such-bucket-here/ck"
+    for errors in run_distributed(_missing_bucket, 2, url):
+        assert len(errors) == 2
+        for text in errors:
+            assert url in text and "the bucket does not exist" in text and "\n" not in text, text
+
+
+def test_no_checkpoint_at_a_prefix_and_an_unreachable_endpoint(bucket, monkeypatch):
+    with pytest.raises(IncompleteCheckpointError, match=f"s3://{bucket}/nothing: no commit marker"):
+        ldc.load(_template(), f"s3://{bucket}/nothing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    for call in (lambda: ldc.save(_state(1), f"s3://{bucket}/ck"), lambda: ldc.load(_template(), f"s3://{bucket}/ck")):
+        with pytest.raises(CheckpointingError, match="is unreachable") as info:
+            call()
+        assert f"s3://{bucket}/ck" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_endpoint_and_region_from_storage_options(bucket, endpoint, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # wrong: the options win
+    opts = ldc.StorageOptions(s3_endpoint=endpoint, s3_region="us-east-1", s3_credentials="environment")
+    ldc.save(_state(4), f"s3://{bucket}/ck", storage=opts)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    _check(ldc.load(_template(), f"s3://{bucket}/ck"), 4)
