@@ -4,6 +4,10 @@ that never committed, and errors (missing bucket, unreachable endpoint) on every
 
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -190,3 +194,61 @@ def test_endpoint_and_region_from_storage_options(bucket, endpoint, monkeypatch)
     ldc.save(_state(4), f"s3://{bucket}/ck", storage=opts)
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     _check(ldc.load(_template(), f"s3://{bucket}/ck"), 4)
+
+
+def _async_saves(rank, world, url):
+    saver = ldc.AsyncSaver()
+    for seed in (7, 8):
+        request = ldc.save(_state(seed, rank, world), url, async_save=saver)
+        request.finalize()
+        _check(ldc.load(_template(rank, world), url), seed, rank, world)
+    return saver.plan_cache.hits
+
+
+def test_async_save_on_two_ranks_reuses_its_plan(bucket, endpoint):
+    url = f"s3://{bucket}/ck"
+    assert run_distributed(_async_saves, 2, url) == [1, 1]  # the second save reused the first one's plan
+    assert len({k.split("/")[1] for k in _keys(endpoint, bucket)} - {"COMMITTED"}) == 1
+
+
+_KILLED_SAVE = """
+import os, signal, torch, lightning_distckpt as ldc
+from lightning_distckpt.storage import s3
+def commit(version_url, metadata_json, marker_json, options):
+    s3.ObjectStore(version_url, options).write("metadata.json", metadata_json.encode())
+    os.kill(os.getpid(), signal.SIGKILL)  # kill -9 after every write but the marker
+s3.commit = commit
+ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.full((8, 6), 9.0)), "step": 9}, os.environ["URL"])
+"""
+
+
+def test_kill_9_before_the_marker_leaves_the_previous_checkpoint_and_refuses_the_partial(bucket, endpoint,
+                                                                                        monkeypatch):
+    url = f"s3://{bucket}/ck"
+    ldc.save(_state(1), url)
+    committed = _marker(endpoint, bucket, "ck")["version"]
+    monkeypatch.setenv("URL", url)
+    assert subprocess.run([sys.executable, "-c", _KILLED_SAVE], env=os.environ.copy()).returncode == -signal.SIGKILL
+    partial = {k.split("/")[1] for k in _keys(endpoint, bucket)} - {"COMMITTED", committed}
+    assert len(partial) == 1
+    assert _marker(endpoint, bucket, "ck")["version"] == committed
+    _check(ldc.load(_template(), url), 1)
+    with pytest.raises(IncompleteCheckpointError, match="no commit marker"):  # the partial version itself
+        ldc.load(_template(), f"{url}/{partial.pop()}")
+
+
+def test_a_load_whose_version_an_overwrite_deleted_says_so(bucket):
+    from lightning_distckpt.reading.checkpoint import OpenedCheckpoint
+    from lightning_distckpt.storage.base import ShardRead
+
+    url = f"s3://{bucket}/ck"
+    ldc.save(_state(1), url)
+    opened = OpenedCheckpoint.open(url)
+    ldc.save(_state(2), url)  # commits a new version, then deletes the one `opened` names
+    reader = opened.reader()
+    with pytest.raises(CheckpointingError, match="was replaced while being read"):
+        reader.read_object(0, "obj", 0)
+    dest = torch.zeros(8, 6)
+    with pytest.raises(CheckpointingError, match="was replaced while being read"):
+        reader.read_into([ShardRead("w", 0, 0, (slice(0, 8), slice(0, 6)), dest)])
+    _check(ldc.load(_template(), url), 2)

@@ -198,6 +198,18 @@ def _check_meta(path: str, raw: bytes, marker: Dict[str, Any]) -> Dict[str, Any]
     return meta
 
 
+def is_committed_version(version_url: str, options: StorageOptions) -> bool:
+    """The marker still names ``version_url`` (False once a newer save replaced it); asked after a
+    read failed, to tell a replaced checkpoint from damage (versions are never rewritten in place,
+    so reads that succeed need no check)."""
+    target, name = _split(version_url)
+    try:
+        marker = read_marker(ObjectStore(target, options))
+    except CheckpointingError:
+        return True  # cannot tell: the read's own error stands
+    return marker is not None and marker["version"] == name
+
+
 def read_object(version_url: str, name: str, options: StorageOptions) -> Optional[bytes]:
     """One whole object of a committed version (``common.pt``), None when missing."""
     return ObjectStore(version_url, options).read(name)

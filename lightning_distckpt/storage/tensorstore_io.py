@@ -39,6 +39,7 @@ from .checksums import frame_object, unframe_object
 from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from .packs import as_tensor, build_pack, packed_view
+from .s3 import is_committed_version as s3_is_committed
 from .s3_url import context_spec, is_s3_url
 from .s3_url import kvstore_spec as s3_kvstore_spec
 
@@ -213,7 +214,8 @@ class TensorStoreIO:
     def _read_error(self, message: str) -> CheckpointingError:
         """A read failure, saying so when the checkpoint was replaced meanwhile (what failed is then
         a consequence, not damage)."""
-        if self._root_id is not None and _dir_id(self.root) != self._root_id:
+        if (self._root_id is not None and _dir_id(self.root) != self._root_id) or (
+                self.s3 and self._reading and not s3_is_committed(self.root, self.options)):
             return CheckpointingError(f"checkpoint {self.root} was replaced while being read (a newer save committed "
                                       f"to the same path); load it again. ({message})")
         return CheckpointingError(message)
