@@ -252,3 +252,27 @@ def test_a_load_whose_version_an_overwrite_deleted_says_so(bucket):
     with pytest.raises(CheckpointingError, match="was replaced while being read"):
         reader.read_into([ShardRead("w", 0, 0, (slice(0, 8), slice(0, 6)), dest)])
     _check(ldc.load(_template(), url), 2)
+
+
+def test_plain_zarr_layout_over_s3(bucket, endpoint):
+    url = f"s3://{bucket}/ck"
+    ldc.save(_state(2), url, storage=ldc.StorageOptions(layout="zarr"))
+    _check(ldc.load(_template(), url), 2)
+    assert any(k.endswith("/zarr.json") for k in _keys(endpoint, bucket))  # one object per array and chunk
+
+
+def test_s3_settings_in_the_yaml_config_and_refused_values(tmp_path):
+    from lightning_distckpt.core.errors import ArgumentError, ConfigError
+    from lightning_distckpt.lightning.config import load_checkpoint_config
+
+    (tmp_path / "ckpt.yaml").write_text("storage:\n  s3_endpoint: http://127.0.0.1:9000\n  s3_region: eu-west-1\n"
+                                        "  s3_credentials: profile:training\n")
+    storage = load_checkpoint_config(tmp_path / "ckpt.yaml").storage
+    assert (storage.s3_endpoint, storage.s3_region, storage.s3_credentials) == (
+        "http://127.0.0.1:9000", "eu-west-1", "profile:training")
+    for bad in ({"s3_endpoint": "127.0.0.1:9000"}, {"s3_credentials": "keys"}, {"s3_retries": 0}):
+        with pytest.raises(ConfigError):
+            ldc.StorageOptions(**bad)
+    for url in ("s3://Bad_Bucket/x", "s3://bucket/a/../b"):
+        with pytest.raises(ArgumentError, match="checkpoint s3://"):
+            ldc.save(_state(1), url, storage=ldc.StorageOptions(s3_credentials="anonymous"))

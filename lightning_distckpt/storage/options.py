@@ -61,6 +61,8 @@ class StorageOptions:
             raise ConfigError(f"data_file_bytes must be at least 1024, got {self.data_file_bytes}")
         if self.pack_max_bytes < 0:
             raise ConfigError(f"pack_max_bytes must be >= 0, got {self.pack_max_bytes}")
+        if self.s3_endpoint is not None and not self.s3_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"s3_endpoint must be an http:// or https:// URL, got {self.s3_endpoint!r}")
         if self.s3_retries < 1:
             raise ConfigError(f"s3_retries must be >= 1, got {self.s3_retries}")
         creds = self.s3_credentials

@@ -49,7 +49,10 @@ class ObjectStore:
         self.url = parse_s3_url(url).url
         self.options = options
         spec = kvstore_spec(self.url, options)
-        self._kv = ts.KvStore.open(spec, context=ts.Context(context_spec(options))).result()  # no request yet
+        try:  # no request yet: only the spec is checked
+            self._kv = ts.KvStore.open(spec, context=ts.Context(context_spec(options))).result()
+        except Exception as e:
+            raise self._error("opening the store", e) from None
 
     def _error(self, what: str, e: BaseException) -> CheckpointingError:
         return CheckpointingError(f"checkpoint {self.url}: {what} failed: {explain(e, self.options)}")
