@@ -276,3 +276,14 @@ def test_s3_settings_in_the_yaml_config_and_refused_values(tmp_path):
     for url in ("s3://Bad_Bucket/x", "s3://bucket/a/../b"):
         with pytest.raises(ArgumentError, match="checkpoint s3://"):
             ldc.save(_state(1), url, storage=ldc.StorageOptions(s3_credentials="anonymous"))
+
+
+def test_access_denied_is_one_clear_line(bucket, monkeypatch):
+    from moto import settings
+
+    url = f"s3://{bucket}/ck"
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server now checks keys: ours are unknown
+    for call in (lambda: ldc.save(_state(1), url), lambda: ldc.load(_template(), url)):
+        with pytest.raises(CheckpointingError, match="access denied") as info:
+            call()
+        assert url in str(info.value) and "\n" not in str(info.value)

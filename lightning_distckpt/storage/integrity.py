@@ -15,7 +15,7 @@ from . import s3
 from .checksums import check_sha256
 from .layout import COMMON_FILE, DATA_DIR, MetadataFile, open_metadata, rank_dir
 from .options import StorageOptions
-from .paths import PathLike, checkpoint_location, local_path, read_inside, refuse_link, scan_tree
+from .paths import PathLike, checkpoint_location, read_inside, refuse_link, scan_tree
 from .s3_url import is_s3_url
 from .safe_pickle import loads
 from .staging import describe_missing
@@ -28,10 +28,9 @@ def open_checkpoint_metadata(checkpoint_dir: PathLike) -> MetadataFile:
     """The checked metadata of the committed checkpoint at ``checkpoint_dir`` (see
     :func:`~lightning_distckpt.storage.layout.open_metadata`); a missing directory (or a dangling
     ``last.ckpt`` link) says where the newest committed checkpoints are."""
-    location = checkpoint_location(checkpoint_dir)
-    if is_s3_url(location):
-        return s3.open_metadata(location, StorageOptions())
-    given = os.path.abspath(local_path(checkpoint_dir))
+    given = checkpoint_location(checkpoint_dir)
+    if is_s3_url(given):
+        return s3.open_metadata(given, StorageOptions())
     if not os.path.isdir(given):
         raise IncompleteCheckpointError(f"checkpoint {given}: {describe_missing(given)}")
     return open_metadata(given)

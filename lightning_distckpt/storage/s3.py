@@ -77,7 +77,7 @@ class ObjectStore:
         try:
             self._kv.list(ts.KvStore.KeyRange(COMMIT_MARKER, COMMIT_MARKER + "\0")).result()
         except Exception as e:
-            raise self._error("listing", e) from None
+            raise self._error("checking the bucket", e) from None
 
     def delete_prefix(self, name: str) -> None:
         """Delete every object under ``name/``."""

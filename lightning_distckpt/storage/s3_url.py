@@ -111,5 +111,6 @@ def explain(error: BaseException, options: StorageOptions) -> str:
             or "SignatureDoesNotMatch" in text:
         return "access denied (check the AWS credentials)"
     if "CURL error" in text:
-        return f"the endpoint {endpoint(options) or 'of AWS S3'} is unreachable ({text.split('CURL error', 1)[1][:120].strip()})"
+        detail = text.split("CURL error", 1)[1].split(" [", 1)[0].strip()[:120]
+        return f"the endpoint {endpoint(options) or 'of AWS S3'} is unreachable ({detail})"
     return text.split(" [http_response_body", 1)[0].splitlines()[0][:300] if text else type(error).__name__

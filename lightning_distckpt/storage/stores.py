@@ -1,8 +1,9 @@
 """Which store holds a checkpoint: the one place that picks a :class:`ShardWriter` for a location.
 
-Today every location is a local (or mounted) directory written by
-:class:`~lightning_distckpt.storage.tensorstore_io.TensorStoreIO`; an object store plugs in here
-by returning its own writer for its locations, without the save path changing.
+Every location is written by :class:`~lightning_distckpt.storage.tensorstore_io.TensorStoreIO`:
+a local (or mounted) directory through tensorstore's ``file`` kvstore, an ``s3://`` version
+location (:mod:`.s3`) through its ``s3`` kvstore. Another store plugs in here by returning its own
+writer for its locations, without the save path changing.
 """
 
 from __future__ import annotations

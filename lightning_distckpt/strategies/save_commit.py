@@ -40,10 +40,11 @@ def write_local(prep: PreparedSave) -> LocalWrite:
         staging_mod.write_owner_note(prep.staging, prep.comm.rank)
     tensors = [w._replace(data=w.data.cpu()) if w.data.device.type != "cpu" else w for w in prep.tensors]
     nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
-    if prep.common is not None and remote:
-        s3.write_object(prep.staging, COMMON_FILE, prep.common, prep.options)
-    elif prep.common is not None:
-        write_file_durable(os.path.join(prep.staging, COMMON_FILE), prep.common)
+    if prep.common is not None:
+        if remote:
+            s3.write_object(prep.staging, COMMON_FILE, prep.common, prep.options)
+        else:
+            write_file_durable(os.path.join(prep.staging, COMMON_FILE), prep.common)
         nbytes += len(prep.common)
     return LocalWrite(nbytes, time.perf_counter() - t0)
 

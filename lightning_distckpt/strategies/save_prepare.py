@@ -5,7 +5,6 @@ pick out this rank's writes. Nothing is written here."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
