@@ -287,3 +287,48 @@ def test_access_denied_is_one_clear_line(bucket, monkeypatch):
         with pytest.raises(CheckpointingError, match="access denied") as info:
             call()
         assert url in str(info.value) and "\n" not in str(info.value)
+
+
+def _killed_member(rank, port, url, queue):
+    import datetime
+    import torch.distributed as dist
+    from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    ldc.save(_state(1, rank, 2), url)
+    if rank == 1:
+        real_write = TensorStoreIO.write
+
+        def write_then_die(self, *args, **kwargs):
+            real_write(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)  # kill -9 with this rank's part written, before the commit
+
+        TensorStoreIO.write = write_then_die
+    try:
+        ldc.save(_state(2, rank, 2), url)
+        queue.put("no error")
+    except Exception as e:  # gloo reports the closed connection
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def test_kill_9_of_a_rank_mid_save_fails_the_others_and_the_previous_checkpoint_loads(bucket, endpoint):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    url, port = f"s3://{bucket}/ck", free_port()
+    procs = [ctx.Process(target=_killed_member, args=(r, port, url, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    msg = queue.get(timeout=90)
+    for p in procs:
+        p.join(timeout=30)
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert msg.startswith("CollectiveError") and "may have died" in msg, msg  # a CheckpointingError
+    committed = _marker(endpoint, bucket, "ck")["version"]
+    partial = {k.split("/")[1] for k in _keys(endpoint, bucket)} - {"COMMITTED", committed}
+    assert len(partial) == 1  # the killed save's version: written, never committed
+    _check(ldc.load(_template(), url), 1)
+    with pytest.raises(IncompleteCheckpointError, match="no commit marker"):
+        ldc.load(_template(), f"{url}/{partial.pop()}")
