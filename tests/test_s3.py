@@ -332,3 +332,20 @@ def test_kill_9_of_a_rank_mid_save_fails_the_others_and_the_previous_checkpoint_
     _check(ldc.load(_template(), url), 1)
     with pytest.raises(IncompleteCheckpointError, match="no commit marker"):
         ldc.load(_template(), f"{url}/{partial.pop()}")
+
+
+def _rank_1_without_credentials(rank, world, url):
+    if rank == 1:
+        del os.environ["AWS_ACCESS_KEY_ID"]
+    try:
+        ldc.save(_state(1, rank, world), url)
+    except CheckpointingError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_credentials_missing_on_one_rank_fail_the_save_on_every_rank(bucket, endpoint):
+    url = f"s3://{bucket}/ck"
+    for msg in run_distributed(_rank_1_without_credentials, 2, url):
+        assert msg.startswith("SaveFailedError") and "rank 1" in msg and "without credentials" in msg, msg
+    assert _keys(endpoint, bucket) == []  # rank 0's version removed, nothing committed

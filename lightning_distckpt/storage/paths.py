@@ -19,11 +19,10 @@ from __future__ import annotations
 import os
 import re
 import stat
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Union
 
 from ..core.errors import ArgumentError, FormatError
-from .options import StorageOptions
-from .s3_url import credentials_spec, is_s3_url, parse_s3_url
+from .s3_url import is_s3_url, parse_s3_url
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -47,14 +46,13 @@ def local_path(path: PathLike, what: str = "checkpoint") -> str:
     return text
 
 
-def checkpoint_location(path: PathLike, options: Optional[StorageOptions] = None) -> str:
-    """Where a checkpoint is: an ``s3://`` URL normalized (refused when no credentials are
-    configured), else the local path made absolute (other URLs refused, see :func:`local_path`)."""
+def checkpoint_location(path: PathLike) -> str:
+    """Where a checkpoint is: an ``s3://`` URL normalized, else the local path made absolute (other
+    URLs refused, see :func:`local_path`). Decided by the path alone, so every rank decides alike
+    (credentials, which may differ by rank, are checked where failures are agreed)."""
     text = os.fspath(path) if isinstance(path, os.PathLike) else path
     if is_s3_url(text):
-        url = parse_s3_url(text).url
-        credentials_spec(url, options or StorageOptions())
-        return url
+        return parse_s3_url(text).url
     return os.path.abspath(local_path(path))
 
 

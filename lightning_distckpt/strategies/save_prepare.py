@@ -141,7 +141,7 @@ def prepare_save(
     when the shards are inconsistent, and an error of the same type on every rank (naming each
     failing rank, see ``failures``) when some rank could not describe its part.
     """
-    target = checkpoint_location(checkpoint_dir, options)  # same on every rank: all refuse a URL alike
+    target = checkpoint_location(checkpoint_dir)  # same on every rank: all refuse a URL alike
     started = time.perf_counter()
     planning = PlanningOptions(balance_writes, options.pack_max_bytes)
     error: Optional[Exception] = None
