@@ -22,7 +22,7 @@ import json
 import logging
 import re
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import tensorstore as ts
 
@@ -93,7 +93,7 @@ def new_version(target: str) -> str:
     return f"{target}/{VERSION_PREFIX}{uuid.uuid4().hex[:12]}"
 
 
-def _split(version_url: str) -> tuple:
+def _split(version_url: str) -> Tuple[str, str]:
     """``(target, version name)`` of a version location made by :func:`new_version`."""
     target, _, name = version_url.rpartition("/")
     return target, name
