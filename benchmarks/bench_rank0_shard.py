@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import BYTES_PER_PARAM, ParamSpec, drop_page_cache, fmt_table, gpt_params, machine_summary  # noqa: E402
 
-CONTESTANTS = ("ours", "dcp", "torch_load", "broadcast")
+CONTESTANTS = ("ours", "direct", "dcp", "torch_load", "broadcast")
 
 
 def specs_for(size_bytes: int) -> List[ParamSpec]:
@@ -95,6 +95,24 @@ def _ours(path: str, specs: List[ParamSpec], rank: int, world: int) -> Dict[str,
     return out
 
 
+def _direct(path: str, specs: List[ParamSpec], rank: int, world: int) -> Dict[str, torch.Tensor]:
+    """(b) every rank reads its own slices straight from the file with ldc.load (no broadcast)."""
+    import lightning_distckpt as ldc
+
+    template = {}
+    for s in specs:
+        data = torch.empty(local_shape(s, world))
+        template[s.name] = (ldc.ShardedTensor.from_rank_offsets(s.name, data, replica_id=rank) if s.tp_axis is None
+                            else ldc.ShardedTensor.from_rank_offsets(s.name, data, (s.tp_axis, rank, world)))
+    return ldc.load(template, path, loader="every_rank")
+
+
+def _read_bytes() -> int:
+    """Bytes this process has made the kernel read from storage (page-cache misses included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
 def _dcp(path: str, specs: List[ParamSpec], rank: int, world: int) -> Dict[str, torch.Tensor]:
     from torch import nn
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -136,7 +154,7 @@ def _broadcast(path: str, specs: List[ParamSpec], rank: int, world: int) -> Dict
 
 _MESH: Dict[int, Any] = {}
 FACTORIES: Dict[str, Callable[..., Dict[str, torch.Tensor]]] = {
-    "ours": _ours, "dcp": _dcp, "torch_load": _torch_load, "broadcast": _broadcast}
+    "ours": _ours, "direct": _direct, "dcp": _dcp, "torch_load": _torch_load, "broadcast": _broadcast}
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -194,6 +212,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                     drop_page_cache(args.file)
                 gc.collect()
                 dist.barrier()
+                read0 = _read_bytes()
                 with PeakMemory() as mem:
                     t0 = time.perf_counter()
                     shards = FACTORIES[name](args.file, specs, rank, world)
@@ -204,7 +223,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                 del shards
                 row = {"world": world, "repeat": rep, "contestant": name, "rank": rank, "seconds": seconds,
                        "peak_hwm_mib": round(mem.hwm_mib, 1), "peak_anon_mib": round(mem.anon_mib, 1),
-                       "shard_mib": round(shard_mib, 1)}
+                       "shard_mib": round(shard_mib, 1), "read_mib": round((_read_bytes() - read0) / 2**20, 1)}
                 gathered: List[Any] = [None] * world
                 dist.all_gather_object(gathered, row)
                 results.extend(gathered)
@@ -242,12 +261,14 @@ def summarize(results: List[Dict[str, Any]]) -> str:
             med[name] = statistics.median(per_rep.values())
             anon = [max(r["peak_anon_mib"] for r in mine if r["rank"] == k) for k in range(world)]
             hwm = [max(r["peak_hwm_mib"] for r in mine if r["rank"] == k) for k in range(world)]
+            read = [statistics.median(r.get("read_mib", 0.0) for r in mine if r["rank"] == k) for k in range(world)]
             rows.append([name, f"{med[name]:.2f}", " / ".join(f"{per_rep[k]:.2f}" for k in sorted(per_rep)),
                          f"{med[name] / med['ours']:.2f}x" if "ours" in med else "-",
-                         " / ".join(f"{a:.0f}" for a in anon), " / ".join(f"{h:.0f}" for h in hwm), mine[0]["shard_mib"]])
+                         " / ".join(f"{a:.0f}" for a in anon), " / ".join(f"{h:.0f}" for h in hwm), mine[0]["shard_mib"],
+                         " / ".join(f"{b:.0f}" for b in read)])
         lines.append(f"\n**{world} ranks** (medians of the slowest rank; memory: MiB per rank 0 / 1 / ...)\n")
         lines.append(fmt_table(["contestant", "s", "runs", "vs ours", "peak anon MiB", "peak RSS MiB (file pages incl.)",
-                                "own shards MiB"], rows))
+                                "own shards MiB", "read from storage MiB"], rows))
     return "\n".join(lines)
 
 
