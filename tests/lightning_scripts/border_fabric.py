@@ -8,15 +8,14 @@ FabricDistCheckpointStrategy(tensor_parallel_size=2) run one after the other in 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import traceback
 from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from scenario_runner import run_scenarios  # noqa: E402
 import torch  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy  # noqa: E402
@@ -191,22 +190,7 @@ def main() -> None:
     p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    res: Dict[str, Any] = {}
-    try:
-        for name in args.scenarios:
-            SCENARIOS[name](args, res)
-    except BaseException:
-        res["error"] = traceback.format_exc()
-        raise
-    finally:
-        rank = int(os.environ.get("LOCAL_RANK", 0))
-        with open(f"{args.out}.rank{rank}.json", "w") as f:
-            json.dump(res, f, default=str)
-    if "error" not in res and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    run_scenarios(SCENARIOS, p.parse_args())
 
 
 if __name__ == "__main__":

@@ -8,18 +8,17 @@ Trainers run one after another in the same processes. Every rank writes what it 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
 import sys
-import traceback
 from datetime import timedelta
 from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
 
+from scenario_runner import run_scenarios  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -384,23 +383,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--mode", choices=("strategy", "plugin"), default="strategy")
     p.add_argument("--resume", default=None)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    res: Dict[str, Any] = {}
-    rank = int(os.environ.get("LOCAL_RANK", 0))
-    try:
-        for name in args.scenarios:
-            SCENARIOS[name](args, res)
-    except BaseException:
-        res["error"] = traceback.format_exc()
-        raise
-    finally:
-        rank = int(os.environ.get("LOCAL_RANK", rank))
-        with open(f"{args.out}.rank{rank}.json", "w") as f:
-            json.dump(res, f, default=str)
-    if "error" not in res and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # leave together: no rank exits while another still talks to it
-        torch.distributed.destroy_process_group()
+    run_scenarios(SCENARIOS, p.parse_args())
 
 
 if __name__ == "__main__":
