@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
@@ -121,8 +122,9 @@ def load(
     strict = StrictHandling.parse(strict)
     sharded_state_dict = shard_dtensors(sharded_state_dict)  # loaded back into the template's DTensors
     comm = get_comm(process_group)
-    source = open_checkpoint(os.fspath(checkpoint_dir), key_map, extra_safe_globals)
-    state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, source, comm, strict,
+    # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
+    opener = functools.partial(open_checkpoint, os.fspath(checkpoint_dir), key_map, extra_safe_globals)
+    state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, opener, comm, strict,
                                                              extra_safe_globals)
     if strict.returns_keys:
         return state, missing, unexpected

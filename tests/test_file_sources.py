@@ -190,3 +190,21 @@ def test_torch_file_that_would_run_code_is_refused(tmp_path):
     torch.save({"w": torch.zeros(2), "x": Evil()}, path)
     with pytest.raises(ldc.CheckpointingError, match="refused to deserialize"):
         ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, path)
+
+
+def _open_fails_on_rank_1(rank, world, good, bad):
+    try:
+        ldc.load(template(rank, world, 2), good if rank == 0 else bad)
+    except ldc.CheckpointingError as e:
+        return type(e).__name__, sorted(e.failures), str(e)
+    return "no error", [], ""
+
+
+def test_a_rank_that_cannot_open_the_checkpoint_fails_every_rank(tmp_path):
+    """Opening happens inside the load's first collective: rank 1's missing file is raised on both
+    ranks instead of leaving rank 0 waiting in a collective."""
+    good, _ = _write("torch", tmp_path)
+    results = run_distributed(_open_fails_on_rank_1, 2, good, str(tmp_path / "absent"))
+    for kind, failing, text in results:
+        assert failing == [1], (kind, text)
+        assert "absent" in text

@@ -26,14 +26,14 @@ from ..core.strict import StrictHandling
 from ..planning.exchange_plan import ChunkId, ChunkRequest, chunk_id, plan_exchange
 from .checkpoint import CheckpointSource
 from .exchange import ChunkExchange
-from .pipeline import LoadContext, Result, begin_load, combine_errors, finish_load
+from .pipeline import LoadContext, Opener, Result, begin_load, combine_errors, finish_load
 from .reads import read_tensors
 from .request import Requester
 from .stats import LoadStats, format_load_times
 
 logger = logging.getLogger(__name__)
 
-Checkpoint = Union[str, CheckpointSource]  # a path, or a source opened by the caller
+Checkpoint = Union[str, CheckpointSource, Opener]  # a path, a source opened by the caller, or its opener
 
 LOADER_NAMES = ("every_rank", "parallel", "two_stage")
 # The default reads every chunk once per group, never more than every-rank reads and DP times

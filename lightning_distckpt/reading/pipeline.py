@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -45,18 +45,34 @@ class LoadContext:
             self.error = error
 
 
-def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, CheckpointSource], comm: Comm,
+Opener = Callable[[], CheckpointSource]
+
+
+def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, CheckpointSource, Opener], comm: Comm,
                strict: StrictHandling) -> LoadContext:
-    """Collective: open the source (unless given one), split the template, match keys (raising on
-    every rank alike when ``strict`` says so). A bad template is held as the context's error."""
+    """Collective: open the source (a path, an opener, or a source already open), split the
+    template, match keys (raising on every rank alike when ``strict`` says so). A source that
+    cannot be opened on some rank fails the load on every rank here; a bad template is held as the
+    context's error until :func:`finish_load`."""
     started = time.perf_counter()
-    source = open_checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
+    source: Optional[CheckpointSource] = None
+    open_error: Optional[BaseException] = None
+    try:
+        if isinstance(checkpoint, str):
+            source = open_checkpoint(checkpoint)
+        elif isinstance(checkpoint, CheckpointSource):
+            source = checkpoint
+        else:
+            source = checkpoint()
+    except Exception as e:  # agreed in match_keys: a rank that cannot open it must not leave the others waiting
+        open_error = e
     error: Optional[BaseException] = None
     try:
         request = make_request(sharded_state_dict)
     except Exception as e:  # keep taking part in the collectives; every rank raises it at the end
         error, request = e, LoadRequest({}, [], [])
-    missing, unexpected = match_keys(source, request, comm, strict)
+    missing, unexpected = match_keys(source, request, comm, strict, open_error)
+    assert source is not None  # match_keys raised on every rank otherwise
     return LoadContext(comm, source, request, missing, unexpected, error, started)
 
 

@@ -63,13 +63,20 @@ def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
     return LoadRequest(replace_leaves(sharded, slot), tensors, objects)
 
 
-def match_keys(source: CheckpointSource, req: LoadRequest, comm: Comm, strict: StrictHandling) -> Tuple[Set[str], Set[str]]:
+def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm, strict: StrictHandling,
+               open_error: Optional[BaseException] = None) -> Tuple[Set[str], Set[str]]:
     """Collective: missing keys (over all ranks) and unexpected keys (asked for by no rank);
-    raises on every rank alike when ``strict`` says so."""
+    raises on every rank alike when ``strict`` says so, or when some rank could not open the
+    source (``open_error``, with ``source`` None there)."""
     asked = {t.key for t in req.tensors if t.key} | {o.key for o in req.objects}
-    mine_missing = {t.key for t in req.tensors if t.key not in source.index.tensors}
-    mine_missing |= {o.key for o in req.objects if o.key not in source.index.objects}
-    gathered = comm.all_gather_object((sorted(asked) if strict.needs_unexpected else [], sorted(mine_missing)))
+    mine_missing: Set[str] = set()
+    if source is not None:
+        mine_missing = {t.key for t in req.tensors if t.key not in source.index.tensors}
+        mine_missing |= {o.key for o in req.objects if o.key not in source.index.objects}
+    where = source.path if source is not None else "the checkpoint"
+    gathered = comm.agree(f"load from {where} failed", open_error,
+                          (sorted(asked) if strict.needs_unexpected else [], sorted(mine_missing)))
+    assert source is not None  # agree raised on every rank otherwise
     missing = {k for _, m in gathered for k in m}
     unexpected: Set[str] = set()
     if strict.needs_unexpected:
