@@ -50,8 +50,18 @@ def test_save_replaces_a_committed_checkpoint_and_fills_an_empty_directory(tmp_p
 URLS = ["s3://bucket/ckpt", "gs://bucket/ckpt", "http://host/ckpt", "file:///tmp/ckpt", "hf+https://x/y"]
 
 
+@pytest.fixture
+def no_aws(tmp_path, monkeypatch):
+    """No S3 credentials anywhere: s3:// (supported, docs/object_storage.md) is then refused like
+    the schemes that have no store (tests/test_s3.py covers s3:// with a server)."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
 @pytest.mark.parametrize("url", URLS)
-def test_urls_are_refused_by_save_and_load_and_nothing_is_written(tmp_path, monkeypatch, url):
+def test_urls_are_refused_by_save_and_load_and_nothing_is_written(tmp_path, monkeypatch, no_aws, url):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ArgumentError, match="URLs are not supported"):
         ldc.save(state(), url)
@@ -61,10 +71,10 @@ def test_urls_are_refused_by_save_and_load_and_nothing_is_written(tmp_path, monk
         ldc.load(template(), url)
     with pytest.raises(ArgumentError, match="URLs are not supported"):
         ldc.load_plain_tensors(url)
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == []  # the fixture's HOME is never created
 
 
-def test_urls_are_refused_by_every_command(tmp_path, monkeypatch, capsys):
+def test_urls_are_refused_by_every_command(tmp_path, monkeypatch, capsys, no_aws):
     from lightning_distckpt.cli import main
     from lightning_distckpt.cli.clean import clean
     from lightning_distckpt.cli.validate import validate
