@@ -35,7 +35,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,7 +48,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import BYTES_PER_PARAM, ParamSpec, drop_page_cache, fmt_table, gpt_params, machine_summary  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    BYTES_PER_PARAM, ParamSpec, drop_page_cache, fmt_table, free_port, gpt_params, machine_summary)
 
 CONTESTANTS = ("ours", "direct", "dcp", "torch_load", "broadcast")
 
@@ -240,12 +240,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def summarize(results: List[Dict[str, Any]]) -> str:
     """A table per world size: median seconds over repeats (slowest rank), ratio to ``ours``,
     and per rank the largest peak memory over repeats."""
@@ -301,7 +295,7 @@ def main(argv: List[str] | None = None) -> int:
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
         for world in [int(w) for w in args.worlds.split(",") if w]:
             out_path = os.path.join(args.dir, f"results_{world}.json")
-            mp.start_processes(_worker, args=(world, _free_port(), args, out_path), nprocs=world, join=True,
+            mp.start_processes(_worker, args=(world, free_port(), args, out_path), nprocs=world, join=True,
                                start_method="spawn")
             with open(out_path) as f:
                 got = json.load(f)

@@ -35,7 +35,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (  # noqa: E402
+    free_port,
     LocalTensor, dir_bytes, drop_page_cache, fmt_table, local_state, machine_summary, prefault, state_bytes,
     unique_bytes,
 )
@@ -266,12 +266,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _load_cells(m: Dict[str, Any], runs: List[Dict[str, Any]], raw: Optional[Dict[str, Any]],
                 dcp: Optional[Dict[str, Any]]) -> List[str]:
     r0 = runs[0]
@@ -370,7 +364,7 @@ def main(argv: List[str] | None = None) -> int:
     try:
         with mp.Manager() as manager:
             out = manager.dict()
-            mp.start_processes(_worker, args=(args.world, _free_port(), args, out), nprocs=args.world,
+            mp.start_processes(_worker, args=(args.world, free_port(), args, out), nprocs=args.world,
                                join=True, start_method="spawn")
             results = list(out.get("results", []))
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -171,3 +172,10 @@ def prefault(nbytes: int) -> None:
         buf = torch.empty(int(nbytes), dtype=torch.uint8)
         buf.fill_(1)
         del buf
+
+
+def free_port() -> int:
+    """A free TCP port on loopback for a benchmark's process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
