@@ -212,6 +212,10 @@ if __name__ == "__main__":
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     if trainer.global_rank == 0:
         torch.save(full, out + "/full.pt")
+    # Tear the gloo group down before exit: left to interpreter shutdown, its threads were
+    # destroyed while joinable now and then ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """
 
 
