@@ -32,6 +32,7 @@ from .version import __version__
 _LIGHTNING_NAMES = (
     "DistCheckpointIO",
     "DistCheckpointStrategy",
+    "DistCheckpointModelParallelStrategy",
     "FabricDistCheckpointStrategy",
     "DistCheckpointConfig",
     "StrategyConfig",

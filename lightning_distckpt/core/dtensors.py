@@ -147,7 +147,7 @@ def _map_with_path(node: Any, path: Tuple[PathPart, ...], in_tuple: bool) -> Any
     if isinstance(node, DTensor):
         build = _refuse_in_tuple if in_tuple else _build
         return ShardedTensorFactory(key=dtensor_key(path), data=node, build_fn=build,
-                                    merge_fn=functools.partial(_restore, node))
+                                    merge_fn=functools.partial(restore_dtensor, node))
     return node
 
 
@@ -161,7 +161,7 @@ def _refuse_in_tuple(key: str, data: DTensor, replica_id: ReplicaId, flattened_r
     raise ShardingError(f"{key!r}: a DTensor inside a tuple would be saved as common state: put it in a list or dict")
 
 
-def _restore(template: DTensor, loaded: Any) -> DTensor:
+def restore_dtensor(template: DTensor, loaded: Any) -> DTensor:
     """Put the loaded local shard into ``template``'s local tensor (unless it was read in place)."""
     local = template.to_local().detach()
     if isinstance(loaded, torch.Tensor) and not _same_memory(loaded, local):

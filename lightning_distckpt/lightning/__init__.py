@@ -5,6 +5,7 @@ from .checkpoint_io import DistCheckpointIO
 from .config import ConfigError, DistCheckpointConfig, StrategyConfig, load_checkpoint_config, load_strategy_config
 from .export import export_torch_file, import_torch_file
 from .fabric import FabricDistCheckpointStrategy
+from .model_parallel import DistCheckpointModelParallelStrategy
 from .inference import load_lightning_module, load_module_weights
 from .parallel import ParallelState, module_sharded_state_dict, parallel_state_of
 from .strategy import DistCheckpointStrategy
@@ -14,6 +15,7 @@ __all__ = [
     "DistCheckpointConfig",
     "DistCheckpointIO",
     "DistCheckpointStrategy",
+    "DistCheckpointModelParallelStrategy",
     "FabricDistCheckpointStrategy",
     "export_torch_file",
     "import_torch_file",

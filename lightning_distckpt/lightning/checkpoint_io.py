@@ -37,8 +37,8 @@ from ..storage.tensorstore_io import StorageOptions
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
 from ..strategies.save import finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
-from .tree import (KIND_PLAIN, KIND_SHARDED, MANIFEST_KEY, manifest, plain_to_sharded, template_from_manifest,
-                   torch_optimizer_states)
+from .tree import (KIND_MODEL_PARALLEL, KIND_PLAIN, KIND_SHARDED, MANIFEST_KEY, manifest, plain_to_sharded,
+                   template_from_manifest, torch_optimizer_states)
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class DistCheckpointIO(CheckpointIO):
                                              self.extra_safe_globals)
         state.pop(MANIFEST_KEY, None)
         # The strategies key optimizer state by parameter name; a stock strategy restores torch's layout.
-        return torch_optimizer_states(state) if man.get("kind") == KIND_SHARDED else state
+        return torch_optimizer_states(state) if man.get("kind") in (KIND_SHARDED, KIND_MODEL_PARALLEL) else state
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target)."""

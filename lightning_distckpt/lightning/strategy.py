@@ -33,7 +33,7 @@ from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 log = logging.getLogger(__name__)
 
 
-def _warn_async_link_last(trainer: Any) -> None:
+def warn_async_link_last(trainer: Any) -> None:
     """ModelCheckpoint(save_last="link") points last.ckpt at a checkpoint as soon as its save is
     issued. An async save commits later; a job that dies in between leaves a dangling link, and
     Lightning's ckpt_path="last" skips it and starts from scratch (with only a warning)."""
@@ -80,7 +80,7 @@ class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         assert self.model is not None
         self._check_describable(self.model)  # configure_model has run: refuse now, not at the first save
         if trainer.state.fn == TrainerFn.FITTING and self.checkpoint_io.config.async_save:
-            _warn_async_link_last(trainer)
+            warn_async_link_last(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)  # wraps in DDP (over the DP group, see _setup_model)
             return

@@ -25,6 +25,19 @@ log = logging.getLogger(__name__)
 S = TypeVar("S", bound="TensorParallelStrategyMixin")
 
 
+def dist_checkpoint_io(owner: str, io: Optional[CheckpointIO], config: DistCheckpointConfig) -> DistCheckpointIO:
+    """The strategy's plugin: the one given to the Trainer / Fabric, or one made from ``config``.
+    Any other CheckpointIO is refused (the strategies' saves are collective and need ours)."""
+    if io is None:
+        return DistCheckpointIO(config)
+    if not isinstance(io, DistCheckpointIO):
+        raise ArgumentTypeError(
+            f"{owner} needs a DistCheckpointIO checkpoint plugin, got {type(io).__name__} (for background saves "
+            "set async_save: true in its config instead of wrapping it)"
+        )
+    return io
+
+
 class TensorParallelStrategyMixin:
     """TP x DP process groups and distributed checkpoints for a Lightning or Fabric ``DDPStrategy``.
 
@@ -98,14 +111,7 @@ class TensorParallelStrategyMixin:
     # -- checkpoint I/O ------------------------------------------------------------------
     @property
     def checkpoint_io(self) -> DistCheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = DistCheckpointIO(self._checkpoint_config)
-        if not isinstance(self._checkpoint_io, DistCheckpointIO):
-            raise ArgumentTypeError(
-                f"{type(self).__name__} needs a DistCheckpointIO checkpoint plugin, got "
-                f"{type(self._checkpoint_io).__name__} (for background saves set async_save: true in its config "
-                "instead of wrapping it)"
-            )
+        self._checkpoint_io = dist_checkpoint_io(type(self).__name__, self._checkpoint_io, self._checkpoint_config)
         return self._checkpoint_io
 
     @checkpoint_io.setter

@@ -19,6 +19,9 @@ MANIFEST_KEY = "__distckpt__"
 MANIFEST_VERSION = 1
 KIND_PLAIN = "plain"  # whole tensors saved by one process (stock DDP / single device)
 KIND_SHARDED = "sharded"  # ShardedTensors from every rank (DistCheckpointStrategy, Fabric strategy)
+# DTensors from every rank (DistCheckpointModelParallelStrategy): keyed by their path in the checkpoint
+# dict, optimizer state by parameter name (torch.distributed.checkpoint.state_dict's layout)
+KIND_MODEL_PARALLEL = "model_parallel"
 
 # One step into a container: ("d", key) into a dict, ("l", index) into a list.
 Step = Tuple[str, Union[str, int]]

@@ -1,0 +1,232 @@
+"""``DistCheckpointModelParallelStrategy``: Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor
+parallelism through DTensor) saving and loading our distributed checkpoints instead of DCP.
+
+The module is parallelized in ``LightningModule.configure_model`` as under the stock strategy
+(``fully_shard`` over ``self.device_mesh["data_parallel"]``, ``parallelize_module`` over
+``self.device_mesh["tensor_parallel"]``). A checkpoint holds Lightning's usual dict:
+
+* ``state_dict``: ``get_model_state_dict`` (sharded): each DTensor is one sharded tensor keyed
+  ``state_dict/<fqn>`` (global shape and offset from its mesh and placements, replicas stored
+  once); a plain tensor (a buffer, an unsharded parameter) is stored once, from rank 0.
+* ``optimizer_states``: ``get_optimizer_state_dict`` (keyed by parameter name), each DTensor
+  moment keyed ``optimizer_states/<i>/state/<fqn>/<name>``; scalars and param groups are common state.
+* everything else (loops, callbacks, schedulers, hyper-parameters): common state.
+
+Keys depend only on the module's names, never on the mesh, so a checkpoint resumes under any
+world size, DP x TP split or placement. A checkpoint read whole (``DistCheckpointIO``, ``convert``)
+is the stock Trainer dict: whole weights, optimizer state in torch's layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
+from ..core.errors import CheckpointingError
+from ..core.mapping import ShardedTensor
+from ..core.strict import StrictHandling
+from .checkpoint_io import DistCheckpointIO
+from .config import DistCheckpointConfig, load_checkpoint_config
+from .sharded import build_on_all_ranks
+from .stock import describe_saved
+from .strategy import warn_async_link_last
+from .tp_strategy import dist_checkpoint_io
+from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest
+
+log = logging.getLogger(__name__)
+
+STRATEGY_NAME = "model_parallel_distckpt"
+Path = Tuple[Union[str, int], ...]
+
+
+def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor]) -> Any:
+    """``node`` with each DTensor replaced by its ShardedTensor (keyed by its path, sharing the local
+    tensor's memory; recorded in ``dtensors``) and each other tensor of 1-d or more by a whole one
+    replicated on every rank (stored from rank 0). Scalars and non-tensors stay common state."""
+    if isinstance(node, dict):
+        return {k: shard_tree(v, path + (k,), rank, dtensors) for k, v in node.items()}
+    if isinstance(node, list):
+        return [shard_tree(v, path + (i,), rank, dtensors) for i, v in enumerate(node)]
+    if isinstance(node, DTensor):
+        dtensors[path] = node
+        return dtensor_to_sharded(dtensor_key(path), node)
+    if isinstance(node, torch.Tensor) and node.ndim > 0:
+        return ShardedTensor.from_rank_offsets(dtensor_key(path), node.detach(), replica_id=rank)
+    return node
+
+
+def _at(tree: Any, path: Path) -> Any:
+    for step in path:
+        tree = tree[step]
+    return tree
+
+
+def _put(tree: Any, path: Path, value: Any) -> None:
+    _at(tree, path[:-1])[path[-1]] = value
+
+
+class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format.
+
+    ``Trainer(strategy=DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
+    devices=4)``, or ``strategy="model_parallel_distckpt"`` (DP = the number of nodes, TP = the
+    devices per node, as the stock strategy's ``"auto"``). Every rank saves and loads its own shards.
+
+    Args:
+        data_parallel_size / tensor_parallel_size / process_group_backend / timeout: as
+            :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+        checkpoint: checkpoint settings (:class:`DistCheckpointConfig`, mapping, or YAML path), e.g.
+            ``{"async_save": True}``; a ``DistCheckpointIO`` plugin given to the Trainer takes precedence.
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(self, data_parallel_size: Union[Literal["auto"], int] = "auto",
+                 tensor_parallel_size: Union[Literal["auto"], int] = "auto",
+                 checkpoint: Optional[Union[str, Dict[str, Any], DistCheckpointConfig]] = None,
+                 process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        self._checkpoint_config: DistCheckpointConfig = load_checkpoint_config(checkpoint)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Lightning's registration hook: ``strategy="model_parallel_distckpt"``."""
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(STRATEGY_NAME, cls, description="FSDP2 / tensor parallel with distributed checkpoints")
+
+    @property
+    def checkpoint_io(self) -> DistCheckpointIO:
+        self._checkpoint_io = dist_checkpoint_io(type(self).__name__, self._checkpoint_io, self._checkpoint_config)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    def setup_environment(self) -> None:
+        self.checkpoint_io  # fail early (before any process group exists) on a foreign CheckpointIO
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.checkpoint_io.config.async_save:
+            warn_async_link_last(trainer)
+
+    # -- what Lightning puts in the checkpoint dict: DTensors, not gathered, not copied ------
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions())
+
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, _raw(optimizer), options=StateDictOptions())
+
+    def _raw_optimizers(self) -> List[Optimizer]:
+        return [_raw(o) for o in self.optimizers]
+
+    # -- save and load ---------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Collective: every rank saves its shards of the model and optimizer state; the rest of
+        ``checkpoint`` is common state."""
+        path = os.fspath(self.broadcast(os.fspath(filepath)))
+
+        def build() -> Dict[str, Any]:
+            tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            for entry in ("state_dict", "optimizer_states"):
+                if entry in checkpoint:
+                    tree[entry] = shard_tree(checkpoint[entry], (entry,), self.global_rank, {})
+            tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL)
+            return tree
+
+        tree = build_on_all_ranks(f"save to {path}", build)
+        self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
+
+    def _strict_handling(self) -> StrictHandling:
+        strict = self.checkpoint_io.config.strict_handling
+        module = self.lightning_module
+        if module is not None and not getattr(module, "strict_loading", True) and not strict.skips_missing:
+            return StrictHandling.LOG_ALL  # the module asked for non-strict loading
+        return strict
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Collective: every rank reads its shards into its parameters and optimizer state (under
+        any mesh) and the common state. ``weights_only`` is accepted for the signature: loading is
+        always safe."""
+        path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = self._raw_optimizers()  # none unless fitting (the stock strategy resets them)
+        dtensors: Dict[Path, DTensor] = {}
+
+        def build() -> Dict[str, Any]:
+            saved = describe_saved(path, self.checkpoint_io.extra_safe_globals)
+            if saved.kind != KIND_MODEL_PARALLEL:
+                raise CheckpointingError(refusal(path, saved.kind, saved.by_trainer))
+            template: Dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+            if optimizers:
+                template["optimizer_states"] = [get_optimizer_state_dict(self.model, o) for o in optimizers]
+            return {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
+
+        template = build_on_all_ranks(f"load from {path}", build)
+        strict = self._strict_handling()
+        loaded = self.checkpoint_io.load_sharded(template, path, strict=strict)
+        loaded.pop(MANIFEST_KEY, None)
+        for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
+            _put(loaded, where, restore_dtensor(dt, _at(loaded, where)))
+        options = StateDictOptions(strict=not strict.skips_missing)
+        set_model_state_dict(self.model, loaded.pop("state_dict"), options=options)
+        for opt, state in zip(optimizers, loaded.pop("optimizer_states", [])):
+            set_optimizer_state_dict(self.model, opt, state, options=options)
+        return loaded
+
+    # -- async saves: committed at step boundaries and at the end ---------------------------
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Commit a finished async save at the step boundary, without waiting for an unfinished one."""
+        super().on_train_batch_start(batch, batch_idx)
+        self.checkpoint_io.finalize_if_done()
+
+    def on_train_end(self) -> None:
+        """The end of training waits for (and commits) the last async save."""
+        super().on_train_end()
+        self.checkpoint_io.wait()
+
+    def teardown(self) -> None:
+        self.checkpoint_io.teardown()  # the stock strategy skips CheckpointIO.teardown: commit a pending save
+        super().teardown()
+
+
+def refusal(path: str, kind: Optional[str], by_trainer: bool) -> str:
+    """Why a checkpoint not written by this strategy is refused, and what to do instead."""
+    if kind is None:
+        writer = "not by lightning_distckpt (a torch.save file, or Lightning's own ModelParallelStrategy / DCP)"
+    elif not by_trainer:
+        writer = "by fabric.save"
+    else:
+        writer = {"plain": "by DistCheckpointIO under a rank-0 strategy (DDP / single device)",
+                  "sharded": "by DistCheckpointStrategy"}.get(kind, f"by a writer of kind {kind!r}")
+    return (f"checkpoint {path} was written {writer}, not by {DistCheckpointModelParallelStrategy.__name__}; "
+            "resume it with the strategy that wrote it, or load its weights into this module with "
+            "lightning_distckpt.load(template, path, key_map=...) in configure_model / on_fit_start")
+
+
+def _raw(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+DistCheckpointModelParallelStrategy.register_strategies(StrategyRegistry)

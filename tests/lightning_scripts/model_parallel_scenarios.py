@@ -1,0 +1,188 @@
+"""Trainer runs of ``DistCheckpointModelParallelStrategy`` (FSDP2 / tensor parallel on CPU gloo meshes)
+for tests/test_model_parallel*.py: ``python model_parallel_scenarios.py SCENARIO... --dir D --out O``.
+
+Every rank writes ``OUT.rank<r>.json``. Step ``s``'s global batch depends only on ``s`` (StepBatches),
+so a resumed run sees the data an uninterrupted one would, under any DP x TP split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
+
+from scenario_runner import run_scenarios  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from lightning_distckpt import CheckpointingError  # noqa: E402
+from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointModelParallelStrategy  # noqa: E402
+from lightning_helpers import StepBatches, StepCounter  # noqa: E402
+
+TIMEOUT = timedelta(seconds=90)  # a hang fails the test instead of blocking it
+
+
+class MPModel(LightningModule):
+    """``fc2(gelu(fc1(x)))``: fc1 column-parallel and fc2 row-parallel over the TP mesh, then FSDP2
+    over the DP mesh; the same global weights under every split."""
+
+    def __init__(self, total_steps: int = 6, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.losses: Dict[int, float] = {}
+
+    def configure_model(self) -> None:
+        tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        if tp.size() > 1:
+            parallelize_module(self, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        for layer in (self.fc1, self.fc2, self):
+            fully_shard(layer, mesh=dp)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.fc2(F.gelu(self.fc1(x))), y)
+        value = loss.detach().clone()
+        dist.all_reduce(value)  # TP ranks hold the same loss: the world mean is the global batch's
+        self.losses[self.global_step] = (value / dist.get_world_size()).item()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> StepBatches:
+        dp = self.device_mesh["data_parallel"]
+        return StepBatches(self.trainer.global_step, self.hparams.total_steps, 8, 8, 4, dp.get_local_rank(), dp.size())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def full_state(model: MPModel, trainer_: Trainer) -> Dict[str, torch.Tensor]:
+    """Whole weights and AdamW state by parameter name (collective: DTensors are gathered)."""
+    out = {}
+    opt = trainer_.optimizers[0]
+    for name, p in model.named_parameters():
+        out[name] = _full(p)
+        for k, v in sorted(opt.state[p].items()):
+            out[f"{name}.{k}"] = _full(v)
+    return out
+
+
+def same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> Dict[str, bool]:
+    return {k: k in b and torch.equal(a[k], b[k].to(a[k].dtype)) for k in a}
+
+
+def trainer(args: argparse.Namespace, max_steps: int, callbacks: List[Any] = (), dp: int = -1, tp: int = 1,
+            **strategy_kw: Any) -> Trainer:
+    dp = args.devices // tp if dp < 0 else dp
+    strategy = DistCheckpointModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, timeout=TIMEOUT,
+                                                   **strategy_kw)
+    return Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=max_steps, max_epochs=-1,
+                   callbacks=list(callbacks), logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0)
+
+
+class Restored(Callback):
+    """On train start (after the restore): the whole state equals the stored one read whole."""
+
+    def __init__(self, stored: Dict[str, Any], res: Dict[str, Any], tag: str) -> None:
+        self.stored, self.res, self.tag = stored, res, tag
+
+    def on_train_start(self, trainer_: Trainer, module: Any) -> None:
+        got = full_state(module, trainer_)
+        opt = self.stored["optimizer_states"][0]
+        names = [n for n, _ in module.named_parameters()]
+        want = {}
+        for j, name in enumerate(names):  # the stored dict read whole: torch's layout, by index
+            want[name] = self.stored["state_dict"][name]
+            for k, v in opt["state"][j].items():
+                want[f"{name}.{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+        self.res[self.tag] = {
+            "state": same(want, got), "global_step": trainer_.global_step,
+            "sched": trainer_.lr_scheduler_configs[0].scheduler.state_dict() == self.stored["lr_schedulers"][0],
+            "lr": [g["lr"] for g in trainer_.optimizers[0].param_groups] == [g["lr"] for g in opt["param_groups"]],
+            "callback_count": next(cb.count for cb in trainer_.callbacks if isinstance(cb, StepCounter)),
+        }
+
+
+def _tensors(state: Dict[str, torch.Tensor]) -> Dict[str, List[float]]:
+    return {k: v.flatten().tolist() for k, v in state.items()}
+
+
+def train_dp2(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """DP 2 (FSDP2): 6 steps uninterrupted; 3 steps with ModelCheckpoint (save_last) then resumed
+    from ``ckpt_path="last"``; the same with async saves. Both resumed runs must end bit-exact."""
+    ref = MPModel()
+    t = trainer(args, 6)
+    t.fit(ref)
+    res["ref_losses"] = ref.losses
+    ref_state = full_state(ref, t)
+    res["ref_state"] = _tensors(ref_state)
+    for tag, kw in (("sync", {}), ("async", {"checkpoint": {"async_save": True}})):
+        ck = os.path.join(args.dir, tag)
+        cb = ModelCheckpoint(dirpath=ck, filename="{step}", every_n_train_steps=3, save_last=True, save_top_k=-1)
+        trainer(args, 3, [cb, StepCounter()], **kw).fit(MPModel())
+        model = MPModel()
+        cb = ModelCheckpoint(dirpath=ck, filename="{step}", every_n_train_steps=3, save_last=True, save_top_k=-1)
+        stored = DistCheckpointIO().load_checkpoint(os.path.join(ck, "last.ckpt"))
+        t = trainer(args, 6, [cb, StepCounter(), Restored(stored, res, f"{tag}_restored")], **kw)
+        t.fit(model, ckpt_path="last")
+        res[f"{tag}_losses"] = model.losses
+        res[f"{tag}_final"] = same(ref_state, full_state(model, t))
+        res[f"{tag}_files"] = sorted(os.listdir(ck))
+
+
+def resume_split(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Resume DP 2's step-3 checkpoint under this run's split: TP = ``args.tp``, DP = the rest."""
+    source = os.path.join(args.dir, "sync", "step=3.ckpt")
+    stored = DistCheckpointIO().load_checkpoint(source)
+    model = MPModel()
+    t = trainer(args, 6, [StepCounter(), Restored(stored, res, "restored")], tp=args.tp)
+    t.fit(model, ckpt_path=source)
+    res["losses"] = model.losses
+    res["final_step"] = t.global_step
+
+
+def refuse_plugin_dir(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """A directory DistCheckpointIO wrote under a rank-0 strategy: refused, naming the writer."""
+    path = os.path.join(args.dir, "plugin_like")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        DistCheckpointIO().save_checkpoint({"state_dict": {"fc1.weight": torch.zeros(16, 8)}, "global_step": 3}, path)
+    try:
+        trainer(args, 4).fit(MPModel(), ckpt_path=path)
+        res["refused"] = "no error"
+    except CheckpointingError as e:
+        res["refused"] = f"{type(e).__name__}: {e}"
+
+
+SCENARIOS = {"train_dp2": train_dp2, "resume_split": resume_split, "refuse_plugin_dir": refuse_plugin_dir}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1)
+    run_scenarios(SCENARIOS, p.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""``DistCheckpointModelParallelStrategy``: Lightning's ModelParallelStrategy (FSDP2 / tensor parallel
+through DTensor, on CPU gloo meshes) saving our format. Real Trainer runs launched by Lightning
+(tests/lightning_scripts/model_parallel_scenarios.py)."""
+
+import math
+
+import pytest
+from lightning.pytorch.plugins import TorchCheckpointIO
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_distckpt.core.errors import ArgumentTypeError
+from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointModelParallelStrategy
+from lightning_helpers import run_script
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("model_parallel")
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(ckpt_dir):
+    """DP 2: reference, interrupted + resumed (sync and async); then the step-3 checkpoint under DP 1 x TP 2."""
+    return run_script("model_parallel_scenarios.py", ["train_dp2", "resume_split", "refuse_plugin_dir", "--tp", "2",
+                                                      "--dir", str(ckpt_dir), "--devices", "2"],
+                      str(ckpt_dir / "dp2"), world_size=2, timeout=420)
+
+
+def _all_restored(got):
+    assert len(got["state"]) == 16 and all(got["state"].values()), got["state"]  # 4 params x (w, step, moments)
+    assert got["global_step"] == 3 and got["sched"] and got["lr"] and got["callback_count"] == 3
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_interrupted_and_resumed_run_equals_uninterrupted(dp2_runs, mode):
+    """ModelCheckpoint(save_last=True) every 3 steps, then ckpt_path="last": weights, AdamW moments and
+    step, scheduler, loops and a stateful callback restored; the run ends bit-exact as the reference."""
+    for res in dp2_runs:
+        _all_restored(res[f"{mode}_restored"])
+        assert res[f"{mode}_losses"] == {k: v for k, v in res["ref_losses"].items() if int(k) >= 3}
+        assert len(res[f"{mode}_final"]) == 16 and all(res[f"{mode}_final"].values()), res[f"{mode}_final"]
+        assert res[f"{mode}_files"] == ["last.ckpt", "step=3.ckpt", "step=6.ckpt"]
+
+
+def _continues(res, ref):
+    _all_restored(res["restored"])
+    assert res["final_step"] == 6
+    for step in ("3", "4", "5"):  # another split: the same losses up to float rounding
+        assert math.isclose(res["losses"][step], ref[step], rel_tol=1e-5)
+
+
+def test_dp2_checkpoint_resumes_under_tp2(dp2_runs):
+    for res in dp2_runs:
+        _continues(res, res["ref_losses"])
+
+
+def test_dp2_checkpoint_resumes_in_one_process(dp2_runs, ckpt_dir):
+    (res,) = run_script("model_parallel_scenarios.py", ["resume_split", "--dir", str(ckpt_dir), "--devices", "1"],
+                        str(ckpt_dir / "one"), world_size=1, timeout=300)
+    _continues(res, dp2_runs[0]["ref_losses"])
+
+
+def test_dp2_checkpoint_resumes_under_dp2_tp2(dp2_runs, ckpt_dir):
+    """4 processes, FSDP2 over tensor parallel (strided shards): each rank reads its slices."""
+    for res in run_script("model_parallel_scenarios.py", ["resume_split", "--tp", "2", "--dir", str(ckpt_dir),
+                                                          "--devices", "4"], str(ckpt_dir / "four"), world_size=4,
+                          timeout=420):
+        _continues(res, dp2_runs[0]["ref_losses"])
+
+
+def test_plugin_directory_refused_naming_its_writer(dp2_runs):
+    for res in dp2_runs:
+        msg = res["refused"]
+        assert msg.startswith("CheckpointingError") and "by DistCheckpointIO under a rank-0 strategy" in msg
+        assert "resume it with the strategy that wrote it" in msg
+
+
+def test_registered_and_refuses_a_foreign_checkpoint_io():
+    assert StrategyRegistry["model_parallel_distckpt"]["strategy"] is DistCheckpointModelParallelStrategy
+    strategy = DistCheckpointModelParallelStrategy(checkpoint={"async_save": True})
+    assert isinstance(strategy.checkpoint_io, DistCheckpointIO) and strategy.checkpoint_io.config.async_save
+    strategy.checkpoint_io = TorchCheckpointIO()
+    with pytest.raises(ArgumentTypeError, match="needs a DistCheckpointIO"):
+        strategy.checkpoint_io
