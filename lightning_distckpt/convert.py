@@ -37,7 +37,9 @@ from .serialization import load_common_state_dict, load_plain_tensors
 from .storage import commit as commit_mod
 from .storage import staging as staging_mod
 from .storage.layout import COMMON_FILE, FORMAT_VERSION
-from .storage.paths import local_path
+from .storage import s3 as s3_mod
+from .storage.paths import checkpoint_location, local_path
+from .storage.s3_url import is_s3_url
 from .storage.integrity import read_common_bytes
 from .storage.safe_pickle import load_file, loads, write_file_durable
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
@@ -77,26 +79,34 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
     writer ranks, same index; only the storage layout changes)."""
     t0 = time.perf_counter()
     ckpt = OpenedCheckpoint.open(source)
-    destination = os.path.abspath(local_path(destination))
-    if destination == ckpt.path:
+    destination = checkpoint_location(destination)
+    if destination in (ckpt.path, checkpoint_location(source)):
         raise CheckpointingError(f"checkpoint {source}: source and destination are the same directory")
-    commit_mod.check_target(destination)
-    staging = staging_mod.new_staging_dir(destination)
+    commit_mod.check_target(destination, storage)
+    remote = is_s3_url(destination)  # committed by a marker naming a fresh version (storage/s3.py)
+    staging = s3_mod.new_version(destination) if remote else staging_mod.new_staging_dir(destination)
     try:
-        os.makedirs(staging)
-        staging_mod.write_owner_note(staging, 0)
+        if not remote:
+            os.makedirs(staging)
+            staging_mod.write_owner_note(staging, 0)
         src, dst = ckpt.reader(), TensorStoreIO(staging, storage)
         nbytes = _copy_shards(ckpt, src, dst) + _copy_objects(ckpt, src, dst)
         common = read_common_bytes(ckpt.path, ckpt.marker)  # contained and verified: no copy of damage
-        write_file_durable(os.path.join(staging, COMMON_FILE), common)
+        if remote:
+            s3_mod.write_object(staging, COMMON_FILE, common, storage)
+        else:
+            write_file_durable(os.path.join(staging, COMMON_FILE), common)
         # rewritten now, with checksums: the copy is of the current format whatever the source's
         meta = dict(ckpt.meta, format_version=FORMAT_VERSION, storage={"backend": "tensorstore", **storage.to_json()},
                     converted_unix=time.time())
-        marker = dict(ckpt.marker)
+        marker = {k: v for k, v in ckpt.marker.items() if k != "version"}  # an s3:// source's version
         marker.update(committed_unix=time.time())
-        commit_mod.commit(staging, destination, json.dumps(meta), json.dumps(marker))
+        commit_mod.commit(staging, destination, json.dumps(meta), json.dumps(marker), storage)
     except BaseException:
-        staging_mod.discard(staging)
+        if remote:
+            s3_mod.discard(staging, storage)
+        else:
+            staging_mod.discard(staging)
         raise
     n_objects = sum(len(o.shards) for o in ckpt.index.objects.values())
     return ConvertReport(ckpt.path, destination, "relayout", len(ckpt.index.tensors), n_objects,
@@ -153,7 +163,7 @@ def export_torch_file(source: str, destination: str, extra_safe_globals: Sequenc
     objects = _read_objects(OpenedCheckpoint.open(source), extra_safe_globals)
     payload = {"tensors": load_plain_tensors(source), "objects": objects, "common": common}
     nbytes = save_file_atomic(payload, destination)
-    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), "tensors", len(payload["tensors"]),
+    return ConvertReport(checkpoint_location(source), os.path.abspath(destination), "tensors", len(payload["tensors"]),
                          sum(len(v) for v in objects.values()), nbytes, time.perf_counter() - t0)
 
 
@@ -215,7 +225,7 @@ def import_export_payload(payload: Any, source: str, destination: str, storage: 
                           "lightning_distckpt.lightning.export.import_torch_file saves any dict")
     tree, n_tensors, n_objects = _tree_from_export(payload, source)
     _save_alone(tree, destination, storage)
-    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), "tensors", n_tensors, n_objects,
+    return ConvertReport(os.path.abspath(source), checkpoint_location(destination), "tensors", n_tensors, n_objects,
                          directory_bytes(destination), time.perf_counter() - started)
 
 

@@ -1,6 +1,10 @@
 """``clean DIR``: remove what killed saves left behind (hidden staging directories), keeping anything
 that may still be needed: a save still running on this host, a recently changed directory (a save
-on another node), and a committed checkpoint whose rename into place was interrupted."""
+on another node), and a committed checkpoint whose rename into place was interrupted.
+
+``clean s3://bucket/prefix``: remove the versions no commit marker names (:mod:`..storage.s3_versions`),
+older than ``--older-than``, in the checkpoint there or in any location under it; never the
+committed version, nor anything not provably written by a save of ours."""
 
 from __future__ import annotations
 
@@ -8,23 +12,28 @@ import os
 import shlex
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from ..storage.layout import is_checkpoint_dir
 from ..storage.paths import local_path
+from ..storage.s3_url import is_s3_url
+from ..storage.s3_versions import S3Leftover, find_s3_leftovers, remove_version
 from ..storage.staging import Leftover, find_leftovers
 
 
 @dataclass(frozen=True)
 class CleanAction:
-    leftover: Leftover
+    leftover: Union[Leftover, S3Leftover]
     action: str  # "removed", "would remove", or "kept"
     reason: str
 
 
 def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
     """Leftover staging directories in ``path`` (a directory of checkpoints, or one checkpoint: then
-    its own leftovers, found beside it), removed unless kept for a reason or ``dry_run``."""
+    its own leftovers, found beside it), removed unless kept for a reason or ``dry_run``. An
+    ``s3://`` location: its uncommitted versions (see :func:`clean_s3`)."""
+    if is_s3_url(path):
+        return clean_s3(path, older_than_s, dry_run)
     path = os.path.abspath(local_path(path, "directory"))
     name: Optional[str] = None
     if is_checkpoint_dir(path):
@@ -53,9 +62,34 @@ def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
     return actions
 
 
+def clean_s3(url: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
+    """Uncommitted versions under ``url`` removed unless kept for a reason or ``dry_run``."""
+    actions = []
+    for lo in find_s3_leftovers(url):
+        verdict = lo.verdict(older_than_s)
+        if verdict == "foreign":
+            reason = f"refused: not provably ours ({lo.foreign})"
+        elif verdict == "unknown-age":
+            reason = "its version name carries no start time; a save may still be running (--older-than 0 removes it)"
+        elif verdict == "recent":
+            reason = f"started {lo.idle_s:.0f} s ago (< --older-than {older_than_s:.0f} s): a save may still be running"
+        else:
+            age = "" if lo.idle_s is None else f", started {lo.idle_s:.0f} s ago"
+            reason = f"uncommitted ({lo.objects} object(s){age})"
+        if verdict != "remove":
+            actions.append(CleanAction(lo, "kept", reason))
+        elif dry_run:
+            actions.append(CleanAction(lo, "would remove", reason))
+        else:
+            remove_version(lo)
+            actions.append(CleanAction(lo, "removed", reason))
+    return actions
+
+
 def as_json(actions: List[CleanAction]) -> List[Dict[str, Any]]:
     return [{"path": a.leftover.path, "target": a.leftover.target, "bytes": a.leftover.nbytes,
-             "idle_s": round(a.leftover.idle_s, 1), "committed": a.leftover.committed, "action": a.action,
+             "idle_s": None if a.leftover.idle_s is None else round(a.leftover.idle_s, 1),
+             "committed": a.leftover.committed, "action": a.action,
              "reason": a.reason} for a in actions]
 
 
@@ -64,8 +98,14 @@ def render(actions: List[CleanAction], path: str) -> str:
         return f"{path}: no leftover staging directories"
     lines = []
     for a in actions:
-        lines.append(f"{a.action:12s} {a.leftover.path} ({a.leftover.nbytes / 1e9:.3f} GB): {a.reason}")
-    freed = sum(a.leftover.nbytes for a in actions if a.action != "kept")
+        size = f"{a.leftover.nbytes / 1e9:.3f} GB" if a.leftover.nbytes is not None else \
+            f"{getattr(a.leftover, 'objects', 0)} object(s)"  # object sizes are not listed
+        lines.append(f"{a.action:12s} {a.leftover.path} ({size}): {a.reason}")
+    gone = [a.leftover for a in actions if a.action != "kept"]
     verb = "would free" if any(a.action == "would remove" for a in actions) else "freed"
-    lines.append(f"{verb} {freed / 1e9:.3f} GB; kept {sum(a.action == 'kept' for a in actions)}")
+    if all(lo.nbytes is not None for lo in gone):
+        amount = f"{sum(lo.nbytes or 0 for lo in gone) / 1e9:.3f} GB"
+    else:
+        amount = f"{sum(getattr(lo, 'objects', 0) for lo in gone)} object(s)"
+    lines.append(f"{verb} {amount}; kept {sum(a.action == 'kept' for a in actions)}")
     return "\n".join(lines)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..planning.metadata import TensorEntry, element_size
 from ..storage.layout import COMMON_FILE, DATA_DIR
 from ..storage.paths import TreeStats, scan_tree
+from ..storage.s3 import ObjectStore
+from ..storage.s3_url import is_s3_url
+from ..storage.s3_versions import find_s3_leftovers
 from ..storage.staging import find_leftovers
 from ..reading.checkpoint import OpenedCheckpoint
 
@@ -62,11 +65,10 @@ def summarize(ckpt: OpenedCheckpoint) -> Dict[str, Any]:
         objects.append({"key": key, "shape": list(o.global_shape), "elements": len(o.shards),
                         "writers": sorted({s.writer for s in o.shards})})
     marker = ckpt.marker
-    try:
-        data = scan_tree(os.path.join(ckpt.path, DATA_DIR), "data directory")
-    except FileNotFoundError:
-        data = TreeStats(0, 0)
-    common = os.path.join(ckpt.path, COMMON_FILE)
+    if is_s3_url(ckpt.path):
+        data_files, data_bytes, common_bytes, leftovers = _s3_facts(ckpt)
+    else:
+        data_files, data_bytes, common_bytes, leftovers = _local_facts(ckpt)
     return {
         "path": ckpt.path,
         "committed": True,  # OpenedCheckpoint.open refuses anything else
@@ -76,16 +78,37 @@ def summarize(ckpt: OpenedCheckpoint) -> Dict[str, Any]:
         "world_size": meta.get("world_size"), "created_unix": meta.get("created_unix"),
         "committed_unix": marker.get("committed_unix"), "storage": meta.get("storage", {}),
         "tensor_bytes": sum(t["stored_bytes"] for t in tensors),
-        "common_bytes": os.lstat(common).st_size if os.path.isfile(common) and not os.path.islink(common) else None,
-        "data_files": data.files, "data_file_bytes": data.nbytes,
+        "common_bytes": common_bytes, "data_files": data_files, "data_file_bytes": data_bytes,
         "stored_arrays": sum(t["shards"] - t["packed"] for t in tensors) + len(
             {(s.writer, e.dtype) for e in ckpt.index.tensors.values() for s in e.shards if s.packed is not None}),
         "packed_shards": sum(t["packed"] for t in tensors),
         "tensors": tensors, "objects": objects,
-        "leftovers": [{"path": lo.path, "bytes": lo.nbytes, "idle_s": round(lo.idle_s, 1),
-                       "in_progress": bool(lo.live_owner_pids)}
-                      for lo in find_leftovers(*os.path.split(ckpt.path))],
+        "leftovers": leftovers,
     }
+
+
+def _local_facts(ckpt: OpenedCheckpoint) -> Tuple[int, Optional[int], Optional[int], List[Dict[str, Any]]]:
+    """Data files and bytes, common.pt's bytes, and leftover staging directories of a directory."""
+    try:
+        data = scan_tree(os.path.join(ckpt.path, DATA_DIR), "data directory")
+    except FileNotFoundError:
+        data = TreeStats(0, 0)
+    common = os.path.join(ckpt.path, COMMON_FILE)
+    leftovers = [{"path": lo.path, "bytes": lo.nbytes, "idle_s": round(lo.idle_s, 1),
+                  "in_progress": bool(lo.live_owner_pids)} for lo in find_leftovers(*os.path.split(ckpt.path))]
+    return (data.files, data.nbytes,
+            os.lstat(common).st_size if os.path.isfile(common) and not os.path.islink(common) else None, leftovers)
+
+
+def _s3_facts(ckpt: OpenedCheckpoint) -> Tuple[int, Optional[int], Optional[int], List[Dict[str, Any]]]:
+    """The same for an ``s3://`` checkpoint (``path``: its committed version): objects under data/
+    (their sizes are not listed through the kvstore), and the versions no marker names."""
+    version = ObjectStore(ckpt.path, ckpt.options)
+    common = version.read(COMMON_FILE)
+    target = ckpt.path.rpartition("/")[0]
+    leftovers = [{"path": lo.path, "bytes": None, "idle_s": None if lo.idle_s is None else round(lo.idle_s, 1),
+                  "in_progress": None} for lo in find_s3_leftovers(target) if lo.target == target]
+    return len(version.list_keys(DATA_DIR + "/")), None, None if common is None else len(common), leftovers
 
 
 def human_bytes(n: float) -> str:
@@ -118,7 +141,9 @@ def render(s: Dict[str, Any]) -> str:
            "NO checksums (written before format 3)"),
         f"storage      {st.get('backend', '?')} / {st.get('layout', '?')}, "
         f"chunks <= {human_bytes(st.get('chunk_bytes', 0))}; "
-        f"{s['data_files']} data file(s), {human_bytes(s['data_file_bytes'])}; {s['stored_arrays']} array(s)"
+        f"{s['data_files']} data file(s), "
+        f"{human_bytes(s['data_file_bytes']) if s['data_file_bytes'] is not None else 'sizes not listed'}; "
+        f"{s['stored_arrays']} array(s)"
         + (f", {s['packed_shards']} small shard(s) packed" if s["packed_shards"] else ""),
         f"contents     {len(s['tensors'])} tensor(s), {human_bytes(s['tensor_bytes'])}; {len(s['objects'])} object(s); "
         f"common state {human_bytes(s['common_bytes']) if s['common_bytes'] is not None else 'MISSING'}",
@@ -126,7 +151,7 @@ def render(s: Dict[str, Any]) -> str:
     if s["leftovers"]:
         lines.append(
             f"leftovers    {len(s['leftovers'])} staging director(ies) of saves to this name that did not commit "
-            f"({human_bytes(sum(lo['bytes'] for lo in s['leftovers']))}): lightning-distckpt clean "
+            f"({human_bytes(sum(lo['bytes'] or 0 for lo in s['leftovers']))}): lightning-distckpt clean "
             f"{os.path.dirname(s['path'])}"
         )
     lines.append("")

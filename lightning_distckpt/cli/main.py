@@ -3,6 +3,7 @@
     lightning-distckpt inspect DIR [--json]     keys, global shapes, dtypes, bytes, shard grid, writers
     lightning-distckpt validate DIR [--json]    read every stored byte; exit 1 if anything is damaged
     lightning-distckpt clean DIR [--dry-run]    remove staging directories that killed saves left behind
+                                                (s3://bucket/prefix: uncommitted versions)
     lightning-distckpt convert SRC DST          checkpoint -> torch.save file, file -> checkpoint, or re-layout
                                                 (--to safetensors | dcp: Hugging Face or DCP directory)
 
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 from ..core.errors import ArgumentError, CheckpointingError
 from ..storage.paths import local_path
+from ..storage.s3_url import is_s3_url
 from ..version import __version__
 
 if TYPE_CHECKING:
@@ -37,6 +39,8 @@ class UsageError(ArgumentError):
 
 
 def _checkpoint_path(path: str) -> str:
+    if is_s3_url(path):  # opening it says what is wrong (no bucket, no commit marker, ...) in one line
+        return path
     local_path(path)  # a URL is refused as such, not as a missing directory
     if not os.path.exists(path):
         from ..storage.staging import describe_missing
@@ -69,7 +73,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     from .clean import as_json, clean, render
 
-    if not os.path.isdir(local_path(args.directory, "directory")):
+    if not is_s3_url(args.directory) and not os.path.isdir(local_path(args.directory, "directory")):
         raise UsageError(f"{args.directory}: no such directory")
     actions = clean(args.directory, args.older_than, args.dry_run)
     print(json.dumps(as_json(actions), indent=1) if args.json else render(actions, args.directory))
@@ -83,10 +87,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..lightning.export import export_torch_file, import_torch_file  # Lightning checkpoints: Lightning's dict
     from ..storage.tensorstore_io import StorageOptions
 
-    if not os.path.exists(local_path(args.source, "source")):
+    remote = is_s3_url(args.source)  # an s3:// checkpoint: opening it says what is wrong
+    if not remote and not os.path.exists(local_path(args.source, "source")):
         raise UsageError(f"{args.source}: no such file or directory")
-    local_path(args.destination, "destination")
-    to = args.to or ("torch" if os.path.isdir(args.source) else "distckpt")
+    if not is_s3_url(args.destination):
+        local_path(args.destination, "destination")
+    to = args.to or ("torch" if remote or os.path.isdir(args.source) else "distckpt")
     overrides = {k: v for k, v in (("layout", args.layout),
                                    ("chunk_bytes", args.chunk_mib and int(args.chunk_mib * 2**20))) if v}
     try:
@@ -98,12 +104,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if to in ("safetensors", "dcp"):
         report = _export(args, to, bool(overrides))
     elif to == "torch":
-        if not os.path.isdir(args.source):
+        if not remote and not os.path.isdir(args.source):
             raise UsageError(f"{args.source}: is a file; --to torch converts a checkpoint directory")
         if overrides:
             raise UsageError("--layout / --chunk-mib apply to checkpoint outputs, not to --to torch")
         report = export_torch_file(args.source, args.destination)
-    elif os.path.isdir(args.source):
+    elif remote or os.path.isdir(args.source):
         report = relayout_checkpoint(args.source, args.destination, storage)
     else:
         report = import_torch_file(args.source, args.destination, storage)
@@ -144,12 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command(sub, "inspect", cmd_inspect,
                     "show keys, global shapes, dtypes, bytes, shard grid and writer ranks, and whether the "
                     "checkpoint is complete (reads metadata only)")
-    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("checkpoint", help="checkpoint directory or s3://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p = add_command(sub, "validate", cmd_validate,
                     "read every chunk of every stored shard, every object and the common state; report missing "
                     "or unreadable data (exit status 1)")
-    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("checkpoint", help="checkpoint directory or s3://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--verbose", "-v", action="store_true", help="print each key as it is checked (stderr)")
     p.add_argument("--max-inflight-mib", type=int, default=256, help="bytes read at once per shard (default 256 MiB)")
@@ -159,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command(sub, "clean", cmd_clean,
                     "remove the hidden staging directories of saves that never committed (killed jobs); keeps "
                     "those a running save may still use and any committed checkpoint whose rename was interrupted")
-    p.add_argument("directory", help="directory holding checkpoints (or one checkpoint: its own leftovers)")
+    p.add_argument("directory", help="directory holding checkpoints (or one checkpoint: its own leftovers); "
+                   "s3://bucket/prefix: the versions no commit marker names, there and below")
     p.add_argument("--older-than", type=float, default=600.0, metavar="SECONDS",
                    help="only remove directories unchanged for this long (default 600): saves on other nodes "
                    "cannot be seen from here")
@@ -169,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "convert a checkpoint directory to one torch.save file (Lightning checkpoints become Lightning's "
                     "own checkpoint dict), a torch.save file to a checkpoint directory, or a checkpoint to another "
                     "storage layout (--to distckpt with a directory source)")
-    p.add_argument("source", help="checkpoint directory or torch.save file")
-    p.add_argument("destination", help="output file (--to torch) or checkpoint directory")
+    p.add_argument("source", help="checkpoint directory (or s3://bucket/prefix) or torch.save file")
+    p.add_argument("destination", help="output file (--to torch) or checkpoint directory (or s3://bucket/prefix)")
     p.add_argument("--to", choices=["torch", "distckpt", "safetensors", "dcp"],
                    help="output kind (default: torch for a directory source, distckpt for a file); safetensors: "
                    "a Hugging Face model directory (a Trainer checkpoint's module weights), dcp: a PyTorch DCP directory")

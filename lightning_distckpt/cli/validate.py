@@ -29,6 +29,8 @@ from ..storage.checksums import check_sha256
 from ..storage.integrity import store_bytes
 from ..storage.layout import COMMON_FILE, rank_dir
 from ..storage.paths import read_inside
+from ..storage.s3 import ObjectStore
+from ..storage.s3_url import is_s3_url
 from ..storage.safe_pickle import loads
 from ..storage.tensorstore_io import TensorStoreIO
 from ..reading.checkpoint import OpenedCheckpoint
@@ -117,8 +119,15 @@ def _check_writer_stores(ckpt: OpenedCheckpoint, report: Report) -> set:
     writers |= {s.writer for o in ckpt.index.objects.values() for s in o.shards}
     dead = set()
     claimed = ckpt.index.bytes_per_writer()
+    listed = _s3_writers(ckpt) if is_s3_url(ckpt.path) else None
     for w in sorted(writers):
         n = sum(1 for e in ckpt.index.tensors.values() for s in e.shards if s.writer == w)
+        if listed is not None:  # an object store: no links, no sizes listed; present or not
+            if w not in listed:
+                dead.add(w)
+                report.problems.append(f"rank {w}: no objects under {rank_dir(ckpt.path, w)} "
+                                       f"({n} stored shard(s) lost)")
+            continue
         try:
             stored = store_bytes(ckpt.path, w)
         except CheckpointingError as e:  # a link out of the checkpoint: nothing in it is read
@@ -133,6 +142,12 @@ def _check_writer_stores(ckpt: OpenedCheckpoint, report: Report) -> set:
             report.problems.append(f"rank {w}: its store holds {stored} bytes, less than the {claimed[w]} bytes of "
                                    f"tensor data metadata.json claims in it")
     return dead
+
+
+def _s3_writers(ckpt: OpenedCheckpoint) -> set:
+    """The writer ranks that have objects under ``data/`` of an ``s3://`` checkpoint."""
+    keys = ObjectStore(ckpt.path, ckpt.options).list_keys("data/")
+    return {int(m.group(1)) for m in (re.match(r"data/rank_(\d+)/", k) for k in keys) if m}
 
 
 class _ReadWindow:
@@ -229,8 +244,13 @@ def _check_objects(ckpt: OpenedCheckpoint, tio: TensorStoreIO, dead: set, report
 def _check_common(ckpt: OpenedCheckpoint, report: Report) -> None:
     path = os.path.join(ckpt.path, COMMON_FILE)
     try:
-        blob = read_inside(path, "common state")
-    except FormatError as e:
+        if is_s3_url(ckpt.path):
+            blob = ObjectStore(ckpt.path, ckpt.options).read(COMMON_FILE)
+            if blob is None:
+                raise FileNotFoundError(2, "no such object")
+        else:
+            blob = read_inside(path, "common state")
+    except CheckpointingError as e:  # a link (FormatError), or an object store's failure
         report.problems.append(str(e))
         return
     except OSError as e:

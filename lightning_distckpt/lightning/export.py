@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from .. import convert
 from ..convert import ConvertReport
 from ..serialization import load_common_state_dict
-from ..storage.paths import local_path
+from ..storage.paths import checkpoint_location, local_path
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
 from .checkpoint_io import DistCheckpointIO
@@ -34,7 +34,7 @@ def export_torch_file(source: str, destination: str, extra_safe_globals: Sequenc
     payload = DistCheckpointIO(extra_safe_globals=extra_safe_globals).load_checkpoint(source)
     nbytes = convert.save_file_atomic(payload, destination)
     n_tensors = sum(1 for _ in iter_tensor_leaves(payload))
-    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), "lightning", n_tensors, 0, nbytes,
+    return ConvertReport(checkpoint_location(source), os.path.abspath(destination), "lightning", n_tensors, 0, nbytes,
                          time.perf_counter() - t0)
 
 
@@ -55,5 +55,5 @@ def import_torch_file(source: str, destination: str, storage: StorageOptions = S
         return convert.import_export_payload(payload, source, destination, storage, t0)
     DistCheckpointIO().save_checkpoint(payload, destination, storage_options=storage)
     n_tensors = sum(1 for _, t in iter_tensor_leaves(payload) if t.ndim > 0)
-    return ConvertReport(os.path.abspath(source), os.path.abspath(destination), "tree", n_tensors, 0,
+    return ConvertReport(os.path.abspath(source), checkpoint_location(destination), "tree", n_tensors, 0,
                          convert.directory_bytes(destination), time.perf_counter() - t0)

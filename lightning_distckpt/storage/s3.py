@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-import uuid
-from typing import Any, Dict, Optional, Tuple
+import secrets
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 import tensorstore as ts
 
@@ -79,6 +80,18 @@ class ObjectStore:
         except Exception as e:
             raise self._error("checking the bucket", e) from None
 
+    def list_keys(self, prefix: str = "") -> List[str]:
+        """The names of every object under ``prefix`` (relative to the location), sorted."""
+        try:
+            if prefix:
+                end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+                keys = self._kv.list(ts.KvStore.KeyRange(prefix, end)).result()
+            else:
+                keys = self._kv.list().result()
+        except Exception as e:
+            raise self._error(f"listing {prefix or 'the objects'}", e) from None
+        return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
+
     def delete_prefix(self, name: str) -> None:
         """Delete every object under ``name/``."""
         start = name.rstrip("/") + "/"
@@ -89,8 +102,20 @@ class ObjectStore:
 
 
 def new_version(target: str) -> str:
-    """A fresh version location under ``target`` (where one save writes before its commit)."""
-    return f"{target}/{VERSION_PREFIX}{uuid.uuid4().hex[:12]}"
+    """A fresh version location under ``target`` (where one save writes before its commit). The
+    token is the start time (8 hex digits of Unix seconds) and 4 random hex digits: an object
+    listing through the kvstore carries no modification times, and ``clean`` must tell a version a
+    running save is writing (recent) from one a killed save left behind (old)."""
+    return f"{target}/{VERSION_PREFIX}{int(time.time()):08x}{secrets.token_hex(2)}"
+
+
+def version_started(name: str) -> Optional[float]:
+    """When the save writing version ``name`` started (Unix seconds), None when its token carries
+    no plausible time (a version written before tokens carried one)."""
+    if not _VERSION.match(name):
+        return None
+    started = int(name[len(VERSION_PREFIX):][:8], 16)
+    return float(started) if 1_500_000_000 <= started <= time.time() + 86400 else None
 
 
 def _split(version_url: str) -> Tuple[str, str]:

@@ -1,0 +1,97 @@
+"""Versions under ``s3://`` locations that no commit marker names: what killed saves left behind
+(see :mod:`.s3` for the layout), found for ``inspect`` and removed by ``clean``.
+
+Only what is provably ours is ever offered for removal: a ``v-<12 hex>`` prefix directly inside a
+location whose ``COMMITTED`` object is absent or a marker of ours, holding nothing but the names a
+save writes (``metadata.json``, ``common.pt``, ``data/rank_NNNNN/...``). An object listing through
+tensorstore's kvstore carries no modification times, so a version's age is read from its token
+(the save's start time, :func:`.s3.new_version`): a version younger than the caller's bound may be
+a save still running on another node.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from ..core.errors import FormatError
+from .layout import COMMIT_MARKER
+from .options import StorageOptions
+from .s3 import _VERSION, ObjectStore, read_marker, version_started
+from .s3_url import parse_s3_url
+
+# Everything a save writes inside its version (layout.py: metadata, common state, per-rank stores).
+_OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_\d{5}/.+)$")
+
+
+@dataclass(frozen=True)
+class S3Leftover:
+    """An uncommitted version under an ``s3://`` location, and what may be done with it."""
+
+    path: str  # the version's URL
+    target: str  # the checkpoint location it was meant to become
+    objects: int
+    idle_s: Optional[float]  # seconds since its save started; None when its token carries no time
+    has_metadata: bool  # killed between metadata.json and the marker (every rank had written)
+    foreign: Optional[str] = None  # why it is not provably ours (then never removed)
+    nbytes: Optional[int] = None  # object sizes are not listed through the kvstore
+    committed: bool = False  # never: the committed version is not a leftover
+
+    def verdict(self, older_than_s: float) -> str:
+        """``"remove"``, or why it is kept: ``"foreign"``, ``"unknown-age"`` or ``"recent"``."""
+        if self.foreign is not None:
+            return "foreign"
+        if self.idle_s is None:
+            return "remove" if older_than_s <= 0 else "unknown-age"
+        return "recent" if self.idle_s < older_than_s else "remove"
+
+
+def _group(keys: List[str]) -> Dict[str, Dict[str, List[str]]]:
+    """``{location: {version: [names inside it]}}`` for keys ``[loc/]v-<token>/name``; the leftmost
+    version-like component decides (a version's own names hold none before it)."""
+    found: Dict[str, Dict[str, List[str]]] = {}
+    for key in keys:
+        parts = key.split("/")
+        for i, part in enumerate(parts[:-1]):
+            if _VERSION.match(part):
+                found.setdefault("/".join(parts[:i]), {}).setdefault(part, []).append("/".join(parts[i + 1:]))
+                break
+    return found
+
+
+def find_s3_leftovers(url: str, options: StorageOptions = StorageOptions()) -> List[S3Leftover]:
+    """Uncommitted versions in the checkpoint at ``url`` or in any location under it (a
+    ``ModelCheckpoint`` directory), oldest first. One listing, then one marker read per location."""
+    root = parse_s3_url(url).url
+    store = ObjectStore(root, options)
+    store.check_bucket()  # a missing bucket or denied access is an error, not "nothing to clean"
+    now = time.time()
+    out = []
+    for loc, versions in sorted(_group(store.list_keys()).items()):
+        target = f"{root}/{loc}" if loc else root
+        committed, foreign = None, None
+        try:
+            marker = read_marker(ObjectStore(target, options))
+            committed = marker["version"] if marker else None
+        except FormatError:
+            foreign = f"{target}/{COMMIT_MARKER} is not a commit marker of ours"
+        for name, inner in sorted(versions.items()):
+            if name == committed:
+                continue
+            why = foreign
+            odd = next((k for k in inner if not _OUR_KEY.match(k)), None)
+            if why is None and odd is not None:
+                why = f"holds {odd!r}, which no save of ours writes"
+            started = version_started(name)
+            out.append(S3Leftover(f"{target}/{name}", target, len(inner),
+                                  None if started is None else max(0.0, now - started),
+                                  "metadata.json" in inner, why))
+    return sorted(out, key=lambda lo: -(lo.idle_s or 0.0))
+
+
+def remove_version(leftover: S3Leftover, options: StorageOptions = StorageOptions()) -> None:
+    """Delete every object of an uncommitted version (after :meth:`S3Leftover.verdict` said so)."""
+    target, _, name = leftover.path.rpartition("/")
+    ObjectStore(target, options).delete_prefix(name)
