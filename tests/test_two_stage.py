@@ -241,3 +241,40 @@ def test_single_process_and_bad_loader(tmp_path):
         ldc.load(sd, tmp_path / "ck", loader="fast")
     with pytest.raises(ValueError, match="max_inflight_bytes"):
         TwoStageDataParallelLoader(max_inflight_bytes=0)
+
+
+def test_loads_pause_the_garbage_collector(tmp_path):
+    """Every loader runs with Python's cyclic collector off (a full collection cost up to 0.35 s of
+    a cold load, docs/benchmarks.md) and leaves it as it found it, on failure too."""
+    import gc
+
+    from lightning_distckpt.core.strict import StrictHandling
+    from lightning_distckpt.reading.checkpoint import open_checkpoint
+    from lightning_distckpt.reading.loaders import resolve_loader
+
+    ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, tmp_path / "ck")
+    seen = []
+
+    def opener():
+        seen.append(gc.isenabled())
+        return open_checkpoint(str(tmp_path / "ck"))
+
+    def failing():
+        seen.append(gc.isenabled())
+        raise FileNotFoundError("no checkpoint here")
+
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            for name in ("every_rank", "parallel", "two_stage"):
+                template = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(6))}
+                out = resolve_loader(name).load(template, opener, get_comm(), StrictHandling.ASSUME_OK_UNEXPECTED)
+                assert torch.equal(out[0]["w"], torch.arange(6.0))
+                assert gc.isenabled() is enabled
+                with pytest.raises(CheckpointingError):
+                    resolve_loader(name).load(template, failing, get_comm(), StrictHandling.ASSUME_OK_UNEXPECTED)
+                assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False] * 12

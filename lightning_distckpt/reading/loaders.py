@@ -26,7 +26,7 @@ from ..core.strict import StrictHandling
 from ..planning.exchange_plan import ChunkId, ChunkRequest, chunk_id, plan_exchange
 from .checkpoint import CheckpointSource
 from .exchange import ChunkExchange
-from .pipeline import LoadContext, Opener, Result, begin_load, combine_errors, finish_load
+from .pipeline import LoadContext, Opener, Result, begin_load, combine_errors, finish_load, gc_paused
 from .reads import read_tensors
 from .request import Requester
 from .stats import LoadStats, format_load_times
@@ -54,6 +54,11 @@ class EveryRankLoader:
 
     def load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
              extra_safe_globals: Sequence[Any] = ()) -> Result:
+        with gc_paused():
+            return self._load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals)
+
+    def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
+              extra_safe_globals: Sequence[Any]) -> Result:
         ctx = begin_load(sharded_state_dict, checkpoint, comm, strict)
         stats = LoadStats(rank=comm.rank)
         tensors: List[Optional[torch.Tensor]] = []
@@ -104,6 +109,11 @@ class ExchangeLoader:
     def load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
              extra_safe_globals: Sequence[Any] = ()) -> Result:
         """Collective over ``comm`` (the load's group); the exchange runs within ``group``."""
+        with gc_paused():
+            return self._load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals)
+
+    def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
+              extra_safe_globals: Sequence[Any]) -> Result:
         exchange_comm = get_comm(self.group) if self.group is not None else comm
         ctx = begin_load(sharded_state_dict, checkpoint, comm, strict)
         local, empty = _group_requests(ctx)
