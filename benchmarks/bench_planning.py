@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import STATES, fmt_table, gpt_params, machine_summary  # noqa: E402
+from lightning_distckpt.planning.even import mark_even, own_records, resolve_even  # noqa: E402
 from lightning_distckpt.planning.groups import RankRecords, RecordGroup, layout_digest, representatives  # noqa: E402
 from lightning_distckpt.planning.metadata import CheckpointIndex, ShardRecord  # noqa: E402
 from lightning_distckpt.planning.save_plan import make_save_plan, plan_record_groups  # noqa: E402
@@ -131,9 +132,9 @@ def fsdp(world: int) -> Tuple[List[str], Dict[str, RankRecords]]:
             for state, _ in STATES:
                 out.append(ShardRecord(f"{state}.{spec.name}", DTYPE.get(state, "float32"), spec.shape,
                                        (lo,) + (0,) * (len(spec.shape) - 1), shape, None, True, rank))
-        recs = RankRecords(out, [])
+        recs = mark_even(RankRecords(out, []), world)  # as save_prepare describes a rank's records
         digests.append(layout_digest(recs))
-        first[digests[-1]] = recs
+        first.setdefault(digests[-1], recs)
     return digests, first
 
 
@@ -154,9 +155,11 @@ def measure(layout: str, world: int, allgather_max_records: int) -> Dict[str, An
     with gc_paused():  # as coordinate_plan runs these stages
         row["gather_s"], received = _timed(lambda: {d: pickle.loads(p) for d, p in sent.items()})
         groups = [RecordGroup(received[d], ranks) for d, ranks in representatives(digests).items()]
-        row["validate_s"], problems = _timed(lambda: validate_record_groups(groups))
+        resolve_s, (groups, even) = _timed(lambda: resolve_even(groups, world))
+        row["validate_s"], problems = _timed(lambda: validate_record_groups(groups, even))
+        row["validate_s"] += resolve_s
         assert not problems, problems[:3]
-        row["plan_s"], plan = _timed(lambda: plan_record_groups(groups, world, True, PACK))
+        row["plan_s"], plan = _timed(lambda: plan_record_groups(groups, world, True, PACK, even))
         coord = CoordinatorOptions(validate=False, balance_writes=True, pack_max_bytes=PACK)
         _, parts = plan_for_ranks(groups, world, "/ckpt", coord)
         pickle_s, part_pickles = _timed(lambda: [pickle.dumps(p) for p in parts])
@@ -180,8 +183,7 @@ def measure(layout: str, world: int, allgather_max_records: int) -> Dict[str, An
 
 def _allgather(digests: List[str], first: Dict[str, RankRecords], world: int) -> Dict[str, Any]:
     """The previous design on one rank: receive every rank's records, unpickle, validate, plan."""
-    per_rank = [RankRecords([r.__class__(**{**r.__dict__, "rank": rank}) for r in first[d].tensors], [])
-                for rank, d in enumerate(digests)]
+    per_rank = [own_records(first[d], rank, world) for rank, d in enumerate(digests)]
     pickles = [pickle.dumps(p) for p in per_rank]
     unpickle_s, got = _timed(lambda: [pickle.loads(p) for p in pickles])
     flat = [r for recs in got for r in recs.tensors]

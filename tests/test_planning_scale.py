@@ -11,12 +11,13 @@ from hypothesis import strategies as st
 
 from lightning_distckpt.comm import Comm
 from lightning_distckpt.core.errors import CheckpointingError, ValidationError
+from lightning_distckpt.planning.even import mark_even, resolve_even
 from lightning_distckpt.planning.groups import RankRecords, RecordGroup, layout_digest, representatives
 from lightning_distckpt.planning.metadata import ShardRecord
 from lightning_distckpt.planning.save_plan import make_save_plan, plan_record_groups
 from lightning_distckpt.planning.tiling import overlapping_pairs
 from lightning_distckpt.planning.validation import validate_record_groups, validate_tensor_records
-from lightning_distckpt.strategies.save_coordinate import CoordinatorOptions, coordinate_plan
+from lightning_distckpt.strategies.save_coordinate import CoordinatorOptions, coordinate_plan, plan_for_ranks
 
 
 def _all_pairs(boxes):
@@ -113,3 +114,89 @@ def test_coordinator_errors_reach_every_rank_with_their_type():
     ok = RankRecords([_rec("w", (0, 0), (8, 8), 0, (8, 8))], [])
     plan = coordinate_plan(one, "/ck", ok, [layout_digest(ok)], options)
     assert [(i.key, i.source) for i in plan.writes[0]] == [("w", 0)] and list(plan.index.tensors) == ["w"]
+
+
+def _fsdp_ranks(world, rows=(20, 7, 64), extra=True):
+    """Every rank's own records: tensors split evenly on dim 0 over ``world`` ranks (chunks of
+    ceil(rows / world), the last ones shorter), plus a tensor every rank holds whole (main on
+    rank 0 only), and, with ``extra``, one only rank 0 holds."""
+    per_rank = []
+    for rank in range(world):
+        recs = []
+        for k, n in enumerate(rows):
+            chunk = -(-n // world)
+            lo, hi = min(rank * chunk, n), min((rank + 1) * chunk, n)
+            if hi > lo:
+                recs.append(_rec(f"t{k}", (lo, 0), (hi - lo, 3), rank, (n, 3)))
+        recs.append(_rec("norm", (0,), (5,), rank, (5,), main=rank == 0))
+        if extra and rank == 0:
+            recs.append(_rec("step", (0,), (1,), rank, (1,)))
+        per_rank.append(RankRecords(recs, []))
+    return per_rank
+
+
+def _coordinate(per_rank, mark, balance=True, validate=True):
+    """plan_for_ranks on the coordinator's groups, with or without marking even chunks."""
+    world = len(per_rank)
+    sent = [mark_even(r, world) if mark else r for r in per_rank]
+    digests = [layout_digest(r) for r in sent]
+    groups = [RecordGroup(sent[ranks[0]], ranks) for ranks in representatives(digests).values()]
+    options = CoordinatorOptions(validate=validate, balance_writes=balance, pack_max_bytes=48)
+    plan, parts = plan_for_ranks(groups, world, "/ck", options)
+    return len(groups), plan, parts
+
+
+@pytest.mark.parametrize("rows, even", [((16, 22, 64), ["t0", "t1", "t2"]), ((20, 7, 64), ["t2"])])
+def test_even_splits_share_one_layout_and_plan_as_every_rank_would(rows, even):
+    """Over 8 ranks, 16 / 22 / 64 rows split in chunks of 2 / 3 (rank 7: 1) / 8 are even keys
+    ('step', one row on rank 0 only, looks like chunk 0 but is not); with 20 and 7 rows rank 7
+    holds no chunk of those keys, so only t2 stays even and the other keys are validated and
+    planned from every rank's own records. Either way the plan is the one without marks."""
+    per_rank = _fsdp_ranks(8, rows)
+    sent = [mark_even(r, 8) for r in per_rank]
+    digests = [layout_digest(r) for r in sent]
+    groups = [RecordGroup(sent[ranks[0]], ranks) for ranks in representatives(digests).values()]
+    assert sorted(resolve_even(groups, 8)[1]) == even
+    n_marked, marked, parts = _coordinate(per_rank, mark=True, balance=False)
+    n_plain, plain, plain_parts = _coordinate(per_rank, mark=False, balance=False)
+    assert n_plain == 8 and n_marked < 8  # ranks holding the same chunks' pattern share a layout
+    assert marked == plain and parts == plain_parts
+    # balanced: the same stored shards and packing, every byte written once
+    _, marked_b, _ = _coordinate(per_rank, mark=True)
+    _, plain_b, _ = _coordinate(per_rank, mark=False)
+    strip = lambda plan: {k: [(s.offset, s.shape, s.index) for s in e.shards] for k, e in plan.index.tensors.items()}  # noqa: E731
+    assert strip(marked_b) == strip(plain_b)
+    assert sum(marked_b.bytes_per_rank.values()) == sum(plain_b.bytes_per_rank.values())
+    # a pure FSDP layout: one layout whatever the ranks, the very same plan
+    pure = [RankRecords([r for r in recs.tensors if r.key == "t2"], []) for recs in _fsdp_ranks(64, rows=(64, 64, 128))]
+    n, plan, _ = _coordinate(pure, mark=True)
+    assert n == 1 and plan == _coordinate(pure, mark=False)[1]
+    assert [s.writer for s in plan.index.tensors["t2"].shards] == list(range(64))
+
+
+def _message(parts):
+    assert parts[0].error is not None and len({p.error for p in parts}) == 1
+    return parts[0].error.message
+
+
+def test_even_splits_report_the_same_problems():
+    good = _fsdp_ranks(8, rows=(16, 24, 64), extra=False)
+    bad_cases = []
+    overlap = [RankRecords(list(r.tensors), []) for r in good]
+    overlap[5].tensors[0] = _rec("t0", (9, 0), (2, 3), 5, (16, 3))  # reaches into rank 4's rows... and leaves row 11
+    bad_cases.append(overlap)
+    missing = [RankRecords([r for r in recs.tensors if not (rank == 3 and r.key == "t1")], [])
+               for rank, recs in enumerate(good)]
+    bad_cases.append(missing)
+    shape = [RankRecords(list(r.tensors), []) for r in good]
+    shape[6].tensors[2] = _rec("t2", (48, 0), (8, 3), 6, (65, 3))
+    bad_cases.append(shape)
+    twice = [RankRecords(list(r.tensors) + ([r.tensors[0]] if rank == 2 else []), []) for rank, r in enumerate(good)]
+    bad_cases.append(twice)
+    for case in bad_cases:
+        plain = _message(_coordinate(case, mark=False)[2])
+        assert _message(_coordinate(case, mark=True)[2]) == plain
+        every = [r for recs in case for r in recs.tensors]
+        assert all(p in plain for p in validate_tensor_records(every))
+    # validation off: still planned as without the marks
+    assert _coordinate(missing, mark=True, validate=False)[1] == _coordinate(missing, mark=False, validate=False)[1]

@@ -36,9 +36,45 @@ def _state(rank):
     }
 
 
+FSDP_ROWS = {"f0": 32, "f1": 22}  # over 8 ranks: chunks of 4, and of 3 (rank 7: 1 row)
+
+
+def _fsdp_full(key):
+    return torch.arange(FSDP_ROWS[key] * 3, dtype=torch.float32).view(-1, 3) + (0.5 if key == "f1" else 0.0)
+
+
+def _fsdp_state(rank, world, shift=0):
+    """Every tensor split evenly along dim 0 over all ranks (FSDP-like): one layout for all
+    ranks; ``shift`` moves rank 5's chunk of f0 by that many rows (an overlap and a gap)."""
+    out = {}
+    for key, rows in FSDP_ROWS.items():
+        chunk = -(-rows // world)
+        lo = rank * chunk + (shift if rank == 5 and key == "f0" else 0)
+        out[key] = ldc.ShardedTensor.from_offsets(key, _fsdp_full(key)[lo:lo + chunk].clone(), (rows, 3), (lo, 0))
+    return out
+
+
+def _fsdp(rank, world, root):
+    """FSDP-like save planned from one rank's records, a refused shifted layout, a resharded load."""
+    out = {}
+    prep = prepare_save(_fsdp_state(rank, world), f"{root}/fsdp", get_comm())
+    out["fsdp_writes"] = [(w.key, w.index) for w in prep.plan.writes.get(rank, [])]
+    finalize_save(prep, write_local(prep))
+    try:
+        ldc.save(_fsdp_state(rank, world, shift=1), f"{root}/fsdp_bad")
+        out["fsdp_bad"] = None
+    except ldc.CheckpointingError as e:
+        out["fsdp_bad"] = (type(e).__name__, str(e))
+    template = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(rows, 1), (1, rank % 3, 3), replica_id=rank // 3)
+                for k, rows in FSDP_ROWS.items()}
+    loaded = ldc.load(template, f"{root}/fsdp")
+    out["fsdp_loaded_ok"] = all(torch.equal(loaded[k], _fsdp_full(k)[:, rank % 3:rank % 3 + 1]) for k in FSDP_ROWS)
+    return out
+
+
 def _save_and_reshard(rank, world, root):
     comm = get_comm()
-    out = {}
+    out = _fsdp(rank, world, root)
     prep = prepare_save(_state(rank), f"{root}/a", comm)
     out["a_plan_index_keys"] = sorted(prep.plan.index.tensors)  # rank 0 only: the whole index
     out["a_bytes"] = prep.plan.bytes_per_rank.get(rank, 0)
@@ -83,6 +119,17 @@ def test_eight_ranks_save_reuse_refuse_and_reshard(tmp_path):
     assert all(r["loaded_ok"] and r["step"] == 7 for r in results)
     meta = json.loads((tmp_path / "a" / METADATA_FILE).read_text())
     assert meta["world_size"] == TP * DP and sorted(meta["tensors"]) == ["b", "norm", "w"]
+    # FSDP-like: each rank writes its own chunks; the shifted layout fails alike on every rank
+    assert all(r["fsdp_writes"] == [("f0", rank), ("f1", rank)] for rank, r in enumerate(results))
+    fsdp_meta = json.loads((tmp_path / "fsdp" / METADATA_FILE).read_text())
+    assert [s["offset"][0] for s in fsdp_meta["tensors"]["f1"]["shards"]] == [0, 3, 6, 9, 12, 15, 18, 21]
+    assert {r["fsdp_bad"] for r in results} == {results[0]["fsdp_bad"]}
+    kind, message = results[0]["fsdp_bad"]
+    assert kind == "ValidationError" and "'f1'" not in message
+    assert "'f0': main replicas overlap: offset (21, 0) shape (4, 3) (ranks [5]) and offset (24, 0) shape (4, 3) " \
+           "(ranks [6])" in message
+    assert not os.path.exists(tmp_path / "fsdp_bad")
+    assert all(r["fsdp_loaded_ok"] for r in results)
     # one process reads the whole of every tensor (8 -> 1)
     whole = ldc.load({k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(ROWS, COLS)) for k in ("w", "b", "norm")},
                      tmp_path / "a")

@@ -9,20 +9,27 @@ replica holds the main replicas) instead of one per rank.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, NamedTuple, Sequence
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 from .metadata import ObjectRecord, ShardRecord
 
 
 class RankRecords(NamedTuple):
-    """One rank's entries as planning sees them, in the order of its lists of tensors and objects."""
+    """One rank's entries as planning sees them, in the order of its lists of tensors and objects.
+
+    ``even``: positions of the tensor records that are this rank's chunk of an even dim-0 split
+    over ``even_over`` ranks (``planning/even.py``); their digest leaves the rank's offset out, so
+    FSDP-like ranks share one layout."""
 
     tensors: List[ShardRecord]
     objects: List[ObjectRecord]
+    even: Tuple[int, ...] = ()
+    even_over: int = 0
 
 
 class RecordGroup(NamedTuple):
-    """Ranks whose records are the same but for ``rank``: ``records`` are those of ``ranks[0]``
+    """Ranks whose records are the same but for ``rank`` (and, for the positions in
+    ``records.even``, for which chunk of the even split): ``records`` are those of ``ranks[0]``
     (the lowest), in its own order; ``ranks`` ascending."""
 
     records: RankRecords
@@ -31,10 +38,15 @@ class RecordGroup(NamedTuple):
 
 def layout_digest(records: RankRecords) -> str:
     """Digest of the records without their rank: equal exactly for ranks describing the same
-    shards in the same order with the same main flags."""
+    shards in the same order with the same main flags (an even split's chunk counts as the same
+    shard on every rank)."""
     h = hashlib.blake2b(digest_size=16)
-    for r in records.tensors:
-        h.update(repr((r.key, r.dtype, r.global_shape, r.offset, r.shape, r.flat, r.main)).encode())
+    even = set(records.even)
+    for i, r in enumerate(records.tensors):
+        if i in even:
+            h.update(repr((r.key, r.dtype, r.global_shape, "even", records.even_over, r.main)).encode())
+        else:
+            h.update(repr((r.key, r.dtype, r.global_shape, r.offset, r.shape, r.flat, r.main)).encode())
     h.update(b"|objects|")
     for o in records.objects:
         h.update(repr((o.key, o.global_shape, o.offset, o.main)).encode())

@@ -4,12 +4,15 @@ exactly one writer (computed by the save's coordinator, or by every rank from an
 from __future__ import annotations
 
 import heapq
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from .even import EvenKeys, even_box
 from .metadata import (
     CheckpointIndex,
+    element_size,
     FlatRange,
     ObjectEntry,
     ObjectRecord,
@@ -106,28 +109,39 @@ def make_save_plan(
 
 
 def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_writes: bool = True,
-                       pack_max_bytes: int = 0) -> SavePlan:
+                       pack_max_bytes: int = 0, even: Optional[EvenKeys] = None) -> SavePlan:
     """:func:`make_save_plan` of every rank's records, given as groups of ranks with the same
-    records (the same plan; its cost grows with the groups' records, not with the ranks)."""
+    records (the same plan; its cost grows with the groups' records, not with the ranks).
+
+    The chunks of ``even`` keys (``planning/even.resolve_even``) are written by their own rank,
+    chunk i of a key being its stored shard i; their bytes count before the other shards'
+    writers are picked."""
+    even = even or {}
     holders: Dict[Tuple[str, ShardId], List[_Held]] = defaultdict(list)
     for gi, g in enumerate(groups):
         for source, r in enumerate(g.records.tensors):
-            holders[(r.key, (r.offset, r.shape, r.flat))].append(_Held(r, source, gi))
-    writer_of, load = _assign_writers(holders, groups, world_size, balance_writes)
+            if r.key not in even:
+                holders[(r.key, (r.offset, r.shape, r.flat))].append(_Held(r, source, gi))
+    load = [0] * world_size
+    for chunks in even.values():
+        for gi, src in chunks:
+            r = groups[gi].records.tensors[src]
+            for rank in groups[gi].ranks:
+                load[rank] += math.prod(even_box(r.global_shape, rank, world_size)[1]) * element_size(r.dtype)
+    writer_of = _assign_writers(holders, groups, load, balance_writes)
     plan = SavePlan(index=CheckpointIndex(), bytes_per_rank=dict(enumerate(load)))
-    _plan_tensors(plan, holders, writer_of, pack_max_bytes)
+    _plan_tensors(plan, holders, writer_of, pack_max_bytes, _EvenPart(groups, even, world_size))
     _plan_objects(plan, groups)
     return plan
 
 
 def _assign_writers(
-    holders: Dict[Tuple[str, ShardId], List[_Held]], groups: Sequence[RecordGroup], world_size: int,
+    holders: Dict[Tuple[str, ShardId], List[_Held]], groups: Sequence[RecordGroup], load: List[int],
     balance_writes: bool,
-) -> Tuple[Dict[Tuple[str, ShardId], Tuple[_Held, int]], List[int]]:
-    """The writing rank (and its group's record) of every shard with a main replica, and the
-    bytes each rank writes."""
-    load = [0] * world_size
-    group_of = [0] * world_size
+) -> Dict[Tuple[str, ShardId], Tuple[_Held, int]]:
+    """The writing rank (and its group's record) of every shard with a main replica; ``load``
+    (bytes each rank writes) grows by each shard's bytes."""
+    group_of = [0] * len(load)
     for gi, g in enumerate(groups):
         for rk in g.ranks:
             group_of[rk] = gi
@@ -146,7 +160,7 @@ def _assign_writers(
             writer = min(groups[h.group].ranks[0] for h in held if h.record.main)
         writer_of[k] = (next(h for h in held if h.group == group_of[writer]), writer)
         load[writer] += nbytes[k]
-    return writer_of, load
+    return writer_of
 
 
 class _FewestBytes:
@@ -176,14 +190,24 @@ class _FewestBytes:
         return rk
 
 
+class _EvenPart(NamedTuple):
+    groups: Sequence[RecordGroup]
+    keys: EvenKeys
+    world_size: int
+
+
 def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]],
-                  writer_of: Dict[Tuple[str, ShardId], Tuple[_Held, int]], pack_max_bytes: int) -> None:
+                  writer_of: Dict[Tuple[str, ShardId], Tuple[_Held, int]], pack_max_bytes: int,
+                  even: _EvenPart) -> None:
     """Index entries in key order, stored shards numbered by offset, small shards packed."""
     by_key: Dict[str, List[Tuple[ShardId, Tuple[_Held, int]]]] = defaultdict(list)
     for (key, sid), chosen in writer_of.items():
         by_key[key].append((sid, chosen))
     pack_end: Dict[Tuple[int, str], int] = defaultdict(int)  # (writer, dtype) -> elements packed so far
-    for key in sorted(by_key):
+    for key in sorted(set(by_key) | set(even.keys)):
+        if key in even.keys:
+            plan.index.tensors[key] = _plan_even_key(plan, key, even, pack_max_bytes, pack_end)
+            continue
         first = holders[(key, by_key[key][0][0])][0].record
         entry = TensorEntry(first.global_shape, first.dtype)
         for i, (sid, (held, writer)) in enumerate(sorted(by_key[key], key=lambda t: (t[0][0], t[0][2] or (0, 0)))):
@@ -195,6 +219,31 @@ def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]
             entry.shards.append(StoredShard(rec.offset, rec.shape, rec.flat, writer, i, packed))
             plan.writes.setdefault(writer, []).append(WriteItem(key, sid, i, packed, held.source))
         plan.index.tensors[key] = entry
+
+
+def _plan_even_key(plan: SavePlan, key: str, even: _EvenPart, pack_max_bytes: int,
+                   pack_end: Dict[Tuple[int, str], int]) -> TensorEntry:
+    """An even key's entry: rank i writes chunk i, stored shard i (a tight loop: one per rank
+    per tensor of an FSDP-like layout)."""
+    chunks, size = even.keys[key], even.world_size
+    first = even.groups[chunks[0][0]].records.tensors[chunks[0][1]]
+    gshape, dtype = first.global_shape, first.dtype
+    rows, rest, itemsize = -(-gshape[0] // size), tuple(gshape[1:]), element_size(dtype)
+    per_row, zeros = math.prod(rest), (0,) * len(rest)
+    shards: List[StoredShard] = [None] * size  # type: ignore[list-item]  # every rank fills its own
+    writes = plan.writes
+    for gi, src in chunks:
+        for rank in even.groups[gi].ranks:
+            lo = rank * rows
+            n = min(rows, gshape[0] - lo)
+            offset, shape = (lo,) + zeros, (n,) + rest
+            packed = None
+            if 0 < n * per_row * itemsize <= pack_max_bytes:
+                packed = pack_end[(rank, dtype)]
+                pack_end[(rank, dtype)] += n * per_row
+            shards[rank] = StoredShard(offset, shape, None, rank, rank, packed)
+            writes.setdefault(rank, []).append(WriteItem(key, (offset, shape, None), rank, packed, src))
+    return TensorEntry(gshape, dtype, shards)
 
 
 def _plan_objects(plan: SavePlan, groups: Sequence[RecordGroup]) -> None:

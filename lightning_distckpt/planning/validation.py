@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import replace
-from typing import Dict, Iterable, List, Sequence, Tuple, TypeVar
+from typing import Collection, Dict, Iterable, List, Sequence, Tuple, TypeVar
 
 from ..core.errors import ValidationError
 from .boxes import Box
@@ -40,15 +40,17 @@ def validate_tensor_records(records: Sequence[ShardRecord]) -> List[str]:
     return [p for key, recs in _by_key(records) for p in _tensor_problems(key, recs)]
 
 
-def validate_record_groups(groups: Sequence[RecordGroup]) -> List[str]:
+def validate_record_groups(groups: Sequence[RecordGroup], even: Collection[str] = ()) -> List[str]:
     """What :func:`validate_tensor_records` and :func:`validate_object_records` find in the records
     of every rank of ``groups``, reading each group's records once: main replicas count once per
     rank of their group (two ranks cannot both hold a main replica), the others once. A key with a
-    problem is checked again with every rank's records, so its messages name every rank."""
+    problem is checked again with every rank's records, so its messages name every rank. Keys in
+    ``even`` (``planning/even.resolve_even``) tile their tensor by construction: not checked."""
     held: Dict[str, List[Tuple[ShardRecord, List[int]]]] = defaultdict(list)
     for g in groups:
         for r in g.records.tensors:
-            held[r.key].append((r, g.ranks))
+            if r.key not in even:
+                held[r.key].append((r, g.ranks))
     problems: List[str] = []
     for key in sorted(held):
         found = _tensor_problems(key, _per_rank(held[key], every_rank=False))

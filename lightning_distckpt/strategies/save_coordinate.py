@@ -8,7 +8,8 @@ plan (it writes ``metadata.json``); the other ranks hold their own writes only.
 
 Bytes each rank receives: the handshakes, and its part (scattered, so the largest part's size).
 Rank 0 also receives one record list per distinct layout: with data-parallel replicas, those of
-one replica, not of every rank.
+one replica, not of every rank; with FSDP-like even dim-0 splits (``planning/even.py``), those of
+one rank.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..comm import Comm
 from ..core.errors import CheckpointingError, RankFailure, error_class
+from ..planning.even import resolve_even
 from ..planning.groups import RankRecords, RecordGroup, representatives
 from ..planning.metadata import CheckpointIndex
 from ..planning.save_plan import ObjectWriteItem, SavePlan, WriteItem, plan_record_groups
@@ -89,9 +91,10 @@ def plan_for_ranks(groups: Sequence[RecordGroup], world_size: int, target: str,
                    options: CoordinatorOptions) -> Tuple[Optional[SavePlan], List[RankPart]]:
     """The coordinator's work: the plan (None on failure) and each rank's part of it."""
     try:
+        groups, even = resolve_even(groups, world_size)
         if options.validate:
-            raise_on_problems(validate_record_groups(groups), target)
-        plan = plan_record_groups(groups, world_size, options.balance_writes, options.pack_max_bytes)
+            raise_on_problems(validate_record_groups(groups, even), target)
+        plan = plan_record_groups(groups, world_size, options.balance_writes, options.pack_max_bytes, even)
     except Exception as e:  # every rank raises it, none is left waiting for its part
         logger.debug("save to %s: the coordinator could not plan: %s", target, e, exc_info=True)
         failed = RankPart(error=RankFailure(0, type(e).__name__, str(e)))

@@ -14,6 +14,7 @@ from ..core.errors import ArgumentError, CheckpointingError
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.state_dict import apply_factories, collect, split_common
 from ..planning.common_check import common_differences, digest, leaf_digests
+from ..planning.even import mark_even
 from ..planning.groups import RankRecords, layout_digest
 from ..planning.metadata import ObjectRecord, ShardRecord
 from ..planning.save_plan import SavePlan
@@ -198,10 +199,10 @@ def _describe(sharded_state_dict: Dict[str, Any], target: str, comm: Comm, optio
     local = LocalState(tensors=found["tensors"], objects=found["objects"], common=common)
     for entry in local.tensors + local.objects:
         encode_key(entry.key)  # refuse keys that cannot be stored before anyone writes
-    local.records = RankRecords(
+    local.records = mark_even(RankRecords(
         [ShardRecord.of(t, comm.rank) for t in local.tensors],
         [ObjectRecord.of(o, comm.rank) for o in local.objects],
-    )
+    ), comm.size)  # FSDP-like chunks: one layout for all ranks (planning/even.py)
     if comm.rank == 0:
         commit_mod.check_target(target, options)
     if serialize_common:
