@@ -164,11 +164,14 @@ def test_even_splits_share_one_layout_and_plan_as_every_rank_would(rows, even):
     # balanced: the same stored shards and packing, every byte written once
     _, marked_b, _ = _coordinate(per_rank, mark=True)
     _, plain_b, _ = _coordinate(per_rank, mark=False)
-    strip = lambda plan: {k: [(s.offset, s.shape, s.index) for s in e.shards] for k, e in plan.index.tensors.items()}  # noqa: E731
+    def strip(plan):
+        return {k: [(s.offset, s.shape, s.index) for s in e.shards] for k, e in plan.index.tensors.items()}
+
     assert strip(marked_b) == strip(plain_b)
     assert sum(marked_b.bytes_per_rank.values()) == sum(plain_b.bytes_per_rank.values())
     # a pure FSDP layout: one layout whatever the ranks, the very same plan
-    pure = [RankRecords([r for r in recs.tensors if r.key == "t2"], []) for recs in _fsdp_ranks(64, rows=(64, 64, 128))]
+    pure = [RankRecords([r for r in recs.tensors if r.key == "t2"], [])
+            for recs in _fsdp_ranks(64, rows=(64, 64, 128))]
     n, plan, _ = _coordinate(pure, mark=True)
     assert n == 1 and plan == _coordinate(pure, mark=False)[1]
     assert [s.writer for s in plan.index.tensors["t2"].shards] == list(range(64))
