@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Mapping, Tuple, Union
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..core.errors import FormatError, ShardingError
 from ..core.mapping import ShardedTensor
@@ -46,7 +47,8 @@ def key_of(steps: Tuple[Step, ...]) -> str:
 def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
     """A copy of the containers of ``checkpoint`` with every tensor (1-d or more) replaced by a whole
     ShardedTensor keyed by its path (``state_dict/layer.weight``, ``optimizer_states/0/state/3/exp_avg``).
-    Scalars (0-d tensors) stay common state."""
+    Scalars (0-d tensors) stay common state. A DTensor replicated over its mesh is saved whole; a
+    sharded one is refused (:func:`whole_dtensor`)."""
     seen: Dict[str, Tuple[Step, ...]] = {}
 
     def convert(node: Any, steps: Tuple[Step, ...]) -> Any:
@@ -54,6 +56,8 @@ def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
             return {k: convert(v, steps + (("d", k),)) for k, v in node.items()}
         if isinstance(node, list):
             return [convert(v, steps + (("l", i),)) for i, v in enumerate(node)]
+        if isinstance(node, DTensor):
+            node = whole_dtensor(key_of(steps), node)
         if isinstance(node, torch.Tensor) and node.ndim > 0:
             key = key_of(steps)
             if key in seen:  # e.g. dict keys 0 and "0" side by side
@@ -68,9 +72,24 @@ def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
     return convert(checkpoint, ())
 
 
+def whole_dtensor(key: str, dt: DTensor) -> torch.Tensor:
+    """The whole tensor of a DTensor replicated on every rank of its mesh (its local tensor); one
+    process cannot save a sharded one (the other ranks' shards are not here): refuse, never save
+    it as common state."""
+    if all(isinstance(p, Replicate) for p in dt.placements):
+        return dt.to_local()
+    raise ShardingError(
+        f"{key!r} is a DTensor sharded over a device mesh (placements {tuple(dt.placements)}): "
+        "DistCheckpointIO.save_checkpoint saves from one process, which holds only its own shard. Save it "
+        "collectively (Trainer: DistCheckpointModelParallelStrategy; DistCheckpointIO.save_sharded or "
+        "lightning_distckpt.save on every rank), or gather it first (dt.full_tensor(), or "
+        "StateDictOptions(full_state_dict=True) / ModelParallelStrategy(save_distributed_checkpoint=False))"
+    )
+
+
 def manifest(tree: Any, kind: str) -> Dict[str, Any]:
-    """Where each ShardedTensor of ``tree`` sits (factories' expansions are not listed: they can only
-    be put back by their ``merge_fn``)."""
+    """Where each ShardedTensor and DTensor of ``tree`` sits (factories' expansions are not listed:
+    they can only be put back by their ``merge_fn``)."""
     paths: List[Tuple[List[Step], str]] = []
 
     def walk(node: Any, steps: Tuple[Step, ...]) -> None:
@@ -82,6 +101,8 @@ def manifest(tree: Any, kind: str) -> Dict[str, Any]:
                 walk(v, steps + (("l", i),))
         elif isinstance(node, ShardedTensor) and node.flattened_range is None:
             paths.append((list(steps), node.key))
+        elif isinstance(node, DTensor):  # saved under its tree path (core/dtensors.py): readable whole
+            paths.append((list(steps), key_of(steps)))
 
     walk(tree, ())
     return {"version": MANIFEST_VERSION, "kind": kind, "tensor_paths": paths}
