@@ -33,6 +33,7 @@ _LIGHTNING_NAMES = (
     "DistCheckpointIO",
     "DistCheckpointStrategy",
     "DistCheckpointModelParallelStrategy",
+    "DistModelCheckpoint",
     "FabricDistCheckpointStrategy",
     "DistCheckpointConfig",
     "StrategyConfig",

@@ -6,6 +6,7 @@ from .config import ConfigError, DistCheckpointConfig, StrategyConfig, load_chec
 from .export import export_torch_file, import_torch_file
 from .fabric import FabricDistCheckpointStrategy
 from .model_parallel import DistCheckpointModelParallelStrategy
+from .model_checkpoint import DistModelCheckpoint
 from .inference import load_lightning_module, load_module_weights
 from .parallel import ParallelState, module_sharded_state_dict, parallel_state_of
 from .strategy import DistCheckpointStrategy
@@ -16,6 +17,7 @@ __all__ = [
     "DistCheckpointIO",
     "DistCheckpointStrategy",
     "DistCheckpointModelParallelStrategy",
+    "DistModelCheckpoint",
     "FabricDistCheckpointStrategy",
     "export_torch_file",
     "import_torch_file",

@@ -32,6 +32,8 @@ from ..serialization import load as dist_load
 from ..serialization import load_common_state_dict, load_tensors_metadata
 from ..serialization import save as dist_save
 from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, TwoStageDataParallelLoader
+from ..storage.s3_url import is_s3_url
+from ..storage.s3_versions import remove_checkpoint as remove_s3_checkpoint
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
@@ -128,13 +130,16 @@ class DistCheckpointIO(CheckpointIO):
         return torch_optimizer_states(state) if man.get("kind") in (KIND_SHARDED, KIND_MODEL_PARALLEL) else state
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target)."""
+        """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target); an
+        ``s3://`` checkpoint: its commit marker, then its versions (``ModelCheckpoint``'s top-k)."""
         target = os.fspath(path)
         if self._pending is not None:
             self._deferred_removals.append(target)
             logger.debug("removal of %s deferred until the background save commits", target)
             return
-        if os.path.islink(target) or os.path.isfile(target):
+        if is_s3_url(target):
+            remove_s3_checkpoint(target)
+        elif os.path.islink(target) or os.path.isfile(target):
             os.remove(target)
         elif os.path.isdir(target):
             shutil.rmtree(target)

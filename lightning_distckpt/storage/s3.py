@@ -92,6 +92,13 @@ class ObjectStore:
             raise self._error(f"listing {prefix or 'the objects'}", e) from None
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
+    def delete(self, name: str) -> None:
+        """Delete the object ``name`` (nothing when it is missing)."""
+        try:
+            self._kv.delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+        except Exception as e:
+            raise self._error(f"deleting {name}", e) from None
+
     def delete_prefix(self, name: str) -> None:
         """Delete every object under ``name/``."""
         start = name.rstrip("/") + "/"
@@ -188,10 +195,18 @@ def discard(version_url: str, options: StorageOptions) -> None:
         logger.warning("%s (the uncommitted version is left behind; `clean` removes it)", e)
 
 
+def checkpoint_url(url: str) -> str:
+    """The checkpoint ``url`` names: itself, or, for the URL of a commit marker, the checkpoint it
+    commits (Lightning's ``ckpt_path="last"`` resolves to the marker, the one object of a checkpoint
+    with a modification time: see ``lightning/model_checkpoint.py``)."""
+    head, _, last = parse_s3_url(url).url.rpartition("/")
+    return head if last == COMMIT_MARKER else parse_s3_url(url).url
+
+
 def open_metadata(url: str, options: StorageOptions) -> MetadataFile:
-    """The checked metadata of the committed checkpoint at ``url``; its ``path`` is the committed
-    version's location (what the marker names: every later read goes there)."""
-    store = ObjectStore(url, options)
+    """The checked metadata of the committed checkpoint at ``url`` (or the one whose marker ``url``
+    names); its ``path`` is the committed version's location (every later read goes there)."""
+    store = ObjectStore(checkpoint_url(url), options)
     marker = read_marker(store)
     if marker is None:
         store.check_bucket()  # a missing bucket is said as such, not as a missing checkpoint

@@ -11,6 +11,7 @@ a save still running on another node.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -19,8 +20,10 @@ from typing import Dict, List, Optional
 from ..core.errors import FormatError
 from .layout import COMMIT_MARKER
 from .options import StorageOptions
-from .s3 import _VERSION, ObjectStore, read_marker, version_started
+from .s3 import _VERSION, ObjectStore, checkpoint_url, read_marker, version_started
 from .s3_url import parse_s3_url
+
+logger = logging.getLogger(__name__)
 
 # Everything a save writes inside its version (layout.py: metadata, common state, per-rank stores).
 _OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_\d{5}/.+)$")
@@ -95,3 +98,31 @@ def remove_version(leftover: S3Leftover, options: StorageOptions = StorageOption
     """Delete every object of an uncommitted version (after :meth:`S3Leftover.verdict` said so)."""
     target, _, name = leftover.path.rpartition("/")
     ObjectStore(target, options).delete_prefix(name)
+
+
+def remove_checkpoint(url: str, options: StorageOptions = StorageOptions()) -> bool:
+    """Delete the checkpoint at ``url``: its marker first (from then on it is no checkpoint), then
+    its versions, committed or left behind, that hold only what a save writes. Other objects under
+    the location stay (logged). FormatError, nothing deleted, when the ``COMMITTED`` object there is
+    not a marker of ours; False when there was no checkpoint."""
+    root = checkpoint_url(url)
+    store = ObjectStore(root, options)
+    if read_marker(store) is None:
+        return False
+    store.delete(COMMIT_MARKER)
+    for name, inner in sorted(_group(store.list_keys()).get("", {}).items()):
+        odd = next((k for k in inner if not _OUR_KEY.match(k)), None)
+        if odd is None:
+            store.delete_prefix(name)
+        else:
+            logger.warning("%s/%s: left in place (holds %r, which no save of ours writes)", root, name, odd)
+    return True
+
+
+def committed_children(url: str, first: str = "") -> List[str]:
+    """The URLs of the committed checkpoints directly under ``url`` whose names start with
+    ``first`` (one listing of the objects under ``url/first``)."""
+    root = parse_s3_url(url).url
+    names = {k.split("/", 1)[0] for k in ObjectStore(root, options=StorageOptions()).list_keys(first)
+             if k.count("/") == 1 and k.endswith("/" + COMMIT_MARKER)}
+    return [f"{root}/{name}" for name in sorted(names)]
