@@ -15,7 +15,6 @@ epoch, global_step, loops, callbacks, hyperparameters); its entries join the com
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 from collections import defaultdict
@@ -35,29 +34,11 @@ from .tensor_files import KeyMap, map_key
 logger = logging.getLogger(__name__)
 
 LIGHTNING_META_NAME = "meta.pt"  # what Lightning's sharded (DCP) checkpoints keep beside the DCP files
-MEGATRON_CONFIG_NAME = "metadata.json"  # Megatron-Core's torch_dist checkpoints: {"sharded_backend": ...}
-_MAX_CONFIG_BYTES = 1 << 20
 
 
 def is_dcp_dir(path: str) -> bool:
     """A directory holding DCP's ``.metadata`` file."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_NAME))
-
-
-def _refuse_megatron(path: str) -> None:
-    """A Megatron-Core ``torch_dist`` checkpoint is DCP files plus Megatron's ``metadata.json`` and
-    ``common.pt``: read as plain DCP its common state and objects would be lost, so refuse it."""
-    config = os.path.join(path, MEGATRON_CONFIG_NAME)
-    if not os.path.isfile(config) or os.path.getsize(config) > _MAX_CONFIG_BYTES:
-        return
-    try:
-        with open(config, encoding="utf-8") as f:
-            backend = json.load(f).get("sharded_backend")
-    except (ValueError, AttributeError):  # not Megatron's JSON object
-        return
-    if backend is not None:
-        raise FormatError(f"{path}: a Megatron-Core checkpoint (sharded_backend {backend!r} in {config}); "
-                          "lightning_distckpt does not read Megatron-Core checkpoints yet")
 
 
 @dataclass(frozen=True)
@@ -76,8 +57,8 @@ class DcpSource:
         meta_path = os.path.join(path, METADATA_NAME)
         if os.path.islink(meta_path):
             raise FormatError(f"{meta_path}: is a symlink; a DCP checkpoint's files must be its own")
-        _refuse_megatron(path)
         meta = read_metadata(meta_path)
+        self._mcore_data = meta.mcore_data
         self._files = sorted({c.item.file for t in meta.tensors.values() for c in t.chunks}
                              | {item.file for item in meta.objects.values()})
         self._full_paths = {rel: self._checked_file(rel) for rel in self._files}

@@ -32,10 +32,15 @@ _DCP_CLASSES = {
                                               "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
                                               "StorageMeta", "_MEM_FORMAT_ENCODING"),
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    # Megatron-Core keeps every rank's save plan in the metadata (``all_local_plans``, to reuse it)
+    "torch.distributed.checkpoint.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
     "torch.serialization": ("_get_layout",),  # layout by name: a lookup in torch's table
     "pathlib": ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"),  # StorageMeta.checkpoint_id
     "collections": ("OrderedDict",),
 }
+# Megatron-Core 0.14/0.15 pickle their Metadata subclass (it only adds ``mcore_data``, a dict of
+# plain values per tensor): it is read as DCP's own Metadata, megatron-core is never imported.
+_MCORE_METADATA = ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata")
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class DcpMetadata:
 
     tensors: Dict[str, DcpTensor]
     objects: Dict[str, DcpItem]
+    mcore_data: Dict[str, Any] = field(default_factory=dict)  # Megatron-Core's per-tensor notes, if any
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -80,6 +86,9 @@ class _AllowListUnpickler(pickle.Unpickler):
         self._where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == _MCORE_METADATA:
+            from torch.distributed.checkpoint.metadata import Metadata
+            return Metadata
         if module == "torch":
             value = getattr(torch, name, None)
             if name == "Size" or isinstance(value, (torch.dtype, torch.layout)):
@@ -123,7 +132,10 @@ def read_metadata(path: str) -> DcpMetadata:
             tensors[fqn] = _tensor(entry, fqn, items, path)
         else:
             raise FormatError(f"{path}: entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
-    return DcpMetadata(tensors, objects)
+    mcore_data = getattr(raw, "mcore_data", None) or {}
+    if not isinstance(mcore_data, dict):
+        raise FormatError(f"{path}: Megatron-Core's mcore_data must be a dict, got {type(mcore_data).__name__}")
+    return DcpMetadata(tensors, objects, mcore_data)
 
 
 _ItemKey = Tuple[str, Optional[Tuple[int, ...]]]

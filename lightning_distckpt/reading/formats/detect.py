@@ -1,5 +1,6 @@
 """Which source reads a path: a ``torch.save`` file, a ``.safetensors`` file, a Hugging Face model
-directory, a PyTorch DCP directory, or (None) our own checkpoint directory."""
+directory, a Megatron-Core ``torch_dist`` directory, a PyTorch DCP directory, or (None) our own
+checkpoint directory."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from ...core.errors import FormatError
 from .dcp import DcpSource, is_dcp_dir
 from .files import SafetensorsFile, TorchFile
+from .megatron import MegatronSource, megatron_config
 from .tensor_files import IndexedFile, KeyMap, TensorFile, TensorFileSource
 
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -19,8 +21,12 @@ _MAX_INDEX_BYTES = 64 << 20
 
 def detect(path: str, key_map: KeyMap = None,
            extra_safe_globals: Sequence[Any] = ()) -> Optional[Union[TensorFileSource, DcpSource]]:
-    """The source for ``path`` when it is a tensor file, a Hugging Face directory or a DCP
-    directory; None otherwise (then it is read as our own checkpoint directory, with its errors)."""
+    """The source for ``path`` when it is a tensor file, a Hugging Face directory, a Megatron-Core
+    directory or a DCP directory; None otherwise (then it is read as our own checkpoint directory,
+    with its errors)."""
+    config = megatron_config(path)  # before DCP: torch_dist is DCP files plus Megatron's own
+    if config is not None:
+        return MegatronSource(path, config, key_map, extra_safe_globals)
     if is_dcp_dir(path):
         return DcpSource(path, key_map)
     files = open_tensor_files(path, extra_safe_globals)

@@ -1,0 +1,188 @@
+"""A Megatron-Core ``torch_dist`` checkpoint (``megatron.core.dist_checkpointing.save``) as a
+checkpoint source.
+
+Layout: Megatron's ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``), ``common.pt`` (the
+common state, ``torch.save``), and a PyTorch DCP checkpoint (``.metadata`` + ``.distcp`` files)
+holding every ShardedTensor under its key and every ShardedObject as a DCP bytes entry named by
+Megatron's unique key ``<key>/shard_<offset>_<global shape>`` (``torch.save`` of a one-element list).
+
+Tensors are read by the DCP source (any split, byte ranges only). Objects become ShardedObject
+entries of the index (keys, offsets and global shapes from their names); the common state is
+``common.pt``, read with ``weights_only`` (Megatron-LM's own common state holds an
+``argparse.Namespace``: pass ``extra_safe_globals=[argparse.Namespace]`` if the checkpoint is
+trusted). Refused with a :class:`FormatError` naming what and why: other backends (``zarr``), and
+tensors Megatron-Core <= 0.13 stored in the N-D reformulated flattened form of the distributed
+optimizer (``nd_reformulated_orig_global_shape``): only the fully reshardable form is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from ...core.errors import FormatError
+from ...planning.metadata import ObjectEntry, StoredObject
+from ...storage.safe_pickle import dumps, load_file, loads
+from .dcp import DcpReader, DcpSource
+from .dcp_metadata import DcpItem
+from .tensor_files import KeyMap, map_key
+
+CONFIG_NAME = "metadata.json"
+COMMON_NAME = "common.pt"
+TORCH_DIST = "torch_dist"
+_MAX_CONFIG_BYTES = 1 << 20
+# Megatron-Core's ShardedObject.unique_key: <key>/shard_<offset, dot-separated>_<global shape>
+_UNIQUE_KEY = re.compile(r"^(?P<key>.+)/shard_(?P<offset>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    """Megatron-Core's ``metadata.json`` (its ``CheckpointingConfig``)."""
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "torch"
+    common_backend_version: int = 1
+
+
+def megatron_config(path: str) -> Optional[MegatronConfig]:
+    """The Megatron-Core config of directory ``path``; None when its ``metadata.json`` is missing or
+    not Megatron's (ours is also named ``metadata.json``: Megatron's has ``sharded_backend``)."""
+    config = os.path.join(path, CONFIG_NAME)
+    if not os.path.isdir(path) or not os.path.isfile(config) or os.path.getsize(config) > _MAX_CONFIG_BYTES:
+        return None
+    try:
+        with open(config, encoding="utf-8") as f:
+            raw = json.load(f)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or "sharded_backend" not in raw:
+        return None
+    fields = {k: raw[k] for k in ("sharded_backend", "sharded_backend_version", "common_backend",
+                                  "common_backend_version") if k in raw}
+    if not isinstance(fields["sharded_backend"], str):
+        raise FormatError(f"{config}: sharded_backend must be a string, got {fields['sharded_backend']!r}")
+    return MegatronConfig(**fields)
+
+
+def parse_unique_key(name: str) -> Optional[Tuple[str, Tuple[int, ...], Tuple[int, ...]]]:
+    """(key, offset, global shape) of a ShardedObject's unique key; None if ``name`` is not one."""
+    m = _UNIQUE_KEY.match(name)
+    if m is None:
+        return None
+    offset = tuple(int(i) for i in m["offset"].split("."))
+    shape = tuple(int(i) for i in m["shape"].split("."))
+    if len(offset) != len(shape) or any(o >= s for o, s in zip(offset, shape)):
+        return None
+    return m["key"], offset, shape
+
+
+def unique_key(key: str, offset: Sequence[int], shape: Sequence[int]) -> str:
+    """Megatron-Core's name of one ShardedObject element (the inverse of :func:`parse_unique_key`)."""
+    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+
+
+class MegatronSource(DcpSource):
+    """A :class:`~lightning_distckpt.reading.checkpoint.CheckpointSource` over a Megatron-Core
+    ``torch_dist`` directory: tensors and ShardedObjects with Megatron's keys, ``common.pt`` as
+    the common state."""
+
+    def __init__(self, path: str, config: MegatronConfig, key_map: KeyMap = None,
+                 extra_safe_globals: Sequence[Any] = ()) -> None:
+        where = os.path.join(path, CONFIG_NAME)
+        if config.sharded_backend != TORCH_DIST:
+            raise FormatError(f"{path}: a Megatron-Core checkpoint with sharded_backend "
+                              f"{config.sharded_backend!r} ({where}); lightning_distckpt reads only "
+                              f"{TORCH_DIST!r} (re-save it with Megatron-Core's torch_dist backend)")
+        if config.common_backend != "torch":
+            raise FormatError(f"{path}: common_backend {config.common_backend!r} ({where}); only 'torch' "
+                              "(common.pt) is read")
+        super().__init__(path, key_map=None)  # objects are renamed below, by their parsed key
+        self._common = self._optional_file(COMMON_NAME)
+        if self._common is None:
+            raise FormatError(f"{path}: a Megatron-Core checkpoint without {COMMON_NAME} (incomplete or damaged: "
+                              "Megatron writes it before metadata.json)")
+        self._extra_safe_globals = tuple(extra_safe_globals)
+        self._refuse_reformulated()
+        self._rename_tensors(key_map)
+        self._object_items: Dict[Tuple[str, int], Tuple[str, DcpItem]] = {}
+        self._index_objects(key_map)
+
+    def _refuse_reformulated(self) -> None:
+        for fqn, notes in self._mcore_data.items():
+            if isinstance(notes, dict) and notes.get("nd_reformulated_orig_global_shape") is not None:
+                raise FormatError(
+                    f"{self.path}: tensor {fqn!r} is stored in Megatron-Core's N-D reformulated flattened form "
+                    f"(distributed-optimizer state of Megatron-Core <= 0.13, original shape "
+                    f"{notes['nd_reformulated_orig_global_shape']}), which lightning_distckpt does not reshard; "
+                    "re-save the optimizer with the 'fully_reshardable' sharding type")
+
+    def _rename_tensors(self, key_map: KeyMap) -> None:
+        if key_map is None:
+            return
+        tensors, chunks = self.index.tensors, self._chunks
+        self.index.tensors, self._chunks = {}, {}
+        for key, entry in tensors.items():
+            new = map_key(key_map, key)
+            if new is None:
+                continue
+            if new in self.index.tensors:
+                raise FormatError(f"{self.path}: two tensors map to key {new!r} (one is {key!r}); fix key_map")
+            self.index.tensors[new], self._chunks[new] = entry, chunks[key]
+
+    def _index_objects(self, key_map: KeyMap) -> None:
+        """DCP's bytes entries are Megatron's ShardedObject elements: index them by parsed key."""
+        entries = dict(self._objects)
+        self._objects = {}  # none of them is common state
+        writer_of = {rel: i for i, rel in enumerate(self._files)}
+        for fqn, (_, item) in sorted(entries.items()):
+            parsed = parse_unique_key(fqn)
+            if parsed is None:
+                raise FormatError(f"{self.path}: DCP bytes entry {fqn!r} is not a Megatron-Core ShardedObject "
+                                  "(<key>/shard_<offset>_<shape>)")
+            raw_key, offset, shape = parsed
+            key = map_key(key_map, raw_key)
+            if key is None:
+                continue
+            if key in self.index.tensors:
+                raise FormatError(f"{self.path}: {key!r} names both a tensor and a ShardedObject")
+            entry = self.index.objects.setdefault(key, ObjectEntry(shape))
+            if entry.global_shape != shape:
+                raise FormatError(f"{self.path}: ShardedObject {key!r} elements disagree on the global shape "
+                                  f"({list(entry.global_shape)} and {list(shape)})")
+            index = len(entry.shards)
+            entry.shards.append(StoredObject(offset, writer_of[item.file], index))
+            self._object_items[(key, index)] = (fqn, item)
+
+    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
+        """``common.pt``, deserialized with ``weights_only`` (no code from the checkpoint runs)."""
+        return load_file(self._common, tuple(extra_safe_globals) or self._extra_safe_globals)
+
+    def object_bytes(self, key: str, index: int) -> bytes:
+        """One ShardedObject element as ``torch.save`` bytes of its value. Megatron stores a list of
+        the element's copies (one with main-replica saving); the first is the value."""
+        fqn, item = self._object_items[(key, index)]
+        with open(self.full_path(item.file), "rb") as f:
+            blob = self.read_item(f, item)
+        where = f"{self.full_path(item.file)}: ShardedObject {fqn!r}"
+        value = loads(blob, where, self._extra_safe_globals)
+        if not isinstance(value, list) or not value:
+            raise FormatError(f"{where}: holds a {type(value).__name__}, not Megatron-Core's list of the element")
+        return dumps(value[0])
+
+    def reader(self) -> "MegatronReader":
+        return MegatronReader(self)
+
+
+class MegatronReader(DcpReader):
+    """Tensor pieces as the DCP reader reads them; ShardedObject elements from their bytes entries."""
+
+    def __init__(self, source: MegatronSource) -> None:
+        super().__init__(source)
+        self._megatron = source
+
+    def read_object(self, writer: int, key: str, index: int) -> bytes:
+        return self._megatron.object_bytes(key, index)
