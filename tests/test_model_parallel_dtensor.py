@@ -62,3 +62,25 @@ def _tensors(tree):
     if isinstance(tree, (list, tuple)):
         return [t for v in tree for t in _tensors(v)]
     return [tree] if isinstance(tree, torch.Tensor) and tree.ndim > 0 else []
+
+
+def _strategy_tree(rank, world):
+    from lightning_distckpt.core.errors import CheckpointingError
+    from lightning_distckpt.lightning.parallel import data_parallel_world
+    from lightning_distckpt.lightning.sharded import model_sharded_state_dict
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    module = torch.nn.Sequential(torch.nn.Linear(4, 6))
+    parallelize_module(module, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel()})
+    try:
+        model_sharded_state_dict(module, data_parallel_world())
+        return "no error"
+    except CheckpointingError as e:
+        return str(e)
+
+
+def test_ddp_based_strategies_refuse_dtensor_parameters():
+    """A module with DTensor parameters under DistCheckpointStrategy / the Fabric strategy would save
+    each rank's shard as the whole tensor: refused, naming the strategy that handles it."""
+    for msg in run_distributed(_strategy_tree, 2):
+        assert "'0.weight' is a DTensor parameter" in msg and "DistCheckpointModelParallelStrategy" in msg

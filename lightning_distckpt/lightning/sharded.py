@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, TypeVar
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ..comm import Comm, get_comm
 from ..core.errors import CheckpointingError
+from ..core.mapping import ShardedTensor
+from ..core.state_dict import iter_leaves
 from .parallel import ParallelState, module_sharded_state_dict
 
 
@@ -24,9 +27,25 @@ def model_sharded_state_dict(module: nn.Module, ps: ParallelState, prefix: str =
             raise CheckpointingError(
                 f"{type(module).__name__}.sharded_state_dict() must return a dict, got {type(out).__name__}"
             )
-        return out
-    check_describable(module, ps)
-    return module_sharded_state_dict(module, prefix, replica_id=ps.replicated_id)
+    else:
+        check_describable(module, ps)
+        out = module_sharded_state_dict(module, prefix, replica_id=ps.replicated_id)
+    _refuse_dtensor_parameters(module, out)
+    return out
+
+
+def _refuse_dtensor_parameters(module: nn.Module, ssd: Dict[str, Any]) -> None:
+    """A ShardedTensor wrapping a DTensor would describe the DTensor's global shape as this rank's
+    shard. DTensor parameters come from ``fully_shard`` / ``parallelize_module``, which these
+    DDP-based strategies do not run: say which strategy does."""
+    for _, leaf in iter_leaves(ssd):
+        if isinstance(leaf, ShardedTensor) and isinstance(leaf.data, DTensor):
+            raise CheckpointingError(
+                f"{type(module).__name__}: {leaf.key!r} is a DTensor parameter (placements "
+                f"{tuple(leaf.data.placements)}); DistCheckpointStrategy / FabricDistCheckpointStrategy wrap the "
+                "module in DDP over their own TP x DP groups. Train FSDP2 / torch tensor-parallel modules with "
+                "DistCheckpointModelParallelStrategy (Trainer) instead"
+            )
 
 
 def check_describable(module: nn.Module, ps: ParallelState) -> None:
