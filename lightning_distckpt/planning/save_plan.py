@@ -128,16 +128,18 @@ def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_w
             r = groups[gi].records.tensors[src]
             for rank in groups[gi].ranks:
                 load[rank] += math.prod(even_box(r.global_shape, rank, world_size)[1]) * element_size(r.dtype)
-    writer_of = _assign_writers(holders, groups, load, balance_writes)
+    itemsize = {dtype: element_size(dtype) for dtype in {held[0].record.dtype for held in holders.values()}}
+    nbytes = {k: held[0].record.numel * itemsize[held[0].record.dtype] for k, held in holders.items()}
+    writer_of = _assign_writers(holders, nbytes, groups, load, balance_writes)
     plan = SavePlan(index=CheckpointIndex(), bytes_per_rank=dict(enumerate(load)))
-    _plan_tensors(plan, holders, writer_of, pack_max_bytes, _EvenPart(groups, even, world_size))
+    _plan_tensors(plan, holders, writer_of, nbytes, pack_max_bytes, _EvenPart(groups, even, world_size))
     _plan_objects(plan, groups)
     return plan
 
 
 def _assign_writers(
-    holders: Dict[Tuple[str, ShardId], List[_Held]], groups: Sequence[RecordGroup], load: List[int],
-    balance_writes: bool,
+    holders: Dict[Tuple[str, ShardId], List[_Held]], nbytes: Dict[Tuple[str, ShardId], int],
+    groups: Sequence[RecordGroup], load: List[int], balance_writes: bool,
 ) -> Dict[Tuple[str, ShardId], Tuple[_Held, int]]:
     """The writing rank (and its group's record) of every shard with a main replica; ``load``
     (bytes each rank writes) grows by each shard's bytes."""
@@ -148,17 +150,29 @@ def _assign_writers(
     writer_of: Dict[Tuple[str, ShardId], Tuple[_Held, int]] = {}
     fewest = _FewestBytes(load, groups)
     # Largest first, then by key and id: identical order on every rank.
-    nbytes = {k: held[0].record.nbytes for k, held in holders.items()}
     order = sorted(holders, key=lambda k: (-nbytes[k], k[0], k[1][0], k[1][1], k[1][2] or (0, 0)))
     for k in order:
         held = holders[k]
-        if not any(h.record.main for h in held):
-            continue  # validation reports the gap; with validation off, nothing to write
+        if len(held) == 1:  # one group holds it (most shards): no search among holders
+            h = held[0]
+            if not h.record.main:
+                continue
+            ranks = groups[h.group].ranks
+            writer = ranks[0] if len(ranks) == 1 or not balance_writes else fewest.pick(held, nbytes[k])
+            writer_of[k] = (h, writer)
+            load[writer] += nbytes[k]
+            continue
         if balance_writes:
+            if not any([h.record.main for h in held]):
+                continue  # validation reports the gap; with validation off, nothing to write
             writer = fewest.pick(held, nbytes[k])
         else:
-            writer = min(groups[h.group].ranks[0] for h in held if h.record.main)
-        writer_of[k] = (next(h for h in held if h.group == group_of[writer]), writer)
+            mains = [groups[h.group].ranks[0] for h in held if h.record.main]
+            if not mains:
+                continue
+            writer = min(mains)
+        gi = group_of[writer]
+        writer_of[k] = ([h for h in held if h.group == gi][0], writer)
         load[writer] += nbytes[k]
     return writer_of
 
@@ -175,7 +189,7 @@ class _FewestBytes:
 
     def pick(self, held: Sequence[_Held], nbytes: int) -> int:
         """The holder that writes a shard of ``nbytes`` (its entry is pushed with them added)."""
-        ident = tuple(h.group for h in held)  # in group order, as the holders were listed
+        ident = tuple([h.group for h in held])  # in group order, as the holders were listed
         heap = self._heaps.get(ident)
         if heap is None:
             heap = [(self._load[rk], rk) for gi in dict.fromkeys(ident) for rk in self._groups[gi].ranks]
@@ -197,23 +211,26 @@ class _EvenPart(NamedTuple):
 
 
 def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]],
-                  writer_of: Dict[Tuple[str, ShardId], Tuple[_Held, int]], pack_max_bytes: int,
-                  even: _EvenPart) -> None:
+                  writer_of: Dict[Tuple[str, ShardId], Tuple[_Held, int]], nbytes: Dict[Tuple[str, ShardId], int],
+                  pack_max_bytes: int, even: _EvenPart) -> None:
     """Index entries in key order, stored shards numbered by offset, small shards packed."""
-    by_key: Dict[str, List[Tuple[ShardId, Tuple[_Held, int]]]] = defaultdict(list)
-    for (key, sid), chosen in writer_of.items():
-        by_key[key].append((sid, chosen))
+    by_key: Dict[str, List[Tuple[ShardId, Tuple[_Held, int], int]]] = defaultdict(list)
+    for k, chosen in writer_of.items():
+        by_key[k[0]].append((k[1], chosen, nbytes[k]))
     pack_end: Dict[Tuple[int, str], int] = defaultdict(int)  # (writer, dtype) -> elements packed so far
     for key in sorted(set(by_key) | set(even.keys)):
         if key in even.keys:
             plan.index.tensors[key] = _plan_even_key(plan, key, even, pack_max_bytes, pack_end)
             continue
-        first = holders[(key, by_key[key][0][0])][0].record
+        shards = by_key[key]
+        first = shards[0][1][0].record
         entry = TensorEntry(first.global_shape, first.dtype)
-        for i, (sid, (held, writer)) in enumerate(sorted(by_key[key], key=lambda t: (t[0][0], t[0][2] or (0, 0)))):
+        if len(shards) > 1:
+            shards.sort(key=lambda t: (t[0][0], t[0][2] or (0, 0)))
+        for i, (sid, (held, writer), size) in enumerate(shards):
             rec = held.record
             packed = None
-            if rec.flat is None and 0 < rec.nbytes <= pack_max_bytes:
+            if 0 < size <= pack_max_bytes and rec.flat is None:
                 packed = pack_end[(writer, rec.dtype)]
                 pack_end[(writer, rec.dtype)] += rec.numel
             entry.shards.append(StoredShard(rec.offset, rec.shape, rec.flat, writer, i, packed))
