@@ -97,7 +97,22 @@ def _save_and_reshard(rank, world, root):
     loaded = ldc.load(template, f"{root}/c")
     out["loaded_ok"] = all(torch.equal(loaded[k], _full(k)[:, rank:rank + 1]) for k in template)
     out["step"] = loaded.get("step")
+    out["keys"] = _key_matching(rank, f"{root}/c")
     return out
+
+
+def _key_matching(rank, path):
+    """Missing and unexpected keys when every rank asks the same keys (digests agree), and when
+    ranks ask different ones (pipeline-like: only one rank per distinct key set sends its keys)."""
+    def ask(keys):
+        tmpl = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(ROWS, COLS)) for k in keys}
+        _, missing, unexpected = ldc.load(tmpl, path, strict=ldc.StrictHandling.RETURN_ALL)
+        return sorted(missing), sorted(unexpected)
+
+    same = ask(["w", "b"])
+    split = ask(["w"] if rank % 2 == 0 else ["b", "zzz"] if rank == 3 else ["b"])
+    covered = ask(["w", "norm"] if rank == 6 else ["b"])
+    return same, split, covered
 
 
 def test_eight_ranks_save_reuse_refuse_and_reshard(tmp_path):
@@ -117,6 +132,7 @@ def test_eight_ranks_save_reuse_refuse_and_reshard(tmp_path):
     assert "disagree on global shape" in message and "ranks [5]" in message
     assert not os.path.exists(tmp_path / "bad")
     assert all(r["loaded_ok"] and r["step"] == 7 for r in results)
+    assert all(r["keys"] == (([], ["norm"]), (["zzz"], ["norm"]), ([], [])) for r in results)
     meta = json.loads((tmp_path / "a" / METADATA_FILE).read_text())
     assert meta["world_size"] == TP * DP and sorted(meta["tensors"]) == ["b", "norm", "w"]
     # FSDP-like: each rank writes its own chunks; the shifted layout fails alike on every rank

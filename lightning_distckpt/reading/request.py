@@ -3,6 +3,7 @@ and a tree of slots that :func:`assemble` fills with what was read; key matching
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
@@ -10,6 +11,7 @@ from ..comm import Comm
 from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from ..core.state_dict import apply_factories, collect, merge, merge_factories, replace_leaves, split_common
 from ..core.strict import StrictHandling, check_keys
+from ..planning.groups import representatives
 from .checkpoint import CheckpointSource
 
 
@@ -67,22 +69,41 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
                open_error: Optional[BaseException] = None) -> Tuple[Set[str], Set[str]]:
     """Collective: missing keys (over all ranks) and unexpected keys (asked for by no rank);
     raises on every rank alike when ``strict`` says so, or when some rank could not open the
-    source (``open_error``, with ``source`` None there)."""
+    source (``open_error``, with ``source`` None there).
+
+    Ranks exchange their missing keys (usually none) and, where ``strict`` looks for unexpected
+    keys, a digest of the keys they ask for, not the keys: when all digests agree (data
+    parallelism, FSDP), every rank finds the unexpected keys from its own; otherwise only the
+    first rank of each distinct digest sends its keys, to rank 0, which names the unexpected ones."""
     asked = {t.key for t in req.tensors if t.key} | {o.key for o in req.objects}
     mine_missing: Set[str] = set()
     if source is not None:
         mine_missing = {t.key for t in req.tensors if t.key not in source.index.tensors}
         mine_missing |= {o.key for o in req.objects if o.key not in source.index.objects}
     where = source.path if source is not None else "the checkpoint"
-    gathered = comm.agree(f"load from {where} failed", open_error,
-                          (sorted(asked) if strict.needs_unexpected else [], sorted(mine_missing)))
+    digest = _keys_digest(asked) if strict.needs_unexpected else None
+    gathered = comm.agree(f"load from {where} failed", open_error, (digest, sorted(mine_missing)))
     assert source is not None  # agree raised on every rank otherwise
     missing = {k for _, m in gathered for k in m}
     unexpected: Set[str] = set()
     if strict.needs_unexpected:
-        asked_all = {k for a, _ in gathered for k in a}
-        unexpected = (set(source.index.tensors) | set(source.index.objects)) - asked_all
+        stored = set(source.index.tensors) | set(source.index.objects)
+        senders = [ranks[0] for ranks in representatives([d for d, _ in gathered]).values()]
+        if len(senders) == 1:
+            unexpected = stored - asked
+        else:
+            received = comm.gather_from(senders, sorted(asked) if comm.rank in senders else None)
+            found = sorted(stored.difference(*received.values())) if comm.rank == 0 else None
+            unexpected = set(comm.broadcast_object(found))
     return check_keys(strict, source.path, missing, unexpected)
+
+
+def _keys_digest(keys: Set[str]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for k in sorted(keys):
+        b = k.encode()
+        h.update(len(b).to_bytes(8, "little") + b)  # length-prefixed: no two key lists hash alike
+    return h.hexdigest()
 
 
 def assemble(req: LoadRequest, common: Any, tensors: Sequence[Optional[Any]], objects: Sequence[Optional[Any]]) -> Dict[str, Any]:
