@@ -7,18 +7,20 @@ Layouts (records only, no tensors):
 - ``megatron``: a 96-layer GPT (``benchmarks/common.gpt_params``: 1,155 parameters, 4 states each,
   4,620 tensors) over TP x PP x DP (TP = 8, PP = 8 when there are ranks for it, DP the rest);
   stage ``pp`` holds its 96 / PP layers; the first DP replica holds the main replicas.
-- ``fsdp``: a 12-layer GPT (580 tensors), every tensor split along dim 0 over all ranks: every
-  rank's records differ, so the coordinator receives records from every rank.
+- ``fsdp``: a 12-layer GPT (588 tensors), every tensor split along dim 0 over all ranks: every
+  rank's records differ, but each is its chunk of an even split (``planning/even.py``), so all
+  ranks share one layout; the plan and metadata.json still list tensors x ranks shards.
 - ``validate_dim0``: ``validate_tensor_records`` alone, 4 tensors x B boxes (dim-0 sharding).
 
 Stages of a first save (``strategies/save_coordinate.py``; exchange bytes are pickles as
 torch.distributed sends them, unpickling timed as the receiving rank does it):
 
-- ``digest``: one rank hashes its records (``planning/groups.layout_digest``);
+- ``digest``: one rank marks its even chunks and hashes its records (``planning/even.mark_even``,
+  ``planning/groups.layout_digest``);
 - ``handshake``: every rank receives every rank's handshake (all-gathered) and unpickles them;
 - ``gather``: rank 0 receives and unpickles one record list per distinct layout;
-- ``validate`` / ``plan``: rank 0, once per layout group (``validate_record_groups``,
-  ``plan_record_groups``);
+- ``validate`` / ``plan``: rank 0, once per layout group (``resolve_even`` and
+  ``validate_record_groups``, ``plan_record_groups``);
 - ``scatter``: rank 0 pickles every rank's part; each rank receives the largest part's size
   and unpickles its own;
 - ``metadata``: rank 0 writes metadata.json's index (JSON), a loading rank parses it.
@@ -111,7 +113,7 @@ def megatron(world: int) -> Tuple[List[str], Dict[str, RankRecords]]:
                 ranks = [tp + tp_size * (dp + dp_size * pp) for dp in (range(1) if dp0 else range(1, dp_size))]
                 if not ranks:
                     continue
-                recs = _records(specs, held, ranks[0], tp, tp_size, dp0, dp0 and tp == 0)
+                recs = mark_even(_records(specs, held, ranks[0], tp, tp_size, dp0, dp0 and tp == 0), world)
                 d = layout_digest(recs)
                 first[d] = recs
                 for rk in ranks:
@@ -129,6 +131,8 @@ def fsdp(world: int) -> Tuple[List[str], Dict[str, RankRecords]]:
             rows = -(-spec.shape[0] // world)
             lo, hi = min(rank * rows, spec.shape[0]), min((rank + 1) * rows, spec.shape[0])
             shape = (hi - lo,) + spec.shape[1:]
+            if hi == lo:
+                continue  # ranks past a tensor's rows hold none of it
             for state, _ in STATES:
                 out.append(ShardRecord(f"{state}.{spec.name}", DTYPE.get(state, "float32"), spec.shape,
                                        (lo,) + (0,) * (len(spec.shape) - 1), shape, None, True, rank))
@@ -146,7 +150,7 @@ def measure(layout: str, world: int, allgather_max_records: int) -> Dict[str, An
     # handshakes: every rank's, pickled as Comm.agree sends them (error, payload)
     pickles = [pickle.dumps((None, Handshake(d, None, "/ckpt/.staging" if r == 0 else None, None, options)))
                for r, d in enumerate(digests)]
-    row["digest_s"], _ = _timed(lambda: layout_digest(first[digests[0]]))
+    row["digest_s"], _ = _timed(lambda: layout_digest(mark_even(first[digests[0]], world)))
     row["handshake_bytes"] = sum(map(len, pickles))
     with gc_paused():  # as prepare_save exchanges the handshakes
         row["handshake_s"], _ = _timed(lambda: [pickle.loads(p) for p in pickles])
@@ -219,7 +223,7 @@ def exponents(rows: List[Dict[str, Any]], fields: List[str]) -> Dict[str, Dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--megatron-ranks", default="8,64,256,1024,4096,16384")
-    ap.add_argument("--fsdp-ranks", default="8,64,256,1024")
+    ap.add_argument("--fsdp-ranks", default="8,64,256,1024,4096")
     ap.add_argument("--validate-boxes", default="64,256,1024,4096,16384")
     ap.add_argument("--allgather-max-records", type=int, default=600_000)
     ap.add_argument("--clock", choices=sorted(CLOCK), default="wall",

@@ -146,24 +146,30 @@ def _coordinate(per_rank, mark, balance=True, validate=True):
     return len(groups), plan, parts
 
 
-@pytest.mark.parametrize("rows, even", [((16, 22, 64), ["t0", "t1", "t2"]), ((20, 7, 64), ["t2"])])
-def test_even_splits_share_one_layout_and_plan_as_every_rank_would(rows, even):
+@pytest.mark.parametrize("rows, drop, even", [((16, 22, 64), None, ["step", "t0", "t1", "t2"]),
+                                              ((20, 7, 64), None, ["step", "t0", "t1", "t2"]),
+                                              ((16, 22, 64), (3, "t1"), ["step", "t0", "t2"])])
+def test_even_splits_share_one_layout_and_plan_as_every_rank_would(rows, drop, even):
     """Over 8 ranks, 16 / 22 / 64 rows split in chunks of 2 / 3 (rank 7: 1) / 8 are even keys
-    ('step', one row on rank 0 only, looks like chunk 0 but is not); with 20 and 7 rows rank 7
-    holds no chunk of those keys, so only t2 stays even and the other keys are validated and
-    planned from every rank's own records. Either way the plan is the one without marks."""
+    (and 'step', one row, whole on rank 0); so are 20 and 7 rows, where rank 7 holds no row and
+    describes nothing. 'norm', whole on every rank, is not. When rank 3 leaves its chunk of t1 out, t1 is
+    validated and planned from every rank's own records. Either way the plan is the one without
+    marks."""
     per_rank = _fsdp_ranks(8, rows)
+    if drop is not None:
+        per_rank[drop[0]] = RankRecords([r for r in per_rank[drop[0]].tensors if r.key != drop[1]], [])
     sent = [mark_even(r, 8) for r in per_rank]
     digests = [layout_digest(r) for r in sent]
     groups = [RecordGroup(sent[ranks[0]], ranks) for ranks in representatives(digests).values()]
     assert sorted(resolve_even(groups, 8)[1]) == even
-    n_marked, marked, parts = _coordinate(per_rank, mark=True, balance=False)
-    n_plain, plain, plain_parts = _coordinate(per_rank, mark=False, balance=False)
+    check = drop is None  # a chunk left out is a gap: compare the plans made without validation
+    n_marked, marked, parts = _coordinate(per_rank, mark=True, balance=False, validate=check)
+    n_plain, plain, plain_parts = _coordinate(per_rank, mark=False, balance=False, validate=check)
     assert n_plain == 8 and n_marked < 8  # ranks holding the same chunks' pattern share a layout
-    assert marked == plain and parts == plain_parts
+    assert marked is not None and marked == plain and parts == plain_parts
     # balanced: the same stored shards and packing, every byte written once
-    _, marked_b, _ = _coordinate(per_rank, mark=True)
-    _, plain_b, _ = _coordinate(per_rank, mark=False)
+    _, marked_b, _ = _coordinate(per_rank, mark=True, validate=check)
+    _, plain_b, _ = _coordinate(per_rank, mark=False, validate=check)
     def strip(plan):
         return {k: [(s.offset, s.shape, s.index) for s in e.shards] for k, e in plan.index.tensors.items()}
 

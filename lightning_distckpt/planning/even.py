@@ -7,12 +7,13 @@ function of the rank: chunk ``ceil(G0 / N)`` rows at ``rank * chunk``, the last 
 Each rank marks the records that are exactly its chunk (``mark_even``); their digest leaves the
 rank out, so all such ranks share one layout and the coordinator receives one record list.
 
-A key is *even* when every record of it is such a chunk, marked on every rank of the group,
-with one global shape and dtype: those chunks tile the tensor exactly once by construction, so
-validation has nothing to check and the plan is fixed (each rank writes its own chunk). A marked
-record of any other key (a rank missing, a rank describing something else) is expanded back to
-every rank's own records (``resolve_even``), so validation reports exactly what it reports
-without the marks.
+A key is *even* when every record of it is such a chunk, marked on every rank holding a
+non-empty chunk (ranks past the tensor's rows describe none), with one global shape and dtype:
+those chunks tile the tensor exactly once by construction, so validation has nothing to check
+and the plan is fixed (each rank writes its own chunk). The groups holding a marked record of
+any other key (a rank missing, a rank describing something else) are expanded back to every
+rank's own records (``resolve_even``), so validation reports exactly what it reports without
+the marks.
 """
 
 from __future__ import annotations
@@ -78,15 +79,23 @@ def resolve_even(groups: Sequence[RecordGroup], size: int) -> Tuple[List[RecordG
     return out, even
 
 
+def chunks_of(global_shape: Tuple[int, ...], size: int) -> int:
+    """How many ranks hold a (non-empty) chunk of an even split: the first ones."""
+    rows = -(-global_shape[0] // size)
+    return -(-global_shape[0] // rows) if rows else 0
+
+
 def _covers(groups: Sequence[RecordGroup], held: List[Tuple[int, int, bool]], size: int) -> bool:
-    """The marked records of one key come from every rank once, with one global shape and dtype.
-    (Every rank is in exactly one group: distinct groups whose sizes add up to ``size`` hold
-    every rank once.)"""
+    """The marked records of one key come once from every rank with a non-empty chunk (no other
+    rank describes the key), with one global shape and dtype. (Every rank is in exactly one
+    group: distinct groups of ranks below n whose sizes add up to n hold each of them once.)"""
     first = groups[held[0][0]].records.tensors[held[0][1]]
     if any((groups[gi].records.tensors[src].global_shape, groups[gi].records.tensors[src].dtype)
            != (first.global_shape, first.dtype) for gi, src, _ in held):
         return False
-    return len({gi for gi, _, _ in held}) == len(held) and sum(len(groups[gi].ranks) for gi, _, _ in held) == size
+    n = chunks_of(first.global_shape, size)
+    return len({gi for gi, _, _ in held}) == len(held) and all(groups[gi].ranks[-1] < n for gi, _, _ in held) \
+        and sum(len(groups[gi].ranks) for gi, _, _ in held) == n
 
 
 def own_records(records: RankRecords, rank: int, size: int, even: Collection[str] = ()) -> RankRecords:

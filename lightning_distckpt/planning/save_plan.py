@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from .even import EvenKeys, even_box
+from .even import EvenKeys, chunks_of, even_box
 from .metadata import (
     CheckpointIndex,
     element_size,
@@ -247,7 +247,7 @@ def _plan_even_key(plan: SavePlan, key: str, even: _EvenPart, pack_max_bytes: in
     gshape, dtype = first.global_shape, first.dtype
     rows, rest, itemsize = -(-gshape[0] // size), tuple(gshape[1:]), element_size(dtype)
     per_row, zeros = math.prod(rest), (0,) * len(rest)
-    shards: List[StoredShard] = [None] * size  # type: ignore[list-item]  # every rank fills its own
+    shards: List[StoredShard] = [None] * chunks_of(gshape, size)  # type: ignore[list-item]  # each rank its own
     writes = plan.writes
     for gi, src in chunks:
         for rank in even.groups[gi].ranks:
