@@ -5,11 +5,12 @@ through DTensor, on CPU gloo meshes) saving our format. Real Trainer runs launch
 import math
 
 import pytest
+import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_distckpt.core.errors import ArgumentTypeError
-from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointModelParallelStrategy
+from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointModelParallelStrategy, load_module_weights
 from lightning_helpers import run_script
 
 
@@ -21,7 +22,7 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp2_runs(ckpt_dir):
     """DP 2: reference, interrupted + resumed (sync and async); then the step-3 checkpoint under DP 1 x TP 2."""
-    return run_script("model_parallel_scenarios.py", ["train_dp2", "resume_split", "refuse_plugin_dir", "--tp", "2",
+    return run_script("model_parallel_scenarios.py", ["train_dp2", "resume_split", "to_stock_ddp", "refuse_plugin_dir", "--tp", "2",
                                                       "--dir", str(ckpt_dir), "--devices", "2"],
                       str(ckpt_dir / "dp2"), world_size=2, timeout=420)
 
@@ -66,6 +67,27 @@ def test_dp2_checkpoint_resumes_under_dp2_tp2(dp2_runs, ckpt_dir):
                                                           "--devices", "4"], str(ckpt_dir / "four"), world_size=4,
                           timeout=420):
         _continues(res, dp2_runs[0]["ref_losses"])
+
+
+@pytest.mark.parametrize("tag", ["plugin", "exported"])
+def test_stock_ddp_resumes_the_checkpoint(dp2_runs, tag):
+    """Borders: stock DDP + DistCheckpointIO reads it whole (optimizer state in torch's layout);
+    ``export_torch_file`` (``convert``) gives one file stock DDP resumes with no plugin."""
+    for res in dp2_runs:
+        _all_restored(res[f"{tag}_restored"])
+        for step in ("3", "4", "5"):
+            assert math.isclose(res[f"{tag}_losses"][step], res["ref_losses"][step], rel_tol=1e-5)
+
+
+def test_weights_into_a_plain_module_in_one_process(dp2_runs, ckpt_dir):
+    """Inference border: ``load_module_weights`` / ``load_lightning_module``'s reader, one process."""
+    module = torch.nn.Module()
+    module.fc1, module.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+    path = str(ckpt_dir / "sync" / "step=3.ckpt")
+    load_module_weights(module, path)
+    stored = DistCheckpointIO().load_checkpoint(path)["state_dict"]
+    assert set(stored) == set(module.state_dict())
+    assert all(torch.equal(v, stored[k]) for k, v in module.state_dict().items())
 
 
 def test_plugin_directory_refused_naming_its_writer(dp2_runs):

@@ -21,13 +21,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from lightning_distckpt import CheckpointingError  # noqa: E402
-from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointModelParallelStrategy  # noqa: E402
+from lightning_distckpt.lightning import (DistCheckpointIO, DistCheckpointModelParallelStrategy,  # noqa: E402
+                                         export_torch_file)
 from lightning_helpers import StepBatches, StepCounter  # noqa: E402
 
 TIMEOUT = timedelta(seconds=90)  # a hang fails the test instead of blocking it
@@ -45,6 +47,8 @@ class MPModel(LightningModule):
         self.losses: Dict[int, float] = {}
 
     def configure_model(self) -> None:
+        if self.device_mesh is None:  # a stock strategy (DDP): the plain module
+            return
         tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if tp.size() > 1:
             parallelize_module(self, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
@@ -65,8 +69,11 @@ class MPModel(LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> StepBatches:
-        dp = self.device_mesh["data_parallel"]
-        return StepBatches(self.trainer.global_step, self.hparams.total_steps, 8, 8, 4, dp.get_local_rank(), dp.size())
+        if self.device_mesh is None:  # DDP: every rank is a data-parallel rank
+            rank, size = self.trainer.global_rank, self.trainer.world_size
+        else:
+            rank, size = self.device_mesh["data_parallel"].get_local_rank(), self.device_mesh["data_parallel"].size()
+        return StepBatches(self.trainer.global_step, self.hparams.total_steps, 8, 8, 4, rank, size)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -159,6 +166,23 @@ def resume_split(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["final_step"] = t.global_step
 
 
+def to_stock_ddp(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Borders: the DP 2 step-3 checkpoint resumed by stock DDP with DistCheckpointIO (read whole, the
+    optimizer state in torch's layout), and converted to one file that stock DDP resumes alone."""
+    source = os.path.join(args.dir, "sync", "step=3.ckpt")
+    stored = DistCheckpointIO().load_checkpoint(source)
+    exported = os.path.join(args.dir, "mp-step3.ckpt")
+    if dist.get_rank() == 0:
+        export_torch_file(source, exported)
+    for tag, path, plugins in (("plugin", source, [DistCheckpointIO()]), ("exported", exported, [])):
+        model = MPModel()
+        t = Trainer(accelerator="cpu", devices=args.devices, strategy=DDPStrategy(timeout=TIMEOUT), max_steps=6,
+                    max_epochs=-1, callbacks=[StepCounter(), Restored(stored, res, f"{tag}_restored")], logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, plugins=plugins)
+        t.fit(model, ckpt_path=path)
+        res[f"{tag}_losses"] = model.losses
+
+
 def refuse_plugin_dir(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     """A directory DistCheckpointIO wrote under a rank-0 strategy: refused, naming the writer."""
     path = os.path.join(args.dir, "plugin_like")
@@ -171,7 +195,7 @@ def refuse_plugin_dir(args: argparse.Namespace, res: Dict[str, Any]) -> None:
         res["refused"] = f"{type(e).__name__}: {e}"
 
 
-SCENARIOS = {"train_dp2": train_dp2, "resume_split": resume_split, "refuse_plugin_dir": refuse_plugin_dir}
+SCENARIOS = {"train_dp2": train_dp2, "to_stock_ddp": to_stock_ddp, "resume_split": resume_split, "refuse_plugin_dir": refuse_plugin_dir}
 
 
 def main() -> None:
