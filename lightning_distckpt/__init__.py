@@ -35,6 +35,7 @@ _LIGHTNING_NAMES = (
     "DistCheckpointModelParallelStrategy",
     "DistModelCheckpoint",
     "FabricDistCheckpointStrategy",
+    "FabricDistCheckpointModelParallelStrategy",
     "DistCheckpointConfig",
     "StrategyConfig",
     "ConfigError",

@@ -5,6 +5,7 @@ from .checkpoint_io import DistCheckpointIO
 from .config import ConfigError, DistCheckpointConfig, StrategyConfig, load_checkpoint_config, load_strategy_config
 from .export import export_torch_file, import_torch_file
 from .fabric import FabricDistCheckpointStrategy
+from .fabric_model_parallel import FabricDistCheckpointModelParallelStrategy
 from .model_parallel import DistCheckpointModelParallelStrategy
 from .model_checkpoint import DistModelCheckpoint
 from .inference import load_lightning_module, load_module_weights
@@ -19,6 +20,7 @@ __all__ = [
     "DistCheckpointModelParallelStrategy",
     "DistModelCheckpoint",
     "FabricDistCheckpointStrategy",
+    "FabricDistCheckpointModelParallelStrategy",
     "export_torch_file",
     "import_torch_file",
     "ParallelState",

@@ -70,14 +70,14 @@ def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor]) 
     return node
 
 
-def _at(tree: Any, path: Path) -> Any:
+def value_at(tree: Any, path: Path) -> Any:
     for step in path:
         tree = tree[step]
     return tree
 
 
-def _put(tree: Any, path: Path, value: Any) -> None:
-    _at(tree, path[:-1])[path[-1]] = value
+def put_value(tree: Any, path: Path, value: Any) -> None:
+    value_at(tree, path[:-1])[path[-1]] = value
 
 
 class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
@@ -188,7 +188,7 @@ class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
         loaded = self.checkpoint_io.load_sharded(template, path, strict=strict)
         loaded.pop(MANIFEST_KEY, None)
         for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
-            _put(loaded, where, restore_dtensor(dt, _at(loaded, where)))
+            put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))
         options = StateDictOptions(strict=not strict.skips_missing)
         set_model_state_dict(self.model, loaded.pop("state_dict"), options=options)
         for opt, state in zip(optimizers, loaded.pop("optimizer_states", [])):
@@ -211,16 +211,20 @@ class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
         super().teardown()
 
 
-def refusal(path: str, kind: Optional[str], by_trainer: bool) -> str:
-    """Why a checkpoint not written by this strategy is refused, and what to do instead."""
+def refusal(path: str, kind: Optional[str], by_trainer: bool, owner: str = "DistCheckpointModelParallelStrategy") -> str:
+    """Why a checkpoint not written by ``owner`` is refused, and what to do instead."""
     if kind is None:
         writer = "not by lightning_distckpt (a torch.save file, or Lightning's own ModelParallelStrategy / DCP)"
     elif not by_trainer:
-        writer = "by fabric.save"
+        writer = {"plain": "by fabric.save with DistCheckpointIO under a rank-0 strategy",
+                  "sharded": "by fabric.save under FabricDistCheckpointStrategy"}.get(
+                      kind, "by fabric.save under FabricDistCheckpointModelParallelStrategy")
+    elif kind == KIND_MODEL_PARALLEL:
+        writer = "by a Trainer under DistCheckpointModelParallelStrategy"
     else:
         writer = {"plain": "by DistCheckpointIO under a rank-0 strategy (DDP / single device)",
                   "sharded": "by DistCheckpointStrategy"}.get(kind, f"by a writer of kind {kind!r}")
-    return (f"checkpoint {path} was written {writer}, not by {DistCheckpointModelParallelStrategy.__name__}; "
+    return (f"checkpoint {path} was written {writer}, not by {owner}; "
             "resume it with the strategy that wrote it, or load its weights into this module with "
             "lightning_distckpt.load(template, path, key_map=...) in configure_model / on_fit_start")
 
