@@ -5,7 +5,8 @@
     lightning-distckpt clean DIR [--dry-run]    remove staging directories that killed saves left behind
                                                 (s3://bucket/prefix: uncommitted versions)
     lightning-distckpt convert SRC DST          checkpoint -> torch.save file, file -> checkpoint, or re-layout
-                                                (--to safetensors | dcp: Hugging Face or DCP directory)
+                                                (--to safetensors | dcp | megatron: Hugging Face, DCP or
+                                                Megatron-Core torch_dist directory)
 
 Exit status: 0 fine; 1 the checkpoint is damaged (validate); 2 not a checkpoint, an incomplete
 (uncommitted) one, an unsupported format, or bad usage. Errors are one line on stderr, no traceback.
@@ -101,7 +102,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if args.max_shard_size is not None and to != "safetensors":
         raise UsageError(f"--max-shard-size applies to --to safetensors, not to --to {to}")
-    if to in ("safetensors", "dcp"):
+    if to in ("safetensors", "dcp", "megatron"):
         report = _export(args, to, bool(overrides))
     elif to == "torch":
         if not remote and not os.path.isdir(args.source):
@@ -118,13 +119,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace, to: str, storage_overrides: bool) -> "ConvertReport":
-    """``convert --to safetensors`` / ``--to dcp`` (lightning_distckpt.export)."""
-    from ..export import export_dcp, export_safetensors, parse_size
+    """``convert --to safetensors`` / ``--to dcp`` / ``--to megatron`` (lightning_distckpt.export)."""
+    from ..export import export_dcp, export_megatron, export_safetensors, parse_size
 
     if storage_overrides:
         raise UsageError(f"--layout / --chunk-mib apply to checkpoint outputs, not to --to {to}")
     if to == "dcp":
         return export_dcp(args.source, args.destination)
+    if to == "megatron":
+        return export_megatron(args.source, args.destination)
     try:
         size = parse_size(args.max_shard_size or "5GB")
     except CheckpointingError as e:
@@ -178,9 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "storage layout (--to distckpt with a directory source)")
     p.add_argument("source", help="checkpoint directory (or s3://bucket/prefix) or torch.save file")
     p.add_argument("destination", help="output file (--to torch) or checkpoint directory (or s3://bucket/prefix)")
-    p.add_argument("--to", choices=["torch", "distckpt", "safetensors", "dcp"],
+    p.add_argument("--to", choices=["torch", "distckpt", "safetensors", "dcp", "megatron"],
                    help="output kind (default: torch for a directory source, distckpt for a file); safetensors: "
-                   "a Hugging Face model directory (a Trainer checkpoint's module weights), dcp: a PyTorch DCP directory")
+                   "a Hugging Face model directory (a Trainer checkpoint's module weights), dcp: a PyTorch DCP directory, "
+                   "megatron: a Megatron-Core torch_dist directory")
     p.add_argument("--max-shard-size", help="--to safetensors: bytes per file, e.g. 5GB (default), 500MiB")
     p.add_argument("--layout", choices=["ocdbt", "zarr"], help="storage layout of a checkpoint output")
     p.add_argument("--chunk-mib", type=float, help="chunk size of a checkpoint output, MiB")

@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 import warnings
-from typing import Any, Dict, Mapping, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -31,6 +31,7 @@ from ..convert import ConvertReport, directory_bytes
 from ..core.errors import CheckpointingError
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats import KeyMap
+from ..storage.safe_pickle import write_file_durable
 from .tensors import LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, export_tensors, open_source, read_whole
 
 logger = logging.getLogger(__name__)
@@ -38,14 +39,14 @@ logger = logging.getLogger(__name__)
 DCP_METADATA = ".metadata"
 
 
-def _lazy_planner(source: CheckpointSource, by_id: Dict[int, ExportTensor]) -> Any:
+def _lazy_planner(source: CheckpointSource, by_id: Dict[int, ExportTensor], flatten: bool) -> Any:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class LazyReadPlanner(DefaultSavePlanner):
         """DCP's default planner; a ``meta`` tensor is read from the checkpoint when its data is needed."""
 
         def __init__(self) -> None:
-            super().__init__()
+            super().__init__(flatten_state_dict=flatten)
             self._reader = source.reader()
 
         def lookup_object(self, index: Any) -> Any:
@@ -97,6 +98,35 @@ def _unwrapped(e: CheckpointException, out: str) -> CheckpointingError:
     return CheckpointingError(f"{out}: writing the DCP checkpoint failed: {type(first).__name__}: {first}")
 
 
+def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[int, ExportTensor], out: str,
+                  extra_files: Optional[Mapping[str, bytes]] = None, flatten: bool = True) -> None:
+    """``dcp.save(state)`` into a staging directory beside ``out`` (``meta`` tensors read from
+    ``source`` as DCP asks for them, see ``by_id``), then ``extra_files`` (name -> bytes) written
+    into it, then the whole directory swapped in as ``out``. ``flatten=False``: each entry of
+    ``state`` is stored as it is under its key (DCP does not name the items of its containers)."""
+    import torch.distributed.checkpoint as dcp
+
+    _check_target(out)
+    staging = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    try:
+        writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, sync_files=True, thread_count=1)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save(state, storage_writer=writer, planner=_lazy_planner(source, by_id, flatten), no_dist=True)
+        for name, data in (extra_files or {}).items():
+            write_file_durable(os.path.join(staging, name), data)
+        _swap_in(staging, out)
+    except CheckpointingError:
+        raise
+    except CheckpointException as e:  # a BaseException wrapping what failed inside dcp.save
+        raise _unwrapped(e, out) from e
+    except Exception as e:  # OSError
+        raise CheckpointingError(f"{out}: writing the DCP checkpoint failed: {type(e).__name__}: {e}") from e
+    finally:
+        if os.path.exists(staging):
+            shutil.rmtree(staging)
+
+
 def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
                extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
     """Write ``checkpoint`` (anything ``ldc.load`` reads) as the DCP directory ``out_dir``.
@@ -104,8 +134,6 @@ def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
     Single process (call it on one rank). ``key_map`` renames (dict) or leaves out (callable
     returning None) tensors by their export name. Returns a :class:`ConvertReport` (kind ``"dcp"``).
     """
-    import torch.distributed.checkpoint as dcp
-
     t0 = time.perf_counter()
     out = os.path.abspath(os.fspath(out_dir))
     source = open_source(checkpoint, out)
@@ -121,21 +149,5 @@ def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
     n_objects = len(source.index.objects)
     if n_objects:
         logger.warning("%s: %d ShardedObject key(s) are not exported to DCP", source.path, n_objects)
-    _check_target(out)
-    staging = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
-    try:
-        writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, sync_files=True, thread_count=1)
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(state, storage_writer=writer, planner=_lazy_planner(source, by_id), no_dist=True)
-        _swap_in(staging, out)
-    except CheckpointingError:
-        raise
-    except CheckpointException as e:  # a BaseException wrapping what failed inside dcp.save
-        raise _unwrapped(e, out) from e
-    except Exception as e:  # OSError
-        raise CheckpointingError(f"{out}: writing the DCP checkpoint failed: {type(e).__name__}: {e}") from e
-    finally:
-        if os.path.exists(staging):
-            shutil.rmtree(staging)
+    write_dcp_dir(source, state, by_id, out)
     return ConvertReport(source.path, out, "dcp", len(tensors), 0, directory_bytes(out), time.perf_counter() - t0)

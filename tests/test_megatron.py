@@ -1,0 +1,190 @@
+"""Interop with Megatron-Core's ``torch_dist`` format, both ways, against the real megatron-core
+(test extra): a checkpoint written by ``megatron.core.dist_checkpointing.save`` on 2 gloo processes
+loads with ``ldc.load`` under another split (and with ``load_plain_tensors`` /
+``load_tensors_metadata`` / ``load_common_state_dict`` in one process); one written by ``ldc.save``
+and exported with ``convert --to megatron`` loads with ``dist_checkpointing.load`` under another
+split. Tensors bit-exact (float32, bfloat16, int64; a prepended layer axis), ShardedObjects and the
+common state equal. Megatron-Core's own sharded state dicts save and load with ``ldc`` as they are.
+
+megatron-core on CPU calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()`` in its
+save path; the worker processes stub these two (:func:`_cpu_only_megatron`), nothing else.
+"""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+import lightning_distckpt as ldc
+from dist_utils import run_distributed
+from lightning_distckpt.core.errors import FormatError, UnsafeContentError
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+
+LAYERS = 3
+
+
+def full():
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(8, 6, generator=g), "b": torch.randn(6, 10, generator=g).to(torch.bfloat16),
+            "layers.w": torch.randn(LAYERS, 4, 4, generator=g), "r": torch.arange(5)}
+
+
+COMMON = {"iteration": 11, "nested": {"lr": 0.5, "names": ["x", "y"]}}
+
+
+def _cpu_only_megatron():
+    """megatron-core's torch_dist save synchronizes CUDA and puts a failure flag on the current CUDA
+    device; on a CPU-only torch both raise. In this worker process only: no-op / the CPU."""
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def sharded(mod, rank, world, split, with_data=True):
+    """A sharded state dict of ``full()`` built with ``mod``'s classes (Megatron-Core's or ours).
+    Split "save": w by rows, b by columns, layer i on rank i % world; split "load": the other axes,
+    layer i on rank (i + 1) % world, each rank asking for the other rank's object element."""
+    f = full()
+    st, so = mod.ShardedTensor, mod.ShardedObject
+
+    def part(t, axis):
+        return t.chunk(world, axis)[rank].clone() if with_data else torch.empty_like(t.chunk(world, axis)[rank])
+
+    w_axis, b_axis, shift = (0, 1, 0) if split == "save" else (1, 0, 1)
+    obj_at = rank if split == "save" else (rank + 1) % world
+    return {
+        "w": st.from_rank_offsets("w", part(f["w"], w_axis), (w_axis, rank, world)),
+        "b": st.from_rank_offsets("b", part(f["b"], b_axis), (b_axis, rank, world)),
+        "r": st.from_rank_offsets("r", f["r"].clone() if with_data else torch.empty(5, dtype=torch.int64),
+                                  replica_id=rank),
+        "layers": [st.from_rank_offsets("layers.w", f["layers.w"][i].clone() if with_data else torch.empty(4, 4),
+                                        (0, i, LAYERS), prepend_axis_num=1)
+                   for i in range(LAYERS) if (i + shift) % world == rank],
+        "obj": so("obj", {"rank": obj_at} if with_data else None, (world,), (obj_at,), replica_id=0),
+        **({"iteration": COMMON["iteration"], "nested": COMMON["nested"]} if with_data else {}),
+    }
+
+
+def check_loaded(loaded, rank, world):
+    """The "load" split of ``full()``, bit-exact, the object element and the common state."""
+    expect = sharded(ldc, rank, world, "load")
+    for key in ("w", "b", "r"):
+        assert loaded[key].dtype == expect[key].data.dtype and torch.equal(loaded[key], expect[key].data), key
+    assert len(loaded["layers"]) == len(expect["layers"])
+    for got, want in zip(loaded["layers"], expect["layers"]):
+        assert torch.equal(got, want.data)
+    assert loaded["obj"] == {"rank": (rank + 1) % world}
+    assert loaded["iteration"] == COMMON["iteration"] and loaded["nested"] == COMMON["nested"]
+
+
+def _megatron_save(rank, world, path):
+    import multiprocessing
+
+    _cpu_only_megatron()
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    try:  # one writer thread: no forked writer processes
+        dist_checkpointing.save(sharded(dist_checkpointing, rank, world, "save"), path,
+                                sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+    finally:  # megatron-core's results-queue manager process: end it with the worker
+        for child in multiprocessing.active_children():
+            child.terminate()
+
+
+def _ldc_load(rank, world, path):
+    check_loaded(ldc.load(sharded(ldc, rank, world, "load", with_data=False), path), rank, world)
+
+
+def _ldc_save(rank, world, path):
+    ldc.save(sharded(ldc, rank, world, "save"), path)
+
+
+def _megatron_load(rank, world, path):
+    _cpu_only_megatron()
+    from megatron.core import dist_checkpointing
+
+    check_loaded(dist_checkpointing.load(sharded(dist_checkpointing, rank, world, "load", with_data=False), path),
+                 rank, world)
+
+
+@pytest.fixture(scope="module")
+def megatron_ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("mcore") / "ckpt")
+    os.makedirs(path)
+    run_distributed(_megatron_save, 2, path)
+    return path
+
+
+def test_ldc_reads_megatron_under_another_split(megatron_ckpt):
+    with open(os.path.join(megatron_ckpt, "metadata.json")) as f:
+        assert json.load(f)["sharded_backend"] == "torch_dist"
+    run_distributed(_ldc_load, 2, megatron_ckpt)
+    plain = ldc.load_plain_tensors(megatron_ckpt)
+    assert set(plain) == set(full())
+    for key, tensor in full().items():
+        assert plain[key].dtype == tensor.dtype and torch.equal(plain[key], tensor), key
+    meta = ldc.load_tensors_metadata(megatron_ckpt)
+    assert {k: (st.global_shape, st.dtype) for k, st in meta.items()} == \
+        {k: (tuple(t.shape), t.dtype) for k, t in full().items()}
+    assert ldc.load_common_state_dict(megatron_ckpt) == COMMON
+
+
+def test_convert_to_megatron_read_by_megatron(tmp_path):
+    from lightning_distckpt.cli.main import main
+
+    ours, out = str(tmp_path / "ours"), str(tmp_path / "mcore")
+    run_distributed(_ldc_save, 2, ours)
+    assert main(["convert", ours, out, "--to", "megatron"]) == 0
+    assert sorted(n for n in os.listdir(out) if not n.endswith(".distcp")) == [".metadata", "common.pt",
+                                                                               "metadata.json"]
+    run_distributed(_megatron_load, 2, out)
+    # and back: our reader gives the same tensors
+    plain = ldc.load_plain_tensors(out)
+    assert all(torch.equal(plain[k], t) for k, t in full().items())
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_refusals(megatron_ckpt, tmp_path):
+    zarr = _copy(megatron_ckpt, str(tmp_path / "zarr"))
+    with open(os.path.join(zarr, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "zarr", "sharded_backend_version": 1}, f)
+    with pytest.raises(FormatError, match="sharded_backend 'zarr'.*only 'torch_dist'"):
+        ldc.load_tensors_metadata(zarr)
+
+    no_common = _copy(megatron_ckpt, str(tmp_path / "no_common"))
+    os.remove(os.path.join(no_common, "common.pt"))
+    with pytest.raises(FormatError, match="without common.pt"):
+        ldc.load_plain_tensors(no_common)
+
+    # Megatron-Core <= 0.13 stored distributed-optimizer state N-D reformulated (flattened):
+    # refused, naming the tensor and the form. The test edits its own trusted file with pickle.
+    flat = _copy(megatron_ckpt, str(tmp_path / "flat"))
+    with open(os.path.join(flat, ".metadata"), "rb") as f:
+        meta = pickle.load(f)
+    meta.mcore_data = {"w": {"nd_reformulated_orig_global_shape": (8, 6)}}
+    with open(os.path.join(flat, ".metadata"), "wb") as f:
+        pickle.dump(meta, f)
+    with pytest.raises(FormatError, match="'w'.*N-D reformulated.*fully_reshardable"):
+        ldc.load_tensors_metadata(flat)
+
+    # common.pt is read with weights_only: a type nobody allowed is refused, not run. (Not
+    # argparse.Namespace, Megatron-LM's args: importing megatron-core allows it in torch globally.)
+    unsafe = _copy(megatron_ckpt, str(tmp_path / "unsafe"))
+    torch.save({"args": Opaque(1.0)}, os.path.join(unsafe, "common.pt"))
+    with pytest.raises(UnsafeContentError, match="common.pt: refused to deserialize"):
+        ldc.load_common_state_dict(unsafe)
+    assert ldc.load_common_state_dict(unsafe, extra_safe_globals=[Opaque])["args"].lr == 1.0
+
+
+class Opaque:
+    def __init__(self, lr):
+        self.lr = lr
