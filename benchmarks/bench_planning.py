@@ -56,7 +56,7 @@ from lightning_distckpt.planning.save_plan import make_save_plan, plan_record_gr
 from lightning_distckpt.planning.validation import (  # noqa: E402
     validate_object_records, validate_record_groups, validate_tensor_records,
 )
-from lightning_distckpt.strategies.save_coordinate import CoordinatorOptions, gc_paused, plan_for_ranks  # noqa: E402
+from lightning_distckpt.strategies.save_coordinate import gc_paused, parts_of  # noqa: E402
 from lightning_distckpt.strategies.save_prepare import Handshake, PlanningOptions  # noqa: E402
 
 DTYPE = {"model": "bfloat16"}
@@ -164,12 +164,10 @@ def measure(layout: str, world: int, allgather_max_records: int) -> Dict[str, An
         row["validate_s"] += resolve_s
         assert not problems, problems[:3]
         row["plan_s"], plan = _timed(lambda: plan_record_groups(groups, world, True, PACK, even))
-        coord = CoordinatorOptions(validate=False, balance_writes=True, pack_max_bytes=PACK)
-        _, parts = plan_for_ranks(groups, world, "/ckpt", coord)
-        pickle_s, part_pickles = _timed(lambda: [pickle.dumps(p) for p in parts])
+        pickle_s, part_pickles = _timed(lambda: [pickle.dumps(p) for p in parts_of(plan, world)])
     biggest = max(part_pickles, key=len)
     row["scatter_bytes"] = len(biggest)  # scatter_object_list pads every part to the largest
-    row["scatter_s"] = pickle_s + _timed(lambda: pickle.loads(biggest))[0]
+    row["scatter_s"] = pickle_s + _timed(lambda: pickle.loads(biggest).own_writes())[0]
     row["received_per_rank_bytes"] = row["handshake_bytes"] + row["scatter_bytes"]
     row["received_rank0_bytes"] = row["received_per_rank_bytes"] + row["gather_bytes"]
     with gc_paused():  # as finalize_save writes metadata.json

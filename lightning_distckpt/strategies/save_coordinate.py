@@ -33,12 +33,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RankPart:
-    """What the coordinator sends one rank: its share of the plan, or the error all raise."""
+    """What the coordinator sends one rank: its share of the plan, or the error all raise.
 
-    writes: List[WriteItem] = field(default_factory=list)
+    ``writes`` are the fields of its :class:`WriteItem` s as plain tuples: rank 0 pickles every
+    rank's part, and a plain tuple pickles about 4x faster than a NamedTuple (tensors x ranks of
+    them in an FSDP-like layout); ``own_writes`` rebuilds them."""
+
+    writes: List[tuple] = field(default_factory=list)
     object_writes: List[ObjectWriteItem] = field(default_factory=list)
     nbytes: int = 0
     error: Optional[RankFailure] = None  # rank 0's failure to validate or plan
+
+    def own_writes(self) -> List[WriteItem]:
+        return [WriteItem(*w) for w in self.writes]
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ def coordinate_plan(comm: Comm, target: str, records: RankRecords, digests: Sequ
         raise _raised(part.error, target)
     if plan is not None:
         return plan
-    return SavePlan(index=CheckpointIndex(), writes={comm.rank: part.writes},
+    return SavePlan(index=CheckpointIndex(), writes={comm.rank: part.own_writes()},
                     object_writes={comm.rank: part.object_writes}, bytes_per_rank={comm.rank: part.nbytes})
 
 
@@ -99,9 +106,13 @@ def plan_for_ranks(groups: Sequence[RecordGroup], world_size: int, target: str,
         logger.debug("save to %s: the coordinator could not plan: %s", target, e, exc_info=True)
         failed = RankPart(error=RankFailure(0, type(e).__name__, str(e)))
         return None, [failed] * world_size
-    parts = [RankPart(plan.writes.get(rank, []), plan.object_writes.get(rank, []), plan.bytes_per_rank.get(rank, 0))
-             for rank in range(world_size)]
-    return plan, parts
+    return plan, parts_of(plan, world_size)
+
+
+def parts_of(plan: SavePlan, world_size: int) -> List[RankPart]:
+    """Each rank's part of ``plan``, as the coordinator scatters them."""
+    return [RankPart([tuple(w) for w in plan.writes.get(rank, [])], plan.object_writes.get(rank, []),
+                     plan.bytes_per_rank.get(rank, 0)) for rank in range(world_size)]
 
 
 def _raised(failure: RankFailure, target: str) -> CheckpointingError:
