@@ -61,6 +61,8 @@ def resolve_even(groups: Sequence[RecordGroup], size: int) -> Tuple[List[RecordG
     a rank missing): its group is replaced by one group per rank with that rank's own records,
     marked only where the key is even (so even keys stay even)."""
     marked = [set(g.records.even) if g.records.even_over == size else set() for g in groups]
+    if not any(marked) and not any(g.records.even for g in groups):
+        return list(groups), {}  # nothing marked (TP / PP / DP layouts): nothing to look at
     entries: Dict[str, List[Tuple[int, int, bool]]] = {}  # key -> (group, source, marked)
     for gi, g in enumerate(groups):
         for source, r in enumerate(g.records.tensors):
