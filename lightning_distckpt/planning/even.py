@@ -103,15 +103,15 @@ def _covers(groups: Sequence[RecordGroup], held: List[Tuple[int, int, bool]], si
 def own_records(records: RankRecords, rank: int, size: int, even: Collection[str] = ()) -> RankRecords:
     """What ``rank`` itself described, from its group's first rank's records; its records of
     ``even`` keys stay marked."""
-    marked = set(records.even) if records.even_over == size else set()
+    marked = set(records.even)
     tensors = []
     for i, r in enumerate(records.tensors):
-        if i in marked:
-            offset, shape = even_box(r.global_shape, rank, size)
+        if i in marked:  # the chunk of the split the rank marked it for
+            offset, shape = even_box(r.global_shape, rank, records.even_over)
             r = replace(r, offset=offset, shape=shape, rank=rank)
         elif r.rank != rank:
             r = replace(r, rank=rank)
         tensors.append(r)
     objects = [replace(o, rank=rank) if o.rank != rank else o for o in records.objects]
-    kept = tuple(i for i in sorted(marked) if tensors[i].key in even)
+    kept = tuple(i for i in sorted(marked) if tensors[i].key in even) if records.even_over == size else ()
     return RankRecords(tensors, objects, kept, size if kept else 0)
