@@ -19,6 +19,15 @@ from .options import StorageOptions
 
 S3_SCHEME = "s3://"
 DEFAULT_REGION = "us-east-1"  # what S3-compatible servers (and tensorstore with an endpoint) expect
+# OCDBT over S3: reads of one data object less than 1 MiB apart are merged into one ranged GET of
+# at most 64 MiB (one default chunk). Every small shard, zarr.json and B-tree node is otherwise its
+# own request: a 588-tensor, 64 MiB state loaded in 295 GETs (21 s against moto on loopback, one
+# process), merged in 26 (1.9 s); on S3 each GET costs a first-byte latency and a request fee.
+S3_READ_COALESCING = {
+    "experimental_read_coalescing_threshold_bytes": 1 << 20,
+    "experimental_read_coalescing_merged_bytes": 64 << 20,
+    "experimental_read_coalescing_interval": "10ms",
+}
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 

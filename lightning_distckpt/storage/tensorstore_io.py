@@ -40,7 +40,7 @@ from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from .packs import as_tensor, build_pack, packed_view
 from .s3 import is_committed_version as s3_is_committed
-from .s3_url import context_spec, is_s3_url
+from .s3_url import S3_READ_COALESCING, context_spec, is_s3_url
 from .s3_url import kvstore_spec as s3_kvstore_spec
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ class TensorStoreIO:
         path = rank_dir(self.root, writer)
         base = s3_kvstore_spec(path, self.options) if self.s3 else {"driver": "file", "path": path + "/"}
         if self.options.layout == "ocdbt":
-            return {"driver": "ocdbt", "base": base, "target_data_file_size": self.options.data_file_bytes}
+            spec = {"driver": "ocdbt", "base": base, "target_data_file_size": self.options.data_file_bytes}
+            return {**spec, **S3_READ_COALESCING} if self.s3 else spec
         return base
 
     def array_spec(self, writer: int, path: str) -> Dict[str, Any]:
