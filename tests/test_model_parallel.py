@@ -22,7 +22,8 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp2_runs(ckpt_dir):
     """DP 2: reference, interrupted + resumed (sync and async); then the step-3 checkpoint under DP 1 x TP 2."""
-    return run_script("model_parallel_scenarios.py", ["train_dp2", "resume_split", "to_stock_ddp", "refuse_plugin_dir", "--tp", "2",
+    return run_script("model_parallel_scenarios.py", ["train_dp2", "resume_split", "to_stock_ddp", "from_stock_ddp", "to_tp_strategy",
+                                                      "refuse_plugin_dir", "--tp", "2",
                                                       "--dir", str(ckpt_dir), "--devices", "2"],
                       str(ckpt_dir / "dp2"), world_size=2, timeout=420)
 
@@ -90,10 +91,29 @@ def test_weights_into_a_plain_module_in_one_process(dp2_runs, ckpt_dir):
     assert all(torch.equal(v, stored[k]) for k, v in module.state_dict().items())
 
 
-def test_plugin_directory_refused_naming_its_writer(dp2_runs):
+@pytest.mark.parametrize("tag", ["stock_file", "plugin_dir"])
+def test_stock_ddp_checkpoints_resume_under_tp2(dp2_runs, tag):
+    """Borders: a stock DDP .ckpt file and a DistCheckpointIO directory (tensors by path, optimizer
+    state by index) resumed by the subclass at DP 1 x TP 2: every tensor bit-exact, training goes on."""
+    for res in dp2_runs:
+        _all_restored(res[f"{tag}_restored"])
+        for step in ("3", "4", "5"):
+            assert math.isclose(res[f"{tag}_losses"][step], res["ref_losses"][step], rel_tol=1e-5)
+
+
+def test_distcheckpointstrategy_resumes_it_under_tp2(dp2_runs):
+    """Border: DistCheckpointStrategy (TP 2, its own TP layers) reads the subclass's checkpoint
+    (names by path, optimizer state by parameter name): each rank's shards bit-exact."""
+    for res in dp2_runs:
+        _all_restored(res["tp_restored"])
+        for step in ("3", "4", "5"):
+            assert math.isclose(res["tp_losses"][step], res["ref_losses"][step], rel_tol=1e-5)
+
+
+def test_fabric_checkpoint_refused_naming_its_writer(dp2_runs):
     for res in dp2_runs:
         msg = res["refused"]
-        assert msg.startswith("CheckpointingError") and "by DistCheckpointIO under a rank-0 strategy" in msg
+        assert msg.startswith("CheckpointingError") and "by fabric.save with DistCheckpointIO" in msg
         assert "resume it with the strategy that wrote it" in msg
 
 

@@ -43,7 +43,8 @@ from ..core.strict import StrictHandling
 from .checkpoint_io import DistCheckpointIO
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .sharded import build_on_all_ranks
-from .stock import describe_saved
+from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
+                    place_stored_tensors, rekey_template, restore_param_keys)
 from .strategy import warn_async_link_last
 from .tp_strategy import dist_checkpoint_io
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest
@@ -173,22 +174,36 @@ class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         optimizers = self._raw_optimizers()  # none unless fitting (the stock strategy resets them)
         dtensors: Dict[Path, DTensor] = {}
+        orders: List[List[str]] = []  # each optimizer's parameter names, in its order
 
-        def build() -> Dict[str, Any]:
+        def build() -> StoredLayout:
             saved = describe_saved(path, self.checkpoint_io.extra_safe_globals)
-            if saved.kind != KIND_MODEL_PARALLEL:
+            by_path = is_tree_path_layout(path, saved.kind)
+            if (saved.kind != KIND_MODEL_PARALLEL and not by_path) or (saved.kind is not None and not saved.by_trainer):
                 raise CheckpointingError(refusal(path, saved.kind, saved.by_trainer))
             template: Dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
             if optimizers:
                 template["optimizer_states"] = [get_optimizer_state_dict(self.model, o) for o in optimizers]
-            return {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
+            template = {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
+            if not by_path:
+                return StoredLayout(template, {})
+            # A stock .ckpt or the plugin's directory: the same names, but optimizer state by index.
+            orders.extend(_param_order(s) for s in template.get("optimizer_states", []))
+            entries = [OptimizerEntry(f"optimizer_states/{i}", {"state": s["state"], "param_keys": order})
+                       for i, (s, order) in enumerate(zip(template.get("optimizer_states", []), orders))]
+            return rekey_template(path, template, {"state_dict": ModuleEntry("state_dict/", "state_dict/")}, entries,
+                                  ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)
 
-        template = build_on_all_ranks(f"load from {path}", build)
+        layout = build_on_all_ranks(f"load from {path}", build)
         strict = self._strict_handling()
-        loaded = self.checkpoint_io.load_sharded(template, path, strict=strict)
+        loaded = self.checkpoint_io.load_sharded(layout.template, path, strict=strict)
         loaded.pop(MANIFEST_KEY, None)
         for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
             put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))
+        if REST_KEY in layout.template:
+            loaded = place_stored_tensors(loaded, layout, path)
+            loaded["optimizer_states"] = [_by_name(restore_param_keys(s, order, path))
+                                          for s, order in zip(loaded.get("optimizer_states", []), orders)]
         options = StateDictOptions(strict=not strict.skips_missing)
         set_model_state_dict(self.model, loaded.pop("state_dict"), options=options)
         for opt, state in zip(optimizers, loaded.pop("optimizer_states", [])):
@@ -227,6 +242,15 @@ def refusal(path: str, kind: Optional[str], by_trainer: bool, owner: str = "Dist
     return (f"checkpoint {path} was written {writer}, not by {owner}; "
             "resume it with the strategy that wrote it, or load its weights into this module with "
             "lightning_distckpt.load(template, path, key_map=...) in configure_model / on_fit_start")
+
+
+def _param_order(optimizer_state: Dict[str, Any]) -> List[str]:
+    """Parameter names in the optimizer's order (torch's state-dict API names them in param groups)."""
+    return [p for g in optimizer_state["param_groups"] for p in g["params"] if isinstance(p, str)]
+
+
+def _by_name(restored: Dict[str, Any]) -> Dict[str, Any]:
+    return {"state": restored["state"], "param_groups": restored["param_groups"]}
 
 
 def _raw(optimizer: Any) -> Optimizer:

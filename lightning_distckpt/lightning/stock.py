@@ -41,11 +41,14 @@ class ModuleEntry:
 
 @dataclass(frozen=True)
 class OptimizerEntry:
-    """An optimizer's state: ``file_prefix/state/<index>/<name>`` in the file; in the template, its
-    ``optimizer_sharded_state_dict`` (``sharded``; parameters named by key, in the optimizer's order)."""
+    """An optimizer's state: ``file_prefix/state/<index>/<name>`` in the file (``by_name``:
+    ``file_prefix/state/<param key>/<name>``, as DistCheckpointModelParallelStrategy stores it); in the
+    template, its ``optimizer_sharded_state_dict`` (``sharded``; parameters named by key, in the
+    optimizer's order)."""
 
     file_prefix: str  # "optimizer_states/0" (Trainer) or "optimizer" (Fabric)
     sharded: Dict[str, Any]
+    by_name: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def optimizer_renames(entry: OptimizerEntry, stored: Set[str]) -> Dict[str, str]
     state = entry.sharded.get("state", {})
     for j, pkey in enumerate(_param_keys(entry.sharded)):
         for name, value in state.get(pkey, {}).items():
-            file_key = f"{entry.file_prefix}/state/{j}/{name}"
+            file_key = f"{entry.file_prefix}/state/{pkey if entry.by_name else j}/{name}"
             if isinstance(value, ShardedTensor):
                 out[value.key] = file_key
             elif isinstance(value, torch.Tensor) and file_key in stored:

@@ -28,7 +28,7 @@ from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sha
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
 from .tp_strategy import TensorParallelStrategyMixin
-from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
+from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,9 @@ class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
 
         def build() -> StoredLayout:
             saved = describe_saved(path, self.checkpoint_io.extra_safe_globals)
-            by_path = is_tree_path_layout(path, saved.kind)
+            # DistCheckpointModelParallelStrategy's tensors are named by path too, optimizer state by name.
+            by_name = saved.kind == KIND_MODEL_PARALLEL
+            by_path = is_tree_path_layout(path, saved.kind) or by_name
             if saved.kind != KIND_SHARDED and not by_path:
                 raise CheckpointingError(
                     f"checkpoint {path} (kind {saved.kind!r}) was written neither by a distributed-checkpoint strategy, "
@@ -170,7 +172,7 @@ class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             if not by_path:
                 return StoredLayout(template, {})
             # A stock .ckpt, or the plugin's directory: tensors named by their path in Lightning's dict.
-            optimizers = [OptimizerEntry(f"optimizer_states/{i}", s)
+            optimizers = [OptimizerEntry(f"optimizer_states/{i}", s, by_name)
                           for i, s in enumerate(template.get("optimizer_states", []))]
             return rekey_template(path, template, {"state_dict": ModuleEntry("state_dict/", "")}, optimizers,
                                   ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)

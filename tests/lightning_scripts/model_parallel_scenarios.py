@@ -29,7 +29,9 @@ from torch.nn import functional as F  # noqa: E402
 
 from lightning_distckpt import CheckpointingError  # noqa: E402
 from lightning_distckpt.lightning import (DistCheckpointIO, DistCheckpointModelParallelStrategy,  # noqa: E402
-                                         export_torch_file)
+                                         DistCheckpointStrategy, export_torch_file)
+from border_trainer import expected_shard  # noqa: E402
+from lightning_helpers import TPMLP  # noqa: E402
 from lightning_helpers import StepBatches, StepCounter  # noqa: E402
 
 TIMEOUT = timedelta(seconds=90)  # a hang fails the test instead of blocking it
@@ -183,11 +185,62 @@ def to_stock_ddp(args: argparse.Namespace, res: Dict[str, Any]) -> None:
         res[f"{tag}_losses"] = model.losses
 
 
+def from_stock_ddp(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Borders: what stock DDP saved (a torch.save .ckpt file; a DistCheckpointIO directory) resumed
+    by the subclass under DP 1 x TP ``args.tp``: each rank reads its slices; training goes on."""
+    for tag, plugins in (("stock_file", []), ("plugin_dir", [DistCheckpointIO()])):
+        ck = os.path.join(args.dir, tag)
+        cb = ModelCheckpoint(dirpath=ck, filename="ddp", every_n_train_steps=3)
+        Trainer(accelerator="cpu", devices=args.devices, strategy=DDPStrategy(timeout=TIMEOUT), max_steps=3,
+                max_epochs=-1, callbacks=[cb, StepCounter()], logger=False, enable_progress_bar=False,
+                enable_model_summary=False, plugins=plugins).fit(MPModel())
+        source = os.path.join(ck, "ddp.ckpt")
+        stored = torch.load(source, weights_only=False) if os.path.isfile(source) else \
+            DistCheckpointIO().load_checkpoint(source)
+        model = MPModel()
+        t = trainer(args, 6, [StepCounter(), Restored(stored, res, f"{tag}_restored")], tp=args.tp)
+        t.fit(model, ckpt_path=source)
+        res[f"{tag}_losses"] = model.losses
+
+
+class RestoredTP(Callback):
+    """Under DistCheckpointStrategy (TPMLP): each rank's shards equal the stored tensors sliced."""
+
+    def __init__(self, stored: Dict[str, Any], res: Dict[str, Any]) -> None:
+        self.stored, self.res = stored, res
+
+    def on_train_start(self, trainer_: Trainer, module: Any) -> None:
+        ps, opt = module.ps, trainer_.optimizers[0]
+        state = self.stored["optimizer_states"][0]["state"]
+        ok = {}
+        for j, (name, p) in enumerate(module.named_parameters()):
+            ok[name] = torch.equal(p.detach(), expected_shard(name, self.stored["state_dict"][name], ps.tp_rank, ps.tp_size))
+            for k, v in opt.state[p].items():
+                want = state[j][k] if isinstance(state[j][k], torch.Tensor) else torch.tensor(state[j][k])
+                ok[f"{name}.{k}"] = torch.equal(v, expected_shard(name, want, ps.tp_rank, ps.tp_size))
+        self.res["tp_restored"] = {
+            "state": ok, "global_step": trainer_.global_step, "lr": True,
+            "sched": trainer_.lr_scheduler_configs[0].scheduler.state_dict() == self.stored["lr_schedulers"][0],
+            "callback_count": next(cb.count for cb in trainer_.callbacks if isinstance(cb, StepCounter))}
+
+
+def to_tp_strategy(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Border: the DP 2 step-3 checkpoint resumed by DistCheckpointStrategy(tensor_parallel_size=2)."""
+    source = os.path.join(args.dir, "sync", "step=3.ckpt")
+    model = TPMLP(total_steps=6)
+    t = Trainer(accelerator="cpu", devices=args.devices, max_steps=6, max_epochs=-1,
+                strategy=DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT), logger=False,
+                callbacks=[StepCounter(), RestoredTP(DistCheckpointIO().load_checkpoint(source), res)],
+                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    t.fit(model, ckpt_path=source)
+    res["tp_losses"] = model.losses
+
+
 def refuse_plugin_dir(args: argparse.Namespace, res: Dict[str, Any]) -> None:
-    """A directory DistCheckpointIO wrote under a rank-0 strategy: refused, naming the writer."""
-    path = os.path.join(args.dir, "plugin_like")
+    """What fabric.save wrote (here through the plugin): refused, naming the writer."""
+    path = os.path.join(args.dir, "fabric_like")
     if not dist.is_initialized() or dist.get_rank() == 0:
-        DistCheckpointIO().save_checkpoint({"state_dict": {"fc1.weight": torch.zeros(16, 8)}, "global_step": 3}, path)
+        DistCheckpointIO().save_checkpoint({"model": {"fc1.weight": torch.zeros(16, 8)}, "step": 3}, path)
     try:
         trainer(args, 4).fit(MPModel(), ckpt_path=path)
         res["refused"] = "no error"
@@ -195,7 +248,8 @@ def refuse_plugin_dir(args: argparse.Namespace, res: Dict[str, Any]) -> None:
         res["refused"] = f"{type(e).__name__}: {e}"
 
 
-SCENARIOS = {"train_dp2": train_dp2, "to_stock_ddp": to_stock_ddp, "resume_split": resume_split, "refuse_plugin_dir": refuse_plugin_dir}
+SCENARIOS = {"train_dp2": train_dp2, "to_stock_ddp": to_stock_ddp, "from_stock_ddp": from_stock_ddp,
+             "to_tp_strategy": to_tp_strategy, "resume_split": resume_split, "refuse_plugin_dir": refuse_plugin_dir}
 
 
 def main() -> None:
