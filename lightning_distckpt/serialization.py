@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .comm import get_comm
 from .core.dtensors import shard_dtensors
+from .core.megatron_leaves import from_megatron_leaves
 from .core.mapping import ShardedTensor
 from .core.strict import StrictHandling
 from .planning.metadata import dtype_from_name
@@ -65,7 +66,8 @@ def save(
     Raises:
         ValidationError, SaveFailedError, CheckpointingError: on every rank alike.
     """
-    sharded_state_dict = shard_dtensors(sharded_state_dict)  # DTensor leaves: sharded tensors by tree path
+    # Megatron-Core's leaves become ours, DTensor leaves sharded tensors by tree path
+    sharded_state_dict = shard_dtensors(from_megatron_leaves(sharded_state_dict))
     if async_save:
         saver = async_save if isinstance(async_save, AsyncSaver) else AsyncSaver()
         return saver.save(sharded_state_dict, checkpoint_dir, process_group=process_group,
@@ -120,7 +122,8 @@ def load(
     storage and sends it to the others, pipelined with bounded memory.
     """
     strict = StrictHandling.parse(strict)
-    sharded_state_dict = shard_dtensors(sharded_state_dict)  # loaded back into the template's DTensors
+    # Megatron-Core's leaves as ours; DTensors loaded back into the template's DTensors
+    sharded_state_dict = shard_dtensors(from_megatron_leaves(sharded_state_dict))
     comm = get_comm(process_group)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
     opener = functools.partial(open_checkpoint, os.fspath(checkpoint_dir), key_map, extra_safe_globals)

@@ -10,6 +10,7 @@ megatron-core on CPU calls ``torch.cuda.synchronize()`` and ``torch.cuda.current
 save path; the worker processes stub these two (:func:`_cpu_only_megatron`), nothing else.
 """
 
+import functools
 import json
 import os
 import pickle
@@ -29,7 +30,8 @@ LAYERS = 3
 def full():
     g = torch.Generator().manual_seed(0)
     return {"w": torch.randn(8, 6, generator=g), "b": torch.randn(6, 10, generator=g).to(torch.bfloat16),
-            "layers.w": torch.randn(LAYERS, 4, 4, generator=g), "r": torch.arange(5)}
+            "layers.w": torch.randn(LAYERS, 4, 4, generator=g), "r": torch.arange(5),
+            "fac": torch.randn(4, 6, generator=g)}  # saved through a factory, as two halves
 
 
 COMMON = {"iteration": 11, "nested": {"lr": 0.5, "names": ["x", "y"]}}
@@ -40,6 +42,16 @@ def _cpu_only_megatron():
     device; on a CPU-only torch both raise. In this worker process only: no-op / the CPU."""
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
+
+
+def _halves(mod, key, data, replica_id, flattened_range):
+    """A factory's build function: the tensor saved as two row halves, with ``mod``'s classes."""
+    return {part: mod.ShardedTensor.from_rank_offsets(f"{key}.{part}", rows, replica_id=replica_id)
+            for part, rows in (("top", data[:2]), ("bottom", data[2:]))}
+
+
+def _join(loaded):
+    return torch.cat([loaded["top"], loaded["bottom"]])
 
 
 def sharded(mod, rank, world, split, with_data=True):
@@ -63,6 +75,9 @@ def sharded(mod, rank, world, split, with_data=True):
                                         (0, i, LAYERS), prepend_axis_num=1)
                    for i in range(LAYERS) if (i + shift) % world == rank],
         "obj": so("obj", {"rank": obj_at} if with_data else None, (world,), (obj_at,), replica_id=0),
+        "fac": mod.ShardedTensorFactory("fac", f["fac"].clone() if with_data else torch.empty(4, 6),
+                                        functools.partial(_halves, mod), _join, replica_id=rank),
+        "local": mod.LocalNonpersistentObject(f"rank {rank}"),
         **({"iteration": COMMON["iteration"], "nested": COMMON["nested"]} if with_data else {}),
     }
 
@@ -76,6 +91,7 @@ def check_loaded(loaded, rank, world):
     for got, want in zip(loaded["layers"], expect["layers"]):
         assert torch.equal(got, want.data)
     assert loaded["obj"] == {"rank": (rank + 1) % world}
+    assert torch.equal(loaded["fac"], full()["fac"]) and loaded["local"] == f"rank {rank}"
     assert loaded["iteration"] == COMMON["iteration"] and loaded["nested"] == COMMON["nested"]
 
 
@@ -87,7 +103,7 @@ def _megatron_save(rank, world, path):
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     try:  # one writer thread: no forked writer processes
-        dist_checkpointing.save(sharded(dist_checkpointing, rank, world, "save"), path,
+        dist_checkpointing.save(sharded(dist_checkpointing.mapping, rank, world, "save"), path,
                                 sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
     finally:  # megatron-core's results-queue manager process: end it with the worker
         for child in multiprocessing.active_children():
@@ -98,16 +114,22 @@ def _ldc_load(rank, world, path):
     check_loaded(ldc.load(sharded(ldc, rank, world, "load", with_data=False), path), rank, world)
 
 
-def _ldc_save(rank, world, path):
-    ldc.save(sharded(ldc, rank, world, "save"), path)
+def _ldc_save_megatron_leaves(rank, world, path):
+    """Megatron-Core's own sharded state dict (its classes, a factory, a non-persistent object),
+    saved and loaded by ldc as it is."""
+    from megatron.core import dist_checkpointing
+
+    ldc.save(sharded(dist_checkpointing.mapping, rank, world, "save"), path)
+    template = sharded(dist_checkpointing.mapping, rank, world, "load", with_data=False)
+    check_loaded(ldc.load(template, path), rank, world)
 
 
 def _megatron_load(rank, world, path):
     _cpu_only_megatron()
     from megatron.core import dist_checkpointing
 
-    check_loaded(dist_checkpointing.load(sharded(dist_checkpointing, rank, world, "load", with_data=False), path),
-                 rank, world)
+    template = sharded(dist_checkpointing.mapping, rank, world, "load", with_data=False)
+    check_loaded(dist_checkpointing.load(template, path), rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -123,27 +145,30 @@ def test_ldc_reads_megatron_under_another_split(megatron_ckpt):
         assert json.load(f)["sharded_backend"] == "torch_dist"
     run_distributed(_ldc_load, 2, megatron_ckpt)
     plain = ldc.load_plain_tensors(megatron_ckpt)
-    assert set(plain) == set(full())
-    for key, tensor in full().items():
+    expect = {k: t for k, t in full().items() if k != "fac"}
+    expect.update({"fac.top": full()["fac"][:2], "fac.bottom": full()["fac"][2:]})
+    assert set(plain) == set(expect)
+    for key, tensor in expect.items():
         assert plain[key].dtype == tensor.dtype and torch.equal(plain[key], tensor), key
     meta = ldc.load_tensors_metadata(megatron_ckpt)
     assert {k: (st.global_shape, st.dtype) for k, st in meta.items()} == \
-        {k: (tuple(t.shape), t.dtype) for k, t in full().items()}
+        {k: (tuple(t.shape), t.dtype) for k, t in expect.items()}
     assert ldc.load_common_state_dict(megatron_ckpt) == COMMON
 
 
-def test_convert_to_megatron_read_by_megatron(tmp_path):
+def test_megatron_leaves_saved_by_ldc_then_converted_and_read_by_megatron(tmp_path):
     from lightning_distckpt.cli.main import main
 
     ours, out = str(tmp_path / "ours"), str(tmp_path / "mcore")
-    run_distributed(_ldc_save, 2, ours)
+    run_distributed(_ldc_save_megatron_leaves, 2, ours)
     assert main(["convert", ours, out, "--to", "megatron"]) == 0
     assert sorted(n for n in os.listdir(out) if not n.endswith(".distcp")) == [".metadata", "common.pt",
                                                                                "metadata.json"]
     run_distributed(_megatron_load, 2, out)
     # and back: our reader gives the same tensors
     plain = ldc.load_plain_tensors(out)
-    assert all(torch.equal(plain[k], t) for k, t in full().items())
+    assert all(torch.equal(plain[k], t) for k, t in full().items() if k != "fac")
+    assert torch.equal(plain["fac.top"], full()["fac"][:2]) and torch.equal(plain["fac.bottom"], full()["fac"][2:])
 
 
 def _copy(src, dst):
