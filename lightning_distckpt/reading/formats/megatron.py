@@ -10,8 +10,8 @@ Tensors are read by the DCP source (any split, byte ranges only). Objects become
 entries of the index (keys, offsets and global shapes from their names); the common state is
 ``common.pt``, read with ``weights_only`` (Megatron-LM's own common state holds an
 ``argparse.Namespace``: pass ``extra_safe_globals=[argparse.Namespace]`` if the checkpoint is
-trusted; importing megatron-core allows it in torch itself). Refused with a :class:`FormatError` naming what and why: other backends (``zarr``), and
-tensors Megatron-Core <= 0.13 stored in the N-D reformulated flattened form of the distributed
+trusted; importing megatron-core allows it in torch itself). Refused with a :class:`FormatError`
+naming what and why: other backends (``zarr``), and tensors Megatron-Core <= 0.13 stored in the N-D reformulated flattened form of the distributed
 optimizer (``nd_reformulated_orig_global_shape``): only the fully reshardable form is read.
 """
 
