@@ -213,3 +213,35 @@ def test_refusals(megatron_ckpt, tmp_path):
 class Opaque:
     def __init__(self, lr):
         self.lr = lr
+
+
+def test_inspect_and_validate_cli(megatron_ckpt, tmp_path, capsys):
+    """``inspect`` / ``validate`` on a Megatron-Core directory and on a plain DCP one; a damaged
+    chunk is a problem naming the tensor (exit 1)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_distckpt.cli.main import main
+    from lightning_distckpt.reading.formats.dcp_metadata import read_metadata
+
+    assert main(["inspect", megatron_ckpt, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["format"] == "Megatron-Core torch_dist"
+    assert {t["key"]: t["shape"] for t in summary["tensors"]}["layers.w"] == [LAYERS, 4, 4]
+    assert [(o["key"], o["elements"]) for o in summary["objects"]] == [("obj", 2)]
+    assert main(["validate", megatron_ckpt]) == 0
+    assert "OK:" in capsys.readouterr().out
+
+    plain = str(tmp_path / "plain")
+    dcp.save({"a": torch.arange(6.0).reshape(2, 3), "step": 3}, checkpoint_id=plain, no_dist=True)
+    assert main(["inspect", plain]) == 0
+    assert "PyTorch DCP" in capsys.readouterr().out
+    assert main(["validate", plain]) == 0
+    capsys.readouterr()
+
+    damaged = _copy(megatron_ckpt, str(tmp_path / "damaged"))
+    chunk = read_metadata(os.path.join(damaged, ".metadata")).tensors["w"].chunks[0].item
+    with open(os.path.join(damaged, chunk.file), "r+b") as f:
+        f.seek(chunk.offset)
+        f.write(bytes(chunk.length))
+    assert main(["validate", damaged]) == 1
+    assert "PROBLEM  'w' chunk at [0, 0]" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
     lightning-distckpt inspect DIR [--json]     keys, global shapes, dtypes, bytes, shard grid, writers
     lightning-distckpt validate DIR [--json]    read every stored byte; exit 1 if anything is damaged
+                                                (both also take a DCP or Megatron-Core torch_dist directory)
     lightning-distckpt clean DIR [--dry-run]    remove staging directories that killed saves left behind
                                                 (s3://bucket/prefix: uncommitted versions)
     lightning-distckpt convert SRC DST          checkpoint -> torch.save file, file -> checkpoint, or re-layout
@@ -54,17 +55,29 @@ def _checkpoint_path(path: str) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..reading.checkpoint import OpenedCheckpoint
+    from .foreign import open_foreign, render_foreign, summarize_foreign
     from .inspect import render, summarize
 
+    foreign = open_foreign(_checkpoint_path(args.checkpoint))  # a DCP or Megatron-Core directory
+    if foreign is not None:
+        summary = summarize_foreign(foreign)
+        print(json.dumps(summary, indent=1) if args.json else render_foreign(summary))
+        return EXIT_OK
     summary = summarize(OpenedCheckpoint.open(_checkpoint_path(args.checkpoint)))
     print(json.dumps(summary, indent=1) if args.json else render(summary))
     return EXIT_OK
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from .foreign import open_foreign, validate_foreign
     from .validate import as_json, render, validate
 
     progress = None if args.json or not args.verbose else (lambda key: print(f"checked {key}", file=sys.stderr))
+    foreign = open_foreign(_checkpoint_path(args.checkpoint))  # a DCP or Megatron-Core directory
+    if foreign is not None:
+        report = validate_foreign(foreign, progress)
+        print(json.dumps(as_json(report), indent=1) if args.json else render(report))
+        return EXIT_OK if report.ok else EXIT_DAMAGED
     report = validate(_checkpoint_path(args.checkpoint), max_inflight_bytes=args.max_inflight_mib << 20,
                       progress=progress, require_checksums=args.require_checksums)
     print(json.dumps(as_json(report), indent=1) if args.json else render(report))
@@ -183,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("destination", help="output file (--to torch) or checkpoint directory (or s3://bucket/prefix)")
     p.add_argument("--to", choices=["torch", "distckpt", "safetensors", "dcp", "megatron"],
                    help="output kind (default: torch for a directory source, distckpt for a file); safetensors: "
-                   "a Hugging Face model directory (a Trainer checkpoint's module weights), dcp: a PyTorch DCP directory, "
-                   "megatron: a Megatron-Core torch_dist directory")
+                   "a Hugging Face model directory (a Trainer checkpoint's module weights), dcp: a PyTorch DCP "
+                   "directory, megatron: a Megatron-Core torch_dist directory")
     p.add_argument("--max-shard-size", help="--to safetensors: bytes per file, e.g. 5GB (default), 500MiB")
     p.add_argument("--layout", choices=["ocdbt", "zarr"], help="storage layout of a checkpoint output")
     p.add_argument("--chunk-mib", type=float, help="chunk size of a checkpoint output, MiB")

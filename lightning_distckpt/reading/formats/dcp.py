@@ -157,6 +157,10 @@ class DcpSource:
     def full_path(self, rel: str) -> str:
         return self._full_paths[rel]
 
+    def data_files(self) -> List[str]:
+        """Full paths of the data files, in the order their numbers (a stored shard's ``writer``) follow."""
+        return [self._full_paths[rel] for rel in self._files]
+
 
 class DcpReader:
     """Reads requested pieces of a DCP checkpoint's chunks. For each chunk it reads only the span of
