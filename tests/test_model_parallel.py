@@ -115,6 +115,7 @@ def test_fabric_checkpoint_refused_naming_its_writer(dp2_runs):
         msg = res["refused"]
         assert msg.startswith("CheckpointingError") and "by fabric.save with DistCheckpointIO" in msg
         assert "resume it with the strategy that wrote it" in msg
+        assert "fabric.pt was written by fabric.save or another tool" in res["refused_file"]
 
 
 def test_registered_and_refuses_a_foreign_checkpoint_io():

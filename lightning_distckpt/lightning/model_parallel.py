@@ -179,7 +179,7 @@ class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
         def build() -> StoredLayout:
             saved = describe_saved(path, self.checkpoint_io.extra_safe_globals)
             by_path = is_tree_path_layout(path, saved.kind)
-            if (saved.kind != KIND_MODEL_PARALLEL and not by_path) or (saved.kind is not None and not saved.by_trainer):
+            if (saved.kind != KIND_MODEL_PARALLEL and not by_path) or not saved.by_trainer:
                 raise CheckpointingError(refusal(path, saved.kind, saved.by_trainer))
             template: Dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
             if optimizers:
@@ -228,12 +228,13 @@ class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
 
 def refusal(path: str, kind: Optional[str], by_trainer: bool, owner: str = "DistCheckpointModelParallelStrategy") -> str:
     """Why a checkpoint not written by ``owner`` is refused, and what to do instead."""
-    if kind is None:
-        writer = "not by lightning_distckpt (a torch.save file, or Lightning's own ModelParallelStrategy / DCP)"
-    elif not by_trainer:
-        writer = {"plain": "by fabric.save with DistCheckpointIO under a rank-0 strategy",
+    if not by_trainer:
+        writer = {None: "by fabric.save or another tool (no Lightning state_dict / loops entries)",
+                  "plain": "by fabric.save with DistCheckpointIO under a rank-0 strategy",
                   "sharded": "by fabric.save under FabricDistCheckpointStrategy"}.get(
                       kind, "by fabric.save under FabricDistCheckpointModelParallelStrategy")
+    elif kind is None:
+        writer = "not by lightning_distckpt (Lightning's own ModelParallelStrategy / DCP, or another tool)"
     elif kind == KIND_MODEL_PARALLEL:
         writer = "by a Trainer under DistCheckpointModelParallelStrategy"
     else:

@@ -237,15 +237,17 @@ def to_tp_strategy(args: argparse.Namespace, res: Dict[str, Any]) -> None:
 
 
 def refuse_plugin_dir(args: argparse.Namespace, res: Dict[str, Any]) -> None:
-    """What fabric.save wrote (here through the plugin): refused, naming the writer."""
-    path = os.path.join(args.dir, "fabric_like")
+    """What fabric.save wrote (through the plugin; stock, a torch.save file): refused, naming the writer."""
+    paths = {"refused": os.path.join(args.dir, "fabric_like"), "refused_file": os.path.join(args.dir, "fabric.pt")}
     if not dist.is_initialized() or dist.get_rank() == 0:
-        DistCheckpointIO().save_checkpoint({"model": {"fc1.weight": torch.zeros(16, 8)}, "step": 3}, path)
-    try:
-        trainer(args, 4).fit(MPModel(), ckpt_path=path)
-        res["refused"] = "no error"
-    except CheckpointingError as e:
-        res["refused"] = f"{type(e).__name__}: {e}"
+        DistCheckpointIO().save_checkpoint({"model": {"fc1.weight": torch.zeros(16, 8)}, "step": 3}, paths["refused"])
+        torch.save({"model": {"fc1.weight": torch.zeros(16, 8)}, "step": 3}, paths["refused_file"])
+    for tag, path in paths.items():
+        try:
+            trainer(args, 4).fit(MPModel(), ckpt_path=path)
+            res[tag] = "no error"
+        except CheckpointingError as e:
+            res[tag] = f"{type(e).__name__}: {e}"
 
 
 SCENARIOS = {"train_dp2": train_dp2, "to_stock_ddp": to_stock_ddp, "from_stock_ddp": from_stock_ddp,
