@@ -18,7 +18,7 @@ from .core.factories import fused_split_factory, transposed_factory
 from .core.strict import StrictHandling
 from .serialization import load, load_common_state_dict, load_plain_tensors, load_tensors_metadata, save
 from .convert import ConvertReport, relayout_checkpoint
-from .export import export_dcp, export_safetensors
+from .export import export_dcp, export_megatron, export_safetensors
 from .optim import init_optimizer_state, optimizer_sharded_state_dict, restore_optimizer_state
 from .storage.tensorstore_io import StorageOptions
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
@@ -93,6 +93,7 @@ __all__ = [
     "load_tensors_metadata",
     "relayout_checkpoint",
     "export_dcp",
+    "export_megatron",
     "export_safetensors",
     "save",
 ]
