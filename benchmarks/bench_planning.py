@@ -210,8 +210,8 @@ def exponents(rows: List[Dict[str, Any]], fields: List[str]) -> Dict[str, Dict[s
         pts = [r for r in rows if r["layout"] == layout and r["ranks"] >= 256]
         for f in fields:
             xy = [(math.log(r["ranks"]), math.log(r[f])) for r in pts if r.get(f, 0) > 0]
-            if len(xy) < 2:
-                continue
+            if len({x for x, _ in xy}) < 2:
+                continue  # repeated runs at one size: no slope
             mx, my = sum(x for x, _ in xy) / len(xy), sum(y for _, y in xy) / len(xy)
             slope = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
             out.setdefault(layout, {})[f] = round(slope, 2)
