@@ -349,3 +349,30 @@ def test_credentials_missing_on_one_rank_fail_the_save_on_every_rank(bucket, end
     for msg in run_distributed(_rank_1_without_credentials, 2, url):
         assert msg.startswith("SaveFailedError") and "rank 1" in msg and "without credentials" in msg, msg
     assert _keys(endpoint, bucket) == []  # rank 0's version removed, nothing committed
+
+
+def _unreachable_then_denied(rank, world, url, unreachable):
+    """Save and load with the endpoint moved to where nothing listens, then at the server (which
+    checks keys: ours are unknown); each failure as this rank saw it."""
+    found = {}
+    for case, where in (("unreachable", unreachable), ("denied", os.environ["AWS_ENDPOINT_URL"])):
+        os.environ["AWS_ENDPOINT_URL"] = where
+        for call in (lambda: ldc.save(_state(1, rank, world), url), lambda: ldc.load(_template(rank, world), url)):
+            try:
+                call()
+                found.setdefault(case, []).append("no error")
+            except CheckpointingError as e:
+                found.setdefault(case, []).append(f"{type(e).__name__}: {e}")
+    return found
+
+
+def test_unreachable_endpoint_and_denied_access_fail_every_rank_in_one_line(bucket, monkeypatch):
+    from moto import settings
+
+    url = f"s3://{bucket}/ck"
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server now checks keys
+    for found in run_distributed(_unreachable_then_denied, 2, url, f"http://127.0.0.1:{free_port()}"):
+        for case, why in (("unreachable", "is unreachable"), ("denied", "access denied")):
+            assert len(found[case]) == 2, found
+            for text in found[case]:
+                assert why in text and url in text and "\n" not in text, text
