@@ -62,7 +62,8 @@ class MLP(LightningModule):
     def configure_model(self) -> None:
         tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if tp.size() > 1:  # pairs of layers: column- then row-parallel
-            plan = {f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(len(self.layers))}
+            plan = {f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                    for i in range(len(self.layers))}
             parallelize_module(self, tp, plan)
         for layer in [*self.layers, self]:
             fully_shard(layer, mesh=dp)

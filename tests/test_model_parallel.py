@@ -22,8 +22,8 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp2_runs(ckpt_dir):
     """DP 2: reference, interrupted + resumed (sync and async); then the step-3 checkpoint under DP 1 x TP 2."""
-    return run_script("model_parallel_scenarios.py", ["train_dp2", "resume_split", "to_stock_ddp", "from_stock_ddp", "to_tp_strategy",
-                                                      "refuse_plugin_dir", "--tp", "2",
+    return run_script("model_parallel_scenarios.py", ["train_dp2", "resume_split", "to_stock_ddp", "from_stock_ddp",
+                                                      "to_tp_strategy", "refuse_plugin_dir", "--tp", "2",
                                                       "--dir", str(ckpt_dir), "--devices", "2"],
                       str(ckpt_dir / "dp2"), world_size=2, timeout=420)
 

@@ -25,7 +25,6 @@ from datetime import timedelta
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -110,7 +109,8 @@ class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Lightning's registration hook: ``strategy="model_parallel_distckpt"``."""
         if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(STRATEGY_NAME, cls, description="FSDP2 / tensor parallel with distributed checkpoints")
+            strategy_registry.register(STRATEGY_NAME, cls,
+                                       description="FSDP2 / tensor parallel with distributed checkpoints")
 
     @property
     def checkpoint_io(self) -> DistCheckpointIO:
@@ -226,7 +226,8 @@ class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
         super().teardown()
 
 
-def refusal(path: str, kind: Optional[str], by_trainer: bool, owner: str = "DistCheckpointModelParallelStrategy") -> str:
+def refusal(path: str, kind: Optional[str], by_trainer: bool,
+            owner: str = "DistCheckpointModelParallelStrategy") -> str:
     """Why a checkpoint not written by ``owner`` is refused, and what to do instead."""
     if not by_trainer:
         writer = {None: "by fabric.save or another tool (no Lightning state_dict / loops entries)",

@@ -214,7 +214,8 @@ class RestoredTP(Callback):
         state = self.stored["optimizer_states"][0]["state"]
         ok = {}
         for j, (name, p) in enumerate(module.named_parameters()):
-            ok[name] = torch.equal(p.detach(), expected_shard(name, self.stored["state_dict"][name], ps.tp_rank, ps.tp_size))
+            whole = self.stored["state_dict"][name]
+            ok[name] = torch.equal(p.detach(), expected_shard(name, whole, ps.tp_rank, ps.tp_size))
             for k, v in opt.state[p].items():
                 want = state[j][k] if isinstance(state[j][k], torch.Tensor) else torch.tensor(state[j][k])
                 ok[f"{name}.{k}"] = torch.equal(v, expected_shard(name, want, ps.tp_rank, ps.tp_size))
