@@ -1,0 +1,175 @@
+"""Loading a PyTorch DCP checkpoint under a new split: ``ldc.load`` vs ``dcp.load``, side by side.
+
+Setup: ``dcp.save`` of GPT-like float32 weights (``bench_export.full_state``) as DTensors
+``Shard(0)`` on 2 gloo processes (DCP's default ``FileSystemWriter``). Each contestant then loads it
+on 2 fresh gloo processes into DTensors ``Shard(1)`` (columns: every rank needs a piece of every
+stored chunk):
+
+* ``ldc``: ``ldc.load(template, dcp_dir)`` (DTensor leaves; default loader);
+* ``dcp``: ``torch.distributed.checkpoint.load(template, checkpoint_id=dcp_dir)``.
+
+    .venv/bin/python benchmarks/bench_dcp_load.py --size-mib 256 --repeats 3
+
+Runs are interleaved (each repeat runs both). Time: the slowest rank's load call, from a barrier
+to its return. Memory: the largest rank's peak RSS (``VmHWM``) growth over its RSS after the
+template was allocated (and zeroed). The first run of each contestant checks its result bit-exact. The files
+are in the page cache (warm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_export import HIDDEN, full_state  # noqa: E402
+
+METHODS = ("ldc", "dcp")
+WORLD = 2
+
+
+def _rss_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _save_rank(rank: int, port: int, size_mib: int, path: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    dcp.save({k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in full_state(size_mib).items()}, checkpoint_id=path)
+    dist.destroy_process_group()
+
+
+def _load_rank(rank: int, port: int, method: str, size_mib: int, path: str, out: str, check: bool) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    import lightning_distckpt as ldc
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    specs = _specs(size_mib)  # shapes only: full_state here would raise this process's peak RSS
+    # zeroed: its pages are resident before ``base``, so the growth is the loader's own memory
+    template = {k: DTensor.from_local(torch.zeros(_local_shape(s, rank)), mesh, [Shard(len(s) - 1)],
+                                      run_check=False, shape=torch.Size(s), stride=_stride(s))
+                for k, s in specs.items()}
+    base = _rss_mib("VmRSS")
+    dist.barrier()
+    t0 = time.perf_counter()
+    if method == "ldc":
+        ldc.load(template, path)
+    else:
+        dcp.load(template, checkpoint_id=path)
+    seconds = time.perf_counter() - t0
+    grown = _rss_mib("VmHWM") - base
+    ok = None
+    if check:
+        full = full_state(size_mib)
+        ok = all(torch.equal(template[k].to_local(), full[k].chunk(WORLD, len(full[k].shape) - 1)[rank])
+                 for k in full)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"seconds": seconds, "grown_mib": grown, "ok": ok}, f)
+    dist.destroy_process_group()
+
+
+def _specs(size_mib: int) -> Dict[str, tuple]:
+    """The tensor shapes of ``full_state(size_mib)``, computed without allocating it (checked
+    against it in ``main``)."""
+    specs = {"embed.weight": (4 * HIDDEN, HIDDEN)}
+    layers = max(1, round(((size_mib << 20) - 4 * HIDDEN * HIDDEN * 4) / (12 * HIDDEN * HIDDEN * 4)))
+    for i in range(layers):
+        for name, shape in (("qkv", (3 * HIDDEN, HIDDEN)), ("proj", (HIDDEN, HIDDEN)), ("fc1", (4 * HIDDEN, HIDDEN)),
+                            ("fc2", (HIDDEN, 4 * HIDDEN)), ("norm", (HIDDEN,))):
+            specs[f"layers.{i}.{name}.weight"] = shape
+    return specs
+
+
+def _local_shape(shape: tuple, rank: int) -> tuple:
+    n = shape[-1]
+    size = (n + WORLD - 1) // WORLD
+    return (*shape[:-1], max(0, min(size, n - rank * size)))
+
+
+def _stride(shape: tuple) -> tuple:
+    return tuple(int(torch.tensor(shape[i + 1:]).prod()) if i + 1 < len(shape) else 1 for i in range(len(shape)))
+
+
+def _spawn(fn, *args) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=(_port(), *args), nprocs=WORLD, join=True, start_method="spawn")
+
+
+def run_once(method: str, size_mib: int, path: str, check: bool) -> Dict[str, float]:
+    out = tempfile.mkdtemp(prefix="bench_dcp_load_")
+    try:
+        _spawn(_load_rank, method, size_mib, path, out, check)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(WORLD)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    if check and not all(r["ok"] for r in ranks):
+        raise SystemExit(f"{method}: loaded values differ from the saved ones")
+    return {"seconds": max(r["seconds"] for r in ranks), "grown_mib": max(r["grown_mib"] for r in ranks)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="bench_dcp_load_")
+    try:
+        path = os.path.join(root, "dcp")
+        _spawn(_save_rank, args.size_mib, path)
+        full = full_state(args.size_mib)
+        assert {k: tuple(t.shape) for k, t in full.items()} == _specs(args.size_mib)
+        nbytes = sum(t.numel() * 4 for t in full.values())
+        del full
+        print(f"state: {nbytes / 2**20:.0f} MiB float32, DCP Shard(0) on {WORLD} ranks -> Shard(1); "
+              f"load average {os.getloadavg()}", flush=True)
+        runs: Dict[str, List[Dict[str, float]]] = {m: [] for m in METHODS}
+        for i in range(args.repeats):
+            for m in METHODS:
+                runs[m].append(run_once(m, args.size_mib, path, check=i == 0))
+                print(f"repeat {i} {m}: {runs[m][-1]}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    summary = {m: {"median_s": statistics.median(r["seconds"] for r in runs[m]),
+                   "max_grown_mib": max(r["grown_mib"] for r in runs[m]), "runs": runs[m]} for m in METHODS}
+    print("| method | median s | GB/s | peak RSS growth MiB (max rank) |\n|---|---|---|---|")
+    for m in METHODS:
+        s = summary[m]
+        print(f"| {m} | {s['median_s']:.2f} | {nbytes / s['median_s'] / 1e9:.2f} | {s['max_grown_mib']:.0f} |")
+    result = {"bytes": nbytes, "world": WORLD, "repeats": args.repeats, "load_average_end": os.getloadavg(),
+              "results": summary}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
