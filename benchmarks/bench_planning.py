@@ -1,6 +1,6 @@
 """Planning a save at 8 to 16,384 ranks, simulated in one process: what each stage costs per rank.
 
-    .venv/bin/python benchmarks/bench_planning.py --out benchmarks/results/planning_run1.json
+    .venv/bin/python benchmarks/bench_planning.py [--clock cpu] --out benchmarks/results/planning_run4.json
 
 Layouts (records only, no tensors):
 

@@ -209,3 +209,20 @@ def test_even_splits_report_the_same_problems():
         assert all(p in plain for p in validate_tensor_records(every))
     # validation off: still planned as without the marks
     assert _coordinate(missing, mark=True, validate=False)[1] == _coordinate(missing, mark=False, validate=False)[1]
+
+
+def test_mark_even_marks_exactly_the_chunks_of_an_even_split():
+    recs = RankRecords([
+        _rec("a", (6, 0), (3, 3), 2, (10, 3)),  # rows 6..8 of 10 over 4 ranks (chunks of 3): rank 2's
+        _rec("b", (9, 0), (1, 3), 2, (10, 3)),  # rank 3's chunk, described by rank 2
+        _rec("c", (6, 0), (3, 3), 2, (10, 3), main=False),  # a replica
+        _rec("d", (0, 0), (3, 3), 2, (10, 3), flat=(0, 4)),  # flattened
+        _rec("e", (0,), (0,), 2, (0,)),  # empty
+        _rec("f", (), (), 2, ()),  # scalar
+    ], [])
+    assert mark_even(recs, 4).even == (0,) and mark_even(recs, 4).even_over == 4
+    assert mark_even(recs, 1) == recs and mark_even(recs, 5).even == ()  # chunks of 2 over 5 ranks
+    # the digest leaves the marked chunk's offset out: rank 1's chunk of 'a' gives the same layout
+    other = RankRecords([_rec("a", (3, 0), (3, 3), 1, (10, 3))] + recs.tensors[1:], [])
+    assert layout_digest(mark_even(other, 4)) == layout_digest(mark_even(recs, 4))
+    assert layout_digest(other) != layout_digest(recs)
