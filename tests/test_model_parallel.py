@@ -47,6 +47,8 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(dp2_runs, mode):
 def _continues(res, ref):
     _all_restored(res["restored"])
     assert res["final_step"] == 6
+    (test_loss,) = res["test_losses"]  # Trainer.test(ckpt_path=step 3) on step 3's batch
+    assert math.isclose(test_loss, ref["3"], rel_tol=1e-5)
     for step in ("3", "4", "5"):  # another split: the same losses up to float rounding
         assert math.isclose(res["losses"][step], ref[step], rel_tol=1e-5)
 

@@ -47,6 +47,7 @@ class MPModel(LightningModule):
         torch.manual_seed(0)
         self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
         self.losses: Dict[int, float] = {}
+        self.test_losses: List[float] = []
 
     def configure_model(self) -> None:
         if self.device_mesh is None:  # a stock strategy (DDP): the plain module
@@ -64,6 +65,20 @@ class MPModel(LightningModule):
         dist.all_reduce(value)  # TP ranks hold the same loss: the world mean is the global batch's
         self.losses[self.global_step] = (value / dist.get_world_size()).item()
         return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        value = F.mse_loss(self.fc2(F.gelu(self.fc1(x))), y).detach().clone()
+        dist.all_reduce(value)
+        self.test_losses.append((value / dist.get_world_size()).item())
+
+    def test_dataloader(self) -> StepBatches:
+        """Step 3's batch: under the step-3 checkpoint its loss is the logged training loss of step 3."""
+        if self.device_mesh is None:
+            rank, size = self.trainer.global_rank, self.trainer.world_size
+        else:
+            rank, size = self.device_mesh["data_parallel"].get_local_rank(), self.device_mesh["data_parallel"].size()
+        return StepBatches(3, 4, 8, 8, 4, rank, size)
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
@@ -166,6 +181,9 @@ def resume_split(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     t.fit(model, ckpt_path=source)
     res["losses"] = model.losses
     res["final_step"] = t.global_step
+    tested = MPModel()  # Trainer.test from the checkpoint: the weights only (no optimizer exists)
+    trainer(args, 1, tp=args.tp).test(tested, ckpt_path=source, verbose=False)
+    res["test_losses"] = tested.test_losses
 
 
 def to_stock_ddp(args: argparse.Namespace, res: Dict[str, Any]) -> None:
