@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -47,19 +47,18 @@ CONTESTANTS = ("stock", "ours_io", "ours")
 
 
 # -- the training script (run by the orchestrator below, re-run by Lightning for rank 1) ----------
-def _script(args: argparse.Namespace) -> None:
+def _parts(args: argparse.Namespace) -> Tuple[Any, Any, Any, Any]:
+    """The script's classes (imported here: the orchestrator does not need Lightning):
+    (module class, timed DDP strategy, timed DistCheckpointStrategy, first-step callback)."""
     import resource
 
     import torch
-    import torch.distributed as dist
-    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch import Callback, LightningModule
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     from benchmarks.common import gpt_params
-    from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy
-
-    torch.set_num_threads(1)
+    from lightning_distckpt.lightning import DistCheckpointStrategy
 
     class GPTState(LightningModule):
         """The benchmark GPT's parameters; the loss touches every one (DDP wants a gradient for each)."""
@@ -118,6 +117,18 @@ def _script(args: argparse.Namespace) -> None:
                                "global_step": trainer.global_step,
                                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
+    return GPTState, TimedDDP, TimedDist, FirstStep
+
+
+def _script(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch import Trainer
+
+    from lightning_distckpt.lightning import DistCheckpointIO
+
+    torch.set_num_threads(1)
+    GPTState, TimedDDP, TimedDist, FirstStep = _parts(args)
     strategy = (TimedDist if args.contestant == "ours" else TimedDDP)(process_group_backend="gloo")
     plugins = [DistCheckpointIO()] if args.contestant == "ours_io" else []
     first = FirstStep()
