@@ -159,15 +159,16 @@ def measure(layout: str, world: int, allgather_max_records: int) -> Dict[str, An
     with gc_paused():  # as coordinate_plan runs these stages
         row["gather_s"], received = _timed(lambda: {d: pickle.loads(p) for d, p in sent.items()})
         groups = [RecordGroup(received[d], ranks) for d, ranks in representatives(digests).items()]
-        resolve_s, (groups, even) = _timed(lambda: resolve_even(groups, world))
+        resolve_s, (groups, even, derived) = _timed(lambda: resolve_even(groups, world))
         row["validate_s"], problems = _timed(lambda: validate_record_groups(groups, even))
         row["validate_s"] += resolve_s
         assert not problems, problems[:3]
-        row["plan_s"], plan = _timed(lambda: plan_record_groups(groups, world, True, PACK, even))
-        pickle_s, part_pickles = _timed(lambda: [pickle.dumps(p) for p in parts_of(plan, world)])
+        row["plan_s"], plan = _timed(lambda: plan_record_groups(groups, world, True, PACK, even, derived))
+        pickle_s, part_pickles = _timed(lambda: [pickle.dumps(p) for p in parts_of(plan, world, derived)])
     biggest = max(part_pickles, key=len)
     row["scatter_bytes"] = len(biggest)  # scatter_object_list pads every part to the largest
-    row["scatter_s"] = pickle_s + _timed(lambda: pickle.loads(biggest).own_writes())[0]
+    last = first[digests[-1]]  # the last rank's records: it derives its even chunks' writes, if any
+    row["scatter_s"] = pickle_s + _timed(lambda: pickle.loads(biggest).writes_of(last, world - 1, PACK))[0]
     row["received_per_rank_bytes"] = row["handshake_bytes"] + row["scatter_bytes"]
     row["received_rank0_bytes"] = row["received_per_rank_bytes"] + row["gather_bytes"]
     with gc_paused():  # as finalize_save writes metadata.json

@@ -19,7 +19,7 @@ the marks.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Collection, Dict, List, Sequence, Tuple
+from typing import Collection, Dict, FrozenSet, List, NamedTuple, Sequence, Set, Tuple
 
 from .groups import RankRecords, RecordGroup
 from .metadata import ShardRecord
@@ -54,7 +54,17 @@ def mark_even(records: RankRecords, size: int) -> RankRecords:
 EvenKeys = Dict[str, List[Tuple[int, int]]]  # key -> (group, source) of its records; chunk index = rank
 
 
-def resolve_even(groups: Sequence[RecordGroup], size: int) -> Tuple[List[RecordGroup], EvenKeys]:
+class Resolved(NamedTuple):
+    """``resolve_even``'s answer: the groups to validate and plan, the records of each even key,
+    and the ranks whose every marked record is of an even key (each can list its own chunks'
+    writes: they need not be sent)."""
+
+    groups: List[RecordGroup]
+    even: EvenKeys
+    derived: FrozenSet[int]
+
+
+def resolve_even(groups: Sequence[RecordGroup], size: int) -> Resolved:
     """The groups to validate and plan, and the records of each even key.
 
     A marked record of a key that is not even (a tensor of one row on rank 0 looks like chunk 0;
@@ -62,23 +72,25 @@ def resolve_even(groups: Sequence[RecordGroup], size: int) -> Tuple[List[RecordG
     marked only where the key is even (so even keys stay even)."""
     marked = [set(g.records.even) if g.records.even_over == size else set() for g in groups]
     if not any(marked) and not any(g.records.even for g in groups):
-        return list(groups), {}  # nothing marked (TP / PP / DP layouts): nothing to look at
+        return Resolved(list(groups), {}, frozenset())  # nothing marked (TP / PP / DP layouts)
     entries: Dict[str, List[Tuple[int, int, bool]]] = {}  # key -> (group, source, marked)
     for gi, g in enumerate(groups):
         for source, r in enumerate(g.records.tensors):
             entries.setdefault(r.key, []).append((gi, source, source in marked[gi]))
     keys = {key for key, held in entries.items() if all(m for _, _, m in held) and _covers(groups, held, size)}
     out: List[RecordGroup] = []
+    derived: Set[int] = set()
     for gi, g in enumerate(groups):
         if all(g.records.tensors[i].key in keys for i in marked[gi]) and len(marked[gi]) == len(g.records.even):
             out.append(g)
+            derived.update(g.ranks if marked[gi] else ())
         else:
             out += [RecordGroup(own_records(g.records, rank, size, keys), [rank]) for rank in g.ranks]
     even: EvenKeys = {key: [] for key in keys}
     for gi, g in enumerate(out):
         for source in g.records.even:
             even[g.records.tensors[source].key].append((gi, source))
-    return out, even
+    return Resolved(out, even, frozenset(derived))
 
 
 def chunks_of(global_shape: Tuple[int, ...], size: int) -> int:

@@ -7,7 +7,7 @@ import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .even import EvenKeys, chunks_of, even_box
 from .metadata import (
@@ -109,13 +109,15 @@ def make_save_plan(
 
 
 def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_writes: bool = True,
-                       pack_max_bytes: int = 0, even: Optional[EvenKeys] = None) -> SavePlan:
+                       pack_max_bytes: int = 0, even: Optional[EvenKeys] = None,
+                       derived: AbstractSet[int] = frozenset()) -> SavePlan:
     """:func:`make_save_plan` of every rank's records, given as groups of ranks with the same
     records (the same plan; its cost grows with the groups' records, not with the ranks).
 
     The chunks of ``even`` keys (``planning/even.resolve_even``) are written by their own rank,
     chunk i of a key being its stored shard i; their bytes count before the other shards'
-    writers are picked."""
+    writers are picked. The ranks in ``derived`` list their chunks' writes themselves
+    (:func:`with_even_chunks`): ``writes`` leaves them out."""
     even = even or {}
     holders: Dict[Tuple[str, ShardId], List[_Held]] = defaultdict(list)
     for gi, g in enumerate(groups):
@@ -132,7 +134,7 @@ def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_w
     nbytes = {k: held[0].record.numel * itemsize[held[0].record.dtype] for k, held in holders.items()}
     writer_of = _assign_writers(holders, nbytes, groups, load, balance_writes)
     plan = SavePlan(index=CheckpointIndex(), bytes_per_rank=dict(enumerate(load)))
-    _plan_tensors(plan, holders, writer_of, nbytes, pack_max_bytes, _EvenPart(groups, even, world_size))
+    _plan_tensors(plan, holders, writer_of, nbytes, pack_max_bytes, _EvenPart(groups, even, world_size, derived))
     _plan_objects(plan, groups)
     return plan
 
@@ -208,6 +210,7 @@ class _EvenPart(NamedTuple):
     groups: Sequence[RecordGroup]
     keys: EvenKeys
     world_size: int
+    derived: AbstractSet[int]
 
 
 def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]],
@@ -259,7 +262,8 @@ def _plan_even_key(plan: SavePlan, key: str, even: _EvenPart, pack_max_bytes: in
                 packed = pack_end[(rank, dtype)]
                 pack_end[(rank, dtype)] += n * per_row
             shards[rank] = StoredShard(offset, shape, None, rank, rank, packed)
-            writes.setdefault(rank, []).append(WriteItem(key, (offset, shape, None), rank, packed, src))
+            if rank not in even.derived:
+                writes.setdefault(rank, []).append(WriteItem(key, (offset, shape, None), rank, packed, src))
     return TensorEntry(gshape, dtype, shards)
 
 
@@ -278,3 +282,21 @@ def _plan_objects(plan: SavePlan, groups: Sequence[RecordGroup]) -> None:
             entry.shards.append(StoredObject(off, writer, i))
             plan.object_writes.setdefault(writer, []).append(ObjectWriteItem(key, off, i, source))
         plan.index.objects[key] = entry
+
+
+def with_even_chunks(writes: List[WriteItem], records: RankRecords, rank: int, pack_max_bytes: int) -> List[WriteItem]:
+    """This rank's writes: ``writes`` (from the plan) and one per marked chunk (``records.even``:
+    chunk ``rank`` of its key, stored shard ``rank``), in key order as the plan lists them, small
+    ones packed as the plan packs them (after the writer's packed shards of earlier keys)."""
+    mine = [WriteItem(r.key, (r.offset, r.shape, None), rank, None, i)
+            for i, r in ((i, records.tensors[i]) for i in records.even)]
+    out: List[WriteItem] = []
+    pack_end: Dict[str, int] = defaultdict(int)  # dtype -> elements packed so far
+    for item in sorted(writes + mine, key=lambda w: (w.key, w.index)):
+        rec = records.tensors[item.source]
+        if rec.flat is None and 0 < rec.nbytes <= pack_max_bytes:
+            if item.packed is None:  # a chunk listed here: the next place in the pack
+                item = item._replace(packed=pack_end[rec.dtype])
+            pack_end[rec.dtype] = item.packed + rec.numel
+        out.append(item)
+    return out

@@ -18,14 +18,14 @@ import gc
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Iterator, List, Optional, Sequence, Tuple
 
 from ..comm import Comm
 from ..core.errors import CheckpointingError, RankFailure, error_class
 from ..planning.even import resolve_even
 from ..planning.groups import RankRecords, RecordGroup, representatives
 from ..planning.metadata import CheckpointIndex
-from ..planning.save_plan import ObjectWriteItem, SavePlan, WriteItem, plan_record_groups
+from ..planning.save_plan import ObjectWriteItem, SavePlan, WriteItem, plan_record_groups, with_even_chunks
 from ..planning.validation import raise_on_problems, validate_record_groups
 
 logger = logging.getLogger(__name__)
@@ -43,9 +43,12 @@ class RankPart:
     object_writes: List[ObjectWriteItem] = field(default_factory=list)
     nbytes: int = 0
     error: Optional[RankFailure] = None  # rank 0's failure to validate or plan
+    even_chunks: bool = False  # the rank adds the writes of its marked even chunks itself
 
-    def own_writes(self) -> List[WriteItem]:
-        return [WriteItem(*w) for w in self.writes]
+    def writes_of(self, records: RankRecords, rank: int, pack_max_bytes: int) -> List[WriteItem]:
+        """The rank's writes (``records``: its own)."""
+        writes = [WriteItem(*w) for w in self.writes]
+        return with_even_chunks(writes, records, rank, pack_max_bytes) if self.even_chunks else writes
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ def coordinate_plan(comm: Comm, target: str, records: RankRecords, digests: Sequ
         raise _raised(part.error, target)
     if plan is not None:
         return plan
-    return SavePlan(index=CheckpointIndex(), writes={comm.rank: part.own_writes()},
+    writes = part.writes_of(records, comm.rank, options.pack_max_bytes)
+    return SavePlan(index=CheckpointIndex(), writes={comm.rank: writes},
                     object_writes={comm.rank: part.object_writes}, bytes_per_rank={comm.rank: part.nbytes})
 
 
@@ -98,21 +102,23 @@ def plan_for_ranks(groups: Sequence[RecordGroup], world_size: int, target: str,
                    options: CoordinatorOptions) -> Tuple[Optional[SavePlan], List[RankPart]]:
     """The coordinator's work: the plan (None on failure) and each rank's part of it."""
     try:
-        groups, even = resolve_even(groups, world_size)
+        groups, even, derived = resolve_even(groups, world_size)
+        derived = derived - {0}  # rank 0 keeps the whole plan
         if options.validate:
             raise_on_problems(validate_record_groups(groups, even), target)
-        plan = plan_record_groups(groups, world_size, options.balance_writes, options.pack_max_bytes, even)
+        plan = plan_record_groups(groups, world_size, options.balance_writes, options.pack_max_bytes, even, derived)
     except Exception as e:  # every rank raises it, none is left waiting for its part
         logger.debug("save to %s: the coordinator could not plan: %s", target, e, exc_info=True)
         failed = RankPart(error=RankFailure(0, type(e).__name__, str(e)))
         return None, [failed] * world_size
-    return plan, parts_of(plan, world_size)
+    return plan, parts_of(plan, world_size, derived)
 
 
-def parts_of(plan: SavePlan, world_size: int) -> List[RankPart]:
-    """Each rank's part of ``plan``, as the coordinator scatters them."""
+def parts_of(plan: SavePlan, world_size: int, derived: AbstractSet[int] = frozenset()) -> List[RankPart]:
+    """Each rank's part of ``plan``, as the coordinator scatters them (``derived``: the ranks that
+    add their even chunks' writes themselves, ``planning/even.resolve_even``)."""
     return [RankPart([tuple(w) for w in plan.writes.get(rank, [])], plan.object_writes.get(rank, []),
-                     plan.bytes_per_rank.get(rank, 0)) for rank in range(world_size)]
+                     plan.bytes_per_rank.get(rank, 0), even_chunks=rank in derived) for rank in range(world_size)]
 
 
 def _raised(failure: RankFailure, target: str) -> CheckpointingError:
