@@ -118,9 +118,17 @@ def _stride(shape: tuple) -> tuple:
 
 
 def _spawn(fn, *args) -> None:
+    """``fn`` on WORLD fresh processes; again on a new port when another program took the free port
+    between its choice and the rendezvous (the machine is shared)."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=(_port(), *args), nprocs=WORLD, join=True, start_method="spawn")
+    for attempt in range(3):
+        try:
+            mp.start_processes(fn, args=(_port(), *args), nprocs=WORLD, join=True, start_method="spawn")
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
 
 
 def run_once(method: str, size_mib: int, path: str, check: bool) -> Dict[str, float]:
