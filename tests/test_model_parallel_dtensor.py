@@ -4,6 +4,7 @@ saves DTensors anywhere in the checkpoint as sharded tensors, readable whole. Ne
 
 import os
 
+import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
@@ -43,8 +44,18 @@ def _plugin_apis(rank, world, root):
     return out
 
 
-def test_plugin_saves_dtensors_or_refuses(tmp_path):
-    out = run_distributed(_plugin_apis, 2, str(tmp_path))[0]
+def _both(rank, world, root):
+    return _plugin_apis(rank, world, root), _strategy_tree(rank, world)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One pair of gloo processes for both tests (a spawn costs more than the checks)."""
+    return run_distributed(_both, 2, str(tmp_path_factory.mktemp("dtensor_borders")))
+
+
+def test_plugin_saves_dtensors_or_refuses(runs):
+    out = runs[0][0]
     whole = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     assert torch.equal(out["local"]["state_dict"]["w"], whole) and float(out["local"]["state_dict"]["step"]) == 3.0
     assert "'state_dict/w' is a DTensor sharded over a device mesh" in out["refused"]
@@ -79,8 +90,8 @@ def _strategy_tree(rank, world):
         return str(e)
 
 
-def test_ddp_based_strategies_refuse_dtensor_parameters():
+def test_ddp_based_strategies_refuse_dtensor_parameters(runs):
     """A module with DTensor parameters under DistCheckpointStrategy / the Fabric strategy would save
     each rank's shard as the whole tensor: refused, naming the strategy that handles it."""
-    for msg in run_distributed(_strategy_tree, 2):
+    for msg in (r[1] for r in runs):
         assert "'0.weight' is a DTensor parameter" in msg and "DistCheckpointModelParallelStrategy" in msg
