@@ -139,11 +139,11 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
             raw[name] = read_inside(os.path.join(path, name), f"checkpoint {path}:")
         except OSError as e:
             raise FormatError(f"checkpoint {path}: cannot read {name}: {e.strerror or e}") from None
-    marker = _parse_json(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
+    marker = parse_json(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
     if not isinstance(marker, dict):
         raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} is not a JSON object")
     _check_fields(marker, _MARKER_FIELDS, f"checkpoint {path}: {COMMIT_MARKER}")
-    meta = _parse_json(raw[METADATA_FILE], f"checkpoint {path}: {METADATA_FILE}")
+    meta = parse_json(raw[METADATA_FILE], f"checkpoint {path}: {METADATA_FILE}")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(
             f"checkpoint {path}: {METADATA_FILE} names format "
@@ -205,7 +205,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _parse_json(raw: bytes, where: str) -> Any:
+def parse_json(raw: bytes, where: str) -> Any:
     """JSON from disk, its nesting checked first: our files nest a few levels, and a hostile one
     must not drive the parser (or later code) into deep recursion."""
     depth = _max_depth(raw)

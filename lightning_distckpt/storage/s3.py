@@ -31,7 +31,7 @@ from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointE
 from .checksums import check_sha256, sha256_hex, warn_no_checksums
 from .layout import (
     _MARKER_FIELDS, _META_FIELDS, CHECKSUMS_SINCE, COMMIT_MARKER, COMMON_FILE, FORMAT_NAME, METADATA_FILE,
-    SUPPORTED_FORMAT_VERSIONS, MetadataFile, _check_fields, _parse_json,
+    SUPPORTED_FORMAT_VERSIONS, MetadataFile, _check_fields, parse_json,
 )
 from .options import StorageOptions
 from .s3_url import context_spec, explain, kvstore_spec, parse_s3_url
@@ -138,7 +138,7 @@ def read_marker(store: ObjectStore) -> Optional[Dict[str, Any]]:
     if raw is None:
         return None
     where = f"checkpoint {store.url}: {COMMIT_MARKER}"
-    marker = _parse_json(raw, where)
+    marker = parse_json(raw, where)
     if not isinstance(marker, dict):
         raise FormatError(f"{where} is not a JSON object")
     _check_fields(marker, _MARKER_FIELDS, where)
@@ -223,7 +223,7 @@ def open_metadata(url: str, options: StorageOptions) -> MetadataFile:
 def _check_meta(path: str, raw: bytes, marker: Dict[str, Any]) -> Dict[str, Any]:
     """``metadata.json``'s content checked as :func:`~.layout.open_metadata` checks a directory's."""
     where = f"checkpoint {path}: {METADATA_FILE}"
-    meta = _parse_json(raw, where)
+    meta = parse_json(raw, where)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise FormatError(f"{where} does not name format {FORMAT_NAME!r}")
     version = meta.get("format_version")

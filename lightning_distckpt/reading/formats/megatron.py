@@ -17,7 +17,6 @@ optimizer (``nd_reformulated_orig_global_shape``): only the fully reshardable fo
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -25,6 +24,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ...core.errors import FormatError
 from ...planning.metadata import ObjectEntry, StoredObject
+from ...storage.layout import parse_json
+from ...storage.paths import read_inside
 from ...storage.safe_pickle import dumps, load_file, loads
 from .dcp import DcpReader, DcpSource
 from .dcp_metadata import DcpItem
@@ -54,11 +55,13 @@ def megatron_config(path: str) -> Optional[MegatronConfig]:
     config = os.path.join(path, CONFIG_NAME)
     if not os.path.isdir(path) or not os.path.isfile(config) or os.path.getsize(config) > _MAX_CONFIG_BYTES:
         return None
+    text = read_inside(config, CONFIG_NAME)  # never through a link (a link is a FormatError)
     try:
-        with open(config, encoding="utf-8") as f:
-            raw = json.load(f)
-    except ValueError:
-        return None
+        # Nesting bounded before parsing: a hostile metadata.json (ours or Megatron's) must not
+        # drive the JSON parser into deep recursion.
+        raw = parse_json(text, config)
+    except FormatError:
+        return None  # not Megatron's config: our own reader says what is wrong with it
     if not isinstance(raw, dict) or "sharded_backend" not in raw:
         return None
     fields = {k: raw[k] for k in ("sharded_backend", "sharded_backend_version", "common_backend",
