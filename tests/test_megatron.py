@@ -156,6 +156,26 @@ def test_ldc_reads_megatron_under_another_split(megatron_ckpt):
     assert ldc.load_common_state_dict(megatron_ckpt) == COMMON
 
 
+def _ldc_load_on_4(rank, world, path):
+    """Saved by Megatron-Core on 2 ranks, read on 4: w by rows, one layer per rank (none on rank 3),
+    r replicated, the object element of saving rank ``rank % 2``."""
+    f = full()
+    template = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.empty(2, 6), (0, rank, world)),
+                "r": ldc.ShardedTensor.from_rank_offsets("r", torch.empty(5, dtype=torch.int64), replica_id=rank),
+                "obj": ldc.ShardedObject("obj", None, (2,), (rank % 2,), replica_id=0)}
+    if rank < LAYERS:
+        template["layer"] = ldc.ShardedTensor.from_rank_offsets("layers.w", torch.empty(4, 4), (0, rank, LAYERS),
+                                                                prepend_axis_num=1)
+    out = ldc.load(template, path)
+    assert torch.equal(out["w"], f["w"][2 * rank:2 * rank + 2]) and torch.equal(out["r"], f["r"])
+    assert out["obj"] == {"rank": rank % 2}
+    assert rank >= LAYERS or torch.equal(out["layer"], f["layers.w"][rank])
+
+
+def test_ldc_reads_megatron_on_4_ranks(megatron_ckpt):
+    run_distributed(_ldc_load_on_4, 4, megatron_ckpt)
+
+
 def test_megatron_leaves_saved_by_ldc_then_converted_and_read_by_megatron(tmp_path):
     from lightning_distckpt.cli.main import main
 
