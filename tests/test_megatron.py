@@ -265,3 +265,29 @@ def test_inspect_and_validate_cli(megatron_ckpt, tmp_path, capsys):
         f.write(bytes(chunk.length))
     assert main(["validate", damaged]) == 1
     assert "PROBLEM  'w' chunk at [0, 0]" in capsys.readouterr().out
+
+
+def test_lightning_module_returning_megatron_sharded_state_dict():
+    """A LightningModule whose sharded_state_dict() is a Megatron-Core model's, unchanged: the
+    strategies see our ShardedTensors (so optimizer state maps onto them), bound to the parameters."""
+    from megatron.core.dist_checkpointing import mapping as mc
+
+    from lightning_distckpt.lightning.parallel import ParallelState
+    from lightning_distckpt.lightning.sharded import model_sharded_state_dict
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 6)
+
+        def sharded_state_dict(self, prefix=""):
+            return {f"{prefix}fc.{n}": mc.ShardedTensor.from_rank_offsets(f"{prefix}fc.{n}", p, replica_id=0)
+                    for n, p in self.fc.named_parameters()}
+
+    module = Module()
+    ssd = model_sharded_state_dict(module, ParallelState.single())
+    assert set(ssd) == {"fc.weight", "fc.bias"}
+    for name, leaf in ssd.items():
+        assert isinstance(leaf, ldc.ShardedTensor) and leaf.key == name
+        assert leaf.data is module.get_parameter(name)
+        assert leaf.global_shape == tuple(module.get_parameter(name).shape)

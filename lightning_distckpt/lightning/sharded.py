@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from ..comm import Comm, get_comm
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
+from ..core.megatron_leaves import from_megatron_leaves
 from ..core.state_dict import iter_leaves
 from .parallel import ParallelState, module_sharded_state_dict
 
@@ -27,6 +28,9 @@ def model_sharded_state_dict(module: nn.Module, ps: ParallelState, prefix: str =
             raise CheckpointingError(
                 f"{type(module).__name__}.sharded_state_dict() must return a dict, got {type(out).__name__}"
             )
+        # A Megatron-Core model's sharded_state_dict() is used as it is: its leaves become ours
+        # here, so the optimizer helpers find each parameter's ShardedTensor.
+        out = from_megatron_leaves(out)
     else:
         check_describable(module, ps)
         out = module_sharded_state_dict(module, prefix, replica_id=ps.replicated_id)
