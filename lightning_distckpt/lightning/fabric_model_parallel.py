@@ -33,12 +33,11 @@ from ..core.dtensors import restore_dtensor
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..serialization import load_tensors_metadata
-from .checkpoint_io import DistCheckpointIO
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .model_parallel import Path, put_value, refusal, shard_tree, value_at
 from .sharded import build_on_all_ranks
 from .stock import describe_saved
-from .tp_strategy import dist_checkpoint_io
+from .tp_strategy import DistCheckpointIOMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest, template_from_manifest
 
 
@@ -52,7 +51,7 @@ def _owner(optimizer: Optimizer, state: Mapping[str, Any]) -> Module:
                              "save and load the module with its optimizer ({'model': model, 'optimizer': optimizer})")
 
 
-class FabricDistCheckpointModelParallelStrategy(ModelParallelStrategy):
+class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelParallelStrategy):
     """Fabric's ``ModelParallelStrategy`` whose ``fabric.save`` / ``fabric.load`` write and read our
     distributed checkpoints (any world size or DP x TP mesh on load).
 
@@ -73,15 +72,6 @@ class FabricDistCheckpointModelParallelStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self._checkpoint_config: DistCheckpointConfig = load_checkpoint_config(checkpoint)
         self._checkpoint_io: Optional[CheckpointIO] = None
-
-    @property
-    def checkpoint_io(self) -> DistCheckpointIO:
-        self._checkpoint_io = dist_checkpoint_io(type(self).__name__, self._checkpoint_io, self._checkpoint_config)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
 
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:

@@ -25,7 +25,6 @@ from datetime import timedelta
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
@@ -38,14 +37,12 @@ from torch.optim import Optimizer
 from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
-from ..core.strict import StrictHandling
-from .checkpoint_io import DistCheckpointIO
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .sharded import build_on_all_ranks
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
 from .strategy import warn_async_link_last
-from .tp_strategy import dist_checkpoint_io
+from .tp_strategy import DistCheckpointIOMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest
 
 log = logging.getLogger(__name__)
@@ -80,7 +77,7 @@ def put_value(tree: Any, path: Path, value: Any) -> None:
     value_at(tree, path[:-1])[path[-1]] = value
 
 
-class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
+class DistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format.
 
     ``Trainer(strategy=DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
@@ -111,15 +108,6 @@ class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
         if STRATEGY_NAME not in strategy_registry:
             strategy_registry.register(STRATEGY_NAME, cls,
                                        description="FSDP2 / tensor parallel with distributed checkpoints")
-
-    @property
-    def checkpoint_io(self) -> DistCheckpointIO:
-        self._checkpoint_io = dist_checkpoint_io(type(self).__name__, self._checkpoint_io, self._checkpoint_config)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
 
     def setup_environment(self) -> None:
         self.checkpoint_io  # fail early (before any process group exists) on a foreign CheckpointIO
@@ -158,13 +146,6 @@ class DistCheckpointModelParallelStrategy(ModelParallelStrategy):
 
         tree = build_on_all_ranks(f"save to {path}", build)
         self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
-
-    def _strict_handling(self) -> StrictHandling:
-        strict = self.checkpoint_io.config.strict_handling
-        module = self.lightning_module
-        if module is not None and not getattr(module, "strict_loading", True) and not strict.skips_missing:
-            return StrictHandling.LOG_ALL  # the module asked for non-strict loading
-        return strict
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Collective: every rank reads its shards into its parameters and optimizer state (under

@@ -22,7 +22,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ..core.errors import CheckpointingError
-from ..core.strict import StrictHandling
 from .parallel import STRATEGY_NAME
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
@@ -133,13 +132,6 @@ class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
 
         tree = build_on_all_ranks(f"save to {os.fspath(filepath)}", build)
         self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
-
-    def _strict_handling(self) -> StrictHandling:
-        strict = self.checkpoint_io.config.strict_handling
-        module = self.lightning_module
-        if module is not None and not getattr(module, "strict_loading", True) and not strict.skips_missing:
-            return StrictHandling.LOG_ALL  # the module asked for non-strict loading
-        return strict
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Collective: every rank reads its shards (in place into its parameters and optimizer state)

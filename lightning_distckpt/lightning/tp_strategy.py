@@ -15,6 +15,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from ..core.errors import ArgumentTypeError, CheckpointingError
+from ..core.strict import StrictHandling
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
 from .parallel import ParallelState, check_strategy_args, register_strategy_names
@@ -38,7 +39,34 @@ def dist_checkpoint_io(owner: str, io: Optional[CheckpointIO], config: DistCheck
     return io
 
 
-class TensorParallelStrategyMixin:
+class DistCheckpointIOMixin:
+    """A strategy whose ``checkpoint_io`` is always a :class:`DistCheckpointIO`: the plugin given to
+    the Trainer / Fabric, or one made from the strategy's own ``_checkpoint_config`` (mixed in first,
+    before Lightning's strategy class, so this property replaces Lightning's)."""
+
+    _checkpoint_io: Optional[CheckpointIO]  # Lightning's Strategy.__init__ sets it
+    _checkpoint_config: DistCheckpointConfig
+
+    @property
+    def checkpoint_io(self) -> DistCheckpointIO:
+        self._checkpoint_io = dist_checkpoint_io(type(self).__name__, self._checkpoint_io, self._checkpoint_config)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    def _strict_handling(self) -> StrictHandling:
+        """The plugin's strictness, relaxed to logging when the LightningModule asked for
+        non-strict loading (``strict_loading = False``). Trainer strategies only."""
+        strict = self.checkpoint_io.config.strict_handling
+        module = getattr(self, "lightning_module", None)
+        if module is not None and not getattr(module, "strict_loading", True) and not strict.skips_missing:
+            return StrictHandling.LOG_ALL
+        return strict
+
+
+class TensorParallelStrategyMixin(DistCheckpointIOMixin):
     """TP x DP process groups and distributed checkpoints for a Lightning or Fabric ``DDPStrategy``.
 
     Args:
@@ -49,7 +77,6 @@ class TensorParallelStrategyMixin:
             ``device_mesh`` (the data-parallel group is the strategy's own).
     """
 
-    _checkpoint_io: Optional[CheckpointIO]  # Lightning's Strategy.__init__ sets it
     _ddp_kwargs: Dict[str, Any]
 
     def __init__(self, tensor_parallel_size: int = 1, checkpoint: Optional[Union[str, Dict[str, Any]]] = None,
@@ -108,12 +135,3 @@ class TensorParallelStrategyMixin:
         build_on_all_ranks(f"{type(self).__name__} setup of {type(module).__name__}",
                            lambda: check_describable(module, ps))
 
-    # -- checkpoint I/O ------------------------------------------------------------------
-    @property
-    def checkpoint_io(self) -> DistCheckpointIO:
-        self._checkpoint_io = dist_checkpoint_io(type(self).__name__, self._checkpoint_io, self._checkpoint_config)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
