@@ -144,3 +144,21 @@ def test_fabric_mp_checkpoint_weights_by_load_module_weights(cells):
     assert cells["fmp_inference"] == "ok"
     assert cells["fmp_inference_keys"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
     assert len(cells["fmp_inference_equal"]) == 4 and all(cells["fmp_inference_equal"].values())
+
+
+def test_trainer_plugin_directory_loads_under_fabric_tp(cells):
+    """Row T+plugin, column F+TP: as the stock file, into {"model", "optimizer"}: weights equal the stored ones."""
+    assert cells["tpl_f_tp"] == "ok"
+    assert len(cells["tpl_f_tp_equal"]) == 4 and all(cells["tpl_f_tp_equal"].values()), cells["tpl_f_tp_equal"]
+
+
+def test_lightning_dcp_directory_refused_by_trainer_mp(cells):
+    """Row Lightning ModelParallelStrategy (DCP directory), column T+MP: refused, not written by lightning_distckpt."""
+    msg = cells["dcp_t_mp"]
+    assert msg.startswith("CheckpointingError") and "not by lightning_distckpt" in msg and "key_map" in msg
+
+
+def test_lightning_dcp_directory_refused_by_fabric_tp(cells):
+    """Row Lightning ModelParallelStrategy (DCP directory), column F+TP: refused, written by a Trainer."""
+    msg = cells["dcp_f_tp"]
+    assert msg.startswith("CheckpointingError") and "written by a Trainer" in msg and "load_module_weights" in msg

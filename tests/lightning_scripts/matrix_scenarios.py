@@ -138,6 +138,27 @@ def all_cells(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     t.save_checkpoint(ttp)
     res["ttp_t_mp"] = outcome(lambda: t_mp().fit(MPModel(total_steps=4), ckpt_path=ttp))
     res["ttp_f_plugin"] = outcome(lambda: plugin_load(ttp))
+    # Row: Trainer, stock DDP + DistCheckpointIO (a directory), column F+TP.
+    tpl = os.path.join(d, "tplugin")
+    t = t_plugin()
+    t.fit(TPMLP(total_steps=2))
+    t.save_checkpoint(tpl)
+    stored = DistCheckpointIO().load_checkpoint(tpl)
+
+    def tpl_f_tp() -> None:
+        run = TPRun(fabric_tp())
+        run.fabric.load(tpl, {"model": run.model, "optimizer": run.opt})
+        res["tpl_f_tp_equal"] = {n: torch.equal(p.detach(), stored["state_dict"][n])
+                                 for n, p in run.model.module.named_parameters()}
+    res["tpl_f_tp"] = outcome(tpl_f_tp)
+    # Row: Trainer + Lightning's own ModelParallelStrategy (a DCP directory).
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    dcp = os.path.join(d, "lightning_dcp")
+    t = trainer(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, timeout=TIMEOUT), max_steps=2)
+    t.fit(MPModel(total_steps=2))
+    t.save_checkpoint(dcp)
+    res["dcp_t_mp"] = outcome(lambda: t_mp().fit(MPModel(total_steps=4), ckpt_path=dcp))
+    res["dcp_f_tp"] = outcome(lambda: tp_run_load(dcp, full=False))
 
 
 def main() -> None:
