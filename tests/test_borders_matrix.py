@@ -80,7 +80,8 @@ def test_fabric_plugin_checkpoint_into_trainer_plugin_is_lightnings_own_error(wr
     """Row F+plugin, column T+plugin: Lightning's own error, a raw KeyError on the first Trainer entry
     it reads ("pytorch-lightning_version"), not a message naming fabric.save."""
     with pytest.raises(KeyError, match="pytorch-lightning_version"):
-        _trainer(written / "t2", plugins=[DistCheckpointIO()], max_steps=3).fit(Small(), ckpt_path=str(written / "fabric_plugin"))
+        t = _trainer(written / "t2", plugins=[DistCheckpointIO()], max_steps=3)
+        t.fit(Small(), ckpt_path=str(written / "fabric_plugin"))
 
 
 # --- cells that need a parallel strategy: one launch of tests/lightning_scripts/matrix_scenarios.py,
@@ -130,7 +131,8 @@ def test_fabric_mp_checkpoint_loads_under_fabric_plugin(cells):
     """Row Fabric ModelParallel, column F+plugin: {"model", "optimizer"} weights and Adam moments
     bit-exact against the writer's tensors (module keys, torch's optimizer layout)."""
     assert cells["fmp_f_plugin"] == "ok"
-    assert len(cells["fmp_f_plugin_equal"]) == 16 and all(cells["fmp_f_plugin_equal"].values()), cells["fmp_f_plugin_equal"]
+    equal = cells["fmp_f_plugin_equal"]
+    assert len(equal) == 16 and all(equal.values()), equal
 
 
 def test_fabric_mp_checkpoint_into_fabric_tp_is_missing_keys(cells):

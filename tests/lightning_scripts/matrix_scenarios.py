@@ -111,7 +111,8 @@ def all_cells(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["fmp_inference_keys"] = sorted(plain.state_dict())
     res["fmp_saved_keys"] = sorted(saved)
     res["fmp_t_plugin"] = outcome(lambda: t_plugin().fit(TPMLP(total_steps=4), ckpt_path=fmp))
-    res["fmp_f_plugin"] = outcome(lambda: res.update(fmp_f_plugin_equal=same_as_saved(plugin_load(fmp, full=False), saved)))
+    res["fmp_f_plugin"] = outcome(
+        lambda: res.update(fmp_f_plugin_equal=same_as_saved(plugin_load(fmp, full=False), saved)))
     res["fmp_f_tp"] = outcome(lambda: tp_run_load(fmp, full=False))
     # Row: Fabric + FabricDistCheckpointStrategy.
     ftp = os.path.join(d, "ftp")
