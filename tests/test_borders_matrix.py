@@ -135,10 +135,11 @@ def test_fabric_mp_checkpoint_loads_under_fabric_plugin(cells):
     assert len(equal) == 16 and all(equal.values()), equal
 
 
-def test_fabric_mp_checkpoint_into_fabric_tp_is_missing_keys(cells):
-    """Row Fabric ModelParallel, column F+TP: not loaded; a MissingKeysError listing the module's keys
-    (it does not name the writer)."""
-    assert cells["fmp_f_tp"].startswith("MissingKeysError") and "'model.fc1.weight'" in cells["fmp_f_tp"]
+def test_fabric_mp_checkpoint_into_fabric_tp_is_refused_naming_the_writer(cells):
+    """Row Fabric ModelParallel, column F+TP: refused, naming the strategy that wrote it and what to do."""
+    cell = cells["fmp_f_tp"]
+    assert cell.startswith("CheckpointingError"), cell
+    assert "written by FabricDistCheckpointModelParallelStrategy" in cell and "load_module_weights" in cell
 
 
 def test_fabric_mp_checkpoint_weights_by_load_module_weights(cells):

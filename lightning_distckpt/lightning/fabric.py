@@ -29,7 +29,7 @@ from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sha
 from .tp_strategy import TensorParallelStrategyMixin
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, describe_saved,
                     is_tree_path_layout, place_stored_tensors, rekey_template, restore_param_keys)
-from .tree import KIND_SHARDED, MANIFEST_KEY, manifest, template_from_manifest
+from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest, template_from_manifest
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,12 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             return rekey_template(target, template, {n: ModuleEntry(f"{n}/", f"{n}.") for n in modules.by_name},
                                   [OptimizerEntry(n, template[n]) for n in optimizers],
                                   tuple(f"{n}/" for n in template), self.checkpoint_io.extra_safe_globals)
+        if kind == KIND_MODEL_PARALLEL:  # DTensor state keyed by path: not this strategy's layout
+            raise CheckpointingError(
+                f"checkpoint {target} was written by FabricDistCheckpointModelParallelStrategy (FSDP2 / DTensor state, "
+                "optimizer state keyed by parameter name), not by FabricDistCheckpointStrategy; load it with "
+                "FabricDistCheckpointModelParallelStrategy (any mesh), with stock Fabric + DistCheckpointIO, or load a "
+                f"module's weights with load_module_weights(module, {target!r}, entry=...)")
         if kind == KIND_SHARDED:  # the entries not asked for: each tensor whole
             whole = template_from_manifest(man, load_tensors_metadata(target), target)
             template.update({k: v for k, v in whole.items() if k not in state})
