@@ -56,7 +56,8 @@ from lightning_distckpt.planning.save_plan import make_save_plan, plan_record_gr
 from lightning_distckpt.planning.validation import (  # noqa: E402
     validate_object_records, validate_record_groups, validate_tensor_records,
 )
-from lightning_distckpt.strategies.save_coordinate import gc_paused, parts_of  # noqa: E402
+from lightning_distckpt.core.gc_pause import gc_paused  # noqa: E402
+from lightning_distckpt.strategies.save_coordinate import parts_of  # noqa: E402
 from lightning_distckpt.strategies.save_prepare import Handshake, PlanningOptions  # noqa: E402
 
 DTYPE = {"model": "bfloat16"}

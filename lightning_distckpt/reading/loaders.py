@@ -26,7 +26,8 @@ from ..core.strict import StrictHandling
 from ..planning.exchange_plan import ChunkId, ChunkRequest, chunk_id, plan_exchange
 from .checkpoint import CheckpointSource
 from .exchange import ChunkExchange
-from .pipeline import LoadContext, Opener, Result, begin_load, combine_errors, finish_load, gc_paused
+from ..core.gc_pause import gc_paused
+from .pipeline import LoadContext, Opener, Result, begin_load, combine_errors, finish_load
 from .reads import read_tensors
 from .request import Requester
 from .stats import LoadStats, format_load_times

@@ -10,11 +10,9 @@ the others never enter.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -96,26 +94,6 @@ def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], sta
     log_throughput(op_name, ctx.source.path, ctx.comm.rank, [(s.bytes_read, s.read_s) for s in gathered],
                    time.perf_counter() - ctx.started)
     return (state, ctx.missing, ctx.unexpected), gathered
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the duration of a load, back as it was after.
-
-    A load allocates tens of thousands of small objects (the index, the plans, the requests); each
-    700 allocations start a collection, and every tenth of every tenth scans every object of the
-    process (a quarter million once torch and Lightning are imported): 0.1-0.35 s of a 0.5 GiB
-    cold load on 2 vCPUs, mostly in the first load of a process, the one a restart waits for
-    (docs/benchmarks.md, "Cold load profile"). Nothing the load makes is a cycle that must be
-    collected meanwhile: it is freed by reference counting, and the collector's next run sees the rest.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def combine_errors(errors: Sequence[BaseException]) -> Optional[BaseException]:

@@ -19,7 +19,7 @@ from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION
 from ..storage.s3_url import is_s3_url
 from ..storage.safe_pickle import write_file_durable
 from ..version import __version__
-from .save_coordinate import gc_paused
+from ..core.gc_pause import gc_paused
 from .save_prepare import PreparedSave
 from .stats import log_throughput
 

@@ -14,14 +14,13 @@ one rank.
 
 from __future__ import annotations
 
-import gc
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import AbstractSet, Iterator, List, Optional, Sequence, Tuple
+from typing import AbstractSet, List, Optional, Sequence, Tuple
 
 from ..comm import Comm
 from ..core.errors import CheckpointingError, RankFailure, error_class
+from ..core.gc_pause import gc_paused
 from ..planning.even import resolve_even
 from ..planning.groups import RankRecords, RecordGroup, representatives
 from ..planning.metadata import CheckpointIndex
@@ -81,21 +80,6 @@ def coordinate_plan(comm: Comm, target: str, records: RankRecords, digests: Sequ
     writes = part.writes_of(records, comm.rank, options.pack_max_bytes)
     return SavePlan(index=CheckpointIndex(), writes={comm.rank: writes},
                     object_writes={comm.rank: part.object_writes}, bytes_per_rank={comm.rank: part.nbytes})
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a moment. The coordinator unpickles and creates
-    hundreds of thousands of small records, none in a reference cycle; each young-generation pass
-    would walk them again (half the planning time at 16,384 ranks). Reference counting still
-    frees everything; the collector's previous state is restored."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def plan_for_ranks(groups: Sequence[RecordGroup], world_size: int, target: str,

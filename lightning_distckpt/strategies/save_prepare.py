@@ -28,7 +28,8 @@ from ..storage.s3_url import is_s3_url
 from ..storage.safe_pickle import dumps
 from ..storage.stores import open_writer
 from ..storage.tensorstore_io import StorageOptions
-from .save_coordinate import CoordinatorOptions, coordinate_plan, gc_paused
+from ..core.gc_pause import gc_paused
+from .save_coordinate import CoordinatorOptions, coordinate_plan
 
 logger = logging.getLogger(__name__)
 
