@@ -26,7 +26,7 @@ from .parallel import STRATEGY_NAME
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
-from .tp_strategy import TensorParallelStrategyMixin
+from .tp_strategy import AsyncCommitHooksMixin, TensorParallelStrategyMixin
 from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def optimizer_prefix(index: int) -> str:
     return f"optimizer_states.{index}"
 
 
-class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
+class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin, DDPStrategy):
     """DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
 
     ``Trainer(strategy=DistCheckpointStrategy(tensor_parallel_size=2), devices=4)`` runs TP 2 x DP 2;
@@ -184,16 +184,6 @@ class DistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             log.warning("checkpoint %s has no LR scheduler state; keeping the current schedulers (non-strict)", path)
             loaded["lr_schedulers"] = [c.scheduler.state_dict() for c in self.lr_scheduler_configs]
         return loaded
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Commit a finished async save at the step boundary, without waiting for an unfinished one."""
-        super().on_train_batch_start(batch, batch_idx)
-        self.checkpoint_io.finalize_if_done()
-
-    def on_train_end(self) -> None:
-        """The end of training waits for (and commits) the last async save."""
-        super().on_train_end()
-        self.checkpoint_io.wait()
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]

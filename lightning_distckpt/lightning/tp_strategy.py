@@ -66,6 +66,22 @@ class DistCheckpointIOMixin:
         return strict
 
 
+class AsyncCommitHooksMixin(DistCheckpointIOMixin):
+    """The Trainer hooks that commit background saves (``async_save``) of a Trainer strategy saving
+    with :class:`DistCheckpointIO` (mixed in before Lightning's strategy class): a finished save is
+    committed at the next step boundary, and the end of training waits for the last one."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Commit a finished async save at the step boundary, without waiting for an unfinished one."""
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        self.checkpoint_io.finalize_if_done()
+
+    def on_train_end(self) -> None:
+        """The end of training waits for (and commits) the last async save."""
+        super().on_train_end()  # type: ignore[misc]
+        self.checkpoint_io.wait()
+
+
 class TensorParallelStrategyMixin(DistCheckpointIOMixin):
     """TP x DP process groups and distributed checkpoints for a Lightning or Fabric ``DDPStrategy``.
 
