@@ -76,10 +76,10 @@ def test_trainer_checkpoint_into_fabric_plugin_is_fabrics_own_error(written, nam
         _fabric_load(str(written / name))
 
 
-def test_fabric_plugin_checkpoint_into_trainer_plugin_is_lightnings_own_error(written):
-    """Row F+plugin, column T+plugin: Lightning's own error, a raw KeyError on the first Trainer entry
-    it reads ("pytorch-lightning_version"), not a message naming fabric.save."""
-    with pytest.raises(KeyError, match="pytorch-lightning_version"):
+def test_fabric_plugin_checkpoint_into_trainer_plugin_is_refused_naming_the_writer(written):
+    """Row F+plugin, column T+plugin: refused, naming fabric.save with DistCheckpointIO and what to do."""
+    from lightning_distckpt.core.errors import CheckpointingError
+    with pytest.raises(CheckpointingError, match="written by fabric.save with DistCheckpointIO.*fabric.load"):
         t = _trainer(written / "t2", plugins=[DistCheckpointIO()], max_steps=3)
         t.fit(Small(), ckpt_path=str(written / "fabric_plugin"))
 

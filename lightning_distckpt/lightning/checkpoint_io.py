@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 from dataclasses import fields, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from ..comm import Comm
-from ..core.errors import ArgumentError, ArgumentTypeError, FormatError
+from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, FormatError
 from ..core.state_dict import merge, split_common
 from ..core.strict import StrictHandling
 from ..serialization import load as dist_load
@@ -107,17 +107,19 @@ class DistCheckpointIO(CheckpointIO):
         A ``torch.save`` file (a stock Lightning ``.ckpt``) is read as it is, safely (``weights_only``)."""
         self.wait()
         target = os.fspath(path)
+        kind: Optional[str] = None
         if os.path.isfile(target):  # a stock Lightning / Fabric torch.save file, read safely
             state = load_file(target, self.extra_safe_globals)
         else:
-            state = self._load_directory(target)
+            state, kind = self._load_directory(target)
         if map_location is not None:
             if not isinstance(map_location, (str, torch.device)):
                 raise ArgumentTypeError(f"map_location must be a device or a str for distributed checkpoints, got {map_location!r}")
             state = apply_to_collection(state, torch.Tensor, lambda t: t.to(map_location))
-        return state
+        return fabric_checkpoint(state, target, kind)
 
-    def _load_directory(self, target: str) -> Dict[str, Any]:
+    def _load_directory(self, target: str) -> Tuple[Dict[str, Any], Optional[str]]:
+        """The checkpoint directory read whole, and its manifest's kind."""
         common = load_common_state_dict(target, self.extra_safe_globals)
         man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
         if man is None:
@@ -127,7 +129,8 @@ class DistCheckpointIO(CheckpointIO):
                                              self.extra_safe_globals)
         state.pop(MANIFEST_KEY, None)
         # The strategies key optimizer state by parameter name; a stock strategy restores torch's layout.
-        return torch_optimizer_states(state) if man.get("kind") in (KIND_SHARDED, KIND_MODEL_PARALLEL) else state
+        kind = man.get("kind")
+        return (torch_optimizer_states(state) if kind in (KIND_SHARDED, KIND_MODEL_PARALLEL) else state), kind
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target); an
@@ -250,3 +253,50 @@ class DistCheckpointIO(CheckpointIO):
             local = e
         finalize_save(prep, local)
 
+
+# -- a checkpoint fabric.save wrote, read whole by a Trainer -------------------------------------
+#: Entries only a Trainer's checkpoint has (Lightning reads "pytorch-lightning_version" first).
+TRAINER_ENTRIES = frozenset({"state_dict", "loops", "pytorch-lightning_version"})
+
+
+def fabric_writer(kind: Optional[str]) -> str:
+    """Who wrote a checkpoint with no Trainer entries, from its manifest's kind (None: not ours)."""
+    return {None: "by fabric.save or another tool (no Lightning state_dict / loops entries)",
+            KIND_PLAIN: "by fabric.save with DistCheckpointIO under a rank-0 strategy (stock DDP / single device)",
+            KIND_SHARDED: "by fabric.save under FabricDistCheckpointStrategy"}.get(
+                kind, "by fabric.save under FabricDistCheckpointModelParallelStrategy")
+
+
+class NotATrainerCheckpointError(CheckpointingError, KeyError):
+    """A Trainer asked a checkpoint that ``fabric.save`` wrote for an entry only a Trainer writes."""
+
+    def __str__(self) -> str:  # KeyError would show the message's repr
+        return str(self.args[0]) if self.args else ""
+
+
+class FabricCheckpoint(Dict[str, Any]):
+    """A checkpoint written by ``fabric.save``, read whole: a plain dict (Fabric reads only the
+    entries it asked for), except that asking for an entry it lacks (as the Trainer does with
+    ``"pytorch-lightning_version"``) raises :class:`NotATrainerCheckpointError` naming the writer."""
+
+    path: str = ""
+    writer: str = ""
+
+    def __missing__(self, key: Any) -> Any:
+        raise NotATrainerCheckpointError(
+            f"checkpoint {self.path} was written {self.writer}, not by a Trainer: it has no {key!r} entry "
+            f"(entries {sorted(map(str, self))}). Load it with fabric.load(path, state) under the Fabric setup "
+            "that wrote it; or load its module's weights with lightning_distckpt.load_module_weights(module, path, "
+            "entry=\"model\") and call trainer.fit without ckpt_path; or read it whole with "
+            "DistCheckpointIO().load_checkpoint(path) (python -m lightning_distckpt convert: one file)")
+
+
+def fabric_checkpoint(state: Any, path: str, kind: Optional[str]) -> Any:
+    """``state`` as read; a :class:`FabricCheckpoint` when it has none of a Trainer's entries."""
+    if not isinstance(state, dict):
+        return state
+    if TRAINER_ENTRIES & set(state):
+        return state
+    out = FabricCheckpoint(state)
+    out.path, out.writer = path, fabric_writer(kind)
+    return out

@@ -37,12 +37,13 @@ from torch.optim import Optimizer
 from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
+from .checkpoint_io import fabric_writer
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .sharded import build_on_all_ranks
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
 from .strategy import warn_async_link_last
-from .tp_strategy import DistCheckpointIOMixin
+from .tp_strategy import AsyncCommitHooksMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def put_value(tree: Any, path: Path, value: Any) -> None:
     value_at(tree, path[:-1])[path[-1]] = value
 
 
-class DistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelParallelStrategy):
+class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format.
 
     ``Trainer(strategy=DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
@@ -191,17 +192,6 @@ class DistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelParallelSt
             set_optimizer_state_dict(self.model, opt, state, options=options)
         return loaded
 
-    # -- async saves: committed at step boundaries and at the end ---------------------------
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Commit a finished async save at the step boundary, without waiting for an unfinished one."""
-        super().on_train_batch_start(batch, batch_idx)
-        self.checkpoint_io.finalize_if_done()
-
-    def on_train_end(self) -> None:
-        """The end of training waits for (and commits) the last async save."""
-        super().on_train_end()
-        self.checkpoint_io.wait()
-
     def teardown(self) -> None:
         self.checkpoint_io.teardown()  # the stock strategy skips CheckpointIO.teardown: commit a pending save
         super().teardown()
@@ -211,10 +201,7 @@ def refusal(path: str, kind: Optional[str], by_trainer: bool,
             owner: str = "DistCheckpointModelParallelStrategy") -> str:
     """Why a checkpoint not written by ``owner`` is refused, and what to do instead."""
     if not by_trainer:
-        writer = {None: "by fabric.save or another tool (no Lightning state_dict / loops entries)",
-                  "plain": "by fabric.save with DistCheckpointIO under a rank-0 strategy",
-                  "sharded": "by fabric.save under FabricDistCheckpointStrategy"}.get(
-                      kind, "by fabric.save under FabricDistCheckpointModelParallelStrategy")
+        writer = fabric_writer(kind)
     elif kind is None:
         writer = "not by lightning_distckpt (Lightning's own ModelParallelStrategy / DCP, or another tool)"
     elif kind == KIND_MODEL_PARALLEL:
