@@ -12,7 +12,7 @@ import os
 import shlex
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..storage.layout import is_checkpoint_dir
 from ..storage.paths import local_path
@@ -26,6 +26,17 @@ class CleanAction:
     leftover: Union[Leftover, S3Leftover]
     action: str  # "removed", "would remove", or "kept"
     reason: str
+
+
+def _act(lo: Union[Leftover, S3Leftover], remove: bool, reason: str, dry_run: bool,
+         remover: Callable[[], None]) -> CleanAction:
+    """Keep ``lo``, report it as removable (``dry_run``), or remove it with ``remover``."""
+    if not remove:
+        return CleanAction(lo, "kept", reason)
+    if dry_run:
+        return CleanAction(lo, "would remove", reason)
+    remover()
+    return CleanAction(lo, "removed", reason)
 
 
 def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
@@ -52,13 +63,7 @@ def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
             reason = f"changed {lo.idle_s:.0f} s ago (< --older-than {older_than_s:.0f} s): a save may still be running"
         else:
             reason = f"uncommitted, idle {lo.idle_s:.0f} s"
-        if verdict != "remove":
-            actions.append(CleanAction(lo, "kept", reason))
-        elif dry_run:
-            actions.append(CleanAction(lo, "would remove", reason))
-        else:
-            shutil.rmtree(lo.path)
-            actions.append(CleanAction(lo, "removed", reason))
+        actions.append(_act(lo, verdict == "remove", reason, dry_run, lambda lo=lo: shutil.rmtree(lo.path)))
     return actions
 
 
@@ -76,13 +81,7 @@ def clean_s3(url: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
         else:
             age = "" if lo.idle_s is None else f", started {lo.idle_s:.0f} s ago"
             reason = f"uncommitted ({lo.objects} object(s){age})"
-        if verdict != "remove":
-            actions.append(CleanAction(lo, "kept", reason))
-        elif dry_run:
-            actions.append(CleanAction(lo, "would remove", reason))
-        else:
-            remove_version(lo)
-            actions.append(CleanAction(lo, "removed", reason))
+        actions.append(_act(lo, verdict == "remove", reason, dry_run, lambda lo=lo: remove_version(lo)))
     return actions
 
 

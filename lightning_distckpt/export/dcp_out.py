@@ -32,7 +32,8 @@ from ..core.errors import CheckpointingError
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats import KeyMap
 from ..storage.safe_pickle import write_file_durable
-from .tensors import LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, export_tensors, open_source, read_whole
+from .tensors import (LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, add_meta_placeholders, export_tensors,
+                      open_source, read_whole)
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +140,7 @@ def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
     source = open_source(checkpoint, out)
     tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix=f"{MODULE_ENTRY}.")
     state: Dict[str, Any] = _common_entries(source, extra_safe_globals)
-    by_id: Dict[int, ExportTensor] = {}
-    for t in tensors:
-        if t.name in state:
-            raise CheckpointingError(f"checkpoint {source.path}: tensor {t.key!r} and a common-state entry are both "
-                                     f"named {t.name!r}; rename the tensor with key_map")
-        state[t.name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        by_id[id(state[t.name])] = t
+    by_id = add_meta_placeholders(source, tensors, state, "a common-state entry")
     n_objects = len(source.index.objects)
     if n_objects:
         logger.warning("%s: %d ShardedObject key(s) are not exported to DCP", source.path, n_objects)

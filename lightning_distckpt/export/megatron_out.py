@@ -22,16 +22,13 @@ import os
 import time
 from typing import Any, Dict, Mapping, Sequence
 
-import torch
-
 from ..convert import ConvertReport, directory_bytes
-from ..core.errors import CheckpointingError
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats import KeyMap
 from ..reading.formats.megatron import COMMON_NAME, CONFIG_NAME, TORCH_DIST, unique_key
 from ..storage.safe_pickle import dumps, loads
 from .dcp_out import write_dcp_dir
-from .tensors import LIGHTNING_MANIFEST_KEY, ExportTensor, export_tensors, open_source
+from .tensors import LIGHTNING_MANIFEST_KEY, add_meta_placeholders, export_tensors, open_source
 
 MEGATRON_CONFIG = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1,
                    "common_backend": "torch", "common_backend_version": 1}
@@ -69,13 +66,7 @@ def export_megatron(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
     source = open_source(checkpoint, out)
     tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix="")
     state: Dict[str, Any] = _objects(source, extra_safe_globals)
-    by_id: Dict[int, ExportTensor] = {}
-    for t in tensors:
-        if t.name in state:
-            raise CheckpointingError(f"checkpoint {source.path}: tensor {t.key!r} and a ShardedObject are both named "
-                                     f"{t.name!r}; rename the tensor with key_map")
-        state[t.name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        by_id[id(state[t.name])] = t
+    by_id = add_meta_placeholders(source, tensors, state, "a ShardedObject")
     extra = {COMMON_NAME: dumps(_common(source, extra_safe_globals)),
              CONFIG_NAME: json.dumps(MEGATRON_CONFIG).encode()}  # metadata.json last: Megatron's completeness mark
     write_dcp_dir(source, state, by_id, out, extra, flatten=False)  # an object's list is one bytes entry

@@ -120,3 +120,18 @@ def read_whole(source: CheckpointSource, tensors: Sequence[ExportTensor],
         assert data is not None  # nothing skipped
         out[t.name] = data
     return out
+
+
+def add_meta_placeholders(source: CheckpointSource, tensors: Sequence[ExportTensor], state: Dict[str, Any],
+                          other: str) -> Dict[int, ExportTensor]:
+    """Put a ``meta`` tensor of each of ``tensors`` into ``state`` under its export name (the writers
+    plan from shapes alone and fetch the bytes later); returns ``id(placeholder) -> tensor``.
+    A name already in ``state`` (an entry of kind ``other``) is refused."""
+    by_id: Dict[int, ExportTensor] = {}
+    for t in tensors:
+        if t.name in state:
+            raise CheckpointingError(f"checkpoint {source.path}: tensor {t.key!r} and {other} are both named "
+                                     f"{t.name!r}; rename the tensor with key_map")
+        state[t.name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        by_id[id(state[t.name])] = t
+    return by_id

@@ -12,23 +12,6 @@ from .inference import load_lightning_module, load_module_weights
 from .parallel import ParallelState, module_sharded_state_dict, parallel_state_of
 from .strategy import DistCheckpointStrategy
 
-__all__ = [
-    "ConfigError",
-    "DistCheckpointConfig",
-    "DistCheckpointIO",
-    "DistCheckpointStrategy",
-    "DistCheckpointModelParallelStrategy",
-    "DistModelCheckpoint",
-    "FabricDistCheckpointStrategy",
-    "FabricDistCheckpointModelParallelStrategy",
-    "export_torch_file",
-    "import_torch_file",
-    "ParallelState",
-    "StrategyConfig",
-    "load_checkpoint_config",
-    "load_lightning_module",
-    "load_module_weights",
-    "load_strategy_config",
-    "module_sharded_state_dict",
-    "parallel_state_of",
-]
+from .. import _LIGHTNING_NAMES
+
+__all__ = [*_LIGHTNING_NAMES, "load_checkpoint_config", "load_strategy_config"]

@@ -50,13 +50,23 @@ class Loader(Protocol):
              extra_safe_globals: Sequence[Any] = ()) -> Result: ...
 
 
-class EveryRankLoader:
-    """Each rank reads the pieces its own shards need."""
+class _GCPausedLoader:
+    """A loader whose ``_load`` runs with the cyclic garbage collector paused: a load allocates
+    many small objects and pays for collections that find nothing (docs/benchmarks.md)."""
 
     def load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
              extra_safe_globals: Sequence[Any] = ()) -> Result:
+        """Collective over ``comm`` (the load's group)."""
         with gc_paused():
             return self._load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals)
+
+    def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
+              extra_safe_globals: Sequence[Any]) -> Result:
+        raise NotImplementedError
+
+
+class EveryRankLoader(_GCPausedLoader):
+    """Each rank reads the pieces its own shards need."""
 
     def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
               extra_safe_globals: Sequence[Any]) -> Result:
@@ -74,9 +84,11 @@ class EveryRankLoader:
         return result
 
 
-class ExchangeLoader:
+class ExchangeLoader(_GCPausedLoader):
     """Chunks deduplicated over a group (the load's group, or each rank's data-parallel group):
     each read once by one of the ranks needing it and delivered to the others.
+
+    ``load`` is collective over the load's group; the exchange runs within ``group``.
 
     Args:
         group: the ranks that share reads (``None``: the group ``load`` runs over). Every rank of
@@ -106,12 +118,6 @@ class ExchangeLoader:
         self.read_batch_bytes = read_batch_bytes
         self.device = device
         self.last_stats: List[LoadStats] = []
-
-    def load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
-             extra_safe_globals: Sequence[Any] = ()) -> Result:
-        """Collective over ``comm`` (the load's group); the exchange runs within ``group``."""
-        with gc_paused():
-            return self._load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals)
 
     def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
               extra_safe_globals: Sequence[Any]) -> Result:
