@@ -1,167 +1,125 @@
-"""Cells of the border matrix (docs/lightning.md section 7) whose behaviour needs no second rank,
-checked in this one process with real Trainer / Fabric runs on CPU (devices=1) and real files:
-what a Trainer wrote (stock ``.ckpt`` or a DistCheckpointIO directory) loaded by Fabric + the plugin,
-and what Fabric + the plugin wrote loaded by a Trainer + the plugin."""
-
-import os
+"""Cells of the border matrix (docs/lightning.md section 7) that no other test covers, on 2 gloo
+processes: ONE launch of tests/lightning_scripts/matrix_scenarios.py (Lightning / Fabric start the second
+rank) in which each writer saves once, at its 2-process split, and every loader of its row is tried
+against it. Cells that load are compared bit for bit with the tensors the writer held (weights and every
+Adam state); cells that refuse must name the writer and what to do, on both ranks."""
 
 import pytest
-import torch
-from lightning.fabric import Fabric
-from lightning.pytorch import LightningModule, Trainer
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_distckpt.lightning import DistCheckpointIO
+from lightning_helpers import run_script
 
+PARAMS = ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+STATE = {f"{p}.{k}" for p in PARAMS for k in ("exp_avg", "exp_avg_sq", "step")} | set(PARAMS)
 
-class Small(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 2)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.fc(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)), batch_size=4)
-
-
-def _trainer(root, plugins=None, max_steps=2) -> Trainer:
-    return Trainer(accelerator="cpu", devices=1, max_steps=max_steps, default_root_dir=str(root), plugins=plugins,
-                   logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-
-
-def _fabric(plugin: bool) -> Fabric:
-    return Fabric(accelerator="cpu", devices=1, plugins=[DistCheckpointIO()] if plugin else None)
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    """Checkpoints written once: a stock Trainer .ckpt, a Trainer + plugin directory, a Fabric + plugin directory."""
-    d = tmp_path_factory.mktemp("borders_matrix")
-    torch.manual_seed(0)
-    t = _trainer(d / "stock")
-    t.fit(Small())
-    t.save_checkpoint(str(d / "stock.ckpt"))
-    t = _trainer(d / "plugin", plugins=[DistCheckpointIO()])
-    t.fit(Small())
-    t.save_checkpoint(str(d / "trainer_plugin"))
-    fabric = _fabric(plugin=True)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model, opt = fabric.setup(model, opt)
-    fabric.save(str(d / "fabric_plugin"), {"model": model, "optimizer": opt, "step": 2})
-    return d
-
-
-def _fabric_load(path):
-    fabric = _fabric(plugin=True)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model, opt = fabric.setup(model, opt)
-    fabric.load(path, {"model": model, "optimizer": opt})
-
-
-@pytest.mark.parametrize("name", ["stock.ckpt", "trainer_plugin"])
-def test_trainer_checkpoint_into_fabric_plugin_is_fabrics_own_error(written, name):
-    """Rows "stock Trainer DDP" and "T+plugin", column F+plugin: Fabric's own KeyError, naming the
-    entry ("model") the Trainer's dict does not have."""
-    assert os.path.exists(written / name)
-    with pytest.raises(KeyError, match="'model'"):
-        _fabric_load(str(written / name))
-
-
-def test_fabric_plugin_checkpoint_into_trainer_plugin_is_refused_naming_the_writer(written):
-    """Row F+plugin, column T+plugin: refused, naming fabric.save with DistCheckpointIO and what to do."""
-    from lightning_distckpt.core.errors import CheckpointingError
-    with pytest.raises(CheckpointingError, match="written by fabric.save with DistCheckpointIO.*fabric.load"):
-        t = _trainer(written / "t2", plugins=[DistCheckpointIO()], max_steps=3)
-        t.fit(Small(), ckpt_path=str(written / "fabric_plugin"))
-
-
-# --- cells that need a parallel strategy: one launch of tests/lightning_scripts/matrix_scenarios.py,
-# devices=1 (a gloo group of one); each writer saves once and every loader of its row is tried in turn.
 
 @pytest.fixture(scope="module")
 def cells(tmp_path_factory):
-    from lightning_helpers import run_script
-    d = tmp_path_factory.mktemp("borders_matrix_cells")
-    (res,) = run_script("matrix_scenarios.py", ["all", "--dir", str(d)], str(d / "out"), world_size=1, timeout=300)
-    return res
+    d = tmp_path_factory.mktemp("borders_matrix")
+    return run_script("matrix_scenarios.py", ["fabric_rows", "trainer_rows", "--dir", str(d)], str(d / "out"),
+                      world_size=2, timeout=420)
 
 
-@pytest.mark.parametrize("key", ["fmp_t_plugin", "ftp_t_plugin"])
-def test_fabric_strategy_checkpoints_into_trainer_plugin_are_lightnings_own_error(cells, key):
-    """Rows F+TP and Fabric ModelParallel, column T+plugin: Lightning's raw KeyError on its first entry."""
-    assert cells[key] == "KeyError: 'pytorch-lightning_version'"
+def _on_both(cells, key):
+    values = [res[key] for res in cells]
+    assert len(cells) == 2 and values[0] == values[1], values  # the same outcome on every rank
+    return values[0]
 
 
-@pytest.mark.parametrize("key", ["tmp_f_plugin", "ttp_f_plugin"])
-def test_trainer_strategy_checkpoints_into_fabric_plugin_are_fabrics_own_error(cells, key):
-    """Rows T+TP and T+MP, column F+plugin: Fabric's own KeyError naming the missing "model" entry."""
-    assert cells[key].startswith("KeyError") and "'model' that does not exist" in cells[key]
+# -- cells that load: bit-exact against the writer's tensors ------------------------------------------
+@pytest.mark.parametrize("cell, names", [
+    ("fpl_f_plugin", STATE),   # F+plugin -> F+plugin (stock Fabric DDP + the plugin)
+    ("fpl_convert", STATE),    # F+plugin -> convert: Fabric's dict, optimizer in torch's layout
+    ("fpl_inference", PARAMS),  # F+plugin -> load_module_weights(m, dir, entry="model")
+    ("sf_inference", PARAMS),  # stock Fabric file -> load_module_weights(m, file, entry="model")
+    ("fmp_f_plugin", STATE),   # Fabric ModelParallel (DP 2) -> F+plugin: module keys, torch's optimizer layout
+    ("fmp_f_mp", STATE),       # Fabric ModelParallel (DP 2) -> itself (DP 2)
+    ("fmp_convert", STATE),    # Fabric ModelParallel -> convert
+    ("fmp_inference", PARAMS),  # Fabric ModelParallel -> load_module_weights
+    ("tpl_f_tp", STATE),       # T+plugin (DP 2) -> F+TP (TP 2): into {"model", "optimizer"}
+])
+def test_cell_loads_bit_exact(cells, cell, names):
+    assert _on_both(cells, cell) == "ok"
+    for res in cells:
+        got = res[f"{cell}_equal"]
+        assert set(got) == set(names) and all(got.values()), got
+
+
+# -- cells that refuse: the writer named, and what to do ----------------------------------------------
+FABRIC_TO_TRAINER = {"sf": "by fabric.save or another tool", "fpl": "by fabric.save with DistCheckpointIO",
+                     "ftp": "by fabric.save under FabricDistCheckpointStrategy",
+                     "fmp": "by fabric.save under FabricDistCheckpointModelParallelStrategy"}
+
+
+@pytest.mark.parametrize("row", sorted(FABRIC_TO_TRAINER))
+def test_fabric_checkpoint_refused_by_trainer_plugin(cells, row):
+    """Rows written by fabric.save, column T+plugin (issue 16): not Lightning's raw
+    ``KeyError: 'pytorch-lightning_version'`` but a refusal naming the writer and what to do."""
+    msg = _on_both(cells, f"{row}_t_plugin")
+    assert msg.startswith("NotATrainerCheckpointError") and f"written {FABRIC_TO_TRAINER[row]}" in msg, msg
+    assert "not by a Trainer" in msg and "fabric.load" in msg and "load_module_weights" in msg
+
+
+@pytest.mark.parametrize("row", sorted(FABRIC_TO_TRAINER))
+@pytest.mark.parametrize("col", ["t_tp", "t_mp"])
+def test_fabric_checkpoint_refused_by_trainer_strategies(cells, row, col):
+    """Rows written by fabric.save, columns T+TP (TP 2) and T+MP (DP 1 x TP 2)."""
+    msg = _on_both(cells, f"{row}_{col}")
+    assert msg.startswith("CheckpointingError") and "written by fabric.save" in msg, msg
+    assert ("load_module_weights" in msg) if col == "t_tp" else ("not by DistCheckpointModelParallelStrategy" in msg)
+
+
+@pytest.mark.parametrize("row", ["stock", "tpl", "ttp", "tmp"])
+def test_trainer_checkpoint_into_fabric_plugin_is_fabrics_own_error(cells, row):
+    """Rows written by a Trainer, column F+plugin: Fabric's own KeyError naming the entry ("model")
+    a Trainer's dict does not have."""
+    msg = _on_both(cells, f"{row}_f_plugin")
+    assert msg.startswith("KeyError") and "'model' that does not exist" in msg, msg
 
 
 def test_trainer_mp_checkpoint_refused_by_fabric_tp(cells):
-    """Row T+MP, column F+TP: refused, written by a Trainer, naming trainer.fit and load_module_weights."""
-    msg = cells["tmp_f_tp"]
+    """Row T+MP (DP 2), column F+TP (TP 2): written by a Trainer, naming trainer.fit and load_module_weights."""
+    msg = _on_both(cells, "tmp_f_tp")
     assert msg.startswith("CheckpointingError") and "written by a Trainer" in msg
     assert "trainer.fit" in msg and "load_module_weights" in msg
 
 
 def test_tp_strategy_checkpoint_refused_by_trainer_mp(cells):
-    """Row T+TP, column T+MP: refused, naming DistCheckpointStrategy as the writer."""
-    msg = cells["ttp_t_mp"]
+    """Row T+TP (TP 2), column T+MP: names DistCheckpointStrategy as the writer."""
+    msg = _on_both(cells, "ttp_t_mp")
     assert msg.startswith("CheckpointingError") and "written by DistCheckpointStrategy" in msg
     assert "not by DistCheckpointModelParallelStrategy" in msg and "key_map" in msg
 
 
-def test_stock_fabric_file_refused_by_trainer_mp(cells):
-    """Row stock Fabric DDP (torch.save file), column T+MP: refused, written by fabric.save or another tool."""
-    msg = cells["sf_t_mp"]
-    assert msg.startswith("CheckpointingError") and "written by fabric.save or another tool" in msg
+def test_fabric_mp_checkpoint_refused_by_fabric_tp(cells):
+    msg = _on_both(cells, "fmp_f_tp")
+    assert msg.startswith("CheckpointingError"), msg
+    assert "written by FabricDistCheckpointModelParallelStrategy" in msg and "load_module_weights" in msg
 
 
-def test_fabric_mp_checkpoint_loads_under_fabric_plugin(cells):
-    """Row Fabric ModelParallel, column F+plugin: {"model", "optimizer"} weights and Adam moments
-    bit-exact against the writer's tensors (module keys, torch's optimizer layout)."""
-    assert cells["fmp_f_plugin"] == "ok"
-    equal = cells["fmp_f_plugin_equal"]
-    assert len(equal) == 16 and all(equal.values()), equal
+@pytest.mark.parametrize("row, writer", [
+    ("stock", "by a Trainer under a stock strategy (one torch.save .ckpt file)"),
+    ("tpl", "by DistCheckpointIO under a rank-0 strategy"),
+    ("ttp", "by DistCheckpointStrategy"),
+    ("tmp", "by a Trainer under DistCheckpointModelParallelStrategy"),
+])
+def test_trainer_checkpoints_refused_by_fabric_mp(cells, row, writer):
+    """Rows written by a Trainer, the Fabric ModelParallel subclass: it loads only its own checkpoints."""
+    msg = _on_both(cells, f"{row}_f_mp")
+    assert msg.startswith("CheckpointingError") and f"written {writer}" in msg, msg
+    assert "not by FabricDistCheckpointModelParallelStrategy" in msg and "key_map" in msg
 
 
-def test_fabric_mp_checkpoint_into_fabric_tp_is_refused_naming_the_writer(cells):
-    """Row Fabric ModelParallel, column F+TP: refused, naming the strategy that wrote it and what to do."""
-    cell = cells["fmp_f_tp"]
-    assert cell.startswith("CheckpointingError"), cell
-    assert "written by FabricDistCheckpointModelParallelStrategy" in cell and "load_module_weights" in cell
+DCP = "written by torch.distributed.checkpoint (DCP: Lightning's own ModelParallelStrategy"
 
 
-def test_fabric_mp_checkpoint_weights_by_load_module_weights(cells):
-    """Row Fabric ModelParallel, column inference: load_module_weights(m, dir, entry="model"), bit-exact."""
-    assert cells["fmp_inference"] == "ok"
-    assert cells["fmp_inference_keys"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
-    assert len(cells["fmp_inference_equal"]) == 4 and all(cells["fmp_inference_equal"].values())
-
-
-def test_trainer_plugin_directory_loads_under_fabric_tp(cells):
-    """Row T+plugin, column F+TP: as the stock file, into {"model", "optimizer"}: weights equal the stored ones."""
-    assert cells["tpl_f_tp"] == "ok"
-    assert len(cells["tpl_f_tp_equal"]) == 4 and all(cells["tpl_f_tp_equal"].values()), cells["tpl_f_tp_equal"]
-
-
-def test_lightning_dcp_directory_refused_by_trainer_mp(cells):
-    """Row Lightning ModelParallelStrategy (DCP directory), column T+MP: refused, not written by lightning_distckpt."""
-    msg = cells["dcp_t_mp"]
-    assert msg.startswith("CheckpointingError") and "not by lightning_distckpt" in msg and "key_map" in msg
+@pytest.mark.parametrize("col", ["t_plugin", "t_tp", "t_mp", "f_plugin", "f_mp", "convert"])
+def test_lightning_dcp_directory_refused_naming_dcp(cells, col):
+    """Row Lightning's own ModelParallelStrategy (DP 2, a DCP directory): every reader of ours names
+    DCP as the writer and points at ``lightning_distckpt.load(template, path, key_map=...)``."""
+    msg = _on_both(cells, f"dcp_{col}")
+    assert DCP in msg and "key_map" in msg, msg
 
 
 def test_lightning_dcp_directory_refused_by_fabric_tp(cells):
-    """Row Lightning ModelParallelStrategy (DCP directory), column F+TP: refused, written by a Trainer."""
-    msg = cells["dcp_f_tp"]
+    msg = _on_both(cells, "dcp_f_tp")
     assert msg.startswith("CheckpointingError") and "written by a Trainer" in msg and "load_module_weights" in msg

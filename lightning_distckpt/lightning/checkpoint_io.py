@@ -123,7 +123,8 @@ class DistCheckpointIO(CheckpointIO):
         common = load_common_state_dict(target, self.extra_safe_globals)
         man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
         if man is None:
-            raise FormatError(f"checkpoint {target}: not a Lightning checkpoint (no {MANIFEST_KEY} manifest)")
+            raise FormatError(f"checkpoint {target} was written {foreign_writer(target)}: not a Lightning "
+                              f"checkpoint (no {MANIFEST_KEY} manifest). {FOREIGN_ADVICE}")
         template = template_from_manifest(man, load_tensors_metadata(target), target)
         state, _, _ = EveryRankLoader().load(template, target, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
                                              self.extra_safe_globals)
@@ -252,6 +253,21 @@ class DistCheckpointIO(CheckpointIO):
         except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up
             local = e
         finalize_save(prep, local)
+
+
+# -- who wrote a checkpoint that is not what the reader expects --------------------------------------
+#: What to do with a checkpoint none of ours wrote.
+FOREIGN_ADVICE = ("Resume it with the strategy that wrote it, or load its weights into your module with "
+                  "lightning_distckpt.load(template, path, key_map=...) (its tensors: "
+                  "lightning_distckpt.load_plain_tensors(path))")
+
+
+def foreign_writer(path: str) -> str:
+    """Who wrote a checkpoint directory with no manifest of ours (a torch.distributed.checkpoint one, or other)."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return ("by torch.distributed.checkpoint (DCP: Lightning's own ModelParallelStrategy / FSDPStrategy, "
+                "or torch's dcp.save), not by lightning_distckpt")
+    return "without the Lightning integration's manifest (by lightning_distckpt.save, or another tool)"
 
 
 # -- a checkpoint fabric.save wrote, read whole by a Trainer -------------------------------------

@@ -15,11 +15,12 @@ from typing import Any, Sequence
 
 from .. import convert
 from ..convert import ConvertReport
+from ..core.errors import FormatError
 from ..serialization import load_common_state_dict
 from ..storage.paths import checkpoint_location, local_path
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
-from .checkpoint_io import DistCheckpointIO
+from .checkpoint_io import FOREIGN_ADVICE, DistCheckpointIO, foreign_writer
 from .tree import MANIFEST_KEY, iter_tensor_leaves
 
 
@@ -30,8 +31,11 @@ def export_torch_file(source: str, destination: str, extra_safe_globals: Sequenc
     t0 = time.perf_counter()
     common = load_common_state_dict(source, extra_safe_globals)
     if not (isinstance(common, dict) and MANIFEST_KEY in common):
+        if os.path.isfile(os.path.join(os.fspath(source), ".metadata")):  # DCP: not ours to export
+            raise FormatError(f"checkpoint {source} was written {foreign_writer(source)}. {FOREIGN_ADVICE}")
         return convert.export_torch_file(source, destination, extra_safe_globals)
-    payload = DistCheckpointIO(extra_safe_globals=extra_safe_globals).load_checkpoint(source)
+    # dict(): a fabric.save checkpoint is read as a FabricCheckpoint; the file holds a plain dict.
+    payload = dict(DistCheckpointIO(extra_safe_globals=extra_safe_globals).load_checkpoint(source))
     nbytes = convert.save_file_atomic(payload, destination)
     n_tensors = sum(1 for _ in iter_tensor_leaves(payload))
     return ConvertReport(checkpoint_location(source), os.path.abspath(destination), "lightning", n_tensors, 0, nbytes,

@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
-from .checkpoint_io import fabric_writer
+from .checkpoint_io import fabric_writer, foreign_writer
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .sharded import build_on_all_ranks
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
@@ -203,7 +203,8 @@ def refusal(path: str, kind: Optional[str], by_trainer: bool,
     if not by_trainer:
         writer = fabric_writer(kind)
     elif kind is None:
-        writer = "not by lightning_distckpt (Lightning's own ModelParallelStrategy / DCP, or another tool)"
+        writer = ("by a Trainer under a stock strategy (one torch.save .ckpt file)" if os.path.isfile(path)
+                  else foreign_writer(path))
     elif kind == KIND_MODEL_PARALLEL:
         writer = "by a Trainer under DistCheckpointModelParallelStrategy"
     else:

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ..core.errors import CheckpointingError
+from .checkpoint_io import FOREIGN_ADVICE, fabric_writer, foreign_writer
 from .parallel import STRATEGY_NAME
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
@@ -147,15 +148,13 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
             by_name = saved.kind == KIND_MODEL_PARALLEL
             by_path = is_tree_path_layout(path, saved.kind) or by_name
             if saved.kind != KIND_SHARDED and not by_path:
+                writer = foreign_writer(path) if saved.kind is None else f"by a writer of kind {saved.kind!r}"
+                raise CheckpointingError(f"checkpoint {path} was written {writer}, not by DistCheckpointStrategy, "
+                                         f"DistCheckpointIO or torch.save. {FOREIGN_ADVICE}")
+            if not saved.by_trainer and (saved.kind is not None or "pytorch-lightning_version" not in saved.entries):
                 raise CheckpointingError(
-                    f"checkpoint {path} (kind {saved.kind!r}) was written neither by a distributed-checkpoint strategy, "
-                    "nor by DistCheckpointIO, nor by torch.save (a stock Lightning .ckpt file); resume it with the "
-                    "strategy that saved it, or convert it (python -m lightning_distckpt convert)"
-                )
-            if saved.kind is not None and not saved.by_trainer:
-                raise CheckpointingError(
-                    f"checkpoint {path} was written by fabric.save (entries {sorted(saved.entries)}), not by a "
-                    "Trainer; load it with fabric.load, or a module's weights in one process with "
+                    f"checkpoint {path} was written {fabric_writer(saved.kind)} (entries {sorted(saved.entries)}), "
+                    "not by a Trainer; load it with fabric.load, or a module's weights in one process with "
                     f"load_module_weights(module, {path!r}, entry=<its entry>)")
             model_ssd = self._model_ssd()
             template: Dict[str, Any] = {"state_dict": model_ssd}

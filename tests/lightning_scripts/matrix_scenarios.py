@@ -1,7 +1,12 @@
-"""Border-matrix cells (docs/lightning.md section 7) run in ONE process (devices=1, a gloo group of one)
-for tests/test_borders_matrix.py: ``python matrix_scenarios.py all --dir D --out OUT``. Each writer
-saves once; every loader of its row is tried in turn and its outcome ("ok" or "<Error>: <message>")
-written to ``OUT.rank0.json``. The cells checked here refuse or load whatever the split, so one rank suffices."""
+"""Border-matrix cells (docs/lightning.md section 7) on 2 gloo processes, for tests/test_borders_matrix.py:
+``python matrix_scenarios.py all --dir D --out OUT`` (Lightning / Fabric launch the second rank).
+
+Each writer saves once, at its 2-process split (stock DDP and the plugin: DP 2; the TP strategies: TP 2;
+the ModelParallel strategies: DP 2 (FSDP2)); every loader of its row that no other test covers is
+tried against it in the same process group (the Trainer ModelParallel subclass at DP 1 x TP 2, the
+Fabric TP strategy at TP 2). Each cell's outcome ("ok" or "<Error>: <message>") and, for the cells
+that load, the bit-exact comparison of every weight and Adam state with the tensors the writer held,
+go to ``OUT.rank<r>.json``."""
 
 from __future__ import annotations
 
@@ -9,19 +14,22 @@ import argparse
 import os
 import sys
 from datetime import timedelta
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Iterable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from scenario_runner import run_scenarios  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy as FabricDDP  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 
 from lightning_distckpt.lightning import (DistCheckpointIO, DistCheckpointModelParallelStrategy,  # noqa: E402
-                                         DistCheckpointStrategy, FabricDistCheckpointStrategy, load_module_weights)
+                                         DistCheckpointStrategy, FabricDistCheckpointStrategy, export_torch_file,
+                                         load_module_weights)
 from lightning_distckpt.lightning.fabric_model_parallel import FabricDistCheckpointModelParallelStrategy  # noqa: E402
 from lightning_helpers import TPMLP  # noqa: E402
 from fabric_scenarios import Run as TPRun  # noqa: E402
@@ -30,7 +38,9 @@ from fabric_model_parallel_scenarios import Run as MPRun  # noqa: E402
 from model_parallel_scenarios import MPModel  # noqa: E402
 from border_fabric import StockRun  # noqa: E402
 
-TIMEOUT = timedelta(seconds=90)
+DEVICES = 2
+TIMEOUT = timedelta(seconds=120)
+Tensors = Dict[str, torch.Tensor]
 
 
 def outcome(fn: Callable[[], Any]) -> str:
@@ -41,10 +51,15 @@ def outcome(fn: Callable[[], Any]) -> str:
         return f"{type(e).__name__}: {e}"[:2000]
 
 
-def fabric(strategy: Any = "auto", plugins: Any = None) -> Fabric:
-    f = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=plugins)
+# -- the writers' and readers' setups, at their 2-process splits ------------------------------------
+def fabric(strategy: Any, plugins: Any = None) -> Fabric:
+    f = Fabric(accelerator="cpu", devices=DEVICES, strategy=strategy, plugins=plugins)
     f.launch()
     return f
+
+
+def fabric_stock() -> Fabric:
+    return fabric(FabricDDP(timeout=TIMEOUT))
 
 
 def fabric_plugin() -> Fabric:
@@ -52,122 +67,206 @@ def fabric_plugin() -> Fabric:
 
 
 def fabric_tp() -> Fabric:
-    return fabric(FabricDistCheckpointStrategy(tensor_parallel_size=1, timeout=TIMEOUT))
+    return fabric(FabricDistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT))
 
 
 def fabric_mp() -> Fabric:
-    return fabric(FabricDistCheckpointModelParallelStrategy(parallelize, data_parallel_size=1, tensor_parallel_size=1,
+    return fabric(FabricDistCheckpointModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1,
                                                             timeout=TIMEOUT))
 
 
-def trainer(strategy: Any = "auto", plugins: Any = None, max_steps: int = 2) -> Trainer:
-    return Trainer(accelerator="cpu", devices=1, strategy=strategy, plugins=plugins, max_steps=max_steps, max_epochs=-1,
-                   logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   num_sanity_val_steps=0)
+def trainer(strategy: Any, plugins: Any = None, max_steps: int = 2) -> Trainer:
+    return Trainer(accelerator="cpu", devices=DEVICES, strategy=strategy, plugins=plugins, max_steps=max_steps,
+                   max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False, num_sanity_val_steps=0)
 
 
-def t_plugin() -> Trainer:
-    from lightning.pytorch.strategies import DDPStrategy
-    return trainer(DDPStrategy(timeout=TIMEOUT), plugins=[DistCheckpointIO()], max_steps=4)
+def t_plugin(max_steps: int = 4) -> Trainer:
+    return trainer(DDPStrategy(timeout=TIMEOUT), plugins=[DistCheckpointIO()], max_steps=max_steps)
 
 
-def t_mp(max_steps: int = 4) -> Trainer:
-    return trainer(DistCheckpointModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, timeout=TIMEOUT),
-                   max_steps=max_steps)
+def t_tp(max_steps: int = 4) -> Trainer:
+    return trainer(DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT), max_steps=max_steps)
 
 
-def tp_run_load(path: str, full: bool = True) -> None:
-    run = TPRun(fabric_tp())
-    run.fabric.load(path, run.state(0) if full else {"model": run.model, "optimizer": run.opt})
+def t_mp(max_steps: int = 4, dp: int = 1, tp: int = 2) -> Trainer:
+    return trainer(DistCheckpointModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp,
+                                                       timeout=TIMEOUT), max_steps=max_steps)
 
 
-def plugin_load(path: str, full: bool = True) -> Any:
-    run = StockRun(fabric_plugin())
-    run.fabric.load(path, run.state(0) if full else {"model": run.model, "optimizer": run.opt})
-    return run
-
-
-def same_as_saved(run: Any, saved: Dict[str, torch.Tensor]) -> Dict[str, bool]:
-    """Each weight and Adam state of a TP 1 run equals the tensor the writer held (read back whole)."""
+# -- what a run holds, whole, by parameter name: "fc1.weight", "fc1.weight.exp_avg", ... ---------------
+def held(named_params: Iterable[Any], opt_state: Any) -> Tensors:
     out = {}
-    for name, p in run.model.module.named_parameters():
-        out[name] = torch.equal(p.detach(), saved[name])
-        for k, v in run.opt.optimizer.state[p].items():
-            out[f"{name}.{k}"] = torch.equal(v.to(saved[f"{name}.{k}"].dtype), saved[f"{name}.{k}"])
+    for name, p in named_params:
+        out[name] = p.detach().clone()
+        for k, v in opt_state[p].items():
+            out[f"{name}.{k}"] = v.detach().clone()
     return out
 
 
-def all_cells(args: argparse.Namespace, res: Dict[str, Any]) -> None:
-    d = args.dir
-    # Row: Fabric + FabricDistCheckpointModelParallelStrategy.
-    fmp = os.path.join(d, "fmp")
+def held_tp(run: TPRun) -> Tensors:
+    """A TP 2 Fabric run's state gathered over TP, keyed as :func:`held` keys it."""
+    return {(k[:-2] if k.endswith(".w") else k): v for k, v in run.full().items()}
+
+
+def equal(got: Tensors, saved: Tensors) -> Dict[str, bool]:
+    """Each tensor the writer held equals the reader's, bit for bit (a scalar step compared in the writer's dtype)."""
+    return {k: k in got and torch.equal(got[k].to(v.dtype), v) for k, v in saved.items()}
+
+
+# -- the readers: each gets a path, does what a user would, and records its outcome ------------------
+READ_TRAINER: Dict[str, Callable[[str], Any]] = {
+    "t_plugin": lambda p: t_plugin().fit(TPMLP(total_steps=4), ckpt_path=p),
+    "t_tp": lambda p: t_tp().fit(TPMLP(total_steps=4), ckpt_path=p),
+    "t_mp": lambda p: t_mp().fit(MPModel(total_steps=4), ckpt_path=p),
+}
+
+
+def f_plugin(path: str) -> Tensors:
+    run = StockRun(fabric_plugin())
+    run.fabric.load(path, {"model": run.model, "optimizer": run.opt})
+    return held(run.model.module.named_parameters(), run.opt.optimizer.state)
+
+
+def f_tp(path: str) -> Tensors:
+    run = TPRun(fabric_tp())
+    run.fabric.load(path, {"model": run.model, "optimizer": run.opt})
+    return held_tp(run)
+
+
+def f_mp(path: str) -> Tensors:
     run = MPRun(fabric_mp())
+    run.fabric.load(path, {"model": run.model, "optimizer": run.opt})
+    return run.full()
+
+
+def converted(path: str, out: str) -> Tensors:
+    """``convert DIR OUT.pt`` (each rank its own file: no collective), then torch.load(weights_only=True):
+    a Fabric dict ({"model", "optimizer"} in torch's layout), as :func:`held` keys it."""
+    out = f"{out}.rank{dist.get_rank()}"
+    export_torch_file(path, out)
+    whole = torch.load(out, weights_only=True)
+    got = dict(whole["model"])
+    for j, name in enumerate(whole["model"]):  # torch's layout: by index, in the module's order
+        for k, v in whole["optimizer"]["state"][j].items():
+            got[f"{name}.{k}"] = v
+    return got
+
+
+def inference(path: str) -> Tensors:
+    module = MLP()
+    load_module_weights(module, path, entry="model")
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def try_cell(res: Dict[str, Any], cell: str, fn: Callable[[], Any], saved: Tensors = None) -> None:
+    """Run one cell: its outcome under ``cell``; what it loaded compared with ``saved`` under ``cell_equal``."""
+    got: Dict[str, Any] = {}
+    res[cell] = outcome(lambda: got.update(fn() or {}))
+    if saved is not None and res[cell] == "ok":
+        res[f"{cell}_equal"] = equal(got, saved)
+
+
+def try_trainers(res: Dict[str, Any], row: str, path: str, columns: Iterable[str]) -> None:
+    for col in columns:
+        try_cell(res, f"{row}_{col}", lambda: READ_TRAINER[col](path))
+
+
+# -- the rows ------------------------------------------------------------------------------------------
+def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Rows written by fabric.save: stock Fabric DDP (a torch.save file), Fabric + the plugin, Fabric + TP 2,
+    Fabric + the ModelParallel subclass (DP 2)."""
+    d = args.dir
+    sf = os.path.join(d, "stock_fabric.pt")
+    run = StockRun(fabric_stock())
     run.train(0, 2)
-    saved = {k: v.detach().clone() for k, v in run.full().items()}
-    run.fabric.save(fmp, {"model": run.model, "optimizer": run.opt, "step": 2})
-    plain = MLP()
-    res["fmp_inference"] = outcome(lambda: load_module_weights(plain, fmp, entry="model"))
-    res["fmp_inference_equal"] = {k: torch.equal(v, saved[k]) for k, v in plain.state_dict().items() if k in saved}
-    res["fmp_inference_keys"] = sorted(plain.state_dict())
-    res["fmp_saved_keys"] = sorted(saved)
-    res["fmp_t_plugin"] = outcome(lambda: t_plugin().fit(TPMLP(total_steps=4), ckpt_path=fmp))
-    res["fmp_f_plugin"] = outcome(
-        lambda: res.update(fmp_f_plugin_equal=same_as_saved(plugin_load(fmp, full=False), saved)))
-    res["fmp_f_tp"] = outcome(lambda: tp_run_load(fmp, full=False))
-    # Row: Fabric + FabricDistCheckpointStrategy.
+    saved = held(run.model.module.named_parameters(), run.opt.optimizer.state)
+    run.fabric.save(sf, {"model": run.model, "optimizer": run.opt, "step": 2})
+    try_trainers(res, "sf", sf, ("t_plugin", "t_tp", "t_mp"))
+    try_cell(res, "sf_inference", lambda: inference(sf), {k: v for k, v in saved.items() if k.count(".") == 1})
+
+    fpl = os.path.join(d, "fabric_plugin")
+    run = StockRun(fabric_plugin())
+    run.train(0, 2)
+    saved = held(run.model.module.named_parameters(), run.opt.optimizer.state)
+    run.fabric.save(fpl, {"model": run.model, "optimizer": run.opt, "step": 2})
+    try_trainers(res, "fpl", fpl, ("t_plugin", "t_tp", "t_mp"))
+    try_cell(res, "fpl_f_plugin", lambda: f_plugin(fpl), saved)
+    try_cell(res, "fpl_convert", lambda: converted(fpl, os.path.join(d, "fpl.pt")), saved)
+    try_cell(res, "fpl_inference", lambda: inference(fpl), {k: v for k, v in saved.items() if k.count(".") == 1})
+
     ftp = os.path.join(d, "ftp")
     run = TPRun(fabric_tp())
     run.train(0, 2)
     run.fabric.save(ftp, run.state(2))
-    res["ftp_t_plugin"] = outcome(lambda: t_plugin().fit(TPMLP(total_steps=4), ckpt_path=ftp))
-    # Row: stock Fabric DDP (a torch.save file).
-    sf = os.path.join(d, "stock_fabric.pt")
-    run = StockRun(fabric(FabricDDP(timeout=TIMEOUT)))
-    run.fabric.save(sf, run.state(0))
-    res["sf_t_mp"] = outcome(lambda: t_mp().fit(MPModel(total_steps=4), ckpt_path=sf))
-    # Row: Trainer + DistCheckpointModelParallelStrategy.
-    tmp = os.path.join(d, "tmp.ckpt")
-    t = t_mp(max_steps=2)
-    t.fit(MPModel(total_steps=2))
-    t.save_checkpoint(tmp)
-    res["tmp_f_plugin"] = outcome(lambda: plugin_load(tmp))
-    res["tmp_f_tp"] = outcome(lambda: tp_run_load(tmp))
-    # Row: Trainer + DistCheckpointStrategy.
+    try_trainers(res, "ftp", ftp, ("t_plugin", "t_tp", "t_mp"))
+
+    fmp = os.path.join(d, "fmp")
+    run = MPRun(fabric_mp())
+    run.train(0, 2)
+    saved = run.full()
+    run.fabric.save(fmp, {"model": run.model, "optimizer": run.opt, "step": 2})
+    try_trainers(res, "fmp", fmp, ("t_plugin", "t_tp", "t_mp"))
+    try_cell(res, "fmp_f_plugin", lambda: f_plugin(fmp), saved)
+    try_cell(res, "fmp_f_tp", lambda: f_tp(fmp))
+    try_cell(res, "fmp_f_mp", lambda: f_mp(fmp), saved)
+    try_cell(res, "fmp_convert", lambda: converted(fmp, os.path.join(d, "fmp.pt")), saved)
+    try_cell(res, "fmp_inference", lambda: inference(fmp), {k: v for k, v in saved.items() if k.count(".") == 1})
+
+
+def trainer_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Rows written by a Trainer: stock DDP (a .ckpt file), DDP + the plugin, the TP strategy (TP 2),
+    the ModelParallel subclass (DP 2), Lightning's own ModelParallelStrategy (DP 2, a DCP directory)."""
+    d = args.dir
+    stock = os.path.join(d, "stock.ckpt")
+    t = trainer(DDPStrategy(timeout=TIMEOUT))
+    t.fit(TPMLP(total_steps=2))
+    t.save_checkpoint(stock)
+    try_cell(res, "stock_f_plugin", lambda: f_plugin(stock))
+    try_cell(res, "stock_f_mp", lambda: f_mp(stock))
+
+    tpl = os.path.join(d, "tplugin")
+    t, model = t_plugin(max_steps=2), TPMLP(total_steps=2)
+    t.fit(model)
+    saved = held(model.named_parameters(), t.optimizers[0].state)
+    t.save_checkpoint(tpl)
+    try_cell(res, "tpl_f_plugin", lambda: f_plugin(tpl))
+    try_cell(res, "tpl_f_tp", lambda: f_tp(tpl), saved)
+    try_cell(res, "tpl_f_mp", lambda: f_mp(tpl))
+
     ttp = os.path.join(d, "ttp.ckpt")
-    t = trainer(DistCheckpointStrategy(tensor_parallel_size=1, timeout=TIMEOUT), max_steps=2)
+    t = t_tp(max_steps=2)
     t.fit(TPMLP(total_steps=2))
     t.save_checkpoint(ttp)
-    res["ttp_t_mp"] = outcome(lambda: t_mp().fit(MPModel(total_steps=4), ckpt_path=ttp))
-    res["ttp_f_plugin"] = outcome(lambda: plugin_load(ttp))
-    # Row: Trainer, stock DDP + DistCheckpointIO (a directory), column F+TP.
-    tpl = os.path.join(d, "tplugin")
-    t = t_plugin()
-    t.fit(TPMLP(total_steps=2))
-    t.save_checkpoint(tpl)
-    stored = DistCheckpointIO().load_checkpoint(tpl)
+    try_trainers(res, "ttp", ttp, ("t_mp",))
+    try_cell(res, "ttp_f_plugin", lambda: f_plugin(ttp))
+    try_cell(res, "ttp_f_mp", lambda: f_mp(ttp))
 
-    def tpl_f_tp() -> None:
-        run = TPRun(fabric_tp())
-        run.fabric.load(tpl, {"model": run.model, "optimizer": run.opt})
-        res["tpl_f_tp_equal"] = {n: torch.equal(p.detach(), stored["state_dict"][n])
-                                 for n, p in run.model.module.named_parameters()}
-    res["tpl_f_tp"] = outcome(tpl_f_tp)
-    # Row: Trainer + Lightning's own ModelParallelStrategy (a DCP directory).
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    tmp = os.path.join(d, "tmp.ckpt")
+    t = t_mp(max_steps=2, dp=2, tp=1)
+    t.fit(MPModel(total_steps=2))
+    t.save_checkpoint(tmp)
+    try_cell(res, "tmp_f_plugin", lambda: f_plugin(tmp))
+    try_cell(res, "tmp_f_tp", lambda: f_tp(tmp))
+    try_cell(res, "tmp_f_mp", lambda: f_mp(tmp))
+
     dcp = os.path.join(d, "lightning_dcp")
-    t = trainer(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, timeout=TIMEOUT), max_steps=2)
+    t = trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT))
     t.fit(MPModel(total_steps=2))
     t.save_checkpoint(dcp)
-    res["dcp_t_mp"] = outcome(lambda: t_mp().fit(MPModel(total_steps=4), ckpt_path=dcp))
-    res["dcp_f_tp"] = outcome(lambda: tp_run_load(dcp, full=False))
+    try_trainers(res, "dcp", dcp, ("t_plugin", "t_tp", "t_mp"))
+    try_cell(res, "dcp_f_plugin", lambda: f_plugin(dcp))
+    try_cell(res, "dcp_f_tp", lambda: f_tp(dcp))
+    try_cell(res, "dcp_f_mp", lambda: f_mp(dcp))
+    try_cell(res, "dcp_convert", lambda: converted(dcp, os.path.join(d, "dcp.pt")))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+")
+    p.add_argument("scenarios", nargs="+", choices=("fabric_rows", "trainer_rows"))
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
-    run_scenarios({"all": all_cells}, p.parse_args())
+    run_scenarios({"fabric_rows": fabric_rows, "trainer_rows": trainer_rows}, p.parse_args())
 
 
 if __name__ == "__main__":
