@@ -36,6 +36,11 @@ def _on_both(cells, key):
     ("fmp_convert", STATE),    # Fabric ModelParallel -> convert
     ("fmp_inference", PARAMS),  # Fabric ModelParallel -> load_module_weights
     ("tpl_f_tp", STATE),       # T+plugin (DP 2) -> F+TP (TP 2): into {"model", "optimizer"}
+    ("tpl_convert", STATE),    # T+plugin -> convert: Lightning's dict, optimizer in torch's layout
+    ("tpl_inference", PARAMS),  # T+plugin -> load_module_weights(m, dir)
+    ("ttp_inference", PARAMS),  # T+TP (TP 2) -> load_module_weights(m, dir): whole weights
+    ("ftp_convert", STATE),    # F+TP (TP 2) -> convert: the module's own keys, whole tensors
+    ("ftp_inference", PARAMS),  # F+TP -> load_module_weights(m, dir, entry="model")
 ])
 def test_cell_loads_bit_exact(cells, cell, names):
     assert _on_both(cells, cell) == "ok"
@@ -76,9 +81,11 @@ def test_trainer_checkpoint_into_fabric_plugin_is_fabrics_own_error(cells, row):
     assert msg.startswith("KeyError") and "'model' that does not exist" in msg, msg
 
 
-def test_trainer_mp_checkpoint_refused_by_fabric_tp(cells):
-    """Row T+MP (DP 2), column F+TP (TP 2): written by a Trainer, naming trainer.fit and load_module_weights."""
-    msg = _on_both(cells, "tmp_f_tp")
+@pytest.mark.parametrize("row", ["ttp", "tmp"])
+def test_trainer_strategy_checkpoint_refused_by_fabric_tp(cells, row):
+    """Rows T+TP (TP 2) and T+MP (DP 2), column F+TP (TP 2): written by a Trainer, naming trainer.fit
+    and load_module_weights."""
+    msg = _on_both(cells, f"{row}_f_tp")
     assert msg.startswith("CheckpointingError") and "written by a Trainer" in msg
     assert "trainer.fit" in msg and "load_module_weights" in msg
 

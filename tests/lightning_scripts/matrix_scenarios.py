@@ -31,7 +31,7 @@ from lightning_distckpt.lightning import (DistCheckpointIO, DistCheckpointModelP
                                          DistCheckpointStrategy, FabricDistCheckpointStrategy, export_torch_file,
                                          load_module_weights)
 from lightning_distckpt.lightning.fabric_model_parallel import FabricDistCheckpointModelParallelStrategy  # noqa: E402
-from lightning_helpers import TPMLP  # noqa: E402
+from lightning_helpers import TPMLP, full_weights, optimizer_full_state  # noqa: E402
 from fabric_scenarios import Run as TPRun  # noqa: E402
 from fabric_model_parallel_scenarios import MLP, parallelize  # noqa: E402
 from fabric_model_parallel_scenarios import Run as MPRun  # noqa: E402
@@ -142,21 +142,29 @@ def f_mp(path: str) -> Tensors:
 
 def converted(path: str, out: str) -> Tensors:
     """``convert DIR OUT.pt`` (each rank its own file: no collective), then torch.load(weights_only=True):
-    a Fabric dict ({"model", "optimizer"} in torch's layout), as :func:`held` keys it."""
+    Lightning's dict or Fabric's ({"model", "optimizer"}), optimizer state in torch's layout, as
+    :func:`held` keys it."""
     out = f"{out}.rank{dist.get_rank()}"
     export_torch_file(path, out)
     whole = torch.load(out, weights_only=True)
-    got = dict(whole["model"])
-    for j, name in enumerate(whole["model"]):  # torch's layout: by index, in the module's order
-        for k, v in whole["optimizer"]["state"][j].items():
+    model, opt = ((whole["state_dict"], whole["optimizer_states"][0]) if "state_dict" in whole
+                  else (whole["model"], whole["optimizer"]))
+    got = dict(model)
+    for j, name in enumerate(model):  # torch's layout: by index, in the module's order
+        for k, v in opt["state"][j].items():
             got[f"{name}.{k}"] = v
     return got
 
 
-def inference(path: str) -> Tensors:
+def inference(path: str, entry: str = "model") -> Tensors:
     module = MLP()
-    load_module_weights(module, path, entry="model")
+    load_module_weights(module, path, entry=entry)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def weights(saved: Tensors) -> Tensors:
+    """The weights alone (no optimizer state) of what :func:`held` returns."""
+    return {k: v for k, v in saved.items() if k.count(".") == 1}
 
 
 def try_cell(res: Dict[str, Any], cell: str, fn: Callable[[], Any], saved: Tensors = None) -> None:
@@ -183,7 +191,7 @@ def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     saved = held(run.model.module.named_parameters(), run.opt.optimizer.state)
     run.fabric.save(sf, {"model": run.model, "optimizer": run.opt, "step": 2})
     try_trainers(res, "sf", sf, ("t_plugin", "t_tp", "t_mp"))
-    try_cell(res, "sf_inference", lambda: inference(sf), {k: v for k, v in saved.items() if k.count(".") == 1})
+    try_cell(res, "sf_inference", lambda: inference(sf), weights(saved))
 
     fpl = os.path.join(d, "fabric_plugin")
     run = StockRun(fabric_plugin())
@@ -193,13 +201,16 @@ def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     try_trainers(res, "fpl", fpl, ("t_plugin", "t_tp", "t_mp"))
     try_cell(res, "fpl_f_plugin", lambda: f_plugin(fpl), saved)
     try_cell(res, "fpl_convert", lambda: converted(fpl, os.path.join(d, "fpl.pt")), saved)
-    try_cell(res, "fpl_inference", lambda: inference(fpl), {k: v for k, v in saved.items() if k.count(".") == 1})
+    try_cell(res, "fpl_inference", lambda: inference(fpl), weights(saved))
 
     ftp = os.path.join(d, "ftp")
     run = TPRun(fabric_tp())
     run.train(0, 2)
+    saved = held_tp(run)
     run.fabric.save(ftp, run.state(2))
     try_trainers(res, "ftp", ftp, ("t_plugin", "t_tp", "t_mp"))
+    try_cell(res, "ftp_convert", lambda: converted(ftp, os.path.join(d, "ftp.pt")), saved)
+    try_cell(res, "ftp_inference", lambda: inference(ftp), weights(saved))
 
     fmp = os.path.join(d, "fmp")
     run = MPRun(fabric_mp())
@@ -211,7 +222,7 @@ def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     try_cell(res, "fmp_f_tp", lambda: f_tp(fmp))
     try_cell(res, "fmp_f_mp", lambda: f_mp(fmp), saved)
     try_cell(res, "fmp_convert", lambda: converted(fmp, os.path.join(d, "fmp.pt")), saved)
-    try_cell(res, "fmp_inference", lambda: inference(fmp), {k: v for k, v in saved.items() if k.count(".") == 1})
+    try_cell(res, "fmp_inference", lambda: inference(fmp), weights(saved))
 
 
 def trainer_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
@@ -233,12 +244,17 @@ def trainer_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     try_cell(res, "tpl_f_plugin", lambda: f_plugin(tpl))
     try_cell(res, "tpl_f_tp", lambda: f_tp(tpl), saved)
     try_cell(res, "tpl_f_mp", lambda: f_mp(tpl))
+    try_cell(res, "tpl_convert", lambda: converted(tpl, os.path.join(d, "tpl.ckpt")), saved)
+    try_cell(res, "tpl_inference", lambda: inference(tpl, "state_dict"), weights(saved))
 
     ttp = os.path.join(d, "ttp.ckpt")
-    t = t_tp(max_steps=2)
-    t.fit(TPMLP(total_steps=2))
+    t, model = t_tp(max_steps=2), TPMLP(total_steps=2)
+    t.fit(model)
+    saved = {**full_weights(model), **optimizer_full_state(model, t.optimizers[0])}
     t.save_checkpoint(ttp)
     try_trainers(res, "ttp", ttp, ("t_mp",))
+    try_cell(res, "ttp_f_tp", lambda: f_tp(ttp))
+    try_cell(res, "ttp_inference", lambda: inference(ttp, "state_dict"), weights(saved))
     try_cell(res, "ttp_f_plugin", lambda: f_plugin(ttp))
     try_cell(res, "ttp_f_mp", lambda: f_mp(ttp))
 
