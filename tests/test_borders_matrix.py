@@ -37,6 +37,7 @@ def _on_both(cells, key):
     ("fmp_inference", PARAMS),  # Fabric ModelParallel -> load_module_weights
     ("tpl_f_tp", STATE),       # T+plugin (DP 2) -> F+TP (TP 2): into {"model", "optimizer"}
     ("tpl_convert", STATE),    # T+plugin -> convert: Lightning's dict, optimizer in torch's layout
+    ("stock_inference", PARAMS),  # stock Trainer DDP .ckpt -> load_module_weights(m, file)
     ("tpl_inference", PARAMS),  # T+plugin -> load_module_weights(m, dir)
     ("ttp_inference", PARAMS),  # T+TP (TP 2) -> load_module_weights(m, dir): whole weights
     ("ftp_convert", STATE),    # F+TP (TP 2) -> convert: the module's own keys, whole tensors

@@ -230,9 +230,11 @@ def trainer_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     the ModelParallel subclass (DP 2), Lightning's own ModelParallelStrategy (DP 2, a DCP directory)."""
     d = args.dir
     stock = os.path.join(d, "stock.ckpt")
-    t = trainer(DDPStrategy(timeout=TIMEOUT))
-    t.fit(TPMLP(total_steps=2))
+    t, model = trainer(DDPStrategy(timeout=TIMEOUT)), TPMLP(total_steps=2)
+    t.fit(model)
+    saved = held(model.named_parameters(), t.optimizers[0].state)
     t.save_checkpoint(stock)
+    try_cell(res, "stock_inference", lambda: inference(stock, "state_dict"), weights(saved))
     try_cell(res, "stock_f_plugin", lambda: f_plugin(stock))
     try_cell(res, "stock_f_mp", lambda: f_mp(stock))
 
