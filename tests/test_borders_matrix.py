@@ -109,9 +109,12 @@ def test_fabric_mp_checkpoint_refused_by_fabric_tp(cells):
     ("tpl", "by DistCheckpointIO under a rank-0 strategy"),
     ("ttp", "by DistCheckpointStrategy"),
     ("tmp", "by a Trainer under DistCheckpointModelParallelStrategy"),
+    ("sf", "by fabric.save or another tool"),
+    ("fpl", "by fabric.save with DistCheckpointIO"),
+    ("ftp", "by fabric.save under FabricDistCheckpointStrategy"),
 ])
-def test_trainer_checkpoints_refused_by_fabric_mp(cells, row, writer):
-    """Rows written by a Trainer, the Fabric ModelParallel subclass: it loads only its own checkpoints."""
+def test_other_checkpoints_refused_by_fabric_mp(cells, row, writer):
+    """Every other row into the Fabric ModelParallel subclass (DP 2): it loads only its own checkpoints."""
     msg = _on_both(cells, f"{row}_f_mp")
     assert msg.startswith("CheckpointingError") and f"written {writer}" in msg, msg
     assert "not by FabricDistCheckpointModelParallelStrategy" in msg and "key_map" in msg

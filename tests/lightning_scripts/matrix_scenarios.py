@@ -192,6 +192,7 @@ def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     run.fabric.save(sf, {"model": run.model, "optimizer": run.opt, "step": 2})
     try_trainers(res, "sf", sf, ("t_plugin", "t_tp", "t_mp"))
     try_cell(res, "sf_inference", lambda: inference(sf), weights(saved))
+    try_cell(res, "sf_f_mp", lambda: f_mp(sf))
 
     fpl = os.path.join(d, "fabric_plugin")
     run = StockRun(fabric_plugin())
@@ -202,6 +203,7 @@ def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     try_cell(res, "fpl_f_plugin", lambda: f_plugin(fpl), saved)
     try_cell(res, "fpl_convert", lambda: converted(fpl, os.path.join(d, "fpl.pt")), saved)
     try_cell(res, "fpl_inference", lambda: inference(fpl), weights(saved))
+    try_cell(res, "fpl_f_mp", lambda: f_mp(fpl))
 
     ftp = os.path.join(d, "ftp")
     run = TPRun(fabric_tp())
@@ -211,6 +213,7 @@ def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     try_trainers(res, "ftp", ftp, ("t_plugin", "t_tp", "t_mp"))
     try_cell(res, "ftp_convert", lambda: converted(ftp, os.path.join(d, "ftp.pt")), saved)
     try_cell(res, "ftp_inference", lambda: inference(ftp), weights(saved))
+    try_cell(res, "ftp_f_mp", lambda: f_mp(ftp))
 
     fmp = os.path.join(d, "fmp")
     run = MPRun(fabric_mp())
