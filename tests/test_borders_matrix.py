@@ -123,7 +123,18 @@ def test_other_checkpoints_refused_by_fabric_mp(cells, row, writer):
 DCP = "written by torch.distributed.checkpoint (DCP: Lightning's own ModelParallelStrategy"
 
 
-@pytest.mark.parametrize("col", ["t_plugin", "t_tp", "t_mp", "f_plugin", "f_mp", "convert"])
+def test_lightning_dcp_directory_resumes_under_trainer_mp(cells):
+    """Row Lightning's own ModelParallelStrategy (DP 2, a DCP directory), column T+MP (DP 1 x TP 2): read
+    as the stock strategy reads it, resharded: every weight and Adam state bit-exact against the writer's,
+    step and scheduler restored, training goes on; the next save is in our format."""
+    assert _on_both(cells, "dcp_t_mp") == "ok"
+    for res in cells:
+        got = res["dcp_t_mp_resumed"]
+        assert set(got["equal"]) == STATE and all(got["equal"].values()), got["equal"]
+        assert got["step"] == 2 and got["sched"] is True and got["final_step"] == 4 and got["resaved_step"] == 4
+
+
+@pytest.mark.parametrize("col", ["t_plugin", "t_tp", "f_plugin", "f_mp", "convert"])
 def test_lightning_dcp_directory_refused_naming_dcp(cells, col):
     """Row Lightning's own ModelParallelStrategy (DP 2, a DCP directory): every reader of ours names
     DCP as the writer and points at ``lightning_distckpt.load(template, path, key_map=...)``."""

@@ -15,6 +15,10 @@ The module is parallelized in ``LightningModule.configure_model`` as under the s
 Keys depend only on the module's names, never on the mesh, so a checkpoint resumes under any
 world size, DP x TP split or placement. A checkpoint read whole (``DistCheckpointIO``, ``convert``)
 is the stock Trainer dict: whole weights, optimizer state in torch's layout.
+
+A checkpoint directory Lightning's own ``ModelParallelStrategy`` wrote (DCP files and ``meta.pt``) is
+read as that strategy reads it (resharded by ``torch.distributed.checkpoint``, ``meta.pt`` weights-only),
+so a stock run moves to this strategy with ``ckpt_path=<its checkpoint>``; later saves are ours.
 """
 
 from __future__ import annotations
@@ -154,6 +158,12 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
         always safe."""
         path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
+        if is_lightning_dcp(path):
+            # Lightning's own ModelParallelStrategy wrote it (DCP): read as the stock strategy reads it,
+            # resharded to this mesh by torch.distributed.checkpoint; meta.pt is read weights-only.
+            log.info("checkpoint %s: Lightning's ModelParallelStrategy (DCP) layout, read as the stock strategy "
+                     "reads it; the next save is in lightning_distckpt's format", path)
+            return super().load_checkpoint(path, weights_only=True)
         optimizers = self._raw_optimizers()  # none unless fitting (the stock strategy resets them)
         dtensors: Dict[Path, DTensor] = {}
         orders: List[List[str]] = []  # each optimizer's parameter names, in its order
@@ -195,6 +205,13 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
     def teardown(self) -> None:
         self.checkpoint_io.teardown()  # the stock strategy skips CheckpointIO.teardown: commit a pending save
         super().teardown()
+
+
+def is_lightning_dcp(path: str) -> bool:
+    """A directory Lightning's ``ModelParallelStrategy`` saved: DCP's ``.metadata`` and Lightning's
+    ``meta.pt`` (the loops, callbacks, schedulers), and no manifest of ours."""
+    return (os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, "meta.pt"))
+            and not os.path.isfile(os.path.join(path, "metadata.json")))
 
 
 def refusal(path: str, kind: Optional[str], by_trainer: bool,

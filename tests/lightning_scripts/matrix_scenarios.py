@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy as FabricDDP  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 
 from lightning_distckpt.lightning import (DistCheckpointIO, DistCheckpointModelParallelStrategy,  # noqa: E402
@@ -35,7 +35,7 @@ from lightning_helpers import TPMLP, full_weights, optimizer_full_state  # noqa:
 from fabric_scenarios import Run as TPRun  # noqa: E402
 from fabric_model_parallel_scenarios import MLP, parallelize  # noqa: E402
 from fabric_model_parallel_scenarios import Run as MPRun  # noqa: E402
-from model_parallel_scenarios import MPModel  # noqa: E402
+from model_parallel_scenarios import MPModel, full_state  # noqa: E402
 from border_fabric import StockRun  # noqa: E402
 
 DEVICES = 2
@@ -75,9 +75,9 @@ def fabric_mp() -> Fabric:
                                                             timeout=TIMEOUT))
 
 
-def trainer(strategy: Any, plugins: Any = None, max_steps: int = 2) -> Trainer:
+def trainer(strategy: Any, plugins: Any = None, max_steps: int = 2, callbacks: Any = None) -> Trainer:
     return Trainer(accelerator="cpu", devices=DEVICES, strategy=strategy, plugins=plugins, max_steps=max_steps,
-                   max_epochs=-1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   max_epochs=-1, callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                    enable_checkpointing=False, num_sanity_val_steps=0)
 
 
@@ -89,9 +89,9 @@ def t_tp(max_steps: int = 4) -> Trainer:
     return trainer(DistCheckpointStrategy(tensor_parallel_size=2, timeout=TIMEOUT), max_steps=max_steps)
 
 
-def t_mp(max_steps: int = 4, dp: int = 1, tp: int = 2) -> Trainer:
+def t_mp(max_steps: int = 4, dp: int = 1, tp: int = 2, callbacks: Any = None) -> Trainer:
     return trainer(DistCheckpointModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp,
-                                                       timeout=TIMEOUT), max_steps=max_steps)
+                                                       timeout=TIMEOUT), max_steps=max_steps, callbacks=callbacks)
 
 
 # -- what a run holds, whole, by parameter name: "fc1.weight", "fc1.weight.exp_avg", ... ---------------
@@ -160,6 +160,29 @@ def inference(path: str, entry: str = "model") -> Tensors:
     module = MLP()
     load_module_weights(module, path, entry=entry)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class Captured(Callback):
+    """On train start (after the restore): the whole state, step and scheduler the Trainer resumed with."""
+
+    def __init__(self) -> None:
+        self.got: Dict[str, Any] = {}
+
+    def on_train_start(self, trainer_: Trainer, module: Any) -> None:
+        self.got = {"state": full_state(module, trainer_), "step": trainer_.global_step,
+                    "sched": trainer_.lr_scheduler_configs[0].scheduler.state_dict()}
+
+
+def resumed_t_mp(path: str, saved: Tensors, sched: Dict[str, Any]) -> Dict[str, Any]:
+    """``fit(ckpt_path=path)`` under the Trainer ModelParallel subclass (DP 1 x TP 2): what it resumed
+    with, against the writer's whole state and scheduler; the step it ended at; its next save's format."""
+    cap = Captured()
+    t = t_mp(callbacks=[cap])
+    t.fit(MPModel(total_steps=4), ckpt_path=path)
+    t.save_checkpoint(path + ".resaved")
+    return {"equal": equal(cap.got["state"], saved), "step": cap.got["step"], "sched": cap.got["sched"] == sched,
+            "final_step": t.global_step, "resaved_step": DistCheckpointIO().load_checkpoint(path + ".resaved")[
+                "global_step"]}
 
 
 def weights(saved: Tensors) -> Tensors:
@@ -272,10 +295,13 @@ def trainer_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     try_cell(res, "tmp_f_mp", lambda: f_mp(tmp))
 
     dcp = os.path.join(d, "lightning_dcp")
+    model = MPModel(total_steps=2)
     t = trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT))
-    t.fit(MPModel(total_steps=2))
+    t.fit(model)
+    saved, sched = full_state(model, t), t.lr_scheduler_configs[0].scheduler.state_dict()
     t.save_checkpoint(dcp)
-    try_trainers(res, "dcp", dcp, ("t_plugin", "t_tp", "t_mp"))
+    try_trainers(res, "dcp", dcp, ("t_plugin", "t_tp"))
+    res["dcp_t_mp"] = outcome(lambda: res.update(dcp_t_mp_resumed=resumed_t_mp(dcp, saved, sched)))
     try_cell(res, "dcp_f_plugin", lambda: f_plugin(dcp))
     try_cell(res, "dcp_f_tp", lambda: f_tp(dcp))
     try_cell(res, "dcp_f_mp", lambda: f_mp(dcp))
