@@ -38,6 +38,7 @@ from .options import StorageOptions
 from .checksums import frame_object, unframe_object
 from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
+from ..planning.even_index import PackedPlaces
 from .packs import as_tensor, build_pack, packed_view
 from .s3 import is_committed_version as s3_is_committed
 from .s3_url import S3_READ_COALESCING, context_spec, is_s3_url
@@ -86,11 +87,7 @@ class TensorStoreIO:
         self.s3 = is_s3_url(checkpoint_dir)  # an s3:// version location (see storage/s3.py)
         self.root = checkpoint_dir if self.s3 else os.path.abspath(checkpoint_dir)
         self.options = options
-        self._packed: Dict[Tuple[int, str], Tuple[str, int, Tuple[int, ...]]] = {}  # handle -> (dtype, offset, shape)
-        for key, entry in (index.tensors.items() if index is not None else ()):
-            for sh in entry.shards:
-                if sh.packed is not None:
-                    self._packed[(sh.writer, tensor_path(key, sh.index))] = (entry.dtype, sh.packed, tuple(sh.shape))
+        self._packed = PackedPlaces(index, tensor_path)  # handle -> (dtype, offset, shape); an even split's lazily
         # One context per directory: all arrays of a rank share one OCDBT database instance, and
         # the I/O concurrency applies to the whole save or load. No chunk cache: checkpoint data
         # is written or read once, and caching would keep references to the caller's tensors.

@@ -1,0 +1,285 @@
+"""Whole chunks read straight from a rank's files into the destination tensors, checksums
+verified with the CPU's CRC-32C instructions.
+
+Our arrays are plain zarr v3 (``bytes`` codec, little-endian, then ``crc32c``) cut along their
+first axis only, so every stored chunk is a run of whole rows followed by its 4-byte checksum.
+In an OCDBT store each chunk lies whole in one data file; ``tensorstore.ocdbt.dump`` lists where
+(:func:`ocdbt_locations`); in the ``zarr`` layout it is a file of its own. A chunk read whole
+goes by ``os.preadv`` into the destination's own memory (no intermediate buffer) and its
+checksum is computed over those bytes with the ``crc32c`` package; a chunk read in part goes
+through one scratch buffer. tensorstore's wheel computes CRC-32C in portable code (about
+1.5 GB/s here) and decodes each chunk through one more copy: measured in docs/benchmarks.md.
+
+What cannot be read this way (another codec chain, a cast, a packed shard, an object store, an
+index this module does not understand) is left to tensorstore (see ``TensorStoreIO.read_into``).
+``LIGHTNING_DISTCKPT_DIRECT_READS=0`` leaves everything to tensorstore.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import crc32c
+import numpy as np
+import tensorstore as ts
+import torch
+
+from ..core.errors import FormatError
+
+DIRECT_ENV = "LIGHTNING_DISTCKPT_DIRECT_READS"
+_PLAIN = [{"configuration": {"endian": "little"}, "name": "bytes"}]
+_CRC = {"name": "crc32c"}
+_DATA_FILE = re.compile(r"d/[0-9a-f]{1,64}")  # OCDBT data files, relative to the store
+_CRC_TRAILER = struct.Struct("<I")
+_MAX_CHUNK_BYTES = 1 << 30  # one preadv returns at most about 2 GiB
+
+
+def direct_reads_enabled() -> bool:
+    """False when ``LIGHTNING_DISTCKPT_DIRECT_READS`` is ``0`` / ``false`` / ``no`` / ``off``."""
+    return os.environ.get(DIRECT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class ChunkLocation(NamedTuple):
+    """Where a stored chunk's bytes are: ``length`` bytes at ``offset`` of file ``path``."""
+
+    path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a direct read needs to know of a stored array."""
+
+    shape: Tuple[int, ...]
+    dtype: str  # tensorstore's name, as ``ts_dtype`` gives for the matching torch dtype
+    chunk_rows: int
+    row_bytes: int
+    checksum: bool
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one encoded chunk: whole rows (edge chunks padded) plus the checksum."""
+        return self.chunk_rows * self.row_bytes + (4 if self.checksum else 0)
+
+
+def geometry(arr: Any) -> Optional[Geometry]:
+    """The geometry of an opened zarr v3 array, or None when it is not a plain array chunked
+    along its first axis only (then tensorstore reads it)."""
+    try:
+        codecs = arr.codec.to_json().get("codecs")
+        encoding = arr.spec().to_json().get("metadata", {}).get("chunk_key_encoding")
+        chunks = tuple(arr.chunk_layout.read_chunk.shape)
+        itemsize = np.dtype(arr.dtype.numpy_dtype).itemsize
+    except Exception:  # an array tensorstore describes otherwise: let it read the array
+        return None
+    if codecs not in (_PLAIN, _PLAIN + [_CRC]) or arr.rank == 0 or chunks[1:] != tuple(arr.shape[1:]):
+        return None
+    if encoding not in (None, {"name": "default"}, {"name": "default", "configuration": {"separator": "/"}}):
+        return None
+    geo = Geometry(tuple(arr.shape), arr.dtype.name, int(chunks[0]), math.prod(arr.shape[1:]) * itemsize,
+                   len(codecs) == 2)
+    return geo if 0 < geo.chunk_bytes <= _MAX_CHUNK_BYTES else None
+
+
+def chunk_key(geo: Geometry, row_chunk: int) -> str:
+    """The zarr v3 key of a chunk (default encoding), relative to its array."""
+    return "c/" + "/".join([str(row_chunk)] + ["0"] * (len(geo.shape) - 1))
+
+
+def ocdbt_locations(store_dir: str) -> Optional[Dict[str, Optional[ChunkLocation]]]:
+    """Key -> location of every value in the OCDBT database at ``store_dir`` (its latest version;
+    None for a small value kept inline in the index), or None when the database cannot be listed
+    so (tensorstore reads it)."""
+    try:
+        base = ts.KvStore.open({"driver": "file", "path": store_dir.rstrip("/") + "/"}).result()
+        manifest = ts.ocdbt.dump(base).result()
+        versions = manifest.get("versions") or []
+        if not versions:
+            return None
+        root = max(versions, key=lambda v: v["generation_number"])["root"]
+        out: Dict[str, Optional[ChunkLocation]] = {}
+        if "location" in root:
+            _walk(base, store_dir, root["location"], b"", out)
+        return out
+    except Exception:
+        return None
+
+
+def _walk(base: Any, store_dir: str, location: str, prefix: bytes, out: Dict[str, Optional[ChunkLocation]]) -> None:
+    node = ts.ocdbt.dump(base, location).result()
+    for entry in node["entries"]:
+        if node["height"] > 0:
+            _walk(base, store_dir, entry["location"], prefix + entry["subtree_common_prefix"], out)
+        elif "indirect_value" in entry:
+            kind, ref = entry["indirect_value"].split("::", 1)
+            name, offset, length = ref.rsplit(":", 2)
+            if kind != "value" or not _DATA_FILE.fullmatch(name):
+                raise ValueError(f"unexpected value reference {entry['indirect_value']!r}")
+            out[(prefix + entry["key"]).decode()] = ChunkLocation(os.path.join(store_dir, name), int(offset),
+                                                                 int(length))
+        else:  # a value of at most ``max_inline_value_bytes`` kept in the node: tensorstore reads it
+            out[(prefix + entry["key"]).decode()] = None
+
+
+class ChunkTask(NamedTuple):
+    """Read one chunk and deliver ``rows`` (chunk-local) of it, ``trailing``-sliced, into ``dest``.
+    ``direct``: ``dest`` is the chunk's whole rows, contiguous: read into it in place."""
+
+    where: str
+    loc: ChunkLocation
+    geo: Geometry
+    rows: slice
+    trailing: Tuple[slice, ...]
+    dest: torch.Tensor
+    direct: bool
+
+
+def plan_chunks(where: str, geo: Geometry, src: Sequence[slice], dest: torch.Tensor,
+                locate: Any) -> Optional[List[ChunkTask]]:
+    """The chunk tasks delivering ``stored[src]`` into ``dest``; ``locate(chunk_key)`` gives a
+    :class:`ChunkLocation` (None: held inline) or raises. None when ``src`` is not plain slices or
+    a chunk is inline (tensorstore reads it)."""
+    full = tuple(slice(*s.indices(n)[:2]) for s, n in zip(src, geo.shape)) if len(src) == len(geo.shape) else None
+    if full is None or any(s.step not in (None, 1) for s in src):
+        return None
+    start, stop = full[0].start, full[0].stop
+    whole_rows = all(s.start == 0 and s.stop == n for s, n in zip(full[1:], geo.shape[1:]))
+    tasks = []
+    for c in range(start // geo.chunk_rows, -(-stop // geo.chunk_rows)):
+        c0 = c * geo.chunk_rows
+        a, b = max(start, c0), min(stop, c0 + geo.chunk_rows, geo.shape[0])
+        part = dest[a - start:b - start]
+        direct = whole_rows and a == c0 and b == min(c0 + geo.chunk_rows, geo.shape[0]) and part.is_contiguous()
+        loc = locate(chunk_key(geo, c))
+        if loc is None:  # kept inline in the store's index
+            return None
+        tasks.append(ChunkTask(f"{where} chunk {c}", loc, geo, slice(a - c0, b - c0), full[1:], part, direct))
+    return tasks
+
+
+class DirectReader:
+    """Runs :class:`ChunkTask` s on a few threads (``preadv`` and the checksum release the GIL)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+
+    def run(self, tasks: Sequence[ChunkTask], verify: bool = True) -> Tuple[int, List[str]]:
+        """(bytes delivered, an error message per failed chunk)."""
+        fds: Dict[str, int] = {}
+        try:
+            for t in tasks:
+                if t.loc.path not in fds:
+                    fds[t.loc.path] = os.open(t.loc.path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="ldc-direct-read") as pool:
+                outcomes = list(pool.map(lambda t: _run_one(t, fds[t.loc.path], verify), tasks))
+        except OSError as e:
+            return 0, [f"{tasks[0].where if tasks else 'a chunk'}: cannot open a data file: {e}"]
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        errors = [o for o in outcomes if isinstance(o, str)]
+        return sum(o for o in outcomes if isinstance(o, int)), errors
+
+
+def _run_one(task: ChunkTask, fd: int, verify: bool) -> Any:
+    """Bytes delivered, or an error message."""
+    geo, loc = task.geo, task.loc
+    if loc.length != geo.chunk_bytes:
+        return f"{task.where}: stored as {loc.length} bytes in {loc.path}, expected {geo.chunk_bytes} (damaged)"
+    trailer = bytearray(4 if geo.checksum else 0)
+    if task.direct:
+        body = task.dest.view(-1).view(torch.uint8).numpy()
+        pad = np.empty(geo.chunk_rows * geo.row_bytes - body.nbytes, dtype=np.uint8)
+        buffers: List[Any] = [body, pad, trailer]
+    else:
+        body = np.empty(geo.chunk_rows * geo.row_bytes, dtype=np.uint8)
+        buffers = [body, trailer]
+    try:
+        got = os.preadv(fd, [memoryview(b) for b in buffers if len(b)], loc.offset)
+    except OSError as e:
+        return f"{task.where}: reading {loc.path} failed: {e}"
+    if got != loc.length:
+        return f"{task.where}: {loc.path} is truncated ({got} of {loc.length} bytes at offset {loc.offset})"
+    if verify and geo.checksum:
+        crc = crc32c.crc32c(body)
+        if task.direct and len(buffers[1]):
+            crc = crc32c.crc32c(buffers[1], crc)
+        stored = _CRC_TRAILER.unpack(bytes(trailer))[0]
+        if crc != stored:
+            return (f"{task.where}: checksum mismatch in {loc.path} at offset {loc.offset} (CRC-32C {crc:#010x}, "
+                    f"stored {stored:#010x}): damaged")
+    if not task.direct:
+        rows = torch.frombuffer(body, dtype=task.dest.dtype).view(geo.chunk_rows, *geo.shape[1:])
+        task.dest.copy_(rows[(task.rows, *task.trailing)])
+    return task.dest.numel() * task.dest.element_size()
+
+
+class DirectChunks:
+    """One checkpoint reader's direct reads: the chunk locations of each writer's store and the
+    geometry of each array, found once and kept.
+
+    ``store_dir(writer)`` is the writer's store directory; ``layout`` the checkpoint's layout."""
+
+    def __init__(self, store_dir: Callable[[int], str], layout: str, threads: int) -> None:
+        self.store_dir = store_dir
+        self.layout = layout
+        self.reader = DirectReader(threads)
+        self._locations: Dict[int, Optional[Dict[str, Optional[ChunkLocation]]]] = {}
+        self._geometry: Dict[Tuple[int, str], Optional[Geometry]] = {}
+
+    def split(self, reads: Sequence[Any], array: Callable[[int, str, int], Any],
+              path: Callable[[str, int], str]) -> Tuple[List[ChunkTask], List[Any]]:
+        """(chunk tasks for the :class:`~lightning_distckpt.storage.base.ShardRead` s that can be
+        read directly, the reads left to tensorstore). ``array(writer, key, index)`` is the opened
+        array, ``path(key, index)`` its path in the store. Raises FormatError for a missing chunk."""
+        tasks: List[ChunkTask] = []
+        rest: List[Any] = []
+        for r in reads:
+            arr_path = path(r.key, r.index)
+            geo = self._geo(r.writer, arr_path, array(r.writer, r.key, r.index))
+            ok = geo is not None and r.dest.numel() > 0 and str(r.dest.dtype).replace("torch.", "") == geo.dtype
+            locate = self._locator(r.writer, arr_path) if ok else None
+            planned = plan_chunks(f"{r.key!r} shard {r.index} (written by rank {r.writer})", geo, r.src, r.dest,
+                                  locate) if locate is not None else None
+            if planned is None:
+                rest.append(r)
+            else:
+                tasks.extend(planned)
+        return tasks, rest
+
+    def _geo(self, writer: int, arr_path: str, arr: Any) -> Optional[Geometry]:
+        if (writer, arr_path) not in self._geometry:
+            self._geometry[(writer, arr_path)] = geometry(arr)
+        return self._geometry[(writer, arr_path)]
+
+    def _locator(self, writer: int, arr_path: str) -> Optional[Callable[[str], Optional[ChunkLocation]]]:
+        root = self.store_dir(writer)
+        if self.layout != "ocdbt":
+            return lambda key: _chunk_file(os.path.join(root, arr_path, key))
+        if writer not in self._locations:
+            self._locations[writer] = ocdbt_locations(root)
+        index = self._locations[writer]
+        if index is None:
+            return None
+
+        def locate(key: str) -> Optional[ChunkLocation]:
+            if f"{arr_path}/{key}" not in index:
+                raise FormatError(f"checkpoint store {root}: chunk {arr_path}/{key} is missing (deleted or never "
+                                  f"written)")
+            return index[f"{arr_path}/{key}"]
+        return locate
+
+
+def _chunk_file(path: str) -> ChunkLocation:
+    try:
+        size = os.lstat(path).st_size
+    except OSError as e:
+        raise FormatError(f"chunk {path} is missing or unreadable ({e.strerror})") from e
+    return ChunkLocation(path, 0, size)

@@ -1,0 +1,99 @@
+"""Direct chunk reads (storage/direct_read.py): whole chunks read from the data files into the
+destinations, CRC-32C verified, give exactly what tensorstore's reads give, in every layout and
+split, and refuse damage with an error naming the chunk and the file."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import lightning_distckpt as ldc
+from lightning_distckpt.storage.direct_read import ChunkLocation, ChunkTask, DirectReader, Geometry, ocdbt_locations
+from lightning_distckpt.storage.layout import rank_dir
+
+# 1000 rows of 10 float32 (40 bytes) in 4 KiB chunks: 102 rows per chunk, the last chunk padded
+W = torch.randn(1000, 10, generator=torch.Generator().manual_seed(0))
+B = torch.randn(700, 33, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+
+def _save(path, layout, checksums=True):
+    sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", W.clone()),
+          "b": ldc.ShardedTensor.from_rank_offsets("b", B.clone())}
+    ldc.save(sd, path, storage=ldc.StorageOptions(layout=layout, chunk_bytes=4096, pack_max_bytes=0))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("direct")
+    out = {}
+    for layout in ("ocdbt", "zarr"):
+        out[layout] = str(root / layout)
+        _save(out[layout], layout)
+    return out
+
+
+def _pieces():
+    """Templates covering whole chunks, parts of chunks, padded edge chunks and column slices."""
+    yield "whole", {"w": (W, (0, 0)), "b": (B, (0, 0))}
+    yield "rows", {"w": (W[102:306], (102, 0)), "b": (B[5:699], (5, 0))}       # chunk-aligned / ragged
+    yield "cols", {"w": (W[50:990, 3:7], (50, 3)), "b": (B[:, 10:11], (0, 10))}
+    yield "edge", {"w": (W[918:], (918, 0)), "b": (B[-1:], (699, 0))}         # the padded last chunk
+
+
+@pytest.mark.parametrize("layout", ["ocdbt", "zarr"])
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_direct_reads_match_tensorstore_in_every_split(saved, layout, direct, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_DISTCKPT_DIRECT_READS", direct)
+    for name, pieces in _pieces():
+        sd = {k: ldc.ShardedTensor.from_offsets(k, torch.zeros_like(v), (W if k == "w" else B).shape, off)
+              for k, (v, off) in pieces.items()}
+        out = ldc.load(sd, saved[layout])
+        for k, (v, _) in pieces.items():
+            assert torch.equal(out[k], v), (name, k)
+
+
+def test_the_ocdbt_index_lists_every_chunk_of_the_store(saved):
+    locations = ocdbt_locations(rank_dir(saved["ocdbt"], 0))
+    assert locations is not None
+    w_chunks = sorted(k for k in locations if k.startswith("t/w/0/c/"))
+    assert len(w_chunks) == 10  # ceil(1000 / 102)
+    for loc in locations.values():
+        assert os.path.getsize(loc.path) >= loc.offset + loc.length
+
+
+def test_a_truncated_data_file_is_an_error_naming_it(saved, tmp_path):
+    """(A load refuses a store smaller than metadata.json claims before reading; this is the read's
+    own check, for a file cut after that check.)"""
+    loc = ocdbt_locations(rank_dir(saved["ocdbt"], 0))["t/w/0/c/3/0"]
+    cut = str(tmp_path / "cut")
+    with open(loc.path, "rb") as f:
+        open(cut, "wb").write(f.read()[:loc.offset + loc.length - 8])
+    geo = Geometry(shape=(1000, 10), dtype="float32", chunk_rows=102, row_bytes=40, checksum=True)
+    dest = torch.zeros(102, 10)
+    task = ChunkTask("'w' chunk 3", ChunkLocation(cut, loc.offset, loc.length), geo, slice(0, 102),
+                     (slice(0, 10),), dest, True)
+    nbytes, errors = DirectReader(2).run([task])
+    assert nbytes == 0 and len(errors) == 1 and "truncated" in errors[0] and cut in errors[0], errors
+    task = task._replace(loc=loc)  # the intact file: exact
+    assert DirectReader(2).run([task]) == (dest.numel() * 4, []) and torch.equal(dest, W[306:408])
+
+
+def test_a_deleted_chunk_file_is_missing_not_zeros(saved, tmp_path):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(saved["zarr"], ck)
+    os.remove(os.path.join(rank_dir(ck, 0), "t", "w", "0", "c", "2", "0"))
+    with pytest.raises(ldc.CheckpointingError, match="missing"):
+        ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros_like(W))}, ck)
+
+
+def test_a_flipped_byte_in_the_padding_of_an_edge_chunk_is_caught(saved, tmp_path):
+    """The padding of the last chunk is read into scratch and is part of the checksum."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(saved["zarr"], ck)
+    path = os.path.join(rank_dir(ck, 0), "t", "w", "0", "c", "9", "0")
+    data = bytearray(open(path, "rb").read())
+    data[-10] ^= 1  # padding rows come last, before the 4-byte checksum
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ldc.CheckpointingError, match="checksum mismatch"):
+        ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros_like(W))}, ck)
