@@ -134,6 +134,13 @@ def test_lightning_dcp_directory_resumes_under_trainer_mp(cells):
         assert got["step"] == 2 and got["sched"] is True and got["final_step"] == 4 and got["resaved_step"] == 4
 
 
+def test_fabric_dcp_directory_refused_by_trainer_mp(cells):
+    """Fabric's own ModelParallelStrategy also writes DCP + meta.pt, but no Trainer entries: refused,
+    not read as a Trainer's DCP checkpoint."""
+    msg = _on_both(cells, "fdcp_t_mp")
+    assert msg.startswith("CheckpointingError") and "written by fabric.save or another tool" in msg, msg
+
+
 @pytest.mark.parametrize("col", ["t_plugin", "t_tp", "f_plugin", "f_mp", "convert"])
 def test_lightning_dcp_directory_refused_naming_dcp(cells, col):
     """Row Lightning's own ModelParallelStrategy (DP 2, a DCP directory): every reader of ours names

@@ -158,7 +158,7 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
         always safe."""
         path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        if is_lightning_dcp(path):
+        if is_lightning_dcp(path) and describe_saved(path, self.checkpoint_io.extra_safe_globals).by_trainer:
             # Lightning's own ModelParallelStrategy wrote it (DCP): read as the stock strategy reads it,
             # resharded to this mesh by torch.distributed.checkpoint; meta.pt is read weights-only.
             log.info("checkpoint %s: Lightning's ModelParallelStrategy (DCP) layout, read as the stock strategy "

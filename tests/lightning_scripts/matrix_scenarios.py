@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy as FabricDDP  # noqa: E402
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
 
@@ -249,6 +250,13 @@ def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     try_cell(res, "fmp_f_mp", lambda: f_mp(fmp), saved)
     try_cell(res, "fmp_convert", lambda: converted(fmp, os.path.join(d, "fmp.pt")), saved)
     try_cell(res, "fmp_inference", lambda: inference(fmp), weights(saved))
+
+    fdcp = os.path.join(d, "fabric_dcp")  # Fabric's own ModelParallelStrategy: DCP files + meta.pt
+    run = MPRun(fabric(FabricModelParallel(parallelize, data_parallel_size=2, tensor_parallel_size=1,
+                                           timeout=TIMEOUT)))
+    run.train(0, 2)
+    run.fabric.save(fdcp, {"model": run.model, "optimizer": run.opt, "step": 2})
+    try_trainers(res, "fdcp", fdcp, ("t_mp",))
 
 
 def trainer_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
