@@ -57,6 +57,7 @@ from lightning_distckpt.planning.validation import (  # noqa: E402
     validate_object_records, validate_record_groups, validate_tensor_records,
 )
 from lightning_distckpt.core.gc_pause import gc_paused  # noqa: E402
+from lightning_distckpt.storage.layout import FORMAT_VERSION  # noqa: E402
 from lightning_distckpt.strategies.save_coordinate import parts_of  # noqa: E402
 from lightning_distckpt.strategies.save_prepare import Handshake, PlanningOptions  # noqa: E402
 
@@ -173,9 +174,12 @@ def measure(layout: str, world: int, allgather_max_records: int) -> Dict[str, An
     row["received_per_rank_bytes"] = row["handshake_bytes"] + row["scatter_bytes"]
     row["received_rank0_bytes"] = row["received_per_rank_bytes"] + row["gather_bytes"]
     with gc_paused():  # as finalize_save writes metadata.json
-        row["metadata_write_s"], text = _timed(lambda: json.dumps(plan.index.to_json()))
+        row["metadata_write_s"], text = _timed(lambda: json.dumps({"format_version": FORMAT_VERSION,
+                                                                   **plan.index.to_json()}))
     row["metadata_bytes"] = len(text)
-    row["metadata_read_s"], _ = _timed(lambda: CheckpointIndex.from_json(json.loads(text), "ckpt"))
+    row["metadata_read_s"], index = _timed(lambda: CheckpointIndex.from_json(json.loads(text), "ckpt"))
+    # a loader's first use of the stored shards (storage/tensorstore_io.py lists the packed ones)
+    row["metadata_shards_s"], _ = _timed(lambda: sum(len(e.shards) for e in index.tensors.values()))
     row["planning_s"] = sum(row[f"{s}_s"] for s in ("digest", "handshake", "gather", "validate", "plan", "scatter"))
     key = first[digests[0]]
     compare_s, _ = _timed(lambda: (key, (0,), True) == (RankRecords(list(key.tensors), []), (0,), True))
@@ -242,7 +246,8 @@ def main() -> None:
               "exponents": exponents(rows, fields)}
     cols = ["layout", "ranks", "layouts", "records", "planning_s", "steady_s", "received_per_rank_bytes",
             "received_rank0_bytes", "handshake_s", "gather_s", "validate_s", "plan_s", "scatter_s",
-            "metadata_write_s", "metadata_read_s", "metadata_bytes", "allgather_s", "allgather_bytes"]
+            "metadata_write_s", "metadata_read_s", "metadata_shards_s", "metadata_bytes", "allgather_s",
+            "allgather_bytes"]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     print(fmt_table(cols, [[fmt(r.get(c)) for c in cols] for r in rows]))
     print(json.dumps(result["exponents"], indent=1))

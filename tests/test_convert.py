@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.cli import main
+from lightning_distckpt.planning.metadata import CheckpointIndex
 from lightning_distckpt.storage.layout import read_metadata
 from lightning_distckpt.storage.safe_pickle import load_file
 
@@ -87,7 +88,9 @@ def test_relayout_to_zarr_and_back_keeps_every_shard(core_ckpt, tmp_path, capsys
     assert ldc.load_common_state_dict(zarr_dir) == COMMON
     # plain zarr v3: a stored shard opens with tensorstore alone; this small one is a range of its
     # writer's float32 pack array, at the element offset metadata.json gives
-    shard = next(s for s in dst["tensors"]["layer.weight"]["shards"] if s["offset"] == [8, 0])
+    stored = CheckpointIndex.from_json(dst, "zarr").tensors["layer.weight"].shards  # format 4: an even split's rule
+    shard = next({"packed": s.packed, "flat": s.flat, "writer": s.writer, "shape": list(s.shape)}
+                 for s in stored if s.offset == (8, 0))
     assert shard["packed"] is not None and shard["flat"] is None
     pack = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(
         zarr_dir / "data" / f"rank_{shard['writer']:05d}" / "p" / "float32")}}).result()

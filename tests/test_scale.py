@@ -8,7 +8,9 @@ import os
 import torch
 
 import lightning_distckpt as ldc
+from lightning_distckpt.cli import main
 from lightning_distckpt.comm import get_comm
+from lightning_distckpt.planning.metadata import CheckpointIndex
 from lightning_distckpt.storage.layout import METADATA_FILE
 from lightning_distckpt.strategies.save import finalize_save, prepare_save, write_local
 from dist_utils import run_distributed
@@ -115,6 +117,17 @@ def _key_matching(rank, path):
     return same, split, covered
 
 
+def _fsdp_tools(tmp_path):
+    """validate, inspect and convert read the compact FSDP-like index; the copy loads whole."""
+    assert main(["validate", str(tmp_path / "fsdp")]) == 0
+    assert main(["inspect", str(tmp_path / "fsdp"), "--json"]) == 0
+    assert main(["convert", str(tmp_path / "fsdp"), str(tmp_path / "fsdp_zarr"), "--to", "distckpt",
+                 "--layout", "zarr"]) == 0
+    whole = ldc.load({k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(rows, 3)) for k, rows in FSDP_ROWS.items()},
+                     tmp_path / "fsdp_zarr")
+    assert all(torch.equal(whole[k], _fsdp_full(k)) for k in FSDP_ROWS)
+
+
 def test_eight_ranks_save_reuse_refuse_and_reshard(tmp_path):
     root = str(tmp_path)
     results = run_distributed(_save_and_reshard, TP * DP, root, timeout_s=300)
@@ -138,7 +151,12 @@ def test_eight_ranks_save_reuse_refuse_and_reshard(tmp_path):
     # FSDP-like: each rank writes its own chunks; the shifted layout fails alike on every rank
     assert all(r["fsdp_writes"] == [("f0", rank), ("f1", rank)] for rank, r in enumerate(results))
     fsdp_meta = json.loads((tmp_path / "fsdp" / METADATA_FILE).read_text())
-    assert [s["offset"][0] for s in fsdp_meta["tensors"]["f1"]["shards"]] == [0, 3, 6, 9, 12, 15, 18, 21]
+    # one entry per tensor, not one per chunk (format 4); chunks of 3 rows (small: packed)
+    assert fsdp_meta["tensors"]["f1"] == {"global_shape": [22, 3], "dtype": "float32",
+                                          "even": {"over": 8, "packed_from": 0}}
+    index = CheckpointIndex.from_json(fsdp_meta, "fsdp")
+    assert [s.offset[0] for s in index.tensors["f1"].shards] == [0, 3, 6, 9, 12, 15, 18, 21]
+    _fsdp_tools(tmp_path)
     assert {r["fsdp_bad"] for r in results} == {results[0]["fsdp_bad"]}
     kind, message = results[0]["fsdp_bad"]
     assert kind == "ValidationError" and "'f1'" not in message

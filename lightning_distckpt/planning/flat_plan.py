@@ -262,7 +262,7 @@ def plan_flat_read(
     c, d = (fr.start, fr.stop) if fr is not None else (0, math.prod(rbox[1]))
     items: List[FlatReadItem] = []
     covered = 0
-    for s in entry.shards:
+    for s in entry.shards_in_rows(rbox[0][0], rbox[0][0] + rbox[1][0]) if rbox[1] else entry.shards:
         sbox: BoxT = (tuple(s.offset), tuple(s.shape))
         inter = intersect(rbox[0], rbox[1], sbox[0], sbox[1])
         if inter is None:

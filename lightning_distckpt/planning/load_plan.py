@@ -90,12 +90,12 @@ def plan_tensor_read(request: ShardedTensor, entry: TensorEntry,
             f"{request.global_shape} was asked for (set allow_shape_mismatch=True to pad/truncate)"
         )
     check_dtype_conversion(request, entry, checkpoint_dir)
-    if request.flattened_range is not None or any(s.flat for s in entry.shards):
+    if request.flattened_range is not None or entry.even is None and any(s.flat for s in entry.shards):
         return plan_flat_read(request, entry, checkpoint_dir)
     off, shape = request.global_offset, request.shard_shape
     items: List[ReadItem] = []
     covered = 0
-    for s in entry.shards:
+    for s in entry.shards_in_rows(off[0], off[0] + shape[0]) if shape else entry.shards:
         inter = intersect(off, shape, s.offset, s.shape)
         if inter is None:
             continue

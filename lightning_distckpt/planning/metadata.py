@@ -9,10 +9,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..core.errors import FormatError, ShardingError
 from ..core.mapping import ShardedObject, ShardedTensor
+from .even_index import EvenSplit, parse_even, replay_packs
 
 FlatRange = Optional[Tuple[int, int]]
 
@@ -125,19 +127,71 @@ class StoredShard:
         return (self.flat[1] - self.flat[0]) if self.flat else math.prod(self.shape)
 
 
-@dataclass
 class TensorEntry:
-    global_shape: Tuple[int, ...]
-    dtype: str
-    shards: List[StoredShard] = field(default_factory=list)
+    """A stored tensor: global shape, dtype and stored shards. ``even``: the shards are the
+    chunks of an even dim-0 split (``planning/even_index.py``), listed on first use of ``shards``
+    and written to ``metadata.json`` as the rule, not the list."""
+
+    def __init__(self, global_shape: Tuple[int, ...], dtype: str, shards: Optional[List[StoredShard]] = None,
+                 even: Optional[EvenSplit] = None) -> None:
+        self.global_shape = global_shape
+        self.dtype = dtype
+        self.even = even
+        self._shards = shards if shards is not None or even is not None else []
+
+    @property
+    def shards(self) -> List[StoredShard]:
+        if self._shards is None:
+            self._shards = self.shards_in_rows(0, self.global_shape[0])
+        return self._shards
+
+    @shards.setter
+    def shards(self, shards: List[StoredShard]) -> None:
+        self._shards, self.even = shards, None
+
+    def shards_in_rows(self, start: int, stop: int) -> List[StoredShard]:
+        """The stored shards that may hold rows [start, stop) of dim 0 (all but an even split's
+        other chunks)."""
+        if self.even is None or self._shards is not None and start <= 0 and stop >= self.global_shape[0]:
+            return self.shards
+        lo, hi = self.even.rows_range(self.global_shape, start, stop)
+        return [StoredShard(offset, shape, None, i, i, packed)
+                for i, offset, shape, packed in self.even.chunks(self.global_shape, lo, hi)]
 
     @property
     def nbytes(self) -> int:
+        if self.even is not None:
+            return math.prod(self.global_shape) * element_size(self.dtype)
         return sum(s.numel for s in self.shards) * element_size(self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorEntry):
+            return NotImplemented
+        if self.even is not None and other.even is not None:
+            same = self.even.same_as(other.even)
+        else:
+            same = self.shards == other.shards
+        return same and (tuple(self.global_shape), self.dtype) == (tuple(other.global_shape), other.dtype)
+
+    def __repr__(self) -> str:
+        what = f"even={self.even.to_json()}" if self.even is not None else f"shards={self.shards!r}"
+        return f"TensorEntry(global_shape={self.global_shape!r}, dtype={self.dtype!r}, {what})"
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"global_shape": list(self.global_shape), "dtype": self.dtype}
+        if self.even is not None:
+            out["even"] = self.even.to_json()
+            return out
+        out["shards"] = [
+            {"offset": list(s.offset), "shape": list(s.shape), "flat": list(s.flat) if s.flat else None,
+             "writer": s.writer, "index": s.index, **({"packed": s.packed} if s.packed is not None else {})}
+            for s in self.shards
+        ]
+        return out
 
 
 @dataclass
@@ -165,26 +219,24 @@ class CheckpointIndex:
     def bytes_per_writer(self) -> Dict[int, int]:
         """writer rank -> bytes of the tensor data this index says its store holds."""
         out: Dict[int, int] = {}
+        evens: Dict[int, "np.ndarray"] = {}  # even splits' bytes per rank, by split size
         for e in self.tensors.values():
             size = element_size(e.dtype)
+            if e.even is not None:
+                numels = e.even.numels(e.global_shape) * size
+                acc = evens.setdefault(e.even.over, np.zeros(e.even.over, dtype=np.int64))
+                acc[:len(numels)] += numels
+                continue
             for s in e.shards:
                 out[s.writer] = out.get(s.writer, 0) + s.numel * size
+        for acc in evens.values():
+            for w in np.flatnonzero(acc).tolist():
+                out[w] = out.get(w, 0) + int(acc[w])
         return out
 
     def to_json(self) -> Dict[str, Any]:
         return {
-            "tensors": {
-                k: {
-                    "global_shape": list(e.global_shape),
-                    "dtype": e.dtype,
-                    "shards": [
-                        {"offset": list(s.offset), "shape": list(s.shape), "flat": list(s.flat) if s.flat else None,
-                         "writer": s.writer, "index": s.index, **({"packed": s.packed} if s.packed is not None else {})}
-                        for s in e.shards
-                    ],
-                }
-                for k, e in self.tensors.items()
-            },
+            "tensors": {k: e.to_json() for k, e in self.tensors.items()},
             "objects": {
                 k: {
                     "global_shape": list(e.global_shape),
@@ -200,7 +252,7 @@ class CheckpointIndex:
         naming the field): it comes from disk and is not trusted. Shapes are bounded and each
         shard lies inside its tensor, so nothing sized by the index can ask for absurd memory."""
         f = _Fields(where)
-        version = data.get("format_version", _CHECKSUMS_SINCE)
+        version = data.get("format_version", EVEN_SINCE)  # absent: the current format
         index = cls(checksums=isinstance(version, int) and version >= _CHECKSUMS_SINCE)
         for key, e in f.obj(data.get("tensors"), "tensors").items():
             name = f"tensors[{key!r}]"
@@ -212,10 +264,16 @@ class CheckpointIndex:
             if math.prod(gshape) * element_size(dtype) > MAX_TENSOR_BYTES:
                 raise FormatError(f"{where}: metadata.json field {name}.global_shape {list(gshape)} claims more than "
                                   f"{MAX_TENSOR_BYTES} bytes")
-            entry = TensorEntry(gshape, dtype)
-            for i, s in enumerate(f.list(e.get("shards"), f"{name}.shards")):
-                entry.shards.append(f.stored_shard(s, gshape, f"{name}.shards[{i}]"))
+            if "even" in e and isinstance(version, int) and version >= EVEN_SINCE:
+                if "shards" in e:
+                    raise FormatError(f"{where}: metadata.json field {name} has both shards and even (one of them)")
+                entry = TensorEntry(gshape, dtype, even=parse_even(e["even"], gshape, name, where))
+            else:
+                entry = TensorEntry(gshape, dtype)
+                for i, s in enumerate(f.list(e.get("shards"), f"{name}.shards")):
+                    entry.shards.append(f.stored_shard(s, gshape, f"{name}.shards[{i}]"))
             index.tensors[f.key(key, "tensors")] = entry
+        replay_packs(index.tensors, where)
         for key, e in f.obj(data.get("objects"), "objects").items():
             name = f"objects[{key!r}]"
             e = f.obj(e, name)
@@ -234,6 +292,7 @@ class CheckpointIndex:
 
 
 _CHECKSUMS_SINCE = 3  # storage.layout.CHECKSUMS_SINCE (planning does not import storage)
+EVEN_SINCE = 4  # storage.layout: even dim-0 splits recorded as one entry (``even_index.py``)
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: no tensor of a checkpoint is bigger; a bigger claim is damage
 _MAX_NDIM = 32
 _MAX_COUNT = 1 << 31  # writers, indices

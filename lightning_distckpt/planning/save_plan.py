@@ -4,12 +4,14 @@ exactly one writer (computed by the save's coordinator, or by every rank from an
 from __future__ import annotations
 
 import heapq
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import AbstractSet, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from .even import EvenKeys, chunks_of, even_box
+import numpy as np
+
+from .even import EvenKeys, even_box
+from .even_index import EvenSplit, PackEnds
 from .metadata import (
     CheckpointIndex,
     element_size,
@@ -124,12 +126,7 @@ def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_w
         for source, r in enumerate(g.records.tensors):
             if r.key not in even:
                 holders[(r.key, (r.offset, r.shape, r.flat))].append(_Held(r, source, gi))
-    load = [0] * world_size
-    for chunks in even.values():
-        for gi, src in chunks:
-            r = groups[gi].records.tensors[src]
-            for rank in groups[gi].ranks:
-                load[rank] += math.prod(even_box(r.global_shape, rank, world_size)[1]) * element_size(r.dtype)
+    load = _even_load(groups, even, world_size)
     itemsize = {dtype: element_size(dtype) for dtype in {held[0].record.dtype for held in holders.values()}}
     nbytes = {k: held[0].record.numel * itemsize[held[0].record.dtype] for k, held in holders.items()}
     writer_of = _assign_writers(holders, nbytes, groups, load, balance_writes)
@@ -137,6 +134,16 @@ def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_w
     _plan_tensors(plan, holders, writer_of, nbytes, pack_max_bytes, _EvenPart(groups, even, world_size, derived))
     _plan_objects(plan, groups)
     return plan
+
+
+def _even_load(groups: Sequence[RecordGroup], even: EvenKeys, world_size: int) -> List[int]:
+    """Bytes each rank writes of the even keys' chunks (rank i chunk i)."""
+    load = np.zeros(world_size, dtype=np.int64)
+    for chunks in even.values():
+        r = groups[chunks[0][0]].records.tensors[chunks[0][1]]
+        numels = EvenSplit(world_size, 0).numels(r.global_shape)
+        load[:len(numels)] += numels * element_size(r.dtype)
+    return load.tolist()
 
 
 def _assign_writers(
@@ -216,14 +223,16 @@ class _EvenPart(NamedTuple):
 def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]],
                   writer_of: Dict[Tuple[str, ShardId], Tuple[_Held, int]], nbytes: Dict[Tuple[str, ShardId], int],
                   pack_max_bytes: int, even: _EvenPart) -> None:
-    """Index entries in key order, stored shards numbered by offset, small shards packed."""
+    """Index entries in key order, stored shards numbered by offset, small shards packed (each
+    writer's of one dtype back to back in that order: ``even_index.py``'s packing rule)."""
     by_key: Dict[str, List[Tuple[ShardId, Tuple[_Held, int], int]]] = defaultdict(list)
     for k, chosen in writer_of.items():
         by_key[k[0]].append((k[1], chosen, nbytes[k]))
-    pack_end: Dict[Tuple[int, str], int] = defaultdict(int)  # (writer, dtype) -> elements packed so far
+    packs = PackEnds(even.world_size)
+    writers: Dict[int, List[int]] = {}  # group -> its ranks that are given their even chunks' writes
     for key in sorted(set(by_key) | set(even.keys)):
         if key in even.keys:
-            plan.index.tensors[key] = _plan_even_key(plan, key, even, pack_max_bytes, pack_end)
+            plan.index.tensors[key] = _plan_even_key(plan, key, even, pack_max_bytes, packs, writers)
             continue
         shards = by_key[key]
         first = shards[0][1][0].record
@@ -234,37 +243,30 @@ def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]
             rec = held.record
             packed = None
             if 0 < size <= pack_max_bytes and rec.flat is None:
-                packed = pack_end[(writer, rec.dtype)]
-                pack_end[(writer, rec.dtype)] += rec.numel
+                packed = packs.take(writer, rec.dtype, rec.numel)
             entry.shards.append(StoredShard(rec.offset, rec.shape, rec.flat, writer, i, packed))
             plan.writes.setdefault(writer, []).append(WriteItem(key, sid, i, packed, held.source))
         plan.index.tensors[key] = entry
 
 
-def _plan_even_key(plan: SavePlan, key: str, even: _EvenPart, pack_max_bytes: int,
-                   pack_end: Dict[Tuple[int, str], int]) -> TensorEntry:
-    """An even key's entry: rank i writes chunk i, stored shard i (a tight loop: one per rank
-    per tensor of an FSDP-like layout)."""
+def _plan_even_key(plan: SavePlan, key: str, even: _EvenPart, pack_max_bytes: int, packs: PackEnds,
+                   writers: Dict[int, List[int]]) -> TensorEntry:
+    """An even key's entry (rank i writes chunk i, stored shard i: the rule, ``even_index.py``)
+    and the writes of its ranks not in ``even.derived``."""
     chunks, size = even.keys[key], even.world_size
     first = even.groups[chunks[0][0]].records.tensors[chunks[0][1]]
     gshape, dtype = first.global_shape, first.dtype
-    rows, rest, itemsize = -(-gshape[0] // size), tuple(gshape[1:]), element_size(dtype)
-    per_row, zeros = math.prod(rest), (0,) * len(rest)
-    shards: List[StoredShard] = [None] * chunks_of(gshape, size)  # type: ignore[list-item]  # each rank its own
-    writes = plan.writes
+    split = EvenSplit.of(gshape, size, element_size(dtype), pack_max_bytes)
+    split.packed = packs.take_even(dtype, split.numels(gshape), split.packed_from)
     for gi, src in chunks:
-        for rank in even.groups[gi].ranks:
-            lo = rank * rows
-            n = min(rows, gshape[0] - lo)
-            offset, shape = (lo,) + zeros, (n,) + rest
-            packed = None
-            if 0 < n * per_row * itemsize <= pack_max_bytes:
-                packed = pack_end[(rank, dtype)]
-                pack_end[(rank, dtype)] += n * per_row
-            shards[rank] = StoredShard(offset, shape, None, rank, rank, packed)
-            if rank not in even.derived:
-                writes.setdefault(rank, []).append(WriteItem(key, (offset, shape, None), rank, packed, src))
-    return TensorEntry(gshape, dtype, shards)
+        ranks = writers.get(gi)
+        if ranks is None:
+            ranks = writers[gi] = [rank for rank in even.groups[gi].ranks if rank not in even.derived]
+        for rank in ranks:
+            offset, shape = even_box(gshape, rank, size)
+            packed = int(split.packed[rank - split.packed_from]) if rank >= split.packed_from else None
+            plan.writes.setdefault(rank, []).append(WriteItem(key, (offset, shape, None), rank, packed, src))
+    return TensorEntry(gshape, dtype, even=split)
 
 
 def _plan_objects(plan: SavePlan, groups: Sequence[RecordGroup]) -> None:

@@ -37,8 +37,9 @@ from .checksums import check_sha256, warn_no_checksums
 from .paths import local_path, read_inside, refuse_link
 
 FORMAT_NAME = "lightning_distckpt"
-FORMAT_VERSION = 3  # 2: small shards packed into one array per rank and dtype; 3: checksums on everything
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # 2: small shards packed into one array per rank and dtype; 3: checksums on everything;
+# 4: an even dim-0 split is one index entry (planning/even_index.py)
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 CHECKSUMS_SINCE = 3
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"

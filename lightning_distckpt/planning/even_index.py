@@ -1,0 +1,225 @@
+"""Even dim-0 splits in the checkpoint index: one entry per tensor, not one per stored shard.
+
+An FSDP-like save (``planning/even.py``) stores each tensor as an even split of dim 0 over all
+N ranks: chunk i (``ceil(G0 / N)`` rows at ``i x chunk``, the last chunks shorter) is stored
+shard i, written by rank i. Listing those shards costs tensors x ranks entries in
+``metadata.json`` (149 MB at 4,096 ranks, every loader parsing it); ``EvenSplit`` is the rule
+instead: ``{"even": {"over": N, "packed_from": k}}`` (format 4 on).
+
+Small chunks are packed (``StoredShard.packed``): the chunks from ``k`` on (all chunks but the
+last have the same size, so the packed ones are a suffix). Where each lands in its writer's pack
+array follows the rule every plan packs by: each writer's packed shards of one dtype lie back to
+back in the order of the index's keys (sorted) and, within a key, of the stored shards.
+``PackEnds`` replays it: the planner to place shards, a reader to find the even chunks' places
+(checking that the listed shards' places follow it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
+
+import numpy as np
+
+from ..core.errors import FormatError
+
+MAX_OVER = 1 << 20  # ranks of an even split read from metadata.json (more is damage)
+MAX_CHUNKS = 1 << 26  # chunks of all even splits of one index: bounds what a reader allocates
+
+
+@dataclass(eq=False)
+class EvenSplit:
+    """A tensor stored as an even dim-0 split over ``over`` ranks: chunk i is stored shard i,
+    written by rank i; ``packed``: the pack offsets of chunks ``packed_from`` on (set by the
+    plan, or by :func:`replay_packs` when read)."""
+
+    over: int
+    packed_from: int
+    packed: Optional[np.ndarray] = None
+
+    @classmethod
+    def of(cls, global_shape: Tuple[int, ...], over: int, itemsize: int, pack_max_bytes: int) -> "EvenSplit":
+        """The split of ``global_shape`` over ``over`` ranks, packing chunks of at most
+        ``pack_max_bytes`` (not empty) as the save plan packs shards."""
+        n = chunks_count(global_shape, over)
+        per_row = math.prod(global_shape[1:]) * itemsize
+        if n == 0 or per_row == 0:
+            return cls(over, n)
+        rows = -(-global_shape[0] // over)
+        last = global_shape[0] - (n - 1) * rows
+        first = 0 if rows * per_row <= pack_max_bytes else (n - 1 if last * per_row <= pack_max_bytes else n)
+        return cls(over, first)
+
+    def rows(self, global_shape: Tuple[int, ...]) -> int:
+        return -(-global_shape[0] // self.over)
+
+    def numels(self, global_shape: Tuple[int, ...]) -> np.ndarray:
+        """Elements of each (non-empty) chunk, chunk i at position i."""
+        n, rows = chunks_count(global_shape, self.over), self.rows(global_shape)
+        per_row = math.prod(global_shape[1:])
+        out = np.full(n, rows * per_row, dtype=np.int64)
+        if n:
+            out[-1] = (global_shape[0] - (n - 1) * rows) * per_row
+        return out
+
+    def chunks(self, global_shape: Tuple[int, ...], lo: int = 0,
+               hi: Optional[int] = None) -> Iterator[Tuple[int, Tuple[int, ...], Tuple[int, ...], Optional[int]]]:
+        """(i, offset, shape, packed) of the chunks i in [lo, hi)."""
+        n, rows = chunks_count(global_shape, self.over), self.rows(global_shape)
+        rest = tuple(global_shape[1:])
+        zeros = (0,) * len(rest)
+        lo, hi = max(lo, 0), min(n, n if hi is None else hi)
+        first = max(lo, self.packed_from)  # the first packed chunk asked for
+        packed = self.packed[first - self.packed_from:max(hi, first) - self.packed_from].tolist() \
+            if self.packed is not None else []
+        for i in range(lo, hi):
+            start = i * rows
+            p = packed[i - first] if i >= first and packed else None
+            yield i, (start,) + zeros, (min(rows, global_shape[0] - start),) + rest, p
+
+    def rows_range(self, global_shape: Tuple[int, ...], start: int, stop: int) -> Tuple[int, int]:
+        """The chunks holding rows [start, stop) of dim 0."""
+        rows = self.rows(global_shape)
+        if rows == 0 or stop <= start:
+            return 0, 0
+        return start // rows, -(-stop // rows)
+
+    def to_json(self) -> Dict[str, int]:
+        return {"over": self.over, "packed_from": self.packed_from}
+
+    def same_as(self, other: "EvenSplit") -> bool:
+        mine = self.packed.tolist() if self.packed is not None else None
+        theirs = other.packed.tolist() if other.packed is not None else None
+        return (self.over, self.packed_from, mine) == (other.over, other.packed_from, theirs)
+
+
+def chunks_count(global_shape: Tuple[int, ...], over: int) -> int:
+    """How many ranks hold a (non-empty) chunk of an even split: the first ones."""
+    rows = -(-global_shape[0] // over)
+    return -(-global_shape[0] // rows) if rows else 0
+
+
+class PackEnds:
+    """Elements packed so far per writer and dtype, in index order: one shard at a time
+    (``take``), or one chunk per rank of an even split at once (``take_even``, vectorised)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ends: Dict[str, np.ndarray] = {}  # dtype -> end per rank below size
+        self._loose: Dict[str, Dict[int, int]] = {}  # dtype -> writer -> end, newer than _ends
+
+    def take(self, writer: int, dtype: str, numel: int) -> int:
+        """Where a packed shard of ``numel`` elements starts in ``writer``'s pack array of ``dtype``."""
+        loose = self._loose.get(dtype)
+        if loose is None:
+            loose = self._loose[dtype] = {}
+        at = loose.get(writer)
+        if at is None:
+            ends = self._ends.get(dtype)
+            at = int(ends[writer]) if ends is not None and writer < self.size else 0
+        loose[writer] = at + numel
+        return at
+
+    def take_even(self, dtype: str, numels: np.ndarray, first: int) -> np.ndarray:
+        """Where chunks ``first`` on (chunk i of ``numels[i]`` elements, written by rank i) start."""
+        ends = self._ends.get(dtype)
+        if ends is None:
+            ends = self._ends[dtype] = np.zeros(self.size, dtype=np.int64)
+        loose = self._loose.get(dtype)
+        if loose:
+            self._loose[dtype] = {w: end for w, end in loose.items() if w >= self.size}
+            inside = [(w, end) for w, end in loose.items() if w < self.size]
+            if inside:
+                ws, vs = zip(*inside)
+                ends[list(ws)] = vs
+        n = len(numels)
+        at = ends[first:n].copy()
+        ends[first:n] += numels[first:n]
+        return at
+
+
+def parse_even(value: Any, global_shape: Tuple[int, ...], name: str, where: str) -> EvenSplit:
+    """An entry's ``even`` field, checked (FormatError naming the field)."""
+    def fail(what: str, must: str, got: Any) -> FormatError:
+        text = repr(got)
+        text = text if len(text) <= 80 else text[:77] + "..."
+        return FormatError(f"{where}: metadata.json field {name}.even{what} must be {must}, got {text}")
+
+    if not isinstance(value, dict):
+        raise fail("", "an object", value)
+    if not global_shape:
+        raise fail("", "absent on a scalar (an even split is of dim 0)", value)
+    over = value.get("over")
+    if type(over) is not int or not 1 <= over <= MAX_OVER:
+        raise fail(".over", f"an int in [1, {MAX_OVER}]", over)
+    n = chunks_count(global_shape, over)
+    first = value.get("packed_from")
+    if type(first) is not int or not 0 <= first <= n:
+        raise fail(".packed_from", f"an int in [0, {n}]", first)
+    return EvenSplit(over, first)
+
+
+def replay_packs(tensors: Mapping[str, Any], where: str) -> None:
+    """Set the pack offsets of the even splits among ``tensors`` (key -> TensorEntry) by the
+    packing rule; a listed packed shard not where the rule puts it is a FormatError."""
+    splits = [e.even for e in tensors.values() if e.even is not None]
+    if not splits:
+        return
+    if sum(chunks_count(e.global_shape, e.even.over) for e in tensors.values() if e.even is not None) > MAX_CHUNKS:
+        raise FormatError(f"{where}: metadata.json's even splits claim more than {MAX_CHUNKS} stored shards")
+    packs = PackEnds(max(s.over for s in splits))
+    for key in sorted(tensors):
+        e = tensors[key]
+        if e.even is not None:
+            e.even.packed = packs.take_even(e.dtype, e.even.numels(e.global_shape), e.even.packed_from)
+            continue
+        for i, s in enumerate(e.shards):
+            if s.packed is not None and packs.take(s.writer, e.dtype, s.numel) != s.packed:
+                raise FormatError(f"{where}: metadata.json field tensors[{key!r}].shards[{i}].packed {s.packed} is "
+                                  "not where the packing rule puts it (writer's packed shards in key order)")
+
+
+Place = Tuple[str, int, Tuple[int, ...]]  # dtype, element offset in the pack array, shard shape
+
+
+class PackedPlaces:
+    """``(writer, path of a stored shard) -> (dtype, pack offset, shape)`` for an index's packed
+    shards (``path_of(key, index)``: the storage layout's path). Listed shards are known at once;
+    an even split's chunks of a writer on the first question about that writer, so a loader
+    reading from a few writers never lists tensors x ranks shards."""
+
+    def __init__(self, index: Any, path_of: Callable[[str, int], str]) -> None:
+        self._path_of = path_of
+        self._places: Dict[Tuple[int, str], Place] = {}
+        self._even: List[Tuple[str, Any]] = []  # (key, entry) of even splits with packed chunks
+        self._asked: Set[int] = set()
+        for key, entry in (index.tensors.items() if index is not None else ()):
+            if entry.even is not None:
+                if entry.even.packed_from < chunks_count(entry.global_shape, entry.even.over):
+                    self._even.append((key, entry))
+                continue
+            for sh in entry.shards:
+                if sh.packed is not None:
+                    self._places[(sh.writer, path_of(key, sh.index))] = (entry.dtype, sh.packed, tuple(sh.shape))
+
+    def _writer(self, writer: int) -> None:
+        if not self._even or writer in self._asked:
+            return
+        self._asked.add(writer)
+        for key, entry in self._even:
+            for i, _, shape, packed in entry.even.chunks(entry.global_shape, writer, writer + 1):
+                if packed is not None:
+                    self._places[(writer, self._path_of(key, i))] = (entry.dtype, packed, shape)
+
+    def get(self, handle: Tuple[int, str], default: Optional[Place] = None) -> Optional[Place]:
+        self._writer(handle[0])
+        return self._places.get(handle, default)
+
+    def __contains__(self, handle: Tuple[int, str]) -> bool:
+        self._writer(handle[0])
+        return handle in self._places
+
+    def __getitem__(self, handle: Tuple[int, str]) -> Place:
+        self._writer(handle[0])
+        return self._places[handle]
