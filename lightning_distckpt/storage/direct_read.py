@@ -37,7 +37,7 @@ _PLAIN = [{"configuration": {"endian": "little"}, "name": "bytes"}]
 _CRC = {"name": "crc32c"}
 _DATA_FILE = re.compile(r"d/[0-9a-f]{1,64}")  # OCDBT data files, relative to the store
 _CRC_TRAILER = struct.Struct("<I")
-_MAX_CHUNK_BYTES = 1 << 30  # one preadv returns at most about 2 GiB
+_PIECE_BYTES = 1 << 20  # read and checksum a chunk this much at a time
 
 
 def direct_reads_enabled() -> bool:
@@ -85,7 +85,7 @@ def geometry(arr: Any) -> Optional[Geometry]:
         return None
     geo = Geometry(tuple(arr.shape), arr.dtype.name, int(chunks[0]), math.prod(arr.shape[1:]) * itemsize,
                    len(codecs) == 2)
-    return geo if 0 < geo.chunk_bytes <= _MAX_CHUNK_BYTES else None
+    return geo if geo.chunk_bytes > 0 else None
 
 
 def chunk_key(geo: Geometry, row_chunk: int) -> str:
@@ -193,26 +193,32 @@ def _run_one(task: ChunkTask, fd: int, verify: bool) -> Any:
     geo, loc = task.geo, task.loc
     if loc.length != geo.chunk_bytes:
         return f"{task.where}: stored as {loc.length} bytes in {loc.path}, expected {geo.chunk_bytes} (damaged)"
-    trailer = bytearray(4 if geo.checksum else 0)
     if task.direct:
         body = task.dest.view(-1).view(torch.uint8).numpy()
-        pad = np.empty(geo.chunk_rows * geo.row_bytes - body.nbytes, dtype=np.uint8)
-        buffers: List[Any] = [body, pad, trailer]
+        parts = [body, np.empty(geo.chunk_rows * geo.row_bytes - body.nbytes, dtype=np.uint8)]  # + edge padding
     else:
         body = np.empty(geo.chunk_rows * geo.row_bytes, dtype=np.uint8)
-        buffers = [body, trailer]
-    try:
-        got = os.preadv(fd, [memoryview(b) for b in buffers if len(b)], loc.offset)
-    except OSError as e:
-        return f"{task.where}: reading {loc.path} failed: {e}"
-    if got != loc.length:
-        return f"{task.where}: {loc.path} is truncated ({got} of {loc.length} bytes at offset {loc.offset})"
-    if verify and geo.checksum:
-        crc = crc32c.crc32c(body)
-        if task.direct and len(buffers[1]):
-            crc = crc32c.crc32c(buffers[1], crc)
-        stored = _CRC_TRAILER.unpack(bytes(trailer))[0]
-        if crc != stored:
+        parts = [body]
+    crc, offset = 0, loc.offset
+    for part in parts:
+        # Piece by piece, each checksummed while still in the CPU's cache (one pass over memory, not two)
+        for start in range(0, part.nbytes, _PIECE_BYTES):
+            piece = part[start:start + _PIECE_BYTES]
+            try:
+                got = os.preadv(fd, [piece], offset)
+            except OSError as e:
+                return f"{task.where}: reading {loc.path} failed: {e}"
+            if got != piece.nbytes:
+                return f"{task.where}: {loc.path} is truncated (chunk of {loc.length} bytes at offset {loc.offset})"
+            offset += got
+            if verify and geo.checksum:
+                crc = crc32c.crc32c(piece, crc)
+    if geo.checksum:
+        trailer = os.pread(fd, 4, offset)
+        if len(trailer) != 4:
+            return f"{task.where}: {loc.path} is truncated (chunk of {loc.length} bytes at offset {loc.offset})"
+        stored = _CRC_TRAILER.unpack(trailer)[0]
+        if verify and crc != stored:
             return (f"{task.where}: checksum mismatch in {loc.path} at offset {loc.offset} (CRC-32C {crc:#010x}, "
                     f"stored {stored:#010x}): damaged")
     if not task.direct:
