@@ -35,6 +35,7 @@ def _on_both(cells, key):
     ("fmp_f_mp", STATE),       # Fabric ModelParallel (DP 2) -> itself (DP 2)
     ("fmp_convert", STATE),    # Fabric ModelParallel -> convert
     ("fmp_inference", PARAMS),  # Fabric ModelParallel -> load_module_weights
+    ("fdcp_f_mp", STATE),      # Fabric's own ModelParallelStrategy (DCP + meta.pt) -> F+MP, read as Fabric reads it
     ("tpl_f_tp", STATE),       # T+plugin (DP 2) -> F+TP (TP 2): into {"model", "optimizer"}
     ("tpl_convert", STATE),    # T+plugin -> convert: Lightning's dict, optimizer in torch's layout
     ("stock_inference", PARAMS),  # stock Trainer DDP .ckpt -> load_module_weights(m, file)

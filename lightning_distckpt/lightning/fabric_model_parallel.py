@@ -15,6 +15,7 @@ values are common state.
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Any, Callable, Dict, Literal, Mapping, Optional, Union
@@ -34,11 +35,13 @@ from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysErro
 from ..core.strict import StrictHandling
 from ..serialization import load_tensors_metadata
 from .config import DistCheckpointConfig, load_checkpoint_config
-from .model_parallel import Path, put_value, refusal, shard_tree, value_at
+from .model_parallel import Path, is_lightning_dcp, put_value, refusal, shard_tree, value_at
 from .sharded import build_on_all_ranks
 from .stock import describe_saved
 from .tp_strategy import DistCheckpointIOMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest, template_from_manifest
+
+log = logging.getLogger(__name__)
 
 
 def _owner(optimizer: Optimizer, state: Mapping[str, Any]) -> Module:
@@ -110,6 +113,11 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
             return self.checkpoint_io.load_checkpoint(target)
         if isinstance(state, (Module, Optimizer)):
             raise ArgumentTypeError(f"{type(self).__name__}.load_checkpoint: pass a dict such as {{'model': model}}")
+        if is_lightning_dcp(target) and not describe_saved(target, self.checkpoint_io.extra_safe_globals).by_trainer:
+            # Fabric's own ModelParallelStrategy wrote it (DCP + meta.pt): read as that strategy reads it.
+            log.info("checkpoint %s: Fabric's ModelParallelStrategy (DCP) layout, read as the stock strategy reads it",
+                     target)
+            return super().load_checkpoint(target, state, strict=strict, weights_only=True)
         dtensors: Dict[Path, DTensor] = {}
 
         def build() -> Dict[str, Any]:

@@ -208,8 +208,8 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
 
 
 def is_lightning_dcp(path: str) -> bool:
-    """A directory Lightning's ``ModelParallelStrategy`` saved: DCP's ``.metadata`` and Lightning's
-    ``meta.pt`` (the loops, callbacks, schedulers), and no manifest of ours."""
+    """A directory Lightning's ``ModelParallelStrategy`` (Trainer's or Fabric's) saved: DCP's ``.metadata``
+    and Lightning's ``meta.pt`` (everything but the modules and optimizers), and no manifest of ours."""
     return (os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, "meta.pt"))
             and not os.path.isfile(os.path.join(path, "metadata.json")))
 

@@ -255,8 +255,10 @@ def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     run = MPRun(fabric(FabricModelParallel(parallelize, data_parallel_size=2, tensor_parallel_size=1,
                                            timeout=TIMEOUT)))
     run.train(0, 2)
+    saved = run.full()
     run.fabric.save(fdcp, {"model": run.model, "optimizer": run.opt, "step": 2})
     try_trainers(res, "fdcp", fdcp, ("t_mp",))
+    try_cell(res, "fdcp_f_mp", lambda: f_mp(fdcp), saved)
 
 
 def trainer_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
