@@ -13,6 +13,7 @@ checksummed in both (they are small). Prints the median of each and the on/off r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -26,16 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning_distckpt as ldc  # noqa: E402
-from benchmarks.common import drop_page_cache  # noqa: E402
-from lightning_distckpt.storage.tensorstore_io import TensorStoreIO  # noqa: E402
-
-_WITH_CRC = TensorStoreIO.create_spec
-
-
-def _without_crc(self: TensorStoreIO, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-    spec = _WITH_CRC(self, *args, **kwargs)
-    spec["metadata"]["codecs"] = [c for c in spec["metadata"]["codecs"] if c["name"] != "crc32c"]
-    return spec
+from benchmarks.common import chunk_checksums_off, drop_page_cache  # noqa: E402
 
 
 def _state(size_mib: int) -> Dict[str, torch.Tensor]:
@@ -65,11 +57,11 @@ def main() -> None:
     try:
         for rep in range(args.repeats):
             for mode in (("on", "off") if rep % 2 == 0 else ("off", "on")):  # interleaved, order alternating
-                TensorStoreIO.create_spec = _WITH_CRC if mode == "on" else _without_crc  # type: ignore[method-assign]
                 path = os.path.join(root, mode)
-                t0 = time.perf_counter()
-                ldc.save(_sharded(state), path, storage=opts)
-                times[mode]["save"].append(time.perf_counter() - t0)
+                with chunk_checksums_off() if mode == "off" else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    ldc.save(_sharded(state), path, storage=opts)
+                    times[mode]["save"].append(time.perf_counter() - t0)
                 drop_page_cache(path)
                 t0 = time.perf_counter()
                 ldc.load(_sharded(dest), path)
@@ -77,7 +69,6 @@ def main() -> None:
                 assert all(torch.equal(dest[k], state[k]) for k in state)
                 shutil.rmtree(path)
     finally:
-        TensorStoreIO.create_spec = _WITH_CRC  # type: ignore[method-assign]
         shutil.rmtree(root, ignore_errors=True)
     print(f"{nbytes / 2**20:.0f} MiB, layout {args.layout}, {args.repeats} interleaved repeats (median GB/s)")
     for op in ("save", "load"):

@@ -34,6 +34,7 @@ the global state (stored once) / s; for loads = bytes delivered into all ranks' 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -54,7 +55,7 @@ from benchmarks import rss as rss_peak  # noqa: E402
 from benchmarks.save_load_report import summarize  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     free_port,
-    LocalTensor, dir_bytes, drop_page_cache, local_state, machine_summary, prefault, state_bytes,
+    LocalTensor, chunk_checksums_off, dir_bytes, drop_page_cache, local_state, machine_summary, prefault, state_bytes,
     unique_bytes,
 )
 
@@ -63,7 +64,7 @@ CONTESTANTS = ("ours", "torch", "dcp", "raw")
 
 # -- contestants -----------------------------------------------------------------------------
 def _ours(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: int, world: int,
-          loader: Optional[str] = None):
+          loader: Optional[str] = None, checksums: bool = True):
     import lightning_distckpt as ldc
 
     def sharded(tensors: List[torch.Tensor]) -> Dict[str, Any]:
@@ -76,7 +77,8 @@ def _ours(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: i
         return out
 
     def save() -> None:
-        ldc.save(sharded([t.data for t in state]), path)
+        with contextlib.nullcontext() if checksums else chunk_checksums_off():
+            ldc.save(sharded([t.data for t in state]), path)
 
     def load() -> None:
         ldc.load(sharded(dest), path, **({"loader": loader} if loader else {}))
@@ -187,8 +189,11 @@ FACTORIES: Dict[str, Callable] = {"ours": _ours, "torch": _torch, "dcp": _dcp, "
 
 
 def factory(name: str) -> Callable:
-    """``ours`` (the library's default loader), ``ours:<loader>`` (e.g. ``ours:every_rank``), or
-    one of the other contestants."""
+    """``ours`` (the library's default loader), ``ours:<loader>`` (e.g. ``ours:every_rank``),
+    ``ours:nocrc`` (saved without chunk checksums: the off side of the checksum A/B), or one of
+    the other contestants."""
+    if name == "ours:nocrc":
+        return lambda *a: _ours(*a, checksums=False)
     if name.startswith("ours:"):
         loader = name.split(":", 1)[1]
         return lambda *a: _ours(*a, loader=loader)

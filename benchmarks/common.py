@@ -9,12 +9,13 @@ of them small (norms, biases), a few large.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -179,3 +180,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def chunk_checksums_off() -> Iterator[None]:
+    """Within the block, saves leave the zarr ``crc32c`` codec out of each array's codec chain (the
+    arrays are then what format 2 wrote): the "checksums off" side of an A/B. Benchmarks only."""
+    from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
+
+    with_crc = TensorStoreIO.create_spec
+
+    def without_crc(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        spec = with_crc(self, *args, **kwargs)
+        spec["metadata"]["codecs"] = [c for c in spec["metadata"]["codecs"] if c["name"] != "crc32c"]
+        return spec
+
+    TensorStoreIO.create_spec = without_crc  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TensorStoreIO.create_spec = with_crc  # type: ignore[method-assign]

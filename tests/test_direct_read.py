@@ -97,3 +97,17 @@ def test_a_flipped_byte_in_the_padding_of_an_edge_chunk_is_caught(saved, tmp_pat
     open(path, "wb").write(bytes(data))
     with pytest.raises(ldc.CheckpointingError, match="checksum mismatch"):
         ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros_like(W))}, ck)
+
+
+def test_scratch_buffers_stay_within_their_budget(saved):
+    """Chunks read in part (a column slice of every chunk) go through scratch buffers: with a
+    budget of one chunk, four threads still deliver every chunk, one scratch buffer at a time."""
+    locations = ocdbt_locations(rank_dir(saved["ocdbt"], 0))
+    geo = Geometry(shape=(1000, 10), dtype="float32", chunk_rows=102, row_bytes=40, checksum=True)
+    dest = torch.zeros(1000, 3)
+    tasks = [ChunkTask(f"'w' chunk {c}", locations[f"t/w/0/c/{c}/0"], geo, slice(0, min(102, 1000 - c * 102)),
+                       (slice(2, 5),), dest[c * 102:(c + 1) * 102], False) for c in range(10)]
+    reader = DirectReader(4, scratch_bytes=geo.chunk_bytes)
+    nbytes, errors = reader.run(tasks)
+    assert errors == [] and nbytes == dest.numel() * 4 and torch.equal(dest, W[:, 2:5])
+    assert reader.budget.peak == geo.chunk_bytes

@@ -17,13 +17,15 @@ index this module does not understand) is left to tensorstore (see ``TensorStore
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import crc32c
 import numpy as np
@@ -164,11 +166,34 @@ def plan_chunks(where: str, geo: Geometry, src: Sequence[slice], dest: torch.Ten
     return tasks
 
 
-class DirectReader:
-    """Runs :class:`ChunkTask` s on a few threads (``preadv`` and the checksum release the GIL)."""
+class _Budget:
+    """Bytes of scratch buffers in use at once, at most ``limit`` (one request alone may exceed it)."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used, self.peak = limit, 0, 0
+        self.cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, nbytes: int) -> Iterator[None]:
+        with self.cond:
+            self.cond.wait_for(lambda: self.used == 0 or self.used + nbytes <= self.limit)
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.used -= nbytes
+                self.cond.notify_all()
+
+
+class DirectReader:
+    """Runs :class:`ChunkTask` s on a few threads (``preadv`` and the checksum release the GIL).
+    Chunks read in part go through scratch buffers, at most ``scratch_bytes`` of them at once."""
+
+    def __init__(self, threads: int, scratch_bytes: int = 256 << 20) -> None:
         self.threads = max(1, threads)
+        self.budget = _Budget(scratch_bytes)
 
     def run(self, tasks: Sequence[ChunkTask], verify: bool = True) -> Tuple[int, List[str]]:
         """(bytes delivered, an error message per failed chunk)."""
@@ -178,7 +203,7 @@ class DirectReader:
                 if t.loc.path not in fds:
                     fds[t.loc.path] = os.open(t.loc.path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
             with ThreadPoolExecutor(self.threads, thread_name_prefix="ldc-direct-read") as pool:
-                outcomes = list(pool.map(lambda t: _run_one(t, fds[t.loc.path], verify), tasks))
+                outcomes = list(pool.map(lambda t: self._run(t, fds[t.loc.path], verify), tasks))
         except OSError as e:
             return 0, [f"{tasks[0].where if tasks else 'a chunk'}: cannot open a data file: {e}"]
         finally:
@@ -186,6 +211,12 @@ class DirectReader:
                 os.close(fd)
         errors = [o for o in outcomes if isinstance(o, str)]
         return sum(o for o in outcomes if isinstance(o, int)), errors
+
+    def _run(self, task: ChunkTask, fd: int, verify: bool) -> Any:
+        if task.direct:
+            return _run_one(task, fd, verify)
+        with self.budget.take(task.geo.chunk_bytes):
+            return _run_one(task, fd, verify)
 
 
 def _run_one(task: ChunkTask, fd: int, verify: bool) -> Any:
