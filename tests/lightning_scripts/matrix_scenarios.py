@@ -78,8 +78,8 @@ def fabric_mp() -> Fabric:
 
 def trainer(strategy: Any, plugins: Any = None, max_steps: int = 2, callbacks: Any = None) -> Trainer:
     return Trainer(accelerator="cpu", devices=DEVICES, strategy=strategy, plugins=plugins, max_steps=max_steps,
-                   max_epochs=-1, callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   enable_checkpointing=False, num_sanity_val_steps=0)
+                   max_epochs=-1, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
 
 
 def t_plugin(max_steps: int = 4) -> Trainer:
@@ -115,14 +115,7 @@ def equal(got: Tensors, saved: Tensors) -> Dict[str, bool]:
     return {k: k in got and torch.equal(got[k].to(v.dtype), v) for k, v in saved.items()}
 
 
-# -- the readers: each gets a path, does what a user would, and records its outcome ------------------
-READ_TRAINER: Dict[str, Callable[[str], Any]] = {
-    "t_plugin": lambda p: t_plugin().fit(TPMLP(total_steps=4), ckpt_path=p),
-    "t_tp": lambda p: t_tp().fit(TPMLP(total_steps=4), ckpt_path=p),
-    "t_mp": lambda p: t_mp().fit(MPModel(total_steps=4), ckpt_path=p),
-}
-
-
+# -- the readers: each gets a path, does what a user would; what it loaded, by parameter name ----------
 def f_plugin(path: str) -> Tensors:
     run = StockRun(fabric_plugin())
     run.fabric.load(path, {"model": run.model, "optimizer": run.opt})
@@ -199,123 +192,82 @@ def try_cell(res: Dict[str, Any], cell: str, fn: Callable[[], Any], saved: Tenso
         res[f"{cell}_equal"] = equal(got, saved)
 
 
-def try_trainers(res: Dict[str, Any], row: str, path: str, columns: Iterable[str]) -> None:
+def try_row(res: Dict[str, Any], row: str, path: str, saved: Tensors, columns: Iterable[str], entry: str) -> None:
+    """Every reader of ``columns`` against the checkpoint at ``path``; what loads is compared with ``saved``
+    (inference: the weights alone, read from ``entry``)."""
     for col in columns:
-        try_cell(res, f"{row}_{col}", lambda: READ_TRAINER[col](path))
+        if col == "inference":
+            try_cell(res, f"{row}_{col}", lambda: inference(path, entry), weights(saved))
+        else:
+            try_cell(res, f"{row}_{col}", lambda: READERS[col](path), saved)
+
+
+READERS: Dict[str, Callable[[str], Any]] = {
+    "t_plugin": lambda p: t_plugin().fit(TPMLP(total_steps=4), ckpt_path=p),
+    "t_tp": lambda p: t_tp().fit(TPMLP(total_steps=4), ckpt_path=p),
+    "t_mp": lambda p: t_mp().fit(MPModel(total_steps=4), ckpt_path=p),
+    "f_plugin": f_plugin, "f_tp": f_tp, "f_mp": f_mp, "convert": lambda p: converted(p, p + ".pt"),
+}
+TRAINERS = ("t_plugin", "t_tp", "t_mp")
 
 
 # -- the rows ------------------------------------------------------------------------------------------
+def held_stock(run: StockRun) -> Tensors:
+    return held(run.model.module.named_parameters(), run.opt.optimizer.state)
+
+
 def fabric_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
-    """Rows written by fabric.save: stock Fabric DDP (a torch.save file), Fabric + the plugin, Fabric + TP 2,
-    Fabric + the ModelParallel subclass (DP 2)."""
-    d = args.dir
-    sf = os.path.join(d, "stock_fabric.pt")
-    run = StockRun(fabric_stock())
-    run.train(0, 2)
-    saved = held(run.model.module.named_parameters(), run.opt.optimizer.state)
-    run.fabric.save(sf, {"model": run.model, "optimizer": run.opt, "step": 2})
-    try_trainers(res, "sf", sf, ("t_plugin", "t_tp", "t_mp"))
-    try_cell(res, "sf_inference", lambda: inference(sf), weights(saved))
-    try_cell(res, "sf_f_mp", lambda: f_mp(sf))
-
-    fpl = os.path.join(d, "fabric_plugin")
-    run = StockRun(fabric_plugin())
-    run.train(0, 2)
-    saved = held(run.model.module.named_parameters(), run.opt.optimizer.state)
-    run.fabric.save(fpl, {"model": run.model, "optimizer": run.opt, "step": 2})
-    try_trainers(res, "fpl", fpl, ("t_plugin", "t_tp", "t_mp"))
-    try_cell(res, "fpl_f_plugin", lambda: f_plugin(fpl), saved)
-    try_cell(res, "fpl_convert", lambda: converted(fpl, os.path.join(d, "fpl.pt")), saved)
-    try_cell(res, "fpl_inference", lambda: inference(fpl), weights(saved))
-    try_cell(res, "fpl_f_mp", lambda: f_mp(fpl))
-
-    ftp = os.path.join(d, "ftp")
-    run = TPRun(fabric_tp())
-    run.train(0, 2)
-    saved = held_tp(run)
-    run.fabric.save(ftp, run.state(2))
-    try_trainers(res, "ftp", ftp, ("t_plugin", "t_tp", "t_mp"))
-    try_cell(res, "ftp_convert", lambda: converted(ftp, os.path.join(d, "ftp.pt")), saved)
-    try_cell(res, "ftp_inference", lambda: inference(ftp), weights(saved))
-    try_cell(res, "ftp_f_mp", lambda: f_mp(ftp))
-
-    fmp = os.path.join(d, "fmp")
-    run = MPRun(fabric_mp())
-    run.train(0, 2)
-    saved = run.full()
-    run.fabric.save(fmp, {"model": run.model, "optimizer": run.opt, "step": 2})
-    try_trainers(res, "fmp", fmp, ("t_plugin", "t_tp", "t_mp"))
-    try_cell(res, "fmp_f_plugin", lambda: f_plugin(fmp), saved)
-    try_cell(res, "fmp_f_tp", lambda: f_tp(fmp))
-    try_cell(res, "fmp_f_mp", lambda: f_mp(fmp), saved)
-    try_cell(res, "fmp_convert", lambda: converted(fmp, os.path.join(d, "fmp.pt")), saved)
-    try_cell(res, "fmp_inference", lambda: inference(fmp), weights(saved))
-
-    fdcp = os.path.join(d, "fabric_dcp")  # Fabric's own ModelParallelStrategy: DCP files + meta.pt
-    run = MPRun(fabric(FabricModelParallel(parallelize, data_parallel_size=2, tensor_parallel_size=1,
-                                           timeout=TIMEOUT)))
-    run.train(0, 2)
-    saved = run.full()
-    run.fabric.save(fdcp, {"model": run.model, "optimizer": run.opt, "step": 2})
-    try_trainers(res, "fdcp", fdcp, ("t_mp",))
-    try_cell(res, "fdcp_f_mp", lambda: f_mp(fdcp), saved)
+    """Rows written by fabric.save (2 steps trained, then saved once): stock Fabric DDP (a torch.save
+    file), Fabric + the plugin, Fabric + TP 2, Fabric + the ModelParallel subclass (DP 2), Fabric's own
+    ModelParallelStrategy (DP 2, DCP + meta.pt)."""
+    def stock_mp() -> MPRun:
+        return MPRun(fabric(FabricModelParallel(parallelize, data_parallel_size=2, tensor_parallel_size=1,
+                                                timeout=TIMEOUT)))
+    rows = [("sf", "stock_fabric.pt", lambda: StockRun(fabric_stock()), held_stock, (*TRAINERS, "inference", "f_mp")),
+            ("fpl", "fabric_plugin", lambda: StockRun(fabric_plugin()), held_stock,
+             (*TRAINERS, "f_plugin", "convert", "inference", "f_mp")),
+            ("ftp", "ftp", lambda: TPRun(fabric_tp()), held_tp, (*TRAINERS, "convert", "inference", "f_mp")),
+            ("fmp", "fmp", lambda: MPRun(fabric_mp()), MPRun.full,
+             (*TRAINERS, "f_plugin", "f_tp", "f_mp", "convert", "inference")),
+            ("fdcp", "fabric_dcp", stock_mp, MPRun.full, ("t_mp", "f_mp"))]
+    for row, name, make, saved_of, columns in rows:
+        path = os.path.join(args.dir, name)
+        run = make()
+        run.train(0, 2)
+        saved = saved_of(run)
+        run.fabric.save(path, {"model": run.model, "optimizer": run.opt, "step": 2})
+        try_row(res, row, path, saved, columns, entry="model")
 
 
 def trainer_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
-    """Rows written by a Trainer: stock DDP (a .ckpt file), DDP + the plugin, the TP strategy (TP 2),
-    the ModelParallel subclass (DP 2), Lightning's own ModelParallelStrategy (DP 2, a DCP directory)."""
-    d = args.dir
-    stock = os.path.join(d, "stock.ckpt")
-    t, model = trainer(DDPStrategy(timeout=TIMEOUT)), TPMLP(total_steps=2)
-    t.fit(model)
-    saved = held(model.named_parameters(), t.optimizers[0].state)
-    t.save_checkpoint(stock)
-    try_cell(res, "stock_inference", lambda: inference(stock, "state_dict"), weights(saved))
-    try_cell(res, "stock_f_plugin", lambda: f_plugin(stock))
-    try_cell(res, "stock_f_mp", lambda: f_mp(stock))
+    """Rows written by a Trainer (2 steps, then ``save_checkpoint`` once): stock DDP (a .ckpt file), DDP +
+    the plugin, the TP strategy (TP 2), the ModelParallel subclass (DP 2), Lightning's own
+    ModelParallelStrategy (DP 2, a DCP directory), which the Trainer ModelParallel subclass resumes."""
+    def held_ddp(model: Any, t: Trainer) -> Tensors:
+        return held(model.named_parameters(), t.optimizers[0].state)
 
-    tpl = os.path.join(d, "tplugin")
-    t, model = t_plugin(max_steps=2), TPMLP(total_steps=2)
-    t.fit(model)
-    saved = held(model.named_parameters(), t.optimizers[0].state)
-    t.save_checkpoint(tpl)
-    try_cell(res, "tpl_f_plugin", lambda: f_plugin(tpl))
-    try_cell(res, "tpl_f_tp", lambda: f_tp(tpl), saved)
-    try_cell(res, "tpl_f_mp", lambda: f_mp(tpl))
-    try_cell(res, "tpl_convert", lambda: converted(tpl, os.path.join(d, "tpl.ckpt")), saved)
-    try_cell(res, "tpl_inference", lambda: inference(tpl, "state_dict"), weights(saved))
+    def held_tpmlp(model: Any, t: Trainer) -> Tensors:
+        return {**full_weights(model), **optimizer_full_state(model, t.optimizers[0])}
 
-    ttp = os.path.join(d, "ttp.ckpt")
-    t, model = t_tp(max_steps=2), TPMLP(total_steps=2)
-    t.fit(model)
-    saved = {**full_weights(model), **optimizer_full_state(model, t.optimizers[0])}
-    t.save_checkpoint(ttp)
-    try_trainers(res, "ttp", ttp, ("t_mp",))
-    try_cell(res, "ttp_f_tp", lambda: f_tp(ttp))
-    try_cell(res, "ttp_inference", lambda: inference(ttp, "state_dict"), weights(saved))
-    try_cell(res, "ttp_f_plugin", lambda: f_plugin(ttp))
-    try_cell(res, "ttp_f_mp", lambda: f_mp(ttp))
-
-    tmp = os.path.join(d, "tmp.ckpt")
-    t = t_mp(max_steps=2, dp=2, tp=1)
-    t.fit(MPModel(total_steps=2))
-    t.save_checkpoint(tmp)
-    try_cell(res, "tmp_f_plugin", lambda: f_plugin(tmp))
-    try_cell(res, "tmp_f_tp", lambda: f_tp(tmp))
-    try_cell(res, "tmp_f_mp", lambda: f_mp(tmp))
-
-    dcp = os.path.join(d, "lightning_dcp")
-    model = MPModel(total_steps=2)
-    t = trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT))
-    t.fit(model)
-    saved, sched = full_state(model, t), t.lr_scheduler_configs[0].scheduler.state_dict()
-    t.save_checkpoint(dcp)
-    try_trainers(res, "dcp", dcp, ("t_plugin", "t_tp"))
-    res["dcp_t_mp"] = outcome(lambda: res.update(dcp_t_mp_resumed=resumed_t_mp(dcp, saved, sched)))
-    try_cell(res, "dcp_f_plugin", lambda: f_plugin(dcp))
-    try_cell(res, "dcp_f_tp", lambda: f_tp(dcp))
-    try_cell(res, "dcp_f_mp", lambda: f_mp(dcp))
-    try_cell(res, "dcp_convert", lambda: converted(dcp, os.path.join(d, "dcp.pt")))
+    def stock_mp() -> Trainer:
+        return trainer(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT))
+    rows = [("stock", "stock.ckpt", lambda: trainer(DDPStrategy(timeout=TIMEOUT)), TPMLP, held_ddp,
+             ("f_plugin", "f_mp", "inference")),
+            ("tpl", "tplugin", lambda: t_plugin(2), TPMLP, held_ddp,
+             ("f_plugin", "f_tp", "f_mp", "convert", "inference")),
+            ("ttp", "ttp.ckpt", lambda: t_tp(2), TPMLP, held_tpmlp, ("t_mp", "f_plugin", "f_tp", "f_mp", "inference")),
+            ("tmp", "tmp.ckpt", lambda: t_mp(2, dp=2, tp=1), MPModel, full_state, ("f_plugin", "f_tp", "f_mp")),
+            ("dcp", "lightning_dcp", stock_mp, MPModel, full_state,
+             ("t_plugin", "t_tp", "f_plugin", "f_tp", "f_mp", "convert"))]
+    for row, name, make, module, saved_of, columns in rows:
+        path = os.path.join(args.dir, name)
+        t, model = make(), module(total_steps=2)
+        t.fit(model)
+        saved, sched = saved_of(model, t), t.lr_scheduler_configs[0].scheduler.state_dict()
+        t.save_checkpoint(path)
+        try_row(res, row, path, saved, columns, entry="state_dict")
+    # The last row, Lightning's DCP directory, resumed by the Trainer ModelParallel subclass.
+    res["dcp_t_mp"] = outcome(lambda: res.update(dcp_t_mp_resumed=resumed_t_mp(path, saved, sched)))
 
 
 def main() -> None:
