@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import numpy as np
 
@@ -64,19 +64,23 @@ class EvenSplit:
         return out
 
     def chunks(self, global_shape: Tuple[int, ...], lo: int = 0,
-               hi: Optional[int] = None) -> Iterator[Tuple[int, Tuple[int, ...], Tuple[int, ...], Optional[int]]]:
+               hi: Optional[int] = None) -> List[Tuple[int, Tuple[int, ...], Tuple[int, ...], Optional[int]]]:
         """(i, offset, shape, packed) of the chunks i in [lo, hi)."""
         n, rows = chunks_count(global_shape, self.over), self.rows(global_shape)
         rest = tuple(global_shape[1:])
         zeros = (0,) * len(rest)
         lo, hi = max(lo, 0), min(n, n if hi is None else hi)
-        first = max(lo, self.packed_from)  # the first packed chunk asked for
-        packed = self.packed[first - self.packed_from:max(hi, first) - self.packed_from].tolist() \
-            if self.packed is not None else []
-        for i in range(lo, hi):
-            start = i * rows
-            p = packed[i - first] if i >= first and packed else None
-            yield i, (start,) + zeros, (min(rows, global_shape[0] - start),) + rest, p
+        if hi <= lo:
+            return []
+        first = min(max(lo, self.packed_from), hi)  # the first packed chunk asked for
+        packed: List[Optional[int]] = [None] * (first - lo)
+        packed += self.packed[first - self.packed_from:hi - self.packed_from].tolist() \
+            if self.packed is not None else [None] * (hi - first)
+        shapes = [(rows,) + rest] * (hi - lo)
+        if hi * rows > global_shape[0]:  # the last chunk is shorter
+            shapes[-1] = (global_shape[0] - (hi - 1) * rows,) + rest
+        offsets = [(start,) + zeros for start in range(lo * rows, hi * rows, rows)]
+        return list(zip(range(lo, hi), offsets, shapes, packed))
 
     def rows_range(self, global_shape: Tuple[int, ...], start: int, stop: int) -> Tuple[int, int]:
         """The chunks holding rows [start, stop) of dim 0."""
