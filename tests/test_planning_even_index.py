@@ -11,6 +11,7 @@ import torch
 import lightning_distckpt as ldc
 from lightning_distckpt.core.errors import FormatError
 from lightning_distckpt.planning.even import mark_even
+from lightning_distckpt.planning.even_index import PackedPlaces
 from lightning_distckpt.planning.groups import RankRecords, RecordGroup, layout_digest, representatives
 from lightning_distckpt.planning.load_plan import plan_tensor_read
 from lightning_distckpt.planning.metadata import CheckpointIndex, ShardRecord
@@ -131,3 +132,19 @@ def test_even_entries_need_format_4_and_packed_shards_must_follow_the_rule():
     huge = {"format_version": 4, "tensors": {f"x{i}": split for i in range(65)}, "objects": {}}  # 2**26 + 2**20
     with pytest.raises(FormatError, match="even splits claim more than"):
         CheckpointIndex.from_json(huge, "ck")
+
+
+def test_packed_places_list_an_even_split_per_writer_asked():
+    """TensorStoreIO's map of packed shards: the listed ones at once, an even split's chunks of a
+    writer when that writer is asked about, with the offsets the whole list has."""
+    per_rank = _ranks(8)
+    plain = make_save_plan([r for recs in per_rank for r in recs.tensors], [], 8, True, 100)
+    index = _reread(_marked_plan(per_rank, 100)[0].index)
+    places = PackedPlaces(index, lambda key, i: f"{key}/{i}")
+    want = {(s.writer, f"{k}/{s.index}"): (e.dtype, s.packed, tuple(s.shape))
+            for k, e in plain.index.tensors.items() for s in e.shards if s.packed is not None}
+    assert len(places._places) < len(want)  # the even splits' chunks not listed yet
+    for handle, place in want.items():
+        assert handle in places and places.get(handle) == place and places[handle] == place
+    assert places.get((3, "zzz/3")) is None and (99, "b/99") not in places
+    assert places._places == want
