@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..serialization import load_tensors_metadata
+from .checkpoint_io import foreign_writer
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tp_strategy import TensorParallelStrategyMixin
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, describe_saved,
@@ -183,8 +184,11 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         or the plugin's directory: tensors named by path); the rest is returned as it was saved."""
         modules = [n for n in template if n not in optimizers]
         if len(modules) != 1 or not is_tree_path_layout(target, saved.kind):
+            writer = "a Trainer" if saved.kind is not None or os.path.isfile(target) else \
+                f"a Trainer, {foreign_writer(target)}"
+            entries = sorted({e.split(".")[0] for e in saved.entries})  # DCP flattens its entries' names
             raise CheckpointingError(
-                f"checkpoint {target} was written by a Trainer (entries {sorted(saved.entries)}), not by fabric.save; "
+                f"checkpoint {target} was written by {writer} (entries {entries}), not by fabric.save; "
                 "fabric.load reads a Trainer's torch.save file or DistCheckpointIO directory into a state with exactly "
                 f"one module (this state has {modules}); resume this one with trainer.fit(model, ckpt_path=...), or "
                 f"load a module's weights with load_module_weights(module, {target!r}) (its entry 'state_dict')")
