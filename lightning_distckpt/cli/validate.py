@@ -27,7 +27,8 @@ from ..planning.metadata import ObjectRecord, ShardRecord, StoredShard, element_
 from ..planning.validation import validate_object_records, validate_tensor_records
 from ..storage.checksums import check_sha256
 from ..storage.integrity import store_bytes
-from ..storage.layout import COMMON_FILE, rank_dir
+from ..storage.direct_read import ChunkTask, DirectReader
+from ..storage.layout import COMMON_FILE, rank_dir, tensor_path
 from ..storage.paths import read_inside
 from ..storage.s3 import ObjectStore
 from ..storage.s3_url import is_s3_url
@@ -157,14 +158,25 @@ class _ReadWindow:
         self.report = report
         self.max_bytes = max_bytes
         self.pending: List[Tuple[Any, str, int]] = []
+        self.direct: List[ChunkTask] = []
+        self.reader = DirectReader(8, scratch_bytes=max_bytes)
         self.inflight = 0
 
     def submit(self, piece: Any, where: str, nbytes: int) -> None:
-        if self.pending and self.inflight + nbytes > self.max_bytes:
+        if (self.pending or self.direct) and self.inflight + nbytes > self.max_bytes:
             self.drain()
         self.pending.append((piece.read(), where, nbytes))
         self.inflight += nbytes
         self.report.chunks += 1
+
+    def submit_direct(self, tasks: List[ChunkTask]) -> None:
+        """Chunks read and verified by the direct reader (storage/direct_read.py) at the next drain."""
+        for t in tasks:
+            if (self.pending or self.direct) and self.inflight + t.loc.length > self.max_bytes:
+                self.drain()
+            self.direct.append(t)
+            self.inflight += t.loc.length
+            self.report.chunks += 1
 
     def drain(self) -> None:
         for fut, where, nbytes in self.pending:
@@ -174,6 +186,10 @@ class _ReadWindow:
             except Exception as e:
                 self.report.problems.append(f"{where} unreadable: {short_error(e)}")
         self.pending.clear()
+        nbytes, errors = self.reader.run(self.direct)
+        self.report.bytes_read += nbytes
+        self.report.problems += errors
+        self.direct.clear()
         self.inflight = 0
 
 
@@ -190,6 +206,15 @@ def _read_shard(tio: TensorStoreIO, key: str, dtype: str, shard: StoredShard, re
         report.problems.append(f"{where}: stored array is {store.dtype.name} {list(store.shape)}, the index says "
                                f"{dtype} {list(expected)}")
         return
+    if shard.packed is None and tio.direct is not None:
+        try:
+            tasks = tio.direct.check_tasks(shard.writer, tensor_path(key, shard.index), store, where)
+        except CheckpointingError as e:  # a missing chunk: the message names the shard and the rows
+            report.problems.append(str(e))
+            return
+        if tasks is not None:
+            window.submit_direct(tasks)
+            return
     if shard.packed is not None:  # a small range of the writer's pack array: one read
         pieces: List[Tuple[Any, str]] = [(store, f"packed at element {shard.packed}")]
     elif store.rank == 0 or math.prod(store.shape) == 0:

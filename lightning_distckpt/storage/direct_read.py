@@ -131,15 +131,16 @@ def _walk(base: Any, store_dir: str, location: str, prefix: bytes, out: Dict[str
 
 
 class ChunkTask(NamedTuple):
-    """Read one chunk and deliver ``rows`` (chunk-local) of it, ``trailing``-sliced, into ``dest``.
-    ``direct``: ``dest`` is the chunk's whole rows, contiguous: read into it in place."""
+    """Read one chunk and deliver ``rows`` (chunk-local) of it, ``trailing``-sliced, into ``dest``
+    (None: read and verify only). ``direct``: ``dest`` is the chunk's whole rows, contiguous: read
+    into it in place."""
 
     where: str
     loc: ChunkLocation
     geo: Geometry
     rows: slice
     trailing: Tuple[slice, ...]
-    dest: torch.Tensor
+    dest: Optional[torch.Tensor]
     direct: bool
 
 
@@ -224,7 +225,7 @@ def _run_one(task: ChunkTask, fd: int, verify: bool) -> Any:
     geo, loc = task.geo, task.loc
     if loc.length != geo.chunk_bytes:
         return f"{task.where}: stored as {loc.length} bytes in {loc.path}, expected {geo.chunk_bytes} (damaged)"
-    if task.direct:
+    if task.dest is not None and task.direct:
         body = task.dest.view(-1).view(torch.uint8).numpy()
         parts = [body, np.empty(geo.chunk_rows * geo.row_bytes - body.nbytes, dtype=np.uint8)]  # + edge padding
     else:
@@ -252,6 +253,8 @@ def _run_one(task: ChunkTask, fd: int, verify: bool) -> Any:
         if verify and crc != stored:
             return (f"{task.where}: checksum mismatch in {loc.path} at offset {loc.offset} (CRC-32C {crc:#010x}, "
                     f"stored {stored:#010x}): damaged")
+    if task.dest is None:  # checked only
+        return loc.length
     if not task.direct:
         rows = torch.frombuffer(body, dtype=task.dest.dtype).view(geo.chunk_rows, *geo.shape[1:])
         task.dest.copy_(rows[(task.rows, *task.trailing)])
@@ -290,6 +293,25 @@ class DirectChunks:
             else:
                 tasks.extend(planned)
         return tasks, rest
+
+    def check_tasks(self, writer: int, arr_path: str, arr: Any, where: str) -> Optional[List[ChunkTask]]:
+        """Tasks that read and verify every chunk of an array, delivering nothing (``validate``);
+        None when tensorstore must read it. Raises FormatError for a missing chunk."""
+        geo = self._geo(writer, arr_path, arr)
+        locate = self._locator(writer, arr_path) if geo is not None else None
+        if geo is None or locate is None:
+            return None
+        tasks = []
+        for c in range(-(-geo.shape[0] // geo.chunk_rows)):
+            what = f"{where}: chunk rows {c * geo.chunk_rows}:{min((c + 1) * geo.chunk_rows, geo.shape[0])}"
+            try:
+                loc = locate(chunk_key(geo, c))
+            except FormatError as e:
+                raise FormatError(f"{what}: {e}") from e
+            if loc is None:
+                return None
+            tasks.append(ChunkTask(what, loc, geo, slice(0, 0), (), None, False))
+        return tasks
 
     def _geo(self, writer: int, arr_path: str, arr: Any) -> Optional[Geometry]:
         if (writer, arr_path) not in self._geometry:

@@ -36,6 +36,7 @@ from ..core.errors import CheckpointingError
 from .base import ObjectWrite, ShardRead, ShardWrite
 from .options import StorageOptions
 from .checksums import frame_object, unframe_object
+from .direct_read import DirectChunks, direct_reads_enabled
 from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from ..planning.even_index import PackedPlaces
@@ -106,6 +107,8 @@ class TensorStoreIO:
         self._contained: Set[int] = set()  # writers whose store was checked for links
         # A save committing to the same path swaps another directory in while we read: told apart by its inode
         self._root_id = _dir_id(self.root) if self._reading else None
+        self.direct = DirectChunks(lambda w: rank_dir(self.root, w), options.layout, min(options.io_concurrency, 8)) \
+            if self._reading and not self.s3 and direct_reads_enabled() else None
 
     # -- specs --------------------------------------------------------------------------
     def kvstore_spec(self, writer: int) -> Dict[str, Any]:
@@ -280,8 +283,14 @@ class TensorStoreIO:
         for r in reads:
             (packed if (r.writer, tensor_path(r.key, r.index)) in self._packed else plain).append(r)
         self.open_arrays((writer, key, index) for key, writer, index, _, _ in plain)
+        nbytes, errors = 0, []
+        if self.direct is not None:  # whole chunks straight into the destinations (storage/direct_read.py)
+            try:
+                tasks, plain = self.direct.split(plain, self.open_array, tensor_path)
+            except CheckpointingError as e:
+                raise self._read_error(f"checkpoint {self.root}: {e}") from e
+            nbytes, errors = self.direct.reader.run(tasks)
         futures: List[Tuple[str, Any]] = []
-        nbytes = 0
         for key, writer, index, src, dest in plain:
             store = self.open_array(writer, key, index)[src]
             if ts_dtype(dest.dtype) != store.dtype.name:
@@ -291,7 +300,6 @@ class TensorStoreIO:
             nbytes += dest.numel() * dest.element_size()
         runs = self._read_pack_runs(packed)
         futures += [(what, fut) for what, fut, _ in runs]
-        errors = []
         for what, fut in futures:
             try:
                 fut.result()
