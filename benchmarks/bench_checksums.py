@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layout", default="ocdbt", choices=["ocdbt", "zarr"])
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--validate", action="store_true",
+                    help="also time `validate` of the checksummed checkpoint against `cat` of its files (cold cache)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(dir=args.dir)
     state = _state(args.size_mib)
@@ -67,14 +69,44 @@ def main() -> None:
                 ldc.load(_sharded(dest), path)
                 times[mode]["load"].append(time.perf_counter() - t0)
                 assert all(torch.equal(dest[k], state[k]) for k in state)
+                if args.validate and mode == "on":
+                    times["on"].setdefault("validate", []).append(_timed_cold(path, lambda: _validate(path)))
+                    times["on"].setdefault("cat", []).append(_timed_cold(path, lambda: _cat(path)))
                 shutil.rmtree(path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{nbytes / 2**20:.0f} MiB, layout {args.layout}, {args.repeats} interleaved repeats (median GB/s)")
+    if args.validate:
+        v, c = statistics.median(times["on"]["validate"]), statistics.median(times["on"]["cat"])
+        print(f"  validate: {nbytes / v / 1e9:.2f} GB/s ({v:.3f} s); cat of its files: {nbytes / c / 1e9:.2f} GB/s "
+              f"({c:.3f} s): validate/cat throughput {c / v:.3f}x")
     for op in ("save", "load"):
         on, off = statistics.median(times["on"][op]), statistics.median(times["off"][op])
         print(f"  {op}: checksums on {nbytes / on / 1e9:.2f} GB/s ({on:.3f} s), off {nbytes / off / 1e9:.2f} GB/s "
               f"({off:.3f} s): on/off throughput {off / on:.3f}x")
+
+
+def _timed_cold(path: str, fn: Any) -> float:
+    drop_page_cache(path)
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _validate(path: str) -> None:
+    from lightning_distckpt.cli.validate import validate
+
+    report = validate(path)
+    assert report.ok, report.problems
+
+
+def _cat(path: str) -> None:
+    """Every file read through once, as `cat` would (1 MiB reads)."""
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            with open(os.path.join(d, f), "rb", buffering=0) as fh:
+                while fh.read(1 << 20):
+                    pass
 
 
 if __name__ == "__main__":
