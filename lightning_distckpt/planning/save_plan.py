@@ -122,14 +122,19 @@ def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_w
     (:func:`with_even_chunks`): ``writes`` leaves them out."""
     even = even or {}
     holders: Dict[Tuple[str, ShardId], List[_Held]] = defaultdict(list)
+    mains = set()  # the shards with a main replica
+    held_new = tuple.__new__  # _Held(...) without its Python-level __new__: tens of thousands of records
     for gi, g in enumerate(groups):
         for source, r in enumerate(g.records.tensors):
             if r.key not in even:
-                holders[(r.key, (r.offset, r.shape, r.flat))].append(_Held(r, source, gi))
+                k = (r.key, (r.offset, r.shape, r.flat))
+                holders[k].append(held_new(_Held, (r, source, gi)))
+                if r.main:
+                    mains.add(k)
     load = _even_load(groups, even, world_size)
     itemsize = {dtype: element_size(dtype) for dtype in {held[0].record.dtype for held in holders.values()}}
     nbytes = {k: held[0].record.numel * itemsize[held[0].record.dtype] for k, held in holders.items()}
-    writer_of = _assign_writers(holders, nbytes, groups, load, balance_writes)
+    writer_of = _assign_writers(holders, nbytes, groups, load, balance_writes, mains)
     plan = SavePlan(index=CheckpointIndex(), bytes_per_rank=dict(enumerate(load)))
     _plan_tensors(plan, holders, writer_of, nbytes, pack_max_bytes, _EvenPart(groups, even, world_size, derived))
     _plan_objects(plan, groups)
@@ -148,10 +153,10 @@ def _even_load(groups: Sequence[RecordGroup], even: EvenKeys, world_size: int) -
 
 def _assign_writers(
     holders: Dict[Tuple[str, ShardId], List[_Held]], nbytes: Dict[Tuple[str, ShardId], int],
-    groups: Sequence[RecordGroup], load: List[int], balance_writes: bool,
+    groups: Sequence[RecordGroup], load: List[int], balance_writes: bool, mains: AbstractSet[Tuple[str, ShardId]],
 ) -> Dict[Tuple[str, ShardId], Tuple[_Held, int]]:
-    """The writing rank (and its group's record) of every shard with a main replica; ``load``
-    (bytes each rank writes) grows by each shard's bytes."""
+    """The writing rank (and its group's record) of every shard with a main replica (``mains``);
+    ``load`` (bytes each rank writes) grows by each shard's bytes."""
     group_of = [0] * len(load)
     for gi, g in enumerate(groups):
         for rk in g.ranks:
@@ -172,7 +177,7 @@ def _assign_writers(
             load[writer] += nbytes[k]
             continue
         if balance_writes:
-            if not any([h.record.main for h in held]):
+            if k not in mains:
                 continue  # validation reports the gap; with validation off, nothing to write
             writer = fewest.pick(held, nbytes[k])
         else:
@@ -229,6 +234,7 @@ def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]
     for k, chosen in writer_of.items():
         by_key[k[0]].append((k[1], chosen, nbytes[k]))
     packs = PackEnds(even.world_size)
+    writes, new_write = plan.writes, tuple.__new__
     writers: Dict[int, List[int]] = {}  # group -> its ranks that are given their even chunks' writes
     for key in sorted(set(by_key) | set(even.keys)):
         if key in even.keys:
@@ -245,7 +251,8 @@ def _plan_tensors(plan: SavePlan, holders: Dict[Tuple[str, ShardId], List[_Held]
             if 0 < size <= pack_max_bytes and rec.flat is None:
                 packed = packs.take(writer, rec.dtype, rec.numel)
             entry.shards.append(StoredShard(rec.offset, rec.shape, rec.flat, writer, i, packed))
-            plan.writes.setdefault(writer, []).append(WriteItem(key, sid, i, packed, held.source))
+            # WriteItem(...) without its Python-level __new__ (one per stored shard)
+            writes.setdefault(writer, []).append(new_write(WriteItem, (key, sid, i, packed, held.source)))
         plan.index.tensors[key] = entry
 
 
