@@ -1,6 +1,6 @@
 """Planning a save at 8 to 16,384 ranks, simulated in one process: what each stage costs per rank.
 
-    .venv/bin/python benchmarks/bench_planning.py [--clock cpu] --out benchmarks/results/planning_run4.json
+    .venv/bin/python benchmarks/bench_planning.py [--clock cpu] --out benchmarks/results/planning_run9[_cpu].json
 
 Layouts (records only, no tensors):
 
@@ -9,7 +9,8 @@ Layouts (records only, no tensors):
   stage ``pp`` holds its 96 / PP layers; the first DP replica holds the main replicas.
 - ``fsdp``: a 12-layer GPT (588 tensors), every tensor split along dim 0 over all ranks: every
   rank's records differ, but each is its chunk of an even split (``planning/even.py``), so all
-  ranks share one layout; the plan and metadata.json still list tensors x ranks shards.
+  ranks share one layout; the index records each such tensor as one rule
+  (``planning/even_index.py``, format 4), not tensors x ranks shards.
 - ``validate_dim0``: ``validate_tensor_records`` alone, 4 tensors x B boxes (dim-0 sharding).
 
 Stages of a first save (``strategies/save_coordinate.py``; exchange bytes are pickles as
@@ -23,7 +24,9 @@ torch.distributed sends them, unpickling timed as the receiving rank does it):
   ``validate_record_groups``, ``plan_record_groups``);
 - ``scatter``: rank 0 pickles every rank's part; each rank receives the largest part's size
   and unpickles its own;
-- ``metadata``: rank 0 writes metadata.json's index (JSON), a loading rank parses it.
+- ``metadata``: rank 0 writes metadata.json's index (JSON), a loading rank parses it;
+  ``metadata_shards_s``: listing every stored shard of the parsed index (what validate, inspect
+  and convert do; a load lists only the chunks it reads).
 
 Seconds are wall-clock (``--clock cpu``: this process's CPU time). ``planning_s`` (first save) sums the stages on the critical path (digest, handshake, gather,
 validate, plan, scatter); ``steady_s`` is a save reusing a cached plan (digest, handshake, cache
