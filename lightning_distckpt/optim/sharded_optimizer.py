@@ -17,7 +17,7 @@ Layout of the returned dict (``prefix="optimizer"``)::
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -37,17 +37,65 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the lazily initialised state of every parameter that has none, without changing
     any parameter.
 
-    Runs one ``optimizer.step()`` with zero gradients on those parameters only (the others get
-    no gradient for it, so optimizers skip them), puts the parameters and gradients back, and
-    zeroes the new state. For optimizers whose fresh state is all zeros (Adam, AdamW, SGD with
-    momentum and ``dampening=0``, RMSprop, Adamax, RAdam, Adadelta, ...) this is exactly the
-    state their first step would create; for others it is a placeholder that ``load``
-    overwrites. Optimizers that need a closure get one returning a zero loss.
+    For ``torch.optim.Adam``, ``AdamW`` and ``SGD`` (exactly these classes) the state their first
+    step would create is built directly, zeroed (:func:`fresh_state`): no step is run, nothing is
+    computed over the parameters. Any other optimizer runs one ``optimizer.step()`` with zero
+    gradients on those parameters only (the others get no gradient for it, so optimizers skip
+    them), puts the parameters and gradients back, and zeroes the new state. For optimizers whose
+    fresh state is all zeros (Adam, AdamW, SGD with momentum and ``dampening=0``, RMSprop, Adamax,
+    RAdam, Adadelta, ...) this is exactly the state their first step would create; for others it is
+    a placeholder that ``load`` overwrites. Optimizers that need a closure get one returning a zero
+    loss.
     """
-    params = _params(optimizer)
-    fresh = [p for p in params if not optimizer.state.get(p)]
+    fresh = [(group, p) for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
     if not fresh:
         return
+    if type(optimizer) in _KNOWN_LAYOUTS:
+        for group, p in fresh:
+            state = fresh_state(optimizer, group, p)
+            if state:
+                optimizer.state[p] = state
+        return
+    _init_state_by_step(optimizer, [p for _, p in fresh])
+
+
+def _scalar_dtype(fused: bool) -> torch.dtype:
+    """The dtype of a fresh ``step`` tensor (as ``torch.optim.optimizer._get_scalar_dtype``)."""
+    if fused:
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _zeros(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def fresh_state(optimizer: torch.optim.Optimizer, group: Dict[str, Any], p: torch.Tensor) -> Optional[Dict[str, Any]]:
+    """The state the first step of ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` creates for ``p`` in
+    ``group``, zeroed (``step`` 0, moments and momentum buffer zeros of the parameter's shape, dtype,
+    device and layout); an empty dict where that step creates none (SGD without momentum); None for
+    any other optimizer class, whose layout is not known."""
+    kind = type(optimizer)
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        fused = bool(group.get("fused"))
+        step = (torch.zeros((), dtype=_scalar_dtype(fused), device=p.device) if group.get("capturable") or fused
+                else torch.tensor(0.0, dtype=_scalar_dtype(False), device="cpu"))
+        state: Dict[str, Any] = {"step": step, "exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)}
+        if group.get("amsgrad"):
+            state["max_exp_avg_sq"] = _zeros(p)
+        return state
+    if kind is torch.optim.SGD:
+        return {"momentum_buffer": _zeros(p)} if group.get("momentum", 0) != 0 else {}
+    return None
+
+
+#: Optimizer classes whose fresh state :func:`fresh_state` builds without a step.
+_KNOWN_LAYOUTS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _init_state_by_step(optimizer: torch.optim.Optimizer, fresh: List[torch.Tensor]) -> None:
+    """The general way: one step on zero gradients of ``fresh`` (see :func:`init_optimizer_state`)."""
+    params = _params(optimizer)
     fresh_ids = {id(p) for p in fresh}
     grads = [p.grad for p in params]
     kept = [p.detach().clone() for p in fresh]
