@@ -6,6 +6,8 @@ FormatErrors naming the field."""
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import lightning_distckpt as ldc
@@ -148,3 +150,24 @@ def test_packed_places_list_an_even_split_per_writer_asked():
         assert handle in places and places.get(handle) == place and places[handle] == place
     assert places.get((3, "zzz/3")) is None and (99, "b/99") not in places
     assert places._places == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 12), st.lists(st.tuples(st.integers(1, 40), st.integers(0, 4), st.sampled_from(["float32", "int8"])),
+                                    min_size=1, max_size=4), st.sampled_from([0, 8, 30, 100, 1 << 20]))
+def test_random_even_splits_index_as_the_plain_plan(world, tensors, pack):
+    """Any rows (fewer than the ranks too), empty rows, dtypes and packing: the compact index and
+    its metadata.json are the plain plan's index, and each rank's writes the same."""
+    per_rank = []
+    for rank in range(world):
+        recs = [ShardRecord("a", "float32", (3,), (0,), (3,), None, True, rank)] if rank == world - 1 else []
+        for k, (rows, cols, dtype) in enumerate(tensors):
+            chunk = -(-rows // world)
+            lo, hi = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+            if hi > lo:
+                recs.append(ShardRecord(f"t{k}", dtype, (rows, cols), (lo, 0), (hi - lo, cols), None, True, rank))
+        per_rank.append(RankRecords(recs, []))
+    plain = make_save_plan([r for recs in per_rank for r in recs.tensors], [], world, True, pack)
+    marked, writes = _marked_plan(per_rank, pack)
+    assert marked.index == plain.index and writes == plain.writes
+    assert _reread(marked.index) == plain.index
