@@ -28,7 +28,8 @@ torch.distributed sends them, unpickling timed as the receiving rank does it):
   ``metadata_shards_s``: listing every stored shard of the parsed index (what validate, inspect
   and convert do; a load lists only the chunks it reads).
 
-Seconds are wall-clock (``--clock cpu``: this process's CPU time). ``planning_s`` (first save) sums the stages on the critical path (digest, handshake, gather,
+Seconds are wall-clock (``--clock cpu``: this process's CPU time). ``planning_s`` (first save) sums
+the stages on the critical path (digest, handshake, gather,
 validate, plan, scatter); ``steady_s`` is a save reusing a cached plan (digest, handshake, cache
 key comparison). Network time is not simulated. ``allgather`` columns: the previous design
 (every rank receives and unpickles every rank's records, validates and plans; the collector on),

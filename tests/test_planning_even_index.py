@@ -152,9 +152,11 @@ def test_packed_places_list_an_even_split_per_writer_asked():
     assert places._places == want
 
 
+_tensor = st.tuples(st.integers(1, 40), st.integers(0, 4), st.sampled_from(["float32", "int8"]))  # rows, cols, dtype
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.integers(2, 12), st.lists(st.tuples(st.integers(1, 40), st.integers(0, 4), st.sampled_from(["float32", "int8"])),
-                                    min_size=1, max_size=4), st.sampled_from([0, 8, 30, 100, 1 << 20]))
+@given(st.integers(2, 12), st.lists(_tensor, min_size=1, max_size=4), st.sampled_from([0, 8, 30, 100, 1 << 20]))
 def test_random_even_splits_index_as_the_plain_plan(world, tensors, pack):
     """Any rows (fewer than the ranks too), empty rows, dtypes and packing: the compact index and
     its metadata.json are the plain plan's index, and each rank's writes the same."""
