@@ -33,6 +33,7 @@ from urllib.parse import quote
 import numpy as np
 
 from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError
+from ..core.gc_pause import gc_paused
 from .checksums import check_sha256, warn_no_checksums
 from .paths import local_path, read_inside, refuse_link
 
@@ -213,7 +214,8 @@ def parse_json(raw: bytes, where: str) -> Any:
     if depth > MAX_JSON_DEPTH:
         raise FormatError(f"{where}: nested {depth} levels deep (at most {MAX_JSON_DEPTH}); not written by us")
     try:
-        return json.loads(raw)
+        with gc_paused():  # a large index is millions of small objects; collections during parsing find nothing
+            return json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
