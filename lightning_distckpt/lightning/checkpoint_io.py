@@ -24,14 +24,18 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from ..comm import Comm
+from ..comm import Comm, get_comm
+from ..core.dtensors import shard_dtensors
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, FormatError
+from ..core.mapping import ShardedTensor
+from ..core.megatron_leaves import from_megatron_leaves
 from ..core.state_dict import merge, split_common
 from ..core.strict import StrictHandling
+from ..planning.metadata import dtype_from_name
 from ..serialization import load as dist_load
-from ..serialization import load_common_state_dict, load_tensors_metadata
 from ..serialization import save as dist_save
-from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, TwoStageDataParallelLoader
+from ..reading.checkpoint import CheckpointSource, open_checkpoint
+from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, Loader, TwoStageDataParallelLoader, resolve_loader
 from ..storage.s3_url import is_s3_url
 from ..storage.s3_versions import remove_checkpoint as remove_s3_checkpoint
 from ..storage.safe_pickle import load_file
@@ -119,19 +123,25 @@ class DistCheckpointIO(CheckpointIO):
         return fabric_checkpoint(state, target, kind)
 
     def _load_directory(self, target: str) -> Tuple[Dict[str, Any], Optional[str]]:
-        """The checkpoint directory read whole, and its manifest's kind."""
-        common = load_common_state_dict(target, self.extra_safe_globals)
+        """The checkpoint directory read whole, and its manifest's kind (opened and read once)."""
+        source = self.open_source(target)
+        common = source.load_common(self.extra_safe_globals)
         man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
         if man is None:
             raise FormatError(f"checkpoint {target} was written {foreign_writer(target)}: not a Lightning "
                               f"checkpoint (no {MANIFEST_KEY} manifest). {FOREIGN_ADVICE}")
-        template = template_from_manifest(man, load_tensors_metadata(target), target)
-        state, _, _ = EveryRankLoader().load(template, target, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
+        template = template_from_manifest(man, tensors_metadata(source), target)
+        state, _, _ = EveryRankLoader().load(template, source, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
                                              self.extra_safe_globals)
         state.pop(MANIFEST_KEY, None)
         # The strategies key optimizer state by parameter name; a stock strategy restores torch's layout.
         kind = man.get("kind")
         return (torch_optimizer_states(state) if kind in (KIND_SHARDED, KIND_MODEL_PARALLEL) else state), kind
+
+    def open_source(self, path: Any) -> "RestoreSource":
+        """The checkpoint at ``path`` opened for one restore (its metadata parsed now, once), to pass
+        to :meth:`load_sharded` after checking what it holds: its common state is read once too."""
+        return RestoreSource(open_checkpoint(os.fspath(path), extra_safe_globals=self.extra_safe_globals))
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target); an
@@ -171,25 +181,28 @@ class DistCheckpointIO(CheckpointIO):
         else:
             dist_save(sharded_state_dict, os.fspath(path), **kwargs)
 
-    def load_sharded(self, template: Dict[str, Any], path: Any, process_group: Optional[dist.ProcessGroup] = None,
+    def load_sharded(self, template: Dict[str, Any], path: Union[str, "os.PathLike[str]", CheckpointSource],
+                     process_group: Optional[dist.ProcessGroup] = None,
                      strict: Union[StrictHandling, str, None] = None,
                      data_parallel_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
         """Collective load into ``template``; returns the loaded tree merged with the common state.
+        ``path``: a checkpoint path, or a source already open (:meth:`open_source`, on every rank).
         ``data_parallel_group``: this rank's DP group, for the ``two_stage`` loader."""
         self.wait()
         handling = StrictHandling.parse(self.config.strict_handling if strict is None else strict)
-        kwargs: Dict[str, Any] = {}
+        loader: Union[str, Loader, None] = self.config.loader
         if (self.config.loader or DEFAULT_LOADER) == "two_stage" and data_parallel_group is not None:
             # Read each chunk once per data-parallel group, broadcast within it.
-            kwargs["loader"] = TwoStageDataParallelLoader(data_parallel_group=data_parallel_group)
-        elif self.config.loader is not None:
-            kwargs["loader"] = self.config.loader
+            loader = TwoStageDataParallelLoader(data_parallel_group=data_parallel_group)
         # The template's own common values (e.g. a fresh optimizer's scalar step) fill in for what a
         # non-strict load finds missing; the checkpoint's values win wherever it has them.
         _, fallback = split_common(template) if handling.skips_missing else (None, None)
-        out = dist_load(template, os.fspath(path), process_group=process_group, strict=handling,
-                        extra_safe_globals=self.extra_safe_globals, **kwargs)
-        loaded = out[0] if isinstance(out, tuple) else out
+        if isinstance(path, CheckpointSource):
+            loaded = load_from_source(template, path, process_group, handling, self.extra_safe_globals, loader)
+        else:
+            out = dist_load(template, os.fspath(path), process_group=process_group, strict=handling,
+                            extra_safe_globals=self.extra_safe_globals, loader=loader)
+            loaded = out[0] if isinstance(out, tuple) else out
         return merge(fallback, loaded) if isinstance(fallback, dict) else loaded
 
     @property
@@ -253,6 +266,58 @@ class DistCheckpointIO(CheckpointIO):
         except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up
             local = e
         finalize_save(prep, local)
+
+
+# -- a checkpoint opened once per restore --------------------------------------------------------
+class RestoreSource:
+    """A :class:`CheckpointSource` opened once for one restore: its ``metadata.json`` was parsed
+    when it was opened, and its common state is read and unpickled on the first ask only, so the
+    checks a strategy makes before the load (who wrote it, what it holds) and the load itself share
+    them. Any other attribute is the opened source's."""
+
+    def __init__(self, source: CheckpointSource) -> None:
+        self.source = source
+        self.path: str = source.path
+        self.index = source.index
+        self._common: Dict[Tuple[Any, ...], Any] = {}
+
+    def reader(self) -> Any:
+        """A reader of the stored shards (one per load)."""
+        return self.source.reader()
+
+    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
+        """The common state, read once per set of ``extra_safe_globals``. The load merges its
+        tensors into this very dict: ask before the load, not after."""
+        key = tuple(extra_safe_globals)
+        if key not in self._common:
+            self._common[key] = self.source.load_common(extra_safe_globals)
+        return self._common[key]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "source":  # not set yet (copy / unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+
+def tensors_metadata(source: CheckpointSource) -> Dict[str, ShardedTensor]:
+    """key -> ShardedTensor without data describing each whole stored tensor (as
+    :func:`lightning_distckpt.load_tensors_metadata`, from a source already open)."""
+    out = {}
+    for key, e in source.index.tensors.items():
+        shape = tuple(e.global_shape)
+        out[key] = ShardedTensor(key=key, data=None, dtype=dtype_from_name(e.dtype, key), local_shape=shape,
+                                 global_shape=shape, global_offset=(0,) * len(shape),
+                                 axis_fragmentations=(1,) * len(shape))
+    return out
+
+
+def load_from_source(template: Dict[str, Any], source: CheckpointSource, process_group: Optional[dist.ProcessGroup],
+                     strict: StrictHandling, extra_safe_globals: Sequence[Any],
+                     loader: Union[str, Loader, None]) -> Dict[str, Any]:
+    """Collective: :func:`lightning_distckpt.load` of ``template`` from a source every rank opened."""
+    tree = shard_dtensors(from_megatron_leaves(template))
+    state, _, _ = resolve_loader(loader).load(tree, source, get_comm(process_group), strict, extra_safe_globals)
+    return state
 
 
 # -- who wrote a checkpoint that is not what the reader expects --------------------------------------

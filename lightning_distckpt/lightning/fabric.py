@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.types import _Stateful
@@ -24,12 +24,12 @@ from torch.optim import Optimizer
 
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
-from ..serialization import load_tensors_metadata
-from .checkpoint_io import foreign_writer
-from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
+from .checkpoint_io import RestoreSource, foreign_writer, tensors_metadata
+from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
+                      restore_optimizer)
 from .tp_strategy import TensorParallelStrategyMixin
-from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, describe_saved,
-                    is_tree_path_layout, place_stored_tensors, rekey_template, restore_param_keys)
+from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
+                    place_stored_tensors, rekey_template, restore_param_keys)
 from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest, template_from_manifest
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,9 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             raise ArgumentTypeError("FabricDistCheckpointStrategy.load_checkpoint: pass a dict such as {'model': model}, "
                             "not a bare module or optimizer")
         handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
-        layout = build_on_all_ranks(f"load from {target}", lambda: self._load_template(target, state))
-        loaded = self.checkpoint_io.load_sharded(layout.template, target, strict=handling,
+        # Opened once: the checks and the template read the metadata and common state the load reuses.
+        source, layout = build_on_all_ranks(f"load from {target}", lambda: self._load_template(target, state))
+        loaded = self.checkpoint_io.load_sharded(layout.template, source, strict=handling,
                                                  data_parallel_group=self.parallel_state.dp_group)
         if REST_KEY in layout.template:
             loaded = place_stored_tensors(loaded, layout, target)
@@ -146,11 +147,17 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
                 state[name] = value
         return loaded
 
-    def _load_template(self, target: str, state: Mapping[str, Any]) -> StoredLayout:
-        """The template for ``fabric.load(target, state)``: the state's modules and optimizers sharded
-        (re-keyed to the stored names for a ``torch.save`` file or a directory the plugin wrote), and
-        every other tensor of the checkpoint whole, so what the load returns is complete."""
-        saved = describe_saved(target, self.checkpoint_io.extra_safe_globals)
+    def _load_template(self, target: str, state: Mapping[str, Any]) -> Tuple[RestoreSource, StoredLayout]:
+        """The checkpoint opened, and the template for ``fabric.load(target, state)``: the state's
+        modules and optimizers sharded (re-keyed to the stored names for a ``torch.save`` file or a
+        directory the plugin wrote), and every other tensor of the checkpoint whole, so what the load
+        returns is complete."""
+        source = self.checkpoint_io.open_source(target)
+        return source, self._template(target, source, state)
+
+    def _template(self, target: str, source: RestoreSource, state: Mapping[str, Any]) -> StoredLayout:
+        """The template of :meth:`_load_template`, from the opened ``source``."""
+        saved = describe_source(source, self.checkpoint_io.extra_safe_globals)
         kind, man = saved.kind, saved.manifest
         modules = self._module_ssds(state)
         template: Dict[str, Any] = dict(modules.by_name)
@@ -171,7 +178,7 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
                 "FabricDistCheckpointModelParallelStrategy (any mesh), with stock Fabric + DistCheckpointIO, or load a "
                 f"module's weights with load_module_weights(module, {target!r}, entry=...)")
         if kind == KIND_SHARDED:  # the entries not asked for: each tensor whole
-            whole = template_from_manifest(man, load_tensors_metadata(target), target)
+            whole = template_from_manifest(man, tensors_metadata(source), target)
             template.update({k: v for k, v in whole.items() if k not in state})
         else:
             log.warning("checkpoint %s was not saved by lightning_distckpt (no manifest); loading by key", target)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ..core.errors import CheckpointingError
-from .checkpoint_io import FOREIGN_ADVICE, fabric_writer, foreign_writer
+from .checkpoint_io import FOREIGN_ADVICE, RestoreSource, fabric_writer, foreign_writer
 from .parallel import STRATEGY_NAME
-from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
-from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
-                    place_stored_tensors, rekey_template, restore_param_keys)
+from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
+                      restore_optimizer)
+from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
+                    rekey_template, restore_param_keys)
 from .tp_strategy import AsyncCommitHooksMixin, TensorParallelStrategyMixin
 from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest
 
@@ -136,14 +137,17 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Collective: every rank reads its shards (in place into its parameters and optimizer state)
-        and the common state. ``weights_only`` is accepted for the signature: loading is always safe."""
+        and the common state, the checkpoint opened once. ``weights_only`` is accepted for the
+        signature: loading is always safe."""
         path = os.fspath(checkpoint_path)
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         restore_optimizers = fitting and self.lightning_restore_optimizer
 
-        def build() -> StoredLayout:
-            saved = describe_saved(path, self.checkpoint_io.extra_safe_globals)
+        def build() -> Tuple[StoredLayout, RestoreSource]:
+            # Opened once: who wrote it is read from the common state the load then reuses.
+            source = self.checkpoint_io.open_source(path)
+            saved = describe_source(source, self.checkpoint_io.extra_safe_globals)
             # DistCheckpointModelParallelStrategy's tensors are named by path too, optimizer state by name.
             by_name = saved.kind == KIND_MODEL_PARALLEL
             by_path = is_tree_path_layout(path, saved.kind) or by_name
@@ -161,16 +165,16 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
             if restore_optimizers:
                 template["optimizer_states"] = self._optimizer_states(model_ssd)
             if not by_path:
-                return StoredLayout(template, {})
+                return StoredLayout(template, {}), source
             # A stock .ckpt, or the plugin's directory: tensors named by their path in Lightning's dict.
             optimizers = [OptimizerEntry(f"optimizer_states/{i}", s, by_name)
                           for i, s in enumerate(template.get("optimizer_states", []))]
             return rekey_template(path, template, {"state_dict": ModuleEntry("state_dict/", "")}, optimizers,
-                                  ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)
+                                  ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals), source
 
-        layout = build_on_all_ranks(f"load from {path}", build)
+        layout, source = build_on_all_ranks(f"load from {path}", build)
         strict = self._strict_handling()
-        loaded = self.checkpoint_io.load_sharded(layout.template, path, strict=strict,
+        loaded = self.checkpoint_io.load_sharded(layout.template, source, strict=strict,
                                                  data_parallel_group=self.parallel_state.dp_group)
         if REST_KEY in layout.template:
             loaded = place_stored_tensors(loaded, layout, path)
