@@ -3,7 +3,7 @@ Fabric strategies)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Optional, Sequence, TypeVar
 
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -16,8 +16,7 @@ from ..core.megatron_leaves import from_megatron_leaves
 from ..core.state_dict import iter_leaves
 from ..reading.checkpoint import CheckpointSource
 from .parallel import ParallelState, module_sharded_state_dict
-from .stock import SavedCheckpoint
-from .tree import MANIFEST_KEY
+from .stock import SavedCheckpoint, describe_common
 
 
 def model_sharded_state_dict(module: nn.Module, ps: ParallelState, prefix: str = "") -> Dict[str, Any]:
@@ -82,15 +81,7 @@ def restore_optimizer(optimizer: Optimizer, loaded: Dict[str, Any]) -> None:
 def describe_source(source: CheckpointSource, extra_safe_globals: Sequence[Any] = ()) -> SavedCheckpoint:
     """Kind, manifest and top-level entries of an opened checkpoint, from its common state (as
     :func:`~lightning_distckpt.lightning.stock.describe_saved` of its path, without opening it again)."""
-    common = source.load_common(extra_safe_globals)
-    if not isinstance(common, dict):
-        return SavedCheckpoint(None, None, frozenset())
-    man = common.get(MANIFEST_KEY)
-    entries = {str(k) for k in common if k != MANIFEST_KEY}
-    if not isinstance(man, Mapping):
-        return SavedCheckpoint(None, None, frozenset(entries))
-    entries |= {str(steps[0][1]) for steps, _ in man.get("tensor_paths", []) if steps}
-    return SavedCheckpoint(man.get("kind"), man, frozenset(entries))
+    return describe_common(source.load_common(extra_safe_globals))
 
 
 T = TypeVar("T")

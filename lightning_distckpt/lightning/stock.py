@@ -66,7 +66,11 @@ class SavedCheckpoint:
 
 def describe_saved(path: str, extra_safe_globals: Sequence[Any] = ()) -> SavedCheckpoint:
     """Kind, manifest and top-level entries of the checkpoint at ``path`` (from its common state only)."""
-    common = load_common_state_dict(path, extra_safe_globals)
+    return describe_common(load_common_state_dict(path, extra_safe_globals))
+
+
+def describe_common(common: Any) -> SavedCheckpoint:
+    """Kind, manifest and top-level entries of a checkpoint, from its loaded common state."""
     if not isinstance(common, dict):
         return SavedCheckpoint(None, None, frozenset())
     man = common.get(MANIFEST_KEY)
