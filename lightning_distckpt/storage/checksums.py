@@ -1,13 +1,15 @@
 """Checksums of everything a checkpoint stores (format 3), and the switch that turns their checks off.
 
 * array chunks: the zarr v3 ``crc32c`` codec, computed by tensorstore while it writes each chunk and
-  verified by it on every read (a mismatch is a read error naming the file);
+  verified on every read: by :mod:`~lightning_distckpt.storage.direct_read` for plain chunks read
+  straight into their destinations, by tensorstore for the rest (a mismatch is a read error naming
+  the file);
 * ShardedObject elements: stored framed, ``MAGIC | crc32 | length | bytes``, verified on read;
 * ``common.pt`` and ``metadata.json``: their SHA-256 in the commit marker, verified on every open.
 
 ``LIGHTNING_DISTCKPT_VERIFY=0`` skips the checks of objects, ``common.pt`` and ``metadata.json``
 (e.g. to salvage what still deserializes from a damaged checkpoint); chunk checksums are part of
-each chunk's encoding and are always verified by tensorstore. Checkpoints of formats 1 and 2 carry
+each chunk's encoding and are always verified. Checkpoints of formats 1 and 2 carry
 no checksums: they load with one warning per checkpoint and process.
 """
 
