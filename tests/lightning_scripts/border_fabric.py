@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from scenario_runner import run_scenarios  # noqa: E402
+from scenario_runner import scenario_main  # noqa: E402
 import torch  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy  # noqa: E402
@@ -185,13 +185,5 @@ SCENARIOS = {"stock_file": stock_file, "plugin_dir": plugin_dir, "tp2_whole": tp
              "trainer_checkpoint_refused": trainer_checkpoint_refused, "trainer_file": trainer_file}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
-    run_scenarios(SCENARIOS, p.parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    scenario_main(SCENARIOS)

@@ -13,7 +13,7 @@ from typing import Any, Dict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
 
-from scenario_runner import run_scenarios  # noqa: E402
+from scenario_runner import scenario_main  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -200,14 +200,5 @@ SCENARIOS = {"stock_weights_only": stock_weights_only, "stock_ddp": stock_ddp, "
              "strategy_to_plugin": strategy_to_plugin, "fabric_checkpoint_refused": fabric_checkpoint_refused}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--devices", type=int, default=2)
-    run_scenarios(SCENARIOS, p.parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    scenario_main(SCENARIOS)

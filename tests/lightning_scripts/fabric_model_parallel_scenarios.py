@@ -13,7 +13,7 @@ from typing import Any, Dict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
 
-from scenario_runner import run_scenarios  # noqa: E402
+from scenario_runner import scenario_main  # noqa: E402
 import torch  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -136,15 +136,5 @@ def other_split(args: argparse.Namespace, res: Dict[str, Any]) -> None:
 SCENARIOS = {"exact": exact, "other_split": other_split}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--tp", type=int, default=1)
-    run_scenarios(SCENARIOS, p.parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    scenario_main(SCENARIOS)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from scenario_runner import run_scenarios  # noqa: E402
+from scenario_runner import scenario_main  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
@@ -270,13 +270,5 @@ def trainer_rows(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["dcp_t_mp"] = outcome(lambda: res.update(dcp_t_mp_resumed=resumed_t_mp(path, saved, sched)))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+", choices=("fabric_rows", "trainer_rows"))
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
-    run_scenarios({"fabric_rows": fabric_rows, "trainer_rows": trainer_rows}, p.parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    scenario_main({"fabric_rows": fabric_rows, "trainer_rows": trainer_rows})

@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
 
-from scenario_runner import run_scenarios  # noqa: E402
+from scenario_runner import scenario_main  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
@@ -273,15 +273,5 @@ SCENARIOS = {"train_dp2": train_dp2, "to_stock_ddp": to_stock_ddp, "from_stock_d
              "to_tp_strategy": to_tp_strategy, "resume_split": resume_split, "refuse_plugin_dir": refuse_plugin_dir}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--tp", type=int, default=1)
-    run_scenarios(SCENARIOS, p.parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    scenario_main(SCENARIOS)

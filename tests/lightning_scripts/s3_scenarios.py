@@ -12,7 +12,7 @@ from typing import Any, Dict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
 
-from scenario_runner import run_scenarios  # noqa: E402
+from scenario_runner import scenario_main  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_distckpt.lightning import DistCheckpointStrategy  # noqa: E402
@@ -69,14 +69,5 @@ def fabric_save_load(args: argparse.Namespace, res: Dict[str, Any]) -> None:
 SCENARIOS = {"trainer": trainer_topk_last, "fabric": fabric_save_load}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--devices", type=int, default=2)
-    run_scenarios(SCENARIOS, p.parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    scenario_main(SCENARIOS)

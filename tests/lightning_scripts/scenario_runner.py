@@ -30,3 +30,17 @@ def run_scenarios(scenarios: Dict[str, Scenario], args: argparse.Namespace) -> N
     if "error" not in res and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # leave together: no rank exits while another still talks to it
         torch.distributed.destroy_process_group()
+
+
+def scenario_main(scenarios: Dict[str, Scenario], **options: Dict[str, Any]) -> None:
+    """The command line every scenario script takes: ``SCENARIO... --dir D --out O [--devices N]
+    [--tp N]``, plus the script's own ``options`` (``"--name": add_argument keywords``); then run."""
+    p = argparse.ArgumentParser()
+    p.add_argument("scenarios", nargs="+", choices=sorted(scenarios))
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1)
+    for flag, kwargs in options.items():
+        p.add_argument(flag, **kwargs)
+    run_scenarios(scenarios, p.parse_args())

@@ -18,7 +18,7 @@ from typing import Any, Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
 
-from scenario_runner import run_scenarios  # noqa: E402
+from scenario_runner import scenario_main  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -374,17 +374,6 @@ SCENARIOS = {"tp_layers": tp_layers, "exact_resume": exact_resume, "failures": f
              "resume_other_world": resume_other_world, "exact_resume_yaml": exact_resume_yaml, "topk_last": topk_last, "link_last": link_last}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--mode", choices=("strategy", "plugin"), default="strategy")
-    p.add_argument("--resume", default=None)
-    run_scenarios(SCENARIOS, p.parse_args())
-
-
 if __name__ == "__main__":
-    main()
+    scenario_main(SCENARIOS, **{"--mode": {"choices": ("strategy", "plugin"), "default": "strategy"},
+                               "--resume": {"default": None}})
