@@ -7,12 +7,10 @@ re-runs this script for the other ranks. Every rank writes ``OUT.rank<r>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import traceback
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -28,6 +26,7 @@ from lightning_distckpt.lightning import FabricDistCheckpointStrategy  # noqa: E
 from lightning_distckpt.lightning.parallel import ParallelState, module_sharded_state_dict  # noqa: E402
 from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_helpers import StepBatches  # noqa: E402
+from scenario_runner import scenario_main  # noqa: E402
 
 TIMEOUT = timedelta(seconds=90)
 
@@ -172,36 +171,20 @@ def resume(args: argparse.Namespace, fabric: Fabric, res: Dict[str, Any]) -> Non
     res["parallel"] = r.ps.describe()
 
 
-SCENARIOS = {"exact": exact, "strictness": strictness, "resume": resume}
+_FABRIC: Dict[str, Fabric] = {}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--resume", default=None)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    res: Dict[str, Any] = {}
-    fabric: Optional[Fabric] = None
-    try:
-        fabric = fabric_for(args)
-        for name in args.scenarios:
-            SCENARIOS[name](args, fabric, res)
-    except BaseException:
-        res["error"] = traceback.format_exc()
-        raise
-    finally:
-        rank = fabric.global_rank if fabric is not None else int(os.environ.get("LOCAL_RANK", 0))
-        with open(f"{args.out}.rank{rank}.json", "w") as f:
-            json.dump(res, f, default=str)
-    if "error" not in res and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()  # leave together: no rank exits while another still talks to it
-        torch.distributed.destroy_process_group()
+def _with_fabric(fn: Callable[[argparse.Namespace, Fabric, Dict[str, Any]], None]) -> Callable[..., None]:
+    """A scenario run with this process's one Fabric (made by the first scenario that runs)."""
+    def run(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+        if "fabric" not in _FABRIC:
+            _FABRIC["fabric"] = fabric_for(args)
+        fn(args, _FABRIC["fabric"], res)
+    return run
+
+
+SCENARIOS = {name: _with_fabric(fn) for name, fn in {"exact": exact, "strictness": strictness, "resume": resume}.items()}
 
 
 if __name__ == "__main__":
-    main()
+    scenario_main(SCENARIOS, **{"--resume": {"default": None}})
