@@ -65,9 +65,10 @@ def main() -> None:
                     ldc.save(_sharded(state), path, storage=opts)
                     times[mode]["save"].append(time.perf_counter() - t0)
                 drop_page_cache(path)
-                t0 = time.perf_counter()
-                ldc.load(_sharded(dest), path)
-                times[mode]["load"].append(time.perf_counter() - t0)
+                with chunk_checksums_off() if mode == "off" else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    ldc.load(_sharded(dest), path)
+                    times[mode]["load"].append(time.perf_counter() - t0)
                 assert all(torch.equal(dest[k], state[k]) for k in state)
                 if args.validate and mode == "on":
                     times["on"].setdefault("validate", []).append(_timed_cold(path, lambda: _validate(path)))

@@ -184,11 +184,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def chunk_checksums_off() -> Iterator[None]:
-    """Within the block, saves leave the zarr ``crc32c`` codec out of each array's codec chain (the
-    arrays are then what format 2 wrote): the "checksums off" side of an A/B. Benchmarks only."""
+    """Within the block, saves store chunks without checksums (neither the zarr ``crc32c`` codec
+    nor the CRC-32C list in each zarr.json: the arrays are then what format 2 wrote) and loads
+    verify none (``LIGHTNING_DISTCKPT_VERIFY=0``): the "checksums off" side of an A/B. Benchmarks only."""
+    from lightning_distckpt.storage.checksums import VERIFY_ENV
     from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
 
-    with_crc = TensorStoreIO.create_spec
+    with_crc, crcs, verify = TensorStoreIO.create_spec, TensorStoreIO.chunk_crcs, os.environ.get(VERIFY_ENV)
 
     def without_crc(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         spec = with_crc(self, *args, **kwargs)
@@ -196,7 +198,13 @@ def chunk_checksums_off() -> Iterator[None]:
         return spec
 
     TensorStoreIO.create_spec = without_crc  # type: ignore[method-assign]
+    TensorStoreIO.chunk_crcs = lambda self, arr, chunk_bytes=None: None  # type: ignore[method-assign]
+    os.environ[VERIFY_ENV] = "0"
     try:
         yield
     finally:
-        TensorStoreIO.create_spec = with_crc  # type: ignore[method-assign]
+        TensorStoreIO.create_spec, TensorStoreIO.chunk_crcs = with_crc, crcs  # type: ignore[method-assign]
+        if verify is None:
+            os.environ.pop(VERIFY_ENV, None)
+        else:
+            os.environ[VERIFY_ENV] = verify

@@ -2,22 +2,26 @@
 destinations, CRC-32C verified, give exactly what tensorstore's reads give, in every layout and
 split, and refuse damage with an error naming the chunk and the file."""
 
+import json
 import os
 import shutil
 
 import pytest
+import tensorstore as ts
 import torch
 
 import lightning_distckpt as ldc
-from lightning_distckpt.storage.direct_read import ChunkLocation, ChunkTask, DirectReader, Geometry, ocdbt_locations
+from lightning_distckpt.storage.direct_read import ChunkLocation, ChunkTask, DirectReader, geometry, ocdbt_locations
+from lightning_distckpt.cli.validate import validate
 from lightning_distckpt.storage.layout import rank_dir
+from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
 
 # 1000 rows of 10 float32 (40 bytes) in 4 KiB chunks: 102 rows per chunk, the last chunk padded
 W = torch.randn(1000, 10, generator=torch.Generator().manual_seed(0))
 B = torch.randn(700, 33, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
 
 
-def _save(path, layout, checksums=True):
+def _save(path, layout):
     sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", W.clone()),
           "b": ldc.ShardedTensor.from_rank_offsets("b", B.clone())}
     ldc.save(sd, path, storage=ldc.StorageOptions(layout=layout, chunk_bytes=4096, pack_max_bytes=0))
@@ -25,12 +29,29 @@ def _save(path, layout, checksums=True):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    """Each layout as saved now (chunk checksums in each array's zarr.json), and as formats 3-4
+    saved it ("-codec": each chunk followed by its CRC-32C, the zarr ``crc32c`` codec)."""
     root = tmp_path_factory.mktemp("direct")
     out = {}
-    for layout in ("ocdbt", "zarr"):
-        out[layout] = str(root / layout)
-        _save(out[layout], layout)
+    with pytest.MonkeyPatch.context() as mp:
+        for codec in (False, True):
+            if codec:
+                mp.setattr(TensorStoreIO, "chunk_crcs", lambda self, arr, chunk_bytes=None: None)
+            for layout in ("ocdbt", "zarr"):
+                out[layout + ("-codec" if codec else "")] = str(root / (layout + ("-codec" if codec else "")))
+                _save(out[layout + ("-codec" if codec else "")], layout)
     return out
+
+
+def _w_geometry(ck):
+    spec = {"driver": "ocdbt", "base": {"driver": "file", "path": rank_dir(ck, 0) + "/"}}
+    return geometry(ts.open({"driver": "zarr3", "kvstore": spec, "path": "t/w/0/"}).result())
+
+
+def test_chunks_carry_their_checksums_in_zarr_json_or_after_each_chunk(saved):
+    now, codec = _w_geometry(saved["ocdbt"]), _w_geometry(saved["ocdbt-codec"])
+    assert now.crcs is not None and len(now.crcs) == 10 and not now.checksum and now.chunk_bytes == 102 * 40
+    assert codec.crcs is None and codec.checksum and codec.chunk_bytes == 102 * 40 + 4
 
 
 def _pieces():
@@ -41,7 +62,7 @@ def _pieces():
     yield "edge", {"w": (W[918:], (918, 0)), "b": (B[-1:], (699, 0))}         # the padded last chunk
 
 
-@pytest.mark.parametrize("layout", ["ocdbt", "zarr"])
+@pytest.mark.parametrize("layout", ["ocdbt", "zarr", "ocdbt-codec", "zarr-codec"])
 @pytest.mark.parametrize("direct", ["1", "0"])
 def test_direct_reads_match_tensorstore_in_every_split(saved, layout, direct, monkeypatch):
     monkeypatch.setenv("LIGHTNING_DISTCKPT_DIRECT_READS", direct)
@@ -69,10 +90,10 @@ def test_a_truncated_data_file_is_an_error_naming_it(saved, tmp_path):
     cut = str(tmp_path / "cut")
     with open(loc.path, "rb") as f:
         open(cut, "wb").write(f.read()[:loc.offset + loc.length - 8])
-    geo = Geometry(shape=(1000, 10), dtype="float32", chunk_rows=102, row_bytes=40, checksum=True)
+    geo = _w_geometry(saved["ocdbt"])
     dest = torch.zeros(102, 10)
     task = ChunkTask("'w' chunk 3", ChunkLocation(cut, loc.offset, loc.length), geo, slice(0, 102),
-                     (slice(0, 10),), dest, True)
+                     (slice(0, 10),), dest, True, 3)
     nbytes, errors = DirectReader(2).run([task])
     assert nbytes == 0 and len(errors) == 1 and "truncated" in errors[0] and cut in errors[0], errors
     task = task._replace(loc=loc)  # the intact file: exact
@@ -87,13 +108,14 @@ def test_a_deleted_chunk_file_is_missing_not_zeros(saved, tmp_path):
         ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros_like(W))}, ck)
 
 
-def test_a_flipped_byte_in_the_padding_of_an_edge_chunk_is_caught(saved, tmp_path):
+@pytest.mark.parametrize("layout", ["zarr", "zarr-codec"])
+def test_a_flipped_byte_in_the_padding_of_an_edge_chunk_is_caught(saved, layout, tmp_path):
     """The padding of the last chunk is read into scratch and is part of the checksum."""
     ck = str(tmp_path / "ck")
-    shutil.copytree(saved["zarr"], ck)
+    shutil.copytree(saved[layout], ck)
     path = os.path.join(rank_dir(ck, 0), "t", "w", "0", "c", "9", "0")
     data = bytearray(open(path, "rb").read())
-    data[-10] ^= 1  # padding rows come last, before the 4-byte checksum
+    data[-10] ^= 1  # padding rows come last (before the 4-byte checksum with the codec)
     open(path, "wb").write(bytes(data))
     with pytest.raises(ldc.CheckpointingError, match="checksum mismatch"):
         ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros_like(W))}, ck)
@@ -103,11 +125,51 @@ def test_scratch_buffers_stay_within_their_budget(saved):
     """Chunks read in part (a column slice of every chunk) go through scratch buffers: with a
     budget of one chunk, four threads still deliver every chunk, one scratch buffer at a time."""
     locations = ocdbt_locations(rank_dir(saved["ocdbt"], 0))
-    geo = Geometry(shape=(1000, 10), dtype="float32", chunk_rows=102, row_bytes=40, checksum=True)
+    geo = _w_geometry(saved["ocdbt"])
     dest = torch.zeros(1000, 3)
     tasks = [ChunkTask(f"'w' chunk {c}", locations[f"t/w/0/c/{c}/0"], geo, slice(0, min(102, 1000 - c * 102)),
-                       (slice(2, 5),), dest[c * 102:(c + 1) * 102], False) for c in range(10)]
+                       (slice(2, 5),), dest[c * 102:(c + 1) * 102], False, c) for c in range(10)]
     reader = DirectReader(4, scratch_bytes=geo.chunk_bytes)
     nbytes, errors = reader.run(tasks)
     assert errors == [] and nbytes == dest.numel() * 4 and torch.equal(dest, W[:, 2:5])
     assert reader.budget.peak == geo.chunk_bytes
+
+
+def test_checksums_in_zarr_json_are_the_crc32c_codec_s_of_the_same_chunks(saved):
+    """Format 5 records, per chunk, exactly the CRC-32C the zarr codec appended in formats 3-4."""
+    crcs = _w_geometry(saved["ocdbt"]).crcs
+    for c in range(10):
+        path = os.path.join(rank_dir(saved["zarr-codec"], 0), "t", "w", "0", "c", str(c), "0")
+        assert int.from_bytes(open(path, "rb").read()[-4:], "little") == crcs[c]
+
+
+def _edit_zarr_json(ck, edit):
+    path = os.path.join(rank_dir(ck, 0), "t", "w", "0", "zarr.json")
+    meta = json.load(open(path))
+    edit(meta)
+    json.dump(meta, open(path, "w"))
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+@pytest.mark.parametrize("edit,message", [
+    (lambda m: m["attributes"].clear(), "stored without checksums"),
+    (lambda m: m["attributes"]["lightning_distckpt"]["crc32c"].__setitem__(4, 7), "checksum mismatch.*zarr.json"),
+    (lambda m: m["attributes"]["lightning_distckpt"].__setitem__("crc32c", "lots"), "malformed"),
+    (lambda m: m["attributes"]["lightning_distckpt"]["crc32c"].pop(), "malformed"),
+])
+def test_changed_checksums_in_zarr_json_are_refused(saved, tmp_path, monkeypatch, direct, edit, message):
+    monkeypatch.setenv("LIGHTNING_DISTCKPT_DIRECT_READS", direct)
+    ck = str(tmp_path / "ck")
+    shutil.copytree(saved["zarr"], ck)
+    _edit_zarr_json(ck, edit)
+    with pytest.raises(ldc.CheckpointingError, match=message):
+        ldc.load({"w": ldc.ShardedTensor.from_offsets("w", torch.zeros(300, 10), (1000, 10), (400, 0))}, ck)
+    assert not validate(ck).ok
+
+
+@pytest.mark.parametrize("layout", ["ocdbt", "ocdbt-codec"])
+def test_a_cast_on_load_reads_directly_and_rounds_as_torch_does(saved, layout):
+    sd = {"w": ldc.ShardedTensor.from_offsets("w", torch.zeros(500, 4, dtype=torch.bfloat16), (1000, 10), (100, 3)),
+          "b": ldc.ShardedTensor.from_rank_offsets("b", torch.zeros(700, 33, dtype=torch.float32))}
+    out = ldc.load(sd, saved[layout])
+    assert torch.equal(out["w"], W[100:600, 3:7].to(torch.bfloat16)) and torch.equal(out["b"], B.float())

@@ -26,6 +26,7 @@ from ..core.errors import CheckpointingError, FormatError, UnsafeContentError
 from ..planning.metadata import ObjectRecord, ShardRecord, StoredShard, element_size
 from ..planning.validation import validate_object_records, validate_tensor_records
 from ..storage.checksums import check_sha256
+from ..storage.chunk_checksums import VerifiedReads, check_reads
 from ..storage.integrity import store_bytes
 from ..storage.direct_read import ChunkTask, DirectReader
 from ..storage.layout import COMMON_FILE, rank_dir, tensor_path
@@ -215,6 +216,13 @@ def _read_shard(tio: TensorStoreIO, key: str, dtype: str, shard: StoredShard, re
         if tasks is not None:
             window.submit_direct(tasks)
             return
+    crcs = tio.stored_crcs(shard.writer, key, shard.index) if shard.packed is None else None
+    if crcs is not None:  # checksums in its zarr.json, read by tensorstore: whole chunks, checked here
+        nbytes, errors = VerifiedReads(window.max_bytes).run(  # validate checks whatever the switch says
+            check_reads(where, store, crcs, tio.chunk_file(shard.writer, key, shard.index)), verify=True)
+        report.chunks, report.bytes_read = report.chunks + len(crcs), report.bytes_read + nbytes
+        report.problems += errors
+        return
     if shard.packed is not None:  # a small range of the writer's pack array: one read
         pieces: List[Tuple[Any, str]] = [(store, f"packed at element {shard.packed}")]
     elif store.rank == 0 or math.prod(store.shape) == 0:

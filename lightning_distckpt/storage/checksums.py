@@ -1,15 +1,17 @@
 """Checksums of everything a checkpoint stores (format 3), and the switch that turns their checks off.
 
-* array chunks: the zarr v3 ``crc32c`` codec, computed by tensorstore while it writes each chunk and
-  verified on every read: by :mod:`~lightning_distckpt.storage.direct_read` for plain chunks read
-  straight into their destinations, by tensorstore for the rest (a mismatch is a read error naming
-  the file);
+* array chunks: each chunk's CRC-32C, kept in its array's ``zarr.json`` (format 5, computed by
+  us: :mod:`~lightning_distckpt.storage.chunk_checksums`) or appended by the zarr v3 ``crc32c``
+  codec (formats 3-4, and object-store saves and packs still), verified on every read: by
+  :mod:`~lightning_distckpt.storage.direct_read` for chunks read straight into their
+  destinations, by ``chunk_checksums.VerifiedReads`` or tensorstore for the rest (a mismatch is a
+  read error naming the chunk and, where known, the file);
 * ShardedObject elements: stored framed, ``MAGIC | crc32 | length | bytes``, verified on read;
 * ``common.pt`` and ``metadata.json``: their SHA-256 in the commit marker, verified on every open.
 
-``LIGHTNING_DISTCKPT_VERIFY=0`` skips the checks of objects, ``common.pt`` and ``metadata.json``
-(e.g. to salvage what still deserializes from a damaged checkpoint); chunk checksums are part of
-each chunk's encoding and are always verified. Checkpoints of formats 1 and 2 carry
+``LIGHTNING_DISTCKPT_VERIFY=0`` skips the checks of objects, ``common.pt``, ``metadata.json`` and
+the chunk checksums we compute (e.g. to salvage what still deserializes from a damaged checkpoint);
+chunks that tensorstore decodes through the ``crc32c`` codec are still checked by it. Checkpoints of formats 1 and 2 carry
 no checksums: they load with one warning per checkpoint and process.
 """
 

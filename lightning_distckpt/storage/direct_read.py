@@ -33,6 +33,7 @@ import tensorstore as ts
 import torch
 
 from ..core.errors import FormatError
+from .chunk_checksums import attribute_crcs, chunk_count
 
 DIRECT_ENV = "LIGHTNING_DISTCKPT_DIRECT_READS"
 _PLAIN = [{"configuration": {"endian": "little"}, "name": "bytes"}]
@@ -63,7 +64,8 @@ class Geometry:
     dtype: str  # tensorstore's name, as ``ts_dtype`` gives for the matching torch dtype
     chunk_rows: int
     row_bytes: int
-    checksum: bool
+    checksum: bool  # each chunk ends with its CRC-32C (the ``crc32c`` codec, format 3)
+    crcs: Optional[Tuple[int, ...]] = None  # or each chunk's CRC-32C is in the array's metadata (format 5)
 
     @property
     def chunk_bytes(self) -> int:
@@ -71,12 +73,13 @@ class Geometry:
         return self.chunk_rows * self.row_bytes + (4 if self.checksum else 0)
 
 
-def geometry(arr: Any) -> Optional[Geometry]:
+def geometry(arr: Any, where: str = "an array") -> Optional[Geometry]:
     """The geometry of an opened zarr v3 array, or None when it is not a plain array chunked
-    along its first axis only (then tensorstore reads it)."""
+    along its first axis only (then tensorstore reads it). FormatError for malformed checksums."""
     try:
         codecs = arr.codec.to_json().get("codecs")
-        encoding = arr.spec().to_json().get("metadata", {}).get("chunk_key_encoding")
+        metadata = arr.spec().to_json().get("metadata", {})
+        encoding = metadata.get("chunk_key_encoding")
         chunks = tuple(arr.chunk_layout.read_chunk.shape)
         itemsize = np.dtype(arr.dtype.numpy_dtype).itemsize
     except Exception:  # an array tensorstore describes otherwise: let it read the array
@@ -85,8 +88,9 @@ def geometry(arr: Any) -> Optional[Geometry]:
         return None
     if encoding not in (None, {"name": "default"}, {"name": "default", "configuration": {"separator": "/"}}):
         return None
+    crcs = attribute_crcs(metadata, chunk_count(arr.shape, int(chunks[0])), where)
     geo = Geometry(tuple(arr.shape), arr.dtype.name, int(chunks[0]), math.prod(arr.shape[1:]) * itemsize,
-                   len(codecs) == 2)
+                   len(codecs) == 2, crcs)
     return geo if geo.chunk_bytes > 0 else None
 
 
@@ -131,9 +135,9 @@ def _walk(base: Any, store_dir: str, location: str, prefix: bytes, out: Dict[str
 
 
 class ChunkTask(NamedTuple):
-    """Read one chunk and deliver ``rows`` (chunk-local) of it, ``trailing``-sliced, into ``dest``
-    (None: read and verify only). ``direct``: ``dest`` is the chunk's whole rows, contiguous: read
-    into it in place."""
+    """Read chunk number ``chunk`` and deliver ``rows`` (chunk-local) of it, ``trailing``-sliced,
+    into ``dest`` (None: read and verify only), converted to its dtype. ``direct``: ``dest`` is the
+    chunk's whole rows, contiguous, of the stored dtype: read into it in place."""
 
     where: str
     loc: ChunkLocation
@@ -142,6 +146,7 @@ class ChunkTask(NamedTuple):
     trailing: Tuple[slice, ...]
     dest: Optional[torch.Tensor]
     direct: bool
+    chunk: int = 0
 
 
 def plan_chunks(where: str, geo: Geometry, src: Sequence[slice], dest: torch.Tensor,
@@ -159,11 +164,12 @@ def plan_chunks(where: str, geo: Geometry, src: Sequence[slice], dest: torch.Ten
         c0 = c * geo.chunk_rows
         a, b = max(start, c0), min(stop, c0 + geo.chunk_rows, geo.shape[0])
         part = dest[a - start:b - start]
-        direct = whole_rows and a == c0 and b == min(c0 + geo.chunk_rows, geo.shape[0]) and part.is_contiguous()
+        direct = whole_rows and a == c0 and b == min(c0 + geo.chunk_rows, geo.shape[0]) and part.is_contiguous() \
+            and _torch_dtype(geo.dtype) == dest.dtype
         loc = locate(chunk_key(geo, c))
         if loc is None:  # kept inline in the store's index
             return None
-        tasks.append(ChunkTask(f"{where} chunk {c}", loc, geo, slice(a - c0, b - c0), full[1:], part, direct))
+        tasks.append(ChunkTask(f"{where} chunk {c}", loc, geo, slice(a - c0, b - c0), full[1:], part, direct, c))
     return tasks
 
 
@@ -243,20 +249,21 @@ def _run_one(task: ChunkTask, fd: int, verify: bool) -> Any:
             if got != piece.nbytes:
                 return f"{task.where}: {loc.path} is truncated (chunk of {loc.length} bytes at offset {loc.offset})"
             offset += got
-            if verify and geo.checksum:
+            if verify and (geo.checksum or geo.crcs is not None):
                 crc = crc32c.crc32c(piece, crc)
+    stored: Optional[int] = None if geo.crcs is None else geo.crcs[task.chunk]
     if geo.checksum:
         trailer = os.pread(fd, 4, offset)
         if len(trailer) != 4:
             return f"{task.where}: {loc.path} is truncated (chunk of {loc.length} bytes at offset {loc.offset})"
         stored = _CRC_TRAILER.unpack(trailer)[0]
-        if verify and crc != stored:
-            return (f"{task.where}: checksum mismatch in {loc.path} at offset {loc.offset} (CRC-32C {crc:#010x}, "
-                    f"stored {stored:#010x}): damaged")
+    if verify and stored is not None and crc != stored:
+        return (f"{task.where}: checksum mismatch in {loc.path} at offset {loc.offset} (CRC-32C {crc:#010x}, "
+                f"{'recorded in its zarr.json' if geo.crcs is not None else 'stored'} {stored:#010x}): damaged")
     if task.dest is None:  # checked only
         return loc.length
     if not task.direct:
-        rows = torch.frombuffer(body, dtype=task.dest.dtype).view(geo.chunk_rows, *geo.shape[1:])
+        rows = torch.frombuffer(body, dtype=_torch_dtype(geo.dtype)).view(geo.chunk_rows, *geo.shape[1:])
         task.dest.copy_(rows[(task.rows, *task.trailing)])
     return task.dest.numel() * task.dest.element_size()
 
@@ -283,11 +290,11 @@ class DirectChunks:
         rest: List[Any] = []
         for r in reads:
             arr_path = path(r.key, r.index)
-            geo = self._geo(r.writer, arr_path, array(r.writer, r.key, r.index))
-            ok = geo is not None and r.dest.numel() > 0 and str(r.dest.dtype).replace("torch.", "") == geo.dtype
+            where = f"{r.key!r} shard {r.index} (written by rank {r.writer})"
+            geo = self._geo(r.writer, arr_path, array(r.writer, r.key, r.index), where)
+            ok = geo is not None and r.dest.numel() > 0 and _castable(geo.dtype, r.dest.dtype)
             locate = self._locator(r.writer, arr_path) if ok else None
-            planned = plan_chunks(f"{r.key!r} shard {r.index} (written by rank {r.writer})", geo, r.src, r.dest,
-                                  locate) if locate is not None else None
+            planned = plan_chunks(where, geo, r.src, r.dest, locate) if locate is not None else None
             if planned is None:
                 rest.append(r)
             else:
@@ -297,7 +304,7 @@ class DirectChunks:
     def check_tasks(self, writer: int, arr_path: str, arr: Any, where: str) -> Optional[List[ChunkTask]]:
         """Tasks that read and verify every chunk of an array, delivering nothing (``validate``);
         None when tensorstore must read it. Raises FormatError for a missing chunk."""
-        geo = self._geo(writer, arr_path, arr)
+        geo = self._geo(writer, arr_path, arr, where)
         locate = self._locator(writer, arr_path) if geo is not None else None
         if geo is None or locate is None:
             return None
@@ -310,12 +317,12 @@ class DirectChunks:
                 raise FormatError(f"{what}: {e}") from e
             if loc is None:
                 return None
-            tasks.append(ChunkTask(what, loc, geo, slice(0, 0), (), None, False))
+            tasks.append(ChunkTask(what, loc, geo, slice(0, 0), (), None, False, c))
         return tasks
 
-    def _geo(self, writer: int, arr_path: str, arr: Any) -> Optional[Geometry]:
+    def _geo(self, writer: int, arr_path: str, arr: Any, where: str) -> Optional[Geometry]:
         if (writer, arr_path) not in self._geometry:
-            self._geometry[(writer, arr_path)] = geometry(arr)
+            self._geometry[(writer, arr_path)] = geometry(arr, where)
         return self._geometry[(writer, arr_path)]
 
     def _locator(self, writer: int, arr_path: str) -> Optional[Callable[[str], Optional[ChunkLocation]]]:
@@ -334,6 +341,18 @@ class DirectChunks:
                                   f"written)")
             return index[f"{arr_path}/{key}"]
         return locate
+
+
+def _torch_dtype(name: str) -> Optional[torch.dtype]:
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _castable(stored: str, dest: torch.dtype) -> bool:
+    """Whether a chunk of ``stored`` dtype is delivered into ``dest`` here: the same dtype, or one
+    floating dtype into another (``Tensor.copy_`` rounds to nearest even, as tensorstore's cast)."""
+    src = _torch_dtype(stored)
+    return src == dest or (src is not None and src.is_floating_point and dest.is_floating_point)
 
 
 def _chunk_file(path: str) -> ChunkLocation:

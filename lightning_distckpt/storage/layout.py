@@ -38,9 +38,11 @@ from .checksums import check_sha256, warn_no_checksums
 from .paths import local_path, read_inside, refuse_link
 
 FORMAT_NAME = "lightning_distckpt"
-FORMAT_VERSION = 4  # 2: small shards packed into one array per rank and dtype; 3: checksums on everything;
-# 4: an even dim-0 split is one index entry (planning/even_index.py)
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # 2: small shards packed into one array per rank and dtype; 3: checksums on everything;
+# 4: an even dim-0 split is one index entry (planning/even_index.py); 5: chunk checksums may be kept in
+# each array's zarr.json instead of the crc32c codec (chunk_checksums.py): a reader that does not
+# know them would read those chunks unverified, so older versions refuse the format
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 CHECKSUMS_SINCE = 3
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"

@@ -5,14 +5,14 @@ is built for writing and how a packed shard is seen when reading."""
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
 import torch
 
-from .base import ShardWrite
+from .base import ShardRead, ShardWrite
 
 
 def build_pack(dtype: torch.dtype, members: Sequence[ShardWrite]) -> torch.Tensor:
@@ -41,3 +41,33 @@ def packed_view(pack: Any, offset: int, shape: Tuple[int, ...]) -> Any:
         return pack[offset:offset + numel].translate_to[0]
     positions = np.arange(offset, offset + numel, dtype=np.int64).reshape(shape)
     return pack[ts.IndexTransform(input_shape=shape, output=[ts.OutputIndexMap(index_array=positions)])]
+
+
+def pack_runs(reads: Sequence[ShardRead], place: Callable[[ShardRead], Tuple[str, int, Tuple[int, ...]]],
+              pack_array: Callable[[int, str], Any]) -> List[Any]:
+    """Start one read per run of nearby packed shards of each pack (gaps under 1 MiB are read
+    through, rather than fetching a pack's chunk again for every norm and bias). ``place(read)``:
+    (pack dtype, element offset, shard shape); ``pack_array(writer, dtype)``: the opened pack.
+    Returns ``(what, future of the run's numpy array, [(start in run, shard shape, src, dest)])``."""
+    by_pack: Dict[Tuple[int, str], List[Tuple[int, Tuple[int, ...], Any, torch.Tensor]]] = {}
+    for r in reads:
+        dtype, offset, shape = place(r)
+        by_pack.setdefault((r.writer, dtype), []).append((offset, shape, r.src, r.dest))
+    runs = []
+    for (writer, dtype), items in by_pack.items():
+        pack = pack_array(writer, dtype)
+        gap = (1 << 20) // max(1, int(np.dtype(pack.dtype.numpy_dtype).itemsize))
+        items.sort(key=lambda it: it[0])
+        group: List[Any] = []
+        lo = hi = 0
+        for it in items + [None]:  # type: ignore[list-item]
+            if it is not None and group and it[0] <= hi + gap:
+                group.append(it)
+                hi = max(hi, it[0] + math.prod(it[1]))
+                continue
+            if group:
+                runs.append((f"reading packed {dtype} shards {lo}:{hi} of rank {writer}", pack[lo:hi].read(),
+                             [(off - lo, shape, src, dest) for off, shape, src, dest in group]))
+            if it is not None:
+                group, lo, hi = [it], it[0], it[0] + math.prod(it[1])
+    return runs

@@ -12,35 +12,33 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
 * arrays are created and opened concurrently (one future each), never one after the other:
   opening hundreds of small arrays one by one cost ~0.3 ms each;
 * small shards (norms, biases: at most ``pack_max_bytes``) are packed into one 1-D array per
-  rank and dtype (``p/<dtype>``), copied there once: creating an array costs ~0.15-0.2 ms, and a
-  GPT's ~400 small shards were most of the fixed cost of a save (2 ranks, 0.05 GiB state, tp:
-  0.130 s -> 0.102 s, raw 0.050 s). Loads read each pack once per run of nearby shards and
-  copy the shards out; ``open_array`` gives a packed shard as an index-array view in its own shape;
-* OCDBT data files are bounded (``data_file_bytes``, 64 MiB): by default OCDBT packs a whole
-  batch of writes into one file written with a single huge ``writev`` (300 MB for 0.5 GiB),
-  which was slower and far more variable than several bounded files written concurrently.
+  rank and dtype (``p/<dtype>``, :mod:`.packs`): creating an array costs ~0.15-0.2 ms each;
+* OCDBT data files are bounded (``data_file_bytes``, 64 MiB): one huge ``writev`` per batch, as
+  OCDBT does by default, was slower and far more variable than bounded files written concurrently;
+* chunk checksums are computed by us, not by the ``crc32c`` codec (:mod:`.chunk_checksums`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
 import torch
 
-from ..core.errors import CheckpointingError
+from ..core.errors import CheckpointingError, FormatError
 from .base import ObjectWrite, ShardRead, ShardWrite
 from .options import StorageOptions
-from .checksums import frame_object, unframe_object
+from .checksums import frame_object, unframe_object, verification_enabled
+from .chunk_checksums import VerifiedRead, VerifiedReads, array_checksums, chunk_crcs, crc_attributes
 from .direct_read import DirectChunks, direct_reads_enabled
 from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from ..planning.even_index import PackedPlaces
-from .packs import as_tensor, build_pack, packed_view
+from .packs import as_tensor, build_pack, pack_runs, packed_view
 from .s3 import is_committed_version as s3_is_committed
 from .s3_url import S3_READ_COALESCING, context_spec, is_s3_url
 from .s3_url import kvstore_spec as s3_kvstore_spec
@@ -101,8 +99,9 @@ class TensorStoreIO:
         )
         self._kvstores: Dict[int, Any] = {}
         self._arrays: Dict[Tuple[int, str], Any] = {}
+        self._crcs: Dict[Tuple[int, str], Tuple[int, ...]] = {}  # chunk checksums kept in an array's metadata
         self._reading = index is not None
-        self._index_checksums = index is not None and index.checksums
+        self._index_checksums = index is not None and index.checksums and verification_enabled()
         self._claimed = index.bytes_per_writer() if index is not None and check_sizes else {}
         self._contained: Set[int] = set()  # writers whose store was checked for links
         # A save committing to the same path swaps another directory in while we read: told apart by its inode
@@ -126,11 +125,20 @@ class TensorStoreIO:
         return {"driver": "zarr3", "kvstore": self.kvstore_spec(writer), "path": path + "/",
                 "fill_missing_data_reads": False}
 
+    def chunk_crcs(self, arr: np.ndarray, chunk_bytes: Optional[int] = None) -> Optional[List[int]]:
+        """The CRC-32C of each chunk of ``arr`` as stored (``storage/chunk_checksums.py``), or None
+        when the ``crc32c`` codec checksums it instead: object stores, packs, empty arrays."""
+        if self.s3 or chunk_bytes is not None or arr.nbytes == 0:
+            return None
+        return chunk_crcs(arr, chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)[0] if arr.ndim else 1)
+
     def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int],
-                    chunk_bytes: Optional[int] = None) -> Dict[str, Any]:
+                    chunk_bytes: Optional[int] = None, crcs: Optional[Sequence[int]] = None) -> Dict[str, Any]:
         """Spec creating the array for one stored shard: raw little-endian bytes, chunks of at most
-        ``chunk_bytes`` (default: the options') along the first axis, every chunk stored (zeros too)."""
+        ``chunk_bytes`` (default: the options') along the first axis, every chunk stored (zeros too),
+        each checksummed: ``crcs`` recorded in its metadata, or else the ``crc32c`` codec."""
         chunks = chunk_shape(shape, dtype.itemsize, chunk_bytes or self.options.chunk_bytes)
+        codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
         return {
             "driver": "zarr3",
             "kvstore": self.kvstore_spec(writer),
@@ -140,8 +148,8 @@ class TensorStoreIO:
                 "shape": [int(s) for s in shape],
                 "data_type": ts_dtype(dtype),
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
-                # crc32c: computed by tensorstore as it encodes each chunk, verified on every read
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                **({"codecs": codecs + [{"name": "crc32c"}]} if crcs is None else
+                   {"codecs": codecs, "attributes": crc_attributes(crcs)}),
             },
         }
 
@@ -176,7 +184,7 @@ class TensorStoreIO:
                            min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
         opens = []
         for what, path, arr, dtype, chunk_bytes in arrays:
-            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
+            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes, self.chunk_crcs(arr, chunk_bytes))
             opens.append((what, ts.open(spec, create=True, context=self.context), arr))
         writes = []
         nbytes = 0
@@ -257,16 +265,30 @@ class TensorStoreIO:
             fut = ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context)
             pending[handle] = (key, index, fut)
         for handle, (key, index, fut) in pending.items():
+            where = f"{key!r} shard {index} (written by rank {handle[0]})"
             try:
-                self._arrays[handle] = fut.result()
+                arr = fut.result()
             except Exception as e:
-                raise self._read_error(
-                    f"checkpoint {self.root}: {key!r} shard {index} (written by rank {handle[0]}) is missing or "
-                    f"unreadable: {e}"
-                ) from e
+                raise self._read_error(f"checkpoint {self.root}: {where} is missing or unreadable: {e}") from e
+            crcs = array_checksums(arr, f"checkpoint {self.root}: {where}", self._index_checksums)  # before caching
+            if crcs is not None:
+                self._crcs[handle] = crcs
+            self._arrays[handle] = arr
         self._open_packs(pack_keys)
         for handle, ((writer, dtype), offset, shape) in views.items():
             self._arrays[handle] = packed_view(self._arrays[(writer, pack_path(dtype))], offset, shape)
+
+    def chunk_file(self, writer: int, key: str, index: int) -> Optional[Callable[[int], str]]:
+        """Chunk number -> the file holding it, where each chunk is a file (the ``zarr`` layout)."""
+        if self.s3 or self.options.layout == "ocdbt":
+            return None
+        arr_dir, rank = os.path.join(rank_dir(self.root, writer), tensor_path(key, index)), self._arrays[
+            (writer, tensor_path(key, index))].rank
+        return lambda c: os.path.join(arr_dir, "c", *([str(c)] + ["0"] * (rank - 1) if rank else []))
+
+    def stored_crcs(self, writer: int, key: str, index: int) -> Optional[Tuple[int, ...]]:
+        """The chunk checksums an opened shard's metadata records (format 5), else None."""
+        return self._crcs.get((writer, tensor_path(key, index)))
 
     def open_array(self, writer: int, key: str, index: int) -> Any:
         """Open stored shard ``index`` of ``key`` (cached for this reader)."""
@@ -275,10 +297,7 @@ class TensorStoreIO:
 
     def read_into(self, reads: Iterable[ShardRead]) -> int:
         """Perform the :class:`ShardRead` s; each ``dest`` (a CPU tensor view) receives
-        ``stored[src]`` converted to its dtype. Returns bytes read.
-
-        Reads of packed shards are grouped: each pack is read once per run of nearby shards (not
-        once per shard, which would fetch the pack's chunk again for every norm and bias)."""
+        ``stored[src]`` converted to its dtype. Returns bytes read. Packed shards: :func:`pack_runs`."""
         plain, packed = [], []
         for r in reads:
             (packed if (r.writer, tensor_path(r.key, r.index)) in self._packed else plain).append(r)
@@ -289,9 +308,15 @@ class TensorStoreIO:
                 tasks, plain = self.direct.split(plain, self.open_array, tensor_path)
             except CheckpointingError as e:
                 raise self._read_error(f"checkpoint {self.root}: {e}") from e
-            nbytes, errors = self.direct.reader.run(tasks)
-        futures: List[Tuple[str, Any]] = []
-        for key, writer, index, src, dest in plain:
+            nbytes, errors = self.direct.reader.run(tasks, verification_enabled())
+        # Left to tensorstore, of arrays checksummed in their metadata: whole chunks, verified by us
+        crcs = [self._crcs.get((r.writer, tensor_path(r.key, r.index))) for r in plain]
+        got, failed = VerifiedReads().run([VerifiedRead(f"reading {r.key!r} shard {r.index} (written by rank "
+                                                        f"{r.writer})", self.open_array(r.writer, r.key, r.index), c,
+                                                        tuple(r.src), r.dest, self.chunk_file(r.writer, r.key, r.index))
+                                           for r, c in zip(plain, crcs) if c is not None], verification_enabled())
+        nbytes, errors, futures = nbytes + got, errors + failed, []
+        for key, writer, index, src, dest in (r for r, c in zip(plain, crcs) if c is None):
             store = self.open_array(writer, key, index)[src]
             if ts_dtype(dest.dtype) != store.dtype.name:
                 store = ts.cast(store, ts_dtype(dest.dtype))
@@ -317,36 +342,13 @@ class TensorStoreIO:
         return nbytes
 
     def _read_pack_runs(self, reads: Sequence[ShardRead]) -> List[Any]:
-        """Start one read per run of nearby packed shards (gaps under 1 MiB are read through).
-        Returns ``(what, future of the run's numpy array, [(start in run, shard shape, src, dest)])``."""
-        by_pack: Dict[Tuple[int, str], List[Tuple[int, Tuple[int, ...], Tuple[slice, ...], torch.Tensor]]] = {}
+        """Start one read per run of nearby packed shards (:func:`~.packs.pack_runs`)."""
+        place = lambda r: self._packed[(r.writer, tensor_path(r.key, r.index))]  # noqa: E731
         keys: Dict[Tuple[int, str], List[str]] = {}
-        for key, writer, index, src, dest in reads:
-            dtype, offset, shape = self._packed[(writer, tensor_path(key, index))]
-            by_pack.setdefault((writer, dtype), []).append((offset, shape, src, dest))
-            keys.setdefault((writer, dtype), []).append(key)
-        if not by_pack:
-            return []
+        for r in reads:
+            keys.setdefault((r.writer, place(r)[0]), []).append(r.key)
         self._open_packs(keys)
-        runs = []
-        for (writer, dtype), items in by_pack.items():
-            pack = self._arrays[(writer, pack_path(dtype))]
-            gap = (1 << 20) // max(1, int(np.dtype(pack.dtype.numpy_dtype).itemsize))
-            items.sort(key=lambda it: it[0])
-            group: List[Any] = []
-            lo = hi = 0
-            for it in items + [None]:  # type: ignore[list-item]
-                if it is not None and group and it[0] <= hi + gap:
-                    group.append(it)
-                    hi = max(hi, it[0] + math.prod(it[1]))
-                    continue
-                if group:
-                    what = f"reading packed {dtype} shards {lo}:{hi} of rank {writer}"
-                    runs.append((what, pack[lo:hi].read(),
-                                 [(off - lo, shape, src, dest) for off, shape, src, dest in group]))
-                if it is not None:
-                    group, lo, hi = [it], it[0], it[0] + math.prod(it[1])
-        return runs
+        return pack_runs(reads, place, lambda writer, dtype: self._arrays[(writer, pack_path(dtype))])
 
     def _open_packs(self, packs: Dict[Tuple[int, str], List[str]]) -> None:
         """Open the pack arrays ``(writer, dtype)`` concurrently; errors name the keys read from them."""
@@ -359,13 +361,17 @@ class TensorStoreIO:
                                    ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context))
         for handle, (keys, fut) in pending.items():
             try:
-                self._arrays[handle] = fut.result()
+                arr = fut.result()
             except Exception as e:
                 names = ", ".join(repr(k) for k in sorted(set(keys))[:5]) + (", ..." if len(set(keys)) > 5 else "")
                 raise self._read_error(
                     f"checkpoint {self.root}: packed small shards ({names}; {handle[1]}) written by rank {handle[0]} "
                     f"are missing or unreadable: {e}"
                 ) from e
+            if array_checksums(arr, f"checkpoint {self.root}: {handle[1]} of rank {handle[0]}",
+                               self._index_checksums) is not None:  # packs keep the crc32c codec: never ours
+                raise FormatError(f"checkpoint {self.root}: {handle[1]} of rank {handle[0]}: unexpected metadata")
+            self._arrays[handle] = arr
 
     def read_object(self, writer: int, key: str, index: int) -> bytes:
         """The bytes of ShardedObject element ``index`` of ``key``."""

@@ -1,0 +1,190 @@
+"""Chunk checksums kept in each array's ``zarr.json`` (format 5), computed with the CPU's CRC-32C
+instructions while the chunk's bytes are still the caller's tensor.
+
+Format 3 checksummed every chunk with the zarr v3 ``crc32c`` codec, which tensorstore's wheel
+computes in portable code while it encodes: about a sixth of a tensor-parallel save's time on two
+vCPUs (docs/benchmarks.md). A local save now computes the same CRC-32C of each stored chunk (its
+rows, the edge chunk padded with zeros as zarr stores it) with the ``crc32c`` package, in place,
+and records the list under ``attributes.lightning_distckpt.crc32c`` of the array's metadata; the
+chunks are stored plain. Readers verify it: the direct reads (:mod:`.direct_read`) as they read
+each chunk, and :class:`VerifiedReads` for what tensorstore reads (a cast, a value held inline in
+the OCDBT index, an object store, ``LIGHTNING_DISTCKPT_DIRECT_READS=0``), which reads whole chunks
+and checks them before anything reaches the destination. Object-store saves and the small-shard
+packs keep the codec: their checksum costs little beside the network or the pack's size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import crc32c
+import numpy as np
+import torch
+
+from ..core.errors import FormatError
+from .packs import as_tensor
+
+ATTRIBUTE = "lightning_distckpt"
+_ZEROS = bytes(1 << 20)
+
+
+def padded_crc(data: Any, pad: int, crc: int = 0) -> int:
+    """CRC-32C of ``data`` followed by ``pad`` zero bytes."""
+    crc = crc32c.crc32c(data, crc)
+    while pad > 0:
+        crc = crc32c.crc32c(_ZEROS[:min(pad, len(_ZEROS))], crc)
+        pad -= len(_ZEROS)
+    return crc
+
+
+def chunk_crcs(arr: np.ndarray, chunk_rows: int) -> List[int]:
+    """CRC-32C of each stored chunk of the C-contiguous ``arr`` cut every ``chunk_rows`` rows (the
+    last one padded with zeros to whole chunk rows, as zarr stores it)."""
+    flat = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    if arr.ndim == 0:
+        return [crc32c.crc32c(flat)]
+    step = chunk_rows * (arr.nbytes // max(1, arr.shape[0]))
+    return [padded_crc(flat[o:o + step], o + step - min(o + step, arr.nbytes))
+            for o in range(0, max(arr.nbytes, 1) if arr.shape[0] else 0, max(step, 1))]
+
+
+def crc_attributes(crcs: Sequence[int]) -> Dict[str, Any]:
+    """The ``attributes`` of an array's metadata recording ``crcs``."""
+    return {ATTRIBUTE: {"crc32c": [int(c) for c in crcs]}}
+
+
+def attribute_crcs(metadata: Any, chunks: int, where: str) -> Optional[Tuple[int, ...]]:
+    """The chunk checksums recorded in an array's metadata (``spec().to_json()["metadata"]``), or
+    None when it records none. FormatError when the record is malformed (data, checked as data)."""
+    attrs = metadata.get("attributes") if isinstance(metadata, dict) else None
+    if not isinstance(attrs, dict) or ATTRIBUTE not in attrs:
+        return None
+    record = attrs[ATTRIBUTE]
+    crcs = record.get("crc32c") if isinstance(record, dict) else None
+    if not isinstance(crcs, list) or len(crcs) != chunks or \
+            not all(type(c) is int and 0 <= c < 1 << 32 for c in crcs):
+        raise FormatError(f"{where}: zarr.json attribute {ATTRIBUTE}.crc32c is malformed (want {chunks} CRC-32C "
+                          f"values, one per chunk): damaged")
+    return tuple(crcs)
+
+
+def array_checksums(arr: Any, where: str, required: bool) -> Optional[Tuple[int, ...]]:
+    """The chunk checksums an opened array records in its metadata, or None (then the ``crc32c``
+    codec checksums its chunks, or nothing does). FormatError when ``required`` (the checkpoint
+    records checksums) and the array has none: its zarr.json was changed."""
+    try:
+        metadata = arr.spec().to_json().get("metadata", {})
+        rows = int(arr.chunk_layout.read_chunk.shape[0]) if arr.rank else 1
+    except Exception as e:
+        raise FormatError(f"{where}: unreadable array metadata: {e}") from e
+    crcs = attribute_crcs(metadata, chunk_count(arr.shape, rows), where)
+    if crcs is None and required and {"name": "crc32c"} not in (metadata.get("codecs") or []):
+        raise FormatError(f"{where} is stored without checksums although the checkpoint records them (its zarr.json "
+                          f"was changed): damaged")
+    return crcs
+
+
+def chunk_count(shape: Sequence[int], chunk_rows: int) -> int:
+    """Chunks of an array cut along its first axis every ``chunk_rows`` rows (a 0-d array: one)."""
+    return 1 if len(shape) == 0 else -(-int(shape[0]) // max(1, chunk_rows))
+
+
+class VerifiedRead(NamedTuple):
+    """Deliver ``arr[src]`` into ``dest`` (None: check only), ``arr``'s chunks checked against
+    ``crcs``. ``chunk_file(chunk)``, where known, names the file holding a chunk (for errors)."""
+
+    what: str
+    arr: Any
+    crcs: Tuple[int, ...]
+    src: Tuple[slice, ...]
+    dest: Optional[torch.Tensor]
+    chunk_file: Optional[Callable[[int], str]] = None
+
+
+def check_reads(what: str, arr: Any, crcs: Tuple[int, ...],
+                chunk_file: Optional[Callable[[int], str]] = None) -> List[VerifiedRead]:
+    """Reads for :class:`VerifiedReads` that check every chunk of ``arr`` (one read per chunk)."""
+    if arr.rank == 0:
+        return [VerifiedRead(f"{what}: chunk 0", arr, crcs, (), None, chunk_file)]
+    rows, n = max(1, int(arr.chunk_layout.read_chunk.shape[0])), int(arr.shape[0])
+    return [VerifiedRead(f"{what}: chunk rows {r}:{min(r + rows, n)}", arr, crcs, (slice(r, min(r + rows, n)),),
+                         None, chunk_file) for r in range(0, n, rows)]
+
+
+class VerifiedReads:
+    """Reads of arrays whose checksums are in their metadata, done by tensorstore: each read is
+    widened to whole chunks, every chunk's CRC-32C checked, then ``stored[src]`` copied into its
+    destination (converted to its dtype). At most ``max_bytes`` of chunks are held at once (one
+    larger read alone)."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+
+    def run(self, reads: Sequence[VerifiedRead], verify: bool = True) -> Tuple[int, List[str]]:
+        """(bytes delivered or checked, an error message per failed read)."""
+        nbytes, errors, batch, held = 0, [], [], 0
+        for r in list(reads) + [None]:  # type: ignore[list-item]
+            size = 0 if r is None else _widened_bytes(r.arr, r.src)
+            if batch and (r is None or held + size > self.max_bytes):
+                for item in batch:
+                    outcome = _finish(*item, verify)
+                    if isinstance(outcome, str):
+                        errors.append(outcome)
+                    else:
+                        nbytes += outcome
+                batch, held = [], 0
+            if r is not None:
+                batch.append(_start(r))
+                held += size
+        return nbytes, errors
+
+
+def _rows(arr: Any, src: Sequence[slice]) -> Tuple[int, int, int]:
+    """(chunk rows, first row, end row) of ``src`` along the first axis."""
+    rows = max(1, int(arr.chunk_layout.read_chunk.shape[0]))
+    start, stop = src[0].indices(int(arr.shape[0]))[:2]
+    return rows, start, stop
+
+
+def _widened_bytes(arr: Any, src: Sequence[slice]) -> int:
+    if arr.rank == 0:
+        return np.dtype(arr.dtype.numpy_dtype).itemsize
+    rows, start, stop = _rows(arr, src)
+    lo, hi = start // rows * rows, min(-(-stop // rows) * rows, int(arr.shape[0]))
+    return max(0, hi - lo) * math.prod(arr.shape[1:]) * np.dtype(arr.dtype.numpy_dtype).itemsize
+
+
+def _start(r: VerifiedRead) -> Tuple[Any, ...]:
+    if r.arr.rank == 0:
+        return r, r.arr.read(), 0, 1, 0
+    rows, start, stop = _rows(r.arr, r.src)
+    lo, hi = start // rows * rows, min(-(-stop // rows) * rows, int(r.arr.shape[0]))
+    return r, r.arr[lo:hi].read(), lo, rows, start
+
+
+def _finish(r: VerifiedRead, fut: Any, lo: int, rows: int, start: int, verify: bool) -> Any:
+    """Bytes delivered, or an error message."""
+    what, crcs, src, dest = r.what, r.crcs, r.src, r.dest
+    try:
+        data = np.ascontiguousarray(fut.result())
+    except Exception as e:
+        return f"{what} failed: {e}"
+    if verify:
+        flat = memoryview(data.reshape(-1).view(np.uint8))
+        row_bytes = data.nbytes // max(1, data.shape[0]) if data.ndim else data.nbytes
+        step = rows * row_bytes if data.ndim else data.nbytes
+        for i, o in enumerate(range(0, data.nbytes, max(1, step)) if data.nbytes else []):
+            chunk = lo // rows + i
+            got = padded_crc(flat[o:o + step], o + step - min(o + step, data.nbytes))
+            if got != crcs[chunk]:
+                file = f" ({r.chunk_file(chunk)})" if r.chunk_file is not None else ""
+                return (f"{what}: checksum mismatch in chunk {chunk}{file} (CRC-32C {got:#010x}, recorded "
+                        f"{crcs[chunk]:#010x} in its zarr.json): damaged")
+    if dest is None:  # checked only
+        return data.nbytes
+    stored = as_tensor(data)
+    part = stored if data.ndim == 0 else stored[(slice(start - lo, start - lo + dest.shape[0]), *src[1:])]
+    dest.copy_(part.reshape(dest.shape))
+    return dest.numel() * dest.element_size()
+
