@@ -190,7 +190,7 @@ def chunk_checksums_off() -> Iterator[None]:
     from lightning_distckpt.storage.checksums import VERIFY_ENV
     from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
 
-    with_crc, crcs, verify = TensorStoreIO.create_spec, TensorStoreIO.chunk_crcs, os.environ.get(VERIFY_ENV)
+    with_crc, ours, verify = TensorStoreIO.create_spec, TensorStoreIO.own_checksums, os.environ.get(VERIFY_ENV)
 
     def without_crc(self: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         spec = with_crc(self, *args, **kwargs)
@@ -198,12 +198,12 @@ def chunk_checksums_off() -> Iterator[None]:
         return spec
 
     TensorStoreIO.create_spec = without_crc  # type: ignore[method-assign]
-    TensorStoreIO.chunk_crcs = lambda self, arr, chunk_bytes=None: None  # type: ignore[method-assign]
+    TensorStoreIO.own_checksums = lambda self, arr, chunk_bytes=None: False  # type: ignore[method-assign]
     os.environ[VERIFY_ENV] = "0"
     try:
         yield
     finally:
-        TensorStoreIO.create_spec, TensorStoreIO.chunk_crcs = with_crc, crcs  # type: ignore[method-assign]
+        TensorStoreIO.create_spec, TensorStoreIO.own_checksums = with_crc, ours  # type: ignore[method-assign]
         if verify is None:
             os.environ.pop(VERIFY_ENV, None)
         else:

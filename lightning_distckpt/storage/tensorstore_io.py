@@ -9,13 +9,13 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
 * every chunk is stored, zeros included (``store_data_equal_to_fill_value``): tensorstore skips
   its compare-with-fill-value scan, and a missing chunk can be told from a zero one;
 * reads refuse missing chunks (``fill_missing_data_reads=False``) instead of returning zeros;
-* arrays are created and opened concurrently (one future each), never one after the other:
-  opening hundreds of small arrays one by one cost ~0.3 ms each;
+* arrays are created and opened concurrently (one future each): one by one cost ~0.3 ms each;
 * small shards (norms, biases: at most ``pack_max_bytes``) are packed into one 1-D array per
   rank and dtype (``p/<dtype>``, :mod:`.packs`): creating an array costs ~0.15-0.2 ms each;
 * OCDBT data files are bounded (``data_file_bytes``, 64 MiB): one huge ``writev`` per batch, as
   OCDBT does by default, was slower and far more variable than bounded files written concurrently;
-* chunk checksums are computed by us, not by the ``crc32c`` codec (:mod:`.chunk_checksums`).
+* chunk checksums are computed by us while tensorstore writes the chunks, then go into the
+  array's zarr.json, written last (:mod:`.chunk_checksums`); not by the ``crc32c`` codec.
 """
 
 from __future__ import annotations
@@ -125,12 +125,10 @@ class TensorStoreIO:
         return {"driver": "zarr3", "kvstore": self.kvstore_spec(writer), "path": path + "/",
                 "fill_missing_data_reads": False}
 
-    def chunk_crcs(self, arr: np.ndarray, chunk_bytes: Optional[int] = None) -> Optional[List[int]]:
-        """The CRC-32C of each chunk of ``arr`` as stored (``storage/chunk_checksums.py``), or None
-        when the ``crc32c`` codec checksums it instead: object stores, packs, empty arrays."""
-        if self.s3 or chunk_bytes is not None or arr.nbytes == 0:
-            return None
-        return chunk_crcs(arr, chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)[0] if arr.ndim else 1)
+    def own_checksums(self, arr: np.ndarray, chunk_bytes: Optional[int] = None) -> bool:
+        """Whether we checksum ``arr``'s chunks (``storage/chunk_checksums.py``), not the ``crc32c``
+        codec (it does for object stores, packs and empty arrays)."""
+        return not self.s3 and chunk_bytes is None and arr.nbytes > 0
 
     def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int],
                     chunk_bytes: Optional[int] = None, crcs: Optional[Sequence[int]] = None) -> Dict[str, Any]:
@@ -154,12 +152,7 @@ class TensorStoreIO:
         }
 
     # -- writing ------------------------------------------------------------------------
-    def write(
-        self,
-        writer: int,
-        tensors: Sequence[ShardWrite],
-        objects: Sequence[ObjectWrite] = (),
-    ) -> int:
+    def write(self, writer: int, tensors: Sequence[ShardWrite], objects: Sequence[ObjectWrite] = ()) -> int:
         """Write shards and objects into ``writer``'s store; returns bytes.
 
         ``data`` must be CPU tensors in global-axes shape, left unchanged until this returns
@@ -182,12 +175,16 @@ class TensorStoreIO:
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
                            to_numpy(build_pack(dtype, members)), dtype,
                            min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
-        opens = []
+        opens, ours = [], []
         for what, path, arr, dtype, chunk_bytes in arrays:
-            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes, self.chunk_crcs(arr, chunk_bytes))
-            opens.append((what, ts.open(spec, create=True, context=self.context), arr))
-        writes = []
-        nbytes = 0
+            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
+            if self.own_checksums(arr, chunk_bytes):  # chunks now, zarr.json with their CRCs after (below)
+                ours.append((what, path, arr, dtype))
+                spec["metadata"]["codecs"] = spec["metadata"]["codecs"][:1]
+                opens.append((what, ts.open(spec, open=True, assume_metadata=True, context=self.context), arr))
+            else:
+                opens.append((what, ts.open(spec, create=True, context=self.context), arr))
+        writes, nbytes = [], 0
         for key, fut, arr in opens:
             try:
                 store = fut.result()
@@ -195,6 +192,10 @@ class TensorStoreIO:
                 raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: {e}") from e
             writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
             nbytes += arr.nbytes
+        for what, path, arr, dtype in ours:  # checksummed while tensorstore writes and fsyncs the chunks
+            crcs = chunk_crcs(arr, chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)[0] if arr.ndim else 1)
+            spec = self.create_spec(writer, path, dtype, arr.shape, None, crcs)
+            writes.append((f"{what} (its zarr.json)", ts.open(spec, create=True, context=self.context)))
         if objects:
             kv = self._kvstore(writer)
             for key, index, blob in objects:
