@@ -27,11 +27,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from ..comm import Comm, get_comm
 from ..core.dtensors import shard_dtensors
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, FormatError
-from ..core.mapping import ShardedTensor
 from ..core.megatron_leaves import from_megatron_leaves
 from ..core.state_dict import merge, split_common
 from ..core.strict import StrictHandling
-from ..planning.metadata import dtype_from_name
 from ..serialization import load as dist_load
 from ..serialization import save as dist_save
 from ..reading.checkpoint import CheckpointSource, open_checkpoint
@@ -43,6 +41,7 @@ from ..storage.tensorstore_io import StorageOptions
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
 from ..strategies.save import finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
+from .stock import TreePaths, open_torch_file, tensors_metadata
 from .tree import (KIND_MODEL_PARALLEL, KIND_PLAIN, KIND_SHARDED, MANIFEST_KEY, manifest, plain_to_sharded,
                    template_from_manifest, torch_optimizer_states)
 
@@ -139,9 +138,14 @@ class DistCheckpointIO(CheckpointIO):
         return (torch_optimizer_states(state) if kind in (KIND_SHARDED, KIND_MODEL_PARALLEL) else state), kind
 
     def open_source(self, path: Any) -> "RestoreSource":
-        """The checkpoint at ``path`` opened for one restore (its metadata parsed now, once), to pass
-        to :meth:`load_sharded` after checking what it holds: its common state is read once too."""
-        return RestoreSource(open_checkpoint(os.fspath(path), extra_safe_globals=self.extra_safe_globals))
+        """The checkpoint at ``path`` opened for one restore (its metadata parsed now, once; a
+        ``torch.save`` file unpickled once), to pass to :meth:`load_sharded` after checking what it
+        holds: its common state is read once too."""
+        target = os.fspath(path)
+        opened = open_torch_file(target, self.extra_safe_globals)
+        if opened is not None:  # the tensors' typed paths, which a re-keyed template needs, come with it
+            return RestoreSource(*opened)
+        return RestoreSource(open_checkpoint(target, extra_safe_globals=self.extra_safe_globals))
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target); an
@@ -273,12 +277,14 @@ class RestoreSource:
     """A :class:`CheckpointSource` opened once for one restore: its ``metadata.json`` was parsed
     when it was opened, and its common state is read and unpickled on the first ask only, so the
     checks a strategy makes before the load (who wrote it, what it holds) and the load itself share
-    them. Any other attribute is the opened source's."""
+    them. Any other attribute is the opened source's. ``tree_paths``: a ``torch.save`` file's tensors
+    by typed path in its tree (:func:`~.stock.open_torch_file`); None for a directory."""
 
-    def __init__(self, source: CheckpointSource) -> None:
+    def __init__(self, source: CheckpointSource, tree_paths: Optional[TreePaths] = None) -> None:
         self.source = source
         self.path: str = source.path
         self.index = source.index
+        self.tree_paths = tree_paths
         self._common: Dict[Tuple[Any, ...], Any] = {}
 
     def reader(self) -> Any:
@@ -297,18 +303,6 @@ class RestoreSource:
         if name == "source":  # not set yet (copy / unpickle): no recursion
             raise AttributeError(name)
         return getattr(self.source, name)
-
-
-def tensors_metadata(source: CheckpointSource) -> Dict[str, ShardedTensor]:
-    """key -> ShardedTensor without data describing each whole stored tensor (as
-    :func:`lightning_distckpt.load_tensors_metadata`, from a source already open)."""
-    out = {}
-    for key, e in source.index.tensors.items():
-        shape = tuple(e.global_shape)
-        out[key] = ShardedTensor(key=key, data=None, dtype=dtype_from_name(e.dtype, key), local_shape=shape,
-                                 global_shape=shape, global_offset=(0,) * len(shape),
-                                 axis_fragmentations=(1,) * len(shape))
-    return out
 
 
 def load_from_source(template: Dict[str, Any], source: CheckpointSource, process_group: Optional[dist.ProcessGroup],

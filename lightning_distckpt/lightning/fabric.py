@@ -24,12 +24,12 @@ from torch.optim import Optimizer
 
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
-from .checkpoint_io import RestoreSource, foreign_writer, tensors_metadata
+from .checkpoint_io import RestoreSource, foreign_writer
 from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
                       restore_optimizer)
 from .tp_strategy import TensorParallelStrategyMixin
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
-                    place_stored_tensors, rekey_template, restore_param_keys)
+                    place_stored_tensors, rekey_template, restore_param_keys, tensors_metadata)
 from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest, template_from_manifest
 
 log = logging.getLogger(__name__)
@@ -166,9 +166,9 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             template[name] = optimizer_sharded_state(state[name], modules.params, name, init_state=True)
         asked = [*modules.by_name, *optimizers]
         if asked and saved.by_trainer and not set(asked) & saved.entries:
-            return self._trainer_layout(target, saved, template, optimizers)
+            return self._trainer_layout(target, source, saved, template, optimizers)
         if is_tree_path_layout(target, kind):  # stock Fabric's torch.save file, or the plugin's directory
-            return rekey_template(target, template, {n: ModuleEntry(f"{n}/", f"{n}.") for n in modules.by_name},
+            return rekey_template(source, template, {n: ModuleEntry(f"{n}/", f"{n}.") for n in modules.by_name},
                                   [OptimizerEntry(n, template[n]) for n in optimizers],
                                   tuple(f"{n}/" for n in template), self.checkpoint_io.extra_safe_globals)
         if kind == KIND_MODEL_PARALLEL:  # DTensor state keyed by path: not this strategy's layout
@@ -184,11 +184,12 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             log.warning("checkpoint %s was not saved by lightning_distckpt (no manifest); loading by key", target)
         return StoredLayout(template, {})
 
-    def _trainer_layout(self, target: str, saved: SavedCheckpoint, template: Dict[str, Any],
+    def _trainer_layout(self, target: str, source: RestoreSource, saved: SavedCheckpoint, template: Dict[str, Any],
                         optimizers: List[str]) -> StoredLayout:
-        """A Trainer's checkpoint into a Fabric state with one module: its ``state_dict`` into the
-        module, its ``optimizer_states`` in order into the state's optimizers (a stock ``.ckpt`` file
-        or the plugin's directory: tensors named by path); the rest is returned as it was saved."""
+        """A Trainer's checkpoint (opened as ``source``) into a Fabric state with one module: its
+        ``state_dict`` into the module, its ``optimizer_states`` in order into the state's optimizers (a
+        stock ``.ckpt`` file or the plugin's directory: tensors named by path); the rest is returned as
+        it was saved."""
         modules = [n for n in template if n not in optimizers]
         if len(modules) != 1 or not is_tree_path_layout(target, saved.kind):
             writer = "a Trainer" if saved.kind is not None or os.path.isfile(target) else \
@@ -199,7 +200,7 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
                 "fabric.load reads a Trainer's torch.save file or DistCheckpointIO directory into a state with exactly "
                 f"one module (this state has {modules}); resume this one with trainer.fit(model, ckpt_path=...), or "
                 f"load a module's weights with load_module_weights(module, {target!r}) (its entry 'state_dict')")
-        layout = rekey_template(target, template, {modules[0]: ModuleEntry("state_dict/", f"{modules[0]}.")},
+        layout = rekey_template(source, template, {modules[0]: ModuleEntry("state_dict/", f"{modules[0]}.")},
                                 [OptimizerEntry(f"optimizer_states/{i}", template[n]) for i, n in enumerate(optimizers)],
                                 ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)
         layout.optimizer_sources.update({n: ("optimizer_states", i) for i, n in enumerate(optimizers)})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, Dict, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Literal, Mapping, Optional, Tuple, Union
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -33,11 +33,11 @@ from torch.optim import Optimizer
 from ..core.dtensors import restore_dtensor
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
-from ..serialization import load_tensors_metadata
+from .checkpoint_io import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .model_parallel import Path, is_lightning_dcp, put_value, refusal, shard_tree, value_at
-from .sharded import build_on_all_ranks
-from .stock import describe_saved
+from .sharded import build_on_all_ranks, describe_source
+from .stock import tensors_metadata
 from .tp_strategy import DistCheckpointIOMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest, template_from_manifest
 
@@ -113,15 +113,19 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
             return self.checkpoint_io.load_checkpoint(target)
         if isinstance(state, (Module, Optimizer)):
             raise ArgumentTypeError(f"{type(self).__name__}.load_checkpoint: pass a dict such as {{'model': model}}")
-        if is_lightning_dcp(target) and not describe_saved(target, self.checkpoint_io.extra_safe_globals).by_trainer:
+        extra = self.checkpoint_io.extra_safe_globals
+        dcp = self.checkpoint_io.open_source(target) if is_lightning_dcp(target) else None
+        if dcp is not None and not describe_source(dcp, extra).by_trainer:
             # Fabric's own ModelParallelStrategy wrote it (DCP + meta.pt): read as that strategy reads it.
             log.info("checkpoint %s: Fabric's ModelParallelStrategy (DCP) layout, read as the stock strategy reads it",
                      target)
             return super().load_checkpoint(target, state, strict=strict, weights_only=True)
         dtensors: Dict[Path, DTensor] = {}
 
-        def build() -> Dict[str, Any]:
-            saved = describe_saved(target, self.checkpoint_io.extra_safe_globals)
+        def build() -> Tuple[RestoreSource, Dict[str, Any]]:
+            # Opened once (a DCP directory above already): the checks, the template and the load share it.
+            source = dcp if dcp is not None else self.checkpoint_io.open_source(target)
+            saved = describe_source(source, extra)
             if saved.kind != KIND_MODEL_PARALLEL or saved.by_trainer:
                 raise CheckpointingError(refusal(target, saved.kind, saved.by_trainer, type(self).__name__))
             template: Dict[str, Any] = {}
@@ -132,13 +136,13 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
                     template[name] = get_optimizer_state_dict(_owner(obj, state), obj)
             out = {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
             # Entries not asked for come back complete: each of their tensors whole.
-            whole = template_from_manifest(saved.manifest or {}, load_tensors_metadata(target), target)
+            whole = template_from_manifest(saved.manifest or {}, tensors_metadata(source), target)
             out.update({k: v for k, v in whole.items() if k not in state})
-            return out
+            return source, out
 
-        template = build_on_all_ranks(f"load from {target}", build)
+        source, template = build_on_all_ranks(f"load from {target}", build)
         handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
-        loaded = self.checkpoint_io.load_sharded(template, target, strict=handling)
+        loaded = self.checkpoint_io.load_sharded(template, source, strict=handling)
         loaded.pop(MANIFEST_KEY, None)
         for where, dt in dtensors.items():
             put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))

@@ -41,11 +41,11 @@ from torch.optim import Optimizer
 from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
-from .checkpoint_io import fabric_writer, foreign_writer
+from .checkpoint_io import RestoreSource, fabric_writer, foreign_writer
 from .config import DistCheckpointConfig, load_checkpoint_config
-from .sharded import build_on_all_ranks
-from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, describe_saved, is_tree_path_layout,
-                    place_stored_tensors, rekey_template, restore_param_keys)
+from .sharded import build_on_all_ranks, describe_source
+from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
+                    rekey_template, restore_param_keys)
 from .strategy import warn_async_link_last
 from .tp_strategy import AsyncCommitHooksMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest
@@ -158,7 +158,9 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
         always safe."""
         path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        if is_lightning_dcp(path) and describe_saved(path, self.checkpoint_io.extra_safe_globals).by_trainer:
+        extra = self.checkpoint_io.extra_safe_globals
+        dcp = self.checkpoint_io.open_source(path) if is_lightning_dcp(path) else None
+        if dcp is not None and describe_source(dcp, extra).by_trainer:
             # Lightning's own ModelParallelStrategy wrote it (DCP): read as the stock strategy reads it,
             # resharded to this mesh by torch.distributed.checkpoint; meta.pt is read weights-only.
             log.info("checkpoint %s: Lightning's ModelParallelStrategy (DCP) layout, read as the stock strategy "
@@ -168,8 +170,10 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
         dtensors: Dict[Path, DTensor] = {}
         orders: List[List[str]] = []  # each optimizer's parameter names, in its order
 
-        def build() -> StoredLayout:
-            saved = describe_saved(path, self.checkpoint_io.extra_safe_globals)
+        def build() -> Tuple[StoredLayout, RestoreSource]:
+            # Opened once (a DCP directory above already): who wrote it, the re-keyed template and the load share it.
+            source = dcp if dcp is not None else self.checkpoint_io.open_source(path)
+            saved = describe_source(source, extra)
             by_path = is_tree_path_layout(path, saved.kind)
             if (saved.kind != KIND_MODEL_PARALLEL and not by_path) or not saved.by_trainer:
                 raise CheckpointingError(refusal(path, saved.kind, saved.by_trainer))
@@ -178,17 +182,17 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
                 template["optimizer_states"] = [get_optimizer_state_dict(self.model, o) for o in optimizers]
             template = {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
             if not by_path:
-                return StoredLayout(template, {})
+                return StoredLayout(template, {}), source
             # A stock .ckpt or the plugin's directory: the same names, but optimizer state by index.
             orders.extend(_param_order(s) for s in template.get("optimizer_states", []))
             entries = [OptimizerEntry(f"optimizer_states/{i}", {"state": s["state"], "param_keys": order})
                        for i, (s, order) in enumerate(zip(template.get("optimizer_states", []), orders))]
-            return rekey_template(path, template, {"state_dict": ModuleEntry("state_dict/", "state_dict/")}, entries,
-                                  ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)
+            return rekey_template(source, template, {"state_dict": ModuleEntry("state_dict/", "state_dict/")},
+                                  entries, ("state_dict/", "optimizer_states/"), extra), source
 
-        layout = build_on_all_ranks(f"load from {path}", build)
+        layout, source = build_on_all_ranks(f"load from {path}", build)
         strict = self._strict_handling()
-        loaded = self.checkpoint_io.load_sharded(layout.template, path, strict=strict)
+        loaded = self.checkpoint_io.load_sharded(layout.template, source, strict=strict)
         loaded.pop(MANIFEST_KEY, None)
         for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
             put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))

@@ -16,16 +16,27 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
 from ..core.errors import CheckpointingError
 from ..core.mapping import LocalNonpersistentObject, ShardedTensor
 from ..core.state_dict import iter_leaves, map_leaves
-from ..serialization import load_common_state_dict, load_tensors_metadata
+from ..planning.metadata import dtype_from_name
+from ..reading.checkpoint import CheckpointSource
+from ..reading.formats.detect import is_safetensors
+from ..reading.formats.files import TorchFile, _split_tensors
+from ..reading.formats.tensor_files import IndexedFile, TensorFileSource
+from ..serialization import load_common_state_dict
 from ..storage.safe_pickle import load_file
 from .tree import KIND_PLAIN, MANIFEST_KEY, Step, iter_tensor_leaves, key_of, put_at
+
+if TYPE_CHECKING:  # checkpoint_io opens torch.save files with open_torch_file: imported for the types only
+    from .checkpoint_io import RestoreSource
+
+#: A ``torch.save`` file's tensors: stored name -> typed path in the file's tree.
+TreePaths = Dict[str, Tuple[Step, ...]]
 
 #: Where the stored tensors outside the modules and optimizers travel in the template.
 REST_KEY = "__stored_tensors__"
@@ -143,22 +154,65 @@ class StoredLayout:
                 "state": {**node.get("state", {}), **read.get("state", {})}}
 
 
-def _stored_paths(path: str, extra_safe_globals: Sequence[Any]) -> Dict[str, Tuple[Step, ...]]:
-    """Every stored tensor's typed path: a ``torch.save`` file's own tree (memory-mapped, nothing
-    read but the pickle), or the manifest of a plugin directory."""
-    if os.path.isfile(path):
-        return {key_of(steps): steps for steps, _ in iter_tensor_leaves(load_file(path, extra_safe_globals))}
-    common = load_common_state_dict(path, extra_safe_globals)
+def tensors_metadata(source: CheckpointSource) -> Dict[str, ShardedTensor]:
+    """key -> ShardedTensor without data describing each whole stored tensor (as
+    :func:`lightning_distckpt.load_tensors_metadata`, from a source already open)."""
+    out = {}
+    for key, e in source.index.tensors.items():
+        shape = tuple(e.global_shape)
+        out[key] = ShardedTensor(key=key, data=None, dtype=dtype_from_name(e.dtype, key), local_shape=shape,
+                                 global_shape=shape, global_offset=(0,) * len(shape),
+                                 axis_fragmentations=(1,) * len(shape))
+    return out
+
+
+class _UnpickledTorchFile(TorchFile):
+    """A :class:`TorchFile` made from the file's payload, already unpickled: TorchFile's own
+    constructor unpickles the file, and a restore unpickles it once (its tensors' typed paths, which
+    only the payload has, come from the same payload)."""
+
+    def __init__(self, path: str, payload: Any) -> None:  # pylint: disable=super-init-not-called
+        # The fields TorchFile.__init__ sets, from the payload it would have loaded.
+        self.path = path
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self.payload_type = type(payload).__name__
+        self.is_state_dict = isinstance(payload, dict) and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in payload.items())
+        self.common = _split_tensors(payload, (), self.tensors)
+
+
+def open_torch_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> Optional[Tuple[CheckpointSource, TreePaths]]:
+    """A ``torch.save`` file opened for a restore, unpickled once: the source
+    :func:`~lightning_distckpt.reading.checkpoint.open_checkpoint` gives for it (same checks, same
+    errors), and the typed path of each tensor in the file's tree (where :func:`rekey_template`
+    puts back the tensors read whole). None for anything else (a directory, a ``.safetensors`` file)."""
+    if not os.path.isfile(path) or is_safetensors(path):
+        return None
+    payload = load_file(path, extra_safe_globals)
+    file = _UnpickledTorchFile(path, payload)
+    source = TensorFileSource(path, [IndexedFile(file, None)], common=file.common)
+    return source, {key_of(steps): steps for steps, _ in iter_tensor_leaves(payload)}
+
+
+def _stored_paths(source: "RestoreSource", extra_safe_globals: Sequence[Any]) -> TreePaths:
+    """Every stored tensor's typed path: a ``torch.save`` file's own tree (taken when it was opened),
+    or the manifest of a plugin directory (its common state, read once per restore)."""
+    if source.tree_paths is not None:
+        return source.tree_paths
+    if os.path.isfile(source.path):  # another file (.safetensors): refused as no torch.save archive, as before
+        return {key_of(steps): steps for steps, _ in iter_tensor_leaves(load_file(source.path, extra_safe_globals))}
+    common = source.load_common(extra_safe_globals)
     man = common.get(MANIFEST_KEY, {}) if isinstance(common, dict) else {}
     return {key: tuple((str(kind), k) for kind, k in steps) for steps, key in man.get("tensor_paths", [])}
 
 
-def rekey_template(path: str, template: Dict[str, Any], modules: Mapping[str, ModuleEntry],
+def rekey_template(source: "RestoreSource", template: Dict[str, Any], modules: Mapping[str, ModuleEntry],
                    optimizers: Sequence[OptimizerEntry], skip_prefixes: Sequence[str],
                    extra_safe_globals: Sequence[Any] = ()) -> StoredLayout:
     """``template`` with each ShardedTensor keyed by its stored name, plus every stored tensor outside
-    ``skip_prefixes`` whole under :data:`REST_KEY`. ``modules`` maps template entries to their layout."""
-    stored = load_tensors_metadata(path)
+    ``skip_prefixes`` whole under :data:`REST_KEY`. ``modules`` maps template entries to their layout.
+    ``source``: the checkpoint the restore opened (:meth:`DistCheckpointIO.open_source`), not opened again."""
+    stored = tensors_metadata(source)
     renames: Dict[str, str] = {}
     for name, entry in modules.items():
         renames.update(module_renames(template[name], entry))
@@ -171,7 +225,7 @@ def rekey_template(path: str, template: Dict[str, Any], modules: Mapping[str, Mo
         return leaf
 
     out = map_leaves(rekey, template)
-    paths = {key: steps for key, steps in _stored_paths(path, extra_safe_globals).items()
+    paths = {key: steps for key, steps in _stored_paths(source, extra_safe_globals).items()
              if key in stored and not any(key.startswith(p) for p in skip_prefixes)}
     out[REST_KEY] = {key: ShardedTensor.from_rank_offsets(
         key, torch.empty(stored[key].global_shape, dtype=stored[key].dtype)) for key in paths}

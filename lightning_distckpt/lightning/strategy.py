@@ -169,7 +169,7 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
             # A stock .ckpt, or the plugin's directory: tensors named by their path in Lightning's dict.
             optimizers = [OptimizerEntry(f"optimizer_states/{i}", s, by_name)
                           for i, s in enumerate(template.get("optimizer_states", []))]
-            return rekey_template(path, template, {"state_dict": ModuleEntry("state_dict/", "")}, optimizers,
+            return rekey_template(source, template, {"state_dict": ModuleEntry("state_dict/", "")}, optimizers,
                                   ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals), source
 
         layout, source = build_on_all_ranks(f"load from {path}", build)
