@@ -14,14 +14,15 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
   rank and dtype (``p/<dtype>``, :mod:`.packs`): creating an array costs ~0.15-0.2 ms each;
 * OCDBT data files are bounded (``data_file_bytes``, 64 MiB): one huge ``writev`` per batch, as
   OCDBT does by default, was slower and far more variable than bounded files written concurrently;
-* chunk checksums are computed by us while tensorstore writes the chunks, then go into the
-  array's zarr.json, written last (:mod:`.chunk_checksums`); not by the ``crc32c`` codec.
+* chunk checksums are computed by us, on a few threads, before the arrays are created, and go
+  into each array's zarr.json (:mod:`.chunk_checksums`); not by the ``crc32c`` codec.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import ml_dtypes
@@ -130,6 +131,11 @@ class TensorStoreIO:
         codec (it does for object stores, packs and empty arrays)."""
         return not self.s3 and chunk_bytes is None and arr.nbytes > 0
 
+    def _chunk_crcs(self, arr: np.ndarray, chunk_bytes: Optional[int]) -> Optional[List[int]]:
+        if not self.own_checksums(arr, chunk_bytes):
+            return None
+        return chunk_crcs(arr, chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)[0] if arr.ndim else 1)
+
     def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int],
                     chunk_bytes: Optional[int] = None, crcs: Optional[Sequence[int]] = None) -> Dict[str, Any]:
         """Spec creating the array for one stored shard: raw little-endian bytes, chunks of at most
@@ -175,14 +181,12 @@ class TensorStoreIO:
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
                            to_numpy(build_pack(dtype, members)), dtype,
                            min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
-        opens, ours = [], []
-        for what, path, arr, dtype, chunk_bytes in arrays:
-            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
-            if self.own_checksums(arr, chunk_bytes):  # chunks now, zarr.json with their CRCs after (below)
-                ours.append((what, path, arr, dtype))
-                spec["metadata"]["codecs"] = spec["metadata"]["codecs"][:1]
-                opens.append((what, ts.open(spec, open=True, assume_metadata=True, context=self.context), arr))
-            else:
+        opens = []
+        with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # crc32c releases the GIL
+            # Each array is created as soon as its checksums are known, while the next are computed
+            for (what, path, arr, dtype, chunk_bytes), array_crcs in zip(
+                    arrays, pool.map(lambda a: self._chunk_crcs(a[2], a[4]), arrays)):
+                spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes, array_crcs)
                 opens.append((what, ts.open(spec, create=True, context=self.context), arr))
         writes, nbytes = [], 0
         for key, fut, arr in opens:
@@ -192,10 +196,6 @@ class TensorStoreIO:
                 raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: {e}") from e
             writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
             nbytes += arr.nbytes
-        for what, path, arr, dtype in ours:  # checksummed while tensorstore writes and fsyncs the chunks
-            crcs = chunk_crcs(arr, chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)[0] if arr.ndim else 1)
-            spec = self.create_spec(writer, path, dtype, arr.shape, None, crcs)
-            writes.append((f"{what} (its zarr.json)", ts.open(spec, create=True, context=self.context)))
         if objects:
             kv = self._kvstore(writer)
             for key, index, blob in objects:
