@@ -184,15 +184,15 @@ def test_fabric_load_of_a_tree_path_checkpoint_opens_once(tmp_path, counts, isol
 
 
 def test_torch_file_opened_once_is_the_source_open_checkpoint_gives(tmp_path):
-    """open_torch_file builds the TorchFile from the payload it unpickled (not from the path again):
-    every field as TorchFile's own constructor sets it, the same index, and each tensor's typed path."""
+    """open_torch_file builds the TorchFile from the payload it unpickled (TorchFile.from_payload, not
+    from the path again): every field as the constructor sets it, the same index, each tensor's typed path."""
     payload = {"state_dict": {"w": torch.randn(3, 2)}, "optimizer_states": [{"state": {0: {"m": torch.ones(3)}}}],
                "loops": {"step": 2}, "pairs": (torch.zeros(1), 5), "empty": {}}
     torch.save(payload, tmp_path / "f.ckpt")
     path = str(tmp_path / "f.ckpt")
     source, paths = open_torch_file(path)
     ours, theirs = source._files[0], TorchFile(path)
-    assert type(ours).__mro__[1] is TorchFile and set(vars(ours)) == set(vars(theirs))
+    assert type(ours) is TorchFile and set(vars(ours)) == set(vars(theirs))
     assert ours.tensors.keys() == theirs.tensors.keys() and all(torch.equal(ours.tensors[k], theirs.tensors[k])
                                                                 for k in theirs.tensors)
     assert (ours.common, ours.payload_type, ours.is_state_dict) == (theirs.common, theirs.payload_type,

@@ -26,7 +26,7 @@ from ..core.state_dict import iter_leaves, map_leaves
 from ..planning.metadata import dtype_from_name
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats.detect import is_safetensors
-from ..reading.formats.files import TorchFile, _split_tensors
+from ..reading.formats.files import TorchFile
 from ..reading.formats.tensor_files import IndexedFile, TensorFileSource
 from ..serialization import load_common_state_dict
 from ..storage.safe_pickle import load_file
@@ -166,21 +166,6 @@ def tensors_metadata(source: CheckpointSource) -> Dict[str, ShardedTensor]:
     return out
 
 
-class _UnpickledTorchFile(TorchFile):
-    """A :class:`TorchFile` made from the file's payload, already unpickled: TorchFile's own
-    constructor unpickles the file, and a restore unpickles it once (its tensors' typed paths, which
-    only the payload has, come from the same payload)."""
-
-    def __init__(self, path: str, payload: Any) -> None:  # pylint: disable=super-init-not-called
-        # The fields TorchFile.__init__ sets, from the payload it would have loaded.
-        self.path = path
-        self.tensors: Dict[str, torch.Tensor] = {}
-        self.payload_type = type(payload).__name__
-        self.is_state_dict = isinstance(payload, dict) and all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in payload.items())
-        self.common = _split_tensors(payload, (), self.tensors)
-
-
 def open_torch_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> Optional[Tuple[CheckpointSource, TreePaths]]:
     """A ``torch.save`` file opened for a restore, unpickled once: the source
     :func:`~lightning_distckpt.reading.checkpoint.open_checkpoint` gives for it (same checks, same
@@ -189,7 +174,7 @@ def open_torch_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> Option
     if not os.path.isfile(path) or is_safetensors(path):
         return None
     payload = load_file(path, extra_safe_globals)
-    file = _UnpickledTorchFile(path, payload)
+    file = TorchFile.from_payload(path, payload)
     source = TensorFileSource(path, [IndexedFile(file, None)], common=file.common)
     return source, {key_of(steps): steps for steps, _ in iter_tensor_leaves(payload)}
 

@@ -49,9 +49,19 @@ class TorchFile:
     rest (epochs, loops, hyperparameters) is the common state."""
 
     def __init__(self, path: str, extra_safe_globals: Sequence[Any] = ()) -> None:
+        self._take(path, load_file(path, extra_safe_globals))
+
+    @classmethod
+    def from_payload(cls, path: str, payload: Any) -> "TorchFile":
+        """The file at ``path`` already unpickled (by ``load_file``) as ``payload``: a restore that
+        needs the payload itself too unpickles the file once."""
+        file = cls.__new__(cls)
+        file._take(path, payload)
+        return file
+
+    def _take(self, path: str, payload: Any) -> None:
         self.path = path
         self.tensors: Dict[str, torch.Tensor] = {}
-        payload = load_file(path, extra_safe_globals)
         # A plain state dict: a dict of name -> tensor and nothing else (what the rank-0 API takes).
         self.payload_type = type(payload).__name__
         self.is_state_dict = isinstance(payload, dict) and all(
