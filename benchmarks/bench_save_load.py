@@ -55,7 +55,7 @@ from benchmarks import rss as rss_peak  # noqa: E402
 from benchmarks.save_load_report import summarize  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     free_port,
-    LocalTensor, chunk_checksums_off, dir_bytes, drop_page_cache, local_state, machine_summary, prefault, state_bytes,
+    LocalTensor, chunk_checksums_off, codec_checksums, dir_bytes, drop_page_cache, local_state, machine_summary, prefault, state_bytes,
     unique_bytes,
 )
 
@@ -64,7 +64,7 @@ CONTESTANTS = ("ours", "torch", "dcp", "raw")
 
 # -- contestants -----------------------------------------------------------------------------
 def _ours(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: int, world: int,
-          loader: Optional[str] = None, checksums: bool = True):
+          loader: Optional[str] = None, checksums: str = "on"):
     import lightning_distckpt as ldc
 
     def sharded(tensors: List[torch.Tensor]) -> Dict[str, Any]:
@@ -76,12 +76,14 @@ def _ours(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: i
                 out[t.key] = ldc.ShardedTensor.from_rank_offsets(t.key, data, (t.tp_axis, rank, world))
         return out
 
+    mode = {"on": contextlib.nullcontext, "off": chunk_checksums_off, "codec": codec_checksums}[checksums]
+
     def save() -> None:
-        with contextlib.nullcontext() if checksums else chunk_checksums_off():
+        with mode():
             ldc.save(sharded([t.data for t in state]), path)
 
     def load() -> None:
-        with contextlib.nullcontext() if checksums else chunk_checksums_off():
+        with mode():
             ldc.load(sharded(dest), path, **({"loader": loader} if loader else {}))
 
     return save, load
@@ -191,10 +193,11 @@ FACTORIES: Dict[str, Callable] = {"ours": _ours, "torch": _torch, "dcp": _dcp, "
 
 def factory(name: str) -> Callable:
     """``ours`` (the library's default loader), ``ours:<loader>`` (e.g. ``ours:every_rank``),
-    ``ours:nocrc`` (saved without chunk checksums: the off side of the checksum A/B), or one of
+    ``ours:nocrc`` (saved without chunk checksums: the off side of the checksum A/B),
+    ``ours:codec`` (chunk checksums by the zarr ``crc32c`` codec, as formats 3-4 saved), or one of
     the other contestants."""
-    if name == "ours:nocrc":
-        return lambda *a: _ours(*a, checksums=False)
+    if name in ("ours:nocrc", "ours:codec"):
+        return lambda *a: _ours(*a, checksums="off" if name == "ours:nocrc" else "codec")
     if name.startswith("ours:"):
         loader = name.split(":", 1)[1]
         return lambda *a: _ours(*a, loader=loader)

@@ -208,3 +208,17 @@ def chunk_checksums_off() -> Iterator[None]:
             os.environ.pop(VERIFY_ENV, None)
         else:
             os.environ[VERIFY_ENV] = verify
+
+
+@contextlib.contextmanager
+def codec_checksums() -> Iterator[None]:
+    """Within the block, saves checksum chunks with the zarr ``crc32c`` codec, computed by
+    tensorstore, as formats 3-4 did (not in each array's zarr.json). Benchmarks only."""
+    from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
+
+    ours = TensorStoreIO.own_checksums
+    TensorStoreIO.own_checksums = lambda self, arr, chunk_bytes=None: False  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TensorStoreIO.own_checksums = ours  # type: ignore[method-assign]

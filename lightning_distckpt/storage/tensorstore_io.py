@@ -181,13 +181,14 @@ class TensorStoreIO:
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
                            to_numpy(build_pack(dtype, members)), dtype,
                            min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
-        opens = []
         with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # crc32c releases the GIL
-            # Each array is created as soon as its checksums are known, while the next are computed
-            for (what, path, arr, dtype, chunk_bytes), array_crcs in zip(
-                    arrays, pool.map(lambda a: self._chunk_crcs(a[2], a[4]), arrays)):
-                spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes, array_crcs)
-                opens.append((what, ts.open(spec, create=True, context=self.context), arr))
+            crcs = list(pool.map(lambda a: self._chunk_crcs(a[2], a[4]), arrays))
+        # All arrays created at once: created as their checksums came, OCDBT committed them in several
+        # batches, each a small data file and an fsync more
+        opens = []
+        for (what, path, arr, dtype, chunk_bytes), array_crcs in zip(arrays, crcs):
+            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes, array_crcs)
+            opens.append((what, ts.open(spec, create=True, context=self.context), arr))
         writes, nbytes = [], 0
         for key, fut, arr in opens:
             try:
