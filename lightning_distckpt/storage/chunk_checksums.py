@@ -26,14 +26,14 @@ from ..core.errors import FormatError
 from .packs import as_tensor
 
 ATTRIBUTE = "lightning_distckpt"
-_ZEROS = bytes(1 << 20)
+_ZEROS = memoryview(bytes(1 << 20))
 
 
 def padded_crc(data: Any, pad: int, crc: int = 0) -> int:
     """CRC-32C of ``data`` followed by ``pad`` zero bytes."""
     crc = crc32c.crc32c(data, crc)
     while pad > 0:
-        crc = crc32c.crc32c(_ZEROS[:min(pad, len(_ZEROS))], crc)
+        crc = crc32c.crc32c(_ZEROS[:min(pad, len(_ZEROS))], crc)  # a view: no copy
         pad -= len(_ZEROS)
     return crc
 

@@ -31,6 +31,13 @@ def as_tensor(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16 as ml_dtypes.bfloat16), sharing memory (as_tensor's inverse)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
 def packed_view(pack: Any, offset: int, shape: Tuple[int, ...]) -> Any:
     """A read view of ``prod(shape)`` elements of the 1-D ``pack`` from ``offset``, in ``shape``:
     element ``i`` (row-major) of the view is ``pack[offset + i]``. Reads past the pack's end fail."""

@@ -25,7 +25,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-import ml_dtypes
 import numpy as np
 import tensorstore as ts
 import torch
@@ -39,7 +38,7 @@ from .direct_read import DirectChunks, direct_reads_enabled
 from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from ..planning.even_index import PackedPlaces
-from .packs import as_tensor, build_pack, pack_runs, packed_view
+from .packs import as_tensor, build_pack, pack_runs, packed_view, to_numpy
 from .s3 import is_committed_version as s3_is_committed
 from .s3_url import S3_READ_COALESCING, context_spec, is_s3_url
 from .s3_url import kvstore_spec as s3_kvstore_spec
@@ -48,13 +47,6 @@ if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
 
 PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (bfloat16 as ml_dtypes.bfloat16), sharing memory."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
 
 
 def chunk_shape(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> List[int]:
@@ -131,10 +123,8 @@ class TensorStoreIO:
         codec (it does for object stores, packs and empty arrays)."""
         return not self.s3 and chunk_bytes is None and arr.nbytes > 0
 
-    def _chunk_crcs(self, arr: np.ndarray, chunk_bytes: Optional[int]) -> Optional[List[int]]:
-        if not self.own_checksums(arr, chunk_bytes):
-            return None
-        return chunk_crcs(arr, chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)[0] if arr.ndim else 1)
+    def _chunk_rows(self, arr: np.ndarray) -> int:
+        return chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)[0] if arr.ndim else 1
 
     def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int],
                     chunk_bytes: Optional[int] = None, crcs: Optional[Sequence[int]] = None) -> Dict[str, Any]:
@@ -181,14 +171,15 @@ class TensorStoreIO:
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
                            to_numpy(build_pack(dtype, members)), dtype,
                            min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
-        with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # crc32c releases the GIL
-            crcs = list(pool.map(lambda a: self._chunk_crcs(a[2], a[4]), arrays))
-        # All arrays created at once: created as their checksums came, OCDBT committed them in several
-        # batches, each a small data file and an fsync more
-        opens = []
-        for (what, path, arr, dtype, chunk_bytes), array_crcs in zip(arrays, crcs):
-            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes, array_crcs)
-            opens.append((what, ts.open(spec, create=True, context=self.context), arr))
+        opens, ours = [], []
+        for what, path, arr, dtype, chunk_bytes in arrays:
+            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
+            if self.own_checksums(arr, chunk_bytes):  # chunks first, zarr.json with their checksums after
+                ours.append((what, path, arr, dtype))
+                spec["metadata"]["codecs"] = spec["metadata"]["codecs"][:1]
+                opens.append((what, ts.open(spec, open=True, assume_metadata=True, context=self.context), arr))
+            else:
+                opens.append((what, ts.open(spec, create=True, context=self.context), arr))
         writes, nbytes = [], 0
         for key, fut, arr in opens:
             try:
@@ -197,6 +188,13 @@ class TensorStoreIO:
                 raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: {e}") from e
             writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
             nbytes += arr.nbytes
+        # Checksums computed while tensorstore writes the chunks (crc32c releases the GIL); then every
+        # zarr.json at once, one OCDBT commit (created one by one, many were committed alone)
+        with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+            crcs = list(pool.map(lambda a: chunk_crcs(a[2], self._chunk_rows(a[2])), ours))
+        writes += [(f"{what} (its zarr.json)", ts.open(self.create_spec(writer, path, dtype, arr.shape, None, c),
+                                                       create=True, context=self.context))
+                   for (what, path, arr, dtype), c in zip(ours, crcs)]
         if objects:
             kv = self._kvstore(writer)
             for key, index, blob in objects:
