@@ -55,6 +55,18 @@ class StepBatches:
 TEST_STEP = 3
 
 
+class SmallMLP(torch.nn.Module):
+    """8 -> 16 -> 4 with a GELU, seeded: the plain module the ModelParallel tests shard (FSDP2, TP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
 class StepCounter(Callback):
     """A stateful callback: counts the training batches it has seen, across resumes."""
 

@@ -25,7 +25,7 @@ from lightning_distckpt.lightning.stock import open_torch_file
 from lightning_distckpt.reading.checkpoint import open_checkpoint
 from lightning_distckpt.reading.formats.files import TorchFile
 from lightning_distckpt.optim.sharded_optimizer import _init_state_by_step, fresh_state, init_optimizer_state
-from lightning_helpers import TPMLP, StepBatches, full_weights
+from lightning_helpers import TPMLP, SmallMLP, StepBatches, full_weights
 
 
 # -- opened once -----------------------------------------------------------------------------------
@@ -255,17 +255,7 @@ def test_model_parallel_resume_opens_once(tmp_path, counts, isolated_process_gro
     assert all(math.isclose(v, whole.losses[k], rel_tol=1e-5) for k, v in resumed.losses.items())
 
 
-class _MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-def _fully_shard(model: _MLP, mesh: Any) -> _MLP:
+def _fully_shard(model: SmallMLP, mesh: Any) -> SmallMLP:
     for layer in (model.fc1, model.fc2, model):
         fully_shard(layer, mesh=mesh["data_parallel"])
     return model
@@ -275,12 +265,12 @@ def test_fabric_model_parallel_load_opens_once(tmp_path, counts, isolated_proces
     strategy = FabricDistCheckpointModelParallelStrategy(_fully_shard, data_parallel_size=1, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
     fabric.launch()
-    model = fabric.setup_module(_MLP())
+    model = fabric.setup_module(SmallMLP())
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
     fabric.backward(model(torch.randn(2, 8)).sum())
     opt.step()
     fabric.save(tmp_path / "ck", {"model": model, "optimizer": opt, "step": 1, "extra": torch.arange(3)})
-    model2 = fabric.setup_module(_MLP())
+    model2 = fabric.setup_module(SmallMLP())
     opt2 = fabric.setup_optimizers(torch.optim.AdamW(model2.parameters(), lr=0.05))
     state = {"model": model2, "optimizer": opt2, "step": 0}
     counts.update(metadata=0, common=0, file=0)

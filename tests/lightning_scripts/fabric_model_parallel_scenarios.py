@@ -23,17 +23,8 @@ from torch.nn import functional as F  # noqa: E402
 
 from lightning_distckpt import CheckpointingError  # noqa: E402
 from lightning_distckpt.lightning.fabric_model_parallel import FabricDistCheckpointModelParallelStrategy  # noqa: E402
+from lightning_helpers import SmallMLP as MLP  # noqa: E402
 from lightning_helpers import StepBatches  # noqa: E402
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 def parallelize(model: MLP, mesh: Any) -> MLP:
