@@ -302,20 +302,14 @@ class TensorStoreIO:
         for r in reads:
             (packed if (r.writer, tensor_path(r.key, r.index)) in self._packed else plain).append(r)
         self.open_arrays((writer, key, index) for key, writer, index, _, _ in plain)
-        nbytes, errors = 0, []
+        tasks: List[Any] = []
         if self.direct is not None:  # whole chunks straight into the destinations (storage/direct_read.py)
             try:
                 tasks, plain = self.direct.split(plain, self.open_array, tensor_path)
             except CheckpointingError as e:
                 raise self._read_error(f"checkpoint {self.root}: {e}") from e
-            nbytes, errors = self.direct.reader.run(tasks, verification_enabled())
-        # Left to tensorstore, of arrays checksummed in their metadata: whole chunks, verified by us
         crcs = [self._crcs.get((r.writer, tensor_path(r.key, r.index))) for r in plain]
-        got, failed = VerifiedReads().run([VerifiedRead(f"reading {r.key!r} shard {r.index} (written by rank "
-                                                        f"{r.writer})", self.open_array(r.writer, r.key, r.index), c,
-                                                        tuple(r.src), r.dest, self.chunk_file(r.writer, r.key, r.index))
-                                           for r, c in zip(plain, crcs) if c is not None], verification_enabled())
-        nbytes, errors, futures = nbytes + got, errors + failed, []
+        nbytes, futures = 0, []  # tensorstore's reads first: they run while ours below do
         for key, writer, index, src, dest in (r for r, c in zip(plain, crcs) if c is None):
             store = self.open_array(writer, key, index)[src]
             if ts_dtype(dest.dtype) != store.dtype.name:
@@ -325,6 +319,13 @@ class TensorStoreIO:
             nbytes += dest.numel() * dest.element_size()
         runs = self._read_pack_runs(packed)
         futures += [(what, fut) for what, fut, _ in runs]
+        got, errors = self.direct.reader.run(tasks, verification_enabled()) if tasks else (0, [])
+        # Left to tensorstore, of arrays checksummed in their metadata: whole chunks, verified by us
+        more, failed = VerifiedReads().run([VerifiedRead(f"reading {r.key!r} shard {r.index} (written by rank "
+                                                         f"{r.writer})", self.open_array(r.writer, r.key, r.index), c,
+                                                         tuple(r.src), r.dest, self.chunk_file(r.writer, r.key, r.index))
+                                            for r, c in zip(plain, crcs) if c is not None], verification_enabled())
+        nbytes, errors = nbytes + got + more, errors + failed
         for what, fut in futures:
             try:
                 fut.result()
