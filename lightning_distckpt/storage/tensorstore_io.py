@@ -14,8 +14,8 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
   rank and dtype (``p/<dtype>``, :mod:`.packs`): creating an array costs ~0.15-0.2 ms each;
 * OCDBT data files are bounded (``data_file_bytes``, 64 MiB): one huge ``writev`` per batch, as
   OCDBT does by default, was slower and far more variable than bounded files written concurrently;
-* chunk checksums are computed by us, on a few threads, before the arrays are created, and go
-  into each array's zarr.json (:mod:`.chunk_checksums`); not by the ``crc32c`` codec.
+* chunk checksums are computed by us on a few threads while tensorstore writes the chunks, and go
+  into each array's zarr.json, written after (:mod:`.chunk_checksums`); not by the ``crc32c`` codec.
 """
 
 from __future__ import annotations
