@@ -167,7 +167,8 @@ def _finish(r: VerifiedRead, fut: Any, lo: int, rows: int, start: int, verify: b
     """Bytes delivered, or an error message."""
     what, crcs, src, dest = r.what, r.crcs, r.src, r.dest
     try:
-        data = np.ascontiguousarray(fut.result())
+        data = fut.result()
+        data = data if data.flags.c_contiguous else data.copy()  # (not ascontiguousarray: it makes 0-d 1-d)
     except Exception as e:
         return f"{what} failed: {e}"
     if verify:
