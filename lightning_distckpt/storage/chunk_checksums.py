@@ -140,27 +140,23 @@ class VerifiedReads:
         return nbytes, errors
 
 
-def _rows(arr: Any, src: Sequence[slice]) -> Tuple[int, int, int]:
-    """(chunk rows, first row, end row) of ``src`` along the first axis."""
-    rows = max(1, int(arr.chunk_layout.read_chunk.shape[0]))
-    start, stop = src[0].indices(int(arr.shape[0]))[:2]
-    return rows, start, stop
+def _span(arr: Any, src: Sequence[slice]) -> Tuple[int, int, int, int]:
+    """(chunk rows, first row of ``src``, first and end row of the whole chunks holding it)."""
+    if arr.rank == 0:
+        return 1, 0, 0, 1
+    rows, n = max(1, int(arr.chunk_layout.read_chunk.shape[0])), int(arr.shape[0])
+    start, stop = src[0].indices(n)[:2]
+    return rows, start, start // rows * rows, min(-(-stop // rows) * rows, n)
 
 
 def _widened_bytes(arr: Any, src: Sequence[slice]) -> int:
-    if arr.rank == 0:
-        return np.dtype(arr.dtype.numpy_dtype).itemsize
-    rows, start, stop = _rows(arr, src)
-    lo, hi = start // rows * rows, min(-(-stop // rows) * rows, int(arr.shape[0]))
+    _, _, lo, hi = _span(arr, src)
     return max(0, hi - lo) * math.prod(arr.shape[1:]) * np.dtype(arr.dtype.numpy_dtype).itemsize
 
 
 def _start(r: VerifiedRead) -> Tuple[Any, ...]:
-    if r.arr.rank == 0:
-        return r, r.arr.read(), 0, 1, 0
-    rows, start, stop = _rows(r.arr, r.src)
-    lo, hi = start // rows * rows, min(-(-stop // rows) * rows, int(r.arr.shape[0]))
-    return r, r.arr[lo:hi].read(), lo, rows, start
+    rows, start, lo, hi = _span(r.arr, r.src)
+    return r, (r.arr.read() if r.arr.rank == 0 else r.arr[lo:hi].read()), lo, rows, start
 
 
 def _finish(r: VerifiedRead, fut: Any, lo: int, rows: int, start: int, verify: bool) -> Any:
@@ -171,13 +167,8 @@ def _finish(r: VerifiedRead, fut: Any, lo: int, rows: int, start: int, verify: b
         data = data if data.flags.c_contiguous else data.copy()  # (not ascontiguousarray: it makes 0-d 1-d)
     except Exception as e:
         return f"{what} failed: {e}"
-    if verify:
-        flat = memoryview(data.reshape(-1).view(np.uint8))
-        row_bytes = data.nbytes // max(1, data.shape[0]) if data.ndim else data.nbytes
-        step = rows * row_bytes if data.ndim else data.nbytes
-        for i, o in enumerate(range(0, data.nbytes, max(1, step)) if data.nbytes else []):
-            chunk = lo // rows + i
-            got = padded_crc(flat[o:o + step], o + step - min(o + step, data.nbytes))
+    if verify:  # whole chunks from ``lo``: the last padded as stored only where the array ends
+        for chunk, got in enumerate(chunk_crcs(data, rows), start=lo // rows):
             if got != crcs[chunk]:
                 file = f" ({r.chunk_file(chunk)})" if r.chunk_file is not None else ""
                 return (f"{what}: checksum mismatch in chunk {chunk}{file} (CRC-32C {got:#010x}, recorded "
