@@ -6,7 +6,7 @@ first axis only, so every stored chunk is a run of whole rows followed by its 4-
 In an OCDBT store each chunk lies whole in one data file; ``tensorstore.ocdbt.dump`` lists where
 (:func:`ocdbt_locations`); in the ``zarr`` layout it is a file of its own. A chunk read whole
 goes by ``os.preadv`` into the destination's own memory (no intermediate buffer) and its
-checksum is computed over those bytes with the ``crc32c`` package; a chunk read in part goes
+checksum is computed over those bytes (:data:`.chunk_checksums.crc32c`); a chunk read in part goes
 through one scratch buffer. tensorstore's wheel computes CRC-32C in portable code (about
 1.5 GB/s here) and decodes each chunk through one more copy: measured in docs/benchmarks.md.
 
@@ -27,13 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-import crc32c
 import numpy as np
 import tensorstore as ts
 import torch
 
 from ..core.errors import FormatError
-from .chunk_checksums import attribute_crcs, chunk_count
+from .chunk_checksums import attribute_crcs, chunk_count, crc32c
 
 DIRECT_ENV = "LIGHTNING_DISTCKPT_DIRECT_READS"
 _PLAIN = [{"configuration": {"endian": "little"}, "name": "bytes"}]
@@ -250,7 +249,7 @@ def _run_one(task: ChunkTask, fd: int, verify: bool) -> Any:
                 return f"{task.where}: {loc.path} is truncated (chunk of {loc.length} bytes at offset {loc.offset})"
             offset += got
             if verify and (geo.checksum or geo.crcs is not None):
-                crc = crc32c.crc32c(piece, crc)
+                crc = crc32c(piece, crc)
     stored: Optional[int] = None if geo.crcs is None else geo.crcs[task.chunk]
     if geo.checksum:
         trailer = os.pread(fd, 4, offset)
