@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import random
 import statistics
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from benchmarks.common import fmt_table
@@ -86,4 +89,40 @@ def summarize(results: List[Dict[str, Any]]) -> Tuple[str, Dict[str, Any]]:
                 if all((layout, rep, k) in by for k in ("ours", "raw", "dcp")):
                     verdict[f"{layout} run {rep + 1}"] = judge(by[(layout, rep, "ours")], by[(layout, rep, "raw")],
                                                                by[(layout, rep, "dcp")])
+        lines += checksum_ab(results, layout)
     return "\n".join(lines), verdict
+
+
+def checksum_ab(results: List[Dict[str, Any]], layout: str, on: str = "ours", off: str = "ours:nocrc",
+                resamples: int = 2000) -> List[str]:
+    """Issue 15's A/B where both contestants ran: throughput with checksums over without (seconds
+    without / seconds with) for saves and loads: the ratio of the medians, the median of the per-repeat
+    (paired) ratios, and a 90% interval of the ratio of medians from resampling repeats in pairs
+    (bootstrap, fixed seed). This machine's noise needs the interval: one run's ratio swings by 0.1."""
+    pairs = {}
+    for r in results:
+        if r["layout"] == layout and r["contestant"] in (on, off):
+            pairs.setdefault(r["repeat"], {})[r["contestant"]] = r
+    pairs = {k: v for k, v in pairs.items() if len(v) == 2}
+    if not pairs:
+        return []
+    out = [f"\nchecksums on / off ({on} against {off}, throughput ratio, {len(pairs)} interleaved repeats):"]
+    rng = random.Random(0)
+    for op in ("save_s", "load_s"):
+        got = [(p[on][op], p[off][op]) for p in pairs.values() if p[on][op] is not None]
+        if not got:
+            continue
+
+        def ratio(sample: List[Tuple[float, float]]) -> float:
+            return statistics.median(b for _, b in sample) / statistics.median(a for a, _ in sample)
+
+        boots = sorted(ratio(rng.choices(got, k=len(got))) for _ in range(resamples))
+        out.append(f"  {op[:4]}: {ratio(got):.3f}x (paired median {statistics.median(b / a for a, b in got):.3f}x; "
+                   f"90% interval {boots[int(0.05 * resamples)]:.3f}x-{boots[int(0.95 * resamples) - 1]:.3f}x)")
+    return out
+
+
+if __name__ == "__main__":  # the A/B of saved runs: python -m benchmarks.save_load_report RESULTS.json ...
+    for path in sys.argv[1:]:
+        runs = json.load(open(path))["results"]
+        print(path, *(line for lay in ("tp", "dp") for line in [f"[{lay}]"] + checksum_ab(runs, lay)), sep="\n")

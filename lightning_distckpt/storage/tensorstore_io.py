@@ -14,7 +14,7 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
   rank and dtype (``p/<dtype>``, :mod:`.packs`): creating an array costs ~0.15-0.2 ms each;
 * OCDBT data files are bounded (``data_file_bytes``, 64 MiB): one huge ``writev`` per batch, as
   OCDBT does by default, was slower and far more variable than bounded files written concurrently;
-* chunk checksums are computed by us on a few threads while tensorstore writes the chunks, and go
+* chunk checksums are computed by us, each array's just before tensorstore writes it, and go
   into each array's zarr.json, written after (:mod:`.chunk_checksums`); not by the ``crc32c`` codec.
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -174,24 +173,25 @@ class TensorStoreIO:
         opens, ours = [], []
         for what, path, arr, dtype, chunk_bytes in arrays:
             spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
-            if self.own_checksums(arr, chunk_bytes):  # chunks first, zarr.json with their checksums after
-                ours.append((what, path, arr, dtype))
+            own = self.own_checksums(arr, chunk_bytes)
+            if own:  # chunks first, zarr.json with their checksums after
                 spec["metadata"]["codecs"] = spec["metadata"]["codecs"][:1]
-                opens.append((what, ts.open(spec, open=True, assume_metadata=True, context=self.context), arr))
+                opens.append((what, ts.open(spec, open=True, assume_metadata=True, context=self.context), arr, own))
             else:
-                opens.append((what, ts.open(spec, create=True, context=self.context), arr))
-        writes, nbytes = [], 0
-        for key, fut, arr in opens:
+                opens.append((what, ts.open(spec, create=True, context=self.context), arr, own))
+            ours += [(what, path, arr, dtype)] if own else []
+        writes, nbytes, crcs = [], 0, []
+        for key, fut, arr, own in opens:
             try:
                 store = fut.result()
             except Exception as e:
                 raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: {e}") from e
+            # Checksummed just before its write is issued, while tensorstore writes the arrays before it:
+            # tensorstore then copies it out of the cache the checksum filled (docs/benchmarks.md)
+            crcs += [chunk_crcs(arr, self._chunk_rows(arr))] if own else []
             writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
             nbytes += arr.nbytes
-        # Checksums computed while tensorstore writes the chunks (crc32c releases the GIL); then every
-        # zarr.json at once, one OCDBT commit (created one by one, many were committed alone)
-        with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-            crcs = list(pool.map(lambda a: chunk_crcs(a[2], self._chunk_rows(a[2])), ours))
+        # Then every zarr.json at once, one OCDBT commit (created one by one, many were committed alone)
         writes += [(f"{what} (its zarr.json)", ts.open(self.create_spec(writer, path, dtype, arr.shape, None, c),
                                                        create=True, context=self.context))
                    for (what, path, arr, dtype), c in zip(ours, crcs)]
