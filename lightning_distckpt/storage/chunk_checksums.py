@@ -70,7 +70,7 @@ def crc_attributes(crcs: Sequence[int]) -> Dict[str, Any]:
 
 
 def attribute_crcs(metadata: Any, chunks: int, where: str) -> Optional[Tuple[int, ...]]:
-    """The chunk checksums recorded in an array's metadata (``spec().to_json()["metadata"]``), or
+    """The chunk checksums recorded in an array's metadata (its zarr.json), or
     None when it records none. FormatError when the record is malformed (data, checked as data)."""
     attrs = metadata.get("attributes") if isinstance(metadata, dict) else None
     if not isinstance(attrs, dict) or ATTRIBUTE not in attrs:
@@ -84,17 +84,17 @@ def attribute_crcs(metadata: Any, chunks: int, where: str) -> Optional[Tuple[int
     return tuple(crcs)
 
 
-def array_checksums(arr: Any, where: str, required: bool) -> Optional[Tuple[int, ...]]:
-    """The chunk checksums an opened array records in its metadata, or None (then the ``crc32c``
-    codec checksums its chunks, or nothing does). FormatError when ``required`` (the checkpoint
-    records checksums) and the array has none: its zarr.json was changed."""
+def array_checksums(arr: Any, metadata: Dict[str, Any], where: str, required: bool) -> Optional[Tuple[int, ...]]:
+    """The chunk checksums an opened array records in ``metadata`` (its zarr.json as read), or None
+    (then the ``crc32c`` codec checksums its chunks, or nothing does). FormatError when ``required``
+    (the checkpoint records checksums) and the array has none: its zarr.json was changed."""
     try:
-        metadata = arr.spec().to_json().get("metadata", {})
         rows = int(arr.chunk_layout.read_chunk.shape[0]) if arr.rank else 1
     except Exception as e:
         raise FormatError(f"{where}: unreadable array metadata: {e}") from e
     crcs = attribute_crcs(metadata, chunk_count(arr.shape, rows), where)
-    if crcs is None and required and {"name": "crc32c"} not in (metadata.get("codecs") or []):
+    codecs = metadata.get("codecs")
+    if crcs is None and required and not (isinstance(codecs, list) and {"name": "crc32c"} in codecs):
         raise FormatError(f"{where} is stored without checksums although the checkpoint records them (its zarr.json "
                           f"was changed): damaged")
     return crcs

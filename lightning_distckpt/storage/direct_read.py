@@ -72,12 +72,12 @@ class Geometry:
         return self.chunk_rows * self.row_bytes + (4 if self.checksum else 0)
 
 
-def geometry(arr: Any, where: str = "an array") -> Optional[Geometry]:
-    """The geometry of an opened zarr v3 array, or None when it is not a plain array chunked
-    along its first axis only (then tensorstore reads it). FormatError for malformed checksums."""
+def geometry(arr: Any, metadata: Dict[str, Any], where: str = "an array") -> Optional[Geometry]:
+    """The geometry of an opened zarr v3 array (``metadata``: its zarr.json as read), or None when
+    it is not a plain array chunked along its first axis only (then tensorstore reads it).
+    FormatError for malformed checksums."""
     try:
-        codecs = arr.codec.to_json().get("codecs")
-        metadata = arr.spec().to_json().get("metadata", {})
+        codecs = metadata.get("codecs")
         encoding = metadata.get("chunk_key_encoding")
         chunks = tuple(arr.chunk_layout.read_chunk.shape)
         itemsize = np.dtype(arr.dtype.numpy_dtype).itemsize
@@ -271,10 +271,13 @@ class DirectChunks:
     """One checkpoint reader's direct reads: the chunk locations of each writer's store and the
     geometry of each array, found once and kept.
 
-    ``store_dir(writer)`` is the writer's store directory; ``layout`` the checkpoint's layout."""
+    ``store_dir(writer)`` is the writer's store directory; ``layout`` the checkpoint's layout;
+    ``metadata(writer, path)`` the zarr.json of an array opened by the reader, as read."""
 
-    def __init__(self, store_dir: Callable[[int], str], layout: str, threads: int) -> None:
+    def __init__(self, store_dir: Callable[[int], str], layout: str, threads: int,
+                 metadata: Callable[[int, str], Dict[str, Any]]) -> None:
         self.store_dir = store_dir
+        self.metadata = metadata
         self.layout = layout
         self.reader = DirectReader(threads)
         self._locations: Dict[int, Optional[Dict[str, Optional[ChunkLocation]]]] = {}
@@ -321,7 +324,7 @@ class DirectChunks:
 
     def _geo(self, writer: int, arr_path: str, arr: Any, where: str) -> Optional[Geometry]:
         if (writer, arr_path) not in self._geometry:
-            self._geometry[(writer, arr_path)] = geometry(arr, where)
+            self._geometry[(writer, arr_path)] = geometry(arr, self.metadata(writer, arr_path), where)
         return self._geometry[(writer, arr_path)]
 
     def _locator(self, writer: int, arr_path: str) -> Optional[Callable[[str], Optional[ChunkLocation]]]:

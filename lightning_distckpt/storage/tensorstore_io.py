@@ -32,6 +32,7 @@ from ..core.errors import CheckpointingError, FormatError
 from .base import ObjectWrite, ShardRead, ShardWrite
 from .options import StorageOptions
 from .checksums import frame_object, unframe_object, verification_enabled
+from .array_metadata import chunk_shape, metadata_key, open_spec, parse_metadata, ts_dtype
 from .chunk_checksums import VerifiedRead, VerifiedReads, array_checksums, chunk_crcs, crc_attributes
 from .direct_read import DirectChunks, direct_reads_enabled
 from .integrity import check_writer_store
@@ -46,22 +47,6 @@ if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
 
 PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
-
-
-def chunk_shape(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> List[int]:
-    """Whole trailing axes, the first axis cut so one chunk holds at most ``chunk_bytes``
-    (or one row, if a row is bigger)."""
-    shape = [max(1, int(s)) for s in shape]
-    if not shape:
-        return []
-    row = math.prod(shape[1:]) * itemsize
-    rows = max(1, chunk_bytes // max(1, row))
-    return [min(shape[0], rows)] + shape[1:]
-
-
-def ts_dtype(dtype: torch.dtype) -> str:
-    """tensorstore / zarr v3 name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    return str(dtype).replace("torch.", "")
 
 
 class TensorStoreIO:
@@ -92,13 +77,15 @@ class TensorStoreIO:
         self._kvstores: Dict[int, Any] = {}
         self._arrays: Dict[Tuple[int, str], Any] = {}
         self._crcs: Dict[Tuple[int, str], Tuple[int, ...]] = {}  # chunk checksums kept in an array's metadata
+        self._metadata: Dict[Tuple[int, str], Dict[str, Any]] = {}  # each opened array's zarr.json, as read
         self._reading = index is not None
         self._index_checksums = index is not None and index.checksums and verification_enabled()
         self._claimed = index.bytes_per_writer() if index is not None and check_sizes else {}
         self._contained: Set[int] = set()  # writers whose store was checked for links
         # A save committing to the same path swaps another directory in while we read: told apart by its inode
         self._root_id = _dir_id(self.root) if self._reading else None
-        self.direct = DirectChunks(lambda w: rank_dir(self.root, w), options.layout, min(options.io_concurrency, 8)) \
+        self.direct = DirectChunks(lambda w: rank_dir(self.root, w), options.layout, min(options.io_concurrency, 8),
+                                   lambda w, path: self._metadata[(w, path)]) \
             if self._reading and not self.s3 and direct_reads_enabled() else None
 
     # -- specs --------------------------------------------------------------------------
@@ -249,7 +236,7 @@ class TensorStoreIO:
     def open_arrays(self, shards: Iterable[Tuple[int, str, int]]) -> None:
         """Open ``(writer, key, index)`` stored shards concurrently (cached for this reader). A packed
         shard opens as a view of its range of the pack array, in the shard's own shape."""
-        pending = {}
+        pending: Dict[Tuple[int, str], str] = {}
         views: Dict[Tuple[int, str], Tuple[Tuple[int, str], int, Tuple[int, ...]]] = {}
         pack_keys: Dict[Tuple[int, str], List[str]] = {}
         for writer, key, index in shards:
@@ -262,15 +249,10 @@ class TensorStoreIO:
                 views[handle] = ((writer, packed[0]), packed[1], packed[2])
                 pack_keys.setdefault((writer, packed[0]), []).append(key)
                 continue
-            fut = ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context)
-            pending[handle] = (key, index, fut)
-        for handle, (key, index, fut) in pending.items():
-            where = f"{key!r} shard {index} (written by rank {handle[0]})"
-            try:
-                arr = fut.result()
-            except Exception as e:
-                raise self._read_error(f"checkpoint {self.root}: {where} is missing or unreadable: {e}") from e
-            crcs = array_checksums(arr, f"checkpoint {self.root}: {where}", self._index_checksums)  # before caching
+            pending[handle] = f"{key!r} shard {index} (written by rank {writer})"
+        for handle, arr in self._open_stored(pending).items():
+            crcs = array_checksums(arr, self._metadata[handle], f"checkpoint {self.root}: {pending[handle]}",
+                                   self._index_checksums)  # before caching
             if crcs is not None:
                 self._crcs[handle] = crcs
             self._arrays[handle] = arr
@@ -354,25 +336,43 @@ class TensorStoreIO:
     def _open_packs(self, packs: Dict[Tuple[int, str], List[str]]) -> None:
         """Open the pack arrays ``(writer, dtype)`` concurrently; errors name the keys read from them."""
         pending = {}
-        for writer, dtype in packs:
-            handle = (writer, pack_path(dtype))
-            if handle not in self._arrays:
-                self._check_contained(writer)
-                pending[handle] = (packs[(writer, dtype)],
-                                   ts.open(self.array_spec(writer, handle[1]), open=True, read=True, context=self.context))
-        for handle, (keys, fut) in pending.items():
-            try:
-                arr = fut.result()
-            except Exception as e:
-                names = ", ".join(repr(k) for k in sorted(set(keys))[:5]) + (", ..." if len(set(keys)) > 5 else "")
-                raise self._read_error(
-                    f"checkpoint {self.root}: packed small shards ({names}; {handle[1]}) written by rank {handle[0]} "
-                    f"are missing or unreadable: {e}"
-                ) from e
-            if array_checksums(arr, f"checkpoint {self.root}: {handle[1]} of rank {handle[0]}",
+        for (writer, dtype), keys in packs.items():
+            names = ", ".join(repr(k) for k in sorted(set(keys))[:5]) + (", ..." if len(set(keys)) > 5 else "")
+            if (writer, pack_path(dtype)) not in self._arrays:
+                pending[(writer, pack_path(dtype))] = f"the pack of shards ({names}; {dtype}) written by rank {writer}"
+        for handle, arr in self._open_stored(pending).items():
+            if array_checksums(arr, self._metadata[handle], f"checkpoint {self.root}: {handle[1]} of rank {handle[0]}",
                                self._index_checksums) is not None:  # packs keep the crc32c codec: never ours
                 raise FormatError(f"checkpoint {self.root}: {handle[1]} of rank {handle[0]}: unexpected metadata")
             self._arrays[handle] = arr
+
+    def _open_stored(self, wanted: Dict[Tuple[int, str], str]) -> Dict[Tuple[int, str], Any]:
+        """Open the arrays ``(writer, path) -> what`` concurrently from the zarr.json we read
+        (:mod:`.array_metadata`, kept in ``_metadata``); errors say ``what`` is missing or unreadable."""
+        reads, opens = {}, {}
+        for handle in wanted:
+            self._check_contained(handle[0])
+            reads[handle] = self._kvstore(handle[0]).read(metadata_key(handle[1]))
+        for handle, fut in reads.items():
+            where = f"checkpoint {self.root}: {wanted[handle]}"
+            try:
+                metadata = parse_metadata(fut.result(), where)
+            except FormatError:
+                raise
+            except Exception as e:
+                raise self._read_error(f"{where} is missing or unreadable: {e}") from e
+            if metadata is None:
+                raise self._read_error(f"{where} is missing or unreadable: no {metadata_key(handle[1])}")
+            self._metadata[handle] = metadata
+            opens[handle] = ts.open(open_spec(self.array_spec(*handle), metadata), open=True, read=True,
+                                    assume_metadata=True, context=self.context)
+        out = {}
+        for handle, fut in opens.items():
+            try:
+                out[handle] = fut.result()
+            except Exception as e:
+                raise self._read_error(f"checkpoint {self.root}: {wanted[handle]} is missing or unreadable: {e}") from e
+        return out
 
     def read_object(self, writer: int, key: str, index: int) -> bytes:
         """The bytes of ShardedObject element ``index`` of ``key``."""
