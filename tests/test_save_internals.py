@@ -111,3 +111,19 @@ def test_metadata_backend_comes_from_the_writer(tmp_path):
     finalize_save(prep, write_local(prep))
     stored = json.loads((tmp_path / "renamed" / METADATA_FILE).read_text())
     assert stored["storage"]["backend"] == "tensorstore-renamed"
+
+
+def test_chunks_are_cut_as_evenly_as_the_chunk_size_allows():
+    """zarr stores the last chunk whole: a tensor just over one chunk must not store nearly two."""
+    from lightning_distckpt.storage.array_metadata import chunk_shape
+
+    mib = 1 << 20
+    assert chunk_shape((11008, 4096), 2, 64 * mib) == [5504, 4096]  # 86 MiB: two chunks of 43 MiB, not 64 + 64
+    assert chunk_shape((8192, 4096), 2, 64 * mib) == [8192, 4096]  # exactly one chunk
+    for rows, row_bytes, limit in [(1000, 40, 4096), (1015, 40, 4096), (7, 1 << 20, 1024), (1, 8, 64),
+                                   (50257, 8192, 64 * mib)]:
+        chunk = chunk_shape((rows, row_bytes), 1, limit)[0]
+        count = -(-rows // chunk)
+        assert chunk * row_bytes <= max(limit, row_bytes)  # within the chunk size (or one row)
+        assert count == -(-rows // max(1, limit // row_bytes))  # no more chunks than cutting at the limit
+        assert count * chunk - rows < count  # padding: less than one row per chunk

@@ -22,14 +22,15 @@ from ..core.errors import FormatError
 
 
 def chunk_shape(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> List[int]:
-    """Whole trailing axes, the first axis cut so one chunk holds at most ``chunk_bytes``
-    (or one row, if a row is bigger)."""
+    """Whole trailing axes, the first axis cut into as few chunks as hold at most ``chunk_bytes``
+    each (or one row, if a row is bigger), as even as they go: zarr stores the last chunk whole, so
+    an 86 MiB tensor cut at 64 MiB would store 128 MiB; cut in two halves it stores 86."""
     shape = [max(1, int(s)) for s in shape]
     if not shape:
         return []
     row = math.prod(shape[1:]) * itemsize
-    rows = max(1, chunk_bytes // max(1, row))
-    return [min(shape[0], rows)] + shape[1:]
+    count = -(-shape[0] // max(1, chunk_bytes // max(1, row)))
+    return [-(-shape[0] // count)] + shape[1:]
 
 
 def ts_dtype(dtype: torch.dtype) -> str:
