@@ -163,10 +163,9 @@ class TensorStoreIO:
             own = self.own_checksums(arr, chunk_bytes)
             if own:  # chunks first, zarr.json with their checksums after
                 spec["metadata"]["codecs"] = spec["metadata"]["codecs"][:1]
-                opens.append((what, ts.open(spec, open=True, assume_metadata=True, context=self.context), arr, own))
-            else:
-                opens.append((what, ts.open(spec, create=True, context=self.context), arr, own))
-            ours += [(what, path, arr, dtype)] if own else []
+                ours.append((what, path, arr, dtype))
+            how = {"open": True, "assume_metadata": True} if own else {"create": True}
+            opens.append((what, ts.open(spec, context=self.context, **how), arr, own))
         writes, nbytes, crcs = [], 0, []
         for key, fut, arr, own in opens:
             try:
@@ -337,8 +336,8 @@ class TensorStoreIO:
         """Open the pack arrays ``(writer, dtype)`` concurrently; errors name the keys read from them."""
         pending = {}
         for (writer, dtype), keys in packs.items():
-            names = ", ".join(repr(k) for k in sorted(set(keys))[:5]) + (", ..." if len(set(keys)) > 5 else "")
             if (writer, pack_path(dtype)) not in self._arrays:
+                names = ", ".join(repr(k) for k in sorted(set(keys))[:5]) + (", ..." if len(set(keys)) > 5 else "")
                 pending[(writer, pack_path(dtype))] = f"the pack of shards ({names}; {dtype}) written by rank {writer}"
         for handle, arr in self._open_stored(pending).items():
             if array_checksums(arr, self._metadata[handle], f"checkpoint {self.root}: {handle[1]} of rank {handle[0]}",
