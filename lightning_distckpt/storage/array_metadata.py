@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..core.errors import FormatError
+from .chunk_checksums import attribute_crcs, chunk_count, crc_attributes
+
+if TYPE_CHECKING:
+    from ..planning.metadata import CheckpointIndex
 
 
 def chunk_shape(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> List[int]:
@@ -60,3 +64,156 @@ def parse_metadata(read_result: Any, where: str) -> Optional[Dict[str, Any]]:
 def open_spec(array_spec: Dict[str, Any], metadata: Dict[str, Any]) -> Dict[str, Any]:
     """``array_spec`` (opening an array for reading) given the metadata read from its zarr.json."""
     return {**array_spec, "metadata": metadata}
+
+
+# -- what a reader checks ----------------------------------------------------------------------
+# Every zarr.json our writers produced (tensorstore 0.1.65 to 0.1.86, formats 1-5) has exactly these
+# fields, in one form per dtype, shape and chunk shape: plain little-endian bytes, then the crc32c
+# codec (formats 3-4; packs, empty arrays and object stores in format 5) or nothing (formats 1-2,
+# and chunk checksums kept under ``attributes``, format 5). Anything else was not written by us: a
+# digit flipped in ``shape`` reads the rows it leaves out as the template's, a changed
+# ``data_type`` or endianness decodes bytes whose checksums still match into wrong values.
+_FIELDS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value",
+           "codecs", "attributes")
+_ENCODINGS = ({"name": "default"}, {"name": "default", "configuration": {"separator": "/"}})  # the same keys
+_CRC_CODEC = {"name": "crc32c"}
+_MISSING = object()
+
+
+class Recorded(NamedTuple):
+    """What ``metadata.json`` records of one stored array: its dtype and shape; a pack array
+    (``pack``) is 1-D and at least ``shape[0]`` long (the end of the packed shards read from it)."""
+
+    dtype: str
+    shape: Tuple[int, ...]
+    pack: bool = False
+
+
+class RecordedArrays:
+    """``(writer, key, index)`` -> :class:`Recorded` for a checkpoint index's stored shards. A
+    key's listed shards are indexed on the first question about it; an even split's chunk is
+    computed (chunk i is written by rank i)."""
+
+    def __init__(self, index: Optional["CheckpointIndex"]) -> None:
+        self.index = index
+        self._listed: Dict[str, Dict[Tuple[int, int], Tuple[int, ...]]] = {}
+
+    def shard(self, writer: int, key: str, index: int, where: str) -> Recorded:
+        """The array stored for shard ``index`` of ``key`` by ``writer``. FormatError when the
+        index records none, or two different ones there."""
+        entry = self.index.tensors.get(key) if self.index is not None else None
+        if entry is None:
+            raise FormatError(f"{where}: metadata.json records no tensor {key!r}")
+        if entry.even is not None:
+            chunk = entry.even.chunks(entry.global_shape, index, index + 1) if writer == index else []
+            if chunk:
+                return Recorded(entry.dtype, chunk[0][2])
+        elif key not in self._listed:
+            listed: Dict[Tuple[int, int], Tuple[int, ...]] = {}
+            for s in entry.shards:
+                stored = (s.flat[1] - s.flat[0],) if s.flat else tuple(s.shape)
+                if listed.setdefault((s.writer, s.index), stored) != stored:
+                    raise FormatError(f"{where}: metadata.json records two different shards of {key!r} stored as "
+                                      f"shard {s.index} of rank {s.writer} ({list(listed[(s.writer, s.index)])} and "
+                                      f"{list(stored)}): not written by us")
+            self._listed[key] = listed
+        shape = self._listed.get(key, {}).get((writer, index))
+        if shape is None:
+            raise FormatError(f"{where}: metadata.json records no shard {index} of {key!r} written by rank {writer}")
+        return Recorded(entry.dtype, shape)
+
+
+def bytes_codec(data_type: str) -> Dict[str, Any]:
+    """The ``bytes`` codec as tensorstore writes it for ``data_type`` (no endianness for one byte)."""
+    one_byte = data_type in ("bool", "int8", "uint8")
+    return {"name": "bytes"} if one_byte else {"name": "bytes", "configuration": {"endian": "little"}}
+
+
+def canonical_metadata(shape: Sequence[int], data_type: str, chunks: Sequence[int], crc_codec: bool,
+                       crcs: Optional[Sequence[int]]) -> Dict[str, Any]:
+    """The zarr.json tensorstore writes for an array our writer creates (``create_metadata``)."""
+    out = {"zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": data_type,
+           "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+           "chunk_key_encoding": {"name": "default"},
+           "fill_value": False if data_type == "bool" else 0 if data_type.startswith(("int", "uint")) else 0.0,
+           "codecs": [bytes_codec(data_type)] + ([_CRC_CODEC] if crc_codec else [])}
+    return {**out, "attributes": crc_attributes(crcs)} if crcs is not None else out
+
+
+def create_metadata(shape: Sequence[int], data_type: str, chunks: Sequence[int],
+                    crcs: Optional[Sequence[int]]) -> Dict[str, Any]:
+    """The metadata our writer creates an array with: ``crcs`` kept in its attributes, or else the
+    ``crc32c`` codec checksums its chunks (tensorstore adds the other fields of :func:`canonical_metadata`)."""
+    full = canonical_metadata(shape, data_type, chunks, crcs is None, crcs)
+    return {k: full[k] for k in ("shape", "data_type", "chunk_grid", "codecs", "attributes") if k in full}
+
+
+def check_metadata(metadata: Dict[str, Any], recorded: Recorded, where: str) -> None:
+    """FormatError naming the first field of ``metadata`` (an array's zarr.json, as read) that is
+    not as our writers store an array of the ``recorded`` dtype and shape: checked before the
+    array is opened, so nothing is read through metadata that is not ours (layout, chunk grid,
+    codecs, checksums). Cheap: a few small comparisons per array."""
+    shape = list(recorded.shape)
+    got_shape = metadata.get("shape")
+    if recorded.pack and isinstance(got_shape, list) and len(got_shape) == 1 and type(got_shape[0]) is int \
+            and got_shape[0] >= shape[0]:
+        shape = got_shape  # a pack holds at least the packed shards read from it
+    chunks = _chunk_shape(metadata.get("chunk_grid"), shape)
+    codecs = metadata.get("codecs")
+    crc_codec, crcs, bad = isinstance(codecs, list) and len(codecs) == 2, None, None
+    try:
+        if chunks is not None and not crc_codec:
+            crcs = attribute_crcs(metadata, chunk_count(shape, chunks[0] if chunks else 1), where)
+    except FormatError as e:  # raised in its turn: a changed shape or grid is named first
+        bad = e
+    want = canonical_metadata(shape, recorded.dtype, chunks or [], crc_codec, crcs)
+    for name in _FIELDS + tuple(sorted(k for k in metadata if k not in _FIELDS)):
+        got, expected = metadata.get(name, _MISSING), want.get(name, _MISSING)
+        got = _MISSING if name == "attributes" and got == {} else got  # no attributes, as zarr reads it
+        if name == "attributes" and bad is not None:
+            raise bad
+        if name == "chunk_key_encoding" and got in _ENCODINGS or _same(got, expected) and (
+                name != "chunk_grid" or chunks is not None):
+            continue
+        if name == "shape" and recorded.pack:
+            what = f"a 1-D shape of at least {shape[0]} elements (the packed shards recorded)"
+        elif name == "chunk_grid":
+            what = f"a regular grid of whole trailing axes for shape {shape}"
+        else:
+            what = _render(expected)
+        raise FormatError(f"{where}: its zarr.json field {name!r} is {_render(got)}, not {what} as written for the "
+                          f"{recorded.dtype} array of shape {list(recorded.shape)} metadata.json records: not as "
+                          f"our writer stores it (damaged or altered)")
+
+
+def _chunk_shape(grid: Any, shape: Sequence[int]) -> Optional[List[int]]:
+    """The chunk shape of a regular ``grid`` when it is one our writer makes for ``shape``: whole
+    trailing axes (at least 1) and 1 to ``max(1, shape[0])`` rows; else None."""
+    config = grid.get("configuration") if isinstance(grid, dict) else None
+    chunks = config.get("chunk_shape") if isinstance(config, dict) else None
+    if not isinstance(chunks, list) or len(chunks) != len(shape) or not all(type(c) is int for c in chunks):
+        return None
+    if shape and not (1 <= chunks[0] <= max(1, int(shape[0])) and chunks[1:] == [max(1, int(s)) for s in shape[1:]]):
+        return None
+    return chunks
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON values equal with their types (``1`` is not ``1.0`` nor ``true``)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b or a == b
+
+
+def _render(value: Any) -> str:
+    if value is _MISSING:
+        return "absent"
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= 100 else text[:97] + "..."

@@ -32,8 +32,9 @@ from ..core.errors import CheckpointingError, FormatError
 from .base import ObjectWrite, ShardRead, ShardWrite
 from .options import StorageOptions
 from .checksums import frame_object, unframe_object, verification_enabled
-from .array_metadata import chunk_shape, metadata_key, open_spec, parse_metadata, ts_dtype
-from .chunk_checksums import VerifiedRead, VerifiedReads, array_checksums, chunk_crcs, crc_attributes
+from .array_metadata import (Recorded, RecordedArrays, check_metadata, chunk_shape, create_metadata, metadata_key,
+                             open_spec, parse_metadata, ts_dtype)
+from .chunk_checksums import VerifiedRead, VerifiedReads, array_checksums, chunk_crcs
 from .direct_read import DirectChunks, direct_reads_enabled
 from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
@@ -64,6 +65,7 @@ class TensorStoreIO:
         self.root = checkpoint_dir if self.s3 else os.path.abspath(checkpoint_dir)
         self.options = options
         self._packed = PackedPlaces(index, tensor_path)  # handle -> (dtype, offset, shape); an even split's lazily
+        self._recorded = RecordedArrays(index)  # what each array's zarr.json must say (array_metadata.check_metadata)
         # One context per directory: all arrays of a rank share one OCDBT database instance, and
         # the I/O concurrency applies to the whole save or load. No chunk cache: checkpoint data
         # is written or read once, and caching would keep references to the caller's tensors.
@@ -118,20 +120,9 @@ class TensorStoreIO:
         ``chunk_bytes`` (default: the options') along the first axis, every chunk stored (zeros too),
         each checksummed: ``crcs`` recorded in its metadata, or else the ``crc32c`` codec."""
         chunks = chunk_shape(shape, dtype.itemsize, chunk_bytes or self.options.chunk_bytes)
-        codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
-        return {
-            "driver": "zarr3",
-            "kvstore": self.kvstore_spec(writer),
-            "path": path + "/",
-            "store_data_equal_to_fill_value": True,
-            "metadata": {
-                "shape": [int(s) for s in shape],
-                "data_type": ts_dtype(dtype),
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
-                **({"codecs": codecs + [{"name": "crc32c"}]} if crcs is None else
-                   {"codecs": codecs, "attributes": crc_attributes(crcs)}),
-            },
-        }
+        return {"driver": "zarr3", "kvstore": self.kvstore_spec(writer), "path": path + "/",
+                "store_data_equal_to_fill_value": True,
+                "metadata": create_metadata([int(s) for s in shape], ts_dtype(dtype), chunks, crcs)}
 
     # -- writing ------------------------------------------------------------------------
     def write(self, writer: int, tensors: Sequence[ShardWrite], objects: Sequence[ObjectWrite] = ()) -> int:
@@ -235,9 +226,9 @@ class TensorStoreIO:
     def open_arrays(self, shards: Iterable[Tuple[int, str, int]]) -> None:
         """Open ``(writer, key, index)`` stored shards concurrently (cached for this reader). A packed
         shard opens as a view of its range of the pack array, in the shard's own shape."""
-        pending: Dict[Tuple[int, str], str] = {}
+        pending: Dict[Tuple[int, str], Tuple[str, Recorded]] = {}
         views: Dict[Tuple[int, str], Tuple[Tuple[int, str], int, Tuple[int, ...]]] = {}
-        pack_keys: Dict[Tuple[int, str], List[str]] = {}
+        pack_keys: Dict[Tuple[int, str], List[Tuple[str, int]]] = {}
         for writer, key, index in shards:
             handle = (writer, tensor_path(key, index))
             if handle in self._arrays or handle in pending or handle in views:
@@ -246,11 +237,12 @@ class TensorStoreIO:
             packed = self._packed.get(handle)
             if packed is not None:
                 views[handle] = ((writer, packed[0]), packed[1], packed[2])
-                pack_keys.setdefault((writer, packed[0]), []).append(key)
+                pack_keys.setdefault((writer, packed[0]), []).append((key, packed[1] + math.prod(packed[2])))
                 continue
-            pending[handle] = f"{key!r} shard {index} (written by rank {writer})"
+            what = f"{key!r} shard {index} (written by rank {writer})"
+            pending[handle] = (what, self._recorded.shard(writer, key, index, f"checkpoint {self.root}: {what}"))
         for handle, arr in self._open_stored(pending).items():
-            crcs = array_checksums(arr, self._metadata[handle], f"checkpoint {self.root}: {pending[handle]}",
+            crcs = array_checksums(arr, self._metadata[handle], f"checkpoint {self.root}: {pending[handle][0]}",
                                    self._index_checksums)  # before caching
             if crcs is not None:
                 self._crcs[handle] = crcs
@@ -326,34 +318,43 @@ class TensorStoreIO:
     def _read_pack_runs(self, reads: Sequence[ShardRead]) -> List[Any]:
         """Start one read per run of nearby packed shards (:func:`~.packs.pack_runs`)."""
         place = lambda r: self._packed[(r.writer, tensor_path(r.key, r.index))]  # noqa: E731
-        keys: Dict[Tuple[int, str], List[str]] = {}
+        keys: Dict[Tuple[int, str], List[Tuple[str, int]]] = {}
         for r in reads:
-            keys.setdefault((r.writer, place(r)[0]), []).append(r.key)
+            dtype, offset, shape = place(r)
+            keys.setdefault((r.writer, dtype), []).append((r.key, offset + math.prod(shape)))
         self._open_packs(keys)
         return pack_runs(reads, place, lambda writer, dtype: self._arrays[(writer, pack_path(dtype))])
 
-    def _open_packs(self, packs: Dict[Tuple[int, str], List[str]]) -> None:
-        """Open the pack arrays ``(writer, dtype)`` concurrently; errors name the keys read from them."""
+    def _open_packs(self, packs: Dict[Tuple[int, str], List[Tuple[str, int]]]) -> None:
+        """Open the pack arrays ``(writer, dtype)`` concurrently, given the ``(key, end element)`` of
+        the packed shards read from each (it must hold them); errors name the keys."""
         pending = {}
         for (writer, dtype), keys in packs.items():
-            if (writer, pack_path(dtype)) not in self._arrays:
-                names = ", ".join(repr(k) for k in sorted(set(keys))[:5]) + (", ..." if len(set(keys)) > 5 else "")
-                pending[(writer, pack_path(dtype))] = f"the pack of shards ({names}; {dtype}) written by rank {writer}"
+            handle, end = (writer, pack_path(dtype)), max(e for _, e in keys)
+            if handle not in self._arrays or end > self._arrays[handle].shape[0]:
+                names = sorted({k for k, _ in keys})
+                what = f"the pack of shards ({', '.join(map(repr, names[:5]))}{', ...' * (len(names) > 5)}; {dtype}) " \
+                       f"written by rank {writer}"
+                if handle in self._arrays:  # opened, its zarr.json checked, for other shards
+                    raise FormatError(f"checkpoint {self.root}: {what} holds {self._arrays[handle].shape[0]} elements, "
+                                      f"fewer than the {end} metadata.json packs in it: damaged")
+                pending[handle] = (what, Recorded(dtype, (end,), True))
         for handle, arr in self._open_stored(pending).items():
-            if array_checksums(arr, self._metadata[handle], f"checkpoint {self.root}: {handle[1]} of rank {handle[0]}",
-                               self._index_checksums) is not None:  # packs keep the crc32c codec: never ours
-                raise FormatError(f"checkpoint {self.root}: {handle[1]} of rank {handle[0]}: unexpected metadata")
+            where = f"checkpoint {self.root}: {pending[handle][0]}"
+            if array_checksums(arr, self._metadata[handle], where, self._index_checksums) is not None:
+                raise FormatError(f"{where}: its zarr.json records chunk checksums, which packs never do (they keep "
+                                  f"the crc32c codec): not as our writer stores it")
             self._arrays[handle] = arr
 
-    def _open_stored(self, wanted: Dict[Tuple[int, str], str]) -> Dict[Tuple[int, str], Any]:
-        """Open the arrays ``(writer, path) -> what`` concurrently from the zarr.json we read
-        (:mod:`.array_metadata`, kept in ``_metadata``); errors say ``what`` is missing or unreadable."""
+    def _open_stored(self, wanted: Dict[Tuple[int, str], Tuple[str, Recorded]]) -> Dict[Tuple[int, str], Any]:
+        """Open the arrays ``(writer, path) -> (what, recorded)`` concurrently from the zarr.json we read, each
+        checked first against what metadata.json records (:mod:`.array_metadata`); errors name ``what``."""
         reads, opens = {}, {}
         for handle in wanted:
             self._check_contained(handle[0])
             reads[handle] = self._kvstore(handle[0]).read(metadata_key(handle[1]))
         for handle, fut in reads.items():
-            where = f"checkpoint {self.root}: {wanted[handle]}"
+            where = f"checkpoint {self.root}: {wanted[handle][0]}"
             try:
                 metadata = parse_metadata(fut.result(), where)
             except FormatError:
@@ -362,6 +363,7 @@ class TensorStoreIO:
                 raise self._read_error(f"{where} is missing or unreadable: {e}") from e
             if metadata is None:
                 raise self._read_error(f"{where} is missing or unreadable: no {metadata_key(handle[1])}")
+            check_metadata(metadata, wanted[handle][1], where)  # before anything is read through it
             self._metadata[handle] = metadata
             opens[handle] = ts.open(open_spec(self.array_spec(*handle), metadata), open=True, read=True,
                                     assume_metadata=True, context=self.context)
@@ -370,7 +372,7 @@ class TensorStoreIO:
             try:
                 out[handle] = fut.result()
             except Exception as e:
-                raise self._read_error(f"checkpoint {self.root}: {wanted[handle]} is missing or unreadable: {e}") from e
+                raise self._read_error(f"checkpoint {self.root}: {wanted[handle][0]} is missing or unreadable: {e}") from e
         return out
 
     def read_object(self, writer: int, key: str, index: int) -> bytes:
