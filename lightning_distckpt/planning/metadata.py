@@ -15,6 +15,7 @@ import torch
 from ..core.errors import FormatError, ShardingError
 from ..core.gc_pause import gc_paused
 from ..core.mapping import ShardedObject, ShardedTensor
+from ..storage.key_paths import colliding_keys, collision_reason
 from .even_index import EvenSplit, parse_even, replay_packs
 
 FlatRange = Optional[Tuple[int, int]]
@@ -295,10 +296,20 @@ class CheckpointIndex:
                 entry_o.shards.append(StoredObject(offset, f.count(s.get("writer"), f"{what}.writer"),
                                                    f.count(s.get("index"), f"{what}.index")))
             index.objects[f.key(key, "objects")] = entry_o
+        _refuse_colliding_keys(index, where)
         return index
 
 
-_CHECKSUMS_SINCE = 3  # storage.layout.CHECKSUMS_SINCE (planning does not import storage)
+def _refuse_colliding_keys(index: CheckpointIndex, where: str) -> None:
+    """FormatError when two tensor keys, or two object keys, are stored at one path (a save
+    refuses them: ``storage/key_paths.py``), so neither is read as the other."""
+    for kind, keys in (("tensors", index.tensors), ("objects", index.objects)):
+        for a, b in colliding_keys(keys):
+            raise FormatError(f"{where}: metadata.json lists {kind} {a!r} and {b!r}: {collision_reason(a, b)}; a save "
+                              f"refuses them, so this index was not written by us")
+
+
+_CHECKSUMS_SINCE = 3  # storage.layout.CHECKSUMS_SINCE (planning imports of storage: only key_paths)
 EVEN_SINCE = 4  # storage.layout: even dim-0 splits recorded as one entry (``even_index.py``)
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: no tensor of a checkpoint is bigger; a bigger claim is damage
 _MAX_NDIM = 32

@@ -9,10 +9,11 @@ from dataclasses import replace
 from typing import Collection, Dict, Iterable, List, Sequence, Tuple, TypeVar
 
 from ..core.errors import ValidationError
+from ..storage.key_paths import colliding_keys, collision_reason
 from .boxes import Box
 from .groups import RecordGroup
 from .tiling import overlapping_pairs
-from .metadata import ObjectRecord, ShardRecord
+from .metadata import CheckpointIndex, ObjectRecord, ShardRecord
 
 
 def _ranks(records: Iterable[ShardRecord]) -> List[int]:
@@ -171,6 +172,15 @@ def validate_object_records(records: Sequence[ObjectRecord]) -> List[str]:
                 f"{key!r}: ShardedObject array of shape {shape} has main replicas for only {len(seen)} elements"
             )
     return problems
+
+
+def key_path_problems(index: CheckpointIndex) -> List[str]:
+    """Two tensor keys, or two object keys, of the index to save that the storage layout would
+    store at one path (``storage/key_paths.py``). Checked on every save, whatever
+    ``validate_access_integrity`` says: the second would overwrite or shadow the first."""
+    return [f"{kind} {a!r} and {b!r} cannot both be saved: {collision_reason(a, b)}; rename one of them"
+            for kind, keys in (("tensors", index.tensors), ("objects", index.objects))
+            for a, b in colliding_keys(keys)]
 
 
 def raise_on_problems(problems: List[str], checkpoint_dir: str) -> None:

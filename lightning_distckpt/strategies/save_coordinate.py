@@ -25,7 +25,7 @@ from ..planning.even import resolve_even
 from ..planning.groups import RankRecords, RecordGroup, representatives
 from ..planning.metadata import CheckpointIndex
 from ..planning.save_plan import ObjectWriteItem, SavePlan, WriteItem, plan_record_groups, with_even_chunks
-from ..planning.validation import raise_on_problems, validate_record_groups
+from ..planning.validation import key_path_problems, raise_on_problems, validate_record_groups
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ def plan_for_ranks(groups: Sequence[RecordGroup], world_size: int, target: str,
         if options.validate:
             raise_on_problems(validate_record_groups(groups, even), target)
         plan = plan_record_groups(groups, world_size, options.balance_writes, options.pack_max_bytes, even, derived)
+        raise_on_problems(key_path_problems(plan.index), target)  # always: two keys must not share one path
     except Exception as e:  # every rank raises it, none is left waiting for its part
         logger.debug("save to %s: the coordinator could not plan: %s", target, e, exc_info=True)
         failed = RankPart(error=RankFailure(0, type(e).__name__, str(e)))
