@@ -61,6 +61,17 @@ class IncompleteCheckpointError(CheckpointingError):
     """The directory holds no committed checkpoint (a save that did not finish, or no checkpoint)."""
 
 
+class CheckpointNotFoundError(IncompleteCheckpointError, FileNotFoundError):
+    """Nothing is at the checkpoint path: the directory does not exist. A FileNotFoundError too, as
+    Lightning's CheckpointIO contract has it; the message says "does not exist", Megatron-Core's words."""
+
+
+def not_found(path: str, detail: str = "no such directory") -> CheckpointNotFoundError:
+    """The error for a checkpoint path where there is nothing: ours (``detail``: why, and where a
+    good checkpoint is) with Megatron-Core's "does not exist" for scrapers of its logs."""
+    return CheckpointNotFoundError(f"checkpoint {path}: {detail} (the checkpoint directory does not exist)")
+
+
 class FormatError(CheckpointingError):
     """The checkpoint's format or version is unknown, or its metadata is malformed."""
 

@@ -1,10 +1,11 @@
-"""How ``load`` treats keys that are missing from the checkpoint or present but not asked for."""
+"""How ``load`` treats a template and a checkpoint whose keys differ: Megatron-Core's
+``StrictHandling`` modes, with Megatron-Core's meaning of "unexpected" and "missing"."""
 
 from __future__ import annotations
 
 import logging
 from enum import Enum
-from typing import Iterable, Set, Tuple
+from typing import AbstractSet, Iterable, Set, Tuple
 
 from .errors import ArgumentError, MissingKeysError
 
@@ -12,20 +13,30 @@ logger = logging.getLogger(__name__)
 
 
 class StrictHandling(Enum):
-    """Key-mismatch handling on load, with Megatron-Core's names.
+    """Key-mismatch handling on load, with Megatron-Core's names and meaning.
 
-    "missing" keys are asked for but absent from the checkpoint; "unexpected" keys are in the
-    checkpoint but asked for by no rank.
+    * *unexpected* keys are asked for by a rank's template but are not in the checkpoint (each rank
+      has its own);
+    * *missing* keys are in the checkpoint but asked for by no rank (the same on every rank; only
+      the ``*_ALL`` modes look for them, since that compares every rank's request).
 
-    * ``ASSUME_OK_UNEXPECTED``: do not look for unexpected keys (cheapest); missing keys raise.
-    * ``LOG_UNEXPECTED`` / ``LOG_ALL``: log unexpected (and missing) keys; missing keys are skipped
-      under ``LOG_ALL`` and raise under ``LOG_UNEXPECTED``.
-    * ``RAISE_UNEXPECTED`` / ``RAISE_ALL``: raise on unexpected (and missing) keys.
-    * ``RETURN_UNEXPECTED`` / ``RETURN_ALL``: ``load`` returns ``(state_dict, missing, unexpected)``;
-      missing keys are skipped under ``RETURN_ALL`` and raise under ``RETURN_UNEXPECTED``.
-    * ``IGNORE_ALL``: skip missing keys, ignore unexpected ones.
+    PyTorch's ``load_state_dict`` (and Lightning's ``strict=True/False``) uses the two words the
+    other way round.
 
-    Skipped missing entries keep their template value (the ShardedTensor's own ``data``).
+    * ``ASSUME_OK_UNEXPECTED`` (default): unexpected keys raise; missing keys are not looked for.
+    * ``LOG_UNEXPECTED``: unexpected keys are logged (WARNING) and skipped.
+    * ``LOG_ALL``: unexpected and missing keys are logged; unexpected keys are skipped.
+    * ``RAISE_UNEXPECTED``: unexpected keys raise; missing keys are not looked for.
+    * ``RAISE_ALL``: unexpected or missing keys raise.
+    * ``RETURN_UNEXPECTED``: ``load`` returns ``(state_dict, set(), unexpected)``; unexpected keys
+      are skipped.
+    * ``RETURN_ALL``: ``load`` returns ``(state_dict, missing, unexpected)``; unexpected keys are
+      skipped.
+    * ``IGNORE_ALL``: unexpected keys are skipped silently.
+
+    A skipped entry keeps its template value (the ShardedTensor's own ``data``; Megatron-Core
+    drops it from the result). A raise happens on every rank alike, naming every rank's
+    unexpected keys; a returned or logged ``unexpected`` set is this rank's own, as in Megatron-Core.
     """
 
     ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
@@ -38,12 +49,15 @@ class StrictHandling(Enum):
     IGNORE_ALL = "ignore_all"
 
     @classmethod
-    def parse(cls, value: "StrictHandling | str | bool") -> "StrictHandling":
-        """Accept the enum, its name or value (any case), or a bool (True = RAISE_ALL, False = LOG_ALL)."""
+    def parse(cls, value: "StrictHandling | Enum | str | bool") -> "StrictHandling":
+        """Accept the enum, Megatron-Core's own ``StrictHandling`` member, a mode's name or value (any
+        case), or a bool (True = RAISE_ALL, False = LOG_ALL)."""
         if isinstance(value, cls):
             return value
         if isinstance(value, bool):
             return cls.RAISE_ALL if value else cls.LOG_ALL
+        if isinstance(value, Enum) and isinstance(value.value, str):  # megatron.core's enum: same values
+            value = value.value
         if isinstance(value, str):
             v = value.strip().lower()
             for member in cls:
@@ -52,37 +66,55 @@ class StrictHandling(Enum):
         raise ArgumentError(f"unknown strict handling {value!r}; choose one of {[m.value for m in cls]}")
 
     @property
-    def needs_unexpected(self) -> bool:
-        return self not in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.IGNORE_ALL)
+    def needs_missing(self) -> bool:
+        """Whether the load looks for missing keys (checkpoint keys no rank asks for): the ranks'
+        requested keys are then compared (a digest each; the keys only when the digests differ)."""
+        return self in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
 
     @property
-    def skips_missing(self) -> bool:
-        return self in (StrictHandling.LOG_ALL, StrictHandling.RETURN_ALL, StrictHandling.IGNORE_ALL)
+    def skips_unexpected(self) -> bool:
+        """Whether keys asked for but absent from the checkpoint are skipped (keeping the template's
+        value) rather than raised on."""
+        return self not in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.RAISE_UNEXPECTED,
+                            StrictHandling.RAISE_ALL)
 
     @property
     def returns_keys(self) -> bool:
+        """Whether ``load`` returns ``(state_dict, missing, unexpected)``."""
         return self in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
-def check_keys(
-    strict: StrictHandling, checkpoint_dir: str, missing: Iterable[str], unexpected: Iterable[str]
-) -> Tuple[Set[str], Set[str]]:
-    """Apply ``strict`` to the key sets: log or raise as the mode says; return them for RETURN_* modes."""
-    missing, unexpected = set(missing), set(unexpected)
+def mismatch_message(missing: AbstractSet[str], unexpected: AbstractSet[str], unexpected_whose: str) -> str:
+    """Megatron-Core's wording of a key mismatch (log scrapers look for "Missing keys" /
+    "Unexpected keys"), each set sorted."""
+    titles, bodies = [], []
+    if missing:
+        titles.append("Some keys found in the checkpoint are missing in the provided sharded state dict.")
+        bodies.append(f"Missing keys (for all ranks): {sorted(missing)}.")
+    if unexpected:
+        titles.append("Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict.")
+        bodies.append(f"Unexpected keys ({unexpected_whose}): {sorted(unexpected)}.")
+    return " ".join(titles) + "\n" + " ".join(bodies)
+
+
+def check_keys(strict: StrictHandling, checkpoint_dir: str, missing: Iterable[str], unexpected_any_rank: Iterable[str],
+               unexpected_mine: Iterable[str]) -> Tuple[Set[str], Set[str]]:
+    """Apply ``strict`` to a load's key mismatch: raise (the same on every rank: every rank passes
+    the same ``missing`` and ``unexpected_any_rank``) or log (this rank's own) as the mode says.
+    Returns ``(missing, unexpected_mine)`` as ``load`` returns them: empty where the mode does not
+    report a set (``missing`` outside ``LOG_ALL`` / ``RAISE_ALL`` / ``RETURN_ALL``, both under
+    ``IGNORE_ALL``)."""
+    missing = set(missing) if strict.needs_missing else set()
+    every, mine = set(unexpected_any_rank), set(unexpected_mine)
     where = f"checkpoint {checkpoint_dir}"
-    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and unexpected:
-        logger.warning("%s: keys in the checkpoint not asked for: %s", where, sorted(unexpected))
-    if strict is StrictHandling.LOG_ALL and missing:
-        logger.warning("%s: keys asked for but missing (template kept): %s", where, sorted(missing))
-    if strict is StrictHandling.RAISE_ALL and (missing or unexpected):
-        raise MissingKeysError(
-            f"{where}: missing keys {sorted(missing)}; unexpected keys {sorted(unexpected)} (strict={strict.value})"
-        )
-    if strict is StrictHandling.RAISE_UNEXPECTED and unexpected:
-        raise MissingKeysError(f"{where}: unexpected keys {sorted(unexpected)} (strict={strict.value})")
-    if missing and not strict.skips_missing:
-        raise MissingKeysError(
-            f"{where}: keys asked for but not in the checkpoint: {sorted(missing)} "
-            f"(strict={strict.value}; use StrictHandling.LOG_ALL/IGNORE_ALL/RETURN_ALL to skip them)"
-        )
-    return missing, unexpected
+    if strict is StrictHandling.IGNORE_ALL:
+        return set(), set()
+    if (every and not strict.skips_unexpected) or (missing and strict is StrictHandling.RAISE_ALL):
+        shown = missing if strict is StrictHandling.RAISE_ALL else set()
+        hint = "" if not every else " (StrictHandling.LOG_UNEXPECTED / LOG_ALL / RETURN_ALL / IGNORE_ALL skip them)"
+        raise MissingKeysError(f"{where}: {mismatch_message(shown, every, 'of all ranks')} "
+                               f"[strict={strict.value}]{hint}")
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and (missing or mine):
+        kept = " (skipped: their template values are kept)" if mine else ""
+        logger.warning("%s: %s%s", where, mismatch_message(missing, mine, "for this rank"), kept)
+    return missing, mine

@@ -61,7 +61,7 @@ class DistCheckpointIO(CheckpointIO):
         config: a :class:`DistCheckpointConfig`, a mapping with its keys, or a YAML file
             (``configs/checkpoint.yaml``); unknown keys raise :class:`ConfigError` naming them.
         extra_safe_globals: further trusted types that the checkpoint's common state may hold
-            (loading never unpickles anything else).
+            (loading never unpickles anything else); the config's ``safe_globals`` adds more by name.
 
     Loading is always safe (``weights_only``-style): ``weights_only`` is accepted for the
     CheckpointIO signature, and ``False`` does not widen what may be unpickled.
@@ -70,7 +70,7 @@ class DistCheckpointIO(CheckpointIO):
     def __init__(self, config: ConfigLike = None, extra_safe_globals: Sequence[Any] = ()) -> None:
         super().__init__()
         self.config: DistCheckpointConfig = load_checkpoint_config(config)
-        self.extra_safe_globals = tuple(extra_safe_globals)
+        self.extra_safe_globals = tuple(extra_safe_globals) + self.config.safe_global_types
         self._saver: Optional[AsyncSaver] = None  # made on the first async save, local or collective
         self._pending: Optional[AsyncSaveRequest] = None
         # Removals asked for while a background save is in flight (ModelCheckpoint drops the old
@@ -200,7 +200,7 @@ class DistCheckpointIO(CheckpointIO):
             loader = TwoStageDataParallelLoader(data_parallel_group=data_parallel_group)
         # The template's own common values (e.g. a fresh optimizer's scalar step) fill in for what a
         # non-strict load finds missing; the checkpoint's values win wherever it has them.
-        _, fallback = split_common(template) if handling.skips_missing else (None, None)
+        _, fallback = split_common(template) if handling.skips_unexpected else (None, None)
         if isinstance(path, CheckpointSource):
             loaded = load_from_source(template, path, process_group, handling, self.extra_safe_globals, loader)
         else:

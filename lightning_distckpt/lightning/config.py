@@ -8,9 +8,10 @@ strictness) are checked when the merged config is turned into the dataclass.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -40,6 +41,9 @@ class DistCheckpointConfig:
             data-parallel group and broadcast within it; the strategies pass their DP group), or
             ``null`` for the library's default.
         async_save: save in the background; the next save (or the end of training) waits for it.
+        safe_globals: further trusted types that common state and ShardedObjects may hold, by
+            import path (``["io.BytesIO", "argparse.Namespace"]``), added to the plugin's
+            ``extra_safe_globals`` (loading never unpickles anything else).
     """
 
     storage: StorageOptions = field(default_factory=StorageOptions)
@@ -48,12 +52,15 @@ class DistCheckpointConfig:
     strict: str = StrictHandling.ASSUME_OK_UNEXPECTED.value
     loader: Optional[str] = None
     async_save: bool = False
+    safe_globals: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         try:
             self.strict = StrictHandling.parse(self.strict).value
         except ValueError as e:
             raise ConfigError(f"strict: {e}") from None
+        for name in self.safe_globals:  # an unknown name fails here, naming it
+            _import_global(name)
         if self.loader is not None and self.loader not in LOADER_NAMES:
             raise ConfigError(f"unknown loader {self.loader!r}; choose one of {list(LOADER_NAMES)} or null (the default)")
 
@@ -64,6 +71,28 @@ class DistCheckpointConfig:
     @property
     def storage_options(self) -> StorageOptions:
         return self.storage
+
+    @property
+    def safe_global_types(self) -> Tuple[Any, ...]:
+        """The types ``safe_globals`` names, imported (the config is the user's own, trusted)."""
+        return tuple(_import_global(name) for name in self.safe_globals)
+
+
+def _import_global(name: str) -> Any:
+    """``"package.module.Type"`` -> the object, importing the longest module prefix that exists."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                value = getattr(value, attr)
+        except AttributeError:
+            break
+        return value
+    raise ConfigError(f"safe_globals: cannot import {name!r} (give a type's full import path, e.g. 'io.BytesIO')")
 
 
 @dataclass

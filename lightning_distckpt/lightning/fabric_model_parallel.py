@@ -149,7 +149,7 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
         absent = [name for name in state if name not in loaded]
         if strict and absent:
             raise MissingKeysError(f"checkpoint {target}: has no entry {absent} (load with strict=False to skip them)")
-        options = StateDictOptions(strict=not handling.skips_missing)
+        options = StateDictOptions(strict=not handling.skips_unexpected)
         for name, obj in list(state.items()):
             if name not in loaded:
                 continue

@@ -200,7 +200,7 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
             loaded = place_stored_tensors(loaded, layout, path)
             loaded["optimizer_states"] = [_by_name(restore_param_keys(s, order, path))
                                           for s, order in zip(loaded.get("optimizer_states", []), orders)]
-        options = StateDictOptions(strict=not strict.skips_missing)
+        options = StateDictOptions(strict=not strict.skips_unexpected)
         set_model_state_dict(self.model, loaded.pop("state_dict"), options=options)
         for opt, state in zip(optimizers, loaded.pop("optimizer_states", [])):
             set_optimizer_state_dict(self.model, opt, state, options=options)

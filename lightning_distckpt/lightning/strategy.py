@@ -182,7 +182,7 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
                 loaded["optimizer_states"] = [restore_param_keys(s, s["param_keys"], path)
                                               for s in loaded["optimizer_states"]]
         loaded.pop(MANIFEST_KEY, None)
-        if fitting and strict.skips_missing and "lr_schedulers" not in loaded:
+        if fitting and strict.skips_unexpected and "lr_schedulers" not in loaded:
             # Non-strict resume from a weights-only checkpoint: keep the fresh scheduler states.
             log.warning("checkpoint %s has no LR scheduler state; keeping the current schedulers (non-strict)", path)
             loaded["lr_schedulers"] = [c.scheduler.state_dict() for c in self.lr_scheduler_configs]

@@ -61,7 +61,7 @@ class DistCheckpointIOMixin:
         non-strict loading (``strict_loading = False``). Trainer strategies only."""
         strict = self.checkpoint_io.config.strict_handling
         module = getattr(self, "lightning_module", None)
-        if module is not None and not getattr(module, "strict_loading", True) and not strict.skips_missing:
+        if module is not None and not getattr(module, "strict_loading", True) and not strict.skips_unexpected:
             return StrictHandling.LOG_ALL
         return strict
 

@@ -9,7 +9,7 @@ save, and per-leaf digests only when the whole digests disagree. Pure functions,
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 from ..core.state_dict import iter_leaves
 from ..storage.safe_pickle import dumps
@@ -53,3 +53,11 @@ def common_differences(per_rank: Sequence[Dict[str, str]], limit: int = 10) -> L
     if len(lines) > limit:
         lines = lines[:limit] + [f"... and {len(lines) - limit} more"]
     return lines
+
+
+def rank_differences(per_rank: Sequence[Dict[str, str]], rank: int) -> Tuple[List[str], List[str], List[str]]:
+    """Megatron-Core's three lists for ``rank`` against rank 0: the paths only rank 0 has, those
+    only ``rank`` has, and those both have with different values."""
+    reference, mine = per_rank[0], per_rank[rank]
+    return (sorted(set(reference) - set(mine)), sorted(set(mine) - set(reference)),
+            sorted(p for p in set(mine) & set(reference) if mine[p] != reference[p]))

@@ -76,7 +76,7 @@ class EveryRankLoader(_GCPausedLoader):
         if ctx.error is None:
             try:
                 t0 = time.perf_counter()
-                tensors, stats.bytes_read = read_tensors(ctx.source, ctx.request.tensors, ctx.missing)
+                tensors, stats.bytes_read = read_tensors(ctx.source, ctx.request.tensors, ctx.absent)
                 stats.read_s = time.perf_counter() - t0
             except Exception as e:  # reported on every rank in finish_load
                 ctx.fail(e)
@@ -178,11 +178,11 @@ class TwoStageDataParallelLoader(ExchangeLoader):
 
 
 def _group_requests(ctx: LoadContext) -> Tuple[Dict[ChunkId, List[Requester]], List[Requester]]:
-    """(chunk -> its requesters, zero-size requests read locally), skipping missing keys."""
+    """(chunk -> its requesters, zero-size requests read locally), skipping keys the checkpoint lacks."""
     local: Dict[ChunkId, List[Requester]] = {}
     empty: List[Requester] = []
     for i, st in enumerate(ctx.request.tensors):
-        if st.key in ctx.missing:
+        if st.key in ctx.absent:
             continue
         if st.local_nbytes() == 0:
             empty.append(Requester(i, st))

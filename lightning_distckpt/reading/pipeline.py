@@ -35,7 +35,8 @@ class LoadContext:
     comm: Comm
     source: CheckpointSource
     request: LoadRequest
-    missing: Set[str]
+    absent: Set[str]  # keys some rank asks for that the checkpoint lacks: skipped by the reads
+    missing: Set[str]  # what load returns under RETURN_* (core.strict.StrictHandling's meaning)
     unexpected: Set[str]
     error: Optional[BaseException] = None  # the first local failure, reported in finish_load
     started: float = field(default_factory=time.perf_counter)
@@ -71,9 +72,9 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
         request = make_request(sharded_state_dict)
     except Exception as e:  # keep taking part in the collectives; every rank raises it at the end
         error, request = e, LoadRequest({}, [], [])
-    missing, unexpected = match_keys(source, request, comm, strict, open_error)
+    keys = match_keys(source, request, comm, strict, open_error)
     assert source is not None  # match_keys raised on every rank otherwise
-    return LoadContext(comm, source, request, missing, unexpected, error, started)
+    return LoadContext(comm, source, request, keys.absent, keys.missing, keys.unexpected, error, started)
 
 
 def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], stats: LoadStats,
@@ -83,7 +84,7 @@ def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], sta
     state: Dict[str, Any] = {}
     if ctx.error is None:
         try:
-            objects = read_objects(ctx.source, ctx.request.objects, ctx.missing, extra_safe_globals)
+            objects = read_objects(ctx.source, ctx.request.objects, ctx.absent, extra_safe_globals)
             state = assemble(ctx.request, ctx.source.load_common(extra_safe_globals), tensors, objects)
         except Exception as e:  # reported on every rank below
             ctx.fail(e)

@@ -65,37 +65,48 @@ def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
     return LoadRequest(replace_leaves(sharded, slot), tensors, objects)
 
 
-def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm, strict: StrictHandling,
-               open_error: Optional[BaseException] = None) -> Tuple[Set[str], Set[str]]:
-    """Collective: missing keys (over all ranks) and unexpected keys (asked for by no rank);
-    raises on every rank alike when ``strict`` says so, or when some rank could not open the
-    source (``open_error``, with ``source`` None there).
+class KeyMatch(NamedTuple):
+    """How a template's keys match a checkpoint's, in Megatron-Core's words (see
+    :class:`~lightning_distckpt.core.strict.StrictHandling`)."""
 
-    Ranks exchange their missing keys (usually none) and, where ``strict`` looks for unexpected
-    keys, a digest of the keys they ask for, not the keys: when all digests agree (data
-    parallelism, FSDP), every rank finds the unexpected keys from its own; otherwise only the
-    first rank of each distinct digest sends its keys, to rank 0, which names the unexpected ones."""
+    absent: Set[str]  # asked for by some rank, not in the checkpoint: what the reads skip
+    missing: Set[str]  # in the checkpoint, asked for by no rank (looked for by the *_ALL modes only)
+    unexpected: Set[str]  # asked for by this rank, not in the checkpoint
+
+
+def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm, strict: StrictHandling,
+               open_error: Optional[BaseException] = None) -> KeyMatch:
+    """Collective: the keys asked for but absent from the checkpoint (Megatron-Core's "unexpected"
+    keys: this rank's, and every rank's) and, where ``strict`` looks for them, the checkpoint's keys
+    no rank asks for ("missing"); raises on every rank alike when ``strict`` says so, or when some
+    rank could not open the source (``open_error``, with ``source`` None there).
+
+    Ranks exchange their absent keys (usually none) and, where ``strict`` looks for missing keys, a
+    digest of the keys they ask for, not the keys: when all digests agree (data parallelism, FSDP),
+    every rank finds the missing keys from its own; otherwise only the first rank of each distinct
+    digest sends its keys, to rank 0, which names the missing ones."""
     asked = {t.key for t in req.tensors if t.key} | {o.key for o in req.objects}
-    mine_missing: Set[str] = set()
+    mine: Set[str] = set()
     if source is not None:
-        mine_missing = {t.key for t in req.tensors if t.key not in source.index.tensors}
-        mine_missing |= {o.key for o in req.objects if o.key not in source.index.objects}
+        mine = {t.key for t in req.tensors if t.key not in source.index.tensors}
+        mine |= {o.key for o in req.objects if o.key not in source.index.objects}
     where = source.path if source is not None else "the checkpoint"
-    digest = _keys_digest(asked) if strict.needs_unexpected else None
-    gathered = comm.agree(f"load from {where} failed", open_error, (digest, sorted(mine_missing)))
+    digest = _keys_digest(asked) if strict.needs_missing else None
+    gathered = comm.agree(f"load from {where} failed", open_error, (digest, sorted(mine)))
     assert source is not None  # agree raised on every rank otherwise
-    missing = {k for _, m in gathered for k in m}
-    unexpected: Set[str] = set()
-    if strict.needs_unexpected:
+    absent = {k for _, m in gathered for k in m}
+    missing: Set[str] = set()
+    if strict.needs_missing:
         stored = set(source.index.tensors) | set(source.index.objects)
         senders = [ranks[0] for ranks in representatives([d for d, _ in gathered]).values()]
         if len(senders) == 1:
-            unexpected = stored - asked
+            missing = stored - asked
         else:
             received = comm.gather_from(senders, sorted(asked) if comm.rank in senders else None)
             found = sorted(stored.difference(*received.values())) if comm.rank == 0 else None
-            unexpected = set(comm.broadcast_object(found))
-    return check_keys(strict, source.path, missing, unexpected)
+            missing = set(comm.broadcast_object(found))
+    missing, unexpected = check_keys(strict, source.path, missing, absent, mine)
+    return KeyMatch(absent, missing, unexpected)
 
 
 def _keys_digest(keys: Set[str]) -> str:
@@ -107,8 +118,8 @@ def _keys_digest(keys: Set[str]) -> str:
 
 
 def assemble(req: LoadRequest, common: Any, tensors: Sequence[Optional[Any]], objects: Sequence[Optional[Any]]) -> Dict[str, Any]:
-    """Put loaded values in the template's slots (a slot with nothing loaded, a missing key, keeps
-    the template's ``data``), fold factories, merge the common state."""
+    """Put loaded values in the template's slots (a slot with nothing loaded, a key absent from the
+    checkpoint, keeps the template's ``data``), fold factories, merge the common state."""
 
     def fill(leaf: Any) -> Any:
         if isinstance(leaf, TensorSlot):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
-from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError
+from ..core.errors import CheckpointingError, FormatError, not_found
 from . import s3
 from .checksums import check_sha256
 from .layout import COMMON_FILE, DATA_DIR, MetadataFile, open_metadata, rank_dir
@@ -32,7 +32,7 @@ def open_checkpoint_metadata(checkpoint_dir: PathLike) -> MetadataFile:
     if is_s3_url(given):
         return s3.open_metadata(given, StorageOptions())
     if not os.path.isdir(given):
-        raise IncompleteCheckpointError(f"checkpoint {given}: {describe_missing(given)}")
+        raise not_found(given, describe_missing(given))
     return open_metadata(given)
 
 

@@ -32,7 +32,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError
+from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError, not_found
 from ..core.gc_pause import gc_paused
 from .checksums import check_sha256, warn_no_checksums
 from .paths import local_path, read_inside, refuse_link
@@ -125,7 +125,7 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
     """Read and check a committed checkpoint's metadata (never through a link inside it)."""
     given = os.path.abspath(local_path(checkpoint_dir))
     if not os.path.isdir(given):
-        raise IncompleteCheckpointError(f"checkpoint {given}: no such directory")
+        raise not_found(given)
     path = os.path.realpath(given)
     if not is_committed(path):
         for name in (COMMIT_MARKER, METADATA_FILE):
@@ -134,7 +134,9 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
         what = (
             "incomplete checkpoint: the save did not finish (no commit marker)"
             if is_checkpoint_dir(path)
-            else "not a lightning_distckpt checkpoint (no metadata.json / commit marker)"
+            # "is not a distributed checkpoint": Megatron-Core's words, for scrapers of its logs
+            else f"not a lightning_distckpt checkpoint (no metadata.json / commit marker): {given} is not a "
+                 "distributed checkpoint"
         )
         raise IncompleteCheckpointError(f"checkpoint {given}: {what}")
     raw = {}

@@ -10,6 +10,7 @@ import collections
 import io
 import os
 import pickle
+import re
 import typing
 import zipfile
 from typing import Any, List, Sequence
@@ -65,12 +66,30 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
         with torch.serialization.safe_globals(allowed):
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap or None)
     except pickle.UnpicklingError as e:
-        raise UnsafeContentError(
-            f"{where}: refused to deserialize (only tensors, containers, primitives and allow-listed types "
-            f"load; pass extra_safe_globals=[...] for trusted types of your own): {_first_line(e)}"
-        ) from None
+        raise UnsafeContentError(f"{where}: {_refusal(e)}") from None
     except Exception as e:  # torch raises RuntimeError / EOFError / ... for damaged archives
         raise FormatError(f"{where}: not a readable torch.save archive: {type(e).__name__}: {_first_line(e)}") from None
+
+
+# torch's weights-only unpickler names the type it refused: "Unsupported global: GLOBAL _io.BytesIO ..."
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def _refusal(e: BaseException) -> str:
+    """What was refused and every way a user who trusts the checkpoint can allow it: the argument
+    of our calls, the Lightning plugin's and the YAML config's, and torch's process-wide list,
+    which also serves calls without such an argument (Megatron-Core-shaped ones)."""
+    found = _REFUSED_GLOBAL.search(str(e))
+    if found is None:
+        return (f"refused to deserialize (only tensors, containers, primitives and allow-listed types load; "
+                f"loading runs no code): {_first_line(e)}")
+    name = found.group(1)
+    return (f"refused to deserialize {name}: only tensors, containers, primitives and allow-listed types load "
+            f"(loading runs no code). If the checkpoint is trusted, allow the type with the "
+            f"extra_safe_globals=[{name}] argument of lightning_distckpt.load / load_common_state_dict / "
+            f"DistCheckpointIO(...) (the plugin the Lightning / Fabric strategies use), or the checkpoint "
+            f"config's safe_globals: ['{name}'] (YAML; a strategy's checkpoint: section), or for every "
+            f"load in the process, calls without that argument included, torch.serialization.add_safe_globals([{name}])")
 
 
 def _first_line(e: BaseException) -> str:

@@ -13,7 +13,7 @@ from ..comm import Comm
 from ..core.errors import ArgumentError, CheckpointingError
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.state_dict import apply_factories, collect, split_common
-from ..planning.common_check import common_differences, digest, leaf_digests
+from ..planning.common_check import common_differences, digest, leaf_digests, rank_differences
 from ..planning.even import mark_even
 from ..planning.groups import RankRecords, layout_digest
 from ..planning.metadata import ObjectRecord, ShardRecord
@@ -237,8 +237,14 @@ def _look_around(comm: Comm, target: str, staging: str, common: Any, handshakes:
 
 def _warn_common_differs(common: Any, comm: Comm, target: str) -> None:
     """Collective (entered by every rank: all saw the same digests): find and log, on rank 0, the
-    common-state leaves that differ between ranks. Not an error: the save goes on with rank 0's."""
+    common-state leaves that differ between ranks, and on each rank that differs from rank 0 its own
+    line (Megatron-Core logs per rank). Not an error: the save goes on with rank 0's."""
     per_rank = comm.all_gather_object(leaf_digests(common))
+    only_rank0, only_mine, mismatched = rank_differences(per_rank, comm.rank)
+    if only_rank0 or only_mine or mismatched:  # each differing rank's own line, in Megatron-Core's words
+        logger.warning("Rank %d common state dict differs from rank 0 common state dict. Keys only on rank 0: %s, "
+                       "Keys only on %d: %s, Mismatched keys: %s (save to %s: only rank 0's copy is saved)",
+                       comm.rank, only_rank0, comm.rank, only_mine, mismatched, target)
     if comm.rank == 0:
         logger.warning(
             "save to %s: the common (non-sharded) state differs between ranks; only rank 0's copy is saved, "

@@ -38,9 +38,27 @@ _DCP_CLASSES = {
     "pathlib": ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"),  # StorageMeta.checkpoint_id
     "collections": ("OrderedDict",),
 }
-# Megatron-Core 0.14/0.15 pickle their Metadata subclass (it only adds ``mcore_data``, a dict of
-# plain values per tensor): it is read as DCP's own Metadata, megatron-core is never imported.
-_MCORE_METADATA = ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata")
+# Megatron-Core's own classes in the ``torch_dist`` ``.metadata`` of each release that wrote one
+# (fixtures of 0.12-0.16 in tests/fixtures/megatron/): 0.15 pickles its Metadata subclass, which
+# only adds ``mcore_data`` (a dict of plain values per tensor); 0.12-0.15 keep every rank's save
+# plan in the metadata (``all_local_plans``, for reuse) as ``MCoreSavePlan``, a SavePlan plus
+# ``mcore_data``; 0.16 pickles torch's classes only. Each is mapped, by name, to a record of our
+# own or DCP's: megatron-core is never imported and none of its code runs.
+_MCORE_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+class _InertRecord:
+    """A Megatron-Core record that nothing reads (a rank's save plan): its pickled state is kept as
+    it is, and no class of the checkpoint's is looked up or called to make it."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+def _mcore_classes() -> Dict[str, type]:
+    from torch.distributed.checkpoint.metadata import Metadata  # only a DCP checkpoint needs it
+
+    return {"MCoreMetadata": Metadata, "MCoreSavePlan": _InertRecord}
 
 
 @dataclass(frozen=True)
@@ -86,9 +104,8 @@ class _AllowListUnpickler(pickle.Unpickler):
         self._where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == _MCORE_METADATA:
-            from torch.distributed.checkpoint.metadata import Metadata
-            return Metadata
+        if module == _MCORE_MODULE and name in ("MCoreMetadata", "MCoreSavePlan"):
+            return _mcore_classes()[name]
         if module == "torch":
             value = getattr(torch, name, None)
             if name == "Size" or isinstance(value, (torch.dtype, torch.layout)):
