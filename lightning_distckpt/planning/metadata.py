@@ -286,15 +286,19 @@ class CheckpointIndex:
             name = f"objects[{key!r}]"
             e = f.obj(e, name)
             gshape = f.shape(e.get("global_shape"), f"{name}.global_shape")
-            entry_o = ObjectEntry(gshape)
+            entry_o, stored = ObjectEntry(gshape), set()
             for i, s in enumerate(f.list(e.get("shards"), f"{name}.shards")):
                 what = f"{name}.shards[{i}]"
                 s = f.obj(s, what)
                 offset = f.shape(s.get("offset"), f"{what}.offset", len(gshape))
                 if any(o >= g for o, g in zip(offset, gshape)):
                     raise f.fail(f"{what}.offset", f"inside the global shape {list(gshape)}", list(offset))
-                entry_o.shards.append(StoredObject(offset, f.count(s.get("writer"), f"{what}.writer"),
-                                                   f.count(s.get("index"), f"{what}.index")))
+                at = (f.count(s.get("writer"), f"{what}.writer"), f.count(s.get("index"), f"{what}.index"))
+                if at in stored:  # two elements read from one stored blob: not written by us
+                    raise FormatError(f"{where}: metadata.json field {what}: a second element of {key!r} stored as "
+                                      f"element {at[1]} of rank {at[0]}")
+                stored.add(at)
+                entry_o.shards.append(StoredObject(offset, *at))
             index.objects[f.key(key, "objects")] = entry_o
         _refuse_colliding_keys(index, where)
         return index

@@ -100,7 +100,7 @@ class RecordedArrays:
 
     def shard(self, writer: int, key: str, index: int, where: str) -> Recorded:
         """The array stored for shard ``index`` of ``key`` by ``writer``. FormatError when the
-        index records none, or two different ones there."""
+        index records none there, or two."""
         entry = self.index.tensors.get(key) if self.index is not None else None
         if entry is None:
             raise FormatError(f"{where}: metadata.json records no tensor {key!r}")
@@ -110,12 +110,11 @@ class RecordedArrays:
                 return Recorded(entry.dtype, chunk[0][2])
         elif key not in self._listed:
             listed: Dict[Tuple[int, int], Tuple[int, ...]] = {}
-            for s in entry.shards:
-                stored = (s.flat[1] - s.flat[0],) if s.flat else tuple(s.shape)
-                if listed.setdefault((s.writer, s.index), stored) != stored:
-                    raise FormatError(f"{where}: metadata.json records two different shards of {key!r} stored as "
-                                      f"shard {s.index} of rank {s.writer} ({list(listed[(s.writer, s.index)])} and "
-                                      f"{list(stored)}): not written by us")
+            for s in entry.shards:  # one array each: a second record would read the first's data as its own
+                if (s.writer, s.index) in listed:
+                    raise FormatError(f"{where}: metadata.json records two shards of {key!r} stored as shard {s.index} "
+                                      f"of rank {s.writer} (one array): not written by us")
+                listed[(s.writer, s.index)] = (s.flat[1] - s.flat[0],) if s.flat else tuple(s.shape)
             self._listed[key] = listed
         shape = self._listed.get(key, {}).get((writer, index))
         if shape is None:
