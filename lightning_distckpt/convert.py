@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from .core.arguments import require, require_globals
 from .core.errors import CheckpointingError, FormatError
 from .core.mapping import ShardedObject, ShardedTensor
 from .planning.metadata import StoredShard
@@ -38,6 +39,7 @@ from .storage import commit as commit_mod
 from .storage import staging as staging_mod
 from .storage.layout import COMMON_FILE, FORMAT_VERSION
 from .storage import s3 as s3_mod
+from .storage.outputs import check_output
 from .storage.paths import checkpoint_location, local_path
 from .storage.s3_url import is_s3_url
 from .storage.integrity import read_common_bytes
@@ -78,10 +80,10 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
     """Copy the checkpoint ``source`` into ``destination`` stored with ``storage`` (same shards, same
     writer ranks, same index; only the storage layout changes)."""
     t0 = time.perf_counter()
+    require(storage, StorageOptions, "storage", "a StorageOptions")
+    check_output(destination, [("source", source)], "destination")  # nothing of the source is written over
     ckpt = OpenedCheckpoint.open(source)
-    destination = checkpoint_location(destination)
-    if destination in (ckpt.path, checkpoint_location(source)):
-        raise CheckpointingError(f"checkpoint {source}: source and destination are the same directory")
+    destination = checkpoint_location(destination, "destination")
     commit_mod.check_target(destination, storage)
     remote = is_s3_url(destination)  # committed by a marker naming a fresh version (storage/s3.py)
     staging = s3_mod.new_version(destination) if remote else staging_mod.new_staging_dir(destination)
@@ -159,11 +161,12 @@ def export_torch_file(source: str, destination: str, extra_safe_globals: Sequenc
     ``{"tensors", "objects", "common"}`` (a Lightning checkpoint as Lightning's own dict:
     :func:`lightning_distckpt.lightning.export.export_torch_file`, which ``ldc.export_torch_file`` is)."""
     t0 = time.perf_counter()
+    source, destination = check_export(source, destination, extra_safe_globals)
     common = load_common_state_dict(source, extra_safe_globals)
     objects = _read_objects(OpenedCheckpoint.open(source), extra_safe_globals)
     payload = {"tensors": load_plain_tensors(source), "objects": objects, "common": common}
     nbytes = save_file_atomic(payload, destination)
-    return ConvertReport(checkpoint_location(source), os.path.abspath(destination), "tensors", len(payload["tensors"]),
+    return ConvertReport(source, destination, "tensors", len(payload["tensors"]),
                          sum(len(v) for v in objects.values()), nbytes, time.perf_counter() - t0)
 
 
@@ -206,8 +209,28 @@ def import_torch_file(source: str, destination: str, storage: StorageOptions = S
     :func:`lightning_distckpt.lightning.export.import_torch_file`, which ``ldc.import_torch_file`` is.)
     """
     t0 = time.perf_counter()
-    payload = load_file(local_path(source, "input file"), extra_safe_globals)
+    source, destination = check_import(source, destination, storage, extra_safe_globals)
+    payload = load_file(source, extra_safe_globals)
     return import_export_payload(payload, source, destination, storage, t0)
+
+
+def check_export(source: Any, destination: Any, extra_safe_globals: Any) -> Tuple[str, str]:
+    """The arguments of an export of the checkpoint ``source`` to the file ``destination`` checked
+    (types; no output over the input: ArgumentTypeError / ArgumentError); returns both as absolute paths."""
+    require_globals(extra_safe_globals)
+    check_output(destination, [("source", source)], "destination")
+    return checkpoint_location(source, "source"), os.path.abspath(local_path(destination, "destination"))
+
+
+def check_import(source: Any, destination: Any, storage: Any, extra_safe_globals: Any) -> Tuple[str, str]:
+    """The arguments of an import of the file ``source`` into the checkpoint directory
+    ``destination`` checked (as :func:`check_export`); returns the file's absolute path and the
+    checkpoint's location."""
+    source = os.path.abspath(local_path(source, "source"))
+    require(storage, StorageOptions, "storage", "a StorageOptions")
+    require_globals(extra_safe_globals)
+    check_output(destination, [("source", source)], "destination")
+    return source, checkpoint_location(destination, "destination")
 
 
 def is_export_payload(payload: Any) -> bool:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import os
+from enum import Enum
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .comm import get_comm
+from .core.arguments import require, require_bool, require_globals, require_key_map, require_state_dict
 from .core.dtensors import shard_dtensors
 from .core.megatron_leaves import from_megatron_leaves
 from .core.mapping import ShardedTensor
@@ -20,6 +22,7 @@ from .reading.formats import KeyMap
 from .reading.loaders import Loader, resolve_loader
 from .reading.reads import read_tensors
 from .storage.integrity import check_stored_sizes
+from .storage.paths import checkpoint_location
 from .storage.tensorstore_io import StorageOptions
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
 from .strategies.save import SavePlanCache, finalize_save, prepare_save, write_local
@@ -64,8 +67,12 @@ def save(
             keeps its own).
 
     Raises:
-        ValidationError, SaveFailedError, CheckpointingError: on every rank alike.
+        ValidationError, SaveFailedError, CheckpointingError: on every rank alike; an argument of the
+        wrong type is an ArgumentTypeError naming it.
     """
+    checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")  # bytes decoded, as load does
+    _check_save_arguments(sharded_state_dict, validate_access_integrity, balance_writes, storage, async_save,
+                          plan_cache)
     # Megatron-Core's leaves become ours, DTensor leaves sharded tensors by tree path
     sharded_state_dict = shard_dtensors(from_megatron_leaves(sharded_state_dict))
     if async_save:
@@ -76,7 +83,7 @@ def save(
     comm = get_comm(process_group)
     prep = prepare_save(
         sharded_state_dict,
-        os.fspath(checkpoint_dir),
+        checkpoint_dir,
         comm,
         validate_access_integrity=validate_access_integrity,
         balance_writes=balance_writes,
@@ -121,12 +128,17 @@ def load(
     default, ``"two_stage"`` over the whole group, reads each chunk the ranks need once from
     storage and sends it to the others, pipelined with bounded memory.
     """
+    checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
+    require_state_dict(sharded_state_dict, "sharded_state_dict")
+    require(strict, (StrictHandling, Enum, str, bool), "strict", "a StrictHandling (ours or Megatron-Core's), its name or a bool")
+    require_globals(extra_safe_globals)
+    require_key_map(key_map)
     strict = StrictHandling.parse(strict)
     # Megatron-Core's leaves as ours; DTensors loaded back into the template's DTensors
     sharded_state_dict = shard_dtensors(from_megatron_leaves(sharded_state_dict))
     comm = get_comm(process_group)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
-    opener = functools.partial(open_checkpoint, os.fspath(checkpoint_dir), key_map, extra_safe_globals)
+    opener = functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals)
     state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, opener, comm, strict,
                                                              extra_safe_globals)
     if strict.returns_keys:
@@ -136,7 +148,7 @@ def load(
 
 def load_tensors_metadata(checkpoint_dir: PathLike) -> Dict[str, ShardedTensor]:
     """key -> ShardedTensor without data, describing the whole saved tensor (global shape, dtype)."""
-    source = open_checkpoint(os.fspath(checkpoint_dir))
+    source = open_checkpoint(checkpoint_location(checkpoint_dir, "checkpoint_dir"))
     out = {}
     for key, e in source.index.tensors.items():
         shape = tuple(e.global_shape)
@@ -149,11 +161,14 @@ def load_tensors_metadata(checkpoint_dir: PathLike) -> Dict[str, ShardedTensor]:
 
 def load_common_state_dict(checkpoint_dir: PathLike, extra_safe_globals: Sequence[Any] = ()) -> Any:
     """The checkpoint's common (non-sharded) state, read safely."""
-    return open_checkpoint(os.fspath(checkpoint_dir)).load_common(extra_safe_globals)
+    checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
+    require_globals(extra_safe_globals)
+    return open_checkpoint(checkpoint_dir).load_common(extra_safe_globals)
 
 
 def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:
     """key -> the whole global tensor, assembled from its shards (single process, no group needed)."""
+    checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
     source = open_checkpoint(os.fspath(checkpoint_dir))
     if isinstance(source, OpenedCheckpoint):  # whole tensors are allocated as the index says: check it first
         check_stored_sizes(source.path, source.index)
@@ -162,3 +177,14 @@ def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:
                 for key, st in load_tensors_metadata(checkpoint_dir).items()]
     loaded, _ = read_tensors(source, template, set())
     return {st.key: t for st, t in zip(template, loaded)}
+
+
+def _check_save_arguments(sharded_state_dict: Any, validate_access_integrity: Any, balance_writes: Any,
+                          storage: Any, async_save: Any, plan_cache: Any) -> None:
+    """ArgumentTypeError naming the first of :func:`save`'s arguments that has a wrong type."""
+    require_state_dict(sharded_state_dict, "sharded_state_dict")
+    require_bool(validate_access_integrity, "validate_access_integrity")
+    require_bool(balance_writes, "balance_writes")
+    require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
+    require(async_save, (bool, AsyncSaver), "async_save", "a bool or an AsyncSaver")
+    require(plan_cache, (SavePlanCache, type(None)), "plan_cache", "a SavePlanCache or None")

@@ -144,8 +144,9 @@ def test_import_any_state_dict_and_refuse_code(tmp_path, capsys):
 def test_bad_usage(core_ckpt, tmp_path, capsys):
     assert main(["convert", str(tmp_path / "absent"), str(tmp_path / "x")]) == 2
     assert main(["convert", core_ckpt, str(tmp_path / "x.pt"), "--layout", "zarr"]) == 2
-    assert main(["convert", core_ckpt, str(tmp_path / "y"), "--to", "distckpt", "--chunk-mib", "0.0001"]) == 2
-    assert "chunk_bytes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused by argparse, as any bad argument: exit status 2
+        main(["convert", core_ckpt, str(tmp_path / "y"), "--to", "distckpt", "--chunk-mib", "0.0001"])
+    assert exit_.value.code == 2 and "--chunk-mib" in capsys.readouterr().err
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("mine")
     assert main(["convert", core_ckpt, str(tmp_path / "notes"), "--to", "distckpt"]) == 2

@@ -27,11 +27,14 @@ from ..core.errors import ArgumentError, CheckpointingError
 from ..storage.paths import local_path
 from ..storage.s3_url import is_s3_url
 from ..version import __version__
+from .numbers import float_in, int_in
 
 if TYPE_CHECKING:
     from ..convert import ConvertReport
 
 EXIT_OK, EXIT_DAMAGED, EXIT_UNUSABLE = 0, 1, 2
+MAX_INFLIGHT_MIB = 1 << 20  # validate --max-inflight-mib: up to 1 TiB
+CHUNK_MIB = (1 / 1024, 1 << 20)  # convert --chunk-mib: the chunk sizes StorageOptions takes, 1 KiB to 1 TiB
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -107,8 +110,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if not is_s3_url(args.destination):
         local_path(args.destination, "destination")
     to = args.to or ("torch" if remote or os.path.isdir(args.source) else "distckpt")
-    overrides = {k: v for k, v in (("layout", args.layout),
-                                   ("chunk_bytes", args.chunk_mib and int(args.chunk_mib * 2**20))) if v}
+    chunk_bytes = None if args.chunk_mib is None else int(args.chunk_mib * 2**20)  # finite, in range: parsed so
+    overrides = {k: v for k, v in (("layout", args.layout), ("chunk_bytes", chunk_bytes)) if v is not None}
     try:
         storage = StorageOptions(**overrides)
     except (ValueError, TypeError) as e:  # StorageOptions' own checks
@@ -134,6 +137,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace, to: str, storage_overrides: bool) -> "ConvertReport":
     """``convert --to safetensors`` / ``--to dcp`` / ``--to megatron`` (lightning_distckpt.export)."""
     from ..export import export_dcp, export_megatron, export_safetensors, parse_size
+    from ..export.safetensors_out import DEFAULT_MAX_SHARD_SIZE
 
     if storage_overrides:
         raise UsageError(f"--layout / --chunk-mib apply to checkpoint outputs, not to --to {to}")
@@ -141,10 +145,10 @@ def _export(args: argparse.Namespace, to: str, storage_overrides: bool) -> "Conv
         return export_dcp(args.source, args.destination)
     if to == "megatron":
         return export_megatron(args.source, args.destination)
-    try:
-        size = parse_size(args.max_shard_size or "5GB")
+    try:  # the Python API's parser: a size string (its messages name max_shard_size)
+        size = parse_size(args.max_shard_size if args.max_shard_size is not None else DEFAULT_MAX_SHARD_SIZE)
     except CheckpointingError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"--max-shard-size: {e}") from None
     return export_safetensors(args.source, args.destination, max_shard_size=size)
 
 
@@ -174,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint directory or s3://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--verbose", "-v", action="store_true", help="print each key as it is checked (stderr)")
-    p.add_argument("--max-inflight-mib", type=int, default=256, help="bytes read at once per shard (default 256 MiB)")
+    p.add_argument("--max-inflight-mib", type=int_in(1, MAX_INFLIGHT_MIB), default=256, metavar="MIB",
+                   help="bytes read at once per shard (default 256 MiB)")
     p.add_argument("--require-checksums", action="store_true",
                    help="a checkpoint written before checksums (format 1 or 2) is damage (exit status 1), "
                    "not a warning")
@@ -200,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "directory, megatron: a Megatron-Core torch_dist directory")
     p.add_argument("--max-shard-size", help="--to safetensors: bytes per file, e.g. 5GB (default), 500MiB")
     p.add_argument("--layout", choices=["ocdbt", "zarr"], help="storage layout of a checkpoint output")
-    p.add_argument("--chunk-mib", type=float, help="chunk size of a checkpoint output, MiB")
+    p.add_argument("--chunk-mib", type=float_in(CHUNK_MIB[0], CHUNK_MIB[1], low_inclusive=True), metavar="MIB",
+                   help=f"chunk size of a checkpoint output, MiB (from {CHUNK_MIB[0]:g}, 1 KiB, to {CHUNK_MIB[1]}, 1 TiB)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 

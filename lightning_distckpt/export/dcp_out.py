@@ -32,8 +32,8 @@ from ..core.errors import CheckpointingError
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats import KeyMap
 from ..storage.safe_pickle import write_file_durable
-from .tensors import (LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, add_meta_placeholders, export_tensors,
-                      open_source, read_whole)
+from .tensors import (LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, add_meta_placeholders, export_arguments,
+                      export_tensors, open_source, read_whole)
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
     returning None) tensors by their export name. Returns a :class:`ConvertReport` (kind ``"dcp"``).
     """
     t0 = time.perf_counter()
-    out = os.path.abspath(os.fspath(out_dir))
+    out = export_arguments(out_dir, key_map, extra_safe_globals)
     source = open_source(checkpoint, out)
     tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix=f"{MODULE_ENTRY}.")
     state: Dict[str, Any] = _common_entries(source, extra_safe_globals)

@@ -28,7 +28,7 @@ from ..reading.formats import KeyMap
 from ..reading.formats.megatron import COMMON_NAME, CONFIG_NAME, TORCH_DIST, unique_key
 from ..storage.safe_pickle import dumps, loads
 from .dcp_out import write_dcp_dir
-from .tensors import LIGHTNING_MANIFEST_KEY, add_meta_placeholders, export_tensors, open_source
+from .tensors import LIGHTNING_MANIFEST_KEY, add_meta_placeholders, export_arguments, export_tensors, open_source
 
 MEGATRON_CONFIG = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1,
                    "common_backend": "torch", "common_backend_version": 1}
@@ -62,7 +62,7 @@ def export_megatron(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
     returning None) tensors by their export name. Returns a :class:`ConvertReport` (kind ``"megatron"``).
     """
     t0 = time.perf_counter()
-    out = os.path.abspath(os.fspath(out_dir))
+    out = export_arguments(out_dir, key_map, extra_safe_globals)
     source = open_source(checkpoint, out)
     tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix="")
     state: Dict[str, Any] = _objects(source, extra_safe_globals)

@@ -8,8 +8,10 @@ single tensor is larger). Which tensors go in which file, and which rank writes 
 function of the sorted names and sizes (:func:`plan_files`, :func:`assign_files`), the same on every
 rank; inside a process group each rank writes its own files, ``Comm.agree`` confirms that all were
 written, and rank 0 writes the index last. Each file appears atomically (temporary name, fsync,
-rename). Shard files of an earlier export in the directory that the new one does not name are
-removed after the index is written; a reader during the export may see a mix of old and new files.
+rename). Only files this library wrote are replaced or removed (:mod:`.hf_owned`: our files and
+index carry a mark): another model's file in the way is an ArgumentError, before anything is
+written. Our files of an earlier export that the new one does not name are removed after the index
+is written; a reader during the export may see a mix of old and new files.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import os
 import re
 import time
+from decimal import Decimal
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -28,20 +31,18 @@ import torch.distributed as dist
 
 from ..comm import get_comm
 from ..convert import ConvertReport
-from ..core.errors import ArgumentError, CheckpointingError
+from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from ..reading.formats import KeyMap
 from ..storage.commit import fsync_dir
-from .tensors import ExportTensor, export_tensors, open_source, read_whole
+from .hf_owned import FILE_METADATA, INDEX_FILE, SHARD_NAME, SINGLE_FILE, index_json, plan_replace
+from .tensors import ExportTensor, export_arguments, export_tensors, open_source, read_whole
 
 logger = logging.getLogger(__name__)
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Tensors read per read call: reading costs transient buffers of about the bytes in flight on top
 # of the shard being assembled (measured: about 2x with tensorstore's decoding), so read in runs.
 READ_BATCH_BYTES = 32 << 20
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
@@ -59,18 +60,27 @@ class ShardFile:
         return sum(t.nbytes for t in self.tensors)
 
 
+def _replaced_name(name: str) -> bool:
+    """An entry of the output directory an export may replace or remove."""
+    return name in (SINGLE_FILE, INDEX_FILE) or SHARD_NAME.fullmatch(name) is not None
+
+
 def parse_size(size: Union[int, str]) -> int:
     """Bytes of ``size``: an int, or a string as Hugging Face writes them (``"5GB"`` = 5e9 bytes,
-    ``"500MiB"`` = 500 * 2**20, ``"1000"`` = 1000 bytes)."""
-    if isinstance(size, int) and not isinstance(size, bool):
+    ``"500MiB"`` = 500 * 2**20, ``"1000"`` = 1000 bytes). Anything else is an ArgumentTypeError, a
+    string that is no size or a size below one byte an ArgumentError (all naming ``max_shard_size``)."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ArgumentTypeError(f"max_shard_size must be an int of bytes or a str such as '5GB', "
+                                f"got {type(size).__name__}")
+    if isinstance(size, int):
         n = size
     else:
-        m = _SIZE.fullmatch(str(size))
+        m = _SIZE.fullmatch(size)
         if m is None:
             raise ArgumentError(f"max_shard_size {size!r}: not a size (an int of bytes, or e.g. '5GB', '500MiB')")
-        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+        n = int(Decimal(m.group(1)) * _UNITS[(m.group(2) or "").upper()])  # exact: no float overflow
     if n <= 0:
-        raise ArgumentError(f"max_shard_size {size!r}: must be positive")
+        raise ArgumentError(f"max_shard_size {size!r}: must be at least one byte")
     return n
 
 
@@ -153,22 +163,23 @@ def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile]) -> None:
             tensors.update(read_whole(source, batch, reader))
         try:
             _write_atomic(os.path.join(out_dir, f.name),
-                          functools.partial(save_file, tensors, metadata={"format": "pt"}))
+                          functools.partial(save_file, tensors, metadata=FILE_METADATA))
         except OSError as e:
             raise CheckpointingError(f"{os.path.join(out_dir, f.name)}: cannot write ({e})") from e
         logger.debug("wrote %s: %d tensor(s), %d bytes", f.name, len(f.tensors), f.nbytes)
 
 
-def _write_index(out_dir: str, files: Sequence[ShardFile]) -> None:
-    """Rank 0, after every file is written: the index (when sharded), then stale files removed."""
-    names = {f.name for f in files}
+def _output_names(files: Sequence[ShardFile]) -> List[str]:
+    """The names an export of ``files`` writes: the files, and the index when there are several."""
+    return [f.name for f in files] + ([INDEX_FILE] if len(files) > 1 else [])
+
+
+def _write_index(out_dir: str, files: Sequence[ShardFile], stale: Sequence[str]) -> None:
+    """Rank 0, after every file is written: the index (when sharded), then our ``stale`` files of an
+    earlier export removed (:func:`~.hf_owned.plan_replace` found them before anything was written)."""
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(f.nbytes for f in files)},
-                 "weight_map": {t.name: f.name for f in files for t in f.tensors}}
-        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        text = index_json(sum(f.nbytes for f in files), {t.name: f.name for f in files for t in f.tensors})
         _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: _write_text(tmp, text))
-    stale = [n for n in os.listdir(out_dir) if n not in names and
-             (_SHARD_NAME.fullmatch(n) or n == SINGLE_FILE or (n == INDEX_FILE and len(files) == 1))]
     for n in sorted(stale, key=lambda n: n != INDEX_FILE):  # an old index first: it names old files
         os.remove(os.path.join(out_dir, n))
         logger.info("%s: removed %s of an earlier export", out_dir, n)
@@ -189,19 +200,24 @@ def export_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int,
     Returns the same :class:`ConvertReport` (kind ``"safetensors"``) on every rank.
     """
     t0 = time.perf_counter()
+    out = export_arguments(out_dir, key_map, extra_safe_globals)
     comm = get_comm(process_group)
-    out = os.path.abspath(os.fspath(out_dir))
     error: Optional[BaseException] = None
     files: List[ShardFile] = []
+    stale: List[str] = []
     digest = ""
+    source_path = ""
     try:
         limit = parse_size(max_shard_size)
-        source = open_source(checkpoint, out)
+        # an input inside out_dir is safe unless it is a file this export replaces or removes
+        source = open_source(checkpoint, out, replaced=_replaced_name)
+        source_path = source.path
         tensors = export_tensors(source, key_map, extra_safe_globals)
         if not tensors:
             raise CheckpointingError(f"checkpoint {source.path}: no tensors to export to {out}")
         files = plan_files(tensors, limit)
         digest = _plan_digest(files)
+        stale = sorted(plan_replace(out, _output_names(files)))  # nothing but our own files replaced
         os.makedirs(out, exist_ok=True)
         writers = assign_files(files, comm.size)
         _write_files(source, out, [f for f, w in zip(files, writers) if w == comm.rank])
@@ -214,10 +230,10 @@ def export_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int,
     error = None
     if comm.rank == 0:
         try:
-            _write_index(out, files)
+            _write_index(out, files, stale)
         except OSError as e:
             error = CheckpointingError(f"{out}: cannot write {INDEX_FILE} ({e})")
     comm.agree(f"export_safetensors to {out}: writing the index", error)
     total = sum(f.nbytes for f in files)
-    return ConvertReport(os.path.abspath(os.fspath(checkpoint)), out, "safetensors",
+    return ConvertReport(source_path, out, "safetensors",
                          sum(len(f.tensors) for f in files), 0, total, time.perf_counter() - t0)

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..core.arguments import require_globals, require_key_map
 from ..core.errors import CheckpointingError, FormatError
 from ..core.mapping import ShardedTensor
 from ..reading.checkpoint import CheckpointSource, OpenedCheckpoint, open_checkpoint
@@ -27,6 +28,8 @@ from ..reading.formats import KeyMap
 from ..reading.formats.tensor_files import map_key
 from ..reading.reads import read_tensors
 from ..storage.base import ShardReader
+from ..storage.outputs import Replaced, check_output
+from ..storage.paths import local_path
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +53,23 @@ class ExportTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def open_source(checkpoint: Any, destination: str) -> CheckpointSource:
-    """The checkpoint to export, opened (a missing path, or the destination itself, is a
-    CheckpointingError naming it)."""
-    path = os.fspath(checkpoint)
+def export_arguments(out_dir: Any, key_map: Any, extra_safe_globals: Any) -> str:
+    """The absolute path of the output directory ``out_dir``, after checking the arguments every
+    export takes (ArgumentTypeError / ArgumentError naming the one that is wrong)."""
+    require_key_map(key_map)
+    require_globals(extra_safe_globals)
+    return os.path.abspath(local_path(out_dir, "out_dir"))
+
+
+def open_source(checkpoint: Any, destination: str, replaced: Replaced = None) -> CheckpointSource:
+    """The checkpoint to export, opened. A missing path is a CheckpointingError naming it; a
+    ``destination`` that is or lies inside it, or a destination that holds it and replaces it
+    (``replaced``: which of its entries the export replaces, None for all) an ArgumentError
+    (:func:`~lightning_distckpt.storage.outputs.check_output`), raised before anything is written."""
+    path = local_path(checkpoint, "checkpoint")
     if not os.path.exists(path):
         raise CheckpointingError(f"{path}: no such checkpoint file or directory")
-    if os.path.realpath(path) == os.path.realpath(destination):
-        raise CheckpointingError(f"{path}: is also the export's destination; export elsewhere")
+    check_output(destination, [("checkpoint", path)], "export destination", replaced)
     return open_checkpoint(path)
 
 

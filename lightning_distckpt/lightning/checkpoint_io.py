@@ -35,6 +35,7 @@ from ..serialization import save as dist_save
 from ..reading.checkpoint import CheckpointSource, open_checkpoint
 from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, Loader, TwoStageDataParallelLoader, resolve_loader
 from ..storage.s3_url import is_s3_url
+from ..storage.paths import checkpoint_location
 from ..storage.s3_versions import remove_checkpoint as remove_s3_checkpoint
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
@@ -94,7 +95,7 @@ class DistCheckpointIO(CheckpointIO):
         """
         self.wait()
         storage = self._storage(storage_options)
-        target = os.fspath(path)
+        target = checkpoint_location(path, "path")
         tree = plain_to_sharded(checkpoint)
         tree[MANIFEST_KEY] = manifest(tree, KIND_PLAIN)
         if self.config.async_save:
@@ -109,7 +110,7 @@ class DistCheckpointIO(CheckpointIO):
         in its place; tensors land on the CPU unless ``map_location`` (a device or str) says otherwise.
         A ``torch.save`` file (a stock Lightning ``.ckpt``) is read as it is, safely (``weights_only``)."""
         self.wait()
-        target = os.fspath(path)
+        target = checkpoint_location(path, "path")
         kind: Optional[str] = None
         if os.path.isfile(target):  # a stock Lightning / Fabric torch.save file, read safely
             state = load_file(target, self.extra_safe_globals)
@@ -141,7 +142,7 @@ class DistCheckpointIO(CheckpointIO):
         """The checkpoint at ``path`` opened for one restore (its metadata parsed now, once; a
         ``torch.save`` file unpickled once), to pass to :meth:`load_sharded` after checking what it
         holds: its common state is read once too."""
-        target = os.fspath(path)
+        target = checkpoint_location(path, "path")
         opened = open_torch_file(target, self.extra_safe_globals)
         if opened is not None:  # the tensors' typed paths, which a re-keyed template needs, come with it
             return RestoreSource(*opened)
@@ -150,7 +151,7 @@ class DistCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target); an
         ``s3://`` checkpoint: its commit marker, then its versions (``ModelCheckpoint``'s top-k)."""
-        target = os.fspath(path)
+        target = checkpoint_location(path, "path")
         if self._pending is not None:
             self._deferred_removals.append(target)
             logger.debug("removal of %s deferred until the background save commits", target)
@@ -181,9 +182,9 @@ class DistCheckpointIO(CheckpointIO):
         if self.config.async_save:
             # The core returns a request; finalize() (collective) runs before the next save/load/teardown,
             # so every rank reaches it at the same point of the training.
-            self._pending = dist_save(sharded_state_dict, os.fspath(path), async_save=self._async_saver(), **kwargs)
+            self._pending = dist_save(sharded_state_dict, path, async_save=self._async_saver(), **kwargs)
         else:
-            dist_save(sharded_state_dict, os.fspath(path), **kwargs)
+            dist_save(sharded_state_dict, path, **kwargs)
 
     def load_sharded(self, template: Dict[str, Any], path: Union[str, "os.PathLike[str]", CheckpointSource],
                      process_group: Optional[dist.ProcessGroup] = None,
@@ -204,7 +205,7 @@ class DistCheckpointIO(CheckpointIO):
         if isinstance(path, CheckpointSource):
             loaded = load_from_source(template, path, process_group, handling, self.extra_safe_globals, loader)
         else:
-            out = dist_load(template, os.fspath(path), process_group=process_group, strict=handling,
+            out = dist_load(template, path, process_group=process_group, strict=handling,
                             extra_safe_globals=self.extra_safe_globals, loader=loader)
             loaded = out[0] if isinstance(out, tuple) else out
         return merge(fallback, loaded) if isinstance(fallback, dict) else loaded

@@ -17,7 +17,6 @@ from .. import convert
 from ..convert import ConvertReport
 from ..core.errors import FormatError
 from ..serialization import load_common_state_dict
-from ..storage.paths import checkpoint_location, local_path
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
 from .checkpoint_io import FOREIGN_ADVICE, DistCheckpointIO, foreign_writer
@@ -29,16 +28,17 @@ def export_torch_file(source: str, destination: str, extra_safe_globals: Sequenc
     (Trainer or Fabric) checkpoint as the dict it was saved from, each tensor whole (report kind
     ``"lightning"``); any other as :func:`lightning_distckpt.convert.export_torch_file` writes it."""
     t0 = time.perf_counter()
+    source, destination = convert.check_export(source, destination, extra_safe_globals)  # never over the source
     common = load_common_state_dict(source, extra_safe_globals)
     if not (isinstance(common, dict) and MANIFEST_KEY in common):
-        if os.path.isfile(os.path.join(os.fspath(source), ".metadata")):  # DCP: not ours to export
+        if os.path.isfile(os.path.join(source, ".metadata")):  # DCP: not ours to export
             raise FormatError(f"checkpoint {source} was written {foreign_writer(source)}. {FOREIGN_ADVICE}")
         return convert.export_torch_file(source, destination, extra_safe_globals)
     # dict(): a fabric.save checkpoint is read as a FabricCheckpoint; the file holds a plain dict.
     payload = dict(DistCheckpointIO(extra_safe_globals=extra_safe_globals).load_checkpoint(source))
     nbytes = convert.save_file_atomic(payload, destination)
     n_tensors = sum(1 for _ in iter_tensor_leaves(payload))
-    return ConvertReport(checkpoint_location(source), os.path.abspath(destination), "lightning", n_tensors, 0, nbytes,
+    return ConvertReport(source, destination, "lightning", n_tensors, 0, nbytes,
                          time.perf_counter() - t0)
 
 
@@ -54,10 +54,11 @@ def import_torch_file(source: str, destination: str, storage: StorageOptions = S
     ``DistCheckpointIO.load_checkpoint`` and ``load_lightning_module`` read back (report kind ``"tree"``).
     """
     t0 = time.perf_counter()
-    payload = load_file(local_path(source, "input file"), extra_safe_globals)
+    source, destination = convert.check_import(source, destination, storage, extra_safe_globals)
+    payload = load_file(source, extra_safe_globals)
     if not isinstance(payload, dict) or convert.is_export_payload(payload):
         return convert.import_export_payload(payload, source, destination, storage, t0)
     DistCheckpointIO().save_checkpoint(payload, destination, storage_options=storage)
     n_tensors = sum(1 for _, t in iter_tensor_leaves(payload) if t.ndim > 0)
-    return ConvertReport(os.path.abspath(source), checkpoint_location(destination), "tree", n_tensors, 0,
+    return ConvertReport(source, destination, "tree", n_tensors, 0,
                          convert.directory_bytes(destination), time.perf_counter() - t0)

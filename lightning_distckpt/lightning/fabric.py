@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
+from ..storage.paths import checkpoint_location
 from .checkpoint_io import RestoreSource, foreign_writer
 from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
                       restore_optimizer)
@@ -103,7 +104,7 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
             return tree
 
-        tree = build_on_all_ranks(f"save to {os.fspath(path)}", build)
+        tree = build_on_all_ranks(f"save to {checkpoint_location(path, 'path')}", build)
         self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, state: Optional[Union[Module, Optimizer, Dict[str, Any]]] = None,
@@ -112,7 +113,7 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         beyond ``state``. ``strict=False`` skips entries missing from the checkpoint (keeping their
         current values), per the configured handling otherwise. Without ``state``: the whole
         checkpoint, each tensor whole, read by this process alone."""
-        target = os.fspath(path)
+        target = checkpoint_location(path, "path")
         if not state:
             return self.checkpoint_io.load_checkpoint(target)
         if isinstance(state, (Module, Optimizer)):

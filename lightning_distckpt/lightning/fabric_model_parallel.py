@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from ..core.dtensors import restore_dtensor
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
+from ..storage.paths import checkpoint_location
 from .checkpoint_io import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .model_parallel import Path, is_lightning_dcp, put_value, refusal, shard_tree, value_at
@@ -79,7 +80,7 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """Collective save of ``state``: modules and optimizers sharded, the rest common state."""
-        target = os.fspath(self.broadcast(os.fspath(path)))
+        target = os.fspath(self.broadcast(checkpoint_location(path, "path")))
         filter = filter or {}
 
         def build() -> Dict[str, Any]:
@@ -108,7 +109,7 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
         """Collective load into the modules and optimizers of ``state`` (in place, any mesh); returns
         what the checkpoint holds beyond ``state``. Without ``state``: the whole checkpoint, each
         tensor whole, read by this process alone."""
-        target = os.fspath(self.broadcast(os.fspath(path)))
+        target = os.fspath(self.broadcast(checkpoint_location(path, "path")))
         if not state:
             return self.checkpoint_io.load_checkpoint(target)
         if isinstance(state, (Module, Optimizer)):

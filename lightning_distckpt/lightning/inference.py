@@ -18,6 +18,7 @@ from torch import nn
 
 from ..core.errors import CheckpointingError
 from ..core.strict import StrictHandling
+from ..storage.paths import checkpoint_location
 from ..reading.formats import KeyMap, detect
 from ..reading.loaders import EveryRankLoader
 from .checkpoint_io import LOCAL, DistCheckpointIO
@@ -84,7 +85,7 @@ def load_module_weights(
     For our directories, ``entry`` names where the module's state sits: ``"state_dict"`` for Trainer
     checkpoints, the state key (e.g. ``"model"``) for ``fabric.save(path, {"model": model, ...})``.
     """
-    path = os.fspath(checkpoint)
+    path = checkpoint_location(checkpoint, "checkpoint")
     source = detect(path, key_map if key_map is not None else _entry_key_map(entry), extra_safe_globals)
     if source is not None:
         return _load_shards(module, source, strict, extra_safe_globals)

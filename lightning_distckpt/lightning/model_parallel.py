@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
+from ..storage.paths import checkpoint_location
 from .checkpoint_io import RestoreSource, fabric_writer, foreign_writer
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .sharded import build_on_all_ranks, describe_source
@@ -139,7 +140,7 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank saves its shards of the model and optimizer state; the rest of
         ``checkpoint`` is common state."""
-        path = os.fspath(self.broadcast(os.fspath(filepath)))
+        path = os.fspath(self.broadcast(checkpoint_location(filepath, "filepath")))
 
         def build() -> Dict[str, Any]:
             tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -156,7 +157,7 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
         """Collective: every rank reads its shards into its parameters and optimizer state (under
         any mesh) and the common state. ``weights_only`` is accepted for the signature: loading is
         always safe."""
-        path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))
+        path = os.fspath(self.broadcast(checkpoint_location(checkpoint_path, "checkpoint_path")))
         assert self.model is not None and self.lightning_module is not None
         extra = self.checkpoint_io.extra_safe_globals
         dcp = self.checkpoint_io.open_source(path) if is_lightning_dcp(path) else None

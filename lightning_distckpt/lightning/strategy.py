@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ..core.errors import CheckpointingError
+from ..storage.paths import checkpoint_location
 from .checkpoint_io import FOREIGN_ADVICE, RestoreSource, fabric_writer, foreign_writer
 from .parallel import STRATEGY_NAME
 from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
@@ -132,14 +133,14 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
             tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
             return tree
 
-        tree = build_on_all_ranks(f"save to {os.fspath(filepath)}", build)
+        tree = build_on_all_ranks(f"save to {checkpoint_location(filepath, 'filepath')}", build)
         self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Collective: every rank reads its shards (in place into its parameters and optimizer state)
         and the common state, the checkpoint opened once. ``weights_only`` is accepted for the
         signature: loading is always safe."""
-        path = os.fspath(checkpoint_path)
+        path = checkpoint_location(checkpoint_path, "checkpoint_path")
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         restore_optimizers = fitting and self.lightning_restore_optimizer

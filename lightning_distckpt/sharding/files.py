@@ -13,6 +13,7 @@ from ..comm import get_comm
 from ..core.errors import ArgumentError, CheckpointingError, FormatError
 from ..reading.formats.detect import HF_INDEXES, HF_SINGLE_FILES, open_tensor_files
 from ..reading.formats.files import TorchFile
+from ..storage.paths import local_path
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def load_state_dict(checkpoint_file: Union[str, os.PathLike], device_map: Option
     that never comes.
     """
     comm = get_comm()
-    path = os.fspath(checkpoint_file)
+    path = local_path(checkpoint_file, "checkpoint_file")
     state: Dict[str, torch.Tensor] = {}
     error: Optional[BaseException] = None
     if comm.rank == 0:

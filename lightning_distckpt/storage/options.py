@@ -51,10 +51,14 @@ class StorageOptions:
     s3_retries: int = 4
 
     def __post_init__(self) -> None:
+        for name in ("chunk_bytes", "io_concurrency", "data_file_bytes", "pack_max_bytes", "s3_retries"):
+            value = getattr(self, name)  # a float, str or bool would fail below as a TypeError, or pass
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"unknown storage layout {self.layout!r}; choose one of {LAYOUTS}")
-        if self.chunk_bytes < 1024:
-            raise ConfigError(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
+        if not 1024 <= self.chunk_bytes <= _MAX_CHUNK_BYTES:  # readers refuse larger chunks (from_json)
+            raise ConfigError(f"chunk_bytes must be in [1024, {_MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
         if self.io_concurrency < 1:
             raise ConfigError(f"io_concurrency must be >= 1, got {self.io_concurrency}")
         if self.data_file_bytes < 1024:

@@ -21,7 +21,7 @@ import re
 import stat
 from typing import NamedTuple, Union
 
-from ..core.errors import ArgumentError, FormatError
+from ..core.errors import ArgumentError, ArgumentTypeError, FormatError
 from .s3_url import is_s3_url, parse_s3_url
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -29,14 +29,28 @@ PathLike = Union[str, "os.PathLike[str]"]
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
-def local_path(path: PathLike, what: str = "checkpoint") -> str:
-    """``path`` as a string, refused with ArgumentError when it is a URL rather than a local path."""
+def _path_text(path: PathLike, what: str) -> str:
+    """``path`` as a str: a str, an ``os.PathLike`` or bytes (decoded with ``os.fsdecode``, as the
+    OS does); anything else is an ArgumentTypeError, an empty path or one with a NUL character an
+    ArgumentError, each naming ``what`` (the argument)."""
     try:
         text = os.fspath(path)
     except TypeError:
-        raise ArgumentError(f"{what} path must be a str or os.PathLike, got {type(path).__name__}") from None
+        raise ArgumentTypeError(f"{what} must be a path (a str or os.PathLike[str]; bytes are decoded), "
+                                f"got {type(path).__name__}") from None
     if isinstance(text, bytes):
         text = os.fsdecode(text)
+    if not text:
+        raise ArgumentError(f"{what}: the path is empty (give a directory or file name)")
+    if "\0" in text:
+        raise ArgumentError(f"{what} {text!r}: a path cannot hold a NUL character")
+    return text
+
+
+def local_path(path: PathLike, what: str = "checkpoint") -> str:
+    """``path`` as a string (see :func:`_path_text`: the one check of every path argument), refused
+    with ArgumentError when it is a URL rather than a local path."""
+    text = _path_text(path, what)
     if _SCHEME.match(text):
         raise ArgumentError(
             f"{what} {text}: URLs are not supported (no object-store backend yet); give a local or "
@@ -46,14 +60,15 @@ def local_path(path: PathLike, what: str = "checkpoint") -> str:
     return text
 
 
-def checkpoint_location(path: PathLike) -> str:
+def checkpoint_location(path: PathLike, what: str = "checkpoint") -> str:
     """Where a checkpoint is: an ``s3://`` URL normalized, else the local path made absolute (other
-    URLs refused, see :func:`local_path`). Decided by the path alone, so every rank decides alike
-    (credentials, which may differ by rank, are checked where failures are agreed)."""
-    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    URLs refused, see :func:`local_path`; ``what`` names the argument in errors). Decided by the
+    path alone, so every rank decides alike (credentials, which may differ by rank, are checked
+    where failures are agreed)."""
+    text = _path_text(path, what)
     if is_s3_url(text):
         return parse_s3_url(text).url
-    return os.path.abspath(local_path(path))
+    return os.path.abspath(local_path(text, what))
 
 
 def refuse_link(path: str, what: str) -> os.stat_result:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..comm import Comm, get_comm
 from ..core.errors import SaveFailedError
 from ..storage.base import ShardWrite
+from ..storage.paths import checkpoint_location
 from ..storage.tensorstore_io import StorageOptions
 from .save import LocalWrite, PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
 
@@ -163,7 +164,7 @@ class AsyncSaver:
         t0 = time.perf_counter()
         comm = comm if comm is not None else get_comm(process_group)
         prep = prepare_save(
-            sharded_state_dict, os.fspath(checkpoint_dir), comm,
+            sharded_state_dict, checkpoint_location(checkpoint_dir, "checkpoint_dir"), comm,
             validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
             options=storage or StorageOptions(), plan_cache=self.plan_cache,
         )
