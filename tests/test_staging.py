@@ -99,15 +99,17 @@ def test_next_save_warns_about_the_leftover_and_commits_no_owner_notes(tmp_path,
     assert clean(capsys, target, "--older-than", "0")[os.path.basename(staging)]["action"] == "removed"
 
 
-def test_committed_checkpoint_whose_rename_was_interrupted_is_kept_with_the_recovery_command(tmp_path, capsys):
+def test_committed_checkpoint_whose_rename_was_interrupted_is_renamed_into_place(tmp_path, capsys):
     target = tmp_path / "ck"
     ldc.save(good_state(), target)
     stranded = new_staging_dir(str(target))
     os.rename(target, stranded)  # the state a crash between the commit's two renames leaves
+    dry = clean(capsys, tmp_path, "--older-than", "0", "--dry-run")[os.path.basename(stranded)]
+    assert dry["action"] == "would recover" and dry["committed"] and f"mv {stranded} {target}" in dry["reason"]
+    assert os.path.isdir(stranded) and not os.path.exists(target)
     action = clean(capsys, tmp_path, "--older-than", "0")[os.path.basename(stranded)]
-    assert action["action"] == "kept" and action["committed"]
-    assert f"mv {stranded} {target}" in action["reason"]
-    os.rename(stranded, target)  # what the message says to do
+    assert action["action"] == "recovered" and action["committed"]
+    assert not os.path.exists(stranded)
     assert torch.equal(ldc.load_plain_tensors(target)["w"], torch.arange(4096.0))
 
 
@@ -131,7 +133,6 @@ def test_loading_a_link_to_a_save_that_never_committed_names_the_good_checkpoint
     assert f"committed checkpoints in {tmp_path}, newest first: step=2.ckpt" in msg
     assert main(["inspect", str(tmp_path / "last.ckpt")]) == 2
     assert "step=2.ckpt" in capsys.readouterr().err
-    # a committed copy stranded by an interrupted rename is named too
+    # a committed copy stranded by an interrupted rename is renamed into place by the load
     os.rename(tmp_path / "step=2.ckpt", new_staging_dir(str(tmp_path / "step=2.ckpt")))
-    with pytest.raises(ldc.IncompleteCheckpointError, match=r"a committed copy is stranded at .*rename it to"):
-        ldc.load(template, tmp_path / "step=2.ckpt")
+    assert torch.equal(ldc.load(template, tmp_path / "step=2.ckpt")["w"], torch.arange(4096.0))

@@ -48,9 +48,12 @@ def _checkpoint_path(path: str) -> str:
         return path
     local_path(path)  # a URL is refused as such, not as a missing directory
     if not os.path.exists(path):
+        from ..storage.commit import recover_interrupted_commit
         from ..storage.staging import describe_missing
 
-        raise UsageError(f"{path}: {describe_missing(path)}")
+        recover_interrupted_commit(path)  # a commit killed between its two renames: finish it
+        if not os.path.exists(path):
+            raise UsageError(f"{path}: {describe_missing(path)}")
     if not os.path.isdir(path):
         raise UsageError(f"{path}: is a file, not a checkpoint directory")
     return path
@@ -188,9 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "those a running save may still use and any committed checkpoint whose rename was interrupted")
     p.add_argument("directory", help="directory holding checkpoints (or one checkpoint: its own leftovers); "
                    "s3://bucket/prefix: the versions no commit marker names, there and below")
-    p.add_argument("--older-than", type=float, default=600.0, metavar="SECONDS",
-                   help="only remove directories unchanged for this long (default 600): saves on other nodes "
-                   "cannot be seen from here")
+    p.add_argument("--older-than", type=float_in(0.0, sys.float_info.max, low_inclusive=True), default=600.0,
+                   metavar="SECONDS", help="only remove directories unchanged for this long (default 600; a finite "
+                   "number >= 0): saves on other nodes cannot be seen from here")
     p.add_argument("--dry-run", "-n", action="store_true", help="list what would be removed; remove nothing")
     p.add_argument("--json", action="store_true", help="print the actions as JSON")
     p = add_command(sub, "convert", cmd_convert,

@@ -11,7 +11,11 @@ overrides the one method the connector calls on every ``ModelCheckpoint`` (``_fi
 kept overridable for that purpose): for an ``s3://`` ``dirpath`` it lists the committed ``last*.ckpt``
 checkpoints through our own store and returns the URL of each one's commit marker, a real object
 whose modification time is its commit time. Every reader takes a marker's URL as naming its
-checkpoint. Everything else (local directories included) is ``ModelCheckpoint`` unchanged.
+checkpoint. For a local ``dirpath`` it first finishes any commit of a ``last*.ckpt`` checkpoint that
+was killed between its two renames (file systems without ``RENAME_EXCHANGE``: NFS, Lustre), which
+would otherwise leave ``last.ckpt`` missing and the run starting from scratch
+(:func:`~lightning_distckpt.storage.commit.recover_interrupted_commit`); then it is ``ModelCheckpoint``
+unchanged.
 
 Lightning's ``ModelCheckpoint`` needs ``s3fs`` for any ``s3://`` ``dirpath`` (it opens an fsspec file
 system for it), and so does the connector's lookup: ``pip install s3fs``.
@@ -19,14 +23,17 @@ system for it), and so does the connector's lookup: ``pip install s3fs``.
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Any, Set
+from typing import Any, Optional, Set
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from ..storage.commit import recover_interrupted_commit
 from ..storage.layout import COMMIT_MARKER
 from ..storage.s3_url import is_s3_url
 from ..storage.s3_versions import committed_children
+from ..storage.staging import is_staging_dir, target_of
 
 
 class DistModelCheckpoint(ModelCheckpoint):
@@ -36,8 +43,24 @@ class DistModelCheckpoint(ModelCheckpoint):
 
     def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
         dirpath = None if self.dirpath is None else str(self.dirpath)
-        if dirpath is None or not is_s3_url(dirpath):
-            return super()._find_last_checkpoints(trainer)
         last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
+        if dirpath is None or not is_s3_url(dirpath):
+            _recover_last(dirpath if dirpath is not None else self._default_dir(trainer), last)
+            return super()._find_last_checkpoints(trainer)
         return {f"{url}/{COMMIT_MARKER}" for url in committed_children(dirpath, self.CHECKPOINT_NAME_LAST)
                 if last.match(url.rsplit("/", 1)[1])}
+
+    def _default_dir(self, trainer: Any) -> Optional[str]:
+        """Where ``ModelCheckpoint`` saves when no ``dirpath`` was given (its own private resolution)."""
+        resolve = getattr(self, "_ModelCheckpoint__resolve_ckpt_dir", None)
+        return None if resolve is None or trainer is None else str(resolve(trainer))
+
+
+def _recover_last(dirpath: Optional[str], last: "re.Pattern[str]") -> None:
+    """Finish the interrupted commits of the ``last*.ckpt`` checkpoints missing from ``dirpath``
+    (each rank may do so at once: the recovery is atomic renames, no collectives)."""
+    if dirpath is None or not os.path.isdir(dirpath):
+        return
+    targets = {target_of(os.path.join(dirpath, n)) for n in os.listdir(dirpath) if is_staging_dir(n)}
+    for target in sorted(t for t in targets if last.match(os.path.basename(t)) and not os.path.lexists(t)):
+        recover_interrupted_commit(target)

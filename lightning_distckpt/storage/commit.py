@@ -10,20 +10,48 @@ import ctypes
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
-from typing import Optional
+import signal
+from typing import List, NamedTuple, Optional, Tuple
 
 from ..core.errors import CheckpointingError
 from . import s3
 from .checksums import sha256_hex
 from .layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, is_our_committed_checkpoint
 from .options import StorageOptions
+from .paths import read_inside
 from .s3_url import is_s3_url
 from .safe_pickle import write_file_durable
-from .staging import remove_owner_notes
+from .staging import STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes, target_of
 
 _RENAME_EXCHANGE = 2
+logger = logging.getLogger(__name__)
+# For tests, and for file systems whose renameat2(RENAME_EXCHANGE) misbehaves: replace a checkpoint
+# with two renames (target aside, staging in), as on NFS and Lustre where the exchange is missing.
+NO_EXCHANGE_ENV = "LIGHTNING_DISTCKPT_NO_RENAME_EXCHANGE"
+# For tests only: a comma-separated list of commit steps (see _step) at which the committing process
+# SIGKILLs itself (..._KILL_AT) or stops itself with SIGSTOP for the test to resume (..._STOP_AT).
+KILL_AT_ENV, STOP_AT_ENV = "LIGHTNING_DISTCKPT_TEST_KILL_AT", "LIGHTNING_DISTCKPT_TEST_STOP_AT"
+COMMIT_STEPS = ("after_metadata", "after_marker", "after_notes_removed", "after_exchange", "after_first_rename",
+                "after_rename_in", "after_cleanup")
+_SWAP_TRIES = 8  # each retry follows another process's rename (a rank recovering, a second save)
+
+
+class Recovery(NamedTuple):
+    """What :func:`recover_interrupted_commit` did: the copy it renamed into place, what it removed."""
+
+    placed: str
+    removed: Tuple[str, ...]
+
+
+def _step(name: str) -> None:
+    """Test hook: stop or kill this process at the commit step ``name`` when the environment says so."""
+    for env, sig in ((STOP_AT_ENV, signal.SIGSTOP), (KILL_AT_ENV, signal.SIGKILL)):
+        if name in os.environ.get(env, "").split(","):
+            os.kill(os.getpid(), sig)
+
 
 def check_target(target: str, options: Optional[StorageOptions] = None) -> None:
     """Refuse to replace anything but a committed checkpoint of ours or an empty directory.
@@ -34,7 +62,7 @@ def check_target(target: str, options: Optional[StorageOptions] = None) -> None:
     if is_s3_url(target):
         s3.check_target(target, options or StorageOptions())
         return
-    if not os.path.lexists(target):
+    if not os.path.lexists(target) and recover_interrupted_commit(target) is None:
         return
     if os.path.islink(target) or not os.path.isdir(target):
         raise CheckpointingError(f"checkpoint {target}: exists and is not a directory; refusing to replace it")
@@ -69,7 +97,10 @@ def fsync_tree_dirs(root: str) -> None:
 
 
 def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported (or
+    turned off by ``LIGHTNING_DISTCKPT_NO_RENAME_EXCHANGE=1``)."""
+    if os.environ.get(NO_EXCHANGE_ENV, "") not in ("", "0"):
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
@@ -89,31 +120,159 @@ def commit(staging: str, target: str, metadata_json: str, marker_json: str,
     """Write metadata and marker into ``staging`` and move it to ``target`` (rank 0 only).
 
     The marker gets the SHA-256 of ``metadata.json`` and of ``common.pt`` as written (read back from
-    the staging directory: what is verified on load is what is on disk). An ``s3://`` target:
-    ``staging`` is a version location, committed by :func:`.s3.commit`."""
+    the staging directory: what is verified on load is what is on disk). The owner notes of every
+    rank stay until the marker is durable (until then ``clean`` sees a running save; from then on a
+    committed copy, which it keeps while it is newer than the target) and are removed before the
+    rename. An ``s3://`` target: ``staging`` is a version location, committed by :func:`.s3.commit`."""
     if is_s3_url(target):
         s3.commit(staging, metadata_json, marker_json, options or StorageOptions())
         return
-    remove_owner_notes(staging)
     metadata = metadata_json.encode()
     write_file_durable(os.path.join(staging, METADATA_FILE), metadata)
     fsync_tree_dirs(staging)
+    _step("after_metadata")
     marker = json.loads(marker_json)
     marker["metadata_sha256"] = sha256_hex(metadata)
     marker["common_sha256"] = _file_sha256(os.path.join(staging, COMMON_FILE))
-    write_file_durable(os.path.join(staging, COMMIT_MARKER), json.dumps(marker).encode())
+    marker_bytes = json.dumps(marker).encode()
+    write_file_durable(os.path.join(staging, COMMIT_MARKER), marker_bytes)
     fsync_dir(staging)
-    parent = os.path.dirname(os.path.abspath(target))
-    if os.path.lexists(target):
-        check_target(target)  # re-check: something may have appeared while we wrote
-        if _exchange(staging, target):
-            shutil.rmtree(staging, ignore_errors=True)  # now holds the old checkpoint
-        else:
-            old = staging + ".old"
-            os.rename(target, old)
-            os.rename(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(staging, target)
-    fsync_dir(parent)
+    _step("after_marker")
+    remove_owner_notes(staging)
+    fsync_dir(staging)
+    _step("after_notes_removed")
+    _swap_in(staging, target, marker_bytes)
+    fsync_dir(os.path.dirname(os.path.abspath(target)))
+    _step("after_cleanup")
 
+
+_RACES = (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY)  # another process renamed first
+
+
+def _swap_in(staging: str, target: str, marker: bytes) -> None:
+    """Move the committed ``staging`` to ``target``, replacing what is there (a committed checkpoint
+    of ours or an empty directory). Another process may finish the move first
+    (:func:`recover_interrupted_commit`, run by a rank loading meanwhile): a rename that then fails
+    is fine once ``target`` holds our marker. The previous checkpoint is removed only once ours is
+    in place; on any other error it is put back."""
+    olds: List[str] = []  # where the previous checkpoint was moved aside (two-rename path)
+    for attempt in range(_SWAP_TRIES + 1):
+        if _holds_marker(target, marker):  # in place: ours, or another process finished the move
+            break
+        if attempt == _SWAP_TRIES:
+            _put_back(olds, target)
+            raise CheckpointingError(f"checkpoint {target}: could not rename {staging} into place: {target} kept "
+                                     f"changing under the commit ({_SWAP_TRIES} tries)")
+        try:
+            _swap_once(staging, target, attempt, olds)
+            break
+        except OSError as e:
+            if e.errno not in _RACES:
+                _put_back(olds, target)
+                raise
+    for old in olds:  # the previous checkpoint, moved aside (unless a recovery removed it already)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _swap_once(staging: str, target: str, attempt: int, olds: List[str]) -> None:
+    """One try at the swap: a rename where nothing is at ``target``, else renameat2(RENAME_EXCHANGE),
+    else two renames (``target`` aside to ``olds[-1]``, ``staging`` in)."""
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        _step("after_rename_in")
+        return
+    check_target(target)  # re-check: something may have appeared while we wrote
+    if _exchange(staging, target):
+        _step("after_exchange")
+        shutil.rmtree(staging, ignore_errors=True)  # now holds the old checkpoint
+        return
+    olds.append(f"{staging}.old" + (str(attempt) if attempt else ""))
+    os.rename(target, olds[-1])
+    _step("after_first_rename")
+    os.rename(staging, target)
+    _step("after_rename_in")
+
+
+def _put_back(olds: List[str], target: str) -> None:
+    """After a failed swap: the previous checkpoint back at ``target`` if nothing took its place."""
+    if olds and not os.path.lexists(target):
+        try:
+            os.rename(olds[-1], target)
+        except OSError:
+            return  # left where it is: recover_interrupted_commit finds it
+        olds.pop()
+
+
+def _holds_marker(path: str, marker: bytes) -> bool:
+    """``path`` holds the commit marker ``marker`` (our commit is in place)."""
+    try:
+        return read_inside(os.path.join(path, COMMIT_MARKER), "commit marker") == marker
+    except (OSError, CheckpointingError):
+        return False
+
+
+def _committed_copies(target: str) -> List[Tuple[float, str]]:
+    """Staging directories beside ``target`` (``.old`` copies included) holding a committed
+    checkpoint of ours, as (commit time, path), newest first."""
+    parent, name = os.path.split(target)
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    copies = []
+    for entry in names:
+        path = os.path.join(parent, entry)
+        if not is_staging_dir(entry) or os.path.basename(target_of(path)) != name or os.path.islink(path):
+            continue
+        when = commit_time(path) if os.path.isdir(path) and is_our_committed_checkpoint(path) else None
+        if when is not None:
+            copies.append((when, path))
+    return sorted(copies, reverse=True)
+
+
+def recover_interrupted_commit(target: str) -> Optional[Recovery]:
+    """Finish a commit interrupted between its two renames (file systems without
+    ``RENAME_EXCHANGE``, or a first save killed before its rename): when nothing is at ``target``
+    (or ``target`` is a link to nothing) and a staging directory beside it holds a committed
+    checkpoint of ours, the newest such copy (by its marker's ``committed_unix``) is renamed into
+    place and the previous checkpoint that commit moved aside (``.old``) is removed; a WARNING says
+    so. A copy a live process on this host is still committing is left to it.
+
+    Safe to call from several processes at once (ranks loading together): renames are atomic, the
+    losers see the target in place and return. File-system operations only, no collectives."""
+    if is_s3_url(target):
+        return None
+    path = os.path.abspath(target)
+    if os.path.islink(path):
+        path = os.path.realpath(path)  # a dangling link (save_last="link"): its checkpoint's copy
+    for _ in range(_SWAP_TRIES):
+        if os.path.lexists(path):
+            return None
+        copies = _committed_copies(path)
+        if not copies or live_owner_pids(copies[0][1]):
+            return None
+        when, best = copies[0]
+        remove_owner_notes(best)  # its commit was killed before removing them
+        try:
+            os.rename(best, path)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
+                continue  # another process moved it or put something in place: look again
+            raise
+        fsync_dir(os.path.dirname(path))
+        removed = tuple(p for t, p in copies[1:] if t <= when and _is_moved_aside(p) and _remove(p))
+        logger.warning("checkpoint %s was missing: a commit was interrupted before its rename into place; renamed "
+                       "the committed copy %s (committed at unix time %.3f) into place%s", path, best, when,
+                       f" and removed the previous checkpoint moved aside ({', '.join(removed)})" if removed else "")
+        return Recovery(best, removed)
+    return None
+
+
+def _is_moved_aside(path: str) -> bool:
+    """A previous checkpoint a commit moved aside: ``<staging>.old`` or ``<staging>.oldN``."""
+    return os.path.basename(path).rpartition(STAGING_TAG)[2].partition(".")[2].startswith("old")
+
+
+def _remove(path: str) -> bool:
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)

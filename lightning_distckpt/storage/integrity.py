@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 from ..core.errors import CheckpointingError, FormatError, not_found
 from . import s3
 from .checksums import check_sha256
+from .commit import recover_interrupted_commit
 from .layout import COMMON_FILE, DATA_DIR, MetadataFile, open_metadata, rank_dir
 from .options import StorageOptions
 from .paths import PathLike, checkpoint_location, read_inside, refuse_link, scan_tree
@@ -31,6 +32,8 @@ def open_checkpoint_metadata(checkpoint_dir: PathLike) -> MetadataFile:
     given = checkpoint_location(checkpoint_dir)
     if is_s3_url(given):
         return s3.open_metadata(given, StorageOptions())
+    if not os.path.isdir(given):
+        recover_interrupted_commit(given)  # a commit killed between its two renames: finish it
     if not os.path.isdir(given):
         raise not_found(given, describe_missing(given))
     return open_metadata(given)

@@ -94,9 +94,33 @@ def is_committed(checkpoint_dir: str) -> bool:
         os.path.join(checkpoint_dir, METADATA_FILE))
 
 
+_RANK_DIR = re.compile(r"rank_\d{5,}")
+
+
 def is_checkpoint_dir(path: str) -> bool:
-    """A directory that this library wrote (committed or not)."""
-    return os.path.isfile(os.path.join(path, METADATA_FILE)) or os.path.isdir(os.path.join(path, DATA_DIR))
+    """A directory that this library wrote (committed or not), by our own markers only: the commit
+    marker, a ``metadata.json`` naming our format, or a ``data/rank_NNNNN/`` tree. A folder that
+    merely holds a ``data/`` folder (a directory of checkpoints beside the training data, say) is not."""
+    if _is_regular_file(os.path.join(path, COMMIT_MARKER)) or _names_our_format(os.path.join(path, METADATA_FILE)):
+        return True
+    data = os.path.join(path, DATA_DIR)
+    try:
+        if os.path.islink(data) or not os.path.isdir(data):
+            return False
+        return any(_RANK_DIR.fullmatch(n) and os.path.isdir(os.path.join(data, n)) for n in os.listdir(data))
+    except OSError:
+        return False
+
+
+def _names_our_format(metadata_file: str) -> bool:
+    """``metadata_file`` is a regular file holding a JSON object whose ``format`` is ours."""
+    if not _is_regular_file(metadata_file):  # a FIFO is never opened
+        return False
+    try:
+        meta = parse_json(read_inside(metadata_file, METADATA_FILE), metadata_file)
+    except (OSError, FormatError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT_NAME
 
 
 def is_our_committed_checkpoint(path: str) -> bool:
@@ -125,7 +149,11 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
     """Read and check a committed checkpoint's metadata (never through a link inside it)."""
     given = os.path.abspath(local_path(checkpoint_dir))
     if not os.path.isdir(given):
-        raise not_found(given)
+        from .commit import recover_interrupted_commit  # commit imports this module
+
+        recover_interrupted_commit(given)  # a commit killed between its two renames: finish it
+        if not os.path.isdir(given):
+            raise not_found(given)
     path = os.path.realpath(given)
     if not is_committed(path):
         for name in (COMMIT_MARKER, METADATA_FILE):

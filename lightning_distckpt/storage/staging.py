@@ -3,30 +3,41 @@
 
 A staging directory is a hidden sibling of its target, ``.NAME.distckpt-staging-<id>`` (same file
 system, so the commit is an atomic rename). While a save writes, every rank keeps a small owner
-note in it (``.writing/rank_NNNNN.json``: host, pid, start time); the commit removes the notes, so
-a committed checkpoint never holds them. The notes let :func:`find_leftovers` tell a save that is
-still running on this host (an async save waiting to be finalized, say) from one whose process is
-gone. File-system queries only; no collectives.
+note in it (``.writing/rank_NNNNN.json``: host, pid, start time). The notes let :func:`find_leftovers`
+tell a save that is still running on this host (an async save waiting to be finalized, say) from
+one whose process is gone. The commit removes them only once its marker is durable and before the
+rename, so a staging directory is never without both (``clean`` keeps one that holds the marker
+while it is the only committed copy or newer than its target) and a committed checkpoint never
+holds notes. File-system queries only; no collectives.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import socket
+import stat
 import time
 import uuid
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
-from .layout import is_committed
+from ..core.errors import CheckpointingError
+from .layout import COMMIT_MARKER, is_committed, parse_json
+from .paths import read_inside
 
 logger = logging.getLogger(__name__)
 
 STAGING_TAG = ".distckpt-staging-"
 OWNERS_DIR = ".writing"
+_MAX_MARKER_BYTES = 1 << 20  # a commit marker is a few hundred bytes
+# Staging directories this process writes into: its own notes name its own pid, which
+# _live_owners does not count (a pid reused by a later container), yet an async save in a
+# thread of this process is as live as any.
+_OWN_STAGING: Set[str] = set()
 
 
 def new_staging_dir(target: str) -> str:
@@ -49,11 +60,15 @@ def target_of(staging: str) -> str:
 def discard(staging: Optional[str]) -> None:
     """Remove an uncommitted staging directory (after a failed save)."""
     if staging and is_staging_dir(staging):
+        _OWN_STAGING.discard(os.path.abspath(staging))
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_owner_note(staging: str, rank: int) -> None:
     """Record that this process is writing into ``staging`` (a hint for ``clean``; not fsync'd)."""
+    for gone in [p for p in _OWN_STAGING if not os.path.lexists(p)]:  # committed or discarded elsewhere
+        _OWN_STAGING.discard(gone)
+    _OWN_STAGING.add(os.path.abspath(staging))
     notes = os.path.join(staging, OWNERS_DIR)
     os.makedirs(notes, exist_ok=True)
     note = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "started_unix": time.time()}
@@ -62,8 +77,39 @@ def write_owner_note(staging: str, rank: int) -> None:
 
 
 def remove_owner_notes(staging: str) -> None:
-    """Called by the commit, before ``metadata.json`` is written: committed checkpoints hold no notes."""
+    """Called by the commit once its marker is durable, before the rename (committed checkpoints
+    hold no notes): every rank's note stays until then, so ``clean`` sees the save as running."""
+    _OWN_STAGING.discard(os.path.abspath(staging))
     shutil.rmtree(os.path.join(staging, OWNERS_DIR), ignore_errors=True)
+
+
+def live_owner_pids(staging: str) -> Tuple[int, ...]:
+    """Processes on this host writing into ``staging`` (this one included) that still run."""
+    pids = set(_live_owners(staging))
+    if os.path.abspath(staging) in _OWN_STAGING:
+        pids.add(os.getpid())
+    return tuple(sorted(pids))
+
+
+def commit_time(checkpoint_dir: str) -> Optional[float]:
+    """When the checkpoint in ``checkpoint_dir`` was committed: its marker's ``committed_unix``, or
+    the marker file's mtime where the marker records none (written once, it moves with the
+    directory). None when there is no marker as a regular file of a plausible size, or it is not a
+    JSON object."""
+    marker = os.path.join(checkpoint_dir, COMMIT_MARKER)
+    try:
+        st = os.lstat(marker)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MARKER_BYTES:
+            return None
+        data = parse_json(read_inside(marker, "commit marker"), marker)
+    except (OSError, CheckpointingError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    when = data.get("committed_unix")
+    if type(when) in (int, float) and math.isfinite(when):
+        return float(when)
+    return st.st_mtime
 
 
 def _pid_alive(pid: int) -> bool:
@@ -123,6 +169,8 @@ class Leftover:
     committed: bool  # holds a complete checkpoint (metadata.json and COMMITTED)
     live_owner_pids: Tuple[int, ...]  # processes on this host still writing into it
     link_to: Optional[str] = None  # set when the name is a symbolic link: never followed nor removed
+    # committed, and its target holds a committed checkpoint at least as new: this copy is not needed
+    superseded: bool = False
 
     @property
     def recoverable(self) -> bool:
@@ -131,16 +179,29 @@ class Leftover:
         return self.committed and self.link_to is None and not is_committed(self.target)
 
     def verdict(self, older_than_s: float) -> str:
-        """``"remove"``, or why it is kept: ``"link"``, ``"recover"``, ``"in-progress"`` or ``"recent"``."""
+        """``"remove"``, or why it is kept: ``"link"``, ``"recover"``, ``"newer"``, ``"in-progress"``
+        or ``"recent"``. A copy holding the commit marker is never removed unless its target holds a
+        committed checkpoint at least as new: it is then the only committed copy (``"recover"``), or
+        a commit that has not swapped it in yet, running or killed (``"newer"``: a newer save of the
+        target supersedes it)."""
         if self.link_to is not None:
             return "link"
-        if self.recoverable:
-            return "recover"
+        if self.committed and not self.superseded:
+            return "recover" if self.recoverable else "newer"
         if self.live_owner_pids:
             return "in-progress"
         if self.idle_s < older_than_s:
             return "recent"
         return "remove"
+
+
+def _superseded(path: str, target: str) -> bool:
+    """``target`` holds a committed checkpoint committed no earlier than the one in ``path``."""
+    mine = commit_time(path)
+    if mine is None or os.path.islink(target) or not is_committed(target):
+        return False
+    theirs = commit_time(target)
+    return theirs is not None and theirs >= mine
 
 
 def find_leftovers(parent: str, target_name: Optional[str] = None, exclude: Sequence[str] = ()) -> List[Leftover]:
@@ -163,12 +224,15 @@ def find_leftovers(parent: str, target_name: Optional[str] = None, exclude: Sequ
             continue
         if not os.path.isdir(path):
             continue
+        # Owners and the marker first: a commit that removes its notes after its marker is durable
+        # is then seen with one or the other (or both), never with neither.
+        owners, committed = live_owner_pids(path), is_committed(path)
         try:
             nbytes, newest = _size_and_newest_mtime(path)
         except OSError:  # vanished: someone else cleaned or committed it
             continue
-        found.append(Leftover(path, target, nbytes, max(0.0, now - newest), is_committed(path),
-                              tuple(_live_owners(path))))
+        found.append(Leftover(path, target, nbytes, max(0.0, now - newest), committed, owners,
+                              superseded=committed and _superseded(path, target)))
     return sorted(found, key=lambda lo: -lo.idle_s)
 
 
@@ -178,14 +242,15 @@ def warn_about_leftovers(target: str, own_staging: str) -> None:
     leftovers = [lo for lo in find_leftovers(parent, name, exclude=[own_staging]) if not lo.live_owner_pids]
     if not leftovers:
         return
-    recover = [lo for lo in leftovers if lo.recoverable]
+    kept = [lo for lo in leftovers if lo.verdict(math.inf) in ("recover", "newer")]
     logger.warning(
-        "checkpoint %s: %d staging director%s of earlier saves that never committed (%.3f GB): %s. "
+        "checkpoint %s: %d staging director%s of earlier saves that never committed or never replaced it "
+        "(%.3f GB): %s. "
         "%sRemove them with `python -m lightning_distckpt clean %s`.",
         target, len(leftovers), "y" if len(leftovers) == 1 else "ies", sum(lo.nbytes for lo in leftovers) / 1e9,
         ", ".join(os.path.basename(lo.path) for lo in leftovers),
-        f"{recover[0].path} holds a committed checkpoint missing at its target: rename it to recover it. "
-        if recover else "",
+        f"{kept[0].path} holds a committed checkpoint its commit never renamed into place; clean keeps it "
+        f"until a newer save of {name} commits. " if kept else "",
         parent,
     )
 
@@ -222,7 +287,10 @@ def describe_missing(path: str) -> str:
         stranded = [lo for lo in find_leftovers(look_in, look_for) if lo.recoverable]
     except OSError:
         stranded = []
-    if stranded:
+    if stranded and stranded[0].live_owner_pids:  # recovery leaves a running commit to finish
+        hints.append(f"a save on this host (pid {stranded[0].live_owner_pids[0]}) is committing it "
+                     f"({stranded[0].path}): try again when it returns")
+    elif stranded:
         hints.append(f"a committed copy is stranded at {stranded[0].path}: rename it to {stranded[0].target}")
     siblings = _committed_siblings(parent)
     if siblings:
