@@ -189,15 +189,18 @@ def save_file_atomic(payload: Any, destination: str) -> int:
         raise CheckpointingError(f"{destination}: is a directory; give a file name for the torch.save output")
     tmp = os.path.join(os.path.dirname(destination), f".{os.path.basename(destination)}.tmp-{os.getpid()}")
     try:
+        os.makedirs(os.path.dirname(destination), exist_ok=True)  # as the directory outputs do
         with open(tmp, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, destination)
         commit_mod.fsync_dir(os.path.dirname(destination))
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError):  # no such directory, a file in the way, permissions, a full disk
+            raise CheckpointingError(f"{destination}: cannot write the torch.save output: {e.strerror or e}") from e
         raise
     return os.path.getsize(destination)
 

@@ -31,8 +31,8 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 def _path_text(path: PathLike, what: str) -> str:
     """``path`` as a str: a str, an ``os.PathLike`` or bytes (decoded with ``os.fsdecode``, as the
-    OS does); anything else is an ArgumentTypeError, an empty path or one with a NUL character an
-    ArgumentError, each naming ``what`` (the argument)."""
+    OS does); anything else is an ArgumentTypeError, an empty path, one with a NUL character or one
+    that is not UTF-8 (which tensorstore cannot open) an ArgumentError, each naming ``what``."""
     try:
         text = os.fspath(path)
     except TypeError:
@@ -44,6 +44,10 @@ def _path_text(path: PathLike, what: str) -> str:
         raise ArgumentError(f"{what}: the path is empty (give a directory or file name)")
     if "\0" in text:
         raise ArgumentError(f"{what} {text!r}: a path cannot hold a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that os.fsdecode kept as surrogates: tensorstore takes UTF-8 only
+        raise ArgumentError(f"{what} {text!r}: the path is not valid UTF-8; rename it") from None
     return text
 
 
