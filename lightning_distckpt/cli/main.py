@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", help="--to safetensors: bytes per file, e.g. 5GB (default), 500MiB")
     p.add_argument("--layout", choices=["ocdbt", "zarr"], help="storage layout of a checkpoint output")
     p.add_argument("--chunk-mib", type=float_in(CHUNK_MIB[0], CHUNK_MIB[1], low_inclusive=True), metavar="MIB",
-                   help=f"chunk size of a checkpoint output, MiB (from {CHUNK_MIB[0]:g}, 1 KiB, to {CHUNK_MIB[1]}, 1 TiB)")
+                   help=f"chunk size of a checkpoint output, MiB (from {CHUNK_MIB[0]:g}, 1 KiB, to "
+                   f"{CHUNK_MIB[1]}, 1 TiB)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 

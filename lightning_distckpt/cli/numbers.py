@@ -38,7 +38,8 @@ def float_in(low: float, high: float, low_inclusive: bool = False) -> Callable[[
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if not (low <= value if low_inclusive else low < value) or value > high:
             bound = f"at least {low:.10g}" if low_inclusive else f"more than {low:.10g}"
-            raise argparse.ArgumentTypeError(f"{value:.10g} is out of range: give a number {bound} and at most {high:.10g}")
+            raise argparse.ArgumentTypeError(
+                f"{value:.10g} is out of range: give a number {bound} and at most {high:.10g}")
         return value
 
     parse.__name__ = "float"

@@ -169,12 +169,14 @@ def test_cli_arguments_long(world, argv, monkeypatch, capsys):
     _run_cli(world, argv)
 
 
-known_paths = st.sampled_from(places).flatmap(lambda p: st.sampled_from([p, os.fsencode(p), pathlib.Path(p) if p else p]))
+known_paths = st.sampled_from(places).flatmap(
+    lambda p: st.sampled_from([p, os.fsencode(p), pathlib.Path(p) if p else p]))
 not_paths = st.one_of(st.integers(), st.floats(), st.none(), st.booleans(), st.lists(st.text(max_size=3), max_size=2),
                       st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
 # read anywhere (relative to the test's directory); written only below it: no separator, no leading dot
 any_value = st.one_of(not_paths, known_paths, st.binary(max_size=12), st.text(max_size=12))
-output_value = st.one_of(not_paths, known_paths, st.binary(max_size=12).filter(lambda b: b"/" not in b and b[:1] != b"."),
+output_value = st.one_of(not_paths, known_paths,
+                         st.binary(max_size=12).filter(lambda b: b"/" not in b and b[:1] != b"."),
                          st.text(max_size=12).filter(lambda t: "/" not in t and t[:1] != "."))
 
 READERS = {
@@ -198,7 +200,8 @@ def _is_ck(root: str, value: Any) -> bool:
     """``value`` is a path that resolves to the checkpoint CK."""
     if not _a_path(value):
         return False
-    return os.path.realpath(os.path.join(root, os.fsdecode(os.fspath(value)))) == os.path.realpath(os.path.join(root, "CK"))
+    real = os.path.realpath(os.path.join(root, os.fsdecode(os.fspath(value))))
+    return real == os.path.realpath(os.path.join(root, "CK"))
 
 
 def _check_read(root: str, name: str, value: Any, result: Any) -> None:
