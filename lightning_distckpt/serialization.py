@@ -17,11 +17,11 @@ from .core.megatron_leaves import from_megatron_leaves
 from .core.mapping import ShardedTensor
 from .core.strict import StrictHandling
 from .planning.metadata import dtype_from_name
-from .reading.checkpoint import OpenedCheckpoint, open_checkpoint
+from .reading.checkpoint import open_checkpoint
 from .reading.formats import KeyMap
 from .reading.loaders import Loader, resolve_loader
+from .reading.plain import check_plain_loadable
 from .reading.reads import read_tensors
-from .storage.integrity import check_stored_sizes
 from .storage.paths import checkpoint_location
 from .storage.tensorstore_io import StorageOptions
 from .strategies.async_save import AsyncSaver, AsyncSaveRequest
@@ -170,11 +170,12 @@ def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:
     """key -> the whole global tensor, assembled from its shards (single process, no group needed)."""
     checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
     source = open_checkpoint(os.fspath(checkpoint_dir))
-    if isinstance(source, OpenedCheckpoint):  # whole tensors are allocated as the index says: check it first
-        check_stored_sizes(source.path, source.index)
-    template = [ShardedTensor(key=key, data=torch.empty(st.global_shape, dtype=st.dtype), dtype=st.dtype,
-                              local_shape=st.global_shape, global_shape=st.global_shape, global_offset=st.global_offset)
-                for key, st in load_tensors_metadata(checkpoint_dir).items()]
+    check_plain_loadable(source)  # whole tensors are allocated as the index says: check it first
+    template = []
+    for key, e in source.index.tensors.items():
+        shape, dtype = tuple(e.global_shape), dtype_from_name(e.dtype, key)
+        template.append(ShardedTensor(key=key, data=torch.empty(shape, dtype=dtype), dtype=dtype, local_shape=shape,
+                                      global_shape=shape, global_offset=(0,) * len(shape)))
     loaded, _ = read_tensors(source, template, set())
     return {st.key: t for st, t in zip(template, loaded)}
 

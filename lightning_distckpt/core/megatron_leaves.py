@@ -11,9 +11,10 @@ megatron-core is never imported here, and a tree without its leaves is returned 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, List, Optional
 
 from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
+from .tree_walk import fold
 
 _MEGATRON_MODULE = "megatron.core.dist_checkpointing"
 
@@ -27,17 +28,21 @@ def from_megatron_leaves(tree: Any) -> Any:
     """``tree`` with each Megatron-Core leaf replaced by ours. Containers on the way to one are
     copied (dicts as dicts of the same keys, lists as lists, tuples as tuples); a tree without
     Megatron-Core leaves is returned as it is."""
-    if isinstance(tree, dict):
-        mapped = {k: from_megatron_leaves(v) for k, v in tree.items()}
-        return mapped if any(mapped[k] is not v for k, v in tree.items()) else tree
-    if isinstance(tree, (list, tuple)):
-        items = [from_megatron_leaves(v) for v in tree]
-        if all(a is b for a, b in zip(items, tree)):
-            return tree
-        return items if isinstance(tree, list) else tuple(items)
-    if is_megatron_leaf(tree):
-        return _convert(tree)
-    return tree
+    return fold(tree, _leaf, _node)  # bounded, each container once (core/tree_walk.py)
+
+
+def _leaf(value: Any) -> Any:
+    return _convert(value) if is_megatron_leaf(value) else value
+
+
+def _node(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+    """``node`` itself when none of its children changed, else a copy holding the new ones."""
+    old = node.values() if keys is not None else node
+    if all(a is b for a, b in zip(results, old)):
+        return node
+    if keys is not None:
+        return dict(zip(keys, results))
+    return results if isinstance(node, list) else tuple(results)
 
 
 def _convert(leaf: Any) -> Any:

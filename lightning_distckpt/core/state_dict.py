@@ -1,90 +1,104 @@
-"""Walking nested state dicts: find, replace and split leaves; expand and merge factories."""
+"""Walking nested state dicts: find, replace and split leaves; expand and merge factories.
+
+Every walk goes through :mod:`.tree_walk`: iterative, depth-bounded, each container object once
+where the result does not depend on the path, cycles refused, places bounded by what is stored."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
-from .errors import ShardingError
+from .errors import FormatError, ShardingError
 from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
+from .tree_walk import MAX_DEPTH, fold, walk_paths
 
 Path = Tuple[Union[str, int], ...]
 SHARDED_TYPES = (ShardedTensor, ShardedObject, ShardedTensorFactory, LocalNonpersistentObject)
 
 
-def iter_leaves(tree: Any, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
-    """Yield ``(path, leaf)`` for every non-container leaf of nested dicts/lists/tuples."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from iter_leaves(v, path + (k,))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from iter_leaves(v, path + (i,))
-    else:
-        yield path, tree
+def iter_leaves(tree: Any, where: str = "the state dict") -> Iterator[Tuple[Path, Any]]:
+    """Yield ``(path, leaf)`` for every non-container leaf of nested dicts/lists/tuples, at every
+    path (a shared dict's leaves under each of its keys), within the bounds of :mod:`.tree_walk`."""
+    return iter(walk_paths(tree, where=where))
 
 
-def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """A copy of the containers of ``tree`` with ``fn`` applied to each leaf."""
-    if isinstance(tree, dict):
-        return {k: map_leaves(fn, v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [map_leaves(fn, v) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(map_leaves(fn, v) for v in tree)
-    return fn(tree)
+def map_leaves(fn: Callable[[Any], Any], tree: Any, where: str = "the state dict") -> Any:
+    """A copy of the containers of ``tree`` with ``fn`` applied to each leaf (a container reached
+    twice is copied once: the copy shares it as the tree did)."""
+    return fold(tree, fn, _rebuild, where=where)
 
 
-def split_common(tree: Any) -> Tuple[Any, Any]:
+def _rebuild(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+    """A plain dict, list or tuple of ``results`` in the place of ``node``."""
+    if keys is not None:
+        return dict(zip(keys, results))
+    return results if isinstance(node, list) else tuple(results)
+
+
+_EMPTY = object()  # split_common: nothing of this side here
+
+
+def split_common(tree: Any, where: str = "the state dict") -> Tuple[Any, Any]:
     """Split into ``(sharded, common)``: two trees of the same containers, each holding only its leaves.
 
     Containers left empty on one side are dropped there, so the common tree is exactly the
-    non-sharded state and merging the two gives back the original.
+    non-sharded state and merging the two gives back the original. Dicts and lists are containers
+    (a tuple is a common value as a whole; a factory's expansion is sharded state through and through).
     """
-    _EMPTY = object()
-
-    def split(node: Any) -> Tuple[Any, Any]:
-        if isinstance(node, _FactoryExpansion):
-            return node, _EMPTY  # a factory's expansion is sharded state through and through
-        if isinstance(node, dict):
-            sh, co = {}, {}
-            for k, v in node.items():
-                s, c = split(v)
-                if s is not _EMPTY:
-                    sh[k] = s
-                if c is not _EMPTY:
-                    co[k] = c
-            return (sh if sh or not node else _EMPTY), (co if co or not node else _EMPTY)
-        if isinstance(node, list):
-            # Lists keep positions: a hole is filled from the other side on merge.
-            parts = [split(v) for v in node]
-            sh = [None if s is _EMPTY else s for s, _ in parts]
-            co = [None if c is _EMPTY else c for _, c in parts]
-            has_sh = any(s is not _EMPTY for s, _ in parts)
-            has_co = any(c is not _EMPTY for _, c in parts)
-            return (sh if has_sh else _EMPTY), (co if has_co or not node else _EMPTY)
-        if isinstance(node, SHARDED_TYPES):
-            return node, _EMPTY
-        return _EMPTY, node
-
-    sh, co = split(tree)
+    sh, co = fold(tree, _split_leaf, _split_node, where=where, types=(dict, list), leaves=(_FactoryExpansion,))
     return ({} if sh is _EMPTY else sh), ({} if co is _EMPTY else co)
 
 
-def merge(base: Any, other: Any) -> Any:
-    """Merge ``other`` into ``base`` (dicts by key, lists by position); ``other`` wins on leaves."""
-    if isinstance(base, dict) and isinstance(other, dict):
-        for k, v in other.items():
-            base[k] = merge(base[k], v) if k in base else v
-        return base
-    if isinstance(base, list) and isinstance(other, list):
-        if len(base) < len(other):
-            base.extend([None] * (len(other) - len(base)))
-        for i, v in enumerate(other):
-            if v is None:
+def _split_leaf(node: Any) -> Tuple[Any, Any]:
+    return (node, _EMPTY) if isinstance(node, _SHARDED_LEAVES) else (_EMPTY, node)
+
+
+def _split_node(node: Any, keys: Optional[List[Any]], parts: List[Tuple[Any, Any]]) -> Tuple[Any, Any]:
+    if keys is not None:
+        sh, co = {}, {}
+        for k, (s, c) in zip(keys, parts):
+            if s is not _EMPTY:
+                sh[k] = s
+            if c is not _EMPTY:
+                co[k] = c
+        return (sh if sh or not node else _EMPTY), (co if co or not node else _EMPTY)
+    # Lists keep positions: a hole is filled from the other side on merge.
+    has_sh = any(s is not _EMPTY for s, _ in parts)
+    has_co = any(c is not _EMPTY for _, c in parts)
+    sh_list = [None if s is _EMPTY else s for s, _ in parts]
+    co_list = [None if c is _EMPTY else c for _, c in parts]
+    return (sh_list if has_sh else _EMPTY), (co_list if has_co or not node else _EMPTY)
+
+
+def merge(base: Any, other: Any, where: str = "the state dict") -> Any:
+    """Merge ``other`` into ``base`` (dicts by key, lists by position); ``other`` wins on leaves.
+
+    Iterative, each pair of containers merged once, at most :data:`~.tree_walk.MAX_DEPTH` deep."""
+    if not _mergeable(base, other):
+        return other
+    stack: List[Tuple[Any, Any, int]] = [(base, other, 1)]
+    done: Set[Tuple[int, int]] = set()
+    while stack:
+        b, o, depth = stack.pop()
+        if (id(b), id(o)) in done:
+            continue
+        done.add((id(b), id(o)))
+        if isinstance(b, list) and len(b) < len(o):
+            b.extend([None] * (len(o) - len(b)))
+        for k, v in (o.items() if isinstance(o, dict) else enumerate(o)):
+            if isinstance(b, list) and v is None:
                 continue
-            base[i] = merge(base[i], v) if base[i] is not None else v
-        return base
-    return other
+            mine = b.get(k, _EMPTY) if isinstance(b, dict) else b[k]
+            if mine is _EMPTY or mine is None and isinstance(b, list) or not _mergeable(mine, v):
+                b[k] = v
+            elif depth >= MAX_DEPTH:
+                raise FormatError(f"{where}: nested more than {MAX_DEPTH} containers deep (merging at {k!r}); refused")
+            else:
+                stack.append((mine, v, depth + 1))
+    return base
+
+
+def _mergeable(base: Any, other: Any) -> bool:
+    return isinstance(base, dict) and isinstance(other, dict) or isinstance(base, list) and isinstance(other, list)
 
 
 def apply_factories(tree: Any) -> Any:
@@ -110,34 +124,43 @@ class _FactoryExpansion(dict):
         self.factory = factory
 
 
-def merge_factories(tree: Any) -> Any:
-    """Fold each factory expansion (after load) back into a tensor with the factory's ``merge_fn``."""
-    if isinstance(tree, _FactoryExpansion):
-        return tree.factory.merge_fn(merge_factories(tree["__factory__"]))
-    if isinstance(tree, dict):
-        for k in list(tree):
-            tree[k] = merge_factories(tree[k])
-        return tree
-    if isinstance(tree, list):
-        for i, v in enumerate(tree):
-            tree[i] = merge_factories(v)
-        return tree
-    return tree
+_SHARDED_LEAVES = (_FactoryExpansion,) + SHARDED_TYPES
 
 
-def replace_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
-    """In-place replacement of leaves (dicts, lists; tuples are rebuilt)."""
-    if isinstance(tree, dict):
-        for k in list(tree):
-            tree[k] = replace_leaves(tree[k], fn)
-        return tree
-    if isinstance(tree, list):
-        for i, v in enumerate(tree):
-            tree[i] = replace_leaves(v, fn)
-        return tree
-    if isinstance(tree, tuple):
-        return tuple(replace_leaves(v, fn) for v in tree)
-    return fn(tree)
+
+def merge_factories(tree: Any, where: str = "the state dict") -> Any:
+    """Fold each factory expansion (after load) back into a tensor with the factory's ``merge_fn``
+    (dicts and lists changed in place; a tuple is a value as a whole)."""
+    return fold(tree, _same, _merge_node, where=where, types=(dict, list))
+
+
+def _merge_node(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+    if isinstance(node, _FactoryExpansion):
+        return node.factory.merge_fn(results[0])
+    return _assign(node, keys, results)
+
+
+def _assign(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+    """``node`` (a dict or list) with its children replaced by ``results``, in place."""
+    if keys is None:
+        node[:] = results
+    else:
+        for k, r in zip(keys, results):
+            node[k] = r
+    return node
+
+
+def _same(leaf: Any) -> Any:
+    return leaf
+
+
+def replace_leaves(tree: Any, fn: Callable[[Any], Any], where: str = "the state dict") -> Any:
+    """In-place replacement of leaves (dicts, lists; tuples are rebuilt), each container once."""
+    return fold(tree, fn, _replace_node, where=where)
+
+
+def _replace_node(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+    return tuple(results) if isinstance(node, tuple) else _assign(node, keys, results)
 
 
 def collect(tree: Any) -> Dict[str, List[Any]]:

@@ -26,6 +26,7 @@ from ..core.mapping import ShardedTensor
 from ..reading.checkpoint import CheckpointSource, OpenedCheckpoint, open_checkpoint
 from ..reading.formats import KeyMap
 from ..reading.formats.tensor_files import map_key
+from ..reading.plain import check_plain_loadable
 from ..reading.reads import read_tensors
 from ..storage.base import ShardReader
 from ..storage.outputs import Replaced, check_output
@@ -114,6 +115,7 @@ def export_tensors(source: CheckpointSource, key_map: KeyMap = None, extra_safe_
     if module_names is not None and module_prefix is None:
         logger.info("%s: Lightning checkpoint; exporting its %d module weight(s) of %d stored tensor(s)",
                     source.path, len(module_names), len(source.index.tensors))
+    check_plain_loadable(source, [t.key for t in out.values()])  # each is read whole: its claim backed by bytes
     return sorted(out.values(), key=lambda t: t.name)
 
 

@@ -8,13 +8,14 @@ each tensor whole, in its place (:func:`template_from_manifest`).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..core.errors import FormatError, ShardingError
 from ..core.mapping import ShardedTensor
+from ..core.tree_walk import fold, map_paths, walk_paths
 
 MANIFEST_KEY = "__distckpt__"
 MANIFEST_VERSION = 1
@@ -28,16 +29,16 @@ KIND_MODEL_PARALLEL = "model_parallel"
 Step = Tuple[str, Union[str, int]]
 
 
-def iter_tensor_leaves(tree: Any, steps: Tuple[Step, ...] = ()) -> Iterator[Tuple[Tuple[Step, ...], torch.Tensor]]:
-    """Tensors reachable through dicts and lists (other containers are common state as they are)."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from iter_tensor_leaves(v, steps + (("d", k),))
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            yield from iter_tensor_leaves(v, steps + (("l", i),))
-    elif isinstance(tree, torch.Tensor):
-        yield steps, tree
+def _step(node: Any, key: Union[str, int]) -> Step:
+    return ("d", key) if isinstance(node, dict) else ("l", key)
+
+
+def iter_tensor_leaves(tree: Any, where: str = "the checkpoint") -> Iterator[Tuple[Tuple[Step, ...], torch.Tensor]]:
+    """Tensors reachable through dicts and lists (other containers are common state as they are),
+    at every path (a bounded walk, :mod:`~lightning_distckpt.core.tree_walk`)."""
+    for steps, leaf in walk_paths(tree, where=where, types=(dict, list), step=_step):
+        if isinstance(leaf, torch.Tensor):
+            yield steps, leaf
 
 
 def key_of(steps: Tuple[Step, ...]) -> str:
@@ -51,11 +52,7 @@ def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
     sharded one is refused (:func:`whole_dtensor`)."""
     seen: Dict[str, Tuple[Step, ...]] = {}
 
-    def convert(node: Any, steps: Tuple[Step, ...]) -> Any:
-        if isinstance(node, dict):
-            return {k: convert(v, steps + (("d", k),)) for k, v in node.items()}
-        if isinstance(node, list):
-            return [convert(v, steps + (("l", i),)) for i, v in enumerate(node)]
+    def convert(steps: Tuple[Step, ...], node: Any) -> Any:
         if isinstance(node, DTensor):
             node = whole_dtensor(key_of(steps), node)
         if isinstance(node, torch.Tensor) and node.ndim > 0:
@@ -69,7 +66,12 @@ def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
             return ShardedTensor.from_rank_offsets(key, data.contiguous())
         return node
 
-    return convert(checkpoint, ())
+    # keyed by path: a dict under two keys is converted at each (a bounded walk, tree_walk.py)
+    return map_paths(checkpoint, convert, _copy, where="the checkpoint", types=(dict, list), step=_step)
+
+
+def _copy(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+    return results if keys is None else dict(zip(keys, results))
 
 
 def whole_dtensor(key: str, dt: DTensor) -> torch.Tensor:
@@ -91,37 +93,36 @@ def manifest(tree: Any, kind: str) -> Dict[str, Any]:
     """Where each ShardedTensor and DTensor of ``tree`` sits (factories' expansions are not listed:
     they can only be put back by their ``merge_fn``)."""
     paths: List[Tuple[List[Step], str]] = []
-
-    def walk(node: Any, steps: Tuple[Step, ...]) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, steps + (("d", k),))
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, steps + (("l", i),))
-        elif isinstance(node, ShardedTensor) and node.flattened_range is None:
+    for steps, node in walk_paths(tree, where="the checkpoint", types=(dict, list), step=_step):
+        if isinstance(node, ShardedTensor) and node.flattened_range is None:
             paths.append((list(steps), node.key))
         elif isinstance(node, DTensor):  # saved under its tree path (core/dtensors.py): readable whole
             paths.append((list(steps), key_of(steps)))
-
-    walk(tree, ())
     return {"version": MANIFEST_VERSION, "kind": kind, "tensor_paths": paths}
 
 
 def torch_optimizer_states(tree: Any) -> Any:
     """Wherever a tree read whole holds optimizer state in the strategies' layout (state and param
     groups by parameter key), the same in ``torch.optim``'s layout (by parameter index, in param
-    group order), so a stock strategy's ``optimizer.load_state_dict`` takes it."""
-    if isinstance(tree, dict):
-        if _keyed_optimizer_state(tree):
-            order = [p for g in tree["param_groups"] for p in g.get("params", [])]
-            index = {key: i for i, key in enumerate(order)}
-            return {**tree, "state": {index[k]: v for k, v in tree.get("state", {}).items() if k in index},
-                    "param_groups": [{**g, "params": [index[p] for p in g.get("params", [])]} for g in tree["param_groups"]]}
-        return {k: torch_optimizer_states(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [torch_optimizer_states(v) for v in tree]
-    return tree
+    group order), so a stock strategy's ``optimizer.load_state_dict`` takes it (a bounded walk)."""
+    return fold(tree, _same, _torch_layout, where="the checkpoint", types=(dict, list))
+
+
+def _same(leaf: Any) -> Any:
+    return leaf
+
+
+def _torch_layout(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+    """A copy of ``node``; an optimizer state in the strategies' layout is rewritten as it is
+    (its own children as they were: they hold no further optimizer state)."""
+    if keys is None:
+        return results
+    if not _keyed_optimizer_state(node):
+        return dict(zip(keys, results))
+    order = [p for g in node["param_groups"] for p in g.get("params", [])]
+    index = {key: i for i, key in enumerate(order)}
+    return {**node, "state": {index[k]: v for k, v in node.get("state", {}).items() if k in index},
+            "param_groups": [{**g, "params": [index[p] for p in g.get("params", [])]} for g in node["param_groups"]]}
 
 
 def _keyed_optimizer_state(node: Dict[str, Any]) -> bool:

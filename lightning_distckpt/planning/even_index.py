@@ -143,8 +143,11 @@ class PackEnds:
         return at
 
 
-def parse_even(value: Any, global_shape: Tuple[int, ...], name: str, where: str) -> EvenSplit:
-    """An entry's ``even`` field, checked (FormatError naming the field)."""
+def parse_even(value: Any, global_shape: Tuple[int, ...], name: str, where: str,
+               world_size: Optional[int] = None) -> EvenSplit:
+    """An entry's ``even`` field, checked (FormatError naming the field) before anything is sized by
+    it: a split is over at most ``world_size`` ranks (metadata.json's ``world_size``: rank i wrote
+    chunk i, so a split over more ranks than saved is damage; without it, :data:`MAX_OVER`)."""
     def fail(what: str, must: str, got: Any) -> FormatError:
         text = repr(got)
         text = text if len(text) <= 80 else text[:77] + "..."
@@ -154,9 +157,12 @@ def parse_even(value: Any, global_shape: Tuple[int, ...], name: str, where: str)
         raise fail("", "an object", value)
     if not global_shape:
         raise fail("", "absent on a scalar (an even split is of dim 0)", value)
+    most = MAX_OVER if type(world_size) is not int or world_size < 1 else min(world_size, MAX_OVER)
     over = value.get("over")
-    if type(over) is not int or not 1 <= over <= MAX_OVER:
-        raise fail(".over", f"an int in [1, {MAX_OVER}]", over)
+    if type(over) is not int or not 1 <= over <= most:
+        bound = f"the checkpoint's world_size {world_size}" if most == world_size else f"{MAX_OVER}"
+        raise fail(".over", f"an int in [1, {most}] (at most {bound})" if most != MAX_OVER else
+                   f"an int in [1, {MAX_OVER}]", over)
     n = chunks_count(global_shape, over)
     first = value.get("packed_from")
     if type(first) is not int or not 0 <= first <= n:

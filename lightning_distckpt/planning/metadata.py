@@ -275,7 +275,8 @@ class CheckpointIndex:
             if "even" in e and isinstance(version, int) and version >= EVEN_SINCE:
                 if "shards" in e:
                     raise FormatError(f"{where}: metadata.json field {name} has both shards and even (one of them)")
-                entry = TensorEntry(gshape, dtype, even=parse_even(e["even"], gshape, name, where))
+                even = parse_even(e["even"], gshape, name, where, data.get("world_size"))
+                entry = TensorEntry(gshape, dtype, even=even)
             else:
                 entry = TensorEntry(gshape, dtype)
                 for i, s in enumerate(f.list(e.get("shards"), f"{name}.shards")):

@@ -134,7 +134,7 @@ def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_s
                 f"sharded_state_dict must be a dict to store the shards in, got {type(sharded_state_dict).__name__}")
         needs = collect_needs(meta_sharded_state_dict, comm.rank)
         on_gpu = any(d.type == "cuda" for d in map(_own_device, meta_sharded_state_dict.values()) if d is not None)
-    except CheckpointingError as e:
+    except Exception as e:  # reported in the collective every rank is in: none waits for a rank that left
         error = e
     gathered = comm.agree("sharding from rank 0: checking the sharded state dicts", error, payload=(needs, on_gpu),
                           default=ArgumentError)
@@ -142,9 +142,8 @@ def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_s
     devices = {name: _own_device(entry) or device for name, entry in meta_sharded_state_dict.items()}
     manifest: Optional[Manifest] = None
     if state_dict is not None:
-        manifest = build_manifest(state_dict, [n for part, _ in gathered for n in part],
-                                  bucket_bytes=options.bucket_bytes, missing_ok=missing_ok,
-                                  unexpected_ok=unexpected_ok)
+        manifest = _rank0_manifest(state_dict, [n for part, _ in gathered for n in part], options, missing_ok,
+                                   unexpected_ok)
     manifest = comm.broadcast_object(manifest)
     if manifest.error is not None:
         raise _manifest_error(manifest)
@@ -158,6 +157,18 @@ def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_s
                     manifest.source, comm.size, transfer.stats.ops, manifest.sent_bytes / 1e6,
                     manifest.whole_bytes / 1e6, transfer.stats.seconds)
     return ShardResult(manifest.missing, manifest.unexpected, manifest.sent_bytes, manifest.whole_bytes, transfer.stats)
+
+
+def _rank0_manifest(state_dict: Mapping[str, Any], needs: list, options: ShardOptions, missing_ok: bool,
+                    unexpected_ok: bool) -> Manifest:
+    """Rank 0's manifest; any failure in deciding it travels in it (the other ranks are already
+    waiting for its broadcast: an error raised here alone would leave them waiting until the
+    collective timeout)."""
+    try:
+        return build_manifest(state_dict, needs, bucket_bytes=options.bucket_bytes, missing_ok=missing_ok,
+                              unexpected_ok=unexpected_ok)
+    except Exception as e:  # build_manifest returns the library's own errors: this is anything else
+        return Manifest("rank 0's state dict", error=("CheckpointingError", f"{type(e).__name__}: {e}"[:2000]))
 
 
 def _own_device(entry: Any) -> Optional[torch.device]:

@@ -64,6 +64,8 @@ def load_state_dict(checkpoint_file: Union[str, os.PathLike], device_map: Option
             error = e
         except OSError as e:
             error = FormatError(f"{path}: cannot be read: {e}")
+        except Exception as e:  # MemoryError, ...: reported through the collective the other ranks wait in
+            error = FormatError(f"{path}: cannot be read: {type(e).__name__}: {e}")
     comm.agree(f"load_state_dict({path!r}) on rank 0", error, default=FormatError)
     if comm.rank == 0:
         logger.info("load_state_dict: %d tensors from %s", len(state), path)

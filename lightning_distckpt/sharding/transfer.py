@@ -172,9 +172,14 @@ class Transfer:
     def _cut_local(self, key: str) -> None:
         """Rank 0: cut its own shards of ``key`` straight from the source."""
         assert self.source is not None
-        tensor = self.source[key]
+        try:
+            tensor = self.source[key]
+            origin = (0,) * tensor.dim()
+        except Exception as e:  # reported on every rank at the end; the broadcasts go on
+            self.errors.append(f"reading {key!r} from {self.manifest.source}: {type(e).__name__}: {e}")
+            return
         for n in self._by_key.get(key, []):
-            self._store(n, tensor, (0,) * tensor.dim())
+            self._store(n, tensor, origin)
 
     def _store(self, need: Need, box: torch.Tensor, origin: Sequence[int]) -> None:
         try:
