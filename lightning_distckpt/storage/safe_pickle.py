@@ -18,6 +18,7 @@ from typing import Any, List, Sequence
 import torch
 
 from ..core.errors import FormatError, UnsafeContentError
+from ..core.tree_walk import check_tree
 
 
 def default_safe_globals(omegaconf: bool = True) -> List[Any]:
@@ -64,11 +65,20 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
     try:
         allowed = default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)
         with torch.serialization.safe_globals(allowed):
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap or None)
+            payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap or None)
+    except RecursionError:
+        raise FormatError(f"{where}: nested too deeply to deserialize; refused") from None
     except pickle.UnpicklingError as e:
         raise UnsafeContentError(f"{where}: {_refusal(e)}") from None
     except Exception as e:  # torch raises RuntimeError / EOFError / ... for damaged archives
         raise FormatError(f"{where}: not a readable torch.save archive: {type(e).__name__}: {_first_line(e)}") from None
+    # What a few bytes can describe (shared references 40 deep, cycles, deep nesting) is refused
+    # here, once for every reader, before anything walks it (core/tree_walk.py).
+    check_tree(payload, where, types=_LOADED_CONTAINERS)
+    return payload
+
+
+_LOADED_CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
 # torch's weights-only unpickler names the type it refused: "Unsupported global: GLOBAL _io.BytesIO ..."

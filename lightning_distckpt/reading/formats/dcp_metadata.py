@@ -208,5 +208,13 @@ def _tensor(entry: Any, fqn: str, items: Dict[_ItemKey, DcpItem], path: str) -> 
                               f"lies outside the tensor's shape {list(shape)}")
         if math.prod(sizes) == 0:
             continue  # an empty shard (a rank holding no rows): nothing stored to read
-        out.chunks.append(DcpChunk(offset, sizes, _item(items, fqn, offset, path)))
+        item = _item(items, fqn, offset, path)
+        # A chunk is a torch.save'd tensor of its own (its storage cloned to its numel): its item holds
+        # at least its elements' bytes. A claim beyond the item's bytes would size a reader's buffers
+        # by the claim, not by what is stored (the items themselves are checked against the files' sizes).
+        claimed = math.prod(sizes) * dtype.itemsize
+        if claimed > item.length:
+            raise FormatError(f"{path}: {fqn!r} chunk at {list(offset)} of shape {list(sizes)} claims {claimed} "
+                              f"bytes of {dtype} but its stored item ({item.file!r}) holds {item.length} bytes")
+        out.chunks.append(DcpChunk(offset, sizes, item))
     return out

@@ -5,11 +5,13 @@ slice are touched). Both :func:`ldc.load <lightning_distckpt.load>` and the rank
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...core.errors import FormatError
+from ...core.tree_walk import fold, walk_paths
 from ...storage.safe_pickle import load_file
 from .safetensors_header import read_header
 
@@ -66,7 +68,7 @@ class TorchFile:
         self.payload_type = type(payload).__name__
         self.is_state_dict = isinstance(payload, dict) and all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in payload.items())
-        self.common = _split_tensors(payload, (), self.tensors)
+        self.common = _split_tensors(payload, path, self.tensors)
 
     def names(self) -> List[str]:
         return list(self.tensors)
@@ -80,25 +82,67 @@ class TorchFile:
 
 
 _DROP = object()
+VIEW_BUDGET_FLOOR = 1 << 30  # bytes of views any torch file may expand to (see _check_views)
+VIEW_BUDGET_FACTOR = 4
 
 
-def _split_tensors(node: Any, path: Tuple[str, ...], out: Dict[str, torch.Tensor]) -> Any:
-    """Move the tensor leaves of ``node`` into ``out`` by path; return what is left (containers
-    left empty are dropped, except at the top)."""
-    if isinstance(node, torch.Tensor):
-        name = "/".join(path)
-        if name in out:
-            raise FormatError(f"two tensors of the file are both named {name!r}")
-        out[name] = node
+def _split_tensors(payload: Any, path: str, out: Dict[str, torch.Tensor]) -> Any:
+    """Move the tensor leaves of ``payload`` into ``out``, each named by its path (``/``-joined; a
+    tensor under two paths, tied weights, under both); return what is left (containers left empty
+    are dropped, except at the top). Bounded walks (:mod:`~lightning_distckpt.core.tree_walk`): a
+    tree too deep, cyclic or shared beyond what the file stores is a FormatError naming ``path``."""
+    where = f"{path}: torch.save payload"
+    kept = fold(payload, _kept_leaf, _kept_node, where=where)
+    for steps, leaf in walk_paths(payload, where=where):
+        if isinstance(leaf, torch.Tensor):
+            name = "/".join(map(str, steps))
+            if name in out:
+                raise FormatError(f"{path}: two tensors of the file are both named {name!r}")
+            out[name] = leaf
+    _check_views(path, out)
+    if kept is _DROP:
+        return {} if isinstance(payload, dict) else None
+    return kept
+
+
+def _kept_leaf(leaf: Any) -> Any:
+    return _DROP if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _kept_node(node: Any, keys: Optional[List[Any]], parts: List[Any]) -> Any:
+    """A container without its tensors (its dropped children: removed from a dict, None in a sequence)."""
+    if keys is not None:
+        kept = {k: v for k, v in zip(keys, parts) if v is not _DROP}
+        return kept if kept or not node else _DROP
+    if node and all(p is _DROP for p in parts):
         return _DROP
-    if isinstance(node, dict):
-        kept = {k: _split_tensors(v, path + (str(k),), out) for k, v in node.items()}
-        kept = {k: v for k, v in kept.items() if v is not _DROP}
-        return kept if kept or not path or not node else _DROP
-    if isinstance(node, (list, tuple)):
-        parts = [_split_tensors(v, path + (str(i),), out) for i, v in enumerate(node)]
-        if all(p is _DROP for p in parts) and node:
-            return _DROP
-        return type(node)(None if p is _DROP else p for p in parts) if isinstance(node, tuple) else \
-            [None if p is _DROP else p for p in parts]
-    return node
+    rest = [None if p is _DROP else p for p in parts]
+    return type(node)(rest) if isinstance(node, tuple) else rest
+
+
+def _check_views(path: str, tensors: Dict[str, torch.Tensor]) -> None:
+    """Refuse tensors that claim more elements than their storage holds beyond a budget.
+
+    A view with zero or overlapping strides (``torch.zeros(1).expand(10**12)``) is a few bytes in
+    the file and ``numel x itemsize`` bytes once a reader copies it into a tensor of its shape.
+    Such views are materialised only within a budget scaled to the file: all of them together at
+    most ``max(VIEW_BUDGET_FACTOR x the file's bytes, VIEW_BUDGET_FLOOR)`` bytes (an ``expand`` of a
+    size-1 dim, a model's ``position_ids`` buffer, costs what it stores and is always fine); past it
+    a FormatError names the tensor, what it claims and the bytes stored behind it."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        size = 0
+    budget = max(VIEW_BUDGET_FACTOR * size, VIEW_BUDGET_FLOOR)
+    spent = 0
+    for name, t in tensors.items():
+        claimed = t.numel() * t.element_size()
+        stored = t.untyped_storage().nbytes()
+        if claimed <= stored:
+            continue
+        spent += claimed
+        if spent > budget:
+            raise FormatError(
+                f"{path}: tensor {name!r} is a view of shape {tuple(t.shape)} (strides {t.stride()}): it claims "
+                f"{claimed} bytes over {stored} bytes stored, past the {budget} bytes this file's views may expand "
+                f"to (max({VIEW_BUDGET_FACTOR} x the file's {size} bytes, {VIEW_BUDGET_FLOOR}))")

@@ -9,7 +9,6 @@ naming the file and the tensor, raised after reading only the header.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -19,6 +18,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ...core.errors import FormatError
+from ...storage.layout import parse_json
 
 # The dtypes of the safetensors format that torch has.
 DTYPES: Dict[str, torch.dtype] = {
@@ -57,10 +57,9 @@ def read_header(path: str) -> List[HeaderEntry]:
                 f"{path}: safetensors header length {n} does not fit the file of {size} bytes "
                 f"(truncated or not a safetensors file)")
         raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path}: safetensors header is not valid JSON: {e}") from None
+    # nesting checked before parsing (a header nests 3 levels; a deep one must not drive json into
+    # deep recursion): a FormatError naming the file, like any header that is not JSON
+    header = parse_json(raw, f"{path}: safetensors header")
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
     data_bytes = size - 8 - n
