@@ -34,7 +34,7 @@ def test_entries_not_asked_for_come_back_whole(dp2):
 
 def test_a_missing_checkpoint_fails_on_every_rank(dp2):
     for res in dp2:
-        assert res["missing"].startswith("IncompleteCheckpointError") and "no such directory" in res["missing"]
+        assert res["missing"].startswith("CheckpointNotFoundError") and "no such directory" in res["missing"]
 
 
 def test_dp2_checkpoint_loads_under_tp2(dp2, ckpt_dir):

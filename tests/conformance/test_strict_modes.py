@@ -138,3 +138,20 @@ def test_mismatch_message_uses_megatron_core_words(missing, unexpected):
     with pytest.raises(CheckpointingException) as theirs:
         maybe_report_missing_and_unexpected_keys(missing, unexpected, raise_error=True)
     assert normal(mismatch_message(missing, unexpected, "for this rank")) == normal(str(theirs.value))
+
+
+@pytest.mark.parametrize("loader", ["every_rank", "parallel", "two_stage"])
+def test_absent_keys_are_skipped_by_every_loader(tmp_path, loader):
+    """A tensor and an object the checkpoint lacks: skipped by each loader (template values kept),
+    returned as this rank's unexpected keys; the saved key asked for by nobody is missing."""
+    import torch
+
+    ldc.save({"a": ldc.ShardedTensor.from_rank_offsets("a", torch.arange(4.0)),
+              "b": ldc.ShardedTensor.from_rank_offsets("b", torch.ones(2))}, tmp_path / "ck")
+    template = {"a": ldc.ShardedTensor.from_rank_offsets("a", torch.zeros(4)),
+                "c": ldc.ShardedTensor.from_rank_offsets("c", torch.full((3,), 5.0)),
+                "x": ldc.ShardedObject("x", "kept", (1,), (0,), replica_id=0)}
+    out, missing, unexpected = ldc.load(template, tmp_path / "ck", strict="return_all", loader=loader)
+    assert (missing, unexpected) == ({"b"}, {"c", "x"})
+    assert torch.equal(out["a"], torch.arange(4.0)) and torch.equal(out["c"], torch.full((3,), 5.0))
+    assert out["x"] == "kept"
