@@ -112,7 +112,7 @@ def _recover(parent: str, name: Optional[str]) -> List[CleanAction]:
             continue
         if done.placed in by_path:
             actions.append(CleanAction(by_path[done.placed], "recovered",
-                                       f"its commit was interrupted between two renames: renamed to {target}"))
+                                       f"its commit was interrupted before its rename into place: renamed to {target}"))
         actions += [CleanAction(by_path[p], "removed", f"the previous checkpoint that commit had moved aside; "
                                 f"superseded by {os.path.basename(target)}") for p in done.removed if p in by_path]
     return actions

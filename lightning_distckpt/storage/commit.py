@@ -260,7 +260,8 @@ def recover_interrupted_commit(target: str) -> Optional[Recovery]:
                 continue  # another process moved it or put something in place: look again
             raise
         fsync_dir(os.path.dirname(path))
-        removed = tuple(p for t, p in copies[1:] if t <= when and _is_moved_aside(p) and _remove(p))
+        removed = tuple(p for t, p in copies[1:]
+                        if t <= when and _is_moved_aside(p) and not live_owner_pids(p) and _remove(p))
         logger.warning("checkpoint %s was missing: a commit was interrupted before its rename into place; renamed "
                        "the committed copy %s (committed at unix time %.3f) into place%s", path, best, when,
                        f" and removed the previous checkpoint moved aside ({', '.join(removed)})" if removed else "")
