@@ -304,6 +304,34 @@ def test_killed_commit_then_clean(tmp_path, killed_states, step, replace, capsys
     assert actions <= {"recovered", "removed", "kept"}
 
 
+LOADER = """
+import sys, torch, lightning_distckpt as ldc
+print("ready", flush=True)
+sys.stdin.readline()  # all start together
+w = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(%d))}, sys.argv[1])["w"]
+print(w[0].item() if torch.equal(w, torch.full_like(w, w[0].item())) else "mixed", flush=True)
+""" % N
+
+
+def test_ranks_loading_at_once_all_finish_the_interrupted_commit(tmp_path, killed_states):
+    """Four processes load the checkpoint a commit left missing (killed between its two renames),
+    released together: each renames or finds the committed copy in place; one recovers it."""
+    target, expected = _killed_commit(tmp_path, killed_states, "after_first_rename", True)
+    procs = [subprocess.Popen([sys.executable, "-c", LOADER, str(target)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for _ in range(4)]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=60)[1][-3000:]
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = [proc.communicate(timeout=120) for proc in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-2000:] for _, err in results]
+    assert [float(out.strip()) for out, _ in results] == [expected] * 4
+    assert sum("renamed the committed copy" in err for _, err in results) == 1
+    assert staging_names(tmp_path) == [] and load_value(target) == expected
+
+
 # -- Lightning: ckpt_path="last" after a commit of last.ckpt killed at each step --------------------
 class Tiny(LightningModule):
     """A seeded linear layer with SGD; records the step and weights it starts from."""
