@@ -101,3 +101,32 @@ def test_each_release_whole_and_through_the_cli(version, capsys):
     assert [(o["key"], o["elements"]) for o in summary["objects"]] == [("obj", 2)]
     assert main(["validate", path]) == 0
     assert "OK:" in capsys.readouterr().out
+
+
+def test_reading_runs_no_megatron_code(tmp_path):
+    """Reading every release's metadata imports no megatron module (a fresh interpreter), and a
+    pickle that calls megatron-core's class name with arguments, or names something beside it,
+    is refused without running anything."""
+    import pickle
+    import subprocess
+    import sys
+
+    from lightning_distckpt.core.errors import FormatError
+    from lightning_distckpt.reading.formats.dcp_metadata import read_metadata
+
+    code = ("import sys, lightning_distckpt as ldc\n"
+            f"for v in {VERSIONS!r}:\n"
+            f"    ldc.load_tensors_metadata({FIXTURES!r} + '/' + v)\n"
+            "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+    canary = tmp_path / "ran"
+    mcore = b"megatron.core.dist_checkpointing.strategies.torch"
+    called = b"\x80\x02c" + mcore + b"\nMCoreSavePlan\n" + pickle.dumps((str(canary),), protocol=2)[2:-1] + b"R."
+    beside = b"\x80\x02cos\nsystem\n" + pickle.dumps((f"touch {canary}",), protocol=2)[2:-1] + b"R."
+    for name, blob in (("called", called), ("beside", beside)):
+        path = tmp_path / name
+        path.write_bytes(blob)
+        with pytest.raises(FormatError):
+            read_metadata(str(path))
+    assert not canary.exists()
