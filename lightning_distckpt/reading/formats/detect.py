@@ -4,11 +4,11 @@ checkpoint directory."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ...core.errors import FormatError
+from ...storage.layout import parse_json
 from .dcp import DcpSource, is_dcp_dir
 from .files import SafetensorsFile, TorchFile
 from .megatron import MegatronSource, megatron_config
@@ -73,11 +73,12 @@ def _index_files(directory: str, index_name: str) -> Dict[str, List[str]]:
     index_path = os.path.join(directory, index_name)
     if os.path.getsize(index_path) > _MAX_INDEX_BYTES:
         raise FormatError(f"{index_path}: larger than {_MAX_INDEX_BYTES >> 20} MiB; not an index")
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise FormatError(f"{index_path}: not a Hugging Face index (JSON with a 'weight_map'): {e}") from None
+    with open(index_path, "rb") as f:
+        raw = f.read()
+    index = parse_json(raw, index_path)  # nesting checked before parsing: a deep file is a FormatError
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if weight_map is None:
+        raise FormatError(f"{index_path}: not a Hugging Face index (JSON with a 'weight_map')")
     if not isinstance(weight_map, dict):
         raise FormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
     out: Dict[str, List[str]] = {}
