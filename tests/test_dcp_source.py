@@ -8,6 +8,7 @@ checkpoints are refused."""
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -329,9 +330,13 @@ def test_escaping_and_symlinked_files(saved, tmp_path):
 
     path = _copy(saved["plain"], str(tmp_path / "link"))
     name = next(n for n in os.listdir(path) if n.endswith(".distcp"))
-    os.symlink(os.path.join(path, name), os.path.join(path, "link.distcp"))
+    os.symlink(os.path.join(path, name), os.path.join(path, "link.distcp"))  # inside: followed
     _edit_metadata(path, _point_first_item_at("link.distcp"))
-    with pytest.raises(FormatError, match="symlink"):
+    ldc.load_tensors_metadata(path)
+    shutil.copy(os.path.join(path, name), tmp_path / "outside.distcp")  # out of the directory: refused
+    os.remove(os.path.join(path, "link.distcp"))
+    os.symlink(tmp_path / "outside.distcp", os.path.join(path, "link.distcp"))
+    with pytest.raises(FormatError, match="link.distcp .*symbolic link to .*outside"):
         ldc.load_tensors_metadata(path)
 
 

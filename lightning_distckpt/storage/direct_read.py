@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import re
+import stat
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ import torch
 
 from ..core.errors import FormatError
 from .chunk_checksums import attribute_crcs, chunk_count, crc32c
+from .paths import kind_of, open_regular
 
 DIRECT_ENV = "LIGHTNING_DISTCKPT_DIRECT_READS"
 _PLAIN = [{"configuration": {"endian": "little"}, "name": "bytes"}]
@@ -206,11 +208,11 @@ class DirectReader:
         fds: Dict[str, int] = {}
         try:
             for t in tasks:
-                if t.loc.path not in fds:
-                    fds[t.loc.path] = os.open(t.loc.path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+                if t.loc.path not in fds:  # a regular file, never through a link, never waiting on a FIFO
+                    fds[t.loc.path] = open_regular(t.loc.path, "data file")
             with ThreadPoolExecutor(self.threads, thread_name_prefix="ldc-direct-read") as pool:
                 outcomes = list(pool.map(lambda t: self._run(t, fds[t.loc.path], verify), tasks))
-        except OSError as e:
+        except (OSError, FormatError) as e:
             return 0, [f"{tasks[0].where if tasks else 'a chunk'}: cannot open a data file: {e}"]
         finally:
             for fd in fds.values():
@@ -358,8 +360,11 @@ def _castable(stored: str, dest: torch.dtype) -> bool:
 
 
 def _chunk_file(path: str) -> ChunkLocation:
+    """A chunk that is a file of its own (the ``zarr`` layout): a regular file, not a link."""
     try:
-        size = os.lstat(path).st_size
+        st = os.lstat(path)
     except OSError as e:
         raise FormatError(f"chunk {path} is missing or unreadable ({e.strerror})") from e
-    return ChunkLocation(path, 0, size)
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"chunk {path} is {kind_of(st.st_mode)}, not a regular file; refused")
+    return ChunkLocation(path, 0, st.st_size)

@@ -35,7 +35,7 @@ import numpy as np
 from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError, not_found
 from ..core.gc_pause import gc_paused
 from .checksums import check_sha256, warn_no_checksums
-from .paths import local_path, read_inside, refuse_link
+from .paths import local_path, read_inside, refuse_special
 
 FORMAT_NAME = "lightning_distckpt"
 FORMAT_VERSION = 5  # 2: small shards packed into one array per rank and dtype; 3: checksums on everything;
@@ -157,8 +157,8 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
     path = os.path.realpath(given)
     if not is_committed(path):
         for name in (COMMIT_MARKER, METADATA_FILE):
-            if os.path.islink(os.path.join(path, name)):
-                refuse_link(os.path.join(path, name), f"checkpoint {path}:")
+            if os.path.lexists(os.path.join(path, name)):  # a link or a FIFO, say: named as such
+                refuse_special(os.path.join(path, name), f"checkpoint {path}:")
         what = (
             "incomplete checkpoint: the save did not finish (no commit marker)"
             if is_checkpoint_dir(path)

@@ -1,25 +1,39 @@
-"""Which paths a checkpoint may be read from and written to.
+"""Which paths a checkpoint may be read from and written to, and how every reader opens a file.
 
 * A path with a URL scheme (``gs://``, ``http://``, ``file://``, ...) is refused: no store for it
   exists yet, and treated as a local path it would be written to ``./gs:/bucket/...`` while the
   caller believes it is in the bucket. ``s3://`` locations are taken where
   :func:`checkpoint_location` is used (save and load; see :mod:`.s3`).
-* Nothing under a checkpoint directory is followed through a symbolic link: its files are opened
-  with ``O_NOFOLLOW`` and its data tree is walked (links not followed) before tensorstore reads it.
-  A link elsewhere would make a load read another checkpoint's (or any file's) bytes as ours. The
-  checkpoint directory itself may be reached through links (a symlinked parent, the ``last.ckpt``
-  link of Lightning's ``save_last="link"``): readers resolve it once, to its real path.
+* Every file any reader opens (ours or another format's) is opened by :func:`open_regular`:
+  non-blocking, then ``fstat``'d, and refused unless it is a regular file. A FIFO, socket, device or
+  directory in place of a file is a FormatError naming it, never a read that waits forever. Trees
+  handed to tensorstore are walked first (:func:`scan_tree`), refusing anything that is neither a
+  regular file nor a directory; a file handed to a library that opens it by path (safetensors,
+  ``torch.load`` with ``mmap``) is checked by :func:`check_regular` first.
+* Links. Nothing under one of our checkpoint directories is followed through a symbolic link: its
+  files are opened with ``O_NOFOLLOW`` and its data tree is walked (links not followed) before
+  tensorstore reads it. A link elsewhere would make a load read another checkpoint's (or any
+  file's) bytes as ours. In another format's directory (torch files, safetensors, Hugging Face
+  with or without an index, DCP, Megatron-Core), a link is followed only when its real path stays
+  inside the model's root (:func:`model_root`: the directory given, or for a Hugging Face cache
+  snapshot ``.../models--org--name/snapshots/<rev>/`` the cache repo folder, whose ``blobs/`` the
+  snapshot links into); any other link is a FormatError naming the link and its target. A single
+  file the user names is read wherever its link points (:data:`ANYWHERE`: the user chose it). The
+  directory given (ours or another format's) may itself be reached through links (a symlinked
+  parent, the ``last.ckpt`` link of Lightning's ``save_last="link"``): readers resolve it once, to
+  its real path.
 
 File-system queries only; no collectives. The checks are made before reading and do not guard
-against a link swapped in while a load runs (whoever can do that can also rewrite the data).
+against a link or file swapped in while a load runs (whoever can do that can also rewrite the data).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
-from typing import NamedTuple, Union
+from typing import BinaryIO, NamedTuple, Optional, Union
 
 from ..core.errors import ArgumentError, ArgumentTypeError, FormatError
 from .s3_url import is_s3_url, parse_s3_url
@@ -27,6 +41,9 @@ from .s3_url import is_s3_url, parse_s3_url
 PathLike = Union[str, "os.PathLike[str]"]
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+# ``root`` of a file the user named: wherever its link points is inside it.
+ANYWHERE = os.path.abspath(os.sep)
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def _path_text(path: PathLike, what: str) -> str:
@@ -75,6 +92,21 @@ def checkpoint_location(path: PathLike, what: str = "checkpoint") -> str:
     return os.path.abspath(local_path(text, what))
 
 
+def kind_of(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words (for errors)."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return f"a special file (mode {mode:#o})"
+
+
+def _not_regular(path: str, what: str, mode: int) -> FormatError:
+    return FormatError(f"{what} {path} is {kind_of(mode)}, not a regular file; refused")
+
+
 def refuse_link(path: str, what: str) -> os.stat_result:
     """``lstat`` of ``path``; FormatError when it is a symbolic link (OSError when missing)."""
     st = os.lstat(path)
@@ -86,19 +118,97 @@ def refuse_link(path: str, what: str) -> os.stat_result:
     return st
 
 
-def read_inside(path: str, what: str) -> bytes:
-    """The bytes of the regular file ``path`` inside a checkpoint, never through a link.
-    A link is a FormatError; a missing or unreadable file raises OSError (callers name it)."""
+def refuse_special(path: str, what: str) -> os.stat_result:
+    """``lstat`` of ``path``; FormatError when it is a symbolic link or anything but a regular file
+    (OSError when missing). Opens nothing: for entries a reader only looks at."""
+    st = refuse_link(path, what)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, what, st.st_mode)
+    return st
+
+
+def model_root(directory: str) -> str:
+    """The real path a link in another format's directory ``directory`` may resolve into: the
+    directory itself, or, for a Hugging Face cache snapshot (``.../snapshots/<rev>/`` with a
+    ``blobs/`` folder two levels up), the cache repo folder (``models--org--name``)."""
+    real = os.path.realpath(directory)
+    parent = os.path.dirname(real)
+    repo = os.path.dirname(parent)
+    if os.path.basename(parent) == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
+        return repo
+    return real
+
+
+def resolve_within(path: str, what: str, root: str) -> str:
+    """The real path of ``path``, which must lie inside ``root`` (a FormatError naming the link and
+    its target otherwise). ``root`` :data:`ANYWHERE` admits every path."""
+    real = os.path.realpath(path)
+    if root == ANYWHERE:
+        return real
+    base = os.path.realpath(root)
+    if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
+        return real
+    link = f" (a symbolic link to {os.readlink(path)})" if os.path.islink(path) else ""
+    raise FormatError(
+        f"{what} {path}{link} resolves to {real}, outside {base}; refused: a link is followed only when it "
+        f"stays inside the model's directory (or its Hugging Face cache repo)"
+    )
+
+
+def open_regular(path: str, what: str, root: Optional[str] = None) -> int:
+    """A blocking file descriptor of the regular file ``path`` (close it). ``root`` None: ``path``
+    is not followed through a link (our checkpoints); else a link is followed when its real path
+    is inside ``root`` (:func:`resolve_within`). Opened non-blocking, so a FIFO does not wait for a
+    writer; anything that is not a regular file (FIFO, socket, device, directory) is a FormatError
+    naming it. A missing or unreadable file raises OSError (callers name it)."""
+    target = path if root is None else resolve_within(path, what, root)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        if os.path.islink(path):
+        fd = os.open(target, _OPEN_FLAGS)
+    except OSError as e:
+        if root is None and os.path.islink(path):
             refuse_link(path, what)
+        if e.errno in (errno.ENXIO, errno.EOPNOTSUPP, errno.ENODEV):  # a socket, a device without driver
+            try:
+                mode = os.lstat(target).st_mode
+            except OSError:
+                raise e from None
+            raise _not_regular(path, what, mode) from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{what} {path} is not a regular file")
+            raise _not_regular(path, what, st.st_mode)
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: str, what: str, root: Optional[str] = None) -> os.stat_result:
+    """The ``stat`` of ``path`` after :func:`open_regular` accepted it: call before handing ``path``
+    to a library that opens it by name (safetensors' ``safe_open``, ``torch.load`` with ``mmap``)."""
+    fd = open_regular(path, what, root)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def open_inside(path: str, what: str, root: Optional[str] = None) -> BinaryIO:
+    """:func:`open_regular` as a binary file object (close it)."""
+    return os.fdopen(open_regular(path, what, root), "rb")
+
+
+def read_inside(path: str, what: str, root: Optional[str] = None, max_bytes: Optional[int] = None) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_regular`; by default never through a
+    link: the files of our checkpoints). More than ``max_bytes`` is a FormatError. A link or
+    special file is a FormatError; a missing or unreadable file raises OSError (callers name it)."""
+    fd = open_regular(path, what, root)
+    try:
+        size = os.fstat(fd).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise FormatError(f"{what} {path} holds {size} bytes, more than the {max_bytes} such a file may")
         chunks = []
         while True:
             chunk = os.read(fd, 1 << 24)
@@ -118,8 +228,9 @@ class TreeStats(NamedTuple):
 
 def scan_tree(root: str, what: str) -> TreeStats:
     """Count the regular files under the directory ``root`` and their bytes, refusing ``root`` or
-    anything in it that is a symbolic link (FormatError naming it). OSError when ``root`` is
-    missing or unreadable."""
+    anything in it that is a symbolic link, or neither a regular file nor a directory (a FIFO, a
+    socket, a device: FormatError naming it), so that tensorstore, which opens what it finds
+    without such checks, is never handed one. OSError when ``root`` is missing or unreadable."""
     st = refuse_link(root, what)
     if not stat.S_ISDIR(st.st_mode):
         raise FormatError(f"{what} {root} is not a directory")
@@ -132,7 +243,10 @@ def scan_tree(root: str, what: str) -> TreeStats:
                     refuse_link(entry.path, f"{what}: file")
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(entry.path)
-                elif entry.is_file(follow_symlinks=False):
-                    files += 1
-                    nbytes += entry.stat(follow_symlinks=False).st_size
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    raise _not_regular(entry.path, f"{what}: file", st.st_mode)
+                files += 1
+                nbytes += st.st_size
     return TreeStats(files, nbytes)

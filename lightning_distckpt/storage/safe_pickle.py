@@ -13,12 +13,13 @@ import pickle
 import re
 import typing
 import zipfile
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
 from ..core.errors import FormatError, UnsafeContentError
 from ..core.tree_walk import check_tree
+from .paths import ANYWHERE, check_regular
 
 
 def default_safe_globals(omegaconf: bool = True) -> List[Any]:
@@ -53,9 +54,16 @@ def loads(data: bytes, where: str, extra_safe_globals: Sequence[Any] = ()) -> An
     return _safe_load(io.BytesIO(data), where, extra_safe_globals, omegaconf=b"omegaconf" in data)
 
 
-def load_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> Any:
+def load_file(path: str, extra_safe_globals: Sequence[Any] = (), root: Optional[str] = ANYWHERE) -> Any:
     """A ``torch.save`` file, deserialized without running code; memory-mapped when it is a zip
-    archive (the pre-1.6 legacy format cannot be mapped: it is read whole)."""
+    archive (the pre-1.6 legacy format cannot be mapped: it is read whole). Checked first to be a
+    regular file (a FIFO would block ``torch.load`` forever) and, where it is a link, to resolve
+    inside ``root`` (:func:`~lightning_distckpt.storage.paths.open_regular`; the default: a file
+    the user named, followed wherever it points). A missing or unreadable file is a FormatError."""
+    try:
+        check_regular(path, "torch.save file", root)
+    except OSError as e:
+        raise FormatError(f"torch.save file {path} cannot be read: {e.strerror or e}") from None
     return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=zipfile.is_zipfile(path))
 
 

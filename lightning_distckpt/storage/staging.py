@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Set, Tuple
 
-from ..core.errors import CheckpointingError
+from ..core.errors import CheckpointingError, FormatError
 from .layout import COMMIT_MARKER, is_committed, parse_json
 from .paths import read_inside
 
@@ -38,6 +38,7 @@ _MAX_MARKER_BYTES = 1 << 20  # a commit marker is a few hundred bytes
 # _live_owners does not count (a pid reused by a later container), yet an async save in a
 # thread of this process is as live as any.
 _OWN_STAGING: Set[str] = set()
+_MAX_NOTE_BYTES = 1 << 16  # a note is ~100 bytes: more is not one of ours
 
 
 def new_staging_dir(target: str) -> str:
@@ -123,7 +124,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _live_owners(staging: str) -> List[int]:
-    """pids of processes on this host that noted they write into ``staging`` and still run."""
+    """pids of processes on this host that noted they write into ``staging`` and still run. A note
+    that is not a small regular file (a FIFO, a link, a directory) is no evidence of a live owner:
+    it is read without waiting (:func:`~lightning_distckpt.storage.paths.read_inside`), or skipped."""
     notes = os.path.join(staging, OWNERS_DIR)
     host, pids = socket.gethostname(), []
     try:
@@ -132,12 +135,13 @@ def _live_owners(staging: str) -> List[int]:
         return []
     for name in names:
         try:
-            with open(os.path.join(notes, name)) as f:
-                note = json.load(f)
-            if note.get("host") == host and int(note["pid"]) != os.getpid() and _pid_alive(int(note["pid"])):
-                pids.append(int(note["pid"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a half-written note: no evidence of a live owner
+            note = json.loads(read_inside(os.path.join(notes, name), "owner note", max_bytes=_MAX_NOTE_BYTES))
+            pid = int(note["pid"])
+            if note.get("host") == host and 0 < pid != os.getpid() and _pid_alive(pid):  # 0, -1: groups
+                pids.append(pid)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError,
+                FormatError):
+            continue  # a half-written note, or not a note: no evidence of a live owner
     return sorted(pids)
 
 

@@ -26,9 +26,11 @@ import torch
 from ...core.errors import CheckpointingError, FormatError, ShardingError
 from ...planning.metadata import CheckpointIndex, StoredShard, TensorEntry, dtype_name
 from ...storage.base import ShardRead
+from ...storage.paths import model_root
 from ...storage.safe_pickle import load_file, loads
 from .dcp_chunks import ChunkLayout, chunk_layout, read_pieces
 from .dcp_metadata import METADATA_NAME, DcpChunk, DcpItem, DcpMetadata, read_metadata
+from .model_files import check_model_file, open_model_file
 from .tensor_files import KeyMap, map_key
 
 logger = logging.getLogger(__name__)
@@ -37,8 +39,9 @@ LIGHTNING_META_NAME = "meta.pt"  # what Lightning's sharded (DCP) checkpoints ke
 
 
 def is_dcp_dir(path: str) -> bool:
-    """A directory holding DCP's ``.metadata`` file."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_NAME))
+    """A directory holding DCP's ``.metadata`` (whatever it is: a special file or a link out of the
+    directory in its place is refused when the directory is opened, naming it)."""
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, METADATA_NAME))
 
 
 @dataclass(frozen=True)
@@ -50,17 +53,18 @@ class _StoredChunk:
 
 
 class DcpSource:
-    """A :class:`~lightning_distckpt.reading.checkpoint.CheckpointSource` over a DCP directory."""
+    """A :class:`~lightning_distckpt.reading.checkpoint.CheckpointSource` over a DCP directory. Its
+    files are regular files, links among them followed only inside the directory's root
+    (:mod:`.model_files`)."""
 
     def __init__(self, path: str, key_map: KeyMap = None) -> None:
         self.path = path
-        meta_path = os.path.join(path, METADATA_NAME)
-        if os.path.islink(meta_path):
-            raise FormatError(f"{meta_path}: is a symlink; a DCP checkpoint's files must be its own")
-        meta = read_metadata(meta_path)
+        self.root = model_root(path)
+        meta = read_metadata(os.path.join(path, METADATA_NAME), self.root)
         self._mcore_data = meta.mcore_data
         self._files = sorted({c.item.file for t in meta.tensors.values() for c in t.chunks}
                              | {item.file for item in meta.objects.values()})
+        self._sizes: Dict[str, int] = {}
         self._full_paths = {rel: self._checked_file(rel) for rel in self._files}
         self._check_ranges(meta)
         self._lightning_meta = self._optional_file(LIGHTNING_META_NAME)
@@ -94,28 +98,32 @@ class DcpSource:
             self._chunks[key] = [_StoredChunk(fqn, c) for c in tensor.chunks]
 
     def _checked_file(self, rel: str) -> str:
-        """The full path of ``rel``: inside the directory, through no symlink, a regular file."""
+        """The full path of ``rel``: named inside the directory, a regular file (through links only
+        inside the root); its size is kept."""
         parts = rel.replace("\\", "/").split("/")
         if os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
             raise FormatError(f"{self.path}: .metadata names file {rel!r}, which is not inside the checkpoint")
-        full = self.path
-        for part in parts:
-            full = os.path.join(full, part)
-            if os.path.islink(full):
-                raise FormatError(f"{self.path}: .metadata names file {rel!r}, which goes through symlink {full}")
-        if not os.path.isfile(full):
+        full = os.path.join(self.path, *parts)
+        if not os.path.lexists(full):
             raise FormatError(f"{self.path}: .metadata names file {rel!r}, which is missing")
+        self._sizes[rel] = check_model_file(full, "DCP data file", self.root).st_size
         return full
 
     def _optional_file(self, name: str) -> Optional[str]:
+        """``name`` in the directory when present (checked as every file is), else None."""
         full = os.path.join(self.path, name)
-        if os.path.islink(full):
-            raise FormatError(f"{full}: is a symlink; a checkpoint's files must be its own")
-        return full if os.path.isfile(full) else None
+        if not os.path.lexists(full):
+            return None
+        check_model_file(full, "file", self.root)
+        return full
+
+    def open_file(self, full: str) -> BinaryIO:
+        """One of the checkpoint's data files, opened as the rule says (see :mod:`.model_files`)."""
+        return open_model_file(full, "DCP data file", self.root)
 
     def _check_ranges(self, meta: DcpMetadata) -> None:
         """Every item's byte range lies inside its file (a truncated file is found here, before reading)."""
-        sizes = {rel: os.path.getsize(full) for rel, full in self._full_paths.items()}
+        sizes = {rel: self._sizes[rel] for rel in self._full_paths}
         named = [(f"tensor {fqn!r} chunk at {list(c.offset)}", c.item) for fqn, t in meta.tensors.items()
                  for c in t.chunks] + [(f"object {fqn!r}", item) for fqn, item in meta.objects.items()]
         for what, item in named:
@@ -140,13 +148,13 @@ class DcpSource:
         (``{key: value}``), each deserialized with ``weights_only``."""
         out: Dict[str, Any] = {}
         if self._lightning_meta is not None:
-            meta = load_file(self._lightning_meta, extra_safe_globals)
+            meta = load_file(self._lightning_meta, extra_safe_globals, self.root)
             if not isinstance(meta, dict):
                 raise FormatError(f"{self._lightning_meta}: holds a {type(meta).__name__}, not a dict of "
                                   "checkpoint entries")
             out.update(meta)
         for key, (fqn, item) in self._objects.items():
-            with open(self._full_paths[item.file], "rb") as f:
+            with self.open_file(self._full_paths[item.file]) as f:
                 blob = self.read_item(f, item)
             out[key] = loads(blob, f"{self._full_paths[item.file]}: object {fqn!r}", extra_safe_globals)
         return out
@@ -178,7 +186,7 @@ class DcpReader:
             by_file[self._source.stored_chunk(r.key, r.index).chunk.item.file][(r.key, r.index)].append(r)
         nbytes = 0
         for rel, chunks in by_file.items():
-            with open(self._source.full_path(rel), "rb") as f:
+            with self._source.open_file(self._source.full_path(rel)) as f:
                 for (key, index), pieces in sorted(chunks.items(), key=lambda kv: self._offset(kv[0])):
                     self._read_chunk(f, key, index, pieces)
                     nbytes += sum(r.dest.numel() * r.dest.element_size() for r in pieces)

@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ...core.errors import FormatError, UnsafeContentError
+from ...storage.paths import ANYWHERE
+from .model_files import read_model_file
 
 METADATA_NAME = ".metadata"
 
@@ -119,14 +121,14 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise UnsafeContentError(f"{self._where}: unexpected persistent id in a DCP .metadata pickle")
 
 
-def read_metadata(path: str) -> DcpMetadata:
-    """Parse and check the DCP ``.metadata`` file at ``path``."""
+def read_metadata(path: str, root: str = ANYWHERE) -> DcpMetadata:
+    """Parse and check the DCP ``.metadata`` file at ``path`` (a regular file; a link only into
+    ``root``, see :mod:`.model_files`)."""
     # imported here: only a DCP checkpoint needs torch.distributed.checkpoint
     from torch.distributed.checkpoint import metadata as m
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_model_file(path, "DCP .metadata", root)
     try:
         raw = _AllowListUnpickler(io.BytesIO(data), path).load()
     except FormatError:

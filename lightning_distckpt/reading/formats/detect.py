@@ -9,9 +9,11 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ...core.errors import FormatError
 from ...storage.layout import parse_json
+from ...storage.paths import ANYWHERE, model_root
 from .dcp import DcpSource, is_dcp_dir
 from .files import SafetensorsFile, TorchFile
 from .megatron import MegatronSource, megatron_config
+from .model_files import open_model_file, read_model_file
 from .tensor_files import IndexedFile, KeyMap, TensorFile, TensorFileSource
 
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -32,49 +34,54 @@ def detect(path: str, key_map: KeyMap = None,
     files = open_tensor_files(path, extra_safe_globals)
     if files is None:
         return None
-    only = files[0].file if len(files) == 1 and os.path.isfile(path) else None
+    only = files[0].file if len(files) == 1 and not os.path.isdir(path) else None
     common = only.common if isinstance(only, TorchFile) else {}
     return TensorFileSource(path, files, key_map, common=common)
 
 
 def open_tensor_files(path: str, extra_safe_globals: Sequence[Any] = ()) -> Optional[List[IndexedFile]]:
     """The tensor files of a file path or of a Hugging Face directory (with the names its index
-    assigns to each); None for anything else."""
-    if os.path.isfile(path):
-        return [IndexedFile(open_file(path, extra_safe_globals), None)]
+    assigns to each); None for anything else. A file path given may be a link (the user chose it);
+    in a directory, links are followed only inside its root (:func:`model_root`: a Hugging Face
+    cache snapshot's root is its cache repo folder), and a special file in a model file's place is
+    a FormatError naming it (see :mod:`.model_files`)."""
     if not os.path.isdir(path):
-        return None
+        if not os.path.exists(path):
+            return None
+        return [IndexedFile(open_file(path, extra_safe_globals), None)]  # a FIFO or socket: refused there
+    root = model_root(path)
     for name in HF_INDEXES:
-        if os.path.isfile(os.path.join(path, name)):
-            index = _index_files(path, name)
-            return [IndexedFile(open_file(f, extra_safe_globals), keys) for f, keys in index.items()]
+        if os.path.lexists(os.path.join(path, name)):
+            index = _index_files(path, name, root)
+            return [IndexedFile(open_file(f, extra_safe_globals, root), keys) for f, keys in index.items()]
     for name in HF_SINGLE_FILES:
-        if os.path.isfile(os.path.join(path, name)):
-            return [IndexedFile(open_file(os.path.join(path, name), extra_safe_globals), None)]
+        if os.path.lexists(os.path.join(path, name)):
+            return [IndexedFile(open_file(os.path.join(path, name), extra_safe_globals, root), None)]
     return None
 
 
-def is_safetensors(path: str) -> bool:
+def is_safetensors(path: str, root: str = ANYWHERE) -> bool:
     """By suffix, or by the header: a little-endian length followed by a JSON object."""
     if path.endswith(".safetensors"):
         return True
-    with open(path, "rb") as f:
+    with open_model_file(path, "model file", root) as f:
         head = f.read(9)
-    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < os.path.getsize(path)
+        size = os.fstat(f.fileno()).st_size
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
 
 
-def open_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> TensorFile:
-    return SafetensorsFile(path) if is_safetensors(path) else TorchFile(path, extra_safe_globals)
+def open_file(path: str, extra_safe_globals: Sequence[Any] = (), root: str = ANYWHERE) -> TensorFile:
+    """A ``.safetensors`` or ``torch.save`` file; links only inside ``root`` (default: anywhere)."""
+    if is_safetensors(path, root):
+        return SafetensorsFile(path, root)
+    return TorchFile(path, extra_safe_globals, root)
 
 
-def _index_files(directory: str, index_name: str) -> Dict[str, List[str]]:
+def _index_files(directory: str, index_name: str, root: str) -> Dict[str, List[str]]:
     """{file: the tensor names the index's ``weight_map`` assigns to it}; the files must be plain
-    names inside ``directory``, regular files reached through no link."""
+    names inside ``directory`` (links to them are followed only inside ``root``)."""
     index_path = os.path.join(directory, index_name)
-    if os.path.getsize(index_path) > _MAX_INDEX_BYTES:
-        raise FormatError(f"{index_path}: larger than {_MAX_INDEX_BYTES >> 20} MiB; not an index")
-    with open(index_path, "rb") as f:
-        raw = f.read()
+    raw = read_model_file(index_path, "Hugging Face index", root, max_bytes=_MAX_INDEX_BYTES)
     index = parse_json(raw, index_path)  # nesting checked before parsing: a deep file is a FormatError
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if weight_map is None:
@@ -86,7 +93,7 @@ def _index_files(directory: str, index_name: str) -> Dict[str, List[str]]:
         if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
             raise FormatError(f"{index_path}: tensor {key!r}: shard file {name!r} is not a file name in {directory}")
         full = os.path.join(directory, name)
-        if os.path.islink(full) or not os.path.isfile(full):
-            raise FormatError(f"{index_path}: tensor {key!r}: shard file {name!r} is missing or a symlink")
+        if not os.path.lexists(full):
+            raise FormatError(f"{index_path}: tensor {key!r}: shard file {name!r} is missing")
         out.setdefault(full, []).append(key)
     return out

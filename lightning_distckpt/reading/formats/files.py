@@ -1,7 +1,8 @@
 """The tensor files we read: ``.safetensors`` (through ``safetensors.safe_open``: only the slice's
 bytes are read) and ``torch.save`` files (``weights_only``, memory-mapped: only the pages of the
 slice are touched). Both :func:`ldc.load <lightning_distckpt.load>` and the rank-0 API
-(:mod:`lightning_distckpt.sharding`) open files through these classes."""
+(:mod:`lightning_distckpt.sharding`) open files through these classes. ``root``: where a link may
+resolve (:mod:`.model_files`; the default, a file the user named, is read wherever it points)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from ...core.errors import FormatError
 from ...core.tree_walk import fold, walk_paths
+from ...storage.paths import ANYWHERE
 from ...storage.safe_pickle import load_file
 from .safetensors_header import read_header
 
@@ -22,11 +24,13 @@ class SafetensorsFile:
     past the end or overlapping, unknown dtypes are FormatErrors naming the tensor); then the
     library reads: tensors are views of its memory map, slices read only their bytes."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, root: str = ANYWHERE) -> None:
         from safetensors import safe_open
 
         self.path = path
-        self._entries = {e.name: e for e in sorted(read_header(path), key=lambda e: e.begin)}
+        # read_header opens the file as the rule says (a regular file, links only inside root) before
+        # safe_open, which opens it by name
+        self._entries = {e.name: e for e in sorted(read_header(path, root), key=lambda e: e.begin)}
         try:
             self._file = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # SafetensorError (and Rust panics surfacing as exceptions)
@@ -50,8 +54,8 @@ class TorchFile:
     keeps its keys: ``"fc.weight"``; a Lightning checkpoint gives ``"state_dict/fc.weight"``); the
     rest (epochs, loops, hyperparameters) is the common state."""
 
-    def __init__(self, path: str, extra_safe_globals: Sequence[Any] = ()) -> None:
-        self._take(path, load_file(path, extra_safe_globals))
+    def __init__(self, path: str, extra_safe_globals: Sequence[Any] = (), root: str = ANYWHERE) -> None:
+        self._take(path, load_file(path, extra_safe_globals, root))
 
     @classmethod
     def from_payload(cls, path: str, payload: Any) -> "TorchFile":

@@ -25,10 +25,11 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from ...core.errors import FormatError
 from ...planning.metadata import ObjectEntry, StoredObject
 from ...storage.layout import parse_json
-from ...storage.paths import read_inside
+from ...storage.paths import model_root
 from ...storage.safe_pickle import dumps, load_file, loads
 from .dcp import DcpReader, DcpSource
 from .dcp_metadata import DcpItem
+from .model_files import read_model_file
 from .tensor_files import KeyMap, map_key
 
 CONFIG_NAME = "metadata.json"
@@ -53,9 +54,13 @@ def megatron_config(path: str) -> Optional[MegatronConfig]:
     """The Megatron-Core config of directory ``path``; None when its ``metadata.json`` is missing or
     not Megatron's (ours is also named ``metadata.json``: Megatron's has ``sharded_backend``)."""
     config = os.path.join(path, CONFIG_NAME)
-    if not os.path.isdir(path) or not os.path.isfile(config) or os.path.getsize(config) > _MAX_CONFIG_BYTES:
+    if not os.path.isdir(path) or not os.path.lexists(config) or (
+            os.path.isfile(config) and os.path.getsize(config) > _MAX_CONFIG_BYTES):
         return None
-    text = read_inside(config, CONFIG_NAME)  # never through a link (a link is a FormatError)
+    # A special file or a link out of the directory is a FormatError naming it (never a wait). Ours is
+    # also named metadata.json: a link to a file inside the directory is read here, and refused by
+    # our own reader if the directory is ours.
+    text = read_model_file(config, CONFIG_NAME, model_root(path), _MAX_CONFIG_BYTES)
     try:
         # Nesting bounded before parsing: a hostile metadata.json (ours or Megatron's) must not
         # drive the JSON parser into deep recursion.
@@ -162,13 +167,13 @@ class MegatronSource(DcpSource):
 
     def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
         """``common.pt``, deserialized with ``weights_only`` (no code from the checkpoint runs)."""
-        return load_file(self._common, tuple(extra_safe_globals) or self._extra_safe_globals)
+        return load_file(self._common, tuple(extra_safe_globals) or self._extra_safe_globals, self.root)
 
     def object_bytes(self, key: str, index: int) -> bytes:
         """One ShardedObject element as ``torch.save`` bytes of its value. Megatron stores a list of
         the element's copies (one with main-replica saving); the first is the value."""
         fqn, item = self._object_items[(key, index)]
-        with open(self.full_path(item.file), "rb") as f:
+        with self.open_file(self.full_path(item.file)) as f:
             blob = self.read_item(f, item)
         where = f"{self.full_path(item.file)}: ShardedObject {fqn!r}"
         value = loads(blob, where, self._extra_safe_globals)

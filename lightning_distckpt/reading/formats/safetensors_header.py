@@ -19,6 +19,8 @@ import torch
 
 from ...core.errors import FormatError
 from ...storage.layout import parse_json
+from ...storage.paths import ANYWHERE
+from .model_files import open_model_file
 
 # The dtypes of the safetensors format that torch has.
 DTYPES: Dict[str, torch.dtype] = {
@@ -43,11 +45,12 @@ class HeaderEntry:
     end: int
 
 
-def read_header(path: str) -> List[HeaderEntry]:
+def read_header(path: str, root: str = ANYWHERE) -> List[HeaderEntry]:
     """The tensors of the safetensors file ``path``, checked against the file's size; raises
-    :class:`FormatError` naming the file (and the tensor) when the header is not sound."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    :class:`FormatError` naming the file (and the tensor) when the header is not sound, or when
+    ``path`` is not a regular file or links out of ``root`` (see :mod:`.model_files`)."""
+    with open_model_file(path, "safetensors file", root) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise FormatError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
