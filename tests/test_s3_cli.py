@@ -128,7 +128,7 @@ def test_convert_to_and_from_s3(bucket, tmp_path, capsys):
     assert code == 0, err
     _check(ldc.load(_template(), str(tmp_path / "local")), 5)
     code, _, err = _run(capsys, "convert", url, url, "--to", "distckpt")
-    assert code == 2 and "same directory" in err
+    assert code == 2 and "is the source" in err
 
 
 @pytest.mark.parametrize("command", ["inspect", "validate", "clean"])

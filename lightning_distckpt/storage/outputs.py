@@ -79,17 +79,18 @@ def check_output(output: PathLike, inputs: Iterable[Tuple[str, PathLike]], what:
     directly inside it for whose name ``replaced(name)`` is true (an export that writes some files
     into an existing directory)."""
     out = _real(output, what)
+    real = f" (real path {out})" if out != _shown(output) else ""
     for name, path in inputs:
         src = _real(path, name)
         if _same_or_below(out, src):
             where = "is" if out == src else "lies inside"
             raise ArgumentError(
-                f"{what} {_shown(output)} {where} the {name} {_shown(path)} (real path {out}): writing it "
+                f"{what} {_shown(output)} {where} the {name} {_shown(path)}{real}: writing it "
                 f"would overwrite what is being read; write the {what} outside the {name}")
         if _same_or_below(src, out):
             entry = _first_entry(src, out)
             if replaced is None or not entry or replaced(entry):
                 raise ArgumentError(
-                    f"{name} {_shown(path)} lies inside the {what} {_shown(output)} (real path {out}), "
+                    f"{name} {_shown(path)} lies inside the {what} {_shown(output)}{real}, "
                     f"which the conversion replaces: the {name} would be deleted; write the {what} where it does not "
                     f"hold the {name}")
