@@ -1,8 +1,11 @@
 """Durable, atomic commit: ranks write into a hidden staging directory beside the target; rank 0
 writes ``metadata.json`` and the commit marker after every rank has finished and fsync'd, then
 swaps the staging directory into place. A crash at any point leaves the previous checkpoint intact
-and never leaves a directory that looks complete but is not. ``s3://`` targets commit without a
-rename, by a marker naming the version (:mod:`.s3`)."""
+and never leaves a directory that looks complete but is not; where the swap takes two renames (no
+``RENAME_EXCHANGE``: NFS, Lustre), a crash between them leaves the new checkpoint committed beside
+its missing target, and the next load, save or ``clean`` renames it into place
+(:func:`recover_interrupted_commit`). ``s3://`` targets commit without a rename, by a marker naming
+the version (:mod:`.s3`)."""
 
 from __future__ import annotations
 
@@ -239,7 +242,8 @@ def recover_interrupted_commit(target: str) -> Optional[Recovery]:
     so. A copy a live process on this host is still committing is left to it.
 
     Safe to call from several processes at once (ranks loading together): renames are atomic, the
-    losers see the target in place and return. File-system operations only, no collectives."""
+    losers see the target in place and return. File-system operations only, no collectives. A
+    rename the file system refuses (permissions) is logged, and None returned."""
     if is_s3_url(target):
         return None
     path = os.path.abspath(target)
@@ -256,9 +260,10 @@ def recover_interrupted_commit(target: str) -> Optional[Recovery]:
         try:
             os.rename(best, path)
         except OSError as e:
-            if e.errno in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
+            if e.errno in _RACES:
                 continue  # another process moved it or put something in place: look again
-            raise
+            logger.warning("checkpoint %s is missing and could not be recovered from %s: %s", path, best, e)
+            return None  # the caller reports the missing checkpoint, naming the stranded copy
         fsync_dir(os.path.dirname(path))
         removed = tuple(p for t, p in copies[1:]
                         if t <= when and _is_moved_aside(p) and not live_owner_pids(p) and _remove(p))
