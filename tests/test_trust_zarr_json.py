@@ -167,8 +167,8 @@ def test_undamaged_checkpoints_load_exactly_and_validate(saved, layout):
 
 def test_a_pack_opened_for_one_shard_must_hold_the_next(saved, tmp_path):
     """A pack cut to hold b only: opening it for b passes, then n (past its end) is refused by name."""
-    ck = _damaged(saved, tmp_path, "ocdbt", "p/float32",
-                  lambda m: {**m, "shape": [10], "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [10]}}})
+    grid = {"name": "regular", "configuration": {"chunk_shape": [10]}}
+    ck = _damaged(saved, tmp_path, "ocdbt", "p/float32", lambda m: {**m, "shape": [10], "chunk_grid": grid})
     opened = OpenedCheckpoint.open(str(ck))
     tio = TensorStoreIO(opened.path, opened.options, opened.index)
     assert tio.open_array(0, "b", 0).shape == (10,)
@@ -241,7 +241,8 @@ def test_an_even_split_s_shards_are_checked_by_their_chunk(tmp_path):
     whole = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros_like(W))}
     assert torch.equal(ldc.load(whole, tmp_path / "ck")["w"], W)
     edit_zarr_json(tmp_path / "ck", "t/w/1", _set(["shape", 0], 15), writer=1)
-    with pytest.raises(ldc.FormatError, match=r"'w' shard 1 \(written by rank 1\).*'shape' is \[15, 64\], not \[150, 64\]"):
+    with pytest.raises(ldc.FormatError, match=r"'w' shard 1 \(written by rank 1\).*'shape' is \[15, 64\], "
+                                              r"not \[150, 64\]"):
         ldc.load(whole, tmp_path / "ck")
 
 

@@ -332,9 +332,8 @@ class TensorStoreIO:
         for (writer, dtype), keys in packs.items():
             handle, end = (writer, pack_path(dtype)), max(e for _, e in keys)
             if handle not in self._arrays or end > self._arrays[handle].shape[0]:
-                names = sorted({k for k, _ in keys})
-                what = f"the pack of shards ({', '.join(map(repr, names[:5]))}{', ...' * (len(names) > 5)}; {dtype}) " \
-                       f"written by rank {writer}"
+                names = sorted({k for k, _ in keys})  # (the 5 first)
+                what = f"the pack of shards ({', '.join(map(repr, names[:5]))}; {dtype}) written by rank {writer}"
                 if handle in self._arrays:  # opened, its zarr.json checked, for other shards
                     raise FormatError(f"checkpoint {self.root}: {what} holds {self._arrays[handle].shape[0]} elements, "
                                       f"fewer than the {end} metadata.json packs in it: damaged")
@@ -365,14 +364,14 @@ class TensorStoreIO:
                 raise self._read_error(f"{where} is missing or unreadable: no {metadata_key(handle[1])}")
             check_metadata(metadata, wanted[handle][1], where)  # before anything is read through it
             self._metadata[handle] = metadata
-            opens[handle] = ts.open(open_spec(self.array_spec(*handle), metadata), open=True, read=True,
-                                    assume_metadata=True, context=self.context)
+            opens[handle] = (where, ts.open(open_spec(self.array_spec(*handle), metadata), open=True, read=True,
+                                            assume_metadata=True, context=self.context))
         out = {}
-        for handle, fut in opens.items():
+        for handle, (where, fut) in opens.items():
             try:
                 out[handle] = fut.result()
             except Exception as e:
-                raise self._read_error(f"checkpoint {self.root}: {wanted[handle][0]} is missing or unreadable: {e}") from e
+                raise self._read_error(f"{where} is missing or unreadable: {e}") from e
         return out
 
     def read_object(self, writer: int, key: str, index: int) -> bytes:

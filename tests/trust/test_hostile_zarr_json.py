@@ -11,7 +11,6 @@
   round-trip exactly.
 """
 
-import json
 import os
 import shutil
 import tempfile
@@ -190,7 +189,8 @@ def key_pairs(draw):
     elif how == "escape":
         short = short.replace("~", "%7E")
     elif how == "random":
-        short = draw(st.text(_chars, min_size=118, max_size=122)) + "~" + draw(st.text("0123456789abcdef", min_size=32, max_size=32))
+        digits = draw(st.text("0123456789abcdef", min_size=32, max_size=32))
+        short = draw(st.text(_chars, min_size=118, max_size=122)) + "~" + digits
     return long, short
 
 
@@ -200,7 +200,8 @@ def _check_key_pair(pair, objects):
     try:
         ck = os.path.join(root, "ck")
         if objects:
-            sd = {"a": ldc.ShardedObject(long, "first", (1,), (0,)), "b": ldc.ShardedObject(short, "second", (1,), (0,))}
+            sd = {"a": ldc.ShardedObject(long, "first", (1,), (0,)),
+                  "b": ldc.ShardedObject(short, "second", (1,), (0,))}
         else:
             sd = {"a": ldc.ShardedTensor.from_rank_offsets(long, torch.ones(2)),
                   "b": ldc.ShardedTensor.from_rank_offsets(short, torch.zeros(2))}
