@@ -29,7 +29,6 @@ against a link or file swapped in while a load runs (whoever can do that can als
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import stat
@@ -158,26 +157,20 @@ def resolve_within(path: str, what: str, root: str) -> str:
 def open_regular(path: str, what: str, root: Optional[str] = None) -> int:
     """A blocking file descriptor of the regular file ``path`` (close it). ``root`` None: ``path``
     is not followed through a link (our checkpoints); else a link is followed when its real path
-    is inside ``root`` (:func:`resolve_within`). Opened non-blocking, so a FIFO does not wait for a
-    writer; anything that is not a regular file (FIFO, socket, device, directory) is a FormatError
-    naming it. A missing or unreadable file raises OSError (callers name it)."""
+    is inside ``root`` (:func:`resolve_within`). Anything that is not a regular file (FIFO, socket,
+    device, directory) is a FormatError naming it, found by ``lstat`` before it is opened (opening a
+    device can act on it); the open itself is non-blocking and ``fstat``'d, so a FIFO swapped in
+    meanwhile does not wait for a writer either. A missing or unreadable file raises OSError
+    (callers name it)."""
     target = path if root is None else resolve_within(path, what, root)
+    mode = refuse_link(path, what).st_mode if root is None else os.lstat(target).st_mode
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, what, mode)
+    fd = os.open(target, _OPEN_FLAGS)
     try:
-        fd = os.open(target, _OPEN_FLAGS)
-    except OSError as e:
-        if root is None and os.path.islink(path):
-            refuse_link(path, what)
-        if e.errno in (errno.ENXIO, errno.EOPNOTSUPP, errno.ENODEV):  # a socket, a device without driver
-            try:
-                mode = os.lstat(target).st_mode
-            except OSError:
-                raise e from None
-            raise _not_regular(path, what, mode) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path, what, st.st_mode)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, what, mode)
         os.set_blocking(fd, True)
         return fd
     except BaseException:
