@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 from enum import Enum
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -16,10 +17,13 @@ from .core.dtensors import shard_dtensors
 from .core.megatron_leaves import from_megatron_leaves
 from .core.mapping import ShardedTensor
 from .core.strict import StrictHandling
+from .planning.flat_plan import is_flattened
+from .planning.load_plan import SAME_KIND, parse_cast
 from .planning.metadata import dtype_from_name
 from .reading.checkpoint import open_checkpoint
 from .reading.formats import KeyMap
 from .reading.loaders import Loader, resolve_loader
+from .reading.pipeline import with_cast
 from .reading.plain import check_plain_loadable
 from .reading.reads import read_tensors
 from .storage.paths import checkpoint_location
@@ -107,6 +111,7 @@ def load(
     extra_safe_globals: Sequence[Any] = (),
     loader: Union[str, Loader, None] = None,
     key_map: KeyMap = None,
+    cast: str = SAME_KIND,
 ) -> Union[Dict[str, Any], Tuple[Dict[str, Any], set, set]]:
     """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -127,18 +132,24 @@ def load(
     loader object such as ``TwoStageDataParallelLoader(dp_group)`` (see docs/loaders.md). The
     default, ``"two_stage"`` over the whole group, reads each chunk the ranks need once from
     storage and sends it to the others, pipelined with bounded memory.
+
+    ``cast``: ``"same_kind"`` (default) converts a stored tensor into a template of another floating
+    dtype, or another integer dtype; a template of another kind (integer <-> floating, anything <->
+    bool) is refused before anything is read (ShardingError naming the key). ``"any"`` converts
+    across kinds too, as Megatron-Core and torch DCP do, each value exactly as ``Tensor.to`` does.
     """
     checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
     require_state_dict(sharded_state_dict, "sharded_state_dict")
     require(strict, (StrictHandling, Enum, str, bool), "strict", "a StrictHandling (ours or Megatron-Core's), its name or a bool")
     require_globals(extra_safe_globals)
     require_key_map(key_map)
+    parse_cast(cast)
     strict = StrictHandling.parse(strict)
     # Megatron-Core's leaves as ours; DTensors loaded back into the template's DTensors
     sharded_state_dict = shard_dtensors(from_megatron_leaves(sharded_state_dict))
     comm = get_comm(process_group)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
-    opener = functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals)
+    opener = with_cast(functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals), cast)
     state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, opener, comm, strict,
                                                              extra_safe_globals)
     if strict.returns_keys:
@@ -146,8 +157,16 @@ def load(
     return state
 
 
-def load_tensors_metadata(checkpoint_dir: PathLike) -> Dict[str, ShardedTensor]:
-    """key -> ShardedTensor without data, describing the whole saved tensor (global shape, dtype)."""
+def load_tensors_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) -> Dict[str, ShardedTensor]:
+    """key -> ShardedTensor without data, describing the whole saved tensor (global shape, dtype).
+
+    A tensor saved as flattened pieces (``flattened_range``, the distributed-optimizer layout) is
+    described as its N-D tensor by default: loading with it gives the N-D tensor. With
+    ``flattened=True`` it is described as Megatron-Core 0.12-0.15's ``load_tensors_metadata`` does: the
+    same shapes and a ``flattened_range`` covering the whole tensor, so loading with it gives the 1-D
+    tensor of all its elements (``(8, 5, 40)`` -> ``(1600,)``). Other tensors are the same either way.
+    """
+    require_bool(flattened, "flattened")
     source = open_checkpoint(checkpoint_location(checkpoint_dir, "checkpoint_dir"))
     out = {}
     for key, e in source.index.tensors.items():
@@ -155,6 +174,7 @@ def load_tensors_metadata(checkpoint_dir: PathLike) -> Dict[str, ShardedTensor]:
         out[key] = ShardedTensor(
             key=key, data=None, dtype=dtype_from_name(e.dtype, key), local_shape=shape,
             global_shape=shape, global_offset=(0,) * len(shape), axis_fragmentations=(1,) * len(shape),
+            flattened_range=slice(0, math.prod(shape)) if flattened and is_flattened(e) else None,
         )
     return out
 

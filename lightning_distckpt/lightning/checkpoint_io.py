@@ -34,6 +34,7 @@ from ..serialization import load as dist_load
 from ..serialization import save as dist_save
 from ..reading.checkpoint import CheckpointSource, open_checkpoint
 from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, Loader, TwoStageDataParallelLoader, resolve_loader
+from ..reading.pipeline import with_cast
 from ..storage.s3_url import is_s3_url
 from ..storage.paths import checkpoint_location
 from ..storage.s3_versions import remove_checkpoint as remove_s3_checkpoint
@@ -203,10 +204,11 @@ class DistCheckpointIO(CheckpointIO):
         # non-strict load finds missing; the checkpoint's values win wherever it has them.
         _, fallback = split_common(template) if handling.skips_unexpected else (None, None)
         if isinstance(path, CheckpointSource):
-            loaded = load_from_source(template, path, process_group, handling, self.extra_safe_globals, loader)
+            loaded = load_from_source(template, with_cast(path, self.config.cast), process_group, handling,
+                                      self.extra_safe_globals, loader)
         else:
             out = dist_load(template, path, process_group=process_group, strict=handling,
-                            extra_safe_globals=self.extra_safe_globals, loader=loader)
+                            extra_safe_globals=self.extra_safe_globals, loader=loader, cast=self.config.cast)
             loaded = out[0] if isinstance(out, tuple) else out
         return merge(fallback, loaded) if isinstance(fallback, dict) else loaded
 

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..core.errors import ConfigError
 from ..core.strict import StrictHandling
+from ..planning.load_plan import CAST_RULES, SAME_KIND
 from ..storage.tensorstore_io import StorageOptions
 from ..reading.loaders import LOADER_NAMES
 
@@ -44,6 +45,9 @@ class DistCheckpointConfig:
         safe_globals: further trusted types that common state and ShardedObjects may hold, by
             import path (``["io.BytesIO", "argparse.Namespace"]``), added to the plugin's
             ``extra_safe_globals`` (loading never unpickles anything else).
+        cast: which dtype conversions a load makes when the module's dtype differs from the
+            stored one: ``same_kind`` (floating <-> floating, integer <-> integer; others refused)
+            or ``any`` (across kinds too, as ``Tensor.to`` converts); ``load(..., cast=)``.
     """
 
     storage: StorageOptions = field(default_factory=StorageOptions)
@@ -53,6 +57,7 @@ class DistCheckpointConfig:
     loader: Optional[str] = None
     async_save: bool = False
     safe_globals: List[str] = field(default_factory=list)
+    cast: str = SAME_KIND
 
     def __post_init__(self) -> None:
         try:
@@ -63,6 +68,8 @@ class DistCheckpointConfig:
             _import_global(name)
         if self.loader is not None and self.loader not in LOADER_NAMES:
             raise ConfigError(f"unknown loader {self.loader!r}; choose one of {list(LOADER_NAMES)} or null (the default)")
+        if self.cast not in CAST_RULES:
+            raise ConfigError(f"cast must be one of {list(CAST_RULES)}, got {self.cast!r}")
 
     @property
     def strict_handling(self) -> StrictHandling:

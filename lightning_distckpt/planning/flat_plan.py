@@ -116,6 +116,12 @@ def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> List[BoxT]:
     return out
 
 
+def is_flattened(entry: TensorEntry) -> bool:
+    """Whether ``entry`` was saved as flattened pieces (some stored shard holds a flat range; an
+    even split never does)."""
+    return entry.even is None and any(s.flat for s in entry.shards)
+
+
 def _shift(box: BoxT, origin: Sequence[int]) -> BoxT:
     return tuple(o + g for o, g in zip(box[0], origin)), box[1]
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple, Union
+from typing import Any, List, Sequence, Tuple, Union
 
 import torch
 
-from ..core.errors import CheckpointingError, ShardingError
+from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, ShardingError
 from ..core.mapping import ShardedTensor
 from .boxes import intersect
-from .flat_plan import FlatReadPlan, plan_flat_read
+from .flat_plan import FlatReadPlan, is_flattened, plan_flat_read
 from .metadata import TensorEntry
 
 
@@ -47,25 +47,47 @@ def _rel(off: Sequence[int], shape: Sequence[int], origin: Sequence[int]) -> Tup
     return tuple(slice(o - g, o - g + s) for o, s, g in zip(off, shape, origin))
 
 
+SAME_KIND = "same_kind"
+ANY = "any"
+CAST_RULES = (SAME_KIND, ANY)
+"""``load(..., cast=)``: ``"same_kind"`` (the default) converts between floating dtypes and between
+integer dtypes only; ``"any"`` converts across kinds too (integer <-> floating, anything <-> bool),
+as Megatron-Core and torch DCP do, each value as ``Tensor.to(dtype)`` converts it."""
+
+
+def parse_cast(cast: Any, what: str = "cast") -> str:
+    """``cast`` checked: one of :data:`CAST_RULES`, else ArgumentTypeError / ArgumentError naming ``what``."""
+    if not isinstance(cast, str):
+        raise ArgumentTypeError(f"{what} must be one of {list(CAST_RULES)}, got {type(cast).__name__}")
+    if cast not in CAST_RULES:
+        raise ArgumentError(f"{what} must be one of {list(CAST_RULES)}, got {cast!r}")
+    return cast
+
+
 def _dtype_kind(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "bool"
     return "floating" if dtype.is_floating_point else "integer"
 
 
-def check_dtype_conversion(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: str) -> None:
-    """Loading converts between floating dtypes (e.g. fp32 master weights into a bf16 model) and
-    between integer dtypes, as ``Tensor.copy_`` would; a conversion across kinds (floating <->
+def check_dtype_conversion(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: str,
+                           cast: str = SAME_KIND) -> None:
+    """The dtype rule of a load, checked for each requested tensor when the load begins.
+
+    Loading converts between floating dtypes (e.g. fp32 master weights into a bf16 model) and
+    between integer dtypes, as ``Tensor.copy_`` would. A conversion across kinds (floating <->
     integer, anything <-> bool) is almost always a template built wrongly and would silently
-    truncate, so it is refused."""
+    truncate (pytorch/pytorch#187138 asks DCP to stop doing it), so it is refused unless the
+    caller asks for it with ``cast="any"``."""
     stored = entry.torch_dtype
     wanted = request.data.dtype if request.data is not None else request.dtype
-    if wanted is None or wanted == stored or _dtype_kind(wanted) == _dtype_kind(stored):
+    if cast == ANY or wanted is None or wanted == stored or _dtype_kind(wanted) == _dtype_kind(stored):
         return
     raise ShardingError(
         f"checkpoint {checkpoint_dir}: {request.key!r} is stored as {entry.dtype} but the template asks for "
         f"{str(wanted).replace('torch.', '')}; loading converts between floating dtypes and between integer "
-        f"dtypes only (load into a {entry.dtype} tensor and convert it yourself if this is intended)"
+        f"dtypes only (load into a tensor of dtype {entry.dtype} and convert it yourself, or, if this conversion is "
+        f"intended, pass cast='any' to load / set `cast: any` in the checkpoint config)"
     )
 
 
@@ -76,6 +98,8 @@ def plan_tensor_read(request: ShardedTensor, entry: TensorEntry,
     With ``allow_shape_mismatch`` the saved global shape may differ: the requested box is clipped
     to the saved tensor and the rest zero-filled (a larger target is padded, a smaller one truncated).
     When the request or a stored shard is flattened, returns :func:`plan_flat_read`'s plan.
+    Dtypes are not looked at here: the load checked them when it began
+    (:func:`check_dtype_conversion`), and the readers convert to the destination's dtype.
     """
     key = request.key
     saved_shape = tuple(entry.global_shape)
@@ -89,8 +113,7 @@ def plan_tensor_read(request: ShardedTensor, entry: TensorEntry,
             f"checkpoint {checkpoint_dir}: {key!r} has global shape {saved_shape} in the checkpoint but "
             f"{request.global_shape} was asked for (set allow_shape_mismatch=True to pad/truncate)"
         )
-    check_dtype_conversion(request, entry, checkpoint_dir)
-    if request.flattened_range is not None or entry.even is None and any(s.flat for s in entry.shards):
+    if request.flattened_range is not None or is_flattened(entry):
         return plan_flat_read(request, entry, checkpoint_dir)
     off, shape = request.global_offset, request.shard_shape
     items: List[ReadItem] = []

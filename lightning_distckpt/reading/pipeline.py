@@ -3,7 +3,9 @@
 state, put everything in the template's place and agree over the ranks (:func:`finish_load`).
 
 A loader only decides how the tensors get from storage into their destinations (every rank
-reading its own, or chunks read once and exchanged). An error on any rank, at any stage, is
+reading its own, or chunks read once and exchanged). The dtype rule (``load(..., cast=)``) is
+checked here, for every requested tensor, before anything is read: the rule travels with the
+checkpoint (:func:`with_cast`), so it reaches :func:`begin_load` through any loader. An error on any rank, at any stage, is
 held until :func:`finish_load`, where every rank raises it, so no rank waits in a collective
 the others never enter.
 """
@@ -19,6 +21,7 @@ import torch
 from ..comm import Comm
 from ..core.errors import CheckpointingError
 from ..core.strict import StrictHandling
+from ..planning.load_plan import SAME_KIND, check_dtype_conversion, parse_cast
 from .checkpoint import CheckpointSource, open_checkpoint
 from .reads import read_objects
 from .request import LoadRequest, assemble, make_request, match_keys
@@ -49,6 +52,54 @@ class LoadContext:
 Opener = Callable[[], CheckpointSource]
 
 
+class CastingSource:
+    """``source`` read under the cast rule ``cast`` (``planning.load_plan.CAST_RULES``): how
+    ``load(..., cast="any")`` reaches :func:`begin_load` through any loader, whose ``load``
+    signature stays as it is. Every other attribute is the source's."""
+
+    def __init__(self, source: CheckpointSource, cast: str) -> None:
+        self.source = source
+        self.cast = cast
+        self.path: str = source.path
+        self.index = source.index
+
+    def reader(self) -> Any:
+        return self.source.reader()
+
+    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
+        return self.source.load_common(extra_safe_globals)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "source":  # not set yet (copy / unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+
+def with_cast(checkpoint: Union[str, CheckpointSource, Opener],
+              cast: str) -> Union[str, CheckpointSource, Opener]:
+    """``checkpoint`` (a path, a source or an opener, as a loader takes it) to be read under the cast
+    rule ``cast``; the default rule leaves it as it is. ArgumentError for an unknown rule."""
+    cast = parse_cast(cast)
+    if cast == SAME_KIND:
+        return checkpoint
+    if isinstance(checkpoint, str):
+        return lambda: CastingSource(open_checkpoint(checkpoint), cast)
+    if isinstance(checkpoint, CheckpointSource):
+        return CastingSource(checkpoint, cast)
+    opener = checkpoint
+    return lambda: CastingSource(opener(), cast)
+
+
+def check_dtypes(request: LoadRequest, source: CheckpointSource, absent: Set[str]) -> None:
+    """Every requested tensor's dtype against the stored one, under the source's cast rule
+    (:func:`with_cast`); ShardingError naming the first one refused."""
+    cast = source.cast if isinstance(source, CastingSource) else SAME_KIND
+    for st in request.tensors:
+        entry = source.index.tensors.get(st.key) if st.key not in absent else None
+        if entry is not None:
+            check_dtype_conversion(st, entry, source.path, cast)
+
+
 def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, CheckpointSource, Opener], comm: Comm,
                strict: StrictHandling) -> LoadContext:
     """Collective: open the source (a path, an opener, or a source already open), split the
@@ -74,6 +125,11 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
         error, request = e, LoadRequest({}, [], [])
     keys = match_keys(source, request, comm, strict, open_error)
     assert source is not None  # match_keys raised on every rank otherwise
+    if error is None:
+        try:
+            check_dtypes(request, source, keys.absent)
+        except Exception as e:  # reported on every rank in finish_load; nothing is read for this rank
+            error, request = e, LoadRequest({}, [], [])
     return LoadContext(comm, source, request, keys.absent, keys.missing, keys.unexpected, error, started)
 
 

@@ -10,7 +10,7 @@ checksum is computed over those bytes (:data:`.chunk_checksums.crc32c`); a chunk
 through one scratch buffer. tensorstore's wheel computes CRC-32C in portable code (about
 1.5 GB/s here) and decodes each chunk through one more copy: measured in docs/benchmarks.md.
 
-What cannot be read this way (another codec chain, a cast, a packed shard, an object store, an
+What cannot be read this way (another codec chain, a packed shard, an object store, an
 index this module does not understand) is left to tensorstore (see ``TensorStoreIO.read_into``).
 ``LIGHTNING_DISTCKPT_DIRECT_READS=0`` leaves everything to tensorstore.
 """
@@ -353,10 +353,12 @@ def _torch_dtype(name: str) -> Optional[torch.dtype]:
 
 
 def _castable(stored: str, dest: torch.dtype) -> bool:
-    """Whether a chunk of ``stored`` dtype is delivered into ``dest`` here: the same dtype, or one
-    floating dtype into another (``Tensor.copy_`` rounds to nearest even, as tensorstore's cast)."""
-    src = _torch_dtype(stored)
-    return src == dest or (src is not None and src.is_floating_point and dest.is_floating_point)
+    """Whether a chunk of ``stored`` dtype is delivered into ``dest`` here: any dtype torch knows.
+    A cast goes through the scratch buffer and ``Tensor.copy_``, which converts each value as
+    ``Tensor.to(dtype)`` does (floats rounded to nearest even, floats into integers truncated toward
+    zero, anything into bool as ``!= 0``); which casts a load may ask for is decided before the
+    reads (``planning.load_plan.check_dtype_conversion``)."""
+    return _torch_dtype(stored) is not None
 
 
 def _chunk_file(path: str) -> ChunkLocation:
