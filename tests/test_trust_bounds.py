@@ -147,8 +147,9 @@ def test_billion_laughs_common_state_is_refused_by_load_and_convert(tmp_path):
     _refused("load", ck, "common.pt", "shared containers")
     for to in ("dcp", "torch"):
         t0 = time.perf_counter()
-        res = subprocess.run([sys.executable, "-m", "lightning_distckpt", "convert", str(ck), str(tmp_path / f"out_{to}"),
-                              "--to", to], capture_output=True, text=True, timeout=BOUND_S)
+        argv = ["convert", str(ck), str(tmp_path / f"out_{to}"), "--to", to]
+        res = subprocess.run([sys.executable, "-m", "lightning_distckpt", *argv], capture_output=True, text=True,
+                             timeout=BOUND_S)
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
         assert "common.pt" in res.stderr and "shared containers" in res.stderr, res.stderr
         assert time.perf_counter() - t0 < BOUND_S
@@ -201,7 +202,8 @@ def test_tied_weights_and_shared_dicts_keep_every_name(tmp_path):
     loaded = ldc.load_plain_tensors(path)
     assert set(loaded) == {"embed.weight", "lm_head.weight", "model/x", "ema/x"}
     assert torch.equal(loaded["embed.weight"], tied) and torch.equal(loaded["lm_head.weight"], tied)
-    template = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(2, 3)) for k in ("embed.weight", "lm_head.weight")}
+    template = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(2, 3))
+                for k in ("embed.weight", "lm_head.weight")}
     out = ldc.load(template, path)
     assert torch.equal(out["embed.weight"], tied) and torch.equal(out["lm_head.weight"], tied)
     from lightning_distckpt.reading.formats.files import TorchFile
@@ -213,6 +215,31 @@ def test_tied_weights_and_shared_dicts_keep_every_name(tmp_path):
     both = ldc.ShardedTensor.from_rank_offsets("t", torch.zeros(4))
     back = ldc.load({"a": both, "b": both, "c": {"d": both}}, tmp_path / "ck")
     assert all(torch.equal(v, torch.arange(4.0)) for v in (back["a"], back["b"], back["c"]["d"]))
+
+
+def test_the_walker_counts_places_without_expanding_and_stays_exact_within_bounds():
+    """fold and walk_paths agree on what they refuse (small limits): a shared sub-tree counts at
+    every place; fold builds it once and shares the result; walk_paths names every path."""
+    from lightning_distckpt.core.tree_walk import Limits, check_tree, fold, walk_paths
+
+    small = Limits(max_depth=5, min_places=40, sharing_factor=2, max_nodes=1000)
+    shared = {"x": 1, "y": [2, 3]}
+    tree = {"a": shared, "b": shared, "c": (shared, 4)}
+    paths = walk_paths(tree, limits=small)
+    assert [p for p, _ in paths] == [("a", "x"), ("a", "y", 0), ("a", "y", 1), ("b", "x"), ("b", "y", 0),
+                                     ("b", "y", 1), ("c", 0, "x"), ("c", 0, "y", 0), ("c", 0, "y", 1), ("c", 1)]
+    built = []
+    copy = fold(tree, lambda v: v, lambda node, keys, results: built.append(node) or (
+        dict(zip(keys, results)) if keys is not None else list(results)), limits=small)
+    assert copy["a"] is copy["b"] is copy["c"][0] and sum(n is shared for n in built) == 1
+    for refused in (laughs(6, 0), nested(6, 0)):
+        with pytest.raises(FormatError):
+            check_tree(refused, "t", limits=small)
+        with pytest.raises(FormatError):
+            walk_paths(refused, limits=small)
+    check_tree(laughs(3, 0), "t", limits=small)  # 15 places from 5 stored: within max(40, 2 x 5)
+    with pytest.raises(FormatError, match="more than 1000 containers and values"):
+        check_tree(list(range(2000)), "t", limits=small)
 
 
 # -------------------------------------------------------------------------------------- sizes

@@ -23,8 +23,8 @@ walk of such a tree goes through this module, which
   costs is bounded by the bytes that describe the tree.
 
 Leaves are not containers: a tensor under two keys (tied weights) is a leaf at each of its places,
-exactly as it is without this module. Which objects are containers is the caller's choice
-(:func:`container_children`): plain dicts, lists and tuples by default.
+exactly as it is without this module. Which objects are containers is the caller's choice (the
+``types`` and ``leaves`` arguments): dicts, lists and tuples (subclasses too) by default.
 """
 
 from __future__ import annotations
