@@ -104,11 +104,14 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
         marker = {k: v for k, v in ckpt.marker.items() if k != "version"}  # an s3:// source's version
         marker.update(committed_unix=time.time())
         commit_mod.commit(staging, destination, json.dumps(meta), json.dumps(marker), storage)
-    except BaseException:
+    except BaseException as e:
         if remote:
             s3_mod.discard(staging, storage)
         else:
             staging_mod.discard(staging)
+        if isinstance(e, Exception) and not isinstance(e, CheckpointingError):  # tensorstore's, OSError
+            raise CheckpointingError(f"relayout of {ckpt.path} to {destination} failed, nothing was committed: "
+                                     f"{type(e).__name__}: {e}") from e
         raise
     n_objects = sum(len(o.shards) for o in ckpt.index.objects.values())
     return ConvertReport(ckpt.path, destination, "relayout", len(ckpt.index.tensors), n_objects,

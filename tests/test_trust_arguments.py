@@ -177,6 +177,17 @@ def test_a_path_that_is_not_utf8_is_refused_alike_everywhere(ck, tmp_path):
     assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_a_backslash_in_a_checkpoint_path_is_refused(ck, tmp_path):
+    """tensorstore reads a backslash as a separator: ``x\\y`` would be written to ``x/y`` (a
+    relayout's staging directory, ``.x\\y.distckpt-staging-*``, landed in ``.x/``)."""
+    for call in (lambda p: ldc.save(_state(), p), lambda p: ldc.relayout_checkpoint(ck, p, ldc.StorageOptions()),
+                 lambda p: ldc.load(_template(), p)):
+        for name in ("x\\y", "\\", "0\\0"):
+            with pytest.raises(ArgumentError, match="backslash"):
+                call(str(tmp_path / name))
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 # -- the other arguments ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,name", [
     (dict(validate_access_integrity="no"), "validate_access_integrity"),

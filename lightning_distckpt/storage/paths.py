@@ -84,11 +84,16 @@ def checkpoint_location(path: PathLike, what: str = "checkpoint") -> str:
     """Where a checkpoint is: an ``s3://`` URL normalized, else the local path made absolute (other
     URLs refused, see :func:`local_path`; ``what`` names the argument in errors). Decided by the
     path alone, so every rank decides alike (credentials, which may differ by rank, are checked
-    where failures are agreed)."""
+    where failures are agreed). A backslash is an ArgumentError: tensorstore, which opens our
+    arrays, reads it as a separator, so ``a\\b`` would be written to ``a/b``."""
     text = _path_text(path, what)
     if is_s3_url(text):
         return parse_s3_url(text).url
-    return os.path.abspath(local_path(text, what))
+    location = os.path.abspath(local_path(text, what))
+    if "\\" in location:
+        raise ArgumentError(f"{what} {text}: a path with a backslash is refused: tensorstore reads it as a "
+                            "separator and would write elsewhere; rename it")
+    return location
 
 
 def kind_of(mode: int) -> str:

@@ -12,15 +12,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pathlib
+import shutil
+import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 import lightning_distckpt as ldc
@@ -75,29 +78,44 @@ def bounded(fn: Callable[[], Any]) -> Any:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """``root/CK`` (a checkpoint), ``root/plain.pt``, ``root/link`` -> CK, ``root/out`` for outputs."""
-    root = str(tmp_path_factory.mktemp("hostile_args"))
-    ck = os.path.join(root, "CK")
-    ldc.save(_state(), ck)
+def saved(tmp_path_factory):
+    """The checkpoint and the torch file every example starts from (copied: examples are independent)."""
+    root = str(tmp_path_factory.mktemp("hostile_args_saved"))
+    ldc.save(_state(), os.path.join(root, "CK"))
     torch.save({"w": WEIGHT}, os.path.join(root, "plain.pt"))
-    os.symlink(ck, os.path.join(root, "link"))
-    os.mkdir(os.path.join(root, "out"))
     return root
 
 
+@contextlib.contextmanager
+def fresh_world(saved: str) -> Iterator[str]:
+    """A new directory, current while the example runs: ``CK`` (a checkpoint), ``plain.pt``,
+    ``link`` -> CK and ``out`` for outputs; removed afterwards."""
+    root = tempfile.mkdtemp(prefix="hostile_args_")
+    cwd = os.getcwd()
+    try:
+        shutil.copytree(os.path.join(saved, "CK"), os.path.join(root, "CK"))
+        shutil.copy(os.path.join(saved, "plain.pt"), os.path.join(root, "plain.pt"))
+        os.symlink(os.path.join(root, "CK"), os.path.join(root, "link"))
+        os.mkdir(os.path.join(root, "out"))
+        os.chdir(root)
+        yield root
+    finally:
+        os.chdir(cwd)
+        shutil.rmtree(root)
+
+
 def check_world(root: str, before: dict, output: Any) -> None:
-    """CK (unless it is the output: a save over it) and plain.pt unchanged, and CK loads; anything
-    else that changed lies under ``output``."""
+    """Every change lies under ``output``; the files CK and plain.pt held are unchanged unless one
+    of them is the output (a save over CK, an export over the file); CK loads."""
     after = hashes(root)
-    ck = os.path.join(root, "CK")
-    protected = () if _is_ck(root, output) else (ck + os.sep,)
+    protected = tuple(os.path.join(root, name) for name in ("CK", "plain.pt") if not _is(root, output, name))
     for path in set(before) | set(after):
         if before.get(path) == after.get(path):
             continue
-        assert not path.startswith(protected) and path != os.path.join(root, "plain.pt"), f"{path} changed"
         assert _under(root, path, output), f"{path} changed, outside the output {output!r}"
-    assert torch.equal(ldc.load_plain_tensors(ck)["w"], WEIGHT)
+        assert path not in before or not any(path == p or path.startswith(p + os.sep) for p in protected), \
+            f"{path} of the input changed"
+    assert torch.equal(ldc.load_plain_tensors(os.path.join(root, "CK"))["w"], WEIGHT)
 
 
 def _a_path(value: Any) -> bool:
@@ -118,6 +136,7 @@ def _under(root: str, path: str, output: Any) -> bool:
 
 
 number_text = st.one_of(
+    st.sampled_from(["0.5", "1", "64", "200B", "1KiB", "3"]),  # valid ones too: the commands then run
     st.sampled_from(["nan", "inf", "-inf", "0", "-1", "1e400", "0x10", "1_000", " 5 ", "", "1.5", "0.5", "5GB",
                      "-5GB", "1e-9", "9" * 40]),
     st.floats().map(repr), st.integers(-(1 << 70), 1 << 70).map(str), st.text(max_size=8))
@@ -130,9 +149,10 @@ path_text = st.one_of(st.sampled_from(places), st.text(st.characters(blacklist_c
 @st.composite
 def argvs(draw):
     command = draw(st.sampled_from(["convert", "validate", "inspect"]))
-    argv = [command, draw(path_text)]
+    argv = [command, draw(st.sampled_from(["CK", "link", "plain.pt"]) | path_text)]
     if command == "convert":
-        argv.append(draw(path_text))
+        fresh = st.text("abcdefgh", min_size=1, max_size=6).map(lambda t: f"out/{t}")
+        argv.append(draw(fresh | path_text))
         if draw(st.booleans()):
             argv.append("--to=" + draw(st.sampled_from(["torch", "distckpt", "safetensors", "dcp", "megatron", "x"])))
         for option in ("--chunk-mib", "--max-shard-size", "--layout"):
@@ -149,24 +169,26 @@ def _run_cli(root: str, argv: list) -> None:
     try:
         status = bounded(lambda: main(list(argv)))
         assert status in (0, 1, 2), status
+        event(f"{argv[0]}: exit status {status}")
     except SystemExit as e:  # argparse refused an argument
         assert e.code == 2, e.code
+        event(f"{argv[0]}: refused by argparse")
     check_world(root, before, argv[2] if argv[0] == "convert" else None)
 
 
 @SHORT
 @given(argv=argvs())
-def test_cli_arguments(world, argv, monkeypatch, capsys):
-    monkeypatch.chdir(world)
-    _run_cli(world, argv)
+def test_cli_arguments(saved, argv, capsys):
+    with fresh_world(saved) as root:
+        _run_cli(root, argv)
 
 
 @pytest.mark.long
 @LONG
 @given(argv=argvs())
-def test_cli_arguments_long(world, argv, monkeypatch, capsys):
-    monkeypatch.chdir(world)
-    _run_cli(world, argv)
+def test_cli_arguments_long(saved, argv, capsys):
+    with fresh_world(saved) as root:
+        _run_cli(root, argv)
 
 
 known_paths = st.sampled_from(places).flatmap(
@@ -196,12 +218,16 @@ WRITERS = {  # each writes to the path given, reading the checkpoint CK or the f
 }
 
 
-def _is_ck(root: str, value: Any) -> bool:
-    """``value`` is a path that resolves to the checkpoint CK."""
+def _is(root: str, value: Any, name: str) -> bool:
+    """``value`` is a path that resolves to ``root/name``."""
     if not _a_path(value):
         return False
     real = os.path.realpath(os.path.join(root, os.fsdecode(os.fspath(value))))
-    return real == os.path.realpath(os.path.join(root, "CK"))
+    return real == os.path.realpath(os.path.join(root, name))
+
+
+def _is_ck(root: str, value: Any) -> bool:
+    return _is(root, value, "CK")
 
 
 def _check_read(root: str, name: str, value: Any, result: Any) -> None:
@@ -221,9 +247,10 @@ def _run_api(root: str, name: str, value: Any) -> None:
     call = READERS.get(name) or WRITERS[name]
     try:
         result = bounded(lambda: call(value))
-    except CheckpointingError:
-        pass
+    except CheckpointingError as e:
+        event(f"{name}: {type(e).__name__}")
     else:
+        event(f"{name}: done")
         if name in READERS:
             _check_read(root, name, value, result)
     check_world(root, before, value if name in WRITERS else None)
@@ -235,14 +262,14 @@ calls = st.one_of(st.tuples(st.sampled_from(sorted(READERS)), any_value),
 
 @SHORT
 @given(call=calls)
-def test_api_path_arguments(world, call, monkeypatch):
-    monkeypatch.chdir(world)
-    _run_api(world, *call)
+def test_api_path_arguments(saved, call):
+    with fresh_world(saved) as root:
+        _run_api(root, *call)
 
 
 @pytest.mark.long
 @LONG
 @given(call=calls)
-def test_api_path_arguments_long(world, call, monkeypatch):
-    monkeypatch.chdir(world)
-    _run_api(world, *call)
+def test_api_path_arguments_long(saved, call):
+    with fresh_world(saved) as root:
+        _run_api(root, *call)
