@@ -18,7 +18,6 @@ import os
 import pathlib
 import shutil
 import tempfile
-import threading
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -31,7 +30,7 @@ from lightning_distckpt import convert
 from lightning_distckpt.cli.main import main
 from lightning_distckpt.cli.validate import validate
 from lightning_distckpt.core.errors import CheckpointingError
-from trust.hostile import LONG, SHORT
+from trust.hostile import LONG, SHORT, run_bounded
 
 WEIGHT = torch.arange(12, dtype=torch.float32).reshape(3, 4)
 BOUND_S = 60
@@ -60,21 +59,10 @@ def hashes(root: str) -> dict:
 
 def bounded(fn: Callable[[], Any]) -> Any:
     """``fn()`` in a thread, failing the test if it runs past BOUND_S; its result or its exception."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # SystemExit included: judged by the caller
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(BOUND_S)
-    assert not t.is_alive(), f"still running after {BOUND_S} s"
+    box = run_bounded(fn, BOUND_S)
     if "error" in box:
         raise box["error"]
-    return box.get("value")
+    return box["value"]
 
 
 @pytest.fixture(scope="module")

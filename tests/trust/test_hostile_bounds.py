@@ -22,7 +22,6 @@ import shutil
 import struct
 import sys
 import tempfile
-import threading
 
 import pytest
 import torch
@@ -33,38 +32,17 @@ from hypothesis import strategies as st
 import lightning_distckpt as ldc
 from lightning_distckpt.core.errors import CheckpointingError
 from lightning_distckpt.core.tree_walk import MAX_DEPTH, MIN_PLACES
-from trust.hostile import LONG, SHORT
+from trust.hostile import LONG, SHORT, run_bounded, snapshot
 
 BOUND_S = 30.0
 
 
 def _bounded(fn, seconds=BOUND_S):
-    """``fn()``'s result or exception; fails the test if it takes longer than ``seconds``."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - judged by the caller
-            out["error"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"no answer within {seconds} s"
+    """``fn()``'s result or its CheckpointingError; fails the test on a hang or another exception."""
+    out = run_bounded(fn, seconds)
     if "error" in out:
         assert isinstance(out["error"], CheckpointingError), repr(out["error"])
     return out
-
-
-def _snapshot(root, skip):
-    found = {}
-    for d, _, files in os.walk(root):
-        if d == skip or d.startswith(skip + os.sep):
-            continue
-        for f in files:
-            s = os.lstat(os.path.join(d, f))
-            found[os.path.join(d, f)] = (s.st_size, s.st_mtime_ns)
-    return found
 
 
 class _Workspace:
@@ -82,12 +60,12 @@ class _Workspace:
 
     def snapshot(self, target):
         self.target = target
-        self.before = _snapshot(self.root, target)
+        self.before = snapshot(self.root, [target])
 
     def __exit__(self, *exc):
         try:
             if exc[0] is None:
-                assert _snapshot(self.root, self.target) == self.before
+                assert snapshot(self.root, [self.target]) == self.before
                 assert not os.path.exists(self.canary), "code from a pickle ran"
         finally:
             shutil.rmtree(self.root, ignore_errors=True)

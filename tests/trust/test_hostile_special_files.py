@@ -14,7 +14,6 @@ import os
 import pickle
 import shutil
 import tempfile
-import threading
 
 import pytest
 from hypothesis import given
@@ -23,7 +22,7 @@ from hypothesis import strategies as st
 import lightning_distckpt as ldc
 from lightning_distckpt.core.errors import CheckpointingError
 from special_files import build, check_loaded, make_special, template, unblock_fifos
-from trust.hostile import LONG, SHORT
+from trust.hostile import LONG, SHORT, run_bounded, snapshot
 
 FORMATS = ["ocdbt", "zarr", "torch", "safetensors", "hf", "hf_index", "dcp", "megatron"]
 KINDS = ["fifo", "socket", "dir", "link-out", "link-in"]
@@ -55,37 +54,6 @@ def _files(path):
     if os.path.isfile(path):
         return [path]
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-
-
-def _snapshot(root, skip):
-    """Every file and link under ``root`` outside the folders ``skip``, with its size and mtime."""
-    found = {}
-    for d, dirs, files in os.walk(root):
-        if any(d == x or d.startswith(x + os.sep) for x in skip):
-            continue
-        for f in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
-            st_ = os.lstat(os.path.join(d, f))
-            found[os.path.join(d, f)] = (st_.st_size, st_.st_mtime_ns)
-    return found
-
-
-def _bounded(fn, fifo_root, seconds=30.0):
-    """``fn()``'s result or exception; fails the test if it takes longer than ``seconds``."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - judged by the caller
-            out["error"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        unblock_fifos(fifo_root)  # let the blocked thread finish
-        t.join(seconds)
-        pytest.fail(f"no answer within {seconds} s")
-    return out
 
 
 def _replace(fmt, victim, kind, root, canary):
@@ -142,11 +110,11 @@ def _check(built, fmt, pick, kind, command):
         # directory in its place is then harmless (no reader opens it). Either outcome is right.
         either = kind == "dir" and fmt in ("ocdbt", "zarr") and "/data/" in victim
         ours = (os.path.join(root, "in"), os.path.join(root, "out"))
-        before, inside = _snapshot(root, ours), _snapshot(ours[0], ())
-        got = _bounded(lambda: _run(fmt, ck, command, os.path.join(root, "out")), root)
+        before, inside = snapshot(root, ours), snapshot(ours[0], ())
+        got = run_bounded(lambda: _run(fmt, ck, command, os.path.join(root, "out")), on_timeout=lambda: unblock_fifos(root))
         assert not os.path.exists(canary), "code from a pickle ran"
-        assert _snapshot(root, ours) == before, "a file outside the checkpoint changed"
-        assert _snapshot(ours[0], ()) == inside, "the checkpoint read changed"
+        assert snapshot(root, ours) == before, "a file outside the checkpoint changed"
+        assert snapshot(ours[0], ()) == inside, "the checkpoint read changed"
         if "error" in got:
             assert isinstance(got["error"], CheckpointingError), repr(got["error"])
             assert either or not expect_ok, (victim, kind, command, got["error"])

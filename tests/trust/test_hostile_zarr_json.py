@@ -14,7 +14,6 @@
 import os
 import shutil
 import tempfile
-import threading
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from lightning_distckpt.cli.validate import validate
 from lightning_distckpt.core.errors import CheckpointingError
 from lightning_distckpt.storage.layout import encode_key
 from test_trust_zarr_json import OPTIONS, B, N, W, edit_zarr_json, state, template
-from trust.hostile import LONG, SHORT
+from trust.hostile import LONG, SHORT, run_bounded, snapshot
 
 FIELDS = ["zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value",
           "codecs", "attributes", "dimension_names", "storage_transformers"]
@@ -85,34 +84,6 @@ def saved(tmp_path_factory):
     return root
 
 
-def _bounded(fn, seconds=30.0):
-    """``fn()``'s result or exception; fails the test if it takes longer than ``seconds`` (a hang)."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - judged by the caller
-            out["error"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"no answer within {seconds} s"
-    return out
-
-
-def _snapshot(root, skip):
-    """Every file under ``root`` outside ``skip``, with its size and mtime."""
-    found = {}
-    for d, _, files in os.walk(root):
-        if d == skip or d.startswith(skip + os.sep):
-            continue
-        for f in files:
-            st_ = os.lstat(os.path.join(d, f))
-            found[os.path.join(d, f)] = (st_.st_size, st_.st_mtime_ns)
-    return found
-
-
 def _check_zarr_json_edit(saved, layout, direct, target, changes):
     root = tempfile.mkdtemp(prefix="hostile-zarr-")
     try:
@@ -126,12 +97,12 @@ def _check_zarr_json_edit(saved, layout, direct, target, changes):
                 meta = _apply(meta, change)
             return meta
         edit_zarr_json(ck, target, edit)
-        before = _snapshot(root, ck)
+        before = snapshot(root, [ck])
         old = os.environ.get("LIGHTNING_DISTCKPT_DIRECT_READS")
         os.environ["LIGHTNING_DISTCKPT_DIRECT_READS"] = direct
         try:
-            loaded = _bounded(lambda: ldc.load(template(), ck))
-            checked = _bounded(lambda: validate(ck))
+            loaded = run_bounded(lambda: ldc.load(template(), ck))
+            checked = run_bounded(lambda: validate(ck))
         finally:
             os.environ.pop("LIGHTNING_DISTCKPT_DIRECT_READS") if old is None else \
                 os.environ.__setitem__("LIGHTNING_DISTCKPT_DIRECT_READS", old)
@@ -144,7 +115,7 @@ def _check_zarr_json_edit(saved, layout, direct, target, changes):
             assert isinstance(checked["error"], CheckpointingError), repr(checked["error"])
         assert ("error" not in checked and checked["value"].ok) == ("error" not in loaded), \
             (loaded, checked.get("value"))
-        assert _snapshot(root, ck) == before
+        assert snapshot(root, [ck]) == before
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -205,7 +176,7 @@ def _check_key_pair(pair, objects):
         else:
             sd = {"a": ldc.ShardedTensor.from_rank_offsets(long, torch.ones(2)),
                   "b": ldc.ShardedTensor.from_rank_offsets(short, torch.zeros(2))}
-        saved = _bounded(lambda: ldc.save(sd, ck))
+        saved = run_bounded(lambda: ldc.save(sd, ck))
         collide = long != short and encode_key(long) == encode_key(short)
         if "error" in saved:
             assert isinstance(saved["error"], CheckpointingError), repr(saved["error"])
