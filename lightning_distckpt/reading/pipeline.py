@@ -5,9 +5,9 @@ state, put everything in the template's place and agree over the ranks (:func:`f
 A loader only decides how the tensors get from storage into their destinations (every rank
 reading its own, or chunks read once and exchanged). The dtype rule (``load(..., cast=)``) is
 checked here, for every requested tensor, before anything is read: the rule travels with the
-checkpoint (:func:`with_cast`), so it reaches :func:`begin_load` through any loader. An error on any rank, at any stage, is
-held until :func:`finish_load`, where every rank raises it, so no rank waits in a collective
-the others never enter.
+checkpoint (:func:`with_cast`), so it reaches :func:`begin_load` through any loader. An error on
+any rank, at any stage, is held until :func:`finish_load`, where every rank raises it, so no rank
+waits in a collective the others never enter.
 """
 
 from __future__ import annotations

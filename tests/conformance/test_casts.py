@@ -205,7 +205,8 @@ def test_files_of_other_formats_cast_as_tensor_to(tmp_path):
     for path, key, target in ((tmp_path / "m.safetensors", "i64", torch.bfloat16),
                               (tmp_path / "m.safetensors", "bool", torch.float32),
                               (tmp_path / "m.pt", "f32", torch.int16), (tmp_path / "m.pt", "u8", torch.bool)):
-        template = lambda: {key: ldc.ShardedTensor.from_rank_offsets(key, torch.zeros(60, 10, dtype=target))}  # noqa: E731
+        def template(key=key, target=target):
+            return {key: ldc.ShardedTensor.from_rank_offsets(key, torch.zeros(60, 10, dtype=target))}
         with pytest.raises(ldc.ShardingError, match="cast='any'"):
             ldc.load(template(), path)
         got = ldc.load(template(), path, cast="any")[key]
