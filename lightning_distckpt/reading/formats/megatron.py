@@ -11,7 +11,7 @@ entries of the index (keys, offsets and global shapes from their names); the com
 ``common.pt``, read with ``weights_only`` (Megatron-LM's own common state holds an
 ``argparse.Namespace``: pass ``extra_safe_globals=[argparse.Namespace]`` if the checkpoint is
 trusted; importing megatron-core allows it in torch itself). Refused with a :class:`FormatError`
-naming what and why: other backends (``zarr``), and tensors Megatron-Core <= 0.13 stored in the N-D reformulated flattened form of the distributed
+naming what and why: other backends (``zarr``), and tensors Megatron-Core <= 0.15 stored in the N-D reformulated flattened form of the distributed
 optimizer (``nd_reformulated_orig_global_shape``): only the fully reshardable form is read.
 """
 
@@ -124,7 +124,7 @@ class MegatronSource(DcpSource):
             if isinstance(notes, dict) and notes.get("nd_reformulated_orig_global_shape") is not None:
                 raise FormatError(
                     f"{self.path}: tensor {fqn!r} is stored in Megatron-Core's N-D reformulated flattened form "
-                    f"(distributed-optimizer state of Megatron-Core <= 0.13, original shape "
+                    f"(distributed-optimizer state of Megatron-Core <= 0.15, original shape "
                     f"{notes['nd_reformulated_orig_global_shape']}), which lightning_distckpt does not reshard; "
                     "re-save the optimizer with the 'fully_reshardable' sharding type")
 
