@@ -149,6 +149,22 @@ class TPMLP(LightningModule):
                            self.ps.dp_rank, self.ps.dp_size, hp.seed)
 
 
+class SGDMLP(TPMLP):
+    """TPMLP with plain SGD and no LR scheduler: an optimizer that keeps no per-parameter state."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def quiet_trainer(**kwargs: Any) -> Any:
+    """A CPU Trainer with one device, no logger, progress bar or model summary; ``kwargs`` add to or
+    replace these."""
+    from lightning.pytorch import Trainer
+
+    settings = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    return Trainer(**{**settings, **kwargs})
+
+
 def full_weights(module: TPMLP) -> Dict[str, torch.Tensor]:
     """The module's global weights, gathered over the TP group (for comparing runs)."""
     out = {}

@@ -58,7 +58,8 @@ def test_killed_save_is_removed_only_once_its_writer_is_gone_and_it_is_idle(tmp_
     proc, staging = start_writer(target)
     name = os.path.basename(staging)
     try:
-        assert name.startswith(".ck.distckpt-staging-") and os.path.isdir(os.path.join(staging, OWNERS_DIR))
+        assert name.startswith(".distckpt-staging-") and os.path.isdir(os.path.join(staging, OWNERS_DIR))
+        assert "ck" not in name.split("-")[2]  # the name base32-encoded ("mnvq"), never spelled out
         running = clean(capsys, tmp_path, "--older-than", "0")[name]
         assert running["action"] == "kept" and f"pid {proc.pid}" in running["reason"]
     finally:

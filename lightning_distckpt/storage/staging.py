@@ -1,8 +1,12 @@
 """Staging directories: where a save writes before its commit, and what saves that never committed
 (a killed job, a lost node) leave behind.
 
-A staging directory is a hidden sibling of its target, ``.NAME.distckpt-staging-<id>`` (same file
-system, so the commit is an atomic rename). While a save writes, every rank keeps a small owner
+A staging directory is a hidden sibling of its target, ``.distckpt-staging-<NAME in base32>-<id>``
+(same file system, so the commit is an atomic rename). The target's name is encoded, not spelled out,
+because Lightning scans checkpoint folders by name: its SLURM requeue resume takes every name holding
+``hpc_ckpt_`` and keeps its digits, so ``.hpc_ckpt_33.ckpt.distckpt-staging-<hex>`` would win as a
+huge version that does not exist. The older form, ``.NAME.distckpt-staging-<id>`` (earlier versions,
+and names too long to encode), is still recognised, so its leftovers are found, cleaned and recovered. While a save writes, every rank keeps a small owner
 note in it (``.writing/rank_NNNNN.json``: host, pid, start time). The notes let :func:`find_leftovers`
 tell a save that is still running on this host (an async save waiting to be finalized, say) from
 one whose process is gone. The commit removes them only once its marker is durable and before the
@@ -13,10 +17,13 @@ holds notes. File-system queries only; no collectives.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import socket
 import stat
@@ -41,21 +48,58 @@ _OWN_STAGING: Set[str] = set()
 _MAX_NOTE_BYTES = 1 << 16  # a note is ~100 bytes: more is not one of ours
 
 
+_NAME_MAX = 255  # bytes in one file name (ext4, xfs, NFS, Lustre)
+_SUFFIX_ROOM = 8  # ".oldN": a commit moves the previous checkpoint aside under its staging name plus this
+# ".distckpt-staging-<base32 of the target's name>-<12 hex digits>", optionally ".old<N>" (moved aside)
+_ENCODED = re.compile(r"\.distckpt-staging-([a-z2-7]+)-[0-9a-f]{12}(?:\.old\d*)?\Z")
+
+
+def _encode_name(name: str) -> str:
+    """``name`` in lower-case base32 without padding: letters and 2-7 only, so no ``ckpt_``, no
+    ``.ckpt`` and no ``last`` prefix that Lightning's folder scans would match."""
+    return base64.b32encode(os.fsencode(name)).decode("ascii").rstrip("=").lower()
+
+
+def _decode_name(text: str) -> Optional[str]:
+    """The name :func:`_encode_name` encoded as ``text``; None when ``text`` is not such an encoding
+    (or decodes to something that is not one file name)."""
+    try:
+        name = os.fsdecode(base64.b32decode(text.upper() + "=" * (-len(text) % 8)))
+    except (binascii.Error, ValueError):
+        return None
+    if _encode_name(name) != text or name in ("", ".", "..") or "/" in name or "\0" in name:
+        return None
+    return name
+
+
 def new_staging_dir(target: str) -> str:
-    """A fresh staging path beside ``target`` (same file system, so the final rename is atomic)."""
+    """A fresh staging path beside ``target`` (same file system, so the final rename is atomic), its
+    name ``.distckpt-staging-<target's name in base32>-<id>``. A name too long to encode within a file
+    name's 255 bytes keeps the older form, ``.NAME.distckpt-staging-<id>`` (never refused here: rank 0
+    names the staging directory before the ranks agree on anything)."""
     parent, name = os.path.split(os.path.abspath(target))
-    return os.path.join(parent, f".{name}{STAGING_TAG}{uuid.uuid4().hex[:12]}")
+    uid = uuid.uuid4().hex[:12]
+    encoded = f"{STAGING_TAG}{_encode_name(name)}-{uid}"
+    if len(os.fsencode(encoded)) + _SUFFIX_ROOM > _NAME_MAX:
+        encoded = f".{name}{STAGING_TAG}{uid}"
+    return os.path.join(parent, encoded)
 
 
 def is_staging_dir(path: str) -> bool:
+    """A staging directory's name, in either form (``.distckpt-staging-<base32>-<id>``, or the older
+    ``.NAME.distckpt-staging-<id>``), with or without a ``.old<N>`` suffix."""
     base = os.path.basename(os.path.normpath(path))
     return base.startswith(".") and STAGING_TAG in base
 
 
 def target_of(staging: str) -> str:
-    """The checkpoint path a staging directory was meant to become."""
+    """The checkpoint path a staging directory (either form) was meant to become."""
     parent, base = os.path.split(os.path.normpath(staging))
-    return os.path.join(parent, base[1 : base.rindex(STAGING_TAG)])
+    match = _ENCODED.match(base)
+    name = _decode_name(match.group(1)) if match else None
+    if name is None:  # the older form: the name spelled out before the tag
+        name = base[1 : base.rindex(STAGING_TAG)]
+    return os.path.join(parent, name)
 
 
 def discard(staging: Optional[str]) -> None:
