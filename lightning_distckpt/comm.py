@@ -159,6 +159,23 @@ def _agreed_error(what: str, failures: Dict[int, RankFailure], default: Type[Che
         own = error_class(f.type_name) is not None
         return f"rank {f.rank}: {f.message}" if own else f"rank {f.rank}: {f.type_name}: {f.message}"
 
-    err = cls(f"{what}: " + "; ".join(line(f) for f in failures.values()))
+    same: Dict[Tuple[str, str], List[int]] = {}  # one line per distinct failure: TP ranks often fail alike
+    for f in failures.values():
+        same.setdefault((f.type_name, f.message), []).append(f.rank)
+    lines = [line(failures[ranks[0]]) + (f" (the same on {_ranks_text(ranks[1:])})" if len(ranks) > 1 else "")
+             for ranks in same.values()]
+    err = cls(f"{what}: " + "; ".join(lines))
     err.failures = dict(failures)
     return err
+
+
+def _ranks_text(ranks: List[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"ranks 1-3, 5"``."""
+    runs: List[List[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"

@@ -34,6 +34,7 @@ from ..serialization import load as dist_load
 from ..serialization import save as dist_save
 from ..reading.checkpoint import CheckpointSource, open_checkpoint
 from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, Loader, TwoStageDataParallelLoader, resolve_loader
+from ..planning.load_plan import allowing_shape_mismatch
 from ..reading.pipeline import with_cast
 from ..storage.s3_url import is_s3_url
 from ..storage.paths import checkpoint_location
@@ -203,6 +204,8 @@ class DistCheckpointIO(CheckpointIO):
         # The template's own common values (e.g. a fresh optimizer's scalar step) fill in for what a
         # non-strict load finds missing; the checkpoint's values win wherever it has them.
         _, fallback = split_common(template) if handling.skips_unexpected else (None, None)
+        if self.config.allow_shape_mismatch:
+            template = allowing_shape_mismatch(template)
         if isinstance(path, CheckpointSource):
             loaded = load_from_source(template, with_cast(path, self.config.cast), process_group, handling,
                                       self.extra_safe_globals, loader)

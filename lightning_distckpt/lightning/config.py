@@ -48,6 +48,10 @@ class DistCheckpointConfig:
         cast: which dtype conversions a load makes when the module's dtype differs from the
             stored one: ``same_kind`` (floating <-> floating, integer <-> integer; others refused)
             or ``any`` (across kinds too, as ``Tensor.to`` converts); ``load(..., cast=)``.
+        allow_shape_mismatch: load a tensor whose global shape in the checkpoint differs from the
+            module's (a larger one zero-padded, a smaller one truncated; the number of axes must
+            match), as ``ShardedTensor(..., allow_shape_mismatch=True)`` does; off: a mismatch is a
+            ``ShardingError`` listing every such key.
     """
 
     storage: StorageOptions = field(default_factory=StorageOptions)
@@ -58,6 +62,7 @@ class DistCheckpointConfig:
     async_save: bool = False
     safe_globals: List[str] = field(default_factory=list)
     cast: str = SAME_KIND
+    allow_shape_mismatch: bool = False
 
     def __post_init__(self) -> None:
         try:

@@ -243,7 +243,9 @@ def _check_shapes(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: st
         raise ShardingError(
             f"checkpoint {checkpoint_dir}: {request.key!r} has global shape {saved} in the checkpoint but "
             f"{request.global_shape} was asked for"
-            + ("" if len(saved) != len(request.global_shape) else " (set allow_shape_mismatch=True to pad/truncate)")
+            + ("" if len(saved) != len(request.global_shape) else
+               " (to load anyway, zero-padded or truncated: allow_shape_mismatch=True on the ShardedTensor, or the "
+               "checkpoint config's allow_shape_mismatch: true)")
         )
 
 

@@ -6,14 +6,16 @@ any slice of any tensor (resharding) and the plan is testable without files.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, ShardingError
-from ..core.mapping import ShardedTensor
+from ..core.mapping import ShardedTensor, ShardedTensorFactory
+from ..core.state_dict import map_leaves
 from .boxes import intersect
 from .flat_plan import FlatReadPlan, is_flattened, plan_flat_read
 from .metadata import TensorEntry
@@ -91,6 +93,59 @@ def check_dtype_conversion(request: ShardedTensor, entry: TensorEntry, checkpoin
     )
 
 
+SHAPE_MISMATCH_ADVICE = (
+    "to load anyway (a larger tensor zero-padded, a smaller one truncated): allow_shape_mismatch=True on the "
+    "ShardedTensor, or, under the Lightning strategies and DistCheckpointIO, the checkpoint config's "
+    "allow_shape_mismatch: true (DistCheckpointStrategy(checkpoint={'allow_shape_mismatch': True}), or "
+    "allow_shape_mismatch: true in the YAML checkpoint: section)")
+_SHOWN_MISMATCHES = 100
+
+
+def check_global_shapes(requests: Sequence[ShardedTensor], entries: Mapping[str, TensorEntry],
+                        checkpoint_dir: str) -> None:
+    """Every requested tensor's global shape against the stored one: one ShardingError listing
+    every key whose shape differs (each once) and how to allow it, or none. Keys that allow a
+    mismatch are skipped unless their number of axes differs (that cannot be padded); keys
+    missing from ``entries`` are the key matching's business."""
+    found: Dict[str, str] = {}
+    allowable = True
+    for st in requests:
+        entry = entries.get(st.key)
+        if entry is None or st.key in found:
+            continue
+        saved, asked = tuple(entry.global_shape), tuple(st.global_shape)
+        if len(saved) != len(asked):
+            found[st.key] = f"{st.key!r} stored {saved}, asked for {asked} ({len(saved)} axes, not {len(asked)})"
+            allowable = False
+        elif saved != asked and not st.allow_shape_mismatch:
+            found[st.key] = f"{st.key!r} stored {saved}, asked for {asked}"
+    if not found:
+        return
+    shown = list(found.values())[:_SHOWN_MISMATCHES]
+    more = f"; and {len(found) - len(shown)} more" if len(found) > len(shown) else ""
+    raise ShardingError(
+        f"checkpoint {checkpoint_dir}: {len(found)} tensor(s) have another global shape in the checkpoint than "
+        f"the template asks for: {'; '.join(shown)}{more}. "
+        + (SHAPE_MISMATCH_ADVICE[0].upper() + SHAPE_MISMATCH_ADVICE[1:] if allowable else
+           "A different number of axes cannot be padded or truncated: build the model as the checkpoint was saved"))
+
+
+def allowing_shape_mismatch(template: Any) -> Any:
+    """``template`` (a load's sharded state dict) with ``allow_shape_mismatch=True`` on every
+    ShardedTensor, those its factories build included (containers copied, tensors shared): how the
+    Lightning plugin applies its config's ``allow_shape_mismatch``."""
+
+    def allow(leaf: Any) -> Any:
+        if isinstance(leaf, ShardedTensor):
+            return dataclasses.replace(leaf, allow_shape_mismatch=True)
+        if isinstance(leaf, ShardedTensorFactory):
+            build = leaf.build_fn
+            return dataclasses.replace(leaf, build_fn=lambda *args: allowing_shape_mismatch(build(*args)))
+        return leaf
+
+    return map_leaves(allow, template)
+
+
 def plan_tensor_read(request: ShardedTensor, entry: TensorEntry,
                      checkpoint_dir: str) -> Union["TensorReadPlan", FlatReadPlan]:
     """Plan reading ``request``'s shard from the stored shards of ``entry``.
@@ -111,7 +166,7 @@ def plan_tensor_read(request: ShardedTensor, entry: TensorEntry,
     if saved_shape != tuple(request.global_shape) and not request.allow_shape_mismatch:
         raise ShardingError(
             f"checkpoint {checkpoint_dir}: {key!r} has global shape {saved_shape} in the checkpoint but "
-            f"{request.global_shape} was asked for (set allow_shape_mismatch=True to pad/truncate)"
+            f"{request.global_shape} was asked for ({SHAPE_MISMATCH_ADVICE})"
         )
     if request.flattened_range is not None or is_flattened(entry):
         return plan_flat_read(request, entry, checkpoint_dir)

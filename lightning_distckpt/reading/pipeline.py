@@ -21,7 +21,7 @@ import torch
 from ..comm import Comm
 from ..core.errors import CheckpointingError
 from ..core.strict import StrictHandling
-from ..planning.load_plan import SAME_KIND, check_dtype_conversion, parse_cast
+from ..planning.load_plan import SAME_KIND, check_dtype_conversion, check_global_shapes, parse_cast
 from .checkpoint import CheckpointSource, open_checkpoint
 from .reads import read_objects
 from .request import LoadRequest, assemble, make_request, match_keys
@@ -135,6 +135,7 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
 
 def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], stats: LoadStats,
                 extra_safe_globals: Sequence[Any], op_name: str) -> Tuple[Result, List[LoadStats]]:
+            check_global_shapes(request.tensors, source.index.tensors, source.path)  # every mismatch named at once
     """Collective: read objects and common state, assemble, agree; returns the result and every
     rank's stats. Raises on every rank when any rank failed, naming each failing rank."""
     state: Dict[str, Any] = {}

@@ -19,6 +19,7 @@ import torch
 
 from ..core.errors import FormatError, UnsafeContentError
 from ..core.tree_walk import check_tree
+from .file_kind import not_a_torch_file
 from .paths import ANYWHERE, check_regular
 
 
@@ -64,7 +65,10 @@ def load_file(path: str, extra_safe_globals: Sequence[Any] = (), root: Optional[
         check_regular(path, "torch.save file", root)
     except OSError as e:
         raise FormatError(f"torch.save file {path} cannot be read: {e.strerror or e}") from None
-    return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=zipfile.is_zipfile(path))
+    try:
+        return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=zipfile.is_zipfile(path))
+    except FormatError as e:  # UnsafeContentError included: say what the file is when it is no torch.save file
+        raise (not_a_torch_file(path, root) or e) from None
 
 
 def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omegaconf: bool, mmap: bool = False) -> Any:
@@ -110,9 +114,29 @@ def _refusal(e: BaseException) -> str:
             f"load in the process, calls without that argument included, torch.serialization.add_safe_globals([{name}])")
 
 
+# torch's advice to load with weights_only=False (which runs whatever code the file names) and the
+# sentences around it: never passed on. What is left says what was refused.
+_TORCH_ADVICE = re.compile(
+    r"weights_only[`'\s]*(set to|=)\s*`?False|Do it only if|In PyTorch 2\.\d+, we changed|can still be loaded|"
+    r"Please file an issue|Check the documentation of torch\.load|do those steps only|Alternatively, to load",
+    re.IGNORECASE)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n")
+_LIST_MARK = re.compile(r"^\s*\(\d\)\s*")
+
+
+def torch_message(e: BaseException) -> str:
+    """The first sentences of what a torch error says, without torch's advice to retry with
+    ``weights_only=False`` (every error of torch.load we pass on goes through here)."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:  # the weights-only unpickler's own finding, without the advice
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    kept = [_LIST_MARK.sub("", part).strip() for part in _SENTENCE_END.split(text)]
+    kept = [part for part in kept if part and not _TORCH_ADVICE.search(part)]
+    return " ".join(kept)[:500]
+
+
 def _first_line(e: BaseException) -> str:
-    lines = str(e).splitlines()
-    return (lines[0] if lines else "")[:500]
+    return torch_message(e)
 
 
 def write_file_durable(path: str, data: bytes) -> None:

@@ -27,7 +27,7 @@ from ...core.errors import CheckpointingError, FormatError, ShardingError
 from ...planning.metadata import CheckpointIndex, StoredShard, TensorEntry, dtype_name
 from ...storage.base import ShardRead
 from ...storage.paths import model_root
-from ...storage.safe_pickle import load_file, loads
+from ...storage.safe_pickle import load_file, loads, torch_message
 from .dcp_chunks import ChunkLayout, chunk_layout, read_pieces
 from .dcp_metadata import METADATA_NAME, DcpChunk, DcpItem, DcpMetadata, read_metadata
 from .model_files import check_model_file, open_model_file
@@ -220,8 +220,7 @@ class DcpReader:
         try:
             tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         except Exception as e:  # damaged bytes, or not a torch.save'd tensor
-            raise FormatError(f"{what}: not a torch.save'd tensor ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:300]})") from None
+            raise FormatError(f"{what}: not a torch.save'd tensor ({type(e).__name__}: {torch_message(e)})") from None
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != stored.chunk.shape:
             got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise FormatError(f"{what}: holds {got}, expected a tensor of shape {stored.chunk.shape}")
