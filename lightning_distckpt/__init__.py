@@ -4,7 +4,13 @@ Describe how each local tensor sits in its global tensor (:class:`ShardedTensor`
 collective :func:`save` / :func:`load`. Checkpoints load under any world size or parallel split.
 """
 
-from .core.errors import (
+import logging as _logging
+
+# Quiet unless the application configures logging (see lightning_distckpt.logs); under the Lightning
+# Trainer / Fabric our plugin prints through Lightning's logger.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+from .core.errors import (  # noqa: E402
     CheckpointingError,
     FormatError,
     IncompleteCheckpointError,

@@ -34,6 +34,7 @@ from ..serialization import load as dist_load
 from ..serialization import save as dist_save
 from ..reading.checkpoint import CheckpointSource, open_checkpoint
 from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, Loader, TwoStageDataParallelLoader, resolve_loader
+from ..logs import attach_to_lightning
 from ..planning.load_plan import allowing_shape_mismatch
 from ..reading.pipeline import with_cast
 from ..storage.s3_url import is_s3_url
@@ -80,6 +81,11 @@ class DistCheckpointIO(CheckpointIO):
         # top-k right after saving the new one): done only once the new checkpoint is committed.
         self._deferred_removals: List[str] = []
         self.step_boundary_commits = 0  # background saves committed by finalize_if_done
+        attach_to_lightning()  # our INFO lines (one per save / load) print as Lightning's own do
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        attach_to_lightning()  # a spawned process's copy of the plugin
 
     @classmethod
     def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "DistCheckpointIO":

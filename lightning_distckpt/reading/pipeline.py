@@ -25,7 +25,7 @@ from ..planning.load_plan import SAME_KIND, check_dtype_conversion, check_global
 from .checkpoint import CheckpointSource, open_checkpoint
 from .reads import read_objects
 from .request import LoadRequest, assemble, make_request, match_keys
-from .stats import LoadStats
+from .stats import LoadStats, format_load_times
 from ..strategies.stats import log_throughput
 
 Result = Tuple[Dict[str, Any], Set[str], Set[str]]
@@ -150,7 +150,7 @@ def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], sta
     for rk, s in enumerate(gathered):
         s.rank = rk
     log_throughput(op_name, ctx.source.path, ctx.comm.rank, [(s.bytes_read, s.read_s) for s in gathered],
-                   time.perf_counter() - ctx.started)
+                   time.perf_counter() - ctx.started, detail=lambda: format_load_times(gathered))
     return (state, ctx.missing, ctx.unexpected), gathered
 
 
