@@ -32,9 +32,13 @@ from .strategies.save import SavePlanCache
 from .reading import EveryRankLoader, FullyParallelLoader, TwoStageDataParallelLoader
 from .sharding import DistModule, broadcast_and_shard_state_dict, shard_broadcasted_state_dict
 from .version import __version__
+from .registration import register_names as _register_names
 
 # The Lightning / Fabric integration imports Lightning (slow): loaded on first use of one of its names.
-# Importing it (`import lightning_distckpt.lightning`) also registers strategy="ddp_distckpt".
+# The strategy names (strategy="ddp_distckpt", ...) are registered now, without importing Lightning:
+# in its registries at once if it is imported, else when it is (registration.py).
+_register_names()
+
 _LIGHTNING_NAMES = (
     "DistCheckpointIO",
     "DistCheckpointStrategy",

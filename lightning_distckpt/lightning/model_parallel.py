@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
+from ..registration import is_placeholder
 from ..storage.paths import checkpoint_location
 from .checkpoint_io import RestoreSource, fabric_writer, foreign_writer
 from .config import DistCheckpointConfig, load_checkpoint_config
@@ -111,8 +112,8 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Lightning's registration hook: ``strategy="model_parallel_distckpt"``."""
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(STRATEGY_NAME, cls,
+        if STRATEGY_NAME not in strategy_registry or is_placeholder(strategy_registry[STRATEGY_NAME]):
+            strategy_registry.register(STRATEGY_NAME, cls, override=True,
                                        description="FSDP2 / tensor parallel with distributed checkpoints")
 
     def setup_environment(self) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..core.errors import ArgumentError
 from ..core.mapping import ReplicaId, ShardedTensor
+from ..registration import is_placeholder
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def register_strategy_names(cls: Any, strategy_registry: Any) -> None:
     """Register ``cls`` as ``ddp_distckpt`` (popen launcher) and ``ddp_distckpt_spawn`` in a
     Lightning or Fabric strategy registry (both have the same ``register`` API)."""
     for name, start_method in ((STRATEGY_NAME, "popen"), (f"{STRATEGY_NAME}_spawn", "spawn")):
-        if name not in strategy_registry:
+        if name not in strategy_registry or is_placeholder(strategy_registry[name]):  # replaces registration.py's
             strategy_registry.register(
                 name, cls, description=f"DDP with distributed checkpoints, start_method '{start_method}'",
                 start_method=start_method,
