@@ -117,9 +117,11 @@ def test_async_local_save_snapshots_and_surfaces_errors(tmp_path):
     with pytest.raises(ldc.CheckpointingError, match="not a directory"):
         io.save_checkpoint({"state_dict": {"w": w}}, tmp_path / "file")  # refused before anything is written
     io.save_checkpoint({"state_dict": {"w": w}}, tmp_path / "b")
-    (tmp_path / "b").write_text("in the way of the commit")  # appears while the save is in flight...
-    with pytest.raises(ldc.SaveFailedError, match="not a directory"):
+    assert os.listdir(tmp_path / "b") == []  # the name is held (an empty directory) while the save is in flight
+    (tmp_path / "b" / "mine").write_text("in the way of the commit")  # a file appears there meanwhile...
+    with pytest.raises(ldc.SaveFailedError, match="is not empty"):
         io.teardown()  # ...and the error surfaces at the next wait
+    assert os.listdir(tmp_path / "b") == ["mine"]  # never removed
     io.save_checkpoint({"state_dict": {"w": w}}, tmp_path / "c")  # the plugin goes on saving
     io.teardown()
     assert torch.equal(io.load_checkpoint(tmp_path / "c")["state_dict"]["w"], torch.ones(1000))
@@ -137,7 +139,7 @@ def test_async_removal_waits_for_the_new_checkpoint(tmp_path):
     io.teardown()
     assert not (tmp_path / "old").exists() and (tmp_path / "new" / "COMMITTED").is_file()
     io.save_checkpoint({"state_dict": {"w": torch.ones(10)}}, tmp_path / "blocker")
-    (tmp_path / "blocker").write_text("a file where the checkpoint should go")  # the commit will fail
+    (tmp_path / "blocker" / "x").write_text("a file where the checkpoint should go")  # the commit will fail
     io.remove_checkpoint(tmp_path / "new")
     with pytest.raises(ldc.SaveFailedError):
         io.teardown()

@@ -42,6 +42,7 @@ from ..storage.paths import checkpoint_location
 from ..storage.s3_versions import remove_checkpoint as remove_s3_checkpoint
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
+from ..strategies.async_pending import finish_saves_to
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
 from ..strategies.save import finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
@@ -81,11 +82,22 @@ class DistCheckpointIO(CheckpointIO):
         # top-k right after saving the new one): done only once the new checkpoint is committed.
         self._deferred_removals: List[str] = []
         self.step_boundary_commits = 0  # background saves committed by finalize_if_done
+        # Our strategies turn background saves off between their teardown and their next run: a save
+        # then (trainer.save_checkpoint() after fit, the spawn launcher's last weights) has no later
+        # save, load or teardown to commit it, so it commits before returning.
+        self.background_saves = True
         attach_to_lightning()  # our INFO lines (one per save / load) print as Lightning's own do
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         attach_to_lightning()  # a spawned process's copy of the plugin
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """A copy (``torch.save(trainer)``, ``deepcopy``, the spawn launcher) keeps the settings; the
+        save in flight (a thread, a lock, a process group) and its deferred removals stay here."""
+        state = dict(self.__dict__)
+        state.update(_saver=None, _pending=None, _deferred_removals=[])
+        return state
 
     @classmethod
     def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "DistCheckpointIO":
@@ -106,7 +118,7 @@ class DistCheckpointIO(CheckpointIO):
         target = checkpoint_location(path, "path")
         tree = plain_to_sharded(checkpoint)
         tree[MANIFEST_KEY] = manifest(tree, KIND_PLAIN)
-        if self.config.async_save:
+        if self._in_background():
             self._pending = self._async_saver().save(
                 tree, target, validate_access_integrity=self.config.validate_access_integrity, balance_writes=False,
                 storage=storage, comm=LOCAL)
@@ -119,6 +131,7 @@ class DistCheckpointIO(CheckpointIO):
         A ``torch.save`` file (a stock Lightning ``.ckpt``) is read as it is, safely (``weights_only``)."""
         self.wait()
         target = checkpoint_location(path, "path")
+        finish_saves_to(target)  # a background save of this process (another plugin's) commits first
         kind: Optional[str] = None
         if os.path.isfile(target):  # a stock Lightning / Fabric torch.save file, read safely
             state = load_file(target, self.extra_safe_globals)
@@ -151,6 +164,7 @@ class DistCheckpointIO(CheckpointIO):
         ``torch.save`` file unpickled once), to pass to :meth:`load_sharded` after checking what it
         holds: its common state is read once too."""
         target = checkpoint_location(path, "path")
+        finish_saves_to(target)
         opened = open_torch_file(target, self.extra_safe_globals)
         if opened is not None:  # the tensors' typed paths, which a re-keyed template needs, come with it
             return RestoreSource(*opened)
@@ -187,7 +201,7 @@ class DistCheckpointIO(CheckpointIO):
             balance_writes=self.config.balance_writes,
             storage=self._storage(storage_options),
         )
-        if self.config.async_save:
+        if self._in_background():
             # The core returns a request; finalize() (collective) runs before the next save/load/teardown,
             # so every rank reaches it at the same point of the training.
             self._pending = dist_save(sharded_state_dict, path, async_save=self._async_saver(), **kwargs)
@@ -251,9 +265,13 @@ class DistCheckpointIO(CheckpointIO):
         for target in removals:
             self.remove_checkpoint(target)
 
+    def _in_background(self) -> bool:
+        return self.config.async_save and self.background_saves
+
     def _async_saver(self) -> AsyncSaver:
         if self._saver is None:
-            self._saver = AsyncSaver()
+            # Names held while in flight: ModelCheckpoint picks its -vN names by what exists.
+            self._saver = AsyncSaver(reserve_targets=True)
         return self._saver
 
     def _storage(self, storage_options: Optional[Any]) -> StorageOptions:

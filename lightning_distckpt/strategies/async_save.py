@@ -26,6 +26,7 @@ from ..core.errors import SaveFailedError
 from ..storage.base import ShardWrite
 from ..storage.paths import checkpoint_location
 from ..storage.tensorstore_io import StorageOptions
+from . import async_pending
 from .save import LocalWrite, PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,16 @@ class AsyncSaveRequest:
     ``done()`` says, without blocking and without communication, whether this rank's writes have
     finished; ``finalize()`` blocks until they have, then (collectively) commits the checkpoint if
     every rank succeeded, or raises :class:`SaveFailedError` on every rank if any failed. The
-    checkpoint does not exist at its target until ``finalize`` returns.
+    checkpoint does not exist at its target until ``finalize`` returns (with ``reserved``, an empty
+    directory holds its name meanwhile: :mod:`.async_pending`). A request of a group of one (no
+    collective in its commit) that is never finalized is committed when the process exits.
     """
 
     def __init__(self, prep: PreparedSave, blocking_s: float, staged_bytes: int,
-                 failure: Optional[BaseException] = None, snapshot_s: float = 0.0) -> None:
+                 failure: Optional[BaseException] = None, snapshot_s: float = 0.0, reserved: bool = False) -> None:
         self.checkpoint_dir = prep.target
+        self.collective = prep.comm.distributed  # its commit needs every rank: never finalized at exit
+        self._reserved = reserved  # this process holds the target's name with an empty directory
         self.blocking_s = blocking_s  # the caller's wait in save(): planning + snapshot
         self.snapshot_s = snapshot_s  # of which copying into the staging buffers
         self.staged_bytes = staged_bytes
@@ -58,6 +63,7 @@ class AsyncSaveRequest:
         if failure is None:
             self._thread = threading.Thread(target=self._write, name="distckpt-async-save", daemon=False)
             self._thread.start()
+        async_pending.track(self)
 
     def _write(self) -> None:
         try:
@@ -94,6 +100,9 @@ class AsyncSaveRequest:
             return
         self.wait()
         self._finalized = True
+        async_pending.untrack(self)
+        if self._reserved:  # the commit renames into a free name (on this thread: no name check runs between)
+            async_pending.release_target(self.checkpoint_dir)
         result = self._result if self._result is not None else SaveFailedError(
             f"save to {self.checkpoint_dir}: the background write ended without a result")
         try:
@@ -118,13 +127,25 @@ class AsyncSaver:
 
     Args:
         pin_memory: stage accelerator tensors in pinned host memory (default: when available).
+        reserve_targets: while a save is in flight, hold its (local) target's name with an empty
+            directory, so that whoever picks free names by asking what exists (Lightning's
+            ``ModelCheckpoint``) does not pick it again (:mod:`.async_pending`).
     """
 
-    def __init__(self, pin_memory: Optional[bool] = None) -> None:
+    def __init__(self, pin_memory: Optional[bool] = None, reserve_targets: bool = False) -> None:
         self.pin_memory = pin_memory
+        self.reserve_targets = reserve_targets
         self._buffers: Dict[BufferKey, torch.Tensor] = {}
         self._pending: Optional[AsyncSaveRequest] = None
         self.plan_cache = SavePlanCache()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """A copy (pickle, ``deepcopy``) starts afresh: the save in flight (a thread, its process
+        group), the staging buffers and the cached plan stay with this saver."""
+        return {"pin_memory": self.pin_memory, "reserve_targets": self.reserve_targets}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
 
     def staging_buffers(self) -> Dict[BufferKey, torch.Tensor]:
         """The current staging buffers by (key, stored index, shape, dtype) (for inspection)."""
@@ -177,7 +198,9 @@ class AsyncSaver:
         except Exception as e:  # e.g. out of host memory: fail collectively at finalize, not here
             failure = e
         t2 = time.perf_counter()
-        self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1)
+        reserved = (self.reserve_targets and failure is None and comm.rank == 0
+                    and async_pending.reserve_target(prep.target))
+        self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1, reserved=reserved)
         logger.info("async save %s started: %d bytes staged in %.3fs, caller blocked %.3fs (plan %s)", prep.target,
                     staged_bytes, t2 - t1, t2 - t0, "reused" if prep.plan_reused else "made")
         return self._pending
