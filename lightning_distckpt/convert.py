@@ -20,12 +20,13 @@ complete. Files are read with ``weights_only=True``: no code from them runs.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,6 +35,8 @@ from .core.errors import CheckpointingError, FormatError
 from .core.mapping import ShardedObject, ShardedTensor
 from .planning.metadata import StoredShard
 from .comm import Comm
+from .core.state_dict import iter_leaves
+from .progress import Progress, add_total, advance, set_total
 from .serialization import load_common_state_dict, load_plain_tensors
 from .storage import commit as commit_mod
 from .storage import staging as staging_mod
@@ -48,6 +51,7 @@ from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .reading.checkpoint import OpenedCheckpoint
 from .strategies.save import finalize_save, prepare_save, write_local
+from .strategies.stats import format_bytes
 
 logger = logging.getLogger("lightning_distckpt")
 
@@ -73,12 +77,14 @@ class ConvertReport:
 
     def describe(self) -> str:
         return (f"{self.source} -> {self.destination} ({self.kind}): {self.tensors} tensor(s), {self.objects} "
-                f"object(s), {self.bytes / 1e9:.3f} GB in {self.seconds:.2f} s")
+                f"object(s), {format_bytes(self.bytes)} in {self.seconds:.2f} s")
 
 
-def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) -> ConvertReport:
+def relayout_checkpoint(source: str, destination: str, storage: StorageOptions,
+                        progress: Optional[Progress] = None) -> ConvertReport:
     """Copy the checkpoint ``source`` into ``destination`` stored with ``storage`` (same shards, same
-    writer ranks, same index; only the storage layout changes)."""
+    writer ranks, same index; only the storage layout changes). ``progress``
+    (:mod:`lightning_distckpt.progress`) counts the bytes copied."""
     t0 = time.perf_counter()
     require(storage, StorageOptions, "storage", "a StorageOptions")
     check_output(destination, [("source", source)], "destination")  # nothing of the source is written over
@@ -92,7 +98,8 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
             os.makedirs(staging)
             staging_mod.write_owner_note(staging, 0)
         src, dst = ckpt.reader(), TensorStoreIO(staging, storage)
-        nbytes = _copy_shards(ckpt, src, dst) + _copy_objects(ckpt, src, dst)
+        set_total(progress, sum(e.nbytes for e in ckpt.index.tensors.values()))
+        nbytes = _copy_shards(ckpt, src, dst, progress) + _copy_objects(ckpt, src, dst, progress)
         common = read_common_bytes(ckpt.path, ckpt.marker)  # contained and verified: no copy of damage
         if remote:
             s3_mod.write_object(staging, COMMON_FILE, common, storage)
@@ -118,7 +125,8 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions) 
                          nbytes + len(common), time.perf_counter() - t0)
 
 
-def _copy_shards(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO) -> int:
+def _copy_shards(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO,
+                 progress: Optional[Progress] = None) -> int:
     """Copy every stored shard to the same writer, index and pack offset; own arrays in batches of
     about ``_BATCH_BYTES``, each writer's packed (small) shards in one write (it makes the packs)."""
     by_writer: Dict[int, List[Tuple[str, StoredShard, torch.dtype]]] = {}
@@ -144,31 +152,42 @@ def _copy_shards(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO)
             batch_bytes += data.numel() * data.element_size()
             if batch_bytes >= _BATCH_BYTES:
                 total += dst.write(writer, batch)
+                advance(progress, batch_bytes)
                 batch, batch_bytes = [], 0
         src.read_into(packed_reads)
         if batch or packed:
             total += dst.write(writer, batch + packed)
+            advance(progress, batch_bytes + sum(w.data.numel() * w.data.element_size() for w in packed))
     return total
 
 
-def _copy_objects(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO) -> int:
+def _copy_objects(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO,
+                  progress: Optional[Progress] = None) -> int:
     by_writer: Dict[int, List[ObjectWrite]] = {}
     for key, entry in ckpt.index.objects.items():
         for s in entry.shards:  # bytes as stored: nothing is unpickled
             by_writer.setdefault(s.writer, []).append(ObjectWrite(key, s.index, src.read_object(s.writer, key, s.index)))
-    return sum(dst.write(writer, [], objects) for writer, objects in sorted(by_writer.items()))
+    total = 0
+    for writer, objects in sorted(by_writer.items()):
+        nbytes = dst.write(writer, [], objects)
+        add_total(progress, nbytes)
+        advance(progress, nbytes)
+        total += nbytes
+    return total
 
 
-def export_torch_file(source: str, destination: str, extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
+def export_torch_file(source: str, destination: str, extra_safe_globals: Sequence[Any] = (),
+                      progress: Optional[Progress] = None) -> ConvertReport:
     """Consolidate the checkpoint ``source`` into the ``torch.save`` file ``destination`` as
     ``{"tensors", "objects", "common"}`` (a Lightning checkpoint as Lightning's own dict:
-    :func:`lightning_distckpt.lightning.export.export_torch_file`, which ``ldc.export_torch_file`` is)."""
+    :func:`lightning_distckpt.lightning.export.export_torch_file`, which ``ldc.export_torch_file`` is).
+    ``progress`` counts the bytes written."""
     t0 = time.perf_counter()
     source, destination = check_export(source, destination, extra_safe_globals)
-    common = load_common_state_dict(source, extra_safe_globals)
+    common = load_common_state_dict(source, extra_safe_globals, plain_tensors=False)  # "tensors" holds them
     objects = _read_objects(OpenedCheckpoint.open(source), extra_safe_globals)
     payload = {"tensors": load_plain_tensors(source), "objects": objects, "common": common}
-    nbytes = save_file_atomic(payload, destination)
+    nbytes = save_file_atomic(payload, destination, progress)
     return ConvertReport(source, destination, "tensors", len(payload["tensors"]),
                          sum(len(v) for v in objects.values()), nbytes, time.perf_counter() - t0)
 
@@ -185,8 +204,9 @@ def _read_objects(ckpt: OpenedCheckpoint, extra_safe_globals: Sequence[Any]) -> 
     return out
 
 
-def save_file_atomic(payload: Any, destination: str) -> int:
-    """torch.save into a temporary file beside ``destination``, fsync, then rename over it."""
+def save_file_atomic(payload: Any, destination: str, progress: Optional[Progress] = None) -> int:
+    """torch.save into a temporary file beside ``destination``, fsync, then rename over it.
+    ``progress``: its total is set to the payload's tensor bytes, and the bytes are counted as written."""
     destination = os.path.abspath(local_path(destination, "output file"))
     if os.path.isdir(destination):
         raise CheckpointingError(f"{destination}: is a directory; give a file name for the torch.save output")
@@ -194,7 +214,9 @@ def save_file_atomic(payload: Any, destination: str) -> int:
     try:
         os.makedirs(os.path.dirname(destination), exist_ok=True)  # as the directory outputs do
         with open(tmp, "wb") as f:
-            torch.save(payload, f)
+            if progress is not None:
+                set_total(progress, tensor_bytes(payload))
+            torch.save(payload, f if progress is None else _CountingFile(f, progress))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, destination)
@@ -206,6 +228,45 @@ def save_file_atomic(payload: Any, destination: str) -> int:
             raise CheckpointingError(f"{destination}: cannot write the torch.save output: {e.strerror or e}") from e
         raise
     return os.path.getsize(destination)
+
+
+class _CountingFile(io.RawIOBase):
+    """A writable file that counts the bytes written through it on ``progress`` (torch.save writes
+    its zip archive through ``write``; ``seek``/``tell`` go to the real file)."""
+
+    def __init__(self, f: Any, progress: Progress) -> None:
+        super().__init__()
+        self.f, self.progress = f, progress
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n = self.f.write(data)
+        advance(self.progress, n)
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def tensor_bytes(tree: Any) -> int:
+    """The bytes of the tensors in ``tree`` (each storage once: views and tied weights share one)."""
+    storages = {}
+    for _, leaf in iter_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            storages[storage.data_ptr(), storage.nbytes()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def import_torch_file(source: str, destination: str, storage: StorageOptions = StorageOptions(),

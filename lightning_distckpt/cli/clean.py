@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..core.errors import ArgumentError, ArgumentTypeError
+from ..progress import Progress, advance, set_total
 from ..storage.commit import recover_interrupted_commit
 from ..storage.layout import is_checkpoint_dir
 from ..storage.paths import local_path
@@ -58,12 +59,12 @@ def check_older_than(older_than_s: Any) -> float:
     return value
 
 
-def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
+def clean(path: str, older_than_s: float, dry_run: bool, progress: Optional[Progress] = None) -> List[CleanAction]:
     """Leftover staging directories in ``path`` (a directory of checkpoints, or one checkpoint: then
     its own leftovers, found beside it), removed unless kept for a reason or ``dry_run``; committed
     copies stranded by a commit killed between its renames are renamed into place first. An
     ``s3://`` location: its uncommitted versions (see :func:`clean_s3`). ``older_than_s`` must be a
-    finite number >= 0 (else ArgumentError)."""
+    finite number >= 0 (else ArgumentError). ``progress`` counts the bytes removed."""
     older_than_s = check_older_than(older_than_s)
     if is_s3_url(path):
         return clean_s3(path, older_than_s, dry_run)
@@ -72,8 +73,10 @@ def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
     if is_checkpoint_dir(path):  # one checkpoint (by our own markers): its leftovers are beside it
         path, name = os.path.split(path)
     actions = [] if dry_run else _recover(path, name)
-    for lo in find_leftovers(path, name):
-        verdict = lo.verdict(older_than_s)
+    found = [(lo, lo.verdict(older_than_s)) for lo in find_leftovers(path, name)]
+    if not dry_run:
+        set_total(progress, sum(lo.nbytes or 0 for lo, verdict in found if verdict == "remove"))
+    for lo, verdict in found:
         if verdict == "link":
             reason = f"refused: a symbolic link (to {lo.link_to}); links are not followed and not removed"
         elif verdict == "recover":
@@ -95,7 +98,8 @@ def clean(path: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
         else:
             reason = "superseded by the committed checkpoint at its target" if lo.committed else \
                 f"uncommitted, idle {lo.idle_s:.0f} s"
-        actions.append(_act(lo, verdict == "remove", reason, dry_run, lambda lo=lo: _rmtree(lo.path)))
+        actions.append(_act(lo, verdict == "remove", reason, dry_run,
+                            lambda lo=lo: _rmtree(lo.path, lo.nbytes, progress)))
     return actions
 
 
@@ -118,12 +122,14 @@ def _recover(parent: str, name: Optional[str]) -> List[CleanAction]:
     return actions
 
 
-def _rmtree(path: str) -> None:
-    """Remove ``path``; gone already (its commit renamed it into place, or another clean) is fine."""
+def _rmtree(path: str, nbytes: Optional[int] = None, progress: Optional[Progress] = None) -> None:
+    """Remove ``path`` (``nbytes`` counted on ``progress``); gone already (its commit renamed it into
+    place, or another clean) is fine."""
     try:
         shutil.rmtree(path)
     except FileNotFoundError:
-        return
+        pass
+    advance(progress, nbytes or 0)
 
 
 def clean_s3(url: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:

@@ -21,6 +21,7 @@ import torch
 
 from ..core.errors import CheckpointingError, UnsafeContentError
 from ..planning.metadata import element_size
+from ..progress import Progress, set_total
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats.dcp import DcpSource, is_dcp_dir
 from ..reading.formats.detect import detect
@@ -78,10 +79,13 @@ def render_foreign(s: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def validate_foreign(source: CheckpointSource, progress: Optional[Callable[[str], None]] = None) -> Report:
-    """Check the index, read every stored chunk, object and the common state (see module docstring)."""
+def validate_foreign(source: CheckpointSource, on_key: Optional[Callable[[str], None]] = None,
+                     progress: Optional[Progress] = None) -> Report:
+    """Check the index, read every stored chunk, object and the common state (see module docstring).
+    ``on_key(key)`` is called as each key is checked; ``progress`` counts the bytes read."""
     t0 = time.perf_counter()
-    report = Report(source.path)
+    report = Report(source.path, progress=progress)
+    set_total(progress, sum(e.nbytes for e in source.index.tensors.values()))
     report.warnings.append(f"{_format(source)}: the format stores no checksums; damage that leaves a record "
                            "readable goes undetected")
     _check_index(source, report)
@@ -90,13 +94,13 @@ def validate_foreign(source: CheckpointSource, progress: Optional[Callable[[str]
         for s in entry.shards:
             dest = torch.empty(s.shape, dtype=entry.torch_dtype)
             try:
-                report.bytes_read += reader.read_into([ShardRead(key, s.writer, s.index, (), dest)])
+                report.count(reader.read_into([ShardRead(key, s.writer, s.index, (), dest)]))
             except CheckpointingError as e:
                 report.problems.append(f"{key!r} chunk at {list(s.offset)}: {short_error(e)}")
             report.shards += 1
             report.chunks += 1
-        if progress is not None:
-            progress(key)
+        if on_key is not None:
+            on_key(key)
     for key, obj in source.index.objects.items():
         for s in obj.shards:
             report.objects += 1

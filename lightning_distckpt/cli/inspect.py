@@ -15,6 +15,7 @@ from ..storage.s3_url import is_s3_url
 from ..storage.s3_versions import find_s3_leftovers
 from ..storage.staging import find_leftovers
 from ..reading.checkpoint import OpenedCheckpoint
+from ..progress import Progress, advance, set_total
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
@@ -47,13 +48,16 @@ def shard_grid(entry: TensorEntry) -> Dict[str, Any]:
     }
 
 
-def summarize(ckpt: OpenedCheckpoint) -> Dict[str, Any]:
-    """A JSON-able description of the checkpoint."""
+def summarize(ckpt: OpenedCheckpoint, progress: Optional[Progress] = None) -> Dict[str, Any]:
+    """A JSON-able description of the checkpoint; ``progress`` counts the keys described (a
+    checkpoint with millions of shards takes a while)."""
     meta = ckpt.meta
     tensors = []
+    set_total(progress, len(ckpt.index.tensors))
     for key in sorted(ckpt.index.tensors):
         e = ckpt.index.tensors[key]
         g = shard_grid(e)
+        advance(progress, 1)
         tensors.append({
             "key": key, "shape": list(e.global_shape), "dtype": e.dtype,
             "bytes": math.prod(e.global_shape) * element_size(e.dtype),

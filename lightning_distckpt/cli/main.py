@@ -9,6 +9,9 @@
                                                 (--to safetensors | dcp | megatron: Hugging Face, DCP or
                                                 Megatron-Core torch_dist directory)
 
+Every command takes ``-v``/``--verbose``, ``--log-level LEVEL`` and ``-q``/``--quiet`` (no progress
+bar; one is drawn on stderr only when it is a terminal): :mod:`.output`.
+
 Exit status: 0 fine; 1 the checkpoint is damaged (validate); 2 not a checkpoint, an incomplete
 (uncommitted) one, an unsupported format, or bad usage. Errors are one line on stderr, no traceback.
 Subcommands live in one ``argparse`` subparser group: add new ones with
@@ -28,9 +31,11 @@ from ..storage.paths import local_path
 from ..storage.s3_url import is_s3_url
 from ..version import __version__
 from .numbers import float_in, int_in
+from .output import bar, command_logging, output_options, verbosity
 
 if TYPE_CHECKING:
     from ..convert import ConvertReport
+    from ..progress import Progress
 
 EXIT_OK, EXIT_DAMAGED, EXIT_UNUSABLE = 0, 1, 2
 MAX_INFLIGHT_MIB = 1 << 20  # validate --max-inflight-mib: up to 1 TiB
@@ -43,17 +48,27 @@ class UsageError(ArgumentError):
     """Bad arguments or a path that cannot be a checkpoint (exit status 2)."""
 
 
-def _checkpoint_path(path: str) -> str:
-    if is_s3_url(path):  # opening it says what is wrong (no bucket, no commit marker, ...) in one line
-        return path
-    local_path(path)  # a URL is refused as such, not as a missing directory
+def _require_existing(path: str, file_ok: bool = False) -> None:
+    """A missing local ``path``: a UsageError naming it, the committed checkpoints beside it, and
+    a stranded commit (after finishing one killed between its two renames). ``file_ok``: a file
+    may be meant too (convert's source)."""
     if not os.path.exists(path):
         from ..storage.commit import recover_interrupted_commit
         from ..storage.staging import describe_missing
 
         recover_interrupted_commit(path)  # a commit killed between its two renames: finish it
         if not os.path.exists(path):
-            raise UsageError(f"{path}: {describe_missing(path)}")
+            text = describe_missing(path)
+            if file_ok and text.startswith("no such directory"):
+                text = "no such file or directory" + text[len("no such directory"):]
+            raise UsageError(f"{path}: {text}")
+
+
+def _checkpoint_path(path: str) -> str:
+    if is_s3_url(path):  # opening it says what is wrong (no bucket, no commit marker, ...) in one line
+        return path
+    local_path(path)  # a URL is refused as such, not as a missing directory
+    _require_existing(path)
     if not os.path.isdir(path):
         raise UsageError(f"{path}: is a file, not a checkpoint directory")
     return path
@@ -69,23 +84,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         summary = summarize_foreign(foreign)
         print(json.dumps(summary, indent=1) if args.json else render_foreign(summary))
         return EXIT_OK
-    summary = summarize(OpenedCheckpoint.open(_checkpoint_path(args.checkpoint)))
+    with bar(args, "inspect", unit="key", delay=0.5) as progress:  # only when describing takes a while
+        summary = summarize(OpenedCheckpoint.open(_checkpoint_path(args.checkpoint)), progress)
     print(json.dumps(summary, indent=1) if args.json else render(summary))
     return EXIT_OK
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from ..progress import note
     from .foreign import open_foreign, validate_foreign
     from .validate import as_json, render, validate
 
-    progress = None if args.json or not args.verbose else (lambda key: print(f"checked {key}", file=sys.stderr))
     foreign = open_foreign(_checkpoint_path(args.checkpoint))  # a DCP or Megatron-Core directory
-    if foreign is not None:
-        report = validate_foreign(foreign, progress)
-        print(json.dumps(as_json(report), indent=1) if args.json else render(report))
-        return EXIT_OK if report.ok else EXIT_DAMAGED
-    report = validate(_checkpoint_path(args.checkpoint), max_inflight_bytes=args.max_inflight_mib << 20,
-                      progress=progress, require_checksums=args.require_checksums)
+    with bar(args, "validate") as progress:
+        on_key = None if args.json or not verbosity(args) else (lambda key: note(progress, f"checked {key}"))
+        if foreign is not None:
+            report = validate_foreign(foreign, on_key, progress)
+        else:
+            report = validate(_checkpoint_path(args.checkpoint), max_inflight_bytes=args.max_inflight_mib << 20,
+                              on_key=on_key, require_checksums=args.require_checksums, progress=progress)
     print(json.dumps(as_json(report), indent=1) if args.json else render(report))
     return EXIT_OK if report.ok else EXIT_DAMAGED
 
@@ -95,7 +112,8 @@ def cmd_clean(args: argparse.Namespace) -> int:
 
     if not is_s3_url(args.directory) and not os.path.isdir(local_path(args.directory, "directory")):
         raise UsageError(f"{args.directory}: no such directory")
-    actions = clean(args.directory, args.older_than, args.dry_run)
+    with bar(args, "clean", delay=0.5) as progress:
+        actions = clean(args.directory, args.older_than, args.dry_run, progress)
     print(json.dumps(as_json(actions), indent=1) if args.json else render(actions, args.directory))
     return EXIT_OK
 
@@ -108,11 +126,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..storage.tensorstore_io import StorageOptions
 
     remote = is_s3_url(args.source)  # an s3:// checkpoint: opening it says what is wrong
-    if not remote and not os.path.exists(local_path(args.source, "source")):
-        raise UsageError(f"{args.source}: no such file or directory")
+    if not remote:
+        _require_existing(local_path(args.source, "source"), file_ok=True)
     if not is_s3_url(args.destination):
         local_path(args.destination, "destination")
     to = args.to or ("torch" if remote or os.path.isdir(args.source) else "distckpt")
+    _check_export_options(args, to)
     chunk_bytes = None if args.chunk_mib is None else int(args.chunk_mib * 2**20)  # finite, in range: parsed so
     overrides = {k: v for k, v in (("layout", args.layout), ("chunk_bytes", chunk_bytes)) if v is not None}
     try:
@@ -121,43 +140,55 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if args.max_shard_size is not None and to != "safetensors":
         raise UsageError(f"--max-shard-size applies to --to safetensors, not to --to {to}")
-    if to in ("safetensors", "dcp", "megatron"):
-        report = _export(args, to, bool(overrides))
-    elif to == "torch":
-        if not remote and not os.path.isdir(args.source):
-            raise UsageError(f"{args.source}: is a file; --to torch converts a checkpoint directory")
-        if overrides:
-            raise UsageError("--layout / --chunk-mib apply to checkpoint outputs, not to --to torch")
-        report = export_torch_file(args.source, args.destination)
-    elif remote or os.path.isdir(args.source):
-        report = relayout_checkpoint(args.source, args.destination, storage)
-    else:
-        report = import_torch_file(args.source, args.destination, storage)
+    with bar(args, f"convert to {to}") as progress:
+        if to in ("safetensors", "dcp", "megatron"):
+            report = _export(args, to, bool(overrides), progress)
+        elif to == "torch":
+            if not remote and not os.path.isdir(args.source):
+                raise UsageError(f"{args.source}: is a file; --to torch converts a checkpoint directory")
+            if overrides:
+                raise UsageError("--layout / --chunk-mib apply to checkpoint outputs, not to --to torch")
+            report = export_torch_file(args.source, args.destination, progress=progress)
+        elif remote or os.path.isdir(args.source):
+            report = relayout_checkpoint(args.source, args.destination, storage, progress)
+        else:
+            report = import_torch_file(args.source, args.destination, storage)
     print(json.dumps(asdict(report), indent=1) if args.json else report.describe())
     return EXIT_OK
 
 
-def _export(args: argparse.Namespace, to: str, storage_overrides: bool) -> "ConvertReport":
+def _check_export_options(args: argparse.Namespace, to: str) -> None:
+    """``--only`` / ``--include`` apply to the exports, ``--config`` to ``--to safetensors``."""
+    if (args.only is not None or args.include) and to not in ("safetensors", "dcp", "megatron"):
+        raise UsageError(f"--only / --include apply to --to safetensors, dcp or megatron, not to --to {to}")
+    if args.config is not None and to != "safetensors":
+        raise UsageError(f"--config applies to --to safetensors, not to --to {to}")
+
+
+def _export(args: argparse.Namespace, to: str, storage_overrides: bool,
+            progress: Optional["Progress"]) -> "ConvertReport":
     """``convert --to safetensors`` / ``--to dcp`` / ``--to megatron`` (lightning_distckpt.export)."""
     from ..export import export_dcp, export_megatron, export_safetensors, parse_size
     from ..export.safetensors_out import DEFAULT_MAX_SHARD_SIZE
 
     if storage_overrides:
         raise UsageError(f"--layout / --chunk-mib apply to checkpoint outputs, not to --to {to}")
+    chosen = dict(only=args.only, include=tuple(args.include), progress=progress)
     if to == "dcp":
-        return export_dcp(args.source, args.destination)
+        return export_dcp(args.source, args.destination, **chosen)
     if to == "megatron":
-        return export_megatron(args.source, args.destination)
+        return export_megatron(args.source, args.destination, **chosen)
     try:  # the Python API's parser: a size string (its messages name max_shard_size)
         size = parse_size(args.max_shard_size if args.max_shard_size is not None else DEFAULT_MAX_SHARD_SIZE)
     except CheckpointingError as e:
         raise UsageError(f"--max-shard-size: {e}") from None
-    return export_safetensors(args.source, args.destination, max_shard_size=size)
+    return export_safetensors(args.source, args.destination, max_shard_size=size, config=args.config, **chosen)
 
 
 def add_command(sub: "argparse._SubParsersAction", name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
-    """Register a subcommand; ``handler(args)`` returns the exit status."""
-    p = sub.add_parser(name, help=help, description=help)
+    """Register a subcommand; ``handler(args)`` returns the exit status. It takes the output
+    options (:mod:`.output`) too."""
+    p = sub.add_parser(name, help=help, description=help, parents=[output_options()])
     p.set_defaults(handler=handler)
     return p
 
@@ -167,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lightning-distckpt",
         description="Inspect, validate, convert and clean up after lightning_distckpt (sharded) checkpoints.",
         epilog="exit status: 0 ok, 1 damaged checkpoint (validate), 2 not a (complete) checkpoint or bad usage",
+        parents=[output_options()],
     )
     parser.add_argument("--version", action="version", version=f"lightning_distckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,7 +212,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "or unreadable data (exit status 1)")
     p.add_argument("checkpoint", help="checkpoint directory or s3://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--verbose", "-v", action="store_true", help="print each key as it is checked (stderr)")
     p.add_argument("--max-inflight-mib", type=int_in(1, MAX_INFLIGHT_MIB), default=256, metavar="MIB",
                    help="bytes read at once per shard (default 256 MiB)")
     p.add_argument("--require-checksums", action="store_true",
@@ -207,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "a Hugging Face model directory (a Trainer checkpoint's module weights), dcp: a PyTorch DCP "
                    "directory, megatron: a Megatron-Core torch_dist directory")
     p.add_argument("--max-shard-size", help="--to safetensors: bytes per file, e.g. 5GB (default), 500MiB")
+    p.add_argument("--only", choices=["model"], help="exports: only the model's weights, without optimizer state "
+                   "(of a Trainer checkpoint: the LightningModule's weights; --to safetensors does this by default)")
+    p.add_argument("--include", action="append", default=[], metavar="PREFIX",
+                   help="exports: only tensors whose stored key or exported name starts with PREFIX (repeatable)")
+    p.add_argument("--config", metavar="CONFIG_JSON",
+                   help="--to safetensors: copy this Hugging Face config.json beside the weights (from_pretrained "
+                   "reads the directory); an existing different config.json there is refused")
     p.add_argument("--layout", choices=["ocdbt", "zarr"], help="storage layout of a checkpoint output")
     p.add_argument("--chunk-mib", type=float_in(CHUNK_MIB[0], CHUNK_MIB[1], low_inclusive=True), metavar="MIB",
                    help=f"chunk size of a checkpoint output, MiB (from {CHUNK_MIB[0]:g}, 1 KiB, to "
@@ -220,7 +258,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.handler(args)
+        with command_logging(args):
+            return args.handler(args)
     except CheckpointingError as e:  # UsageError included; damage found by validate is its report, not an error
         print(f"lightning-distckpt {args.command}: error: {e}", file=sys.stderr)
         return EXIT_UNUSABLE

@@ -37,6 +37,7 @@ from ..storage.s3_url import is_s3_url
 from ..storage.safe_pickle import loads
 from ..storage.tensorstore_io import TensorStoreIO
 from ..reading.checkpoint import OpenedCheckpoint
+from ..progress import Progress, add_total, advance, set_total
 
 _SPEC_TAIL = re.compile(r"\s*\[(tensorstore_spec|transform|domain)=.*$", re.S)
 
@@ -54,10 +55,16 @@ class Report:
     bytes_read: int = 0
     objects: int = 0
     seconds: float = 0.0
+    progress: Optional[Progress] = field(default=None, repr=False, compare=False)  # counts bytes as they are read
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def count(self, nbytes: int) -> None:
+        """``nbytes`` more read (and shown on the progress bar)."""
+        self.bytes_read += nbytes
+        advance(self.progress, nbytes)
 
 
 def short_error(e: BaseException) -> str:
@@ -66,14 +73,17 @@ def short_error(e: BaseException) -> str:
 
 
 def validate(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20,
-             progress: Optional[Callable[[str], None]] = None, require_checksums: bool = False) -> Report:
+             on_key: Optional[Callable[[str], None]] = None, require_checksums: bool = False,
+             progress: Optional[Progress] = None) -> Report:
     """Check everything ``checkpoint_dir`` stores (see module docstring). Raises
     IncompleteCheckpointError / FormatError when it is not a readable committed checkpoint.
     ``require_checksums``: a checkpoint written before checksums (format 1 or 2) is a problem,
-    not a warning."""
+    not a warning. ``on_key(key)`` is called as each key's shards are checked; ``progress``
+    (:mod:`lightning_distckpt.progress`) counts the bytes read."""
     t0 = time.perf_counter()
     ckpt = OpenedCheckpoint.open(checkpoint_dir)
-    report = Report(ckpt.path)
+    report = Report(ckpt.path, progress=progress)
+    set_total(progress, sum(e.nbytes for e in ckpt.index.tensors.values()))
     if not ckpt.index.checksums:
         (report.problems if require_checksums else report.warnings).append(
             f"format {ckpt.meta.get('format_version')}: written before checksums, damaged bytes in it may go "
@@ -91,8 +101,8 @@ def validate(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20,
     for i, (key, shard) in enumerate(todo):
         report.shards += 1
         _read_shard(tio, key, ckpt.index.tensors[key].dtype, shard, report, window)
-        if progress and (i + 1 == len(todo) or todo[i + 1][0] != key):
-            progress(key)
+        if on_key and (i + 1 == len(todo) or todo[i + 1][0] != key):
+            on_key(key)
     window.drain()
     _check_objects(ckpt, tio, dead, report)
     _check_common(ckpt, report)
@@ -184,12 +194,12 @@ class _ReadWindow:
         for fut, where, nbytes in self.pending:
             try:
                 fut.result()
-                self.report.bytes_read += nbytes
+                self.report.count(nbytes)
             except Exception as e:
                 self.report.problems.append(f"{where} unreadable: {short_error(e)}")
         self.pending.clear()
         nbytes, errors = self.reader.run(self.direct)
-        self.report.bytes_read += nbytes
+        self.report.count(nbytes)
         self.report.problems += errors
         self.direct.clear()
         self.inflight = 0
@@ -216,7 +226,8 @@ def _read_shard(tio: TensorStoreIO, key: str, dtype: str, shard: StoredShard, re
     if crcs is not None:  # checksums in its zarr.json, read by tensorstore: whole chunks, checked here
         nbytes, errors = VerifiedReads(window.max_bytes).run(  # validate checks whatever the switch says
             check_reads(where, store, crcs, tio.chunk_file(shard.writer, key, shard.index)), verify=True)
-        report.chunks, report.bytes_read = report.chunks + len(crcs), report.bytes_read + nbytes
+        report.chunks += len(crcs)
+        report.count(nbytes)
         report.problems += errors
         return
     if shard.packed is not None:  # a small range of the writer's pack array: one read
@@ -266,7 +277,8 @@ def _check_objects(ckpt: OpenedCheckpoint, tio: TensorStoreIO, dead: set, report
                 report.problems.append(f"{where}: {short_error(e.__cause__ or e)}")
                 continue
             report.objects += 1
-            report.bytes_read += len(blob)
+            add_total(report.progress, len(blob))
+            report.count(len(blob))
             _check_blob(blob, where, report)
 
 
@@ -285,7 +297,8 @@ def _check_common(ckpt: OpenedCheckpoint, report: Report) -> None:
     except OSError as e:
         report.problems.append(f"common state {path}: missing or unreadable ({e.strerror or e})")
         return
-    report.bytes_read += len(blob)
+    add_total(report.progress, len(blob))
+    report.count(len(blob))
     if "common_sha256" in ckpt.marker:
         try:
             check_sha256(blob, ckpt.marker["common_sha256"], f"common state {path}")

@@ -31,7 +31,9 @@ from ..convert import ConvertReport, directory_bytes
 from ..core.errors import CheckpointingError
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats import KeyMap
+from ..progress import Progress, advance, set_total
 from ..storage.safe_pickle import write_file_durable
+from .select import selection
 from .tensors import (LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, add_meta_placeholders, export_arguments,
                       export_tensors, open_source, read_whole)
 
@@ -40,7 +42,8 @@ logger = logging.getLogger(__name__)
 DCP_METADATA = ".metadata"
 
 
-def _lazy_planner(source: CheckpointSource, by_id: Dict[int, ExportTensor], flatten: bool) -> Any:
+def _lazy_planner(source: CheckpointSource, by_id: Dict[int, ExportTensor], flatten: bool,
+                  progress: Optional[Progress] = None) -> Any:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class LazyReadPlanner(DefaultSavePlanner):
@@ -55,7 +58,9 @@ def _lazy_planner(source: CheckpointSource, by_id: Dict[int, ExportTensor], flat
             export = by_id.get(id(obj)) if isinstance(obj, torch.Tensor) and obj.is_meta else None
             if export is None:
                 return obj
-            return read_whole(source, [export], self._reader)[export.name]
+            data = read_whole(source, [export], self._reader)[export.name]
+            advance(progress, export.nbytes)
+            return data
 
     return LazyReadPlanner()
 
@@ -100,20 +105,24 @@ def _unwrapped(e: CheckpointException, out: str) -> CheckpointingError:
 
 
 def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[int, ExportTensor], out: str,
-                  extra_files: Optional[Mapping[str, bytes]] = None, flatten: bool = True) -> None:
+                  extra_files: Optional[Mapping[str, bytes]] = None, flatten: bool = True,
+                  progress: Optional[Progress] = None) -> None:
     """``dcp.save(state)`` into a staging directory beside ``out`` (``meta`` tensors read from
     ``source`` as DCP asks for them, see ``by_id``), then ``extra_files`` (name -> bytes) written
     into it, then the whole directory swapped in as ``out``. ``flatten=False``: each entry of
-    ``state`` is stored as it is under its key (DCP does not name the items of its containers)."""
+    ``state`` is stored as it is under its key (DCP does not name the items of its containers).
+    ``progress`` counts the bytes of the tensors read from ``source``."""
     import torch.distributed.checkpoint as dcp
 
     _check_target(out)
+    set_total(progress, sum(t.nbytes for t in by_id.values()))
     staging = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
     try:
         writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, sync_files=True, thread_count=1)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(state, storage_writer=writer, planner=_lazy_planner(source, by_id, flatten), no_dist=True)
+            dcp.save(state, storage_writer=writer, planner=_lazy_planner(source, by_id, flatten, progress),
+                     no_dist=True)
         for name, data in (extra_files or {}).items():
             write_file_durable(os.path.join(staging, name), data)
         _swap_in(staging, out)
@@ -129,20 +138,24 @@ def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[i
 
 
 def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
-               extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
+               extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None, include: Sequence[str] = (),
+               progress: Optional[Progress] = None) -> ConvertReport:
     """Write ``checkpoint`` (anything ``ldc.load`` reads) as the DCP directory ``out_dir``.
 
     Single process (call it on one rank). ``key_map`` renames (dict) or leaves out (callable
-    returning None) tensors by their export name. Returns a :class:`ConvertReport` (kind ``"dcp"``).
+    returning None) tensors by their export name; ``only="model"`` / ``include`` leave out
+    optimizer state / tensors matching no prefix (:mod:`.select`; the common state is written as
+    it is). ``progress`` counts the bytes exported. Returns a :class:`ConvertReport` (kind ``"dcp"``).
     """
     t0 = time.perf_counter()
     out = export_arguments(out_dir, key_map, extra_safe_globals)
+    select = selection(only, include)
     source = open_source(checkpoint, out)
-    tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix=f"{MODULE_ENTRY}.")
+    tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix=f"{MODULE_ENTRY}.", select=select)
     state: Dict[str, Any] = _common_entries(source, extra_safe_globals)
     by_id = add_meta_placeholders(source, tensors, state, "a common-state entry")
     n_objects = len(source.index.objects)
     if n_objects:
         logger.warning("%s: %d ShardedObject key(s) are not exported to DCP", source.path, n_objects)
-    write_dcp_dir(source, state, by_id, out)
+    write_dcp_dir(source, state, by_id, out, progress=progress)
     return ConvertReport(source.path, out, "dcp", len(tensors), 0, directory_bytes(out), time.perf_counter() - t0)

@@ -24,9 +24,10 @@ import stat
 import struct
 from typing import Any, Collection, Dict, Optional, Set
 
-from ..core.errors import ArgumentError
+from ..core.errors import ArgumentError, ArgumentTypeError
 
 SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"  # export_safetensors(config=...): the model's Hugging Face config, copied
 INDEX_FILE = "model.safetensors.index.json"
 MARK_KEY, MARK = "written_by", "lightning_distckpt"
 FILE_METADATA = {"format": "pt", MARK_KEY: MARK}
@@ -84,6 +85,27 @@ def index_json(total_size: int, weight_map: Dict[str, str]) -> str:
     """The text of our index: Hugging Face's fields plus our mark."""
     index = {"metadata": {"total_size": total_size, MARK_KEY: MARK}, "weight_map": weight_map}
     return json.dumps(index, indent=2, sort_keys=True) + "\n"
+
+
+def read_config(config: Any, out_dir: str) -> bytes:
+    """The bytes of the Hugging Face config file ``config`` (a path) to copy into ``out_dir`` as
+    ``config.json``: a JSON object (ArgumentError otherwise). A ``config.json`` already in
+    ``out_dir`` is replaced only by the same bytes: a different one (another model's) is an
+    ArgumentError naming both, before anything is written."""
+    if not isinstance(config, (str, os.PathLike)):
+        raise ArgumentTypeError(f"config must be the path of a config.json, got {type(config).__name__}")
+    path = os.fspath(config)
+    raw = _read_regular(path, _MAX_JSON_BYTES, header=False) if os.path.exists(path) else None
+    if raw is None:
+        raise ArgumentError(f"config {path}: no such file, not a regular file, or larger than {_MAX_JSON_BYTES} bytes")
+    if not isinstance(_json(raw), dict):
+        raise ArgumentError(f"config {path}: not a JSON object (a Hugging Face config.json, e.g. from "
+                            f"AutoConfig.save_pretrained)")
+    existing = os.path.join(out_dir, CONFIG_FILE)
+    if os.path.lexists(existing) and _read_regular(existing, _MAX_JSON_BYTES, header=False) != raw:
+        raise ArgumentError(f"export destination {out_dir}: {existing} exists and differs from {path}; refusing to "
+                            f"replace it: remove it, or leave out config")
+    return raw
 
 
 def plan_replace(out_dir: str, names: Collection[str]) -> Set[str]:

@@ -18,16 +18,17 @@ megatron-core is not needed to write it.
 from __future__ import annotations
 
 import json
-import os
 import time
-from typing import Any, Dict, Mapping, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from ..convert import ConvertReport, directory_bytes
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats import KeyMap
 from ..reading.formats.megatron import COMMON_NAME, CONFIG_NAME, TORCH_DIST, unique_key
 from ..storage.safe_pickle import dumps, loads
+from ..progress import Progress
 from .dcp_out import write_dcp_dir
+from .select import selection
 from .tensors import LIGHTNING_MANIFEST_KEY, add_meta_placeholders, export_arguments, export_tensors, open_source
 
 MEGATRON_CONFIG = {"sharded_backend": TORCH_DIST, "sharded_backend_version": 1,
@@ -54,22 +55,27 @@ def _common(source: CheckpointSource, extra_safe_globals: Sequence[Any]) -> Dict
 
 
 def export_megatron(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
-                    extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
+                    extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None,
+                    include: Sequence[str] = (), progress: Optional[Progress] = None) -> ConvertReport:
     """Write ``checkpoint`` (anything ``ldc.load`` reads) as the Megatron-Core ``torch_dist``
     directory ``out_dir``.
 
     Single process (call it on one rank). ``key_map`` renames (dict) or leaves out (callable
-    returning None) tensors by their export name. Returns a :class:`ConvertReport` (kind ``"megatron"``).
+    returning None) tensors by their export name; ``only`` / ``include`` select tensors as
+    :func:`~lightning_distckpt.export.dcp_out.export_dcp` does. ``progress`` counts the bytes
+    exported. Returns a :class:`ConvertReport` (kind ``"megatron"``).
     """
     t0 = time.perf_counter()
     out = export_arguments(out_dir, key_map, extra_safe_globals)
+    select = selection(only, include)
     source = open_source(checkpoint, out)
-    tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix="")
+    tensors = export_tensors(source, key_map, extra_safe_globals, module_prefix="", select=select)
     state: Dict[str, Any] = _objects(source, extra_safe_globals)
     by_id = add_meta_placeholders(source, tensors, state, "a ShardedObject")
     extra = {COMMON_NAME: dumps(_common(source, extra_safe_globals)),
              CONFIG_NAME: json.dumps(MEGATRON_CONFIG).encode()}  # metadata.json last: Megatron's completeness mark
-    write_dcp_dir(source, state, by_id, out, extra, flatten=False)  # an object's list is one bytes entry
+    # an object's list is one bytes entry
+    write_dcp_dir(source, state, by_id, out, extra, flatten=False, progress=progress)
     n_objects = sum(len(e.shards) for e in source.index.objects.values())
     return ConvertReport(source.path, out, "megatron", len(tensors), n_objects, directory_bytes(out),
                          time.perf_counter() - t0)

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from decimal import Decimal
 from dataclasses import dataclass
@@ -34,7 +35,10 @@ from ..convert import ConvertReport
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from ..reading.formats import KeyMap
 from ..storage.commit import fsync_dir
-from .hf_owned import FILE_METADATA, INDEX_FILE, SHARD_NAME, SINGLE_FILE, index_json, plan_replace
+from ..progress import Progress, advance, set_total
+from .hf_owned import CONFIG_FILE, FILE_METADATA, INDEX_FILE, SHARD_NAME, SINGLE_FILE, index_json, plan_replace, \
+    read_config
+from .select import selection
 from .tensors import ExportTensor, export_arguments, export_tensors, open_source, read_whole
 
 logger = logging.getLogger(__name__)
@@ -119,10 +123,20 @@ def _plan_digest(files: Sequence[ShardFile]) -> str:
 
 
 def _write_atomic(path: str, write: Any) -> None:
-    """``write(tmp)`` then fsync and rename to ``path``; the temporary file is removed on failure."""
+    """``write(tmp)`` then fsync and rename to ``path``; the temporary file is removed on failure.
+    The file gets the mode a new file gets here (``0o666`` less the umask, as ``save_pretrained``'s
+    files): safetensors writes ``0600`` files, so the mode of the temporary file as created is put back."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
+        if os.path.lexists(tmp):  # ours: left by a killed export of a process with the same pid
+            os.remove(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 & ~umask (and any default ACL)
+        finally:
+            os.close(fd)
         write(tmp)
+        os.chmod(tmp, mode)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -140,6 +154,11 @@ def _write_text(path: str, text: str) -> None:
         f.write(text)
 
 
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 def _read_batches(tensors: Sequence[ExportTensor]) -> List[List[ExportTensor]]:
     """``tensors`` in runs of at most :data:`READ_BATCH_BYTES` (a larger tensor alone)."""
     batches: List[List[ExportTensor]] = []
@@ -153,14 +172,16 @@ def _read_batches(tensors: Sequence[ExportTensor]) -> List[List[ExportTensor]]:
     return batches
 
 
-def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile]) -> None:
+def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile], progress: Optional[Progress] = None) -> None:
     from safetensors.torch import save_file
 
     reader = source.reader()
+    set_total(progress, sum(f.nbytes for f in files))
     for f in files:
         tensors: Dict[str, Any] = {}
         for batch in _read_batches(f.tensors):  # the reader's transient buffers stay about one batch
             tensors.update(read_whole(source, batch, reader))
+            advance(progress, sum(t.nbytes for t in batch))
         try:
             _write_atomic(os.path.join(out_dir, f.name),
                           functools.partial(save_file, tensors, metadata=FILE_METADATA))
@@ -188,7 +209,9 @@ def _write_index(out_dir: str, files: Sequence[ShardFile], stale: Sequence[str])
 
 def export_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
                        key_map: KeyMap = None, process_group: Optional[dist.ProcessGroup] = None,
-                       extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
+                       extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None,
+                       include: Sequence[str] = (), config: Any = None,
+                       progress: Optional[Progress] = None) -> ConvertReport:
     """Write the tensors of ``checkpoint`` to ``out_dir`` in the Hugging Face safetensors layout.
 
     ``checkpoint``: anything ``ldc.load`` reads (a Lightning Trainer checkpoint exports its module
@@ -197,6 +220,11 @@ def export_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int,
     or leaves out (callable returning None) tensors by their export name. Collective over
     ``process_group`` when torch.distributed is initialized (call it on every rank, same arguments):
     each rank writes its share of the files. Objects and common state are not exported.
+    ``only="model"``: the weights without optimizer state; ``include``: name prefixes, one of which
+    each exported tensor's stored key or name starts with (:mod:`.select`). ``config``: the path of
+    a Hugging Face ``config.json``, copied beside the weights so ``from_pretrained`` reads the
+    directory (an existing different ``config.json`` there is refused, not replaced).
+    ``progress`` (:mod:`lightning_distckpt.progress`) counts the bytes this rank exports.
     Returns the same :class:`ConvertReport` (kind ``"safetensors"``) on every rank.
     """
     t0 = time.perf_counter()
@@ -207,20 +235,24 @@ def export_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int,
     stale: List[str] = []
     digest = ""
     source_path = ""
+    config_text: Optional[bytes] = None
     try:
         limit = parse_size(max_shard_size)
+        select = selection(only, include)
+        config_text = read_config(config, out) if config is not None else None
         # an input inside out_dir is safe unless it is a file this export replaces or removes
         source = open_source(checkpoint, out, replaced=_replaced_name)
         source_path = source.path
-        tensors = export_tensors(source, key_map, extra_safe_globals)
+        tensors = export_tensors(source, key_map, extra_safe_globals, select=select)
         if not tensors:
-            raise CheckpointingError(f"checkpoint {source.path}: no tensors to export to {out}")
+            chosen = f" selected by {select.describe()}" if not select.everything else ""
+            raise CheckpointingError(f"checkpoint {source.path}: no tensors{chosen} to export to {out}")
         files = plan_files(tensors, limit)
         digest = _plan_digest(files)
         stale = sorted(plan_replace(out, _output_names(files)))  # nothing but our own files replaced
         os.makedirs(out, exist_ok=True)
         writers = assign_files(files, comm.size)
-        _write_files(source, out, [f for f, w in zip(files, writers) if w == comm.rank])
+        _write_files(source, out, [f for f, w in zip(files, writers) if w == comm.rank], progress)
     except Exception as e:  # agreed below: every rank raises it, none waits
         error = e
     digests = comm.agree(f"export_safetensors to {out}: writing the shard files", error, digest)
@@ -231,8 +263,10 @@ def export_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int,
     if comm.rank == 0:
         try:
             _write_index(out, files, stale)
+            if config_text is not None:
+                _write_atomic(os.path.join(out, CONFIG_FILE), lambda tmp: _write_bytes(tmp, config_text))
         except OSError as e:
-            error = CheckpointingError(f"{out}: cannot write {INDEX_FILE} ({e})")
+            error = CheckpointingError(f"{out}: cannot write {INDEX_FILE} or {CONFIG_FILE} ({e})")
     comm.agree(f"export_safetensors to {out}: writing the index", error)
     total = sum(f.nbytes for f in files)
     return ConvertReport(source_path, out, "safetensors",

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -31,6 +31,7 @@ from ..reading.reads import read_tensors
 from ..storage.base import ShardReader
 from ..storage.outputs import Replaced, check_output
 from ..storage.paths import local_path
+from .select import Selection, optimizer_state_keys
 
 logger = logging.getLogger(__name__)
 
@@ -74,37 +75,57 @@ def open_source(checkpoint: Any, destination: str, replaced: Replaced = None) ->
     return open_checkpoint(path)
 
 
-def module_weight_names(source: CheckpointSource, extra_safe_globals: Sequence[Any] = ()) -> Optional[Dict[str, str]]:
-    """For a Lightning Trainer checkpoint: stored key -> the LightningModule's ``state_dict`` key of
-    each module weight. None for any other checkpoint."""
+def _manifest_paths(source: CheckpointSource, common: Any) -> Dict[str, List[Any]]:
+    """Stored key -> the steps (dict keys, list indices) of its place in the saved tree, from a
+    Lightning checkpoint's manifest; empty for any other checkpoint."""
     if not isinstance(source, OpenedCheckpoint):
-        return None
-    common = source.load_common(extra_safe_globals)
+        return {}
     manifest = common.get(LIGHTNING_MANIFEST_KEY) if isinstance(common, Mapping) else None
     if not isinstance(manifest, Mapping):
-        return None
-    names: Dict[str, str] = {}
+        return {}
     try:
-        for steps, key in manifest.get("tensor_paths", []):
-            steps = [tuple(s) for s in steps]
-            if len(steps) >= 2 and steps[0] == ("d", MODULE_ENTRY):
-                names[key] = ".".join(str(k) for _, k in steps[1:])
+        return {key: [k for _, k in steps] for steps, key in manifest.get("tensor_paths", [])
+                if all(len(s) == 2 for s in steps)}
     except (TypeError, ValueError) as e:
         raise FormatError(f"checkpoint {source.path}: malformed {LIGHTNING_MANIFEST_KEY} manifest ({e})") from None
+
+
+def module_weight_names(source: CheckpointSource, extra_safe_globals: Sequence[Any] = (),
+                        common: Any = None) -> Optional[Dict[str, str]]:
+    """For a Lightning Trainer checkpoint: stored key -> the LightningModule's ``state_dict`` key of
+    each module weight. None for any other checkpoint. ``common``: its common state, if read already."""
+    if not isinstance(source, OpenedCheckpoint):
+        return None
+    common = source.load_common(extra_safe_globals) if common is None else common
+    names = {key: ".".join(str(k) for k in steps[1:]) for key, steps in _manifest_paths(source, common).items()
+             if len(steps) >= 2 and steps[0] == MODULE_ENTRY}
     return names or None
 
 
 def export_tensors(source: CheckpointSource, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = (),
-                   module_prefix: Optional[str] = None) -> List[ExportTensor]:
+                   module_prefix: Optional[str] = None, select: Selection = Selection()) -> List[ExportTensor]:
     """The tensors an export of ``source`` writes, sorted by output name. With ``module_prefix``
     (a full export), a Lightning checkpoint's other tensors are written too, under their stored
-    keys, and its module weights are named ``module_prefix + <module key>``."""
-    module_names = module_weight_names(source, extra_safe_globals)
+    keys, and its module weights are named ``module_prefix + <module key>``. ``select``
+    (:mod:`.select`) leaves out optimizer state (``only="model"``: of a Trainer checkpoint, all but
+    the module weights) or tensors whose stored key and names match no ``include`` prefix."""
+    common = source.load_common(extra_safe_globals) if isinstance(source, OpenedCheckpoint) or select.only else None
+    module_names = module_weight_names(source, extra_safe_globals, common)
+    optimizer: Set[str] = set()
+    if select.only == "model":
+        optimizer = optimizer_state_keys(source.index.tensors, common, _manifest_paths(source, common))
     out: Dict[str, ExportTensor] = {}
     for key, entry in source.index.tensors.items():
         default = key if module_names is None else module_names.get(key)
         if module_names is not None and module_prefix is not None:
+            in_module = default is not None
             default = key if default is None else module_prefix + default
+            if select.only == "model" and not in_module:  # the Trainer's optimizer, loops' and callbacks' tensors
+                continue
+        names = [key] + ([default] if default is not None else []) + ([module_names[key]] if module_names and
+                                                                      key in module_names else [])
+        if default is not None and not select.keeps(names, key in optimizer):
+            continue
         name = None if default is None else map_key(key_map, default)
         if name is None:
             continue

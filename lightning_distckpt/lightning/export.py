@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from .. import convert
 from ..convert import ConvertReport
+from ..progress import Progress
 from ..core.errors import FormatError
 from ..serialization import load_common_state_dict
 from ..storage.safe_pickle import load_file
@@ -23,20 +24,22 @@ from .checkpoint_io import FOREIGN_ADVICE, DistCheckpointIO, foreign_writer
 from .tree import MANIFEST_KEY, iter_tensor_leaves
 
 
-def export_torch_file(source: str, destination: str, extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
+def export_torch_file(source: str, destination: str, extra_safe_globals: Sequence[Any] = (),
+                      progress: Optional[Progress] = None) -> ConvertReport:
     """Consolidate the checkpoint ``source`` into the ``torch.save`` file ``destination``: a Lightning
     (Trainer or Fabric) checkpoint as the dict it was saved from, each tensor whole (report kind
-    ``"lightning"``); any other as :func:`lightning_distckpt.convert.export_torch_file` writes it."""
+    ``"lightning"``); any other as :func:`lightning_distckpt.convert.export_torch_file` writes it.
+    ``progress`` (:mod:`lightning_distckpt.progress`) counts the bytes written."""
     t0 = time.perf_counter()
     source, destination = convert.check_export(source, destination, extra_safe_globals)  # never over the source
     common = load_common_state_dict(source, extra_safe_globals)
     if not (isinstance(common, dict) and MANIFEST_KEY in common):
         if os.path.isfile(os.path.join(source, ".metadata")):  # DCP: not ours to export
             raise FormatError(f"checkpoint {source} was written {foreign_writer(source)}. {FOREIGN_ADVICE}")
-        return convert.export_torch_file(source, destination, extra_safe_globals)
+        return convert.export_torch_file(source, destination, extra_safe_globals, progress)
     # dict(): a fabric.save checkpoint is read as a FabricCheckpoint; the file holds a plain dict.
     payload = dict(DistCheckpointIO(extra_safe_globals=extra_safe_globals).load_checkpoint(source))
-    nbytes = convert.save_file_atomic(payload, destination)
+    nbytes = convert.save_file_atomic(payload, destination, progress)
     n_tensors = sum(1 for _ in iter_tensor_leaves(payload))
     return ConvertReport(source, destination, "lightning", n_tensors, 0, nbytes,
                          time.perf_counter() - t0)

@@ -1,0 +1,96 @@
+"""What the CLI prints besides its result: log records and progress bars, set by the options every
+command takes (before or after the command name):
+
+* ``-v`` / ``--verbose``: INFO records (one line per save or load, what an export removed, ...);
+  ``-vv``: DEBUG (per-rank and per-stage numbers). ``validate -v`` also names each key as checked.
+* ``--log-level LEVEL``: ``debug``, ``info``, ``warning`` (the default), ``error``, ``critical``
+  or a number from 1 to 50; wins over ``-v``.
+* ``-q`` / ``--quiet``: no progress bar. Without it, long work draws a ``tqdm`` bar on stderr when
+  stderr is a terminal (never into a pipe or a file).
+
+The records of the ``lightning_distckpt`` logger go to stderr through a handler this module adds
+for the command's duration (the package logger is otherwise silent: a ``NullHandler``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from typing import Iterator, Optional
+
+from ..progress import Progress, bar_wanted, progress_bar
+from .numbers import int_in
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+          "critical": logging.CRITICAL}
+_LEVEL_NUMBER = int_in(1, 50)
+
+
+def log_level(text: str) -> int:
+    """An ``argparse`` type: a level name (any case) or a number from 1 to 50."""
+    name = text.strip().lower()
+    if name in LEVELS:
+        return LEVELS[name]
+    try:
+        return _LEVEL_NUMBER(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a log level: give one of {', '.join(LEVELS)} or a number from 1 to 50") from None
+
+
+log_level.__name__ = "log level"  # argparse's message: "invalid log level value"
+
+
+def output_options() -> argparse.ArgumentParser:
+    """The options of every command, as a parent parser. Their defaults are left out of the
+    namespace (``SUPPRESS``), so a value given before the command name is not reset by the
+    subcommand's parser: read them with :func:`level_of` / :func:`quiet_of`."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("output")
+    g.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="log INFO records (-vv: DEBUG) on stderr; validate: also name each key as it is checked")
+    g.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                   help="no progress bar (drawn on stderr only when it is a terminal)")
+    g.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS, metavar="LEVEL",
+                   help="debug, info, warning (default), error, critical, or a number from 1 to 50 (wins over -v)")
+    return p
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    return int(getattr(args, "verbose", 0) or 0)
+
+
+def level_of(args: argparse.Namespace) -> int:
+    """The logging level the options ask for."""
+    if getattr(args, "log_level", None) is not None:
+        return int(args.log_level)
+    return {0: logging.WARNING, 1: logging.INFO}.get(verbosity(args), logging.DEBUG)
+
+
+def quiet_of(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "quiet", False))
+
+
+@contextlib.contextmanager
+def command_logging(args: argparse.Namespace) -> Iterator[None]:
+    """The package logger printed to stderr at the options' level while a command runs; its level
+    and handlers are put back afterwards (``main()`` may be called in a running program)."""
+    logger = logging.getLogger("lightning_distckpt")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level_of(args))
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+def bar(args: argparse.Namespace, desc: str, unit: str = "B",
+        delay: float = 0.0) -> "contextlib.AbstractContextManager[Optional[Progress]]":
+    """The command's progress bar (None in a pipe, a file, or with ``--quiet``)."""
+    return progress_bar(bar_wanted(quiet_of(args)), desc, unit, delay=delay)
