@@ -76,19 +76,19 @@ def test_save_failing_on_one_rank_raises_on_every_rank(tp2):
 def test_missing_optimizer_state_strict_and_non_strict(tp2):
     _, results = tp2
     for res in results:
-        # Strict (default): the missing weights and optimizer state are named, on every rank.
+        # Strict (default): the missing weights are named, on every rank (before setup, as stock's
+        # load_state_dict names them: the optimizer state is read after setup, never reached here).
         assert res["strict"].startswith("MissingKeysError")
-        for key in ("norm.weight", "optimizer_states.0.state.exp_avg.norm.weight"):
-            assert key in res["strict"]
+        assert "norm.weight" in res["strict"]
         # Non-strict (strict: log_all): what exists is loaded, what is missing keeps its fresh value.
         assert res["nonstrict_global_step"] == 5
         assert res["nonstrict_fc1_step"] == 5.0  # Adam step restored (3) + 2 new steps
         assert res["nonstrict_norm_step"] == 2.0  # the new layer's optimizer state started fresh
         assert res["nonstrict_norm_weight_fresh_then_trained"] is True
         assert res["module_nonstrict_global_step"] == 5  # LightningModule.strict_loading = False
-        # A weights-only checkpoint (no optimizer / scheduler state): strict names what is missing...
-        assert res["wo_strict"].startswith("MissingKeysError")
-        assert "optimizer_states.0.state.exp_avg.fc1.weight" in res["wo_strict"]
+        # A weights-only checkpoint (no optimizer / scheduler state): strict says so in Lightning's words...
+        assert res["wo_strict"].startswith("ModelOnlyCheckpointError")
+        assert "checkpoint contains only the model" in res["wo_strict"]
         # ...non-strict loads the weights and loops, starts the optimizer afresh.
         assert res["wo_first_step"] == 3 and res["wo_global_step"] == 5
         assert res["wo_fc1_opt_step"] == 2.0

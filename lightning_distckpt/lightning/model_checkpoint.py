@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ..storage.commit import recover_interrupted_commit
 from ..storage.layout import COMMIT_MARKER
+from ..storage.paths import checkpoint_location
 from ..storage.s3_url import is_s3_url
 from ..storage.s3_versions import committed_children
 from ..storage.staging import is_staging_dir, target_of
@@ -40,6 +41,13 @@ class DistModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (same arguments) that also finds ``ckpt_path="last"`` when ``dirpath`` is
     ``s3://bucket/prefix``; use it with :class:`DistCheckpointIO` or the strategies, which save and
     remove (top-k) ``s3://`` checkpoints."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Lightning's setup (which resolves ``dirpath``), then refuse a folder we cannot save to
+        (a URL other than ``s3://``) now rather than at the first save."""
+        super().setup(trainer, pl_module, stage)
+        if self.dirpath is not None:
+            checkpoint_location(self.dirpath, f"{type(self).__name__} dirpath")
 
     def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
         dirpath = None if self.dirpath is None else str(self.dirpath)

@@ -121,6 +121,8 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_checkpoint_dirs(trainer)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.checkpoint_io.config.async_save:
             warn_async_link_last(trainer)

@@ -36,6 +36,16 @@ class ParallelState:
     tp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
 
+    # A ParallelState is kept by the strategy and by modules built with it (self.ps), and so travels
+    # with them when a Trainer is pickled (torch.save(trainer)) or copied (deepcopy of callbacks that
+    # hold the trainer). Process groups are handles of this process: a copy is this very object
+    # (immutable), a pickle carries the layout and finds the groups again where they still live.
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ParallelState":
+        return self
+
+    def __reduce__(self) -> Tuple[Any, Tuple[int, ...]]:
+        return _rebuild, (self.world_size, self.rank, self.tp_size, self.tp_rank, self.dp_size, self.dp_rank)
+
     @classmethod
     def single(cls) -> "ParallelState":
         """One process: TP 1 x DP 1, no groups."""
@@ -66,6 +76,7 @@ class ParallelState:
         # returns the one this rank belongs to.
         tp_group, _ = dist.new_subgroups_by_enumeration(tp_ranks)
         dp_group, _ = dist.new_subgroups_by_enumeration(dp_ranks)
+        _BUILT[(world, rank, tp)] = (tp_group, dp_group)
         return cls(world_size=world, rank=rank, tp_size=tp, tp_rank=rank % tp, dp_size=dp, dp_rank=rank // tp,
                    tp_group=tp_group, dp_group=dp_group)
 
@@ -76,6 +87,27 @@ class ParallelState:
 
     def describe(self) -> str:
         return f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}"
+
+
+#: The groups ParallelState.build made in this process, by (world size, rank, TP size), for unpickling.
+_BUILT: Dict[Tuple[int, int, int], Tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def _live(group: dist.ProcessGroup, size: int) -> bool:
+    """``group`` is still a registered group of ``size`` ranks (not destroyed with its world)."""
+    try:
+        return dist.is_initialized() and dist.get_world_size(group) == size
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _rebuild(world_size: int, rank: int, tp_size: int, tp_rank: int, dp_size: int, dp_rank: int) -> ParallelState:
+    """An unpickled :class:`ParallelState`: the groups ``build`` made for this layout in this process
+    while they live, else none (a new run's strategy builds its own at setup)."""
+    groups = _BUILT.get((world_size, rank, tp_size))
+    if groups is None or not (_live(groups[0], tp_size) and _live(groups[1], dp_size)):
+        groups = (None, None)
+    return ParallelState(world_size, rank, tp_size, tp_rank, dp_size, dp_rank, *groups)
 
 
 def module_sharded_state_dict(module: nn.Module, prefix: str = "", replica_id: ReplicaId = 0) -> Dict[str, Any]:

@@ -9,8 +9,7 @@ parameters); the optimizer state follows its parameters' sharding; the rest of t
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,14 +22,11 @@ from torch.optim import Optimizer
 
 from ..core.errors import CheckpointingError
 from ..storage.paths import checkpoint_location
-from .checkpoint_io import FOREIGN_ADVICE, RestoreSource, fabric_writer, foreign_writer
 from .parallel import STRATEGY_NAME
-from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
-                      restore_optimizer)
-from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
-                    rekey_template, restore_param_keys)
+from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tp_strategy import AsyncCommitHooksMixin, TensorParallelStrategyMixin
-from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest
+from .trainer_restore import DeferredOptimizerStates, load_before_setup, restore_after_setup
+from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +77,8 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
     def setup(self, trainer: Any) -> None:
         assert self.model is not None
         self._check_describable(self.model)  # configure_model has run: refuse now, not at the first save
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_checkpoint_dirs(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.checkpoint_io.config.async_save:
             warn_async_link_last(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -106,8 +104,9 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        # Optimizers (whose sharded state is loaded in place) exist only after setup.
-        return True
+        # The module and the callbacks are restored before setup, as stock DDP restores them (on_fit_start
+        # hooks see them); the optimizer state, loaded in place, once the optimizers exist (trainer_restore).
+        return False
 
     def _raw_optimizers(self) -> List[Optimizer]:
         return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
@@ -137,62 +136,23 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
         self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """Collective: every rank reads its shards (in place into its parameters and optimizer state)
-        and the common state, the checkpoint opened once. ``weights_only`` is accepted for the
-        signature: loading is always safe."""
+        """Collective, before setup: every rank reads its shards of the module (in place) and the
+        common state, the checkpoint opened once; the optimizer state is read once the optimizers
+        exist (:meth:`load_optimizer_state_dict`, :mod:`.trainer_restore`). ``weights_only`` is
+        accepted for the signature: loading is always safe."""
         path = checkpoint_location(checkpoint_path, "checkpoint_path")
         assert self.lightning_module is not None
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        restore_optimizers = fitting and self.lightning_restore_optimizer
-
-        def build() -> Tuple[StoredLayout, RestoreSource]:
-            # Opened once: who wrote it is read from the common state the load then reuses.
-            source = self.checkpoint_io.open_source(path)
-            saved = describe_source(source, self.checkpoint_io.extra_safe_globals)
-            # DistCheckpointModelParallelStrategy's tensors are named by path too, optimizer state by name.
-            by_name = saved.kind == KIND_MODEL_PARALLEL
-            by_path = is_tree_path_layout(path, saved.kind) or by_name
-            if saved.kind != KIND_SHARDED and not by_path:
-                writer = foreign_writer(path) if saved.kind is None else f"by a writer of kind {saved.kind!r}"
-                raise CheckpointingError(f"checkpoint {path} was written {writer}, not by DistCheckpointStrategy, "
-                                         f"DistCheckpointIO or torch.save. {FOREIGN_ADVICE}")
-            if not saved.by_trainer and (saved.kind is not None or "pytorch-lightning_version" not in saved.entries):
-                raise CheckpointingError(
-                    f"checkpoint {path} was written {fabric_writer(saved.kind)} (entries {sorted(saved.entries)}), "
-                    "not by a Trainer; load it with fabric.load, or a module's weights in one process with "
-                    f"load_module_weights(module, {path!r}, entry=<its entry>)")
-            model_ssd = self._model_ssd()
-            template: Dict[str, Any] = {"state_dict": model_ssd}
-            if restore_optimizers:
-                template["optimizer_states"] = self._optimizer_states(model_ssd)
-            if not by_path:
-                return StoredLayout(template, {}), source
-            # A stock .ckpt, or the plugin's directory: tensors named by their path in Lightning's dict.
-            optimizers = [OptimizerEntry(f"optimizer_states/{i}", s, by_name)
-                          for i, s in enumerate(template.get("optimizer_states", []))]
-            return rekey_template(source, template, {"state_dict": ModuleEntry("state_dict/", "")}, optimizers,
-                                  ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals), source
-
-        layout, source = build_on_all_ranks(f"load from {path}", build)
-        strict = self._strict_handling()
-        loaded = self.checkpoint_io.load_sharded(layout.template, source, strict=strict,
-                                                 data_parallel_group=self.parallel_state.dp_group)
-        if REST_KEY in layout.template:
-            loaded = place_stored_tensors(loaded, layout, path)
-            if restore_optimizers:
-                loaded["optimizer_states"] = [restore_param_keys(s, s["param_keys"], path)
-                                              for s in loaded["optimizer_states"]]
-        loaded.pop(MANIFEST_KEY, None)
-        if fitting and strict.skips_unexpected and "lr_schedulers" not in loaded:
-            # Non-strict resume from a weights-only checkpoint: keep the fresh scheduler states.
-            log.warning("checkpoint %s has no LR scheduler state; keeping the current schedulers (non-strict)", path)
-            loaded["lr_schedulers"] = [c.scheduler.state_dict() for c in self.lr_scheduler_configs]
-        return loaded
+        return load_before_setup(self, path, self.lightning_module.trainer.state.fn == TrainerFn.FITTING)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Collective: the optimizer state :meth:`load_checkpoint` left for after setup, in place.
+        A checkpoint with no optimizer state at all (``optimizer_states={}``) restores none, as stock."""
         states = checkpoint["optimizer_states"]
+        if isinstance(states, DeferredOptimizerStates):
+            restore_after_setup(self, states)
+            return
         optimizers = self._raw_optimizers()
-        if len(states) != len(optimizers):
+        if states and len(states) != len(optimizers):
             raise CheckpointingError(f"the checkpoint has {len(states)} optimizer states, the module has {len(optimizers)} optimizers")
         for opt, state in zip(optimizers, states):
             restore_optimizer(opt, state)

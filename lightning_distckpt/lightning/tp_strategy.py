@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.errors import ArgumentTypeError, CheckpointingError
 from ..core.strict import StrictHandling
+from ..storage.paths import checkpoint_location
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
 from .parallel import ParallelState, check_strategy_args, register_strategy_names
@@ -69,7 +70,26 @@ class DistCheckpointIOMixin:
 class AsyncCommitHooksMixin(DistCheckpointIOMixin):
     """The Trainer hooks that commit background saves (``async_save``) of a Trainer strategy saving
     with :class:`DistCheckpointIO` (mixed in before Lightning's strategy class): a finished save is
-    committed at the next step boundary, and the end of training waits for the last one."""
+    committed at the next step boundary, and the end of training waits for the last one. Saves are
+    made in the background only between the start of a run (``setup_environment``) and its
+    ``teardown``: one made outside (``trainer.save_checkpoint()`` after ``fit()``, the spawn
+    launcher's last weights) would have nothing after it to commit it, so it commits before returning."""
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        self.checkpoint_io.background_saves = True
+
+    def _check_checkpoint_dirs(self, trainer: Any) -> None:
+        """At setup, not at the first save an epoch later: every ``ModelCheckpoint``'s folder (resolved
+        by its own setup, which has run) must be a place we save to (a local path or ``s3://``)."""
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath is not None:
+                checkpoint_location(dirpath, f"{type(callback).__name__} dirpath")
+
+    def teardown(self) -> None:
+        self.checkpoint_io.background_saves = False
+        super().teardown()  # type: ignore[misc]  # Strategy.teardown commits a pending save (CheckpointIO.teardown)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Commit a finished async save at the step boundary, without waiting for an unfinished one."""
@@ -140,9 +160,12 @@ class TensorParallelStrategyMixin(DistCheckpointIOMixin):
 
     def _data_parallel_ddp(self, module: Module, device_ids: Optional[List[int]]) -> DistributedDataParallel:
         """DDP over the data-parallel group only: TP shards are neither averaged across TP ranks nor
-        overwritten by DDP's initial broadcast."""
-        return DistributedDataParallel(module=module, device_ids=device_ids, process_group=self.parallel_state.dp_group,
-                                       **self._ddp_kwargs)
+        overwritten by DDP's initial broadcast. At TP 1 that group is the whole world: DDP is then given
+        the default group, as stock DDP is, which is what lets it be copied or pickled (DDP refuses any
+        other group), e.g. by a ``deepcopy`` of callbacks that hold the trainer."""
+        ps = self.parallel_state
+        group = ps.dp_group if ps.tp_size > 1 else None
+        return DistributedDataParallel(module=module, device_ids=device_ids, process_group=group, **self._ddp_kwargs)
 
     def _check_describable(self, module: Module) -> None:
         """At setup, not at the first save: a tensor-parallel module must describe its shards.

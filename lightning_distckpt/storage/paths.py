@@ -72,11 +72,8 @@ def local_path(path: PathLike, what: str = "checkpoint") -> str:
     with ArgumentError when it is a URL rather than a local path."""
     text = _path_text(path, what)
     if _SCHEME.match(text):
-        raise ArgumentError(
-            f"{what} {text}: URLs are not supported (no object-store backend yet); give a local or "
-            f"shared file-system path (it would otherwise be written to a local directory named "
-            f"{text.split('://', 1)[0]}:)"
-        )
+        raise ArgumentError(f"{what} {text}: URLs are not supported here; give a local or shared file-system path "
+                            f"(it would otherwise be written to a local directory named {text.split('://', 1)[0]}:)")
     return text
 
 
@@ -89,6 +86,11 @@ def checkpoint_location(path: PathLike, what: str = "checkpoint") -> str:
     text = _path_text(path, what)
     if is_s3_url(text):
         return parse_s3_url(text).url
+    if _SCHEME.match(text):
+        scheme = text.split("://", 1)[0]
+        raise ArgumentError(f"{what} {text}: {scheme}:// URLs are not supported; a checkpoint goes to a local or shared "
+                            f"file-system path or to an s3:// URL (it would otherwise be written to a local directory "
+                            f"named {scheme}:)")
     location = os.path.abspath(local_path(text, what))
     if "\\" in location:
         raise ArgumentError(f"{what} {text}: a path with a backslash is refused: tensorstore reads it as a "
