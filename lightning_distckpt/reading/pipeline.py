@@ -127,6 +127,7 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
     assert source is not None  # match_keys raised on every rank otherwise
     if error is None:
         try:
+            check_global_shapes(request.tensors, source.index.tensors, source.path)  # every mismatch named at once
             check_dtypes(request, source, keys.absent)
         except Exception as e:  # reported on every rank in finish_load; nothing is read for this rank
             error, request = e, LoadRequest({}, [], [])
@@ -135,7 +136,6 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
 
 def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], stats: LoadStats,
                 extra_safe_globals: Sequence[Any], op_name: str) -> Tuple[Result, List[LoadStats]]:
-            check_global_shapes(request.tensors, source.index.tensors, source.path)  # every mismatch named at once
     """Collective: read objects and common state, assemble, agree; returns the result and every
     rank's stats. Raises on every rank when any rank failed, naming each failing rank."""
     state: Dict[str, Any] = {}
