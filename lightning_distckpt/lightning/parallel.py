@@ -188,5 +188,5 @@ def register_strategy_names(cls: Any, strategy_registry: Any) -> None:
         if name not in strategy_registry or is_placeholder(strategy_registry[name]):  # replaces registration.py's
             strategy_registry.register(
                 name, cls, description=f"DDP with distributed checkpoints, start_method '{start_method}'",
-                start_method=start_method,
+                override=True, start_method=start_method,
             )
