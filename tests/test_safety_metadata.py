@@ -110,7 +110,7 @@ def test_empty_or_unreadable_common_state(tmp_path):
         ldc.load_common_state_dict(ck)
     os.remove(ck / "common.pt")
     (ck / "common.pt").mkdir()  # present but no file to read (as root, chmod 000 would still read)
-    with pytest.raises(ldc.CheckpointingError, match="common.pt is not a regular file"):
+    with pytest.raises(ldc.CheckpointingError, match="common.pt is a directory, not a regular file"):
         ldc.load_common_state_dict(ck)
     os.rmdir(ck / "common.pt")
     with pytest.raises(ldc.CheckpointingError, match="common.pt is missing"):
