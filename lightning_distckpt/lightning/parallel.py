@@ -106,7 +106,8 @@ def _rebuild(world_size: int, rank: int, tp_size: int, tp_rank: int, dp_size: in
     while they live, else none (a new run's strategy builds its own at setup)."""
     groups = _BUILT.get((world_size, rank, tp_size))
     if groups is None or not (_live(groups[0], tp_size) and _live(groups[1], dp_size)):
-        groups = (None, None)
+        world = dist.group.WORLD if tp_size == 1 and _live(dist.group.WORLD, world_size) else None
+        groups = (None, world)  # data_parallel_world()'s, or none
     return ParallelState(world_size, rank, tp_size, tp_rank, dp_size, dp_rank, *groups)
 
 
