@@ -88,9 +88,9 @@ def checkpoint_location(path: PathLike, what: str = "checkpoint") -> str:
         return parse_s3_url(text).url
     if _SCHEME.match(text):
         scheme = text.split("://", 1)[0]
-        raise ArgumentError(f"{what} {text}: {scheme}:// URLs are not supported; a checkpoint goes to a local or shared "
-                            f"file-system path or to an s3:// URL (it would otherwise be written to a local directory "
-                            f"named {scheme}:)")
+        raise ArgumentError(f"{what} {text}: {scheme}:// URLs are not supported; a checkpoint goes to a local or "
+                            f"shared file-system path or to an s3:// URL (it would otherwise be written to a local "
+                            f"directory named {scheme}:)")
     location = os.path.abspath(local_path(text, what))
     if "\\" in location:
         raise ArgumentError(f"{what} {text}: a path with a backslash is refused: tensorstore reads it as a "

@@ -6,8 +6,10 @@ A staging directory is a hidden sibling of its target, ``.distckpt-staging-<NAME
 because Lightning scans checkpoint folders by name: its SLURM requeue resume takes every name holding
 ``hpc_ckpt_`` and keeps its digits, so ``.hpc_ckpt_33.ckpt.distckpt-staging-<hex>`` would win as a
 huge version that does not exist. The older form, ``.NAME.distckpt-staging-<id>`` (earlier versions,
-and names too long to encode), is still recognised, so its leftovers are found, cleaned and recovered. While a save writes, every rank keeps a small owner
-note in it (``.writing/rank_NNNNN.json``: host, pid, start time). The notes let :func:`find_leftovers`
+and names too long to encode), is still recognised, so its leftovers are found, cleaned and recovered.
+
+While a save writes, every rank keeps a small owner note in it (``.writing/rank_NNNNN.json``: host,
+pid, start time). The notes let :func:`find_leftovers`
 tell a save that is still running on this host (an async save waiting to be finalized, say) from
 one whose process is gone. The commit removes them only once its marker is durable and before the
 rename, so a staging directory is never without both (``clean`` keeps one that holds the marker

@@ -27,12 +27,14 @@ def leftover(target: str) -> str:
 
 def test_requeue_resume_skips_staging_directories(tmp_path):
     root = str(tmp_path)
-    trainer = quiet_trainer(max_steps=2, plugins=[DistCheckpointIO()], default_root_dir=root, enable_checkpointing=False)
+    trainer = quiet_trainer(max_steps=2, plugins=[DistCheckpointIO()], default_root_dir=root,
+                            enable_checkpointing=False)
     trainer.fit(TPMLP(total_steps=2))
     trainer.save_checkpoint(os.path.join(root, "hpc_ckpt_3.ckpt"))  # what the SLURM signal handler saves
     stranded = [leftover(os.path.join(root, f"hpc_ckpt_{n}.ckpt")) for n in (3, 4)]
     assert all("ckpt_" not in os.path.basename(s) for s in stranded)  # nothing for Lightning's name scans
-    resumed = quiet_trainer(max_steps=3, plugins=[DistCheckpointIO()], default_root_dir=root, enable_checkpointing=False)
+    resumed = quiet_trainer(max_steps=3, plugins=[DistCheckpointIO()], default_root_dir=root,
+                            enable_checkpointing=False)
     model = TPMLP(total_steps=3)
     resumed.fit(model, ckpt_path="hpc")
     assert resumed.ckpt_path == os.path.join(root, "hpc_ckpt_3.ckpt")
@@ -48,7 +50,8 @@ def test_last_resume_skips_a_staging_directory_of_last(tmp_path):
     trainer.fit(TPMLP(total_steps=2))
     leftover(os.path.join(ckdir, "last.ckpt"))
     leftover(os.path.join(ckdir, "last-v1.ckpt"))
-    resumed = quiet_trainer(max_steps=3, plugins=[DistCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=ckdir, save_last=True)])
+    resumed = quiet_trainer(max_steps=3, plugins=[DistCheckpointIO()],
+                            callbacks=[ModelCheckpoint(dirpath=ckdir, save_last=True)])
     resumed.fit(TPMLP(total_steps=3), ckpt_path="last")
     assert resumed.ckpt_path == os.path.join(ckdir, "last.ckpt")
 

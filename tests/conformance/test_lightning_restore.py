@@ -50,7 +50,8 @@ def test_weights_only_checkpoints_are_refused_in_lightnings_words(tmp_path, isol
     ours.save_checkpoint(tmp_path / "ours.ckpt", weights_only=True)
 
     with pytest.raises(KeyError) as stock_error:  # stock Lightning, its own file
-        quiet_trainer(max_steps=4, enable_checkpointing=False).fit(SGDMLP(total_steps=4), ckpt_path=tmp_path / "stock.ckpt")
+        quiet_trainer(max_steps=4, enable_checkpointing=False).fit(SGDMLP(total_steps=4),
+                                                                   ckpt_path=tmp_path / "stock.ckpt")
     with pytest.raises(KeyError) as plugin_error:  # the plugin's directory, read by stock Lightning
         quiet_trainer(max_steps=4, plugins=[DistCheckpointIO()], enable_checkpointing=False).fit(
             SGDMLP(total_steps=4), ckpt_path=plugin_ckpt.best_model_path)
