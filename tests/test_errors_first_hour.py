@@ -140,8 +140,9 @@ def test_shape_mismatch_lists_every_key_and_the_config_switch(tmp_path):
     with pytest.raises(ShardingError) as e:
         ldc.load(_mismatch_state(6), path)
     message = str(e.value)
-    assert "2 tensor(s) have another global shape" in message
-    assert "'a' stored (4, 2), asked for (6, 2)" in message and "'b' stored (4,), asked for (6,)" in message
+    assert "2 tensor(s) differ in shape" in message
+    assert "'a' has global shape (4, 2) in the checkpoint, (6, 2) in the template" in message
+    assert "'b' has global shape (4,) in the checkpoint, (6,) in the template" in message
     assert "'c'" not in message and message.count("'a'") == 1
     assert "allow_shape_mismatch: true" in message and "DistCheckpointStrategy(checkpoint=" in message
     # The switch the message names: the plugin / strategies' checkpoint config (YAML key alike).
@@ -165,7 +166,7 @@ def test_shape_mismatch_on_tensor_parallel_ranks_is_said_once(tmp_path):
     ldc.save(_mismatch_state(4), path)
     messages = run_distributed(_mismatch_on_two_ranks, 2, path)
     assert messages[0] == messages[1] and messages[0] is not None
-    assert messages[0].count("'a' stored (4, 2)") == 1 and "(the same on rank 1)" in messages[0], messages[0]
+    assert messages[0].count("'a' has global shape (4, 2)") == 1 and "(the same on rank 1)" in messages[0], messages[0]
 
 
 def test_missing_paths_list_the_committed_checkpoints_beside_them(tmp_path, capsys):

@@ -115,17 +115,17 @@ def check_global_shapes(requests: Sequence[ShardedTensor], entries: Mapping[str,
             continue
         saved, asked = tuple(entry.global_shape), tuple(st.global_shape)
         if len(saved) != len(asked):
-            found[st.key] = f"{st.key!r} stored {saved}, asked for {asked} ({len(saved)} axes, not {len(asked)})"
+            found[st.key] = (f"{st.key!r} has global shape {saved} in the checkpoint, {asked} in the template "
+                             f"({len(saved)} axes, not {len(asked)})")
             allowable = False
         elif saved != asked and not st.allow_shape_mismatch:
-            found[st.key] = f"{st.key!r} stored {saved}, asked for {asked}"
+            found[st.key] = f"{st.key!r} has global shape {saved} in the checkpoint, {asked} in the template"
     if not found:
         return
     shown = list(found.values())[:_SHOWN_MISMATCHES]
     more = f"; and {len(found) - len(shown)} more" if len(found) > len(shown) else ""
     raise ShardingError(
-        f"checkpoint {checkpoint_dir}: {len(found)} tensor(s) have another global shape in the checkpoint than "
-        f"the template asks for: {'; '.join(shown)}{more}. "
+        f"checkpoint {checkpoint_dir}: {len(found)} tensor(s) differ in shape: {'; '.join(shown)}{more}. "
         + (SHAPE_MISMATCH_ADVICE[0].upper() + SHAPE_MISMATCH_ADVICE[1:] if allowable else
            "A different number of axes cannot be padded or truncated: build the model as the checkpoint was saved"))
 
