@@ -41,9 +41,8 @@ class _Logs(logging.Handler):
         self.lines: List[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if " on " in msg and "end to end" in msg:  # rank 0's totals for a save or a load
-            self.lines.append(msg)
+        if record.name == "lightning_distckpt.strategies.stats":  # one line per save or load (rank 0's)
+            self.lines.append(record.getMessage())
 
 
 def run_phase(args: argparse.Namespace) -> None:
