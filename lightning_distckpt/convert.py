@@ -184,7 +184,7 @@ def export_torch_file(source: str, destination: str, extra_safe_globals: Sequenc
     ``progress`` counts the bytes written."""
     t0 = time.perf_counter()
     source, destination = check_export(source, destination, extra_safe_globals)
-    common = load_common_state_dict(source, extra_safe_globals)
+    common = load_common_state_dict(source, extra_safe_globals, plain_tensors=False)  # "tensors" holds them
     objects = _read_objects(OpenedCheckpoint.open(source), extra_safe_globals)
     payload = {"tensors": load_plain_tensors(source), "objects": objects, "common": common}
     nbytes = save_file_atomic(payload, destination, progress)

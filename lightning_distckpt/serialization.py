@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .comm import get_comm
 from .core.arguments import require, require_bool, require_globals, require_key_map, require_state_dict
-from .core.dtensors import shard_dtensors
+from .core.plain_tensors import shard_tensors
 from .core.megatron_leaves import from_megatron_leaves
 from .core.mapping import ShardedTensor
 from .core.strict import StrictHandling
@@ -25,6 +25,7 @@ from .reading.formats import KeyMap
 from .reading.loaders import Loader, resolve_loader
 from .reading.pipeline import with_cast
 from .reading.plain import check_plain_loadable
+from .reading.plain_tensors import common_with_plain_tensors
 from .reading.reads import read_tensors
 from .storage.paths import checkpoint_location
 from .storage.tensorstore_io import StorageOptions
@@ -55,7 +56,9 @@ def save(
 
     Args:
         sharded_state_dict: nested dict of ShardedTensor / ShardedObject / ShardedTensorFactory /
-            LocalNonpersistentObject and common values.
+            LocalNonpersistentObject and common values. A DTensor or plain ``torch.Tensor`` leaf is a
+            sharded tensor keyed by its tree path (``{"model": {"w": t}}`` -> ``"model/w"``); a plain
+            one is replicated: stored once, the same value expected on every rank (as in PyTorch DCP).
         checkpoint_dir: the checkpoint directory (same path on every rank, shared file system).
         process_group: the ranks taking part (default: the world; none needed single-process).
         validate_access_integrity: check before writing that the main replicas tile every tensor
@@ -77,14 +80,14 @@ def save(
     checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")  # bytes decoded, as load does
     _check_save_arguments(sharded_state_dict, validate_access_integrity, balance_writes, storage, async_save,
                           plan_cache)
-    # Megatron-Core's leaves become ours, DTensor leaves sharded tensors by tree path
-    sharded_state_dict = shard_dtensors(from_megatron_leaves(sharded_state_dict))
+    # Megatron-Core's leaves become ours; DTensor and plain tensor leaves sharded tensors keyed by tree path
+    comm = get_comm(process_group)
+    sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
     if async_save:
         saver = async_save if isinstance(async_save, AsyncSaver) else AsyncSaver()
         return saver.save(sharded_state_dict, checkpoint_dir, process_group=process_group,
                           validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
                           storage=storage)
-    comm = get_comm(process_group)
     prep = prepare_save(
         sharded_state_dict,
         checkpoint_dir,
@@ -124,7 +127,9 @@ def load(
     Returns the state dict with each ShardedTensor replaced by its tensor (read straight into its
     ``data`` when that is a contiguous CPU tensor), each ShardedObject by its object, each
     LocalNonpersistentObject by its value, factories merged, and the checkpoint's common state
-    merged in. The template's sharding may differ from the saved one (resharding).
+    merged in. The template's sharding may differ from the saved one (resharding). A plain tensor
+    of the template is read into itself (keyed by its tree path, as ``save`` stores it); a plain
+    tensor the save stored where the template has no leaf comes back there, read whole onto the CPU.
 
     With ``strict`` = RETURN_UNEXPECTED / RETURN_ALL returns ``(state_dict, missing, unexpected)``.
     ``extra_safe_globals`` lists further trusted types that common state / objects may contain.
@@ -145,9 +150,9 @@ def load(
     require_key_map(key_map)
     parse_cast(cast)
     strict = StrictHandling.parse(strict)
-    # Megatron-Core's leaves as ours; DTensors loaded back into the template's DTensors
-    sharded_state_dict = shard_dtensors(from_megatron_leaves(sharded_state_dict))
+    # Megatron-Core's leaves as ours; DTensors and plain tensors loaded back into the template's own
     comm = get_comm(process_group)
+    sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
     opener = with_cast(functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals), cast)
     state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, opener, comm, strict,
@@ -179,11 +184,19 @@ def load_tensors_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) 
     return out
 
 
-def load_common_state_dict(checkpoint_dir: PathLike, extra_safe_globals: Sequence[Any] = ()) -> Any:
-    """The checkpoint's common (non-sharded) state, read safely."""
+def load_common_state_dict(checkpoint_dir: PathLike, extra_safe_globals: Sequence[Any] = (), *,
+                           plain_tensors: bool = True) -> Any:
+    """The checkpoint's common (non-sharded) state, read safely (single process), with the plain
+    tensors the saved state dict held (stored as replicated tensors by tree path) read whole and
+    put back at their places, as they were when they were common state: what ``load({}, path)``
+    returns. ``plain_tensors=False``: the common state alone, nothing read but ``common.pt``."""
     checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
     require_globals(extra_safe_globals)
-    return open_checkpoint(checkpoint_dir).load_common(extra_safe_globals)
+    require_bool(plain_tensors, "plain_tensors")
+    source = open_checkpoint(checkpoint_dir)
+    if not plain_tensors:
+        return source.load_common(extra_safe_globals)
+    return common_with_plain_tensors(source, extra_safe_globals)
 
 
 def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:

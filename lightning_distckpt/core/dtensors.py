@@ -2,10 +2,11 @@
 
 :func:`shard_dtensors` replaces every DTensor leaf of a state dict (anywhere in the tree) by a
 :class:`ShardedTensorFactory` keyed by the leaf's tree path, its dict keys and list positions
-joined with ``"/"`` (``{"model": {"w": dt}}`` -> ``"model/w"``, ``{"opt": [dt]}`` -> ``"opt/0"``),
-whatever the mesh. The factory is expanded inside the save's and the load's own error handling
-(``prepare_save`` / ``make_request``), so a DTensor that cannot be described fails on every rank
-alike, before anything is written, and never reaches the common state.
+joined with ``"/"`` (``{"model": {"w": dt}}`` -> ``"model/w"``, ``{"opt": [dt]}`` -> ``"opt/0"``,
+:mod:`.tree_paths`), whatever the mesh; plain tensors are keyed the same way (:mod:`.plain_tensors`).
+The factory is expanded inside the save's and the load's own error handling (``prepare_save`` /
+``make_request``), so a DTensor that cannot be described fails on every rank alike, before anything
+is written, and never reaches the common state.
 
 A DTensor becomes one :class:`ShardedTensor`: data its local shard, global shape ``dt.shape``,
 global offset from the mesh coordinate and placements (torch's own
@@ -25,7 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -34,8 +35,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import ShardingError
 from .mapping import ReplicaId, ShardedTensor, ShardedTensorFactory
-
-PathPart = Union[str, int]
+from .tree_paths import Steps, in_tuple, join_path, key_by_path, path_key
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,8 @@ class DTensorLayout:
     replica_id: ReplicaId
 
 
-def dtensor_key(path: Tuple[PathPart, ...]) -> str:
-    """The checkpoint key of a leaf at ``path``: its parts joined with ``"/"``."""
-    if not path:
-        raise ShardingError("a DTensor cannot be the whole state dict: it needs a key (put it in a dict)")
-    return "/".join(str(p) for p in path)
+#: The checkpoint key of a leaf at a path of dict keys and positions (kept for the strategies' callers).
+dtensor_key = join_path
 
 
 def dtensor_layout(key: str, dt: DTensor) -> DTensorLayout:
@@ -130,25 +127,16 @@ def shard_dtensors(tree: Any) -> Any:
     """``tree`` with each DTensor leaf replaced by a factory that describes it as a ShardedTensor
     (on save and load) and puts the loaded shard back (on load). Containers on the way to a DTensor
     are copied (dicts as plain dicts); a tree without DTensors is returned as it is."""
-    return _map_with_path(tree, (), False)
+    return key_by_path(tree, dtensor_factory)
 
 
-def _map_with_path(node: Any, path: Tuple[PathPart, ...], in_tuple: bool) -> Any:
-    """``node`` itself when it holds no DTensor, else a copy of its containers with factories."""
-    if isinstance(node, dict):
-        mapped = {k: _map_with_path(v, path + (k,), in_tuple) for k, v in node.items()}
-        return mapped if any(mapped[k] is not v for k, v in node.items()) else node
-    if isinstance(node, (list, tuple)):
-        inner = in_tuple or isinstance(node, tuple)
-        items = [_map_with_path(v, path + (i,), inner) for i, v in enumerate(node)]
-        if all(a is b for a, b in zip(items, node)):
-            return node
-        return items if isinstance(node, list) else tuple(items)
-    if isinstance(node, DTensor):
-        build = _refuse_in_tuple if in_tuple else _build
-        return ShardedTensorFactory(key=dtensor_key(path), data=node, build_fn=build,
-                                    merge_fn=functools.partial(restore_dtensor, node))
-    return node
+def dtensor_factory(steps: Steps, node: Any) -> Optional[ShardedTensorFactory]:
+    """The factory of the DTensor ``node`` at ``steps`` (keyed by its path), None for anything else."""
+    if not isinstance(node, DTensor):
+        return None
+    build = _refuse_in_tuple if in_tuple(steps) else _build
+    return ShardedTensorFactory(key=path_key(steps), data=node, build_fn=build,
+                                merge_fn=functools.partial(restore_dtensor, node))
 
 
 def _build(key: str, data: DTensor, replica_id: ReplicaId, flattened_range: Optional[slice]) -> ShardedTensor:
@@ -164,12 +152,13 @@ def _refuse_in_tuple(key: str, data: DTensor, replica_id: ReplicaId, flattened_r
 def restore_dtensor(template: DTensor, loaded: Any) -> DTensor:
     """Put the loaded local shard into ``template``'s local tensor (unless it was read in place)."""
     local = template.to_local().detach()
-    if isinstance(loaded, torch.Tensor) and not _same_memory(loaded, local):
+    if isinstance(loaded, torch.Tensor) and not same_memory(loaded, local):
         with torch.no_grad():
             local.copy_(loaded)
     return template
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same view of the same memory (a read went straight into it)."""
     return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
             and a.stride() == b.stride() and a.dtype == b.dtype)

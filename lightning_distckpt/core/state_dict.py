@@ -101,16 +101,20 @@ def _mergeable(base: Any, other: Any) -> bool:
     return isinstance(base, dict) and isinstance(other, dict) or isinstance(base, list) and isinstance(other, list)
 
 
-def apply_factories(tree: Any) -> Any:
+def apply_factories(tree: Any, expanded: Optional[List[Tuple[ShardedTensorFactory, Any]]] = None) -> Any:
     """Replace each ShardedTensorFactory by its expansion (recursively); factories are kept aside
-    in a ``_FactoryExpansion`` wrapper so :func:`merge_factories` can fold them back after load."""
+    in a ``_FactoryExpansion`` wrapper so :func:`merge_factories` can fold them back after load.
+    ``expanded``: where given, each ``(factory, its expansion)`` is appended, in tree order."""
 
     def expand(leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensorFactory):
             built = leaf.build()
             if built is None:
                 raise ShardingError(f"{leaf.key!r}: ShardedTensorFactory.build_fn returned None")
-            return _FactoryExpansion(leaf, map_leaves(expand, built))
+            inner = map_leaves(expand, built)
+            if expanded is not None:
+                expanded.append((leaf, inner))
+            return _FactoryExpansion(leaf, inner)
         return leaf
 
     return map_leaves(expand, tree)

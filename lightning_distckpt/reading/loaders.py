@@ -70,7 +70,7 @@ class EveryRankLoader(_GCPausedLoader):
 
     def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
               extra_safe_globals: Sequence[Any]) -> Result:
-        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict)
+        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals)
         stats = LoadStats(rank=comm.rank)
         tensors: List[Optional[torch.Tensor]] = []
         if ctx.error is None:
@@ -122,7 +122,7 @@ class ExchangeLoader(_GCPausedLoader):
     def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
               extra_safe_globals: Sequence[Any]) -> Result:
         exchange_comm = get_comm(self.group) if self.group is not None else comm
-        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict)
+        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals)
         local, empty = _group_requests(ctx)
         requests = exchange_comm.all_gather_object([ChunkRequest(c, r[0].tensor.local_nbytes()) for c, r in local.items()])
         plan = plan_exchange(requests, bucket_bytes=self.bucket_bytes)

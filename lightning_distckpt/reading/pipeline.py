@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -24,6 +24,7 @@ from ..core.strict import StrictHandling
 from ..planning.load_plan import SAME_KIND, check_dtype_conversion, check_global_shapes, parse_cast
 from .checkpoint import CheckpointSource, open_checkpoint
 from .reads import read_objects
+from .plain_tensors import fill_from_common, lacking_plain, request_stored, stored_places, with_filled
 from .request import LoadRequest, assemble, make_request, match_keys
 from .stats import LoadStats, format_load_times
 from ..strategies.stats import log_throughput
@@ -43,6 +44,9 @@ class LoadContext:
     unexpected: Set[str]
     error: Optional[BaseException] = None  # the first local failure, reported in finish_load
     started: float = field(default_factory=time.perf_counter)
+    common: Any = None  # the common state, where begin_load read it already (``common_read``)
+    common_read: bool = False
+    filled: Dict[int, torch.Tensor] = field(default_factory=dict)  # positions filled from the common state
 
     def fail(self, error: BaseException) -> None:
         if self.error is None:
@@ -101,11 +105,12 @@ def check_dtypes(request: LoadRequest, source: CheckpointSource, absent: Set[str
 
 
 def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, CheckpointSource, Opener], comm: Comm,
-               strict: StrictHandling) -> LoadContext:
+               strict: StrictHandling, extra_safe_globals: Sequence[Any] = ()) -> LoadContext:
     """Collective: open the source (a path, an opener, or a source already open), split the
-    template, match keys (raising on every rank alike when ``strict`` says so). A source that
-    cannot be opened on some rank fails the load on every rank here; a bad template is held as the
-    context's error until :func:`finish_load`."""
+    template (:func:`plan_request`), match keys (raising on every rank alike when ``strict`` says
+    so). A source that cannot be opened on some rank fails the load on every rank here; a bad
+    template is held as the context's error until :func:`finish_load`. ``extra_safe_globals``: as
+    :func:`finish_load` takes them, for a common state read here (:func:`plan_request`)."""
     started = time.perf_counter()
     source: Optional[CheckpointSource] = None
     open_error: Optional[BaseException] = None
@@ -119,11 +124,14 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
     except Exception as e:  # agreed in match_keys: a rank that cannot open it must not leave the others waiting
         open_error = e
     error: Optional[BaseException] = None
+    read = _Planned(LoadRequest({}, [], []))
     try:
-        request = make_request(sharded_state_dict)
+        read = plan_request(sharded_state_dict, source, extra_safe_globals)
     except Exception as e:  # keep taking part in the collectives; every rank raises it at the end
-        error, request = e, LoadRequest({}, [], [])
-    keys = match_keys(source, request, comm, strict, open_error)
+        error = e
+    request = read.request
+    filled_keys = {request.tensors[p].key for p in read.filled}
+    keys = match_keys(source, request, comm, strict, open_error, filled_keys)
     assert source is not None  # match_keys raised on every rank otherwise
     if error is None:
         try:
@@ -131,7 +139,35 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
             check_dtypes(request, source, keys.absent)
         except Exception as e:  # reported on every rank in finish_load; nothing is read for this rank
             error, request = e, LoadRequest({}, [], [])
-    return LoadContext(comm, source, request, keys.absent, keys.missing, keys.unexpected, error, started)
+    return LoadContext(comm, source, request, keys.absent, keys.missing, keys.unexpected, error, started,
+                       read.common, read.common_read, read.filled)
+
+
+class _Planned(NamedTuple):
+    """What :func:`plan_request` gives: the request, and the common state where it was read."""
+
+    request: LoadRequest
+    common: Any = None
+    common_read: bool = False
+    filled: Dict[int, torch.Tensor] = {}
+
+
+def plan_request(sharded_state_dict: Dict[str, Any], source: Optional[CheckpointSource],
+                 extra_safe_globals: Sequence[Any]) -> _Planned:
+    """The template's request, with the plain tensors ``source`` stored by tree path that the
+    template leaves out (read whole into their places) and, for a checkpoint that keeps the
+    template's plain tensors in its common state, those filled from it (``reading/plain_tensors.py``;
+    the common state is read here only then)."""
+    request = make_request(sharded_state_dict)
+    if source is None:
+        return _Planned(request)
+    request_stored(request, source, stored_places(source))
+    lacking = lacking_plain(request, source)
+    if not lacking:
+        return _Planned(request)
+    common = source.load_common(extra_safe_globals)
+    cast = source.cast if isinstance(source, CastingSource) else SAME_KIND
+    return _Planned(request, common, True, fill_from_common(request, source, lacking, common, cast))
 
 
 def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], stats: LoadStats,
@@ -142,7 +178,8 @@ def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], sta
     if ctx.error is None:
         try:
             objects = read_objects(ctx.source, ctx.request.objects, ctx.absent, extra_safe_globals)
-            state = assemble(ctx.request, ctx.source.load_common(extra_safe_globals), tensors, objects)
+            common = ctx.common if ctx.common_read else ctx.source.load_common(extra_safe_globals)
+            state = assemble(ctx.request, common, with_filled(tensors, ctx.filled), objects)
         except Exception as e:  # reported on every rank below
             ctx.fail(e)
     stats.total_s = time.perf_counter() - ctx.started

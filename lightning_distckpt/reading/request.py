@@ -4,13 +4,15 @@ and a tree of slots that :func:`assemble` fills with what was read; key matching
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass, field
+from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ..comm import Comm
 from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
+from ..core.plain_tensors import PlainTensorFactory
 from ..core.state_dict import apply_factories, collect, merge, merge_factories, replace_leaves, split_common
 from ..core.strict import StrictHandling, check_keys
+from ..core.tree_paths import Steps
 from ..planning.groups import representatives
 from .checkpoint import CheckpointSource
 
@@ -40,29 +42,37 @@ class Requester(NamedTuple):
 @dataclass
 class LoadRequest:
     """The sharded part of an expanded template: its ShardedTensors and ShardedObjects in tree
-    order, and the tree with each of them replaced by its slot (factory expansions kept)."""
+    order, and the tree with each of them replaced by its slot (factory expansions kept).
+    ``plain``: position -> steps of each tensor that is a plain tensor leaf of the template
+    (``core/plain_tensors.py``)."""
 
     tree: Any
     tensors: List[ShardedTensor]
     objects: List[ShardedObject]
+    plain: Dict[int, Steps] = field(default_factory=dict)
 
 
 def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
-    sharded, _ = split_common(apply_factories(sharded_state_dict))
+    expanded: List[Tuple[Any, Any]] = []
+    sharded, _ = split_common(apply_factories(sharded_state_dict, expanded))
     collect(sharded)  # refuses unexpanded factories
+    plain_at = {id(st): f.steps for f, st in expanded if isinstance(f, PlainTensorFactory)}
     tensors: List[ShardedTensor] = []
     objects: List[ShardedObject] = []
+    plain: Dict[int, Steps] = {}
 
     def slot(leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
             tensors.append(leaf)
+            if id(leaf) in plain_at:
+                plain[len(tensors) - 1] = plain_at[id(leaf)]
             return TensorSlot(len(tensors) - 1)
         if isinstance(leaf, ShardedObject):
             objects.append(leaf)
             return ObjectSlot(len(objects) - 1)
         return leaf
 
-    return LoadRequest(replace_leaves(sharded, slot), tensors, objects)
+    return LoadRequest(replace_leaves(sharded, slot), tensors, objects, plain)
 
 
 class KeyMatch(NamedTuple):
@@ -75,26 +85,29 @@ class KeyMatch(NamedTuple):
 
 
 def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm, strict: StrictHandling,
-               open_error: Optional[BaseException] = None) -> KeyMatch:
+               open_error: Optional[BaseException] = None, filled: AbstractSet[str] = frozenset()) -> KeyMatch:
     """Collective: the keys asked for but absent from the checkpoint (Megatron-Core's "unexpected"
     keys: this rank's, and every rank's) and, where ``strict`` looks for them, the checkpoint's keys
     no rank asks for ("missing"); raises on every rank alike when ``strict`` says so, or when some
-    rank could not open the source (``open_error``, with ``source`` None there).
+    rank could not open the source (``open_error``, with ``source`` None there). ``filled``: this
+    rank's keys absent from the checkpoint's tensors that its common state fills (not unexpected).
 
     Ranks exchange their absent keys (usually none) and, where ``strict`` looks for missing keys, a
     digest of the keys they ask for, not the keys: when all digests agree (data parallelism, FSDP),
     every rank finds the missing keys from its own; otherwise only the first rank of each distinct
     digest sends its keys, to rank 0, which names the missing ones."""
     asked = {t.key for t in req.tensors if t.key} | {o.key for o in req.objects}
-    mine: Set[str] = set()
+    lacking: Set[str] = set()
     if source is not None:
-        mine = {t.key for t in req.tensors if t.key not in source.index.tensors}
-        mine |= {o.key for o in req.objects if o.key not in source.index.objects}
+        lacking = {t.key for t in req.tensors if t.key not in source.index.tensors}
+        lacking |= {o.key for o in req.objects if o.key not in source.index.objects}
+    mine = lacking - filled
     where = source.path if source is not None else "the checkpoint"
     digest = _keys_digest(asked) if strict.needs_missing else None
     gathered = comm.agree(f"load from {where} failed", open_error, (digest, sorted(mine)))
     assert source is not None  # agree raised on every rank otherwise
-    absent = {k for _, m in gathered for k in m}
+    every = {k for _, m in gathered for k in m}
+    absent = every | lacking  # skipped by the reads
     missing: Set[str] = set()
     if strict.needs_missing:
         stored = set(source.index.tensors) | set(source.index.objects)
@@ -105,7 +118,7 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
             received = comm.gather_from(senders, sorted(asked) if comm.rank in senders else None)
             found = sorted(stored.difference(*received.values())) if comm.rank == 0 else None
             missing = set(comm.broadcast_object(found))
-    missing, unexpected = check_keys(strict, source.path, missing, absent, mine)
+    missing, unexpected = check_keys(strict, source.path, missing, every, mine)
     return KeyMatch(absent, missing, unexpected)
 
 

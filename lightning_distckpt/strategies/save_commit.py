@@ -103,6 +103,7 @@ def _metadata(prep: PreparedSave) -> dict:
         "world_size": prep.comm.size,
         "created_unix": time.time(),
         **prep.plan.index.to_json(),
+        **({"plain_tensors": prep.plain_tensors} if prep.plain_tensors else {}),  # core/plain_tensors.py
     }
 
 

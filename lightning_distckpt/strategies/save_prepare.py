@@ -12,6 +12,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 from ..comm import Comm
 from ..core.errors import ArgumentError, CheckpointingError
 from ..core.mapping import ShardedObject, ShardedTensor
+from ..core.plain_tensors import PlainTensorFactory
+from ..core.tree_paths import steps_to_json
 from ..core.state_dict import apply_factories, collect, split_common
 from ..planning.common_check import common_differences, digest, leaf_digests, rank_differences
 from ..planning.even import mark_even
@@ -69,6 +71,7 @@ class LocalState:
     common: Any = None
     common_bytes: Optional[bytes] = None  # serialized where written (rank 0) or checked
     common_digest: Optional[str] = None
+    plain_tensors: Dict[str, Any] = field(default_factory=dict)  # rank 0: key -> steps of each plain tensor leaf
 
 
 @dataclass
@@ -86,6 +89,9 @@ class PreparedSave:
     common: Optional[bytes]  # rank 0 only
     started: float = field(default_factory=time.perf_counter)
     plan_reused: bool = False  # the plan came from a SavePlanCache (no records exchange, no validation)
+    # rank 0: key -> steps (JSON) of each plain tensor leaf saved as a tensor; metadata.json's
+    # ``plain_tensors``, so a load puts each back at its place (core/plain_tensors.py)
+    plain_tensors: Dict[str, Any] = field(default_factory=dict)
 
 
 class SavePlanCache:
@@ -183,6 +189,7 @@ def prepare_save(
         target=target, staging=staging, comm=comm, plan=plan, options=options,
         writer=open_writer(staging, options), tensors=tensors, objects=objects,
         common=local.common_bytes if comm.rank == 0 else None, started=started, plan_reused=reuse,
+        plain_tensors=local.plain_tensors,
     )
 
 
@@ -195,9 +202,12 @@ def _new_staging(target: str) -> str:
 def _describe(sharded_state_dict: Dict[str, Any], target: str, comm: Comm, options: StorageOptions,
               serialize_common: bool) -> LocalState:
     """Split this rank's state dict into sharded entries and common state, and describe them."""
-    sharded, common = split_common(apply_factories(sharded_state_dict))
+    expanded: List[Tuple[Any, Any]] = []
+    sharded, common = split_common(apply_factories(sharded_state_dict, expanded))
     found = collect(sharded)
     local = LocalState(tensors=found["tensors"], objects=found["objects"], common=common)
+    if comm.rank == 0:  # rank 0 holds the main replica of every plain tensor: its places are the ones written
+        local.plain_tensors = {f.key: steps_to_json(f.steps) for f, _ in expanded if isinstance(f, PlainTensorFactory)}
     for entry in local.tensors + local.objects:
         encode_key(entry.key)  # refuse keys that cannot be stored before anyone writes
     local.records = mark_even(RankRecords(
