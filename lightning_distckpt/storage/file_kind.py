@@ -50,14 +50,15 @@ def _starts_with_legacy_magic(head: bytes) -> bool:
     return False
 
 
-def _is_torch_archive(path: str, root: Optional[str]) -> bool:
-    """A zip archive holding ``<name>/data.pkl``: what ``torch.save`` writes."""
+def _is_other_zip(path: str, root: Optional[str]) -> bool:
+    """A readable zip archive without the ``<name>/data.pkl`` that ``torch.save`` writes. A zip
+    that cannot be read (a truncated torch.save file) is not known to be another kind: False."""
     fd = open_regular(path, "torch.save file", root)
     with os.fdopen(fd, "rb") as f:
         try:
             with zipfile.ZipFile(f) as zf:
-                return any(n.endswith("/data.pkl") or n == "data.pkl" for n in zf.namelist())
-        except (zipfile.BadZipFile, OSError, ValueError):
+                return not any(n.endswith("/data.pkl") or n == "data.pkl" for n in zf.namelist())
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
             return False
 
 
@@ -75,8 +76,8 @@ def not_a_torch_file(path: str, root: Optional[str] = ANYWHERE) -> Optional[Form
         fd = open_regular(path, "torch.save file", root)
         with os.fdopen(fd, "rb") as f:
             head = f.read(_HEAD_BYTES)
-        if head.startswith(b"PK\x03\x04") and _is_torch_archive(path, root):
-            return None
+        if head.startswith(b"PK\x03\x04") and not _is_other_zip(path, root):
+            return None  # a torch.save archive (maybe damaged): torch's error says what is wrong
     except (OSError, FormatError):  # vanished or special meanwhile: torch's error stands
         return None
     if _starts_with_legacy_magic(head):
