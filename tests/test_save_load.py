@@ -175,7 +175,7 @@ def test_format_1_checkpoints_without_packing_still_load(tmp_path):
     # the default packs both (they are small) into one float32 array, and loads them back
     ldc.save(sd(w, b), tmp_path / "v2")
     meta = json.loads((tmp_path / "v2" / METADATA_FILE).read_text())
-    assert meta["format_version"] == 5
+    assert meta["format_version"] == 6
     assert sorted(sh["packed"] for e in meta["tensors"].values() for sh in e["shards"]) == [0, 5]
     out = ldc.load(sd(torch.empty(6, 5), torch.empty(5)), tmp_path / "v2")
     assert torch.equal(out["w"], w) and torch.equal(out["b"], b)
