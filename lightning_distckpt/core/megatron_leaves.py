@@ -11,10 +11,10 @@ megatron-core is never imported here, and a tree without its leaves is returned 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable
 
 from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
-from .tree_walk import fold
+from .tree_walk import fold, keep_or_copy
 
 _MEGATRON_MODULE = "megatron.core.dist_checkpointing"
 
@@ -28,21 +28,11 @@ def from_megatron_leaves(tree: Any) -> Any:
     """``tree`` with each Megatron-Core leaf replaced by ours. Containers on the way to one are
     copied (dicts as dicts of the same keys, lists as lists, tuples as tuples); a tree without
     Megatron-Core leaves is returned as it is."""
-    return fold(tree, _leaf, _node)  # bounded, each container once (core/tree_walk.py)
+    return fold(tree, _leaf, keep_or_copy)  # bounded, each container once (core/tree_walk.py)
 
 
 def _leaf(value: Any) -> Any:
     return _convert(value) if is_megatron_leaf(value) else value
-
-
-def _node(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
-    """``node`` itself when none of its children changed, else a copy holding the new ones."""
-    old = node.values() if keys is not None else node
-    if all(a is b for a, b in zip(results, old)):
-        return node
-    if keys is not None:
-        return dict(zip(keys, results))
-    return results if isinstance(node, list) else tuple(results)
 
 
 def _convert(leaf: Any) -> Any:

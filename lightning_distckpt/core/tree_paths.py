@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import FormatError, ShardingError
-from .tree_walk import MAX_DEPTH, map_paths
+from .tree_walk import MAX_DEPTH, keep_or_copy, map_paths
 
 Step = Tuple[str, Any]  # ("d", dict key) | ("l", list index) | ("t", tuple index)
 Steps = Tuple[Step, ...]
@@ -74,17 +74,7 @@ def key_by_path(tree: Any, convert: Convert, where: str = "the state dict") -> A
                                 f"{out.key!r} (keys are paths joined with '/'): rename one of them")
         return out
 
-    return map_paths(tree, leaf, _keep_or_copy, where=where, step=step_of)
-
-
-def _keep_or_copy(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
-    """``node`` itself when none of its children changed, else a copy holding the new ones."""
-    old = node.values() if keys is not None else node
-    if all(a is b for a, b in zip(results, old)):
-        return node
-    if keys is not None:
-        return dict(zip(keys, results))
-    return results if isinstance(node, list) else tuple(results)
+    return map_paths(tree, leaf, keep_or_copy, where=where, step=step_of)
 
 
 # -- steps stored in metadata.json, and put back -----------------------------------------------------

@@ -103,6 +103,17 @@ def _count(n: int) -> str:
     return str(n) if n < 10**15 else f"about 2**{n.bit_length() - 1}"
 
 
+def keep_or_copy(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+    """A ``Build`` for :func:`fold` / :func:`map_paths`: ``node`` itself when none of its children
+    changed, else a copy holding the new ones (dicts as plain dicts, lists as lists, tuples as tuples)."""
+    old = node.values() if keys is not None else node
+    if all(a is b for a, b in zip(results, old)):
+        return node
+    if keys is not None:
+        return dict(zip(keys, results))
+    return results if isinstance(node, list) else tuple(results)
+
+
 def fold(tree: Any, leaf: Callable[[Any], Any], build: Build, *, where: str = "the state dict",
          types: Tuple[type, ...] = CONTAINERS, leaves: Tuple[type, ...] = (), limits: Limits = LIMITS,
          error: Type[CheckpointingError] = FormatError) -> Any:
