@@ -46,7 +46,8 @@ from ..strategies.async_pending import finish_saves_to
 from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
 from ..strategies.save import finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
-from .stock import TreePaths, open_torch_file, tensors_metadata
+from .restore_source import RestoreSource
+from .stock import open_torch_file, tensors_metadata
 from .tree import (KIND_MODEL_PARALLEL, KIND_PLAIN, KIND_SHARDED, MANIFEST_KEY, manifest, plain_to_sharded,
                    template_from_manifest, torch_optimizer_states)
 
@@ -300,39 +301,6 @@ class DistCheckpointIO(CheckpointIO):
         except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up
             local = e
         finalize_save(prep, local)
-
-
-# -- a checkpoint opened once per restore --------------------------------------------------------
-class RestoreSource:
-    """A :class:`CheckpointSource` opened once for one restore: its ``metadata.json`` was parsed
-    when it was opened, and its common state is read and unpickled on the first ask only, so the
-    checks a strategy makes before the load (who wrote it, what it holds) and the load itself share
-    them. Any other attribute is the opened source's. ``tree_paths``: a ``torch.save`` file's tensors
-    by typed path in its tree (:func:`~.stock.open_torch_file`); None for a directory."""
-
-    def __init__(self, source: CheckpointSource, tree_paths: Optional[TreePaths] = None) -> None:
-        self.source = source
-        self.path: str = source.path
-        self.index = source.index
-        self.tree_paths = tree_paths
-        self._common: Dict[Tuple[Any, ...], Any] = {}
-
-    def reader(self) -> Any:
-        """A reader of the stored shards (one per load)."""
-        return self.source.reader()
-
-    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
-        """The common state, read once per set of ``extra_safe_globals``. The load merges its
-        tensors into this very dict: ask before the load, not after."""
-        key = tuple(extra_safe_globals)
-        if key not in self._common:
-            self._common[key] = self.source.load_common(extra_safe_globals)
-        return self._common[key]
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "source":  # not set yet (copy / unpickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.source, name)
 
 
 def load_from_source(template: Dict[str, Any], source: CheckpointSource, process_group: Optional[dist.ProcessGroup],

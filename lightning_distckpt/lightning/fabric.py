@@ -25,7 +25,8 @@ from torch.optim import Optimizer
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..storage.paths import checkpoint_location
-from .checkpoint_io import RestoreSource, foreign_writer
+from .checkpoint_io import foreign_writer
+from .restore_source import RestoreSource
 from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
                       restore_optimizer)
 from .tp_strategy import TensorParallelStrategyMixin

@@ -34,7 +34,7 @@ from ..core.dtensors import restore_dtensor
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..storage.paths import checkpoint_location
-from .checkpoint_io import RestoreSource
+from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .model_parallel import Path, is_lightning_dcp, put_value, refusal, shard_tree, value_at
 from .sharded import build_on_all_ranks, describe_source

@@ -43,7 +43,8 @@ from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
 from ..registration import is_placeholder
 from ..storage.paths import checkpoint_location
-from .checkpoint_io import RestoreSource, fabric_writer, foreign_writer
+from .checkpoint_io import fabric_writer, foreign_writer
+from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .sharded import build_on_all_ranks, describe_source
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,

@@ -33,7 +33,7 @@ from ..storage.safe_pickle import load_file
 from .tree import KIND_PLAIN, MANIFEST_KEY, Step, iter_tensor_leaves, key_of, put_at
 
 if TYPE_CHECKING:  # checkpoint_io opens torch.save files with open_torch_file: imported for the types only
-    from .checkpoint_io import RestoreSource
+    from .restore_source import RestoreSource
 
 #: A ``torch.save`` file's tensors: stored name -> typed path in the file's tree.
 TreePaths = Dict[str, Tuple[Step, ...]]

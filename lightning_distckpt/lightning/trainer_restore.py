@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from ..core.errors import CheckpointingError, MissingKeysError
-from .checkpoint_io import FOREIGN_ADVICE, RestoreSource, fabric_writer, foreign_writer
+from .checkpoint_io import FOREIGN_ADVICE, fabric_writer, foreign_writer
+from .restore_source import RestoreSource
 from .sharded import build_on_all_ranks, describe_source, restore_optimizer
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
