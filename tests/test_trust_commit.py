@@ -305,7 +305,8 @@ def test_killed_commit_then_clean(tmp_path, killed_states, step, replace, capsys
 
 
 LOADER = """
-import sys, torch, lightning_distckpt as ldc
+import logging, sys, torch, lightning_distckpt as ldc
+logging.basicConfig(level=logging.WARNING)  # the library logs through a NullHandler: show its WARNINGs
 print("ready", flush=True)
 sys.stdin.readline()  # all start together
 w = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(%d))}, sys.argv[1])["w"]
