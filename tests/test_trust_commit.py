@@ -100,8 +100,11 @@ def staging_names(parent) -> List[str]:
 
 
 # -- clean at every step of a running commit -------------------------------------------------------
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
-@pytest.mark.parametrize("replace", [True, False], ids=["replace", "first-save"])
+# CI runs two of the four (each commit path once, each kind of target once); all four with `-m long`
+@pytest.mark.parametrize("exchange,replace", [
+    pytest.param(False, True, id="two-renames-replace"), pytest.param(True, False, id="exchange-first-save"),
+    pytest.param(True, True, id="exchange-replace", marks=pytest.mark.long),
+    pytest.param(False, False, id="two-renames-first-save", marks=pytest.mark.long)])
 def test_clean_at_every_commit_step_never_breaks_the_save(tmp_path, exchange, replace):
     target = tmp_path / "ck"
     if replace:
@@ -391,7 +394,9 @@ def _lightning_child(dirpath: str, kill_at: str) -> None:
     _trainer(2, [KeepWeights(dirpath, kill_at), _last_callback(os.path.join(dirpath, "ck"))]).fit(Tiny())
 
 
-@pytest.mark.parametrize("step", TWO_RENAME_STEPS)
+# CI runs the step that leaves last.ckpt missing; the other steps run with `-m long`
+@pytest.mark.parametrize("step", [s if s == "after_first_rename" else pytest.param(s, marks=pytest.mark.long)
+                                  for s in TWO_RENAME_STEPS])
 def test_killed_commit_of_last_then_ckpt_path_last(tmp_path, step, isolated_process_group):
     code = f"import sys; sys.path.insert(0, {TESTS!r}); import test_trust_commit as t; " \
            f"t._lightning_child({str(tmp_path)!r}, {step!r})"
