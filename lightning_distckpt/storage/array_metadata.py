@@ -67,7 +67,7 @@ def open_spec(array_spec: Dict[str, Any], metadata: Dict[str, Any]) -> Dict[str,
 
 
 # -- what a reader checks ----------------------------------------------------------------------
-# Every zarr.json our writers produced (tensorstore 0.1.65 to 0.1.86, formats 1-5) has exactly these
+# Every zarr.json our writers produced (tensorstore 0.1.65 to 0.1.86, formats 1-6) has exactly these
 # fields, in one form per dtype, shape and chunk shape: plain little-endian bytes, then the crc32c
 # codec (formats 3-4; packs, empty arrays and object stores in format 5) or nothing (formats 1-2,
 # and chunk checksums kept under ``attributes``, format 5). Anything else was not written by us: a
