@@ -16,19 +16,11 @@ import lightning_distckpt as ldc
 from lightning_distckpt.cli.main import main as cli_main
 from lightning_distckpt.core.errors import ArgumentError
 from lightning_distckpt.export.hf_owned import INDEX_FILE
+from hf_helpers import tiny_llama
 
 
 def _whole(key, t):
     return ldc.ShardedTensor.from_rank_offsets(key, t)
-
-
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    return LlamaForCausalLM(config)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +29,7 @@ def llama(tmp_path_factory):
     and a second optimizer keyed by tree path (``opt/state/...``, its param_groups in the common
     state), and the model's config.json."""
     root = tmp_path_factory.mktemp("llama")
-    model = _tiny_llama()
+    model = tiny_llama()
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state = {
         "model": {k: _whole(k, v) for k, v in weights.items()},

@@ -12,6 +12,7 @@ import torch
 
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
+from hf_helpers import tiny_llama
 from lightning_distckpt.core.errors import ArgumentError, FormatError, UnsafeContentError
 from lightning_distckpt.sharding import (
     CheckpointStateDict, broadcast_and_shard_state_dict, load_state_dict, shard_broadcasted_state_dict,
@@ -68,19 +69,10 @@ def test_device_map(tmp_path):
 
 
 # -- Hugging Face directories ---------------------------------------------------------------------
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    return LlamaForCausalLM(config)
-
-
 @pytest.fixture(scope="module")
 def llama_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama")
-    model = _tiny_llama()
+    model = tiny_llama()
     dirs = {}
     for name, kwargs in {"sharded_st": dict(max_shard_size="20KB"), "single_st": {}}.items():
         dirs[name] = str(root / name)
