@@ -13,7 +13,7 @@ Layouts (records only, no tensors):
   (``planning/even_index.py``, format 4), not tensors x ranks shards.
 - ``validate_dim0``: ``validate_tensor_records`` alone, 4 tensors x B boxes (dim-0 sharding).
 
-Stages of a first save (``strategies/save_coordinate.py``; exchange bytes are pickles as
+Stages of a first save (``saving/save_coordinate.py``; exchange bytes are pickles as
 torch.distributed sends them, unpickling timed as the receiving rank does it):
 
 - ``digest``: one rank marks its even chunks and hashes its records (``planning/even.mark_even``,
@@ -62,8 +62,8 @@ from lightning_distckpt.planning.validation import (  # noqa: E402
 )
 from lightning_distckpt.core.gc_pause import gc_paused  # noqa: E402
 from lightning_distckpt.storage.layout import FORMAT_VERSION  # noqa: E402
-from lightning_distckpt.strategies.save_coordinate import parts_of  # noqa: E402
-from lightning_distckpt.strategies.save_prepare import Handshake, PlanningOptions  # noqa: E402
+from lightning_distckpt.saving.save_coordinate import parts_of  # noqa: E402
+from lightning_distckpt.saving.save_prepare import Handshake, PlanningOptions  # noqa: E402
 
 DTYPE = {"model": "bfloat16"}
 PACK = 1 << 18  # StorageOptions' default pack_max_bytes

@@ -1,5 +1,5 @@
 """Rank 0 reads an ordinary ``torch.save`` file, every rank ends with its tensor-parallel shards:
-lightning_distckpt.sharding against DCP's broadcast_from_rank0, every rank loading the whole file,
+lightning_distckpt.ingest against DCP's broadcast_from_rank0, every rank loading the whole file,
 and a hand-written per-tensor broadcast, side by side in one run.
 
     .venv/bin/python benchmarks/bench_rank0_shard.py --size-gib 1 --worlds 2,4 --repeats 3
@@ -79,7 +79,7 @@ def local_shape(spec: ParamSpec, world: int) -> tuple:
 # -- contestants: each returns {name: this rank's shard} -------------------------------------------
 def _ours(path: str, specs: List[ParamSpec], rank: int, world: int) -> Dict[str, torch.Tensor]:
     from lightning_distckpt import ShardedTensor
-    from lightning_distckpt.sharding import broadcast_and_shard_state_dict, load_state_dict, shard_broadcasted_state_dict
+    from lightning_distckpt.ingest import broadcast_and_shard_state_dict, load_state_dict, shard_broadcasted_state_dict
 
     meta = {}
     for s in specs:
@@ -194,7 +194,7 @@ class PeakMemory:
 # -- the run --------------------------------------------------------------------------------------
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import lightning_distckpt.sharding  # noqa: F401  imports out of the timings
+    import lightning_distckpt.ingest  # noqa: F401  imports out of the timings
     import torch.distributed.checkpoint.state_dict  # noqa: F401
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -41,7 +41,7 @@ class _Logs(logging.Handler):
         self.lines: List[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name == "lightning_distckpt.strategies.stats":  # one line per save or load (rank 0's)
+        if record.name == "lightning_distckpt.saving.stats":  # one line per save or load (rank 0's)
             self.lines.append(record.getMessage())
 
 

@@ -27,10 +27,10 @@ from .convert import ConvertReport, relayout_checkpoint
 from .export import export_dcp, export_megatron, export_safetensors
 from .optim import init_optimizer_state, optimizer_sharded_state_dict, restore_optimizer_state
 from .storage.tensorstore_io import StorageOptions
-from .strategies.async_save import AsyncSaver, AsyncSaveRequest
-from .strategies.save import SavePlanCache
+from .saving.async_save import AsyncSaver, AsyncSaveRequest
+from .saving.save import SavePlanCache
 from .reading import EveryRankLoader, FullyParallelLoader, TwoStageDataParallelLoader
-from .sharding import DistModule, broadcast_and_shard_state_dict, shard_broadcasted_state_dict
+from .ingest import DistModule, broadcast_and_shard_state_dict, shard_broadcasted_state_dict
 from .version import __version__
 from .registration import register_names as _register_names
 

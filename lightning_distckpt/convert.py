@@ -50,8 +50,8 @@ from .storage.safe_pickle import load_file, loads, write_file_durable
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .reading.checkpoint import OpenedCheckpoint
-from .strategies.save import finalize_save, prepare_save, write_local
-from .strategies.stats import format_bytes
+from .saving.save import finalize_save, prepare_save, write_local
+from .saving.stats import format_bytes
 
 logger = logging.getLogger("lightning_distckpt")
 

@@ -29,8 +29,8 @@ from .reading.plain_tensors import common_with_plain_tensors
 from .reading.reads import read_tensors
 from .storage.paths import checkpoint_location
 from .storage.tensorstore_io import StorageOptions
-from .strategies.async_save import AsyncSaver, AsyncSaveRequest
-from .strategies.save import SavePlanCache, finalize_save, prepare_save, write_local
+from .saving.async_save import AsyncSaver, AsyncSaveRequest
+from .saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -19,7 +19,7 @@ from dist_utils import run_distributed
 from lightning_distckpt.comm import Comm
 from lightning_distckpt.core.errors import FormatError, MissingKeysError, ShardingError
 from lightning_distckpt.lightning import DistCheckpointStrategy
-from lightning_distckpt.strategies.save import finalize_save, prepare_save, write_local
+from lightning_distckpt.saving.save import finalize_save, prepare_save, write_local
 from lightning_helpers import TPMLP, full_weights
 
 W = torch.arange(300 * 300, dtype=torch.float32).reshape(300, 300) / 7

@@ -18,7 +18,7 @@ from lightning_distckpt.planning.groups import RankRecords, RecordGroup, layout_
 from lightning_distckpt.planning.load_plan import plan_tensor_read
 from lightning_distckpt.planning.metadata import CheckpointIndex, ShardRecord
 from lightning_distckpt.planning.save_plan import make_save_plan
-from lightning_distckpt.strategies.save_coordinate import CoordinatorOptions, plan_for_ranks
+from lightning_distckpt.saving.save_coordinate import CoordinatorOptions, plan_for_ranks
 
 # key -> (rows, cols, dtype); keys sorted: explicit and even keys interleave in the packing order
 EVEN = {"b": (22, 3, "float32"), "d": (16, 5, "bfloat16"), "f": (40, 9, "float32"), "h": (5, 2, "float32")}

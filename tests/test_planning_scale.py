@@ -18,7 +18,7 @@ from lightning_distckpt.planning.metadata import ShardRecord
 from lightning_distckpt.planning.save_plan import make_save_plan, plan_record_groups
 from lightning_distckpt.planning.tiling import overlapping_pairs
 from lightning_distckpt.planning.validation import validate_record_groups, validate_tensor_records
-from lightning_distckpt.strategies.save_coordinate import CoordinatorOptions, coordinate_plan, plan_for_ranks
+from lightning_distckpt.saving.save_coordinate import CoordinatorOptions, coordinate_plan, plan_for_ranks
 
 
 def _all_pairs(boxes):

@@ -11,7 +11,7 @@ import lightning_distckpt as ldc
 from lightning_distckpt.comm import get_comm
 from lightning_distckpt.storage.layout import METADATA_FILE
 from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
-from lightning_distckpt.strategies.save import finalize_save, prepare_save, write_local
+from lightning_distckpt.saving.save import finalize_save, prepare_save, write_local
 from dist_utils import run_distributed
 
 

@@ -12,7 +12,7 @@ from lightning_distckpt.cli import main
 from lightning_distckpt.comm import get_comm
 from lightning_distckpt.planning.metadata import CheckpointIndex
 from lightning_distckpt.storage.layout import METADATA_FILE
-from lightning_distckpt.strategies.save import finalize_save, prepare_save, write_local
+from lightning_distckpt.saving.save import finalize_save, prepare_save, write_local
 from dist_utils import run_distributed
 
 TP, DP = 2, 4

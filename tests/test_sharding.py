@@ -1,4 +1,4 @@
-"""Rank-0 broadcast and shard (lightning_distckpt.sharding): every shard kind, bit-exact, on 1, 2 and
+"""Rank-0 broadcast and shard (lightning_distckpt.ingest): every shard kind, bit-exact, on 1, 2 and
 4 gloo processes, from real torch and safetensors files; the errors every rank must share."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.core.errors import ArgumentError, ArgumentTypeError, FormatError, MissingKeysError, ShardingError
-from lightning_distckpt.sharding import broadcast_and_shard_state_dict, load_state_dict, shard_broadcasted_state_dict
+from lightning_distckpt.ingest import broadcast_and_shard_state_dict, load_state_dict, shard_broadcasted_state_dict
 
 META = torch.device("meta")
 
@@ -137,7 +137,7 @@ def test_four_processes(files):
 
 def _bounded(rank, world, path):
     from lightning_distckpt.comm import get_comm
-    from lightning_distckpt.sharding.api import ShardOptions, shard_from_rank0
+    from lightning_distckpt.ingest.api import ShardOptions, shard_from_rank0
 
     entries, expected = meta_entries(rank, world)
     sd = load_state_dict(path)  # collective: every rank calls it
@@ -163,7 +163,7 @@ def test_memory_bound_and_bytes_sent(files):
 
 def test_bucketing_sends_union_of_slices():
     """The manifest sends each tensor once, as the box the other ranks need, small ones bucketed."""
-    from lightning_distckpt.sharding.plan import build_manifest, collect_needs
+    from lightning_distckpt.ingest.plan import build_manifest, collect_needs
 
     state = full_state()
     needs = [n for r in range(4) for n in collect_needs(meta_entries(r, 4)[0], r)]
@@ -238,6 +238,6 @@ def test_options_are_checked():
 
 def test_dtype_rule_reuses_load_plan():
     from lightning_distckpt.planning import load_plan
-    from lightning_distckpt.sharding import plan
+    from lightning_distckpt.ingest import plan
 
     assert plan._dtype_kind is load_plan._dtype_kind

@@ -1,4 +1,4 @@
-"""lightning_distckpt.sharding.load_state_dict: torch, safetensors and Hugging Face files (built here
+"""lightning_distckpt.ingest.load_state_dict: torch, safetensors and Hugging Face files (built here
 with transformers, nothing downloaded), device maps, and bad input refused before any large
 allocation."""
 
@@ -14,7 +14,7 @@ import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from hf_helpers import tiny_llama
 from lightning_distckpt.core.errors import ArgumentError, FormatError, UnsafeContentError
-from lightning_distckpt.sharding import (
+from lightning_distckpt.ingest import (
     CheckpointStateDict, broadcast_and_shard_state_dict, load_state_dict, shard_broadcasted_state_dict,
 )
 

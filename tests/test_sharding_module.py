@@ -7,7 +7,7 @@ from torch import nn
 
 from dist_utils import run_distributed
 from lightning_distckpt.core.errors import MissingKeysError
-from lightning_distckpt.sharding import DistModule, load_state_dict
+from lightning_distckpt.ingest import DistModule, load_state_dict
 from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear
 
 

@@ -21,7 +21,7 @@ from lightning_distckpt.storage.staging import OWNERS_DIR, new_staging_dir
 WRITER = """
 import sys, torch, lightning_distckpt as ldc
 from lightning_distckpt.comm import get_comm
-from lightning_distckpt.strategies.save import prepare_save, write_local
+from lightning_distckpt.saving.save import prepare_save, write_local
 sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.full((4096,), 7.0)), "step": 99}
 prep = prepare_save(sd, sys.argv[1], get_comm())
 write_local(prep)

@@ -23,7 +23,7 @@ from lightning_distckpt import convert
 from lightning_distckpt.cli.main import main
 from lightning_distckpt.cli.validate import validate
 from lightning_distckpt.core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
-from lightning_distckpt.sharding import load_state_dict
+from lightning_distckpt.ingest import load_state_dict
 
 WEIGHT = torch.arange(12, dtype=torch.float32).reshape(3, 4)
 NOT_PATHS = [7, None, ["ck"], 1.5]

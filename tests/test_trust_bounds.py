@@ -184,7 +184,7 @@ def test_a_deep_torch_file_names_its_depth_and_file(tmp_path):
     path = tmp_path / "deep.pt"
     _save_deep({"w": torch.ones(2), "deep": nested(5000, torch.ones(1))}, path)
     _refused("plain", path, str(path), "nested more than 100 containers deep")
-    from lightning_distckpt.sharding import load_state_dict
+    from lightning_distckpt.ingest import load_state_dict
 
     with pytest.raises(FormatError, match="nested more than 100"):
         load_state_dict(path)
@@ -339,7 +339,7 @@ def test_a_deep_hugging_face_index_is_a_format_error(tmp_path):
     with pytest.raises(FormatError, match="nested 50001 levels deep") as err:
         ldc.load_plain_tensors(tmp_path)
     assert str(index) in str(err.value)
-    from lightning_distckpt.sharding import load_state_dict
+    from lightning_distckpt.ingest import load_state_dict
 
     with pytest.raises(FormatError, match="nested 50001 levels deep"):
         load_state_dict(tmp_path)
@@ -349,7 +349,7 @@ def test_a_deep_hugging_face_index_is_a_format_error(tmp_path):
 
 def _rank0_reads(rank, world, path):
     """Every rank calls the rank-0 file reader; how long until it raised, and what."""
-    from lightning_distckpt.sharding import load_state_dict
+    from lightning_distckpt.ingest import load_state_dict
 
     t0 = time.perf_counter()
     try:
@@ -367,7 +367,7 @@ class _Exploding(dict):
 
 
 def _rank0_state_fails(rank, world):
-    from lightning_distckpt.sharding import broadcast_and_shard_state_dict, shard_broadcasted_state_dict
+    from lightning_distckpt.ingest import broadcast_and_shard_state_dict, shard_broadcasted_state_dict
 
     meta = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world))}
     out = {}

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 import lightning_distckpt as ldc
-from lightning_distckpt.sharding import load_state_dict
+from lightning_distckpt.ingest import load_state_dict
 from special_files import build, full, make_special, save_dcp, template
 
 INDEX = "model.safetensors.index.json"

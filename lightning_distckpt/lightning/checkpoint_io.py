@@ -42,9 +42,9 @@ from ..storage.paths import checkpoint_location
 from ..storage.s3_versions import remove_checkpoint as remove_s3_checkpoint
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
-from ..strategies.async_pending import finish_saves_to
-from ..strategies.async_save import AsyncSaver, AsyncSaveRequest
-from ..strategies.save import finalize_save, prepare_save, write_local
+from ..saving.async_pending import finish_saves_to
+from ..saving.async_save import AsyncSaver, AsyncSaveRequest
+from ..saving.save import finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
 from .restore_source import RestoreSource
 from .stock import open_torch_file, tensors_metadata

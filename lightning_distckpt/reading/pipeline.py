@@ -27,7 +27,7 @@ from .reads import read_objects
 from .plain_tensors import fill_from_common, lacking_plain, request_stored, stored_places, with_filled
 from .request import LoadRequest, assemble, make_request, match_keys
 from .stats import LoadStats, format_load_times
-from ..strategies.stats import log_throughput
+from ..saving.stats import log_throughput
 
 Result = Tuple[Dict[str, Any], Set[str], Set[str]]
 

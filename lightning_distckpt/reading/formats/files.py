@@ -1,7 +1,7 @@
 """The tensor files we read: ``.safetensors`` (through ``safetensors.safe_open``: only the slice's
 bytes are read) and ``torch.save`` files (``weights_only``, memory-mapped: only the pages of the
 slice are touched). Both :func:`ldc.load <lightning_distckpt.load>` and the rank-0 API
-(:mod:`lightning_distckpt.sharding`) open files through these classes. ``root``: where a link may
+(:mod:`lightning_distckpt.ingest`) open files through these classes. ``root``: where a link may
 resolve (:mod:`.model_files`; the default, a file the user named, is read wherever it points)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   other ranks) move what each rank's :class:`~lightning_distckpt.ShardedTensor` s describe;
 * :class:`DistModule` does both inside ``module.load_state_dict``.
 
-See docs/sharding.md.
+See docs/ingest.md.
 """
 
 from .api import ShardOptions, ShardResult, broadcast_and_shard_state_dict, shard_broadcasted_state_dict

@@ -29,7 +29,7 @@ class DistModule(nn.Module):
     Args:
         module: the module to wrap; it may be built on the meta device (then load with
             ``assign=True``).
-        max_inflight_bytes, bucket_bytes: see :class:`~lightning_distckpt.sharding.ShardOptions`.
+        max_inflight_bytes, bucket_bytes: see :class:`~lightning_distckpt.ingest.ShardOptions`.
     """
 
     def __init__(self, module: nn.Module, *, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
