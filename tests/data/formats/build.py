@@ -1,0 +1,70 @@
+"""How the format witnesses ``v1`` ... ``v6`` were made (run by hand, never by CI).
+
+Each ``vN/`` is a checkpoint written by the library at the last commit that wrote format N (its
+``FORMAT_VERSION``), checked out as a git worktree, on 2 gloo processes::
+
+    git worktree add --detach /work/wt-fmtN COMMIT
+    PYTHONPATH=/work/wt-fmtN python tests/data/formats/build.py tests/data/formats/vN
+
+The state is ``witness.py``'s (deterministic values, re-created by tests/test_format_witnesses.py).
+The script refuses to write a version other than the one the imported library writes, and an
+existing directory. See tests/data/README.md for the commits used.
+"""
+
+import datetime
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import witness  # noqa: E402
+
+
+def sharded_state(ldc, rank: int, world: int) -> dict:
+    """Rank ``rank``'s sharded state dict: its shards of ``witness.full_tensors()`` and its object."""
+    model, optimizer = {}, {}
+    for key, full in witness.full_tensors().items():
+        axis = witness.SAVE_AXES[key]
+        if axis is None:
+            st = ldc.ShardedTensor.from_rank_offsets(key, full.clone(), replica_id=rank)
+        elif axis == "flat":
+            lo, hi = witness.FLAT_SPLIT[rank], witness.FLAT_SPLIT[rank + 1]
+            st = ldc.ShardedTensor.from_rank_offsets_flat(key, full.flatten()[lo:hi].clone(), full.shape,
+                                                          flattened_range=slice(lo, hi))
+        else:
+            local = full.chunk(world, axis)[rank].contiguous()
+            st = ldc.ShardedTensor.from_rank_offsets(key, local, (axis, rank, world))
+        (optimizer if key.startswith("optimizer.") else model)[key] = st
+    model["extra_state"] = ldc.ShardedObject(witness.OBJECT_KEY, witness.OBJECTS[rank], (world,), (rank,))
+    return {"model": model, "optimizer": optimizer, **witness.COMMON, "scores": witness.plain_tensors()}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    import lightning_distckpt as ldc
+
+    ldc.save(sharded_state(ldc, rank, world), out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(out: str) -> None:
+    from lightning_distckpt.storage.layout import FORMAT_VERSION
+
+    if os.path.exists(out):
+        raise SystemExit(f"{out} exists: remove it first")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(witness.WORLD, port, os.path.abspath(out)), nprocs=witness.WORLD,
+                       start_method="spawn")
+    print(f"wrote format {FORMAT_VERSION} to {out} with torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
