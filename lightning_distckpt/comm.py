@@ -3,13 +3,41 @@ is not initialized. Every collective the library makes goes through here."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
-from .core.errors import ArgumentError, CheckpointingError, CollectiveError, RankFailure, error_class
+from .core.errors import (TRACEBACK_SECTION, ArgumentError, CheckpointingError, CollectiveError, RankFailure,
+                          error_class)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (no copy): the tensor collectives move bytes, so
+    any dtype goes over any backend."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class Pending:
+    """A tensor broadcast, send or receive in flight (:meth:`Comm.broadcast_tensor`,
+    :meth:`Comm.isend`, :meth:`Comm.irecv`). :meth:`wait` raises :class:`CollectiveError` when it
+    failed; the tensor is not to be touched before then."""
+
+    __slots__ = ("_comm", "_op", "_work")
+
+    def __init__(self, comm: "Comm", op: str, work: Any) -> None:
+        self._comm, self._op, self._work = comm, op, work
+
+    def is_completed(self) -> bool:
+        """Whether :meth:`wait` would return (or raise) at once."""
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._work is not None:
+            with self._comm._mapped(self._op):
+                self._work.wait()
 
 
 @dataclass(frozen=True)
@@ -24,25 +52,69 @@ class Comm:
     def distributed(self) -> bool:
         return self.size > 1
 
+    @property
+    def backend(self) -> str:
+        """The group's backend name as torch gives it (``"gloo"``, ``"nccl"``,
+        ``"cpu:gloo,cuda:nccl"``, ...); ``""`` without torch.distributed."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return ""
+        return str(dist.get_backend(self.group))
+
     def global_rank(self, group_rank: int) -> int:
         if not dist.is_initialized():
             return group_rank
         return dist.get_global_rank(self.group or dist.group.WORLD, group_rank)
 
-    def _failed(self, op: str, e: Exception) -> CheckpointingError:
-        return CollectiveError(
-            f"rank {self.rank}: {op} over {self.size} ranks failed (a rank may have died or timed out): "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        )
+    @contextmanager
+    def _mapped(self, op: str) -> Iterator[None]:
+        """The one place torch's collective errors become :class:`CollectiveError`, naming this
+        rank, the operation ``op`` and the group. Errors of our own pass unchanged."""
+        try:
+            yield
+        except CheckpointingError:
+            raise
+        except (RuntimeError, ValueError) as e:  # DistBackendError derives from RuntimeError
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise CollectiveError(f"rank {self.rank}: {op} over {self._group_text()} failed (a rank may have died "
+                                  f"or timed out): {type(e).__name__}: {first}") from e
 
+    def _group_text(self) -> str:
+        if not dist.is_initialized() or self.group is None or self.group is dist.group.WORLD:
+            return f"the world group ({self.size} ranks)"
+        try:
+            ranks = dist.get_process_group_ranks(self.group)
+        except (RuntimeError, ValueError):  # the group is gone: its size still says something
+            return f"a group of {self.size} ranks"
+        return f"a group of {self.size} ranks (global {_ranks_text(ranks)})"
+
+    # -- tensors: in place, no copy; ``tensor`` is contiguous on comm_device(group) ---------------
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        """Start broadcasting ``tensor`` from group rank ``src`` into every rank's ``tensor``."""
+        if not self.distributed:
+            return Pending(self, "", None)
+        op = f"broadcast of {tensor.nbytes} bytes from rank {src}"
+        with self._mapped(op):
+            return Pending(self, op, dist.broadcast(tensor, group_src=src, group=self.group, async_op=True))
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Pending:
+        """Start sending ``tensor`` to group rank ``dst`` (matched by ``dst``'s :meth:`irecv` with ``tag``)."""
+        op = f"send of {tensor.nbytes} bytes to rank {dst} (tag {tag})"
+        with self._mapped(op):
+            return Pending(self, op, dist.isend(tensor, group_dst=dst, group=self.group, tag=tag))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Pending:
+        """Start receiving into ``tensor`` what group rank ``src`` sends with ``tag``."""
+        op = f"receive of {tensor.nbytes} bytes from rank {src} (tag {tag})"
+        with self._mapped(op):
+            return Pending(self, op, dist.irecv(tensor, group_src=src, group=self.group, tag=tag))
+
+    # -- picklable objects -------------------------------------------------------------------------
     def all_gather_object(self, obj: Any) -> List[Any]:
         if not self.distributed:
             return [obj]
         out: List[Any] = [None] * self.size
-        try:
+        with self._mapped("all_gather_object"):
             dist.all_gather_object(out, obj, group=self.group)
-        except (RuntimeError, ValueError) as e:  # DistBackendError derives from RuntimeError
-            raise self._failed("all_gather_object", e) from e
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -50,10 +122,8 @@ class Comm:
         if not self.distributed:
             return obj
         box = [obj]
-        try:
+        with self._mapped(f"broadcast_object from rank {src}"):
             dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
-        except (RuntimeError, ValueError) as e:
-            raise self._failed("broadcast_object", e) from e
         return box[0]
 
     def gather_from(self, senders: Sequence[int], obj: Any, dst: int = 0) -> Dict[int, Any]:
@@ -64,22 +134,18 @@ class Comm:
         if self.rank == dst:
             out: Dict[int, Any] = {}
             for src in senders:
-                out[src] = obj if src == dst else self._p2p("recv_object_list", src)
+                if src == dst:
+                    out[src] = obj
+                    continue
+                box: List[Any] = [None]
+                with self._mapped(f"recv_object_list from rank {src}"):
+                    dist.recv_object_list(box, group=self.group, group_src=src)
+                out[src] = box[0]
             return out
         if self.rank in senders:
-            self._p2p("send_object_list", dst, obj)
+            with self._mapped(f"send_object_list to rank {dst}"):
+                dist.send_object_list([obj], group=self.group, group_dst=dst)
         return {}
-
-    def _p2p(self, op: str, peer: int, obj: Any = None) -> Any:
-        box = [obj]
-        try:
-            if op == "send_object_list":
-                dist.send_object_list(box, group=self.group, group_dst=peer)
-            else:
-                dist.recv_object_list(box, group=self.group, group_src=peer)
-        except (RuntimeError, ValueError) as e:
-            raise self._failed(f"{op} with rank {peer}", e) from e
-        return box[0]
 
     def scatter_object(self, parts: Optional[List[Any]], src: int = 0) -> Any:
         """Collective: group rank ``src`` passes one object per rank (``parts``; the others pass
@@ -87,10 +153,8 @@ class Comm:
         if not self.distributed:
             return None if parts is None else parts[0]
         out: List[Any] = [None]
-        try:
+        with self._mapped(f"scatter_object from rank {src}"):
             dist.scatter_object_list(out, parts if self.rank == src else None, group=self.group, group_src=src)
-        except (RuntimeError, ValueError) as e:
-            raise self._failed("scatter_object", e) from e
         return out[0]
 
     def agree(self, what: str, error: Optional[BaseException] = None, payload: Any = None, *,
@@ -99,24 +163,26 @@ class Comm:
         ``payload``); returns every rank's payload, in rank order, when all succeeded.
 
         When any rank failed, every rank raises one error naming each failing rank with its
-        message; ``failures`` maps those ranks to :class:`RankFailure`. Its type is the failing
-        ranks' library error type when they all raised the same one, else ``default``.
+        message, followed by the first other failing rank's traceback and where the rest raised
+        theirs; ``failures`` maps those ranks to :class:`RankFailure` (with its traceback). Its type
+        is the failing ranks' library error type when they all raised the same one, else ``default``.
         """
-        mine = None if error is None else (type(error).__name__, _message(error))
-        gathered: List[Tuple[Optional[Tuple[str, str]], Any]] = self.all_gather_object((mine, payload))
-        failures = {rk: RankFailure(rk, o[0], o[1]) for rk, (o, _) in enumerate(gathered) if o is not None}
+        mine = None
+        if error is not None:
+            f = RankFailure.of(self.rank, error)
+            mine = (f.type_name, f.message, f.traceback)  # plain strings travel, not our classes
+        gathered: List[Tuple[Optional[Tuple[str, str, str]], Any]] = self.all_gather_object((mine, payload))
+        failures = {rk: RankFailure(rk, *o) for rk, (o, _) in enumerate(gathered) if o is not None}
         if failures:
-            raise _agreed_error(what, failures, default) from error
+            raise _agreed_error(what, failures, default, self.rank) from error
         return [p for _, p in gathered]
 
     def barrier(self) -> None:
         if self.distributed:
             # An all_reduce rather than dist.barrier: it works the same on every backend and fails
             # with the group's timeout when a rank is gone.
-            try:
+            with self._mapped("barrier"):
                 dist.all_reduce(torch.zeros(1), group=self.group)
-            except (RuntimeError, ValueError) as e:
-                raise self._failed("barrier", e) from e
 
 
 def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
@@ -143,14 +209,8 @@ def get_comm(process_group: Optional[dist.ProcessGroup] = None) -> Comm:
     return Comm(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
 
 
-def _message(error: BaseException) -> str:
-    """The message of ``error``, or of the agreed error it already is (not nested twice)."""
-    if isinstance(error, CheckpointingError) and len(error.failures) == 1:
-        return next(iter(error.failures.values())).message
-    return str(error)
-
-
-def _agreed_error(what: str, failures: Dict[int, RankFailure], default: Type[CheckpointingError]) -> CheckpointingError:
+def _agreed_error(what: str, failures: Dict[int, RankFailure], default: Type[CheckpointingError],
+                  me: int) -> CheckpointingError:
     types = {f.type_name for f in failures.values()}
     cls = error_class(types.pop()) if len(types) == 1 else None
     cls = cls if cls is not None else default
@@ -164,9 +224,26 @@ def _agreed_error(what: str, failures: Dict[int, RankFailure], default: Type[Che
         same.setdefault((f.type_name, f.message), []).append(f.rank)
     lines = [line(failures[ranks[0]]) + (f" (the same on {_ranks_text(ranks[1:])})" if len(ranks) > 1 else "")
              for ranks in same.values()]
-    err = cls(f"{what}: " + "; ".join(lines))
+    err = cls(f"{what}: " + "; ".join(lines) + _tracebacks([f for f in failures.values() if f.rank != me]))
     err.failures = dict(failures)
     return err
+
+
+def _tracebacks(remote: List[RankFailure]) -> str:
+    """The first of the ``remote`` failures' tracebacks in full, the others' raise sites (this
+    rank's own traceback is the raised error's ``__cause__``)."""
+    remote = [f for f in remote if f.traceback]
+    if not remote:
+        return ""
+    first = remote[0]
+    text = f"{TRACEBACK_SECTION}{first.rank} ---\n{first.traceback.rstrip()}"
+    sites: Dict[str, List[int]] = {}
+    for f in remote[1:]:
+        sites.setdefault(f.raised_at or "(no frame)", []).append(f.rank)
+    if sites:
+        text += "\n--- the other failing ranks raised at: " + "; ".join(
+            f"{_ranks_text(ranks)}: {site}" for site, ranks in sites.items())
+    return text
 
 
 def _ranks_text(ranks: List[int]) -> str:

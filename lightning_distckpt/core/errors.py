@@ -3,25 +3,61 @@
 Errors that callers may expect as builtins mix the builtin in (``ShardingError`` is a
 ``ValueError``, ``MissingKeysError`` a ``KeyError``, ...), so ``except ValueError`` keeps working.
 An error agreed over ranks (:meth:`lightning_distckpt.comm.Comm.agree`) carries ``failures``:
-``{rank: RankFailure}``, the type and message each failing rank raised.
+``{rank: RankFailure}``, the type, message and traceback each failing rank raised.
 """
 
 from __future__ import annotations
 
+import traceback as _traceback
 from dataclasses import dataclass
 from typing import Dict, Optional, Type
+
+#: The most characters of a rank's formatted traceback a :class:`RankFailure` keeps (the end:
+#: the innermost frames and the error line), so an agreement's all-gather stays small.
+TRACEBACK_LIMIT = 4096
+#: Where an agreed error's message turns from the one-line-per-failure summary to the remote
+#: ranks' tracebacks (:func:`lightning_distckpt.comm.Comm.agree`).
+TRACEBACK_SECTION = "\n--- traceback of rank "
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """What one rank raised: the error's class name (one of this module's, or a foreign one) and message."""
+    """What one rank raised: the error's class name (one of this module's, or a foreign one), its
+    message and its formatted traceback (the last :data:`TRACEBACK_LIMIT` characters; empty when
+    not known), as PyTorch DCP's ``CheckpointException`` keeps each rank's traceback."""
 
     rank: int
     type_name: str
     message: str
+    traceback: str = ""
 
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.type_name}: {self.message}"
+
+    @property
+    def raised_at(self) -> str:
+        """Where the error was raised: the traceback's innermost frame line (``File "...", line
+        N, in f``), or "" without a traceback."""
+        frames = [ln.strip() for ln in self.traceback.splitlines() if ln.lstrip().startswith('File "')]
+        return frames[-1] if frames else ""
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> "RankFailure":
+        """``error`` as rank ``rank`` reports it. An error already agreed for one rank (re-raised
+        through another agreement) keeps that rank's message and traceback, not nested twice."""
+        inner = error.failures if isinstance(error, CheckpointingError) else {}
+        if len(inner) == 1:
+            first = next(iter(inner.values()))
+            return cls(rank, type(error).__name__, first.message, first.traceback or _formatted(error))
+        return cls(rank, type(error).__name__, str(error).split(TRACEBACK_SECTION, 1)[0], _formatted(error))
+
+
+def _formatted(error: BaseException) -> str:
+    """``error``'s formatted traceback (with its causes), cut to its last TRACEBACK_LIMIT characters."""
+    text = "".join(_traceback.format_exception(error))
+    if len(text) <= TRACEBACK_LIMIT:
+        return text
+    return f"[... {len(text) - TRACEBACK_LIMIT} characters cut ...]\n" + text[-TRACEBACK_LIMIT:]
 
 
 class CheckpointingError(Exception):
