@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping, MutableMapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ..comm import Comm, comm_device, get_comm
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, RankFailure, error_class
@@ -184,7 +183,7 @@ def _communication_device(comm: Comm, model_on_gpu: bool) -> torch.device:
     """The group backend's device; with a group that has both gloo and NCCL, the GPU when any
     rank's model is there (decided from the agreed payloads, so the same on every rank)."""
     device = comm_device(comm.group)
-    if device.type == "cpu" and model_on_gpu and dist.is_initialized() and "nccl" in str(dist.get_backend(comm.group)):
+    if device.type == "cpu" and model_on_gpu and "nccl" in comm.backend:
         return torch.device("cuda", torch.cuda.current_device())
     return device
 

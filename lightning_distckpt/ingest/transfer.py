@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..comm import Comm
-from ..core.errors import CollectiveError
+from ..comm import Comm, Pending, byte_view
 from .plan import Manifest, Need, SendOp, cut
 
 
@@ -47,7 +45,7 @@ class TransferStats:
 class _Posted:
     op: SendOp
     buffer: torch.Tensor
-    work: Any
+    work: Pending
     extra: int
     direct: Optional[str] = None  # name of the shard the buffer is (received straight into it)
 
@@ -80,26 +78,23 @@ class Transfer:
         self._extra = 0
 
     def run(self) -> None:
+        """Move every box and cut this rank's shards. A failed broadcast (a rank died or timed out)
+        raises :class:`CollectiveError` (from :class:`Comm`); other failures land in ``errors``."""
         t0 = time.perf_counter()
         pending: Deque[_Posted] = deque()
         done_keys = set()
-        try:
-            for op in self.manifest.ops:
-                while pending and self._inflight + op.nbytes > self.max_inflight_bytes:
-                    self._finish(pending.popleft())
-                pending.append(self._post(op))
-                if self.source is not None:  # rank 0 cuts its own shards while the broadcast runs
-                    for item in op.items:
-                        self._cut_local(item.key)
-                        done_keys.add(item.key)
-                while pending and pending[0].work.is_completed():
-                    self._finish(pending.popleft())
-            while pending:
+        for op in self.manifest.ops:
+            while pending and self._inflight + op.nbytes > self.max_inflight_bytes:
                 self._finish(pending.popleft())
-        except RuntimeError as e:  # a collective failed: a rank died or timed out
-            raise CollectiveError(
-                f"rank {self.comm.rank}: broadcasting the shards of {self.manifest.source} failed (a rank may have "
-                f"died or timed out): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            pending.append(self._post(op))
+            if self.source is not None:  # rank 0 cuts its own shards while the broadcast runs
+                for item in op.items:
+                    self._cut_local(item.key)
+                    done_keys.add(item.key)
+            while pending and pending[0].work.is_completed():
+                self._finish(pending.popleft())
+        while pending:
+            self._finish(pending.popleft())
         if self.source is not None:
             for key in self._by_key:
                 if key not in done_keys and key not in self.manifest.missing:
@@ -117,7 +112,7 @@ class Transfer:
         self._extra += extra
         self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self._inflight)
         self.stats.peak_extra_bytes = max(self.stats.peak_extra_bytes, self._extra)
-        work = dist.broadcast(_bytes(buffer), src=self.comm.global_rank(0), group=self.comm.group, async_op=True)
+        work = self.comm.broadcast_tensor(byte_view(buffer), 0)
         self.stats.ops += 1
         self.stats.bytes_moved += op.nbytes
         return _Posted(op, buffer, work, extra, direct)
@@ -190,8 +185,3 @@ class Transfer:
 
 def _slices(offset: Sequence[int], shape: Sequence[int]) -> tuple:
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor."""
-    return t.reshape(-1).view(torch.uint8)

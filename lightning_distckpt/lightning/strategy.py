@@ -12,7 +12,6 @@ import logging
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -20,6 +19,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from ..comm import get_comm
 from ..core.errors import CheckpointingError
 from ..storage.paths import checkpoint_location
 from .parallel import STRATEGY_NAME
@@ -97,10 +97,10 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
         ps = self.parallel_state
         if ps.dp_size == 1:
             return
-        src = dist.get_global_rank(ps.dp_group, 0)
+        comm = get_comm(ps.dp_group)
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src=src, group=ps.dp_group)
+                comm.broadcast_tensor(t.data, 0).wait()
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

@@ -19,23 +19,16 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence
+from typing import Deque, Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..comm import Comm
-from ..core.errors import CollectiveError
+from ..comm import Comm, Pending, byte_view
 from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ExchangeOp, ExchangePlan
 from .checkpoint import CheckpointSource
 from .reads import ReadOutcome, ReadTarget, read_shape, read_targets
 from .request import Requester
 from .stats import LoadStats
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 @dataclass
@@ -50,7 +43,7 @@ class _Slot:
     comm_is_dest: bool = False
     extra: int = 0  # bytes allocated for this op
     read: Optional["Future[None]"] = None  # set once this op's chunks are read
-    works: List[Any] = field(default_factory=list)
+    works: List[Pending] = field(default_factory=list)
 
 
 class ChunkExchange:
@@ -134,15 +127,15 @@ class ChunkExchange:
                 if len(op.chunks) > 1:
                     slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
                 elif self.device.type == "cpu":
-                    slot.comm = _bytes(slot.targets[0])
+                    slot.comm = byte_view(slot.targets[0])
                 elif self._on_comm_device(self.dest[op.chunks[0]]):
-                    slot.comm, slot.comm_is_dest = _bytes(self.dest[op.chunks[0]]), True
+                    slot.comm, slot.comm_is_dest = byte_view(self.dest[op.chunks[0]]), True
                 else:
                     slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
         else:
             d = self.dest[op.chunks[0]]
             if len(op.chunks) == 1 and self._on_comm_device(d):
-                slot.comm, slot.comm_is_dest = _bytes(d), True
+                slot.comm, slot.comm_is_dest = byte_view(d), True
             else:
                 slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
         return slot
@@ -170,7 +163,7 @@ class ChunkExchange:
 
     def post(self, slot: _Slot) -> None:
         """Start the op's communication (main thread, in plan order on every rank)."""
-        op, me, g = slot.op, self.comm.rank, self.comm.group
+        op, me, comm = slot.op, self.comm.rank, self.comm
         if op.src == me:
             t0 = time.perf_counter()
             assert slot.read is not None
@@ -182,24 +175,24 @@ class ChunkExchange:
             if len(op.chunks) > 1:
                 o = 0
                 for t, n in zip(slot.targets, op.sizes):
-                    slot.comm[o:o + n].copy_(_bytes(t))
+                    slot.comm[o:o + n].copy_(byte_view(t))
                     o += n
             elif slot.comm_is_dest:
                 self.dest[op.chunks[0]].copy_(slot.targets[0])
             elif slot.comm.device.type != "cpu":
-                slot.comm.copy_(_bytes(slot.targets[0]))
+                slot.comm.copy_(byte_view(slot.targets[0]))
             self.stats.copy_s += time.perf_counter() - t0
             if op.transport == BROADCAST:
-                slot.works.append(dist.broadcast(slot.comm, group_src=op.src, group=g, async_op=True))
+                slot.works.append(comm.broadcast_tensor(slot.comm, op.src))
             else:
-                for r in op.receivers:
-                    slot.works.append(dist.isend(slot.comm, group_dst=r, group=g, tag=slot.index))
+                slot.works.extend(comm.isend(slot.comm, r, tag=slot.index) for r in op.receivers)
             self.stats.bytes_sent += op.nbytes * (1 if op.transport == BROADCAST else len(op.receivers))
         else:
+            assert slot.comm is not None
             if op.transport == BROADCAST:
-                slot.works.append(dist.broadcast(slot.comm, group_src=op.src, group=g, async_op=True))
+                slot.works.append(comm.broadcast_tensor(slot.comm, op.src))
             else:
-                slot.works.append(dist.irecv(slot.comm, group_src=op.src, group=g, tag=slot.index))
+                slot.works.append(comm.irecv(slot.comm, op.src, tag=slot.index))
             self.stats.bytes_received += op.nbytes
         self.stats.ops += 1
 
@@ -227,7 +220,7 @@ class ChunkExchange:
                 if not slot.comm_is_dest:
                     piece = slot.comm[o:o + n]
                     if d.is_contiguous():
-                        _bytes(d).copy_(piece)
+                        byte_view(d).copy_(piece)
                     else:  # clone: a bucket offset need not be aligned for a view as d.dtype
                         d.copy_(piece.clone().view(d.dtype).view(d.shape))
                 o += n
@@ -252,7 +245,8 @@ class ChunkExchange:
     # -- schedules -------------------------------------------------------------------------
     def run(self, max_inflight: Optional[int], read_batch_bytes: int) -> None:
         """:meth:`run_batch` when ``max_inflight`` is None, else :meth:`run_streaming`. A failed
-        collective (a rank died or timed out) raises CollectiveError: no agreement is possible."""
+        broadcast, send or receive (a rank died or timed out) raises :class:`CollectiveError` (from
+        :class:`Comm`): no agreement is possible."""
         direct = self._take_direct_ops()
         outcome: List[ReadOutcome] = []
         # Chunks only this rank needs, landing in their CPU destinations, need no exchange: read them
@@ -266,11 +260,6 @@ class ChunkExchange:
                 self.run_batch()
             else:
                 self.run_streaming(max_inflight, read_batch_bytes)
-        except RuntimeError as e:
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise CollectiveError(
-                f"load from {self.source.path}: rank {self.comm.rank}: chunk exchange over {self.comm.size} ranks "
-                f"failed (a rank may have died or timed out): {type(e).__name__}: {first}") from e
         finally:
             side.join()
         self._account_read(outcome[0])
