@@ -20,15 +20,19 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+#: What torch raises when a collective fails (``DistBackendError`` derives from RuntimeError).
+_TORCH_ERRORS = (RuntimeError, ValueError)
+
+
 class Pending:
     """A tensor broadcast, send or receive in flight (:meth:`Comm.broadcast_tensor`,
     :meth:`Comm.isend`, :meth:`Comm.irecv`). :meth:`wait` raises :class:`CollectiveError` when it
     failed; the tensor is not to be touched before then."""
 
-    __slots__ = ("_comm", "_op", "_work")
+    __slots__ = ("_comm", "_work", "_op")
 
-    def __init__(self, comm: "Comm", op: str, work: Any) -> None:
-        self._comm, self._op, self._work = comm, op, work
+    def __init__(self, comm: "Comm", work: Any, op: Tuple[str, int, int, torch.Tensor]) -> None:
+        self._comm, self._work, self._op = comm, work, op  # op: described only if it fails
 
     def is_completed(self) -> bool:
         """Whether :meth:`wait` would return (or raise) at once."""
@@ -36,8 +40,16 @@ class Pending:
 
     def wait(self) -> None:
         if self._work is not None:
-            with self._comm._mapped(self._op):
+            try:
                 self._work.wait()
+            except _TORCH_ERRORS as e:
+                raise self._comm._failed(_tensor_op(*self._op), e) from e
+
+
+def _tensor_op(kind: str, peer: int, tag: int, tensor: torch.Tensor) -> str:
+    """How an error names a tensor operation: ``"send of 4096 bytes to rank 1 (tag 7)"``."""
+    where = f"to rank {peer}" if kind == "send" else f"from rank {peer}"
+    return f"{kind} of {tensor.nbytes} bytes {where}" + ("" if kind == "broadcast" else f" (tag {tag})")
 
 
 @dataclass(frozen=True)
@@ -65,48 +77,59 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group or dist.group.WORLD, group_rank)
 
+    def _failed(self, op: str, e: BaseException) -> CollectiveError:
+        """The one mapping of a failed torch collective to :class:`CollectiveError`, naming this
+        rank, the operation ``op`` and the group."""
+        first = str(e).splitlines()[0] if str(e) else ""
+        return CollectiveError(f"rank {self.rank}: {op} over {self._group_text()} failed (a rank may have died "
+                               f"or timed out): {type(e).__name__}: {first}")
+
     @contextmanager
     def _mapped(self, op: str) -> Iterator[None]:
-        """The one place torch's collective errors become :class:`CollectiveError`, naming this
-        rank, the operation ``op`` and the group. Errors of our own pass unchanged."""
+        """Runs an object collective: torch's errors through :meth:`_failed`, ours unchanged."""
         try:
             yield
         except CheckpointingError:
             raise
-        except (RuntimeError, ValueError) as e:  # DistBackendError derives from RuntimeError
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise CollectiveError(f"rank {self.rank}: {op} over {self._group_text()} failed (a rank may have died "
-                                  f"or timed out): {type(e).__name__}: {first}") from e
+        except _TORCH_ERRORS as e:
+            raise self._failed(op, e) from e
 
     def _group_text(self) -> str:
         if not dist.is_initialized() or self.group is None or self.group is dist.group.WORLD:
             return f"the world group ({self.size} ranks)"
         try:
             ranks = dist.get_process_group_ranks(self.group)
-        except (RuntimeError, ValueError):  # the group is gone: its size still says something
+        except _TORCH_ERRORS:  # the group is gone: its size still says something
             return f"a group of {self.size} ranks"
         return f"a group of {self.size} ranks (global {_ranks_text(ranks)})"
 
-    # -- tensors: in place, no copy; ``tensor`` is contiguous on comm_device(group) ---------------
+    # -- tensors: in place, no copy; ``tensor`` is contiguous on comm_device(group). Hot paths (a
+    # chunk exchange posts one per chunk): no context manager, the op described only on failure.
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> Pending:
         """Start broadcasting ``tensor`` from group rank ``src`` into every rank's ``tensor``."""
+        op = ("broadcast", src, 0, tensor)
         if not self.distributed:
-            return Pending(self, "", None)
-        op = f"broadcast of {tensor.nbytes} bytes from rank {src}"
-        with self._mapped(op):
-            return Pending(self, op, dist.broadcast(tensor, group_src=src, group=self.group, async_op=True))
+            return Pending(self, None, op)
+        try:
+            return Pending(self, dist.broadcast(tensor, group_src=src, group=self.group, async_op=True), op)
+        except _TORCH_ERRORS as e:
+            raise self._failed(_tensor_op(*op), e) from e
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Pending:
         """Start sending ``tensor`` to group rank ``dst`` (matched by ``dst``'s :meth:`irecv` with ``tag``)."""
-        op = f"send of {tensor.nbytes} bytes to rank {dst} (tag {tag})"
-        with self._mapped(op):
-            return Pending(self, op, dist.isend(tensor, group_dst=dst, group=self.group, tag=tag))
+        op = ("send", dst, tag, tensor)
+        try:
+            return Pending(self, dist.isend(tensor, group_dst=dst, group=self.group, tag=tag), op)
+        except _TORCH_ERRORS as e:
+            raise self._failed(_tensor_op(*op), e) from e
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Pending:
         """Start receiving into ``tensor`` what group rank ``src`` sends with ``tag``."""
-        op = f"receive of {tensor.nbytes} bytes from rank {src} (tag {tag})"
-        with self._mapped(op):
-            return Pending(self, op, dist.irecv(tensor, group_src=src, group=self.group, tag=tag))
+        op = ("receive", src, tag, tensor)
+        try:
+            return Pending(self, dist.irecv(tensor, group_src=src, group=self.group, tag=tag), op)
+        except _TORCH_ERRORS as e:
+            raise self._failed(_tensor_op(*op), e) from e
 
     # -- picklable objects -------------------------------------------------------------------------
     def all_gather_object(self, obj: Any) -> List[Any]:
