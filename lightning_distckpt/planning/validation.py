@@ -97,7 +97,10 @@ def _tensor_problems(key: str, recs: List[ShardRecord]) -> List[str]:
                         + "; ".join(f"{d} on ranks {rk}" for d, rk in detail.items()))
         return problems
     (global_shape,) = shapes
-    mains = [r for r in recs if r.main]
+    # An empty shard (a rank holding no elements of an unevenly split tensor) covers nothing: it
+    # cannot overlap or fill a gap, and several ranks may hold it at one offset (Megatron-Core
+    # accepts them); one of its holders is picked to write it like any shard.
+    mains = [r for r in recs if r.main and r.numel]
     seen: Dict[tuple, int] = {}
     for r in mains:
         if r.shard_id in seen:
