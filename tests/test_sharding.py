@@ -240,4 +240,4 @@ def test_dtype_rule_reuses_load_plan():
     from lightning_distckpt.planning import load_plan
     from lightning_distckpt.ingest import plan
 
-    assert plan._dtype_kind is load_plan._dtype_kind
+    assert plan.dtype_kind is load_plan.dtype_kind

@@ -15,7 +15,7 @@ import torch
 
 from ..core.errors import ArgumentTypeError, CheckpointingError, FormatError, MissingKeysError, ShardingError
 from ..core.mapping import ShardedTensor
-from ..planning.load_plan import _dtype_kind
+from ..planning.load_plan import dtype_kind
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offset, shape) in the global tensor's axes
 ALIGN = 64  # byte alignment of tensors inside a bucket (any dtype can be viewed there)
@@ -171,7 +171,7 @@ def _check(state_dict: Mapping[str, Any], key: str, tensor: Any, needs: Sequence
             raise ShardingError(
                 f"{where} has shape {tuple(tensor.shape)} but rank {n.rank}'s entry {n.name!r} describes a global "
                 f"shape {n.global_shape} (a shape mismatch is not padded or truncated here)")
-        if _dtype_kind(n.dtype) != _dtype_kind(tensor.dtype):
+        if dtype_kind(n.dtype) != dtype_kind(tensor.dtype):
             raise ShardingError(
                 f"{where} is stored as {str(tensor.dtype).replace('torch.', '')} but rank {n.rank}'s entry {n.name!r} "
                 f"is {str(n.dtype).replace('torch.', '')}; floating dtypes convert to floating ones and integer "

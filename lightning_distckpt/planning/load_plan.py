@@ -66,7 +66,7 @@ def parse_cast(cast: Any, what: str = "cast") -> str:
     return cast
 
 
-def _dtype_kind(dtype: torch.dtype) -> str:
+def dtype_kind(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "bool"
     return "floating" if dtype.is_floating_point else "integer"
@@ -83,7 +83,7 @@ def check_dtype_conversion(request: ShardedTensor, entry: TensorEntry, checkpoin
     caller asks for it with ``cast="any"``."""
     stored = entry.torch_dtype
     wanted = request.data.dtype if request.data is not None else request.dtype
-    if cast == ANY or wanted is None or wanted == stored or _dtype_kind(wanted) == _dtype_kind(stored):
+    if cast == ANY or wanted is None or wanted == stored or dtype_kind(wanted) == dtype_kind(stored):
         return
     raise ShardingError(
         f"checkpoint {checkpoint_dir}: {request.key!r} is stored as {entry.dtype} but the template asks for "
