@@ -95,7 +95,7 @@ def _timed_cold(path: str, fn: Any) -> float:
 
 
 def _validate(path: str) -> None:
-    from lightning_distckpt.cli.validate import validate
+    from lightning_distckpt import validate
 
     report = validate(path)
     assert report.ok, report.problems

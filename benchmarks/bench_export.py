@@ -1,13 +1,13 @@
 """Exporting a tensor-parallel checkpoint to Hugging Face safetensors, three ways, side by side:
 
-* ``ldc``: ``ldc.export_safetensors(ckpt, out, max_shard_size)`` from our checkpoint saved under TP 2
+* ``ldc``: ``ldc.export.to_safetensors(ckpt, out, max_shard_size)`` from our checkpoint saved under TP 2
   (streams one shard file at a time);
 * ``whole``: ``ldc.load_plain_tensors(ckpt)`` (the whole model in memory) then one
   ``safetensors.torch.save_file``;
 * ``dcp``: torch's ``consolidate_safetensors_files`` from the same state saved under TP 2 by
   ``dcp.save`` with ``HuggingFaceStorageWriter(save_distributed=True)`` (DCP's own route to a
   Hugging Face layout), into the same files as ``ldc``;
-* ``ldc-dcp``: ``ldc.export_dcp(ckpt, out)`` (our checkpoint to a DCP directory), for its cost.
+* ``ldc-dcp``: ``ldc.export.to_dcp(ckpt, out)`` (our checkpoint to a DCP directory), for its cost.
 
     .venv/bin/python benchmarks/bench_export.py --size-mib 256 --repeats 3
 
@@ -86,7 +86,7 @@ def run_method(method: str, root: str, max_shard: int) -> Dict[str, float]:
     base = _peak_rss_mib()
     t0 = time.perf_counter()
     if method == "ldc":
-        ldc.export_safetensors(ckpt, out, max_shard_size=max_shard)
+        ldc.export.to_safetensors(ckpt, out, max_shard_size=max_shard)
     elif method == "whole":
         from safetensors.torch import save_file
 
@@ -100,7 +100,7 @@ def run_method(method: str, root: str, max_shard: int) -> Dict[str, float]:
         os.makedirs(out)
         consolidate_safetensors_files(os.path.join(root, "dcp"), out, mapping)
     else:
-        ldc.export_dcp(ckpt, out)
+        ldc.export.to_dcp(ckpt, out)
     seconds = time.perf_counter() - t0
     peak = _peak_rss_mib()
     return {"seconds": seconds, "base_mib": base, "peak_mib": peak}

@@ -4,7 +4,7 @@
     python examples/cli_gpt.py fit --config configs/cli_gpt_tp.yaml --trainer.default_root_dir runs/gpt \\
         --trainer.max_steps 12 --ckpt_path last          # resume from the newest complete checkpoint
 
-The YAML picks the strategy (``class_path: lightning_distckpt.DistCheckpointStrategy``), its tensor
+The YAML picks the strategy (``class_path: lightning_distckpt.lightning.DistCheckpointStrategy``), its tensor
 parallel size and every checkpoint setting (storage layout, chunk size, I/O threads, parallel save,
 loader, strictness, async save); see configs/cli_gpt_tp.yaml. Unknown checkpoint keys fail with
 an error naming them.

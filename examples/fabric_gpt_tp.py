@@ -33,7 +33,7 @@ def run_phase(args: argparse.Namespace) -> None:
     from lightning.fabric import Fabric
     from torch.nn import functional as F
 
-    from lightning_distckpt import FabricDistCheckpointStrategy
+    from lightning_distckpt.lightning import FabricDistCheckpointStrategy
     from tiny_gpt import GPT, TokenStream
 
     torch.set_num_threads(1)

@@ -28,7 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_distckpt import DistCheckpointStrategy, load_module_weights
+from lightning_distckpt.lightning import DistCheckpointStrategy, load_module_weights
 from lightning_distckpt.lightning.parallel import ParallelState, module_sharded_state_dict, parallel_state_of
 from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear
 

@@ -51,7 +51,7 @@ def run_phase(args: argparse.Namespace) -> None:
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_distckpt import DistCheckpointStrategy
+    from lightning_distckpt.lightning import DistCheckpointStrategy
     from tiny_gpt import TinyGPT
 
     torch.set_num_threads(1)
@@ -146,7 +146,7 @@ def drive(args: argparse.Namespace) -> int:
     print(f"\n== 4. load step {RESUME_STEP} in this process for inference (load_lightning_module)")
     import torch
 
-    from lightning_distckpt import load_lightning_module
+    from lightning_distckpt.lightning import load_lightning_module
     from tiny_gpt import TinyGPT
 
     model = load_lightning_module(TinyGPT, ckpt)

@@ -2,8 +2,21 @@
 
 Describe how each local tensor sits in its global tensor (:class:`ShardedTensor`), then call the
 collective :func:`save` / :func:`load`. Checkpoints load under any world size or parallel split.
+
+This module is the core API: the data model, ``save`` / ``load`` / ``validate``, the single-process
+readers, :class:`AsyncSaver`, the loaders, :class:`StorageOptions` and every error the library
+raises. The layers above it are their own subpackages (``import lightning_distckpt as ldc`` makes
+each reachable as an attribute, imported on first use):
+
+* :mod:`lightning_distckpt.lightning`: the Lightning and Fabric plugin, strategies and helpers;
+* :mod:`lightning_distckpt.export`: to and from other formats (safetensors, DCP, Megatron-Core,
+  one ``torch.save`` file) and between storage layouts;
+* :mod:`lightning_distckpt.ingest`: rank-0 load of an ordinary checkpoint, broadcast and shard;
+* :mod:`lightning_distckpt.optim`: optimizer state as sharded state dicts;
+* :mod:`lightning_distckpt.core.factories`: ready-made ``ShardedTensorFactory`` s.
 """
 
+import importlib as _importlib
 import logging as _logging
 
 # Quiet unless the application configures logging (see lightning_distckpt.logs); under the Lightning
@@ -11,99 +24,91 @@ import logging as _logging
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 from .core.errors import (  # noqa: E402
+    ArgumentError,
+    ArgumentTypeError,
     CheckpointingError,
+    CheckpointNotFoundError,
+    CollectiveError,
+    ConfigError,
     FormatError,
     IncompleteCheckpointError,
     MissingKeysError,
     SaveFailedError,
     ShardingError,
+    UnsafeContentError,
     ValidationError,
 )
-from .core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
-from .core.factories import fused_split_factory, transposed_factory
-from .core.strict import StrictHandling
-from .serialization import load, load_common_state_dict, load_plain_tensors, load_tensors_metadata, save
-from .convert import ConvertReport, relayout_checkpoint
-from .export import export_dcp, export_megatron, export_safetensors
-from .optim import init_optimizer_state, optimizer_sharded_state_dict, restore_optimizer_state
-from .storage.tensorstore_io import StorageOptions
-from .saving.async_save import AsyncSaver, AsyncSaveRequest
-from .saving.save import SavePlanCache
-from .reading import EveryRankLoader, FullyParallelLoader, TwoStageDataParallelLoader
-from .ingest import DistModule, broadcast_and_shard_state_dict, shard_broadcasted_state_dict
-from .version import __version__
-from .registration import register_names as _register_names
+from .core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory  # noqa: E402
+from .core.strict import StrictHandling  # noqa: E402
+from .serialization import (  # noqa: E402
+    load,
+    load_common_state_dict,
+    load_plain_tensors,
+    load_tensors_metadata,
+    save,
+)
+from .validation import ValidationReport, validate  # noqa: E402
+from .storage.tensorstore_io import StorageOptions  # noqa: E402
+from .saving.async_save import AsyncSaver  # noqa: E402
+from .reading.loaders import EveryRankLoader, FullyParallelLoader, TwoStageDataParallelLoader  # noqa: E402
+from .version import __version__  # noqa: E402
+from .registration import register_names as _register_names  # noqa: E402
+from .deprecated import DEPRECATED as _DEPRECATED  # noqa: E402
+from .deprecated import resolve as _resolve_deprecated  # noqa: E402
 
-# The Lightning / Fabric integration imports Lightning (slow): loaded on first use of one of its names.
 # The strategy names (strategy="ddp_distckpt", ...) are registered now, without importing Lightning:
 # in its registries at once if it is imported, else when it is (registration.py).
 _register_names()
 
-_LIGHTNING_NAMES = (
-    "DistCheckpointIO",
-    "DistCheckpointStrategy",
-    "DistCheckpointModelParallelStrategy",
-    "DistModelCheckpoint",
-    "FabricDistCheckpointStrategy",
-    "FabricDistCheckpointModelParallelStrategy",
-    "DistCheckpointConfig",
-    "StrategyConfig",
-    "ConfigError",
-    "ParallelState",
-    "module_sharded_state_dict",
-    "parallel_state_of",
-    "load_lightning_module",
-    "load_module_weights",
-    "export_torch_file",  # Lightning checkpoints as Lightning's dict; others as convert.export_torch_file
-    "import_torch_file",
-)
+# The layers above the core, imported on first use as attributes (``ldc.lightning.DistCheckpointIO``):
+# ``import lightning_distckpt`` imports neither Lightning nor the exporters.
+_SUBPACKAGES = frozenset({"export", "ingest", "lightning", "optim"})
 
 
 def __getattr__(name: str):
-    if name in _LIGHTNING_NAMES:
-        from . import lightning as _lightning
-
-        return getattr(_lightning, name)
+    if name in _SUBPACKAGES:
+        return _importlib.import_module(f"{__name__}.{name}")
+    if name in _DEPRECATED:
+        return _resolve_deprecated(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+def __dir__():
+    return sorted(set(globals()) | _SUBPACKAGES)
+
+
 __all__ = [
-    *_LIGHTNING_NAMES,
-    "AsyncSaveRequest",
+    # the data model
+    "ShardedTensor",
+    "ShardedObject",
+    "ShardedTensorFactory",
+    "LocalNonpersistentObject",
+    "StrictHandling",
+    # save, load, validate and the single-process readers
+    "save",
+    "load",
+    "validate",
+    "ValidationReport",
+    "load_tensors_metadata",
+    "load_common_state_dict",
+    "load_plain_tensors",
     "AsyncSaver",
-    "SavePlanCache",
     "EveryRankLoader",
     "FullyParallelLoader",
     "TwoStageDataParallelLoader",
+    "StorageOptions",
+    # every error the library raises (all CheckpointingError)
     "CheckpointingError",
-    "ConvertReport",
-    "FormatError",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "ConfigError",
+    "ShardingError",
+    "ValidationError",
     "IncompleteCheckpointError",
-    "LocalNonpersistentObject",
+    "CheckpointNotFoundError",
+    "FormatError",
+    "UnsafeContentError",
     "MissingKeysError",
     "SaveFailedError",
-    "ShardedObject",
-    "ShardedTensor",
-    "ShardedTensorFactory",
-    "ShardingError",
-    "DistModule",
-    "broadcast_and_shard_state_dict",
-    "shard_broadcasted_state_dict",
-    "StorageOptions",
-    "StrictHandling",
-    "ValidationError",
-    "__version__",
-    "fused_split_factory",
-    "init_optimizer_state",
-    "optimizer_sharded_state_dict",
-    "restore_optimizer_state",
-    "transposed_factory",
-    "load",
-    "load_common_state_dict",
-    "load_plain_tensors",
-    "load_tensors_metadata",
-    "relayout_checkpoint",
-    "export_dcp",
-    "export_megatron",
-    "export_safetensors",
-    "save",
+    "CollectiveError",
 ]

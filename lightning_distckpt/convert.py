@@ -8,9 +8,10 @@
   ``torch.load``: ``{"tensors": {key: tensor}, "objects": {key: {offset: object}}, "common": common_state}``.
 * :func:`import_torch_file` turns such a file into a checkpoint directory.
 
-Lightning checkpoints (Trainer or Fabric) are exported as Lightning's own checkpoint dict, and any
-``torch.save``'d dict imported, by :mod:`lightning_distckpt.lightning.export` (the layer above this
-one; ``ldc.export_torch_file`` / ``ldc.import_torch_file`` and the CLI use it).
+These are the core cases of the public :func:`lightning_distckpt.export.to_torch_file` /
+:func:`~lightning_distckpt.export.from_torch_file` (which also export Lightning checkpoints as
+Lightning's own checkpoint dict and import any ``torch.save``'d dict) and
+:func:`~lightning_distckpt.export.relayout`: call those.
 
 Single process, no process group. Everything is read before anything is written, except in
 :func:`relayout_checkpoint`, which streams shard by shard. Outputs appear atomically (staging directory or
@@ -179,8 +180,8 @@ def _copy_objects(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO
 def export_torch_file(source: str, destination: str, extra_safe_globals: Sequence[Any] = (),
                       progress: Optional[Progress] = None) -> ConvertReport:
     """Consolidate the checkpoint ``source`` into the ``torch.save`` file ``destination`` as
-    ``{"tensors", "objects", "common"}`` (a Lightning checkpoint as Lightning's own dict:
-    :func:`lightning_distckpt.lightning.export.export_torch_file`, which ``ldc.export_torch_file`` is).
+    ``{"tensors", "objects", "common"}`` (the core case of :func:`lightning_distckpt.export.to_torch_file`,
+    which also writes a Lightning checkpoint as Lightning's own dict).
     ``progress`` counts the bytes written."""
     t0 = time.perf_counter()
     source, destination = check_export(source, destination, extra_safe_globals)
@@ -272,8 +273,8 @@ def tensor_bytes(tree: Any) -> int:
 def import_torch_file(source: str, destination: str, storage: StorageOptions = StorageOptions(),
                  extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
     """Save the file ``source`` that :func:`export_torch_file` wrote as the checkpoint directory
-    ``destination``: its keys, objects and common state come back. (Any other ``torch.save``'d dict:
-    :func:`lightning_distckpt.lightning.export.import_torch_file`, which ``ldc.import_torch_file`` is.)
+    ``destination``: its keys, objects and common state come back (the core case of
+    :func:`lightning_distckpt.export.from_torch_file`, which also saves any other ``torch.save``'d dict).
     """
     t0 = time.perf_counter()
     source, destination = check_import(source, destination, storage, extra_safe_globals)
@@ -312,7 +313,7 @@ def import_export_payload(payload: Any, source: str, destination: str, storage: 
         raise CheckpointingError(f"{source}: holds a {type(payload).__name__}, not a dict; nothing to import")
     if not is_export_payload(payload):
         raise FormatError(f"{source}: not a file export_torch_file wrote (keys {sorted(EXPORT_KEYS)}); "
-                          "lightning_distckpt.lightning.export.import_torch_file saves any dict")
+                          "lightning_distckpt.export.from_torch_file saves any dict")
     tree, n_tensors, n_objects = _tree_from_export(payload, source)
     _save_alone(tree, destination, storage)
     return ConvertReport(os.path.abspath(source), checkpoint_location(destination), "tensors", n_tensors, n_objects,

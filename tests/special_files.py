@@ -92,7 +92,7 @@ def save_dcp(path: str) -> str:
 
 
 def save_megatron(path: str, scratch: str) -> str:
-    ldc.export_megatron(save_ours(scratch), path)
+    ldc.export.to_megatron(save_ours(scratch), path)
     return path
 
 

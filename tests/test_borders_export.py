@@ -16,8 +16,8 @@ def _rank0_alone(rank, world, root):
               "note": "hi"}, ck)
     result = None
     if rank == 0:  # the others are not in any collective of this: they wait at the barrier below
-        ldc.export_torch_file(ck, out)  # not a Lightning checkpoint: the core export format
-        report = ldc.import_torch_file(out, back)
+        ldc.export.to_torch_file(ck, out)  # not a Lightning checkpoint: the core export format
+        report = ldc.export.from_torch_file(out, back)
         result = (report.kind, ldc.load_plain_tensors(back)["w"].tolist(), ldc.load_common_state_dict(back)["note"])
     dist.barrier()
     return result

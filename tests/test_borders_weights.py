@@ -37,11 +37,11 @@ def test_hf_directory_and_safetensors_into_a_whole_module(tmp_path):
     assert (hf / "model.safetensors.index.json").is_file() and len(list(hf.glob("*.safetensors"))) > 1
     dst = _llama(1)
     assert not _same(src, dst)
-    assert ldc.load_module_weights(dst, hf) is dst and _same(src, dst)
+    assert ldc.lightning.load_module_weights(dst, hf) is dst and _same(src, dst)
     single = tmp_path / "w.safetensors"
     save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(single))
     dst = _llama(2)
-    ldc.load_module_weights(dst, single)
+    ldc.lightning.load_module_weights(dst, single)
     assert _same(src, dst)
 
 
@@ -53,7 +53,7 @@ def test_torch_file_and_lightning_ckpt(tmp_path):
                tmp_path / "stock.ckpt")
     for name in ("sd.pt", "stock.ckpt"):  # a Lightning .ckpt: "state_dict/<name>", the rest skipped
         dst = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-        ldc.load_module_weights(dst, tmp_path / name)
+        ldc.lightning.load_module_weights(dst, tmp_path / name)
         assert _same(src, dst)
 
 
@@ -62,11 +62,11 @@ def test_strict_names_what_is_missing_or_unused(tmp_path):
     save_file(src.state_dict(), str(tmp_path / "w.safetensors"))
     bigger = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     with pytest.raises(ldc.MissingKeysError, match="1.weight"):
-        ldc.load_module_weights(bigger, tmp_path / "w.safetensors")
-    ldc.load_module_weights(bigger, tmp_path / "w.safetensors", strict=False)
+        ldc.lightning.load_module_weights(bigger, tmp_path / "w.safetensors")
+    ldc.lightning.load_module_weights(bigger, tmp_path / "w.safetensors", strict=False)
     assert torch.equal(bigger[0].weight, src[0].weight)
     with pytest.raises(ldc.CheckpointingError, match="0.bias"):  # a file tensor nothing takes
-        ldc.load_module_weights(nn.Sequential(nn.Linear(4, 8, bias=False)), tmp_path / "w.safetensors")
+        ldc.lightning.load_module_weights(nn.Sequential(nn.Linear(4, 8, bias=False)), tmp_path / "w.safetensors")
 
 
 class TPMLP(nn.Module):
@@ -88,7 +88,7 @@ HF_NAMES = {"model.layers.0.mlp.up_proj.weight": "up.weight", "model.layers.0.ml
 def _tp_load(rank, world, path):
     ps = ParallelState.build(tensor_parallel_size=world)
     net = TPMLP(ps)
-    ldc.load_module_weights(net, path, key_map=HF_NAMES.get)  # None: every other tensor of the file skipped
+    ldc.lightning.load_module_weights(net, path, key_map=HF_NAMES.get)  # None: every other tensor of the file skipped
     return {"up": net.up.weight.detach().clone(), "down": net.down.weight.detach().clone()}
 
 

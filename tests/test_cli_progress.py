@@ -15,7 +15,7 @@ import torch
 
 import lightning_distckpt as ldc
 from lightning_distckpt.cli.clean import clean
-from lightning_distckpt.cli.validate import validate
+from lightning_distckpt import validate
 from lightning_distckpt.convert import relayout_checkpoint
 from lightning_distckpt.storage.tensorstore_io import StorageOptions
 
@@ -111,13 +111,13 @@ def test_bytes_are_counted_where_they_move(ckpt, tmp_path):
     relayout_checkpoint(ckpt, str(tmp_path / "copy"), StorageOptions(layout="zarr"), progress=c)
     assert c.n == c.total and c.n > tensor_bytes
     c = Counter()
-    ldc.export_safetensors(ckpt, str(tmp_path / "hf"), progress=c)
+    ldc.export.to_safetensors(ckpt, str(tmp_path / "hf"), progress=c)
     assert c.n == c.total == tensor_bytes
     c = Counter()
-    ldc.export_dcp(ckpt, str(tmp_path / "dcp"), progress=c)
+    ldc.export.to_dcp(ckpt, str(tmp_path / "dcp"), progress=c)
     assert c.n == c.total == tensor_bytes
     c = Counter()
-    ldc.export_torch_file(ckpt, str(tmp_path / "x.pt"), progress=c)
+    ldc.export.to_torch_file(ckpt, str(tmp_path / "x.pt"), progress=c)
     assert c.n == os.path.getsize(tmp_path / "x.pt") and c.total >= tensor_bytes
     # clean: the bytes of the staging directories it removes
     stale = tmp_path / "dir" / ".ckpt.distckpt-staging-x-1"
@@ -138,7 +138,7 @@ LIBRARY = textwrap.dedent("""
     if mode == "lightning":  # what a Trainer / Fabric run has: Lightning imported, our plugin set up
         import lightning
         from lightning.fabric.utilities.rank_zero import rank_zero_only
-        ldc.DistCheckpointIO()
+        ldc.lightning.DistCheckpointIO()
     state = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(1300, 250))}
     ldc.save(state, path)
     ldc.load(state, path)

@@ -138,7 +138,7 @@ def test_lightning_cli_plugin_with_stock_strategy(tmp_path):
     trainer = cfg["trainer"]
     trainer.pop("strategy")
     trainer["devices"] = 1
-    trainer["plugins"] = [{"class_path": "lightning_distckpt.DistCheckpointIO",
+    trainer["plugins"] = [{"class_path": "lightning_distckpt.lightning.DistCheckpointIO",
                            "init_args": {"config": {"storage": {"layout": "zarr", "chunk_bytes": 4096}}}}]
     path = tmp_path / "plugin.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -168,13 +168,13 @@ if dist.is_available() and dist.is_initialized():
 def test_lightning_cli_strategy_by_class_path_needs_no_import(tmp_path):
     """Issue 16 defect 6. Lightning discovers strategy names only from its own modules (no entry
     points), so ``strategy: ddp_distckpt`` works only once ``lightning_distckpt.lightning`` is
-    imported; ``class_path: lightning_distckpt.DistCheckpointStrategy`` works in any script, and the
+    imported; ``class_path: lightning_distckpt.lightning.DistCheckpointStrategy`` works in any script, and the
     docs say so next to the registered name."""
     script = tmp_path / "cli.py"
     script.write_text(CLI_SCRIPT)
     cfg = {"trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 2, "logger": False,
                        "enable_progress_bar": False, "default_root_dir": str(tmp_path / "run"),
-                       "strategy": {"class_path": "lightning_distckpt.DistCheckpointStrategy",
+                       "strategy": {"class_path": "lightning_distckpt.lightning.DistCheckpointStrategy",
                                     "init_args": {"tensor_parallel_size": 1, "checkpoint": {"storage": {"layout": "zarr"}}}}}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -188,4 +188,4 @@ def test_lightning_cli_strategy_by_class_path_needs_no_import(tmp_path):
     assert read_metadata(str(ckpt))["storage"]["layout"] == "zarr"
     docs = (ROOT / "docs" / "lightning.md").read_text()
     assert "registered only once `lightning_distckpt.lightning` is imported" in docs
-    assert "class_path: lightning_distckpt.DistCheckpointStrategy" in docs
+    assert "class_path: lightning_distckpt.lightning.DistCheckpointStrategy" in docs

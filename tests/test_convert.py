@@ -126,7 +126,7 @@ def test_import_any_state_dict_and_refuse_code(tmp_path, capsys):
     sd = {"model": {"layer.weight": torch.randn(4, 3), "scale": torch.tensor(2.0)}, "epoch": 3}
     torch.save(sd, tmp_path / "plain.pt")
     run_cli(capsys, tmp_path / "plain.pt", tmp_path / "plain", "--layout", "zarr")
-    back = ldc.DistCheckpointIO().load_checkpoint(tmp_path / "plain")
+    back = ldc.lightning.DistCheckpointIO().load_checkpoint(tmp_path / "plain")
     assert torch.equal(back["model"]["layer.weight"], sd["model"]["layer.weight"]) and back["epoch"] == 3
     assert torch.equal(back["model"]["scale"], sd["model"]["scale"])
     assert "model/layer.weight" in ldc.load_tensors_metadata(tmp_path / "plain")
@@ -170,7 +170,7 @@ def test_lightning_checkpoint_exports_to_what_load_from_checkpoint_reads(tmp_pat
     assert report["kind"] == "lightning"
     exported = torch.load(tmp_path / "final.pt", weights_only=False)  # Lightning's own checkpoint dict
     assert exported["global_step"] == 3 and "optimizer_states" in exported and "pytorch-lightning_version" in exported
-    reference = ldc.load_lightning_module(TPMLP, source).state_dict()
+    reference = ldc.lightning.load_lightning_module(TPMLP, source).state_dict()
     assert set(exported["state_dict"]) == set(reference)
     for k, v in reference.items():
         assert torch.equal(exported["state_dict"][k], v), k

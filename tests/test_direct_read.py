@@ -12,7 +12,7 @@ import torch
 
 import lightning_distckpt as ldc
 from lightning_distckpt.storage.direct_read import ChunkLocation, ChunkTask, DirectReader, geometry, ocdbt_locations
-from lightning_distckpt.cli.validate import validate
+from lightning_distckpt import validate
 from lightning_distckpt.storage.layout import rank_dir
 from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
 

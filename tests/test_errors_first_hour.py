@@ -30,7 +30,7 @@ def _template():
 
 def _load_error(path):
     """The error of ldc.load and of DistCheckpointIO.load_checkpoint (a Trainer's ckpt_path) on ``path``."""
-    from lightning_distckpt import DistCheckpointIO
+    from lightning_distckpt.lightning import DistCheckpointIO
 
     with pytest.raises(FormatError) as api:
         ldc.load(_template(), str(path))
@@ -116,7 +116,7 @@ REGISTRATION = textwrap.dedent("""
     f = L.Fabric(strategy="ddp_distckpt_spawn", accelerator="cpu", devices=1)
     from lightning.pytorch.strategies import StrategyRegistry
     print(type(t.strategy).__name__, type(f.strategy).__name__, f.strategy._start_method,
-          StrategyRegistry["ddp_distckpt"]["strategy"] is lightning_distckpt.DistCheckpointStrategy,
+          StrategyRegistry["ddp_distckpt"]["strategy"] is lightning_distckpt.lightning.DistCheckpointStrategy,
           "model_parallel_distckpt" in StrategyRegistry)
 """)
 
@@ -137,7 +137,7 @@ def _mismatch_state(rows):
 
 
 def test_shape_mismatch_lists_every_key_and_the_config_switch(tmp_path):
-    from lightning_distckpt import DistCheckpointIO
+    from lightning_distckpt.lightning import DistCheckpointIO
 
     path = str(tmp_path / "ckpt")
     ldc.save(_mismatch_state(4), path)

@@ -53,10 +53,10 @@ def _save_tp_and_export(rank: int, world: int, weights_file: str, ckpt: str, out
             local = t.chunk(world, dim=axis)[rank].clone()
             sharded[name] = ldc.ShardedTensor.from_rank_offsets(name, local, (axis, rank, world))
     ldc.save({"model": sharded, "step": 3}, ckpt)
-    report = ldc.export_safetensors(ckpt, out, max_shard_size=max_shard)
+    report = ldc.export.to_safetensors(ckpt, out, max_shard_size=max_shard)
     # A failure on one rank (its checkpoint is missing) is raised on every rank, none waits.
     with pytest.raises(ldc.CheckpointingError, match="rank 1"):
-        ldc.export_safetensors(ckpt if rank == 0 else ckpt + "-missing", out + "-bad", max_shard_size=max_shard)
+        ldc.export.to_safetensors(ckpt if rank == 0 else ckpt + "-missing", out + "-bad", max_shard_size=max_shard)
     return report
 
 
@@ -108,20 +108,20 @@ def test_single_file_and_reexport_replace_stale_files(tmp_path):
 
     tensors = _small_checkpoint(str(tmp_path / "ckpt"))
     out = tmp_path / "hf"
-    report = ldc.export_safetensors(tmp_path / "ckpt", out)
+    report = ldc.export.to_safetensors(tmp_path / "ckpt", out)
     assert sorted(os.listdir(out)) == [SINGLE_FILE]
     assert report.tensors == 4
     got = load_file(str(out / SINGLE_FILE))
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
 
-    ldc.export_safetensors(tmp_path / "ckpt", out, max_shard_size=200)  # sharded: the single file goes
+    ldc.export.to_safetensors(tmp_path / "ckpt", out, max_shard_size=200)  # sharded: the single file goes
     names = sorted(os.listdir(out))
     assert INDEX_FILE in names and SINGLE_FILE not in names and len(names) > 2
-    ldc.export_safetensors(tmp_path / "ckpt", out, max_shard_size="1MiB", key_map=lambda k: None if k == "c.ids" else k)
+    ldc.export.to_safetensors(tmp_path / "ckpt", out, max_shard_size="1MiB", key_map=lambda k: None if k == "c.ids" else k)
     assert sorted(os.listdir(out)) == [SINGLE_FILE]  # index and shards of the sharded export removed
     assert set(load_file(str(out / SINGLE_FILE))) == {"a.weight", "b.weight", "d.scale"}
     with pytest.raises(ArgumentError, match="is the checkpoint"):
-        ldc.export_safetensors(out, out)  # would overwrite the files it reads
+        ldc.export.to_safetensors(out, out)  # would overwrite the files it reads
 
 
 def _meta(name: str, nbytes: int) -> ExportTensor:
@@ -162,11 +162,11 @@ def test_memory_bound_one_shard_or_one_tensor_at_a_time(tmp_path, monkeypatch):
         return wrapped
 
     monkeypatch.setattr(safetensors_out, "read_whole", spy(safetensors_out.read_whole))
-    ldc.export_safetensors(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=400)
+    ldc.export.to_safetensors(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=400)
     assert batches == [140 + 32, 320 + 36]  # one file's tensors at a time, each batch within the limit
     batches.clear()
     monkeypatch.setattr(dcp_out, "read_whole", spy(dcp_out.read_whole))
-    ldc.export_dcp(tmp_path / "ckpt", tmp_path / "dcp")
+    ldc.export.to_dcp(tmp_path / "ckpt", tmp_path / "dcp")
     assert sorted(batches) == sorted([140, 32, 320, 36])  # each tensor read alone, when DCP writes it
 
 
@@ -187,7 +187,7 @@ def test_dcp_export_loads_under_dtensor_split_and_plain(tmp_path):
 
     tensors = _small_checkpoint(str(tmp_path / "ckpt"))
     out = str(tmp_path / "dcp")
-    report = ldc.export_dcp(tmp_path / "ckpt", out)
+    report = ldc.export.to_dcp(tmp_path / "ckpt", out)
     assert report.kind == "dcp" and report.tensors == 4 and os.path.isfile(os.path.join(out, ".metadata"))
 
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
@@ -203,15 +203,15 @@ def test_dcp_export_loads_under_dtensor_split_and_plain(tmp_path):
     assert all(torch.equal(plain[k], v) for k, v in tensors.items()) and plain["step"] == 7
     back = ldc.load_plain_tensors(out)  # and our own DCP reader
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
-    ldc.export_safetensors(out, tmp_path / "hf", max_shard_size=400)  # any source ldc reads: DCP -> safetensors
+    ldc.export.to_safetensors(out, tmp_path / "hf", max_shard_size=400)  # any source ldc reads: DCP -> safetensors
     assert all(torch.equal(ldc.load_plain_tensors(tmp_path / "hf")[k], v) for k, v in tensors.items())
 
-    ldc.export_dcp(tmp_path / "ckpt", out, key_map={"a.weight": "renamed"})  # replaces the DCP directory
+    ldc.export.to_dcp(tmp_path / "ckpt", out, key_map={"a.weight": "renamed"})  # replaces the DCP directory
     assert "renamed" in ldc.load_tensors_metadata(out)
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "notes.txt").write_text("mine")
     with pytest.raises(ldc.CheckpointingError, match="not a DCP checkpoint"):
-        ldc.export_dcp(tmp_path / "ckpt", tmp_path / "user")
+        ldc.export.to_dcp(tmp_path / "ckpt", tmp_path / "user")
     assert (tmp_path / "user" / "notes.txt").read_text() == "mine"
 
 
@@ -224,14 +224,14 @@ def test_lightning_trainer_checkpoint_exports_module_keys(tmp_path):
                   "optimizer_states": [{"state": {0: {"exp_avg": m}}, "param_groups": [{"lr": 0.1, "params": [0]}]}]}
     DistCheckpointIO().save_checkpoint(checkpoint, str(tmp_path / "ckpt"))
 
-    ldc.export_safetensors(tmp_path / "ckpt", tmp_path / "hf")
+    ldc.export.to_safetensors(tmp_path / "ckpt", tmp_path / "hf")
     got = load_file(str(tmp_path / "hf" / SINGLE_FILE))
     assert set(got) == {"layer.weight", "layer.bias"}  # the LightningModule's keys; no optimizer state
     assert torch.equal(got["layer.weight"], w) and torch.equal(got["layer.bias"], b)
 
     import torch.distributed.checkpoint as dcp
 
-    ldc.export_dcp(tmp_path / "ckpt", tmp_path / "dcp")
+    ldc.export.to_dcp(tmp_path / "ckpt", tmp_path / "dcp")
     state = {"state_dict": {"layer.weight": torch.zeros(4, 3), "layer.bias": torch.zeros(4)}, "epoch": 0}
     dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # as Lightning's own DCP checkpoints
     assert torch.equal(state["state_dict"]["layer.weight"], w) and state["epoch"] == 2
@@ -271,7 +271,7 @@ def test_sharded_trainer_layout_exports_module_keys(tmp_path):
                 "optimizer_states.0.enc.proj.weight.exp_avg", m)}}}], "epoch": 1}
     tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
     ldc.save(tree, tmp_path / "ckpt")
-    report = ldc.export_safetensors(tmp_path / "ckpt", tmp_path / "hf", key_map={"enc.proj.weight": "proj.weight"})
+    report = ldc.export.to_safetensors(tmp_path / "ckpt", tmp_path / "hf", key_map={"enc.proj.weight": "proj.weight"})
     assert report.tensors == 1
     got = load_file(str(tmp_path / "hf" / SINGLE_FILE))
     assert list(got) == ["proj.weight"] and torch.equal(got["proj.weight"], w)
@@ -285,5 +285,5 @@ def test_dcp_export_failure_is_a_checkpointing_error_and_leaves_nothing(tmp_path
 
     monkeypatch.setattr(dcp_out, "read_whole", broken)
     with pytest.raises(ldc.CheckpointingError, match="is damaged"):
-        ldc.export_dcp(tmp_path / "ckpt", tmp_path / "dcp")
+        ldc.export.to_dcp(tmp_path / "ckpt", tmp_path / "dcp")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no output, no staging directory left

@@ -75,10 +75,10 @@ def test_only_model_include_and_config_make_a_from_pretrained_directory(llama, t
     assert cli_main(["convert", ckpt, str(everything), "--to", "safetensors"]) == 0
     assert "opt/state/0/exp_avg_sq" in _exported_keys(everything)  # without --only: every tensor
     # the Python API and DCP take the same selection
-    ldc.export_dcp(ckpt, str(tmp_path / "dcp"), only="model", include=["lm_head"])
+    ldc.export.to_dcp(ckpt, str(tmp_path / "dcp"), only="model", include=["lm_head"])
     assert sorted(ldc.load_tensors_metadata(str(tmp_path / "dcp"))) == ["lm_head.weight"]
     with pytest.raises(ArgumentError, match="only='optimizer'"):
-        ldc.export_safetensors(ckpt, str(tmp_path / "x"), only="optimizer")
+        ldc.export.to_safetensors(ckpt, str(tmp_path / "x"), only="optimizer")
     assert cli_main(["convert", ckpt, str(tmp_path / "y.pt"), "--only", "model"]) == 2
     assert "--only / --include apply to --to safetensors, dcp or megatron" in capsys.readouterr().err
 
@@ -105,7 +105,7 @@ def test_files_get_the_mode_the_umask_gives(llama, tmp_path, umask):
     ckpt, _, config = llama
     old = os.umask(umask)
     try:
-        ldc.export_safetensors(ckpt, str(tmp_path / "hf"), max_shard_size="40KB", only="model", config=config)
+        ldc.export.to_safetensors(ckpt, str(tmp_path / "hf"), max_shard_size="40KB", only="model", config=config)
     finally:
         os.umask(old)
     files = sorted(os.listdir(tmp_path / "hf"))

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import lightning_distckpt as ldc
+from lightning_distckpt.core.factories import fused_split_factory, transposed_factory
 from dist_utils import run_distributed
 
 H, D, F = 4, 3, 6  # attention rows per projection, model dim, MLP rows per gate/up
@@ -39,8 +40,8 @@ class FusedBlock(nn.Module):
         sd = self.state_dict(keep_vars=True)
         tp_off = (0, self.tp_rank, self.tp)
         return {
-            "qkv": ldc.fused_split_factory("block.qkv", sd["qkv"], [(n, H // self.tp) for n in QKV], tp_off),
-            "gate_up": ldc.fused_split_factory("block.gate_up", sd["gate_up"], [(n, F // self.tp) for n in GATE_UP],
+            "qkv": fused_split_factory("block.qkv", sd["qkv"], [(n, H // self.tp) for n in QKV], tp_off),
+            "gate_up": fused_split_factory("block.gate_up", sd["gate_up"], [(n, F // self.tp) for n in GATE_UP],
                                                tp_off),
         }
 
@@ -56,7 +57,7 @@ def adam_after_one_step(block):
 
 def state_for(block, opt):
     msd = block.sharded_state_dict()
-    return {"model": msd, "optimizer": ldc.optimizer_sharded_state_dict(opt, msd)}
+    return {"model": msd, "optimizer": ldc.optim.optimizer_sharded_state_dict(opt, msd)}
 
 
 def _save_tp2(rank, world, path):
@@ -93,7 +94,7 @@ def _load_tp2(rank, world, path, parts):
     opt = torch.optim.Adam(block.parameters(), lr=0.7)
     loaded = ldc.load(state_for(block, opt), path)
     block.load_state_dict(loaded["model"])
-    ldc.restore_optimizer_state(opt, loaded["optimizer"])
+    ldc.optim.restore_optimizer_state(opt, loaded["optimizer"])
     check_loaded(block, opt, parts, 1, f"TP1 -> TP2 rank {rank}")
     return True
 
@@ -119,7 +120,7 @@ def test_fused_qkv_and_gate_up_saved_tp2_load_tp1_with_optimizer_state(tmp_path)
     loaded = ldc.load(state_for(block, opt), path)
     assert torch.equal(loaded["model"]["qkv"], torch.cat([parts[("qkv", "param", n)] for n in QKV]))
     block.load_state_dict(loaded["model"])
-    ldc.restore_optimizer_state(opt, loaded["optimizer"])
+    ldc.optim.restore_optimizer_state(opt, loaded["optimizer"])
     check_loaded(block, opt, parts, 1, "TP2 -> TP1")
 
 
@@ -141,12 +142,12 @@ def test_grouped_interleave_changes_tp(tmp_path):
         return torch.cat([torch.cat([q[g * qg:(g + 1) * qg], k[g:g + 1], v[g:g + 1]]) for g in gs])
 
     parts = [("q", qg), ("k", kvg), ("v", kvg)]
-    sd = {f"rank{r}": ldc.fused_split_factory("qkv", layout([r]), parts, (0, r, 2)) for r in range(2)}
+    sd = {f"rank{r}": fused_split_factory("qkv", layout([r]), parts, (0, r, 2)) for r in range(2)}
     ldc.save(sd, tmp_path / "ck")
     plain = ldc.load_plain_tensors(tmp_path / "ck")
     assert torch.equal(plain["qkv.q"], q) and torch.equal(plain["qkv.k"], k) and torch.equal(plain["qkv.v"], v)
     target = torch.zeros(groups * (qg + 2 * kvg), D)
-    loaded = ldc.load({"qkv": ldc.fused_split_factory("qkv", target, parts, groups=groups)}, tmp_path / "ck")
+    loaded = ldc.load({"qkv": fused_split_factory("qkv", target, parts, groups=groups)}, tmp_path / "ck")
     assert torch.equal(loaded["qkv"], layout(range(groups)))
 
 
@@ -154,7 +155,7 @@ def test_transposed_storage_layout(tmp_path):
     """A Conv1D-style weight (in, out) kept transposed, stored as a Linear weight (out, in) sharded
     by output rows; read back whole as a plain tensor and, through the factory, in place."""
     w = full("conv1d", (D, 2 * H))  # (in, out)
-    sd = {f"rank{r}": ldc.transposed_factory("proj.weight", w[:, r * H:(r + 1) * H].clone(), (0, r, 2))
+    sd = {f"rank{r}": transposed_factory("proj.weight", w[:, r * H:(r + 1) * H].clone(), (0, r, 2))
           for r in range(2)}
     ldc.save(sd, tmp_path / "ck")
     stored = ldc.load_plain_tensors(tmp_path / "ck")["proj.weight"]
@@ -162,19 +163,19 @@ def test_transposed_storage_layout(tmp_path):
     linear = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("proj.weight", torch.zeros(2 * H, D))}, tmp_path / "ck")
     assert torch.equal(linear["w"], w.T)
     param = nn.Parameter(torch.zeros(D, 2 * H))
-    loaded = ldc.load({"w": ldc.transposed_factory("proj.weight", param)}, tmp_path / "ck")
+    loaded = ldc.load({"w": transposed_factory("proj.weight", param)}, tmp_path / "ck")
     assert torch.equal(param.detach(), w)  # read in place through the transposed view
     assert torch.equal(loaded["w"], w)
 
 
 def test_factory_errors_are_clear():
     with pytest.raises(ldc.ShardingError, match=r"'qkv': local size 5 along axis 0 is not 1 x \[2, 2\] = 4"):
-        ldc.fused_split_factory("qkv", torch.zeros(5, 2), [("a", 2), ("b", 2)]).build()
-    flat = ldc.ShardedTensorFactory("x", torch.zeros(4, 2), ldc.fused_split_factory(
+        fused_split_factory("qkv", torch.zeros(5, 2), [("a", 2), ("b", 2)]).build()
+    flat = ldc.ShardedTensorFactory("x", torch.zeros(4, 2), fused_split_factory(
         "x", torch.zeros(4, 2), [("a", 2), ("b", 2)]).build_fn, lambda t: t, flattened_range=slice(0, 3))
     with pytest.raises(ldc.ShardingError, match="cannot be applied to flattened data"):
         flat.build()
     with pytest.raises(ldc.ShardingError, match="distinct names"):
-        ldc.fused_split_factory("x", torch.zeros(4, 2), [("a", 2), ("a", 2)])
+        fused_split_factory("x", torch.zeros(4, 2), [("a", 2), ("a", 2)])
     with pytest.raises(ldc.ShardingError, match="two distinct axes"):
-        ldc.transposed_factory("x", torch.zeros(4))
+        transposed_factory("x", torch.zeros(4))

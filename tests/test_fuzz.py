@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lightning_distckpt as ldc
-from lightning_distckpt.cli.validate import validate
+from lightning_distckpt import validate
 from lightning_distckpt.storage.checksums import sha256_hex
 
 EXAMPLES = int(os.environ.get("LDC_FUZZ_EXAMPLES", "40"))

@@ -134,7 +134,7 @@ def test_trainer_on_the_gpu_saves_and_resumes(tmp_path, isolated_process_group):
     trainer, model = fit(4, async_save=True)
     assert devices == {"cuda"}  # trained on the GPU (Lightning moves the module back to the CPU at teardown)
     assert str(trainer.strategy.root_device).startswith("cuda")
-    saved = ldc.DistCheckpointIO().load_checkpoint(tmp_path / "step=4.ckpt")
+    saved = ldc.lightning.DistCheckpointIO().load_checkpoint(tmp_path / "step=4.ckpt")
     for k, v in model.state_dict().items():
         assert torch.equal(saved["state_dict"][k], v.cpu()), k
     trainer2, model2 = fit(6, ckpt_path=str(tmp_path / "step=4.ckpt"))

@@ -8,7 +8,7 @@ import pytest
 
 import torch
 
-from lightning_distckpt import load_lightning_module
+from lightning_distckpt.lightning import load_lightning_module
 from lightning_helpers import TEST_STEP, TPMLP, run_script
 
 SCENARIOS = ["tp_layers", "exact_resume", "failures", "nonstrict", "topk_last", "link_last", "exact_resume_yaml"]

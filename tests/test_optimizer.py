@@ -116,7 +116,7 @@ def build(kind, full, rank, world, tp):
 
 def checkpoint_sd(model, opt, **kw):
     msd = model.sharded_state_dict()
-    return {"model": msd, "optimizer": ldc.optimizer_sharded_state_dict(opt, msd, **kw)}
+    return {"model": msd, "optimizer": ldc.optim.optimizer_sharded_state_dict(opt, msd, **kw)}
 
 
 # -- process bodies -------------------------------------------------------------------------
@@ -141,7 +141,7 @@ def _resume(rank, world, tp, kind, path, steps, more):
     loaded = ldc.load(sd, path)
     for name, p in model.state_dict(keep_vars=True).items():
         assert loaded["model"][name] is p  # read in place into the parameters
-    ldc.restore_optimizer_state(opt, loaded["optimizer"])
+    ldc.optim.restore_optimizer_state(opt, loaded["optimizer"])
     restored = copy.deepcopy(opt.state_dict())
     state = full_opt_state(model, opt)
     train(model, opt, more, steps)
@@ -267,7 +267,7 @@ def test_init_optimizer_state_keeps_params_and_creates_fresh_state():
     model, opt = build("adam", full_init(0), 0, 1, 1)
     model.fc1.weight.grad = torch.ones_like(model.fc1.weight)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ldc.init_optimizer_state(opt)
+    ldc.optim.init_optimizer_state(opt)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert torch.equal(model.fc1.weight.grad, torch.ones_like(model.fc1.weight))  # grads put back
     assert model.fc2.weight.grad is None
@@ -284,7 +284,7 @@ def test_unmappable_state_names_optimizer_and_state():
     model = ShardedMLP(full_init(0), 1, 0, 0)
     opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
     with pytest.raises(ldc.CheckpointingError, match=r"state 'row_var' of optimizer Adafactor .*'model.fc1.weight'"):
-        ldc.optimizer_sharded_state_dict(opt, model.sharded_state_dict())
+        ldc.optim.optimizer_sharded_state_dict(opt, model.sharded_state_dict())
 
 
 def test_parameter_missing_from_model_state_dict_is_named():
@@ -293,7 +293,7 @@ def test_parameter_missing_from_model_state_dict_is_named():
     msd = model.sharded_state_dict()
     del msd["fc2.weight"]
     with pytest.raises(ldc.CheckpointingError, match=r"optimizer SGD: parameter #2 .*shape \(3, 8\)"):
-        ldc.optimizer_sharded_state_dict(opt, msd)
+        ldc.optim.optimizer_sharded_state_dict(opt, msd)
 
 
 def test_param_group_mismatch_is_reported(tmp_path):
@@ -303,7 +303,7 @@ def test_param_group_mismatch_is_reported(tmp_path):
     two_groups = torch.optim.Adam([{"params": other.fc1.parameters()}, {"params": other.fc2.parameters()}])
     loaded = ldc.load(checkpoint_sd(other, two_groups), tmp_path / "ck")
     with pytest.raises(ldc.CheckpointingError, match="checkpoint has 1 param groups, the optimizer 2"):
-        ldc.restore_optimizer_state(two_groups, loaded["optimizer"])
+        ldc.optim.restore_optimizer_state(two_groups, loaded["optimizer"])
 
 
 # -- allow_shape_mismatch: a vocabulary padded to another multiple ----------------------------
@@ -323,7 +323,7 @@ def _vocab_save(rank, world, path):
     emb.grad = torch.ones_like(emb)
     opt.step()
     msd = {"emb": ldc.ShardedTensor.from_rank_offsets("emb", emb, (0, rank, world), allow_shape_mismatch=True)}
-    ldc.save({"model": msd, "optimizer": ldc.optimizer_sharded_state_dict(opt, msd)}, path)
+    ldc.save({"model": msd, "optimizer": ldc.optim.optimizer_sharded_state_dict(opt, msd)}, path)
     return torch.cat([t.detach() for t in gather_list(emb.detach())]), torch.cat(
         gather_list(opt.state[emb]["exp_avg"]))
 
@@ -341,8 +341,8 @@ def test_vocab_padded_to_another_multiple_loads_with_allow_shape_mismatch(tmp_pa
         emb = nn.Parameter(torch.full((rows, DIM), 7.0))
         opt = torch.optim.Adam([emb], lr=0.1)
         msd = {"emb": ldc.ShardedTensor.from_rank_offsets("emb", emb, allow_shape_mismatch=True)}
-        loaded = ldc.load({"model": msd, "optimizer": ldc.optimizer_sharded_state_dict(opt, msd)}, tmp_path / "ck")
-        ldc.restore_optimizer_state(opt, loaded["optimizer"])
+        loaded = ldc.load({"model": msd, "optimizer": ldc.optim.optimizer_sharded_state_dict(opt, msd)}, tmp_path / "ck")
+        ldc.optim.restore_optimizer_state(opt, loaded["optimizer"])
         keep = min(rows, 16)
         assert torch.equal(emb.detach()[:keep], saved_emb[:keep])
         assert not emb.detach()[keep:].any()  # padding beyond the saved rows is zero-filled

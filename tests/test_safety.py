@@ -77,7 +77,7 @@ def test_urls_are_refused_by_save_and_load_and_nothing_is_written(tmp_path, monk
 def test_urls_are_refused_by_every_command(tmp_path, monkeypatch, capsys, no_aws):
     from lightning_distckpt.cli import main
     from lightning_distckpt.cli.clean import clean
-    from lightning_distckpt.cli.validate import validate
+    from lightning_distckpt import validate
     from lightning_distckpt.convert import export_torch_file, relayout_checkpoint
 
     ldc.save(state(), tmp_path / "ck")
@@ -119,7 +119,7 @@ def _link_in(ck, other, rel):
 
 def _every_reader_refuses(ck, tmp_path, capsys, name):
     from lightning_distckpt.cli import main
-    from lightning_distckpt.cli.validate import validate
+    from lightning_distckpt import validate
     from lightning_distckpt.convert import export_torch_file, relayout_checkpoint
 
     with pytest.raises(ldc.CheckpointingError, match=f"{name}.*symbolic link"):

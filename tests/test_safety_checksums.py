@@ -13,7 +13,7 @@ import torch
 
 import lightning_distckpt as ldc
 from lightning_distckpt.cli import main
-from lightning_distckpt.cli.validate import validate
+from lightning_distckpt import validate
 from lightning_distckpt.core.errors import FormatError
 
 W = torch.arange(64 * 300, dtype=torch.float32).reshape(64, 300)

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 import lightning_distckpt as ldc
 from lightning_distckpt import StrictHandling
+from lightning_distckpt.saving.save import SavePlanCache
 from lightning_distckpt.storage.layout import COMMIT_MARKER, METADATA_FILE
 from dist_utils import run_distributed
 
@@ -309,7 +310,7 @@ def test_write_failure_on_one_rank_fails_all_and_keeps_old(tmp_path):
 
 
 def test_sync_save_plan_cache(tmp_path):
-    cache = ldc.SavePlanCache()
+    cache = SavePlanCache()
     for value in (1.0, 2.0):
         ldc.save({"a": ldc.ShardedTensor.from_rank_offsets("a", torch.full((3,), value))}, tmp_path / "ck",
                  plan_cache=cache)

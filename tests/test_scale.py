@@ -12,7 +12,7 @@ from lightning_distckpt.cli import main
 from lightning_distckpt.comm import get_comm
 from lightning_distckpt.planning.metadata import CheckpointIndex
 from lightning_distckpt.storage.layout import METADATA_FILE
-from lightning_distckpt.saving.save import finalize_save, prepare_save, write_local
+from lightning_distckpt.saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 from dist_utils import run_distributed
 
 TP, DP = 2, 4
@@ -81,7 +81,7 @@ def _save_and_reshard(rank, world, root):
     out["a_plan_index_keys"] = sorted(prep.plan.index.tensors)  # rank 0 only: the whole index
     out["a_bytes"] = prep.plan.bytes_per_rank.get(rank, 0)
     finalize_save(prep, write_local(prep))
-    cache = ldc.SavePlanCache()
+    cache = SavePlanCache()
     ldc.save(_state(rank), f"{root}/b", plan_cache=cache)
     ldc.save(_state(rank), f"{root}/c", plan_cache=cache)
     out["cache"] = (cache.hits, cache.misses)

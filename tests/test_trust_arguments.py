@@ -21,7 +21,7 @@ import torch
 import lightning_distckpt as ldc
 from lightning_distckpt import convert
 from lightning_distckpt.cli.main import main
-from lightning_distckpt.cli.validate import validate
+from lightning_distckpt import validate
 from lightning_distckpt.core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from lightning_distckpt.ingest import load_state_dict
 
@@ -99,31 +99,31 @@ def path_calls(ck: str, out: str):
         ("checkpoint_dir", lambda p: ldc.load_plain_tensors(p)),
         ("checkpoint_dir", lambda p: ldc.load_tensors_metadata(p)),
         ("checkpoint_dir", lambda p: ldc.load_common_state_dict(p)),
-        ("source", lambda p: ldc.relayout_checkpoint(p, out, ldc.StorageOptions())),
-        ("destination", lambda p: ldc.relayout_checkpoint(ck, p, ldc.StorageOptions())),
+        ("source", lambda p: ldc.export.relayout(p, out, ldc.StorageOptions())),
+        ("destination", lambda p: ldc.export.relayout(ck, p, ldc.StorageOptions())),
         ("source", lambda p: convert.export_torch_file(p, out)),
         ("destination", lambda p: convert.export_torch_file(ck, p)),
         ("source", lambda p: convert.import_torch_file(p, out)),
         ("destination", lambda p: convert.import_torch_file(plain, p)),
-        ("source", lambda p: ldc.export_torch_file(p, out)),
-        ("destination", lambda p: ldc.export_torch_file(ck, p)),
-        ("source", lambda p: ldc.import_torch_file(p, out)),
-        ("destination", lambda p: ldc.import_torch_file(plain, p)),
-        ("checkpoint", lambda p: ldc.export_safetensors(p, out)),
-        ("out_dir", lambda p: ldc.export_safetensors(ck, p)),
-        ("checkpoint", lambda p: ldc.export_dcp(p, out)),
-        ("out_dir", lambda p: ldc.export_dcp(ck, p)),
-        ("checkpoint", lambda p: ldc.export_megatron(p, out)),
-        ("out_dir", lambda p: ldc.export_megatron(ck, p)),
+        ("source", lambda p: ldc.export.to_torch_file(p, out)),
+        ("destination", lambda p: ldc.export.to_torch_file(ck, p)),
+        ("source", lambda p: ldc.export.from_torch_file(p, out)),
+        ("destination", lambda p: ldc.export.from_torch_file(plain, p)),
+        ("checkpoint", lambda p: ldc.export.to_safetensors(p, out)),
+        ("out_dir", lambda p: ldc.export.to_safetensors(ck, p)),
+        ("checkpoint", lambda p: ldc.export.to_dcp(p, out)),
+        ("out_dir", lambda p: ldc.export.to_dcp(ck, p)),
+        ("checkpoint", lambda p: ldc.export.to_megatron(p, out)),
+        ("out_dir", lambda p: ldc.export.to_megatron(ck, p)),
         ("checkpoint", lambda p: validate(p)),
         ("checkpoint_file", lambda p: load_state_dict(p)),
-        ("checkpoint", lambda p: ldc.load_module_weights(torch.nn.Linear(4, 3), p)),
-        ("path", lambda p: ldc.DistCheckpointIO().save_checkpoint({"w": WEIGHT}, p)),
-        ("path", lambda p: ldc.DistCheckpointIO().load_checkpoint(p)),
-        ("path", lambda p: ldc.DistCheckpointIO().open_source(p)),
-        ("path", lambda p: ldc.DistCheckpointIO().remove_checkpoint(p)),
-        ("checkpoint_dir", lambda p: ldc.DistCheckpointIO().save_sharded(_state(), p)),
-        ("checkpoint_dir", lambda p: ldc.DistCheckpointIO().load_sharded(_template(), p)),
+        ("checkpoint", lambda p: ldc.lightning.load_module_weights(torch.nn.Linear(4, 3), p)),
+        ("path", lambda p: ldc.lightning.DistCheckpointIO().save_checkpoint({"w": WEIGHT}, p)),
+        ("path", lambda p: ldc.lightning.DistCheckpointIO().load_checkpoint(p)),
+        ("path", lambda p: ldc.lightning.DistCheckpointIO().open_source(p)),
+        ("path", lambda p: ldc.lightning.DistCheckpointIO().remove_checkpoint(p)),
+        ("checkpoint_dir", lambda p: ldc.lightning.DistCheckpointIO().save_sharded(_state(), p)),
+        ("checkpoint_dir", lambda p: ldc.lightning.DistCheckpointIO().load_sharded(_template(), p)),
     ]
 
 
@@ -157,7 +157,7 @@ def test_bytes_paths_are_decoded_everywhere(tmp_path):
         assert torch.equal(ldc.load_plain_tensors(path)["w"], WEIGHT)
         assert ldc.load_common_state_dict(path) == {"step": 1}
         assert set(ldc.load_tensors_metadata(path)) == {"w"}
-    report = ldc.export_safetensors(raw, os.fsencode(str(tmp_path / "hf")))
+    report = ldc.export.to_safetensors(raw, os.fsencode(str(tmp_path / "hf")))
     assert report.destination == str(tmp_path / "hf") and isinstance(report.source, str)
     convert.export_torch_file(raw, os.fsencode(str(tmp_path / "x.pt")))
     assert torch.equal(torch.load(tmp_path / "x.pt")["tensors"]["w"], WEIGHT)
@@ -170,7 +170,7 @@ def test_a_path_that_is_not_utf8_is_refused_alike_everywhere(ck, tmp_path):
     """Bytes that do not decode as UTF-8 (tensorstore opens only UTF-8 paths): save and load say so."""
     raw = os.fsencode(str(tmp_path)) + b"/ck-\xff"
     for call in (lambda p: ldc.save(_state(), p), lambda p: ldc.load(_template(), p), ldc.load_plain_tensors,
-                 lambda p: ldc.export_dcp(ck, p)):
+                 lambda p: ldc.export.to_dcp(ck, p)):
         for path in (raw, os.fsdecode(raw)):
             with pytest.raises(ArgumentError, match="not valid UTF-8"):
                 call(path)
@@ -180,7 +180,7 @@ def test_a_path_that_is_not_utf8_is_refused_alike_everywhere(ck, tmp_path):
 def test_a_backslash_in_a_checkpoint_path_is_refused(ck, tmp_path):
     """tensorstore reads a backslash as a separator: ``x\\y`` would be written to ``x/y`` (a
     relayout's staging directory, ``.x\\y.distckpt-staging-*``, landed in ``.x/``)."""
-    for call in (lambda p: ldc.save(_state(), p), lambda p: ldc.relayout_checkpoint(ck, p, ldc.StorageOptions()),
+    for call in (lambda p: ldc.save(_state(), p), lambda p: ldc.export.relayout(ck, p, ldc.StorageOptions()),
                  lambda p: ldc.load(_template(), p)):
         for name in ("x\\y", "\\", "0\\0"):
             with pytest.raises(ArgumentError, match="backslash"):
@@ -230,7 +230,7 @@ def test_load_arguments_of_the_wrong_type(ck, kwargs, name, error):
                                         ("0.1", ArgumentError)])
 def test_max_shard_size_of_the_wrong_type_or_value(ck, tmp_path, size, error):
     with pytest.raises(error, match="max_shard_size"):
-        ldc.export_safetensors(ck, tmp_path / "hf", max_shard_size=size)
+        ldc.export.to_safetensors(ck, tmp_path / "hf", max_shard_size=size)
     assert not (tmp_path / "hf").exists()
 
 
@@ -244,9 +244,9 @@ def test_storage_options_of_the_wrong_type_or_range(field, value):
 
 def test_converter_options_of_the_wrong_type(ck, tmp_path):
     with pytest.raises(ArgumentTypeError, match="storage"):
-        ldc.relayout_checkpoint(ck, tmp_path / "o", {"layout": "zarr"})
+        ldc.export.relayout(ck, tmp_path / "o", {"layout": "zarr"})
     with pytest.raises(ArgumentTypeError, match="extra_safe_globals"):
         convert.export_torch_file(ck, tmp_path / "o.pt", extra_safe_globals=5)
     with pytest.raises(ArgumentTypeError, match="key_map"):
-        ldc.export_dcp(ck, tmp_path / "o", key_map=["w"])
+        ldc.export.to_dcp(ck, tmp_path / "o", key_map=["w"])
     assert sorted(os.listdir(tmp_path)) == []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lightning_distckpt as ldc
-from lightning_distckpt.cli.validate import validate
+from lightning_distckpt import validate
 from lightning_distckpt.core.errors import ValidationError
 from lightning_distckpt.storage.key_paths import colliding_keys
 from lightning_distckpt.storage.layout import COMMIT_MARKER, METADATA_FILE, encode_key

@@ -113,9 +113,9 @@ def test_python_functions_refuse_outputs_over_their_input(ck, tmp_path):
         lambda out: convert.relayout_checkpoint(path, out, ldc.StorageOptions(layout="zarr")),
         lambda out: convert.export_torch_file(path, out),
         lambda out: lightning_export.export_torch_file(path, out),
-        lambda out: ldc.export_safetensors(path, out),
-        lambda out: ldc.export_dcp(path, out),
-        lambda out: ldc.export_megatron(path, out),
+        lambda out: ldc.export.to_safetensors(path, out),
+        lambda out: ldc.export.to_dcp(path, out),
+        lambda out: ldc.export.to_megatron(path, out),
     ]
     for call in calls:
         for name, out in outs.items():
@@ -176,7 +176,7 @@ def test_export_into_another_models_directory_deletes_nothing(tmp_path, shard_by
     before = tree_hashes(hf)
     for size in ("5GB", 40):  # our export as one file, and as several
         with pytest.raises(ArgumentError, match="not written by lightning_distckpt") as err:
-            ldc.export_safetensors(tmp_path / "CK", hf, max_shard_size=size)
+            ldc.export.to_safetensors(tmp_path / "CK", hf, max_shard_size=size)
         assert (INDEX_FILE if shard_bytes == 2000 else SINGLE_FILE) in str(err.value)
         assert tree_hashes(hf) == before
     assert main(["convert", str(tmp_path / "CK"), hf, "--to", "safetensors"]) == 2
@@ -187,7 +187,7 @@ def test_reexport_replaces_only_our_own_files(tmp_path):
     tensors = {f"t{i}": torch.full((10,), float(i)) for i in range(4)}  # 40 bytes each
     ldc.save({k: ldc.ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, str(tmp_path / "CK"))
     hf = tmp_path / "hf"
-    ldc.export_safetensors(tmp_path / "CK", hf, max_shard_size=40)  # four files and an index
+    ldc.export.to_safetensors(tmp_path / "CK", hf, max_shard_size=40)  # four files and an index
     index = json.loads((hf / INDEX_FILE).read_text())
     assert index["metadata"]["written_by"] == "lightning_distckpt" and index["metadata"]["total_size"] == 160
     ours = sorted(set(index["weight_map"].values()))
@@ -197,7 +197,7 @@ def test_reexport_replaces_only_our_own_files(tmp_path):
     save_file({"x": torch.zeros(3)}, str(hf / "model-00007-of-00009.safetensors"), metadata={"format": "pt"})
     kept = {n: h for n, h in tree_hashes(hf).items() if n not in ours and n != INDEX_FILE}
 
-    ldc.export_safetensors(tmp_path / "CK", hf, max_shard_size=80)  # two files now
+    ldc.export.to_safetensors(tmp_path / "CK", hf, max_shard_size=80)  # two files now
     names = set(os.listdir(hf))
     assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX_FILE} <= names
     assert not names & set(ours)  # our earlier files were replaced or removed
@@ -205,7 +205,7 @@ def test_reexport_replaces_only_our_own_files(tmp_path):
     back = ldc.load({k: ldc.ShardedTensor.from_rank_offsets(k, torch.empty(10)) for k in tensors}, str(hf))
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
 
-    ldc.export_safetensors(tmp_path / "CK", hf)  # one file: our index and shards go, nothing else
+    ldc.export.to_safetensors(tmp_path / "CK", hf)  # one file: our index and shards go, nothing else
     assert set(os.listdir(hf)) == {SINGLE_FILE, *kept}
     assert load_file(str(hf / SINGLE_FILE)).keys() == tensors.keys()
 
@@ -216,9 +216,9 @@ def test_a_foreign_file_with_one_of_our_names_is_in_the_way(tmp_path):
     tensors = {f"t{i}": torch.full((10,), float(i)) for i in range(2)}
     ldc.save({k: ldc.ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, str(tmp_path / "CK"))
     hf = tmp_path / "hf"
-    ldc.export_safetensors(tmp_path / "CK", hf)  # model.safetensors, marked
+    ldc.export.to_safetensors(tmp_path / "CK", hf)  # model.safetensors, marked
     save_file({"x": torch.zeros(3)}, str(hf / SINGLE_FILE), metadata={"format": "pt"})  # not ours any more
     before = tree_hashes(hf)
     with pytest.raises(ArgumentError, match=SINGLE_FILE):
-        ldc.export_safetensors(tmp_path / "CK", hf, max_shard_size=40)
+        ldc.export.to_safetensors(tmp_path / "CK", hf, max_shard_size=40)
     assert tree_hashes(hf) == before

@@ -14,7 +14,7 @@ import tensorstore as ts
 import torch
 
 import lightning_distckpt as ldc
-from lightning_distckpt.cli.validate import validate
+from lightning_distckpt import validate
 from lightning_distckpt.storage.layout import COMMIT_MARKER, METADATA_FILE, rank_dir
 from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
 from lightning_distckpt.reading.checkpoint import OpenedCheckpoint

@@ -5,7 +5,7 @@ import sys
 import torch
 from lightning.fabric import Fabric
 
-from lightning_distckpt import FabricDistCheckpointStrategy
+from lightning_distckpt.lightning import FabricDistCheckpointStrategy
 
 fabric = Fabric(accelerator="cpu", devices=int(sys.argv[1]), strategy=FabricDistCheckpointStrategy())
 fabric.launch()

@@ -7,7 +7,7 @@ import lightning_distckpt as ldc
 # Out: whole tensors of any checkpoint, whatever split wrote it.
 whole = torch.randn(8, 4)
 ldc.save({"fc.weight": ldc.ShardedTensor.from_rank_offsets("fc.weight", whole)}, "checkpoints/files")
-ldc.export_safetensors("checkpoints/files", "checkpoints/files_hf")  # model.safetensors (+ index if split)
+ldc.export.to_safetensors("checkpoints/files", "checkpoints/files_hf")  # model.safetensors (+ index)
 assert torch.equal(load_file("checkpoints/files_hf/model.safetensors")["fc.weight"], whole)
 assert torch.equal(ldc.load_plain_tensors("checkpoints/files")["fc.weight"], whole)
 

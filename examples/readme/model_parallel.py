@@ -9,7 +9,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_distckpt import DistCheckpointModelParallelStrategy
+from lightning_distckpt.lightning import DistCheckpointModelParallelStrategy
 
 
 class MLP(BoringModel):

@@ -6,7 +6,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel  # stands for your LightningModule
 
-from lightning_distckpt import DistCheckpointIO
+from lightning_distckpt.lightning import DistCheckpointIO
 
 devices, steps = int(sys.argv[1]), int(sys.argv[2])
 trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp", max_steps=steps, logger=False,

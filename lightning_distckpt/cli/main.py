@@ -92,17 +92,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from ..progress import note
-    from .foreign import open_foreign, validate_foreign
-    from .validate import as_json, render, validate
+    from ..validation import validate
+    from .validate import as_json, render
 
-    foreign = open_foreign(_checkpoint_path(args.checkpoint))  # a DCP or Megatron-Core directory
     with bar(args, "validate") as progress:
         on_key = None if args.json or not verbosity(args) else (lambda key: note(progress, f"checked {key}"))
-        if foreign is not None:
-            report = validate_foreign(foreign, on_key, progress)
-        else:
-            report = validate(_checkpoint_path(args.checkpoint), max_inflight_bytes=args.max_inflight_mib << 20,
-                              on_key=on_key, require_checksums=args.require_checksums, progress=progress)
+        report = validate(_checkpoint_path(args.checkpoint), max_inflight_bytes=args.max_inflight_mib << 20,
+                          on_key=on_key, require_checksums=args.require_checksums, progress=progress)
     print(json.dumps(as_json(report), indent=1) if args.json else render(report))
     return EXIT_OK if report.ok else EXIT_DAMAGED
 
@@ -121,8 +117,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from ..convert import relayout_checkpoint
-    from ..lightning.export import export_torch_file, import_torch_file  # Lightning checkpoints: Lightning's dict
+    from ..export import from_torch_file, relayout, to_torch_file  # Lightning checkpoints: Lightning's dict
     from ..storage.tensorstore_io import StorageOptions
 
     remote = is_s3_url(args.source)  # an s3:// checkpoint: opening it says what is wrong
@@ -148,11 +143,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 raise UsageError(f"{args.source}: is a file; --to torch converts a checkpoint directory")
             if overrides:
                 raise UsageError("--layout / --chunk-mib apply to checkpoint outputs, not to --to torch")
-            report = export_torch_file(args.source, args.destination, progress=progress)
+            report = to_torch_file(args.source, args.destination, progress=progress)
         elif remote or os.path.isdir(args.source):
-            report = relayout_checkpoint(args.source, args.destination, storage, progress)
+            report = relayout(args.source, args.destination, storage, progress)
         else:
-            report = import_torch_file(args.source, args.destination, storage)
+            report = from_torch_file(args.source, args.destination, storage)
     print(json.dumps(asdict(report), indent=1) if args.json else report.describe())
     return EXIT_OK
 
@@ -168,21 +163,21 @@ def _check_export_options(args: argparse.Namespace, to: str) -> None:
 def _export(args: argparse.Namespace, to: str, storage_overrides: bool,
             progress: Optional["Progress"]) -> "ConvertReport":
     """``convert --to safetensors`` / ``--to dcp`` / ``--to megatron`` (lightning_distckpt.export)."""
-    from ..export import export_dcp, export_megatron, export_safetensors, parse_size
+    from ..export import parse_size, to_dcp, to_megatron, to_safetensors
     from ..export.safetensors_out import DEFAULT_MAX_SHARD_SIZE
 
     if storage_overrides:
         raise UsageError(f"--layout / --chunk-mib apply to checkpoint outputs, not to --to {to}")
     chosen = dict(only=args.only, include=tuple(args.include), progress=progress)
     if to == "dcp":
-        return export_dcp(args.source, args.destination, **chosen)
+        return to_dcp(args.source, args.destination, **chosen)
     if to == "megatron":
-        return export_megatron(args.source, args.destination, **chosen)
+        return to_megatron(args.source, args.destination, **chosen)
     try:  # the Python API's parser: a size string (its messages name max_shard_size)
         size = parse_size(args.max_shard_size if args.max_shard_size is not None else DEFAULT_MAX_SHARD_SIZE)
     except CheckpointingError as e:
         raise UsageError(f"--max-shard-size: {e}") from None
-    return export_safetensors(args.source, args.destination, max_shard_size=size, config=args.config, **chosen)
+    return to_safetensors(args.source, args.destination, max_shard_size=size, config=args.config, **chosen)
 
 
 def add_command(sub: "argparse._SubParsersAction", name: str, handler: Handler, help: str) -> argparse.ArgumentParser:

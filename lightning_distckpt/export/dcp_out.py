@@ -137,9 +137,9 @@ def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[i
             shutil.rmtree(staging)
 
 
-def export_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
-               extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None, include: Sequence[str] = (),
-               progress: Optional[Progress] = None) -> ConvertReport:
+def to_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
+           extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None, include: Sequence[str] = (),
+           progress: Optional[Progress] = None) -> ConvertReport:
     """Write ``checkpoint`` (anything ``ldc.load`` reads) as the DCP directory ``out_dir``.
 
     Single process (call it on one rank). ``key_map`` renames (dict) or leaves out (callable

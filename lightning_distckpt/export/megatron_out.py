@@ -54,15 +54,15 @@ def _common(source: CheckpointSource, extra_safe_globals: Sequence[Any]) -> Dict
     return {} if common is None else {"common": common}
 
 
-def export_megatron(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
-                    extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None,
-                    include: Sequence[str] = (), progress: Optional[Progress] = None) -> ConvertReport:
+def to_megatron(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
+                extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None,
+                include: Sequence[str] = (), progress: Optional[Progress] = None) -> ConvertReport:
     """Write ``checkpoint`` (anything ``ldc.load`` reads) as the Megatron-Core ``torch_dist``
     directory ``out_dir``.
 
     Single process (call it on one rank). ``key_map`` renames (dict) or leaves out (callable
     returning None) tensors by their export name; ``only`` / ``include`` select tensors as
-    :func:`~lightning_distckpt.export.dcp_out.export_dcp` does. ``progress`` counts the bytes
+    :func:`~lightning_distckpt.export.to_dcp` does. ``progress`` counts the bytes
     exported. Returns a :class:`ConvertReport` (kind ``"megatron"``).
     """
     t0 = time.perf_counter()

@@ -207,11 +207,11 @@ def _write_index(out_dir: str, files: Sequence[ShardFile], stale: Sequence[str])
     fsync_dir(out_dir)
 
 
-def export_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
-                       key_map: KeyMap = None, process_group: Optional[dist.ProcessGroup] = None,
-                       extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None,
-                       include: Sequence[str] = (), config: Any = None,
-                       progress: Optional[Progress] = None) -> ConvertReport:
+def to_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+                   key_map: KeyMap = None, process_group: Optional[dist.ProcessGroup] = None,
+                   extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None,
+                   include: Sequence[str] = (), config: Any = None,
+                   progress: Optional[Progress] = None) -> ConvertReport:
     """Write the tensors of ``checkpoint`` to ``out_dir`` in the Hugging Face safetensors layout.
 
     ``checkpoint``: anything ``ldc.load`` reads (a Lightning Trainer checkpoint exports its module

@@ -21,7 +21,7 @@ class DistModule(nn.Module):
     (``{}`` on the others) and gives every rank its shards.
 
     The shards follow ``module.sharded_state_dict()`` when the module defines it, else
-    :func:`~lightning_distckpt.module_sharded_state_dict` (submodules that define one, such as
+    :func:`~lightning_distckpt.lightning.module_sharded_state_dict` (submodules that define one, such as
     tensor-parallel layers, describe their shards; every other tensor is loaded whole on every
     rank). Attribute access, attribute setting, ``forward`` and ``state_dict`` go to the wrapped
     module, so the wrapper can stand in for it.

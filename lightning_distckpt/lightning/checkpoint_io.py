@@ -7,8 +7,8 @@ Two ways in:
   enters a collective: the process saves alone, as a group of one, so other ranks can never hang on
   it; each tensor is stored whole and loads under any world size.
 * the collective API (``save_sharded`` / ``load_sharded``) used by
-  :class:`~lightning_distckpt.DistCheckpointStrategy` and
-  :class:`~lightning_distckpt.FabricDistCheckpointStrategy`, where every rank takes part.
+  :class:`~lightning_distckpt.lightning.DistCheckpointStrategy` and
+  :class:`~lightning_distckpt.lightning.FabricDistCheckpointStrategy`, where every rank takes part.
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ class FabricCheckpoint(Dict[str, Any]):
         raise NotATrainerCheckpointError(
             f"checkpoint {self.path} was written {self.writer}, not by a Trainer: it has no {key!r} entry "
             f"(entries {sorted(map(str, self))}). Load it with fabric.load(path, state) under the Fabric setup "
-            "that wrote it; or load its module's weights with lightning_distckpt.load_module_weights(module, path, "
+            "that wrote it; or load its module's weights with lightning_distckpt.lightning.load_module_weights(module, path, "
             "entry=\"model\") and call trainer.fit without ckpt_path; or read it whole with "
             "DistCheckpointIO().load_checkpoint(path) (python -m lightning_distckpt convert: one file)")
 

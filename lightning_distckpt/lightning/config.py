@@ -109,8 +109,8 @@ def _import_global(name: str) -> Any:
 
 @dataclass
 class StrategyConfig:
-    """The settings of :class:`~lightning_distckpt.DistCheckpointStrategy` and
-    :class:`~lightning_distckpt.FabricDistCheckpointStrategy`."""
+    """The settings of :class:`~lightning_distckpt.lightning.DistCheckpointStrategy` and
+    :class:`~lightning_distckpt.lightning.FabricDistCheckpointStrategy`."""
 
     tensor_parallel_size: int = 1
     checkpoint: DistCheckpointConfig = field(default_factory=DistCheckpointConfig)

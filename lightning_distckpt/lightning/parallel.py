@@ -154,7 +154,7 @@ def parallel_state_of(module: Any) -> ParallelState:
     """The :class:`ParallelState` a LightningModule should build its layers for.
 
     The strategy's when the module is attached to a Trainer running a strategy that has one
-    (:class:`~lightning_distckpt.DistCheckpointStrategy`); else plain data parallelism over the
+    (:class:`~lightning_distckpt.lightning.DistCheckpointStrategy`); else plain data parallelism over the
     initialized world; else one process (e.g. for inference).
     """
     try:

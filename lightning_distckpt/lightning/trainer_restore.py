@@ -1,4 +1,4 @@
-"""Restoring a Trainer checkpoint under :class:`~lightning_distckpt.DistCheckpointStrategy` at the
+"""Restoring a Trainer checkpoint under :class:`~lightning_distckpt.lightning.DistCheckpointStrategy` at the
 points where stock Lightning restores each part.
 
 Stock DDP restores the module's weights and the callbacks' state before the strategy's setup, so

@@ -227,7 +227,7 @@ def test_cast_values_are_checked(tmp_path):
 def test_the_lightning_config_s_cast_key(tmp_path):
     """``cast: any`` in the checkpoint config (YAML / mapping) reaches the plugin's loads (and so the
     strategies', which load through it); the default refuses, naming the key to set."""
-    from lightning_distckpt import DistCheckpointIO
+    from lightning_distckpt.lightning import DistCheckpointIO
     from lightning_distckpt.lightning.config import load_checkpoint_config
 
     _save(str(tmp_path / "ck"), pack=False)

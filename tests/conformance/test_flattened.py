@@ -53,7 +53,7 @@ def _megatron_on_export(rank: int, path: str, exported: str) -> Dict[str, Any]:
     """The installed megatron-core's description of our checkpoint exported to ``torch_dist``,
     and its load with that description."""
     if rank == 0:
-        ldc.export_megatron(path, exported)
+        ldc.export.to_megatron(path, exported)
     dist.barrier()
     cpu_only_megatron()
     from megatron.core import dist_checkpointing

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import lightning_distckpt as ldc
 from lightning_distckpt import convert
 from lightning_distckpt.cli.main import main
-from lightning_distckpt.cli.validate import validate
+from lightning_distckpt import validate
 from lightning_distckpt.core.errors import CheckpointingError
 from trust.hostile import LONG, SHORT, run_bounded
 
@@ -198,11 +198,11 @@ READERS = {
 }
 WRITERS = {  # each writes to the path given, reading the checkpoint CK or the file plain.pt
     "save": lambda p: ldc.save(_state(), p),
-    "relayout": lambda p: ldc.relayout_checkpoint("CK", p, ldc.StorageOptions(layout="zarr")),
+    "relayout": lambda p: ldc.export.relayout("CK", p, ldc.StorageOptions(layout="zarr")),
     "export_torch_file": lambda p: convert.export_torch_file("CK", p),
     "import_torch_file": lambda p: convert.import_torch_file("plain.pt", p),
-    "export_safetensors": lambda p: ldc.export_safetensors("CK", p),
-    "export_dcp": lambda p: ldc.export_dcp("CK", p),
+    "export_safetensors": lambda p: ldc.export.to_safetensors("CK", p),
+    "export_dcp": lambda p: ldc.export.to_dcp("CK", p),
 }
 
 

@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lightning_distckpt as ldc
-from lightning_distckpt.cli.validate import validate
+from lightning_distckpt import validate
 from lightning_distckpt.core.errors import CheckpointingError
 from lightning_distckpt.storage.layout import encode_key
 from test_trust_zarr_json import OPTIONS, B, N, W, edit_zarr_json, state, template
