@@ -58,9 +58,10 @@ def _template(rank, world):
     return template
 
 
-def _mismatches(name, rank, world):
-    """Load fixture ``name`` under this group's split; the keys of whatever is not exactly as saved."""
-    out = ldc.load(_template(rank, world), os.path.join(DCP, name))
+def _mismatches(name, rank, world, loader=None):
+    """Load fixture ``name`` under this group's split with ``loader``; the keys of whatever is not
+    exactly as saved."""
+    out = ldc.load(_template(rank, world), os.path.join(DCP, name), loader=loader)
     bad = []
     for key, full in S.full_tensors().items():
         axis = LOAD_AXES[key] if world > 1 else None
@@ -75,13 +76,17 @@ def test_loads_whole_in_one_process(name):
     assert _mismatches(name, 0, 1) == []
 
 
+LOADERS = (None, "every_rank", "parallel", "two_stage")
+
+
 def _mismatches_all(rank, world):
-    return {name: _mismatches(name, rank, world) for name in FIXTURES}
+    return {(name, loader): _mismatches(name, rank, world, loader) for name in FIXTURES for loader in LOADERS}
 
 
 def test_loads_under_another_split_on_two_ranks():
+    """One pair of gloo processes loads both fixtures with every loader (one spawn for all)."""
     for rank, bad in enumerate(run_distributed(_mismatches_all, 2)):
-        assert bad == {name: [] for name in FIXTURES}, f"rank {rank}"
+        assert bad == {(name, loader): [] for name in FIXTURES for loader in LOADERS}, f"rank {rank}"
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -16,6 +16,8 @@ import torch
 
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
+from lightning_distckpt.export import relayout
+from lightning_distckpt.storage.layout import FORMAT_VERSION
 
 FORMATS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "formats")
 # directory -> (format version, plain tensors stored as tensors?); v5-plain-tensors: format 5 as the
@@ -66,11 +68,12 @@ def _expected(rank, world):
     return tensors, {f"obj{i}": W.OBJECTS[i] for i in elements}
 
 
-def _mismatches(name, rank, world):
-    """Load witness ``name`` under this group's split; the names of whatever is not exactly as written."""
+def _mismatches(name, rank, world, loader=None, path=None):
+    """Load witness ``name`` (or its copy at ``path``) under this group's split with ``loader``; the
+    names of whatever is not exactly as written."""
     template = _template(rank, world)
     plain_slots = dict(template["scores"])
-    out = ldc.load(template, _path(name))
+    out = ldc.load(template, path or _path(name), loader=loader)
     tensors, objects = _expected(rank, world)
     bad = [k for k, t in tensors.items()
            if out["tensors"][k].dtype != t.dtype or not torch.equal(out["tensors"][k], t)]
@@ -88,14 +91,27 @@ def test_loads_whole_in_one_process(name):
     assert _mismatches(name, 0, 1) == []
 
 
+LOADERS = (None, "every_rank", "parallel", "two_stage")
+
+
 def _mismatches_all(rank, world):
-    return {name: _mismatches(name, rank, world) for name in WITNESSES}
+    return {(name, loader): _mismatches(name, rank, world, loader) for name in WITNESSES for loader in LOADERS}
 
 
 def test_loads_under_another_split_on_two_ranks():
-    """One pair of gloo processes loads every witness (one spawn for all)."""
+    """One pair of gloo processes loads every witness with every loader (one spawn for all)."""
     for rank, bad in enumerate(run_distributed(_mismatches_all, 2)):
-        assert bad == {name: [] for name in WITNESSES}, f"rank {rank}"
+        assert bad == {(name, loader): [] for name in WITNESSES for loader in LOADERS}, f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", WITNESSES)
+def test_relayout_writes_the_current_format(name, tmp_path):
+    """convert's relayout of an old format: today's format, the same values."""
+    out = str(tmp_path / "relayout")
+    relayout(_path(name), out, ldc.StorageOptions())
+    with open(os.path.join(out, "metadata.json")) as f:
+        assert json.load(f)["format_version"] == FORMAT_VERSION
+    assert _mismatches(name, 0, 1, path=out) == []
 
 
 @pytest.mark.parametrize("name", WITNESSES)
