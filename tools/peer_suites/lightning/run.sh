@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Run Lightning's own checkpointing tests against lightning_distckpt, one mode at a time (see
+# ldc_harness.py), plus stock Lightning as the baseline, and count the results (summarize.py).
+#
+#   tools/peer_suites/lightning/run.sh [MODE ...]      # default: every mode
+#
+# PEER: Lightning's tests/ extracted from its repository at the tag matching the installed version
+#   (default /work/peer/lightning/tests; see RESULTS.md for how it was made), outside this repo.
+# PEER_SITE: extra packages those tests import (cloudpickle, tensorboardX), e.g. installed with
+#   `pip install --target "$PEER_SITE" cloudpickle tensorboardX` (not in our environment).
+# TESTS: the test paths under $PEER (default: the checkpointing tests and the checkpoint-IO plugins').
+# READTHROUGH=1 also routes single-file reads of our directories to our loader (ldc_harness.py).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+PEER="${PEER:-/work/peer/lightning/tests}"
+PEER_SITE="${PEER_SITE:-/work/peer/lightning/site}"
+OUT="${OUT:-$PEER/../results}"
+TESTS="${TESTS:-tests_pytorch/checkpointing tests_pytorch/plugins/test_checkpoint_io_plugin.py tests_pytorch/plugins/test_async_checkpoint.py tests_fabric/strategies/test_strategy.py tests_fabric/strategies/test_single_device.py tests_fabric/strategies/test_ddp.py tests_fabric/strategies/test_ddp_integration.py tests_fabric/test_fabric.py}"
+MODES=("$@")
+[ ${#MODES[@]} -eq 0 ] && MODES=(stock plugin async lightning_async strategy strategy_async)
+mkdir -p "$OUT"
+cd "$PEER"
+for mode in "${MODES[@]}"; do
+  tag="$mode$([ "${READTHROUGH:-0}" = 1 ] && echo _readthrough || true)"
+  echo "== $tag"
+  # shellcheck disable=SC2086
+  LDC_PEER_MODE="$mode" LDC_PEER_READTHROUGH="${READTHROUGH:-0}" LDC_PEER_RESULTS="$OUT/$tag.jsonl" \
+  PYTHONPATH="$HERE:$PEER:$PEER_SITE${PYTHONPATH:+:$PYTHONPATH}" \
+    python -m pytest -c "$HERE/pytest.ini" --rootdir "$PEER" -p ldc_harness -q --tb=line $TESTS \
+    > "$OUT/$tag.log" 2>&1 || true
+  tail -1 "$OUT/$tag.log"
+done
+python "$HERE/summarize.py" "$OUT"/*.jsonl
