@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from lightning_distckpt.lightning import DistCheckpointStrategy, load_module_weights
 from lightning_distckpt.lightning.parallel import ParallelState, module_sharded_state_dict, parallel_state_of
-from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear
+from tp_layers import ColumnParallelLinear, RowParallelLinear  # examples/tp_layers.py (this script's directory)
 
 VOCAB, HIDDEN, INTERMEDIATE, SEQ, BATCH, STEPS = 128, 32, 64, 16, 4, 6
 HF_TO_OURS = {

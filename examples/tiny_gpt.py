@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_distckpt.lightning.parallel import ParallelState, module_sharded_state_dict, parallel_state_of
-from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear  # toy layers: use your TP library's
+from tp_layers import ColumnParallelLinear, RowParallelLinear  # examples/tp_layers.py: use your TP library's
 
 
 class TokenStream:

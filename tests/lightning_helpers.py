@@ -21,7 +21,7 @@ from lightning.pytorch import Callback, LightningModule
 from torch.nn import functional as F
 
 from lightning_distckpt.lightning.parallel import module_sharded_state_dict, parallel_state_of
-from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear
+from example_layers import ColumnParallelLinear, RowParallelLinear  # examples/tp_layers.py
 
 
 class StepBatches:

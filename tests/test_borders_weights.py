@@ -13,7 +13,7 @@ import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.lightning import ParallelState
 from lightning_distckpt.lightning.parallel import module_sharded_state_dict
-from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear
+from example_layers import ColumnParallelLinear, RowParallelLinear  # examples/tp_layers.py
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import torch
 
 from lightning_distckpt.core.errors import ArgumentError
 from lightning_distckpt.lightning.parallel import ParallelState, module_sharded_state_dict, parallel_state_of
-from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear
+from example_layers import ColumnParallelLinear, RowParallelLinear  # examples/tp_layers.py
 
 
 def test_single_process_state_and_errors():

@@ -8,7 +8,7 @@ from torch import nn
 from dist_utils import run_distributed
 from lightning_distckpt.core.errors import MissingKeysError
 from lightning_distckpt.ingest import DistModule, load_state_dict
-from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear
+from example_layers import ColumnParallelLinear, RowParallelLinear  # examples/tp_layers.py
 
 
 class Block(nn.Module):

@@ -3,7 +3,7 @@
 Rank layout (Megatron's): tensor-parallel ranks are contiguous. With ``tp`` tensor-parallel ranks,
 global rank ``r`` has ``tp_rank = r % tp`` and ``dp_rank = r // tp``; the TP group of ``r`` holds
 the ``tp`` ranks of one model replica, its DP group the ranks holding the same shard in every replica.
-(Small tensor-parallel layers for examples and tests: :mod:`lightning_distckpt.testing`.)
+(How a tensor-parallel layer describes its pieces: docs/lightning.md, "The module's side".)
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def module_sharded_state_dict(module: nn.Module, prefix: str = "", replica_id: R
     """A sharded state dict for ``module`` whose keys are ``module.state_dict()``'s (with ``prefix``).
 
     Submodules that define ``sharded_state_dict(prefix)`` describe their own tensors (e.g. the
-    tensor-parallel layers of :mod:`lightning_distckpt.testing`); every other tensor is a whole tensor replicated on every rank,
+    column- and row-parallel layers of ``examples/tp_layers.py``); every other tensor is a whole tensor replicated on every rank,
     with ``replica_id`` (pass :attr:`ParallelState.replicated_id`, so that exactly one rank writes it).
     Non-tensor extra state is kept as common state. ``module``'s own ``sharded_state_dict`` is not
     called, so a module can implement its ``sharded_state_dict`` with this function.

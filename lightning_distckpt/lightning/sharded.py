@@ -60,8 +60,8 @@ def check_describable(module: nn.Module, ps: ParallelState) -> None:
     if ps.tp_size > 1 and not any(callable(getattr(m, "sharded_state_dict", None)) for m in module.modules()):
         raise CheckpointingError(
             f"{type(module).__name__} and its submodules define no sharded_state_dict(prefix=''), so its tensors "
-            f"cannot be described under tensor_parallel_size={ps.tp_size}; define it (the layers of "
-            f"lightning_distckpt.testing show how)"
+            f"cannot be described under tensor_parallel_size={ps.tp_size}; define it on the layers that hold "
+            f"a piece: a ShardedTensor per parameter saying where it sits (docs/lightning.md, \"The module's side\")"
         )
 
 

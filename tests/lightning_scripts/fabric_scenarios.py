@@ -24,7 +24,7 @@ from torch.nn import functional as F  # noqa: E402
 from lightning_distckpt import CheckpointingError  # noqa: E402
 from lightning_distckpt.lightning import FabricDistCheckpointStrategy  # noqa: E402
 from lightning_distckpt.lightning.parallel import ParallelState, module_sharded_state_dict  # noqa: E402
-from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from example_layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_helpers import StepBatches  # noqa: E402
 from scenario_runner import scenario_main  # noqa: E402
 

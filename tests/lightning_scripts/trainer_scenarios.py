@@ -28,8 +28,8 @@ from lightning_distckpt import CheckpointingError, ShardedTensor, load_common_st
 from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy  # noqa: E402
 from lightning_distckpt.lightning.parallel import ParallelState, module_sharded_state_dict  # noqa: E402
 from lightning_distckpt.storage.layout import read_metadata  # noqa: E402
-from lightning_distckpt.testing import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
+from example_layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from lightning_helpers import TEST_STEP, TPMLP, StepCounter, full_weights, optimizer_full_state  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 

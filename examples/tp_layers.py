@@ -1,10 +1,17 @@
-"""Small Megatron-style tensor-parallel layers for the examples and the tests: not library API.
+"""Megatron-style tensor-parallel linear layers for the examples (and the tests): a sketch of what a
+tensor-parallel library's layers hand to lightning_distckpt, not part of the package.
 
 :class:`ColumnParallelLinear` splits the output features over the tensor-parallel group,
-:class:`RowParallelLinear` the input features; both describe their parameters as
-:class:`~lightning_distckpt.ShardedTensor` s in ``sharded_state_dict()``, so checkpoints of a model
-built from them reshard between TP sizes. They show what a real tensor-parallel library's layers
-(Megatron-Core, ...) hand to :func:`lightning_distckpt.save`; use those for real models.
+:class:`RowParallelLinear` the input features. What makes a model built from them checkpoint and
+reshard between TP sizes is the contract any layer can follow: ``sharded_state_dict(prefix)``
+returns a :class:`~lightning_distckpt.ShardedTensor` per parameter saying where this rank's piece
+sits in the global tensor (``from_rank_offsets(key, piece, (axis, tp_rank, tp_size),
+replica_id=dp_rank)``). For real models use a tensor-parallel library's layers (Megatron-Core, ...)
+under ``DistCheckpointStrategy``, or torch's own tensor parallel (``parallelize_module``) under
+``DistCheckpointModelParallelStrategy``.
+
+The examples import this file from their own directory (``python examples/NAME.py`` puts it on
+``sys.path``); copy it beside your script to use it.
 """
 
 from __future__ import annotations
@@ -17,11 +24,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from .core.errors import ArgumentError
-from .core.mapping import ShardedTensor
+from lightning_distckpt import ArgumentError, ShardedTensor  # ArgumentError: a ValueError
 
 if TYPE_CHECKING:  # only its attributes are used: no Lightning import for these layers
-    from .lightning.parallel import ParallelState
+    from lightning_distckpt.lightning import ParallelState
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
