@@ -247,15 +247,23 @@ def _agreed_error(what: str, failures: Dict[int, RankFailure], default: Type[Che
         same.setdefault((f.type_name, f.message), []).append(f.rank)
     lines = [line(failures[ranks[0]]) + (f" (the same on {_ranks_text(ranks[1:])})" if len(ranks) > 1 else "")
              for ranks in same.values()]
-    err = cls(f"{what}: " + "; ".join(lines) + _tracebacks([f for f in failures.values() if f.rank != me]))
+    # Another rank's traceback is shown where it tells this rank something: an unexpected error (not
+    # one of ours, whose messages say what and where), unlike this rank's own failure (whose
+    # traceback is this error's __cause__). Every traceback stays in ``failures``.
+    own = failures.get(me)
+    others = [f for f in failures.values()
+              if f.rank != me and error_class(f.type_name) is None
+              and (own is None or (f.type_name, f.message) != (own.type_name, own.message))]
+    err = cls(f"{what}: " + "; ".join(lines) + _tracebacks(others))
     err.failures = dict(failures)
     return err
 
 
 def _tracebacks(remote: List[RankFailure]) -> str:
     """The first of the ``remote`` failures' tracebacks in full, the others' raise sites (this
-    rank's own traceback is the raised error's ``__cause__``)."""
-    remote = [f for f in remote if f.traceback]
+    rank's own traceback is the raised error's ``__cause__``). A traceback without a frame (an
+    error built, not raised, e.g. by a pre-check) says nothing its message did not: left out."""
+    remote = [f for f in remote if f.raised_at]
     if not remote:
         return ""
     first = remote[0]
