@@ -40,14 +40,11 @@ from .core.state_dict import iter_leaves
 from .progress import Progress, add_total, advance, set_total
 from .serialization import load_common_state_dict, load_plain_tensors
 from .storage import commit as commit_mod
-from .storage import staging as staging_mod
 from .storage.layout import COMMON_FILE, FORMAT_VERSION
-from .storage import s3 as s3_mod
 from .storage.outputs import check_output
 from .storage.paths import checkpoint_location, local_path
-from .storage.s3_url import is_s3_url
-from .storage.integrity import read_common_bytes
-from .storage.safe_pickle import load_file, loads, write_file_durable
+from .storage.stores import open_store
+from .storage.safe_pickle import load_file, loads
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .reading.checkpoint import OpenedCheckpoint
@@ -90,33 +87,25 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions,
     require(storage, StorageOptions, "storage", "a StorageOptions")
     check_output(destination, [("source", source)], "destination")  # nothing of the source is written over
     ckpt = OpenedCheckpoint.open(source)
-    destination = checkpoint_location(destination, "destination")
-    commit_mod.check_target(destination, storage)
-    remote = is_s3_url(destination)  # committed by a marker naming a fresh version (storage/s3.py)
-    staging = s3_mod.new_version(destination) if remote else staging_mod.new_staging_dir(destination)
+    store = open_store(destination, storage, "destination")
+    destination = store.location
+    store.check_target()
+    staging = store.new_staging()  # the same steps as a save's (saving/save_commit.py), by one process
     try:
-        if not remote:
-            os.makedirs(staging)
-            staging_mod.write_owner_note(staging, 0)
-        src, dst = ckpt.reader(), TensorStoreIO(staging, storage)
+        store.begin(staging, 0)
+        src, dst = ckpt.reader(), store.open_writer(staging)
         set_total(progress, sum(e.nbytes for e in ckpt.index.tensors.values()))
         nbytes = _copy_shards(ckpt, src, dst, progress) + _copy_objects(ckpt, src, dst, progress)
-        common = read_common_bytes(ckpt.path, ckpt.marker)  # contained and verified: no copy of damage
-        if remote:
-            s3_mod.write_object(staging, COMMON_FILE, common, storage)
-        else:
-            write_file_durable(os.path.join(staging, COMMON_FILE), common)
+        common = ckpt.common_bytes()  # contained and verified: no copy of damage
+        store.write_blob(staging, COMMON_FILE, common)
         # rewritten now, with checksums: the copy is of the current format whatever the source's
-        meta = dict(ckpt.meta, format_version=FORMAT_VERSION, storage={"backend": "tensorstore", **storage.to_json()},
+        meta = dict(ckpt.meta, format_version=FORMAT_VERSION, storage={"backend": dst.backend, **storage.to_json()},
                     converted_unix=time.time())
         marker = {k: v for k, v in ckpt.marker.items() if k != "version"}  # an s3:// source's version
         marker.update(committed_unix=time.time())
-        commit_mod.commit(staging, destination, json.dumps(meta), json.dumps(marker), storage)
+        store.commit(staging, json.dumps(meta), marker)
     except BaseException as e:
-        if remote:
-            s3_mod.discard(staging, storage)
-        else:
-            staging_mod.discard(staging)
+        store.discard(staging)
         if isinstance(e, Exception) and not isinstance(e, CheckpointingError):  # tensorstore's, OSError
             raise CheckpointingError(f"relayout of {ckpt.path} to {destination} failed, nothing was committed: "
                                      f"{type(e).__name__}: {e}") from e

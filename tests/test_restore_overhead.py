@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 
 import lightning_distckpt.reading.checkpoint as reading_checkpoint
-import lightning_distckpt.storage.integrity as integrity
+import lightning_distckpt.storage.local_store as local_store
 from lightning_distckpt.lightning import (DistCheckpointIO, DistCheckpointModelParallelStrategy, DistCheckpointStrategy,
                                          FabricDistCheckpointStrategy)
 from lightning_distckpt.lightning.fabric_model_parallel import FabricDistCheckpointModelParallelStrategy
@@ -42,7 +42,7 @@ def counts(monkeypatch) -> Dict[str, int]:
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(integrity, "open_metadata", counting("metadata", integrity.open_metadata))
+    monkeypatch.setattr(local_store, "open_metadata", counting("metadata", local_store.open_metadata))
     monkeypatch.setattr(reading_checkpoint, "read_common", counting("common", reading_checkpoint.read_common))
     real_load = torch.load
 

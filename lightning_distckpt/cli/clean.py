@@ -13,31 +13,22 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
-import shlex
-import shutil
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional
 
 from ..core.errors import ArgumentError, ArgumentTypeError
-from ..progress import Progress, advance, set_total
-from ..storage.commit import recover_interrupted_commit
-from ..storage.layout import is_checkpoint_dir
-from ..storage.paths import local_path
-from ..storage.s3_url import is_s3_url
-from ..storage.s3_versions import S3Leftover, find_s3_leftovers, remove_version
-from ..storage.staging import Leftover, find_leftovers
+from ..progress import Progress, set_total
+from ..storage.stores import open_store
 
 
 @dataclass(frozen=True)
 class CleanAction:
-    leftover: Union[Leftover, S3Leftover]
+    leftover: Any  # what the store found: storage.staging.Leftover, storage.s3_versions.S3Leftover, ...
     action: str  # "removed", "would remove", "recovered", "would recover" or "kept"
     reason: str
 
 
-def _act(lo: Union[Leftover, S3Leftover], remove: bool, reason: str, dry_run: bool,
-         remover: Callable[[], None]) -> CleanAction:
+def _act(lo: Any, remove: bool, reason: str, dry_run: bool, remover: Callable[[], None]) -> CleanAction:
     """Keep ``lo``, report it as removable (``dry_run``), or remove it with ``remover``."""
     if not remove:
         return CleanAction(lo, "kept", reason)
@@ -60,93 +51,24 @@ def check_older_than(older_than_s: Any) -> float:
 
 
 def clean(path: str, older_than_s: float, dry_run: bool, progress: Optional[Progress] = None) -> List[CleanAction]:
-    """Leftover staging directories in ``path`` (a directory of checkpoints, or one checkpoint: then
-    its own leftovers, found beside it), removed unless kept for a reason or ``dry_run``; committed
-    copies stranded by a commit killed between its renames are renamed into place first. An
-    ``s3://`` location: its uncommitted versions (see :func:`clean_s3`). ``older_than_s`` must be a
-    finite number >= 0 (else ArgumentError). ``progress`` counts the bytes removed."""
+    """Leftovers of killed saves at ``path`` (a directory of checkpoints, or one checkpoint: then
+    its own leftovers), as its store finds them (``CheckpointStore.find_leftovers``), removed unless
+    kept for a reason or ``dry_run``; commits interrupted before their checkpoint was in place are
+    finished first (``CheckpointStore.recover_leftovers``). ``older_than_s`` must be a finite
+    number >= 0 (else ArgumentError). ``progress`` counts the bytes removed."""
     older_than_s = check_older_than(older_than_s)
-    if is_s3_url(path):
-        return clean_s3(path, older_than_s, dry_run)
-    path = os.path.abspath(local_path(path, "directory"))
-    name: Optional[str] = None
-    if is_checkpoint_dir(path):  # one checkpoint (by our own markers): its leftovers are beside it
-        path, name = os.path.split(path)
-    actions = [] if dry_run else _recover(path, name)
-    found = [(lo, lo.verdict(older_than_s)) for lo in find_leftovers(path, name)]
+    store = open_store(path, what="directory")
+    actions = [] if dry_run else [CleanAction(*done) for done in store.recover_leftovers()]
+    found = [(lo, lo.verdict(older_than_s)) for lo in store.find_leftovers()]
     if not dry_run:
         set_total(progress, sum(lo.nbytes or 0 for lo, verdict in found if verdict == "remove"))
     for lo, verdict in found:
-        if verdict == "link":
-            reason = f"refused: a symbolic link (to {lo.link_to}); links are not followed and not removed"
-        elif verdict == "recover":
-            if not os.path.lexists(lo.target):  # not recovered above: dry run, or its commit still runs here
-                reason = (f"holds a committed checkpoint and {os.path.basename(lo.target)} is missing: "
-                          + (f"a save on this host (pid {lo.live_owner_pids[0]}) is renaming it into place"
-                             if lo.live_owner_pids else f"mv {shlex.quote(lo.path)} {shlex.quote(lo.target)}"))
-                actions.append(CleanAction(lo, "would recover" if dry_run else "kept", reason))
-                continue
-            reason = (f"holds a committed checkpoint and {os.path.basename(lo.target)} is not one; move "
-                      f"{shlex.quote(lo.target)} away, then: mv {shlex.quote(lo.path)} {shlex.quote(lo.target)}")
-        elif verdict == "newer":
-            reason = (f"holds a committed checkpoint newer than {os.path.basename(lo.target)}: its commit is under "
-                      f"way, or was stopped before its rename (kept until a newer save of it commits)")
-        elif verdict == "in-progress":
-            reason = "a save is writing into it (pid " + ", ".join(map(str, lo.live_owner_pids)) + " on this host)"
-        elif verdict == "recent":
-            reason = f"changed {lo.idle_s:.0f} s ago (< --older-than {older_than_s:.0f} s): a save may still be running"
-        else:
-            reason = "superseded by the committed checkpoint at its target" if lo.committed else \
-                f"uncommitted, idle {lo.idle_s:.0f} s"
-        actions.append(_act(lo, verdict == "remove", reason, dry_run,
-                            lambda lo=lo: _rmtree(lo.path, lo.nbytes, progress)))
-    return actions
-
-
-def _recover(parent: str, name: Optional[str]) -> List[CleanAction]:
-    """Finish the commits in ``parent`` (of ``name`` only, when given) killed between their two
-    renames: each missing checkpoint's newest committed copy renamed into place."""
-    actions = []
-    stranded = [lo for lo in find_leftovers(parent, name)
-                if lo.verdict(math.inf) == "recover" and not os.path.lexists(lo.target)]
-    by_path = {lo.path: lo for lo in stranded}
-    for target in sorted({lo.target for lo in stranded}):
-        done = recover_interrupted_commit(target)
-        if done is None:
+        reason = lo.reason(verdict, older_than_s)
+        if verdict == "recover" and lo.stranded:  # not recovered above: dry run, or its commit still runs here
+            actions.append(CleanAction(lo, "would recover" if dry_run else "kept", reason))
             continue
-        if done.placed in by_path:
-            actions.append(CleanAction(by_path[done.placed], "recovered",
-                                       f"its commit was interrupted before its rename into place: renamed to {target}"))
-        actions += [CleanAction(by_path[p], "removed", f"the previous checkpoint that commit had moved aside; "
-                                f"superseded by {os.path.basename(target)}") for p in done.removed if p in by_path]
-    return actions
-
-
-def _rmtree(path: str, nbytes: Optional[int] = None, progress: Optional[Progress] = None) -> None:
-    """Remove ``path`` (``nbytes`` counted on ``progress``); gone already (its commit renamed it into
-    place, or another clean) is fine."""
-    try:
-        shutil.rmtree(path)
-    except FileNotFoundError:
-        pass
-    advance(progress, nbytes or 0)
-
-
-def clean_s3(url: str, older_than_s: float, dry_run: bool) -> List[CleanAction]:
-    """Uncommitted versions under ``url`` removed unless kept for a reason or ``dry_run``."""
-    actions = []
-    for lo in find_s3_leftovers(url):
-        verdict = lo.verdict(older_than_s)
-        if verdict == "foreign":
-            reason = f"refused: not provably ours ({lo.foreign})"
-        elif verdict == "unknown-age":
-            reason = "its version name carries no start time; a save may still be running (--older-than 0 removes it)"
-        elif verdict == "recent":
-            reason = f"started {lo.idle_s:.0f} s ago (< --older-than {older_than_s:.0f} s): a save may still be running"
-        else:
-            age = "" if lo.idle_s is None else f", started {lo.idle_s:.0f} s ago"
-            reason = f"uncommitted ({lo.objects} object(s){age})"
-        actions.append(_act(lo, verdict == "remove", reason, dry_run, lambda lo=lo: remove_version(lo)))
+        actions.append(_act(lo, verdict == "remove", reason, dry_run,
+                            lambda lo=lo: store.remove_leftover(lo, progress)))
     return actions
 
 

@@ -5,15 +5,9 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from ..planning.metadata import TensorEntry, element_size
-from ..storage.layout import COMMON_FILE, DATA_DIR
-from ..storage.paths import TreeStats, scan_tree
-from ..storage.s3 import ObjectStore
-from ..storage.s3_url import is_s3_url
-from ..storage.s3_versions import find_s3_leftovers
-from ..storage.staging import find_leftovers
 from ..reading.checkpoint import OpenedCheckpoint
 from ..progress import Progress, advance, set_total
 
@@ -69,10 +63,7 @@ def summarize(ckpt: OpenedCheckpoint, progress: Optional[Progress] = None) -> Di
         objects.append({"key": key, "shape": list(o.global_shape), "elements": len(o.shards),
                         "writers": sorted({s.writer for s in o.shards})})
     marker = ckpt.marker
-    if is_s3_url(ckpt.path):
-        data_files, data_bytes, common_bytes, leftovers = _s3_facts(ckpt)
-    else:
-        data_files, data_bytes, common_bytes, leftovers = _local_facts(ckpt)
+    data_files, data_bytes, common_bytes, leftovers = ckpt.storage_facts()  # as its store knows them
     return {
         "path": ckpt.path,
         "committed": True,  # OpenedCheckpoint.open refuses anything else
@@ -89,30 +80,6 @@ def summarize(ckpt: OpenedCheckpoint, progress: Optional[Progress] = None) -> Di
         "tensors": tensors, "objects": objects,
         "leftovers": leftovers,
     }
-
-
-def _local_facts(ckpt: OpenedCheckpoint) -> Tuple[int, Optional[int], Optional[int], List[Dict[str, Any]]]:
-    """Data files and bytes, common.pt's bytes, and leftover staging directories of a directory."""
-    try:
-        data = scan_tree(os.path.join(ckpt.path, DATA_DIR), "data directory")
-    except FileNotFoundError:
-        data = TreeStats(0, 0)
-    common = os.path.join(ckpt.path, COMMON_FILE)
-    leftovers = [{"path": lo.path, "bytes": lo.nbytes, "idle_s": round(lo.idle_s, 1),
-                  "in_progress": bool(lo.live_owner_pids)} for lo in find_leftovers(*os.path.split(ckpt.path))]
-    return (data.files, data.nbytes,
-            os.lstat(common).st_size if os.path.isfile(common) and not os.path.islink(common) else None, leftovers)
-
-
-def _s3_facts(ckpt: OpenedCheckpoint) -> Tuple[int, Optional[int], Optional[int], List[Dict[str, Any]]]:
-    """The same for an ``s3://`` checkpoint (``path``: its committed version): objects under data/
-    (their sizes are not listed through the kvstore), and the versions no marker names."""
-    version = ObjectStore(ckpt.path, ckpt.options)
-    common = version.read(COMMON_FILE)
-    target = ckpt.path.rpartition("/")[0]
-    leftovers = [{"path": lo.path, "bytes": None, "idle_s": None if lo.idle_s is None else round(lo.idle_s, 1),
-                  "in_progress": None} for lo in find_s3_leftovers(target) if lo.target == target]
-    return len(version.list_keys(DATA_DIR + "/")), None, None if common is None else len(common), leftovers
 
 
 def human_bytes(n: float) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from dataclasses import fields, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -37,9 +36,8 @@ from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, Loader, TwoStageD
 from ..logs import attach_to_lightning
 from ..planning.load_plan import allowing_shape_mismatch
 from ..reading.pipeline import with_cast
-from ..storage.s3_url import is_s3_url
 from ..storage.paths import checkpoint_location
-from ..storage.s3_versions import remove_checkpoint as remove_s3_checkpoint
+from ..storage.stores import open_store
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
 from ..saving.async_pending import finish_saves_to
@@ -179,12 +177,7 @@ class DistCheckpointIO(CheckpointIO):
             self._deferred_removals.append(target)
             logger.debug("removal of %s deferred until the background save commits", target)
             return
-        if is_s3_url(target):
-            remove_s3_checkpoint(target)
-        elif os.path.islink(target) or os.path.isfile(target):
-            os.remove(target)
-        elif os.path.isdir(target):
-            shutil.rmtree(target)
+        open_store(target).remove()  # its store's way: a directory, a link, or a marker and its versions
         logger.debug("removed checkpoint %s", target)
 
     def teardown(self) -> None:

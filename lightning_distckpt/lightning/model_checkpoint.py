@@ -23,18 +23,13 @@ system for it), and so does the connector's lookup: ``pip install s3fs``.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Optional, Set
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ..storage.commit import recover_interrupted_commit
-from ..storage.layout import COMMIT_MARKER
 from ..storage.paths import checkpoint_location
-from ..storage.s3_url import is_s3_url
-from ..storage.s3_versions import committed_children
-from ..storage.staging import is_staging_dir, target_of
+from ..storage.stores import open_store
 
 
 class DistModelCheckpoint(ModelCheckpoint):
@@ -52,23 +47,13 @@ class DistModelCheckpoint(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
         dirpath = None if self.dirpath is None else str(self.dirpath)
         last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
-        if dirpath is None or not is_s3_url(dirpath):
-            _recover_last(dirpath if dirpath is not None else self._default_dir(trainer), last)
-            return super()._find_last_checkpoints(trainer)
-        return {f"{url}/{COMMIT_MARKER}" for url in committed_children(dirpath, self.CHECKPOINT_NAME_LAST)
-                if last.match(url.rsplit("/", 1)[1])}
+        dirpath = dirpath if dirpath is not None else self._default_dir(trainer)
+        # the store finishes interrupted commits of last*.ckpt, and lists what Lightning cannot (None: it can)
+        found = None if dirpath is None else open_store(dirpath).last_checkpoints(self.CHECKPOINT_NAME_LAST, last)
+        return super()._find_last_checkpoints(trainer) if found is None else set(found)
 
     def _default_dir(self, trainer: Any) -> Optional[str]:
         """Where ``ModelCheckpoint`` saves when no ``dirpath`` was given (its own private resolution)."""
         resolve = getattr(self, "_ModelCheckpoint__resolve_ckpt_dir", None)
         return None if resolve is None or trainer is None else str(resolve(trainer))
 
-
-def _recover_last(dirpath: Optional[str], last: "re.Pattern[str]") -> None:
-    """Finish the interrupted commits of the ``last*.ckpt`` checkpoints missing from ``dirpath``
-    (each rank may do so at once: the recovery is atomic renames, no collectives)."""
-    if dirpath is None or not os.path.isdir(dirpath):
-        return
-    targets = {target_of(os.path.join(dirpath, n)) for n in os.listdir(dirpath) if is_staging_dir(n)}
-    for target in sorted(t for t in targets if last.match(os.path.basename(t)) and not os.path.lexists(t)):
-        recover_interrupted_commit(target)

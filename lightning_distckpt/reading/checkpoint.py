@@ -11,13 +11,16 @@ a :class:`~lightning_distckpt.storage.base.ShardReader` for the stored bytes and
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any, Dict, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Optional, Protocol, Sequence, runtime_checkable
 
 from ..planning.metadata import CheckpointIndex
 from ..storage.base import ShardReader
-from ..storage.integrity import open_checkpoint_metadata, read_common
-from ..storage.s3_url import is_s3_url
+from ..storage.integrity import read_common, read_common_bytes
+from ..storage.layout import DATA_DIR
+from ..storage.paths import PathLike
+from ..storage.store import CheckpointStore, StorageFacts, WriterStore
+from ..storage.stores import open_store
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .formats import KeyMap, detect
 
@@ -40,35 +43,73 @@ class CheckpointSource(Protocol):
 
 @dataclass
 class OpenedCheckpoint:
-    """A committed lightning_distckpt checkpoint directory, its metadata parsed and checked."""
+    """A committed lightning_distckpt checkpoint, its metadata parsed and checked, in its store."""
 
-    path: str
+    path: str  # where the committed checkpoint is read from (a real path, a committed version)
     meta: Dict[str, Any]
     index: CheckpointIndex
-    options: StorageOptions
+    options: StorageOptions  # the recorded layout with the reader's own choices (verify, concurrency, ...)
     marker: Dict[str, Any] = field(default_factory=dict)  # the commit marker (checksums of common.pt, metadata)
+    store: Optional[CheckpointStore] = None
 
     @classmethod
-    def open(cls, checkpoint_dir: str) -> "OpenedCheckpoint":
-        # storage.integrity: refuses URLs but s3://, and links inside the checkpoint, checks every field
-        opened = open_checkpoint_metadata(checkpoint_dir)
+    def open(cls, checkpoint_dir: PathLike, options: Optional[StorageOptions] = None) -> "OpenedCheckpoint":
+        """Open the committed checkpoint at ``checkpoint_dir`` through its store; ``options``: the
+        reader's choices (``verify``, ``direct_reads``, ``io_concurrency``, the S3 endpoint, ...),
+        the layout is the one recorded."""
+        # the store refuses what it does not serve, and links inside the checkpoint, and checks every field
+        store = open_store(checkpoint_dir, options or StorageOptions())
+        opened = store.open_metadata()
         path, meta = opened.path, opened.meta
-        return cls(path, meta, CheckpointIndex.from_json(meta, f"checkpoint {path}"),
-                   StorageOptions.from_json(meta.get("storage", {})), opened.marker)
+        recorded = StorageOptions.from_json(meta.get("storage", {}))
+        stores = _rank_stores(path) if store.file_system else None  # bounds the index's even splits
+        return cls(path, meta, CheckpointIndex.from_json(meta, f"checkpoint {path}", stores),
+                   replace(store.options, layout=recorded.layout, chunk_bytes=recorded.chunk_bytes),
+                   opened.marker, store)
 
-    def reader(self) -> TensorStoreIO:
+    def _store(self) -> CheckpointStore:
+        if self.store is None:  # made by hand, not by open(): the store serving its path
+            self.store = open_store(self.path, self.options)
+        return self.store
+
+    def reader(self, check_sizes: bool = True) -> TensorStoreIO:
         """A reader of this checkpoint's stored shards (packed ones included) and objects."""
-        return TensorStoreIO(self.path, self.options, self.index)
+        return self._store().open_reader(self.path, self.options, self.index, check_sizes)
+
+    def read_blob(self, name: str) -> Optional[bytes]:
+        """A whole blob of the checkpoint (``common.pt``), as stored; None when missing."""
+        return self._store().read_blob(self.path, name)
+
+    def writer_store(self, writer: int) -> WriterStore:
+        """Whether ``writer``'s store holds anything, and its bytes where listed (``validate``)."""
+        return self._store().writer_store(self.path, writer)
+
+    def storage_facts(self) -> StorageFacts:
+        """What ``inspect`` shows of this checkpoint's storage (files, bytes, leftovers), as its store knows it."""
+        return self._store().facts(self.path)
+
+    def common_bytes(self) -> bytes:
+        """``common.pt`` as stored, checked against the SHA-256 its commit marker records."""
+        return read_common_bytes(self._store(), self.path, self.marker)
 
     def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
-        return read_common(self.path, self.marker, extra_safe_globals)
+        return read_common(self._store(), self.path, self.marker, extra_safe_globals)
 
 
-def open_checkpoint(path: str, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = ()) -> CheckpointSource:
+def _rank_stores(path: str) -> Optional[int]:
+    """How many entries the local checkpoint's ``data/`` holds (one listdir; None: none listed)."""
+    try:
+        return len(os.listdir(os.path.join(path, DATA_DIR)))
+    except (OSError, ValueError):
+        return None
+
+
+def open_checkpoint(path: PathLike, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = (),
+                    options: Optional[StorageOptions] = None) -> CheckpointSource:
     """The source for ``path``: a ``torch.save`` file, a ``.safetensors`` file or a Hugging Face
     model directory (``key_map`` maps their keys to template keys: a dict, or a callable returning
-    None to leave a key out), else our own checkpoint directory (or ``s3://`` location)."""
-    if is_s3_url(path):
-        return OpenedCheckpoint.open(path)
-    found = detect(os.fspath(path), key_map, extra_safe_globals)
-    return found if found is not None else OpenedCheckpoint.open(path)
+    None to leave a key out), else our own checkpoint in its store (``options``: the reader's
+    choices, see :meth:`OpenedCheckpoint.open`)."""
+    store = open_store(path, options or StorageOptions())
+    found = detect(os.fspath(path), key_map, extra_safe_globals) if store.file_system else None
+    return found if found is not None else OpenedCheckpoint.open(path, options)

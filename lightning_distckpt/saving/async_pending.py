@@ -29,7 +29,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Dict, List, Optional
 
-from ..storage.s3_url import is_s3_url
+from ..storage.stores import open_store
 
 if TYPE_CHECKING:
     from .async_save import AsyncSaveRequest
@@ -43,26 +43,17 @@ _hooked_pid: Optional[int] = None
 
 
 def reserve_target(target: str) -> bool:
-    """Hold ``target`` (a local path) with an empty directory while a save to it is in flight; True when
-    this call made it (only then does :func:`release_target` remove it). Nothing is done when something
-    is already there (a committed checkpoint the save will replace: the name is taken anyway)."""
-    if is_s3_url(target) or os.path.lexists(target):
-        return False
-    try:
-        os.mkdir(target)
-    except OSError:  # made meanwhile by someone else, or a parent we cannot write: the commit will say
-        return False
-    return True
+    """Hold ``target``'s name while a save to it is in flight, where its store needs it (a local
+    directory: an empty one, :meth:`~lightning_distckpt.storage.local_store.LocalStore.reserve`); True
+    when this call did (only then does :func:`release_target` undo it). Nothing is done when
+    something is already there (a committed checkpoint the save will replace: the name is taken anyway)."""
+    return open_store(target).reserve()
 
 
 def release_target(target: str) -> None:
-    """Remove the placeholder :func:`reserve_target` made, if it is still an empty directory (anything
-    put into it meanwhile stays, and the commit refuses to replace it)."""
-    try:
-        if os.path.isdir(target) and not os.path.islink(target):
-            os.rmdir(target)
-    except OSError:
-        pass
+    """Undo :func:`reserve_target` (anything put into the placeholder meanwhile stays, and the
+    commit refuses to replace it)."""
+    open_store(target).release()
 
 
 def track(request: "AsyncSaveRequest") -> None:

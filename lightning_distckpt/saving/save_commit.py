@@ -5,19 +5,13 @@ every rank's writes, commit on rank 0, agree on the commit)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import List, NamedTuple, Optional, Union
 
 import torch
 
 from ..core.errors import CheckpointingError, SaveFailedError
-from ..storage import commit as commit_mod
-from ..storage import s3
-from ..storage import staging as staging_mod
 from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION
-from ..storage.s3_url import is_s3_url
-from ..storage.safe_pickle import write_file_durable
 from ..version import __version__
 from ..core.gc_pause import gc_paused
 from .save_prepare import PreparedSave
@@ -32,19 +26,13 @@ class LocalWrite(NamedTuple):
 
 
 def write_local(prep: PreparedSave) -> LocalWrite:
-    """This rank's writes into the staging directory or ``s3://`` version (no collectives)."""
+    """This rank's writes into the store's staging location (no collectives)."""
     t0 = time.perf_counter()
-    remote = is_s3_url(prep.staging)
-    if not remote:
-        os.makedirs(prep.staging, exist_ok=True)
-        staging_mod.write_owner_note(prep.staging, prep.comm.rank)
+    prep.store.begin(prep.staging, prep.comm.rank)
     tensors = [w._replace(data=w.data.cpu()) if w.data.device.type != "cpu" else w for w in prep.tensors]
     nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
     if prep.common is not None:
-        if remote:
-            s3.write_object(prep.staging, COMMON_FILE, prep.common, prep.options)
-        else:
-            write_file_durable(os.path.join(prep.staging, COMMON_FILE), prep.common)
+        prep.store.write_blob(prep.staging, COMMON_FILE, prep.common)
         nbytes += len(prep.common)
     return LocalWrite(nbytes, time.perf_counter() - t0)
 
@@ -69,10 +57,8 @@ def finalize_save(prep: PreparedSave, local: Union[LocalWrite, BaseException]) -
     except CheckpointingError as e:
         if not e.failures:  # the exchange itself failed (a rank is gone): not an agreed outcome
             raise
-        if comm.rank == 0 and is_s3_url(prep.staging):
-            s3.discard(prep.staging, prep.options)
-        elif comm.rank == 0:
-            staging_mod.discard(prep.staging)
+        if comm.rank == 0:
+            prep.store.discard(prep.staging)
         if isinstance(e, SaveFailedError):
             raise
         raise _save_failed(e) from e
@@ -86,7 +72,7 @@ def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[Exception
     try:
         with gc_paused():  # an index of a hundred thousand shards is as many small dicts
             text = json.dumps(_metadata(prep))
-        commit_mod.commit(prep.staging, prep.target, text, json.dumps(marker), prep.options)
+        prep.store.commit(prep.staging, text, marker)
     except Exception as e:
         return e
     return None

@@ -20,15 +20,11 @@ from ..planning.even import mark_even
 from ..planning.groups import RankRecords, layout_digest
 from ..planning.metadata import ObjectRecord, ShardRecord
 from ..planning.save_plan import SavePlan
-from ..storage import commit as commit_mod
-from ..storage import s3
-from ..storage import staging as staging_mod
 from ..storage.base import ObjectWrite, ShardWrite, ShardWriter
 from ..storage.layout import encode_key
-from ..storage.paths import checkpoint_location
-from ..storage.s3_url import is_s3_url
 from ..storage.safe_pickle import dumps
-from ..storage.stores import open_writer
+from ..storage.store import CheckpointStore
+from ..storage.stores import open_store
 from ..storage.tensorstore_io import StorageOptions
 from ..core.gc_pause import gc_paused
 from .save_coordinate import CoordinatorOptions, coordinate_plan
@@ -79,10 +75,11 @@ class PreparedSave:
     """Everything a rank needs to write its part, decided collectively."""
 
     target: str
-    staging: str
+    staging: str  # where every rank writes before the commit: named by rank 0's store
     comm: Comm
     plan: SavePlan  # rank 0: the whole plan (its index is metadata.json); other ranks: their own writes
     options: StorageOptions
+    store: CheckpointStore  # the target's store: it stages, writes blobs, commits or discards
     writer: ShardWriter  # where this rank's shards go; its ``backend`` is recorded in metadata.json
     tensors: List[ShardWrite]  # this rank's stored shards: data in global-axes shape, pack offsets
     objects: List[ObjectWrite]
@@ -149,14 +146,15 @@ def prepare_save(
     when the shards are inconsistent, and an error of the same type on every rank (naming each
     failing rank, see ``failures``) when some rank could not describe its part.
     """
-    target = checkpoint_location(checkpoint_dir)  # same on every rank: all refuse a URL alike
+    store = open_store(checkpoint_dir, options)  # same on every rank: all refuse a URL alike
+    target = store.location
     started = time.perf_counter()
     planning = PlanningOptions(balance_writes, options.pack_max_bytes)
     error: Optional[Exception] = None
     try:
         # Every rank serializes the common state when it is checked for consistency (only rank
         # 0's copy is written), so an unpicklable value fails on every rank.
-        local = _describe(sharded_state_dict, target, comm, options,
+        local = _describe(sharded_state_dict, store, comm,
                           serialize_common=comm.rank == 0 or (validate_access_integrity and comm.distributed))
     except Exception as e:  # agreed below, so no rank is left waiting in the exchange
         local, error = LocalState(), e
@@ -164,14 +162,14 @@ def prepare_save(
     token = plan_cache.lookup(cache_key) if plan_cache is not None and error is None else None
     mine = Handshake(
         layout=layout_digest(local.records), plan_token=token,
-        staging=_new_staging(target) if comm.rank == 0 else None,
+        staging=store.new_staging() if comm.rank == 0 else None,
         common_digest=local.common_digest, planning=planning,
     )
     with gc_paused():  # thousands of handshakes unpickled: see gc_paused
         handshakes: List[Handshake] = comm.agree(f"save to {target} failed before writing", error, mine)
     staging = handshakes[0].staging
     assert staging is not None  # rank 0 always names one
-    _look_around(comm, target, staging, local.common, handshakes, validate_access_integrity)
+    _look_around(comm, store, staging, local.common, handshakes, validate_access_integrity)
     reuse = token is not None and all(h.plan_token == token for h in handshakes)
     if plan_cache is not None and reuse:
         plan = plan_cache.reuse()
@@ -186,20 +184,14 @@ def prepare_save(
         plan.bytes_per_rank.get(comm.rank, 0), time.perf_counter() - started,
     )
     return PreparedSave(
-        target=target, staging=staging, comm=comm, plan=plan, options=options,
-        writer=open_writer(staging, options), tensors=tensors, objects=objects,
+        target=target, staging=staging, comm=comm, plan=plan, options=options, store=store,
+        writer=store.open_writer(staging), tensors=tensors, objects=objects,
         common=local.common_bytes if comm.rank == 0 else None, started=started, plan_reused=reuse,
         plain_tensors=local.plain_tensors,
     )
 
 
-def _new_staging(target: str) -> str:
-    """Where this save writes before its commit: a hidden sibling directory, or a fresh version
-    under an ``s3://`` target."""
-    return s3.new_version(target) if is_s3_url(target) else staging_mod.new_staging_dir(target)
-
-
-def _describe(sharded_state_dict: Dict[str, Any], target: str, comm: Comm, options: StorageOptions,
+def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: Comm,
               serialize_common: bool) -> LocalState:
     """Split this rank's state dict into sharded entries and common state, and describe them."""
     expanded: List[Tuple[Any, Any]] = []
@@ -214,8 +206,9 @@ def _describe(sharded_state_dict: Dict[str, Any], target: str, comm: Comm, optio
         [ShardRecord.of(t, comm.rank) for t in local.tensors],
         [ObjectRecord.of(o, comm.rank) for o in local.objects],
     ), comm.size)  # FSDP-like chunks: one layout for all ranks (planning/even.py)
+    target = store.location
     if comm.rank == 0:
-        commit_mod.check_target(target, options)
+        store.check_target()
     if serialize_common:
         # Serialized before the exchange, so an unpicklable value is an error agreed by every
         # rank rather than rank 0's alone.
@@ -233,16 +226,13 @@ def _group_ranks(comm: Comm) -> Tuple[int, ...]:
     return tuple(comm.global_rank(i) for i in range(comm.size)) if comm.distributed else (0,)
 
 
-def _look_around(comm: Comm, target: str, staging: str, common: Any, handshakes: List[Handshake],
+def _look_around(comm: Comm, store: CheckpointStore, staging: str, common: Any, handshakes: List[Handshake],
                  validate_access_integrity: bool) -> None:
     """Warnings that need no agreement: leftovers of killed saves, common state differing by rank."""
-    if comm.rank == 0 and not is_s3_url(target):
-        try:  # one listdir of the parent: leftovers of killed saves take a checkpoint's space each
-            staging_mod.warn_about_leftovers(target, staging)
-        except OSError as e:
-            logger.debug("checkpoint %s: could not look for leftover staging directories: %s", target, e)
+    if comm.rank == 0:
+        store.look_around(staging)
     if validate_access_integrity and len({h.common_digest for h in handshakes}) > 1:
-        _warn_common_differs(common, comm, target)
+        _warn_common_differs(common, comm, store.location)
 
 
 def _warn_common_differs(common: Any, comm: Comm, target: str) -> None:

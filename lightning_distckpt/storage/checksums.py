@@ -9,8 +9,9 @@
 * ShardedObject elements: stored framed, ``MAGIC | crc32 | length | bytes``, verified on read;
 * ``common.pt`` and ``metadata.json``: their SHA-256 in the commit marker, verified on every open.
 
-``LIGHTNING_DISTCKPT_VERIFY=0`` skips the checks of objects, ``common.pt``, ``metadata.json`` and
-the chunk checksums we compute (e.g. to salvage what still deserializes from a damaged checkpoint);
+``StorageOptions(verify=False)`` (or ``LIGHTNING_DISTCKPT_VERIFY=0``, an override for the whole
+process) skips the checks of objects, ``common.pt``, ``metadata.json`` and the chunk checksums we
+compute (e.g. to salvage what still deserializes from a damaged checkpoint);
 chunks that tensorstore decodes through the ``crc32c`` codec are still checked by it. Checkpoints of formats 1 and 2 carry
 no checksums: they load with one warning per checkpoint and process.
 """
@@ -34,20 +35,21 @@ _HEADER = struct.Struct("<8sIQ")  # magic, crc32 of the payload, payload length
 _warned: Set[str] = set()
 
 
-def verification_enabled() -> bool:
-    """False when ``LIGHTNING_DISTCKPT_VERIFY`` is ``0`` / ``false`` / ``no`` / ``off``."""
-    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+def verification_enabled(verify: bool = True) -> bool:
+    """``verify`` (the caller's ``StorageOptions.verify``), unless ``LIGHTNING_DISTCKPT_VERIFY`` is
+    ``0`` / ``false`` / ``no`` / ``off``: the documented override turning checks off process-wide."""
+    return verify and os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def check_sha256(data: bytes, expected: object, where: str) -> None:
+def check_sha256(data: bytes, expected: object, where: str, verify: bool = True) -> None:
     """FormatError unless ``data`` hashes to ``expected`` (skipped when verification is off)."""
     if not isinstance(expected, str) or len(expected) != 64:
         raise FormatError(f"{where}: the commit marker's checksum is malformed ({expected!r})")
-    if verification_enabled() and sha256_hex(data) != expected:
+    if verification_enabled(verify) and sha256_hex(data) != expected:
         raise FormatError(f"{where}: checksum mismatch (SHA-256 {sha256_hex(data)[:16]}..., the commit marker "
                           f"records {expected[:16]}...): the file is damaged or was changed after the commit")
 
@@ -57,7 +59,7 @@ def frame_object(blob: bytes) -> bytes:
     return _HEADER.pack(OBJECT_MAGIC, zlib.crc32(blob), len(blob)) + blob
 
 
-def unframe_object(stored: bytes, where: str, required: bool) -> bytes:
+def unframe_object(stored: bytes, where: str, required: bool, verify: bool = True) -> bytes:
     """The bytes of a stored object, its checksum verified. Objects of formats 1 and 2 are stored
     unframed: accepted as they are unless ``required`` (format 3)."""
     if not stored.startswith(OBJECT_MAGIC):
@@ -70,7 +72,7 @@ def unframe_object(stored: bytes, where: str, required: bool) -> bytes:
     payload = stored[_HEADER.size:]
     if len(payload) != length:
         raise FormatError(f"{where}: {len(payload)} bytes stored, its header says {length} (truncated or damaged)")
-    if verification_enabled() and zlib.crc32(payload) != crc:
+    if verification_enabled(verify) and zlib.crc32(payload) != crc:
         raise FormatError(f"{where}: checksum mismatch (CRC-32 {zlib.crc32(payload):#010x}, stored {crc:#010x}): "
                           f"damaged")
     return payload

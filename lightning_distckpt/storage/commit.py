@@ -4,8 +4,8 @@ swaps the staging directory into place. A crash at any point leaves the previous
 and never leaves a directory that looks complete but is not; where the swap takes two renames (no
 ``RENAME_EXCHANGE``: NFS, Lustre), a crash between them leaves the new checkpoint committed beside
 its missing target, and the next load, save or ``clean`` renames it into place
-(:func:`recover_interrupted_commit`). ``s3://`` targets commit without a rename, by a marker naming
-the version (:mod:`.s3`)."""
+(:func:`recover_interrupted_commit`). The local store (:mod:`.local_store`) calls this module; an
+object store commits without a rename (:mod:`.s3`)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,9 @@ import signal
 from typing import List, NamedTuple, Optional, Tuple
 
 from ..core.errors import CheckpointingError
-from . import s3
 from .checksums import sha256_hex
 from .layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, is_our_committed_checkpoint
-from .options import StorageOptions
 from .paths import read_inside
-from .s3_url import is_s3_url
 from .safe_pickle import write_file_durable
 from .staging import STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes, target_of
 
@@ -56,15 +53,11 @@ def _step(name: str) -> None:
             os.kill(os.getpid(), sig)
 
 
-def check_target(target: str, options: Optional[StorageOptions] = None) -> None:
+def check_target(target: str) -> None:
     """Refuse to replace anything but a committed checkpoint of ours or an empty directory.
 
     Whatever else a directory holds (a ``data/`` folder included) may be a user's files: a save
-    never removes them. Checked before anything is written, and again right before the swap.
-    An ``s3://`` target: the bucket answers and holds no foreign marker (:func:`.s3.check_target`)."""
-    if is_s3_url(target):
-        s3.check_target(target, options or StorageOptions())
-        return
+    never removes them. Checked before anything is written, and again right before the swap."""
     if not os.path.lexists(target) and recover_interrupted_commit(target) is None:
         return
     if os.path.islink(target) or not os.path.isdir(target):
@@ -118,18 +111,14 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def commit(staging: str, target: str, metadata_json: str, marker_json: str,
-           options: Optional[StorageOptions] = None) -> None:
+def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> None:
     """Write metadata and marker into ``staging`` and move it to ``target`` (rank 0 only).
 
     The marker gets the SHA-256 of ``metadata.json`` and of ``common.pt`` as written (read back from
     the staging directory: what is verified on load is what is on disk). The owner notes of every
     rank stay until the marker is durable (until then ``clean`` sees a running save; from then on a
     committed copy, which it keeps while it is newer than the target) and are removed before the
-    rename. An ``s3://`` target: ``staging`` is a version location, committed by :func:`.s3.commit`."""
-    if is_s3_url(target):
-        s3.commit(staging, metadata_json, marker_json, options or StorageOptions())
-        return
+    rename."""
     metadata = metadata_json.encode()
     write_file_durable(os.path.join(staging, METADATA_FILE), metadata)
     fsync_tree_dirs(staging)
@@ -244,8 +233,6 @@ def recover_interrupted_commit(target: str) -> Optional[Recovery]:
     Safe to call from several processes at once (ranks loading together): renames are atomic, the
     losers see the target in place and return. File-system operations only, no collectives. A
     rename the file system refuses (permissions) is logged, and None returned."""
-    if is_s3_url(target):
-        return None
     path = os.path.abspath(target)
     if os.path.islink(path):
         path = os.path.realpath(path)  # a dangling link (save_last="link"): its checkpoint's copy

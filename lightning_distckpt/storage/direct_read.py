@@ -44,9 +44,10 @@ _CRC_TRAILER = struct.Struct("<I")
 _PIECE_BYTES = 1 << 20  # read and checksum a chunk this much at a time
 
 
-def direct_reads_enabled() -> bool:
-    """False when ``LIGHTNING_DISTCKPT_DIRECT_READS`` is ``0`` / ``false`` / ``no`` / ``off``."""
-    return os.environ.get(DIRECT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+def direct_reads_enabled(wanted: bool = True) -> bool:
+    """``wanted`` (the reader's ``StorageOptions.direct_reads``), unless ``LIGHTNING_DISTCKPT_DIRECT_READS``
+    is ``0`` / ``false`` / ``no`` / ``off``: the documented override sending every read through tensorstore."""
+    return wanted and os.environ.get(DIRECT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class ChunkLocation(NamedTuple):

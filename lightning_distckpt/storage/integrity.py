@@ -1,8 +1,7 @@
-"""Opening a checkpoint's files so that what is read can be trusted: the directory is resolved
-once to its real path (a missing one is described with where a good checkpoint is), nothing inside
-it is followed through a link, and the common state is read as a regular file of the checkpoint.
-An ``s3://`` checkpoint is opened through its commit marker (:func:`.s3.open_metadata`): its path
-is then the committed version's location.
+"""Reading a checkpoint's files so that what is read can be trusted: the common state checked
+against the SHA-256 its commit marker records, whatever store holds it; in a local directory,
+nothing inside it followed through a link and no more bytes claimed by the index than its files
+hold (:func:`check_writer_store`, asked by :class:`~.local_store.LocalStore`).
 """
 
 from __future__ import annotations
@@ -10,69 +9,43 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
-from ..core.errors import CheckpointingError, FormatError, not_found
-from . import s3
+from ..core.errors import CheckpointingError, FormatError
 from .checksums import check_sha256
-from .commit import recover_interrupted_commit
-from .layout import COMMON_FILE, DATA_DIR, MetadataFile, open_metadata, rank_dir
-from .options import StorageOptions
-from .paths import PathLike, checkpoint_location, read_inside, refuse_link, scan_tree
-from .s3_url import is_s3_url
+from .layout import COMMON_FILE, DATA_DIR, rank_dir
+from .paths import refuse_link, scan_tree
 from .safe_pickle import loads
-from .staging import describe_missing
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
+    from .store import CheckpointStore
 
 
-def open_checkpoint_metadata(checkpoint_dir: PathLike) -> MetadataFile:
-    """The checked metadata of the committed checkpoint at ``checkpoint_dir`` (see
-    :func:`~lightning_distckpt.storage.layout.open_metadata`); a missing directory (or a dangling
-    ``last.ckpt`` link) says where the newest committed checkpoints are."""
-    given = checkpoint_location(checkpoint_dir)
-    if is_s3_url(given):
-        return s3.open_metadata(given, StorageOptions())
-    if not os.path.isdir(given):
-        recover_interrupted_commit(given)  # a commit killed between its two renames: finish it
-    if not os.path.isdir(given):
-        raise not_found(given, describe_missing(given))
-    return open_metadata(given)
-
-
-def read_common(checkpoint_dir: str, marker: Dict[str, Any], extra_safe_globals: Sequence[Any] = ()) -> Any:
-    """The common state (``common.pt``) of the checkpoint at the real path ``checkpoint_dir``,
-    whose commit marker is ``marker``, deserialized safely."""
+def read_common(store: "CheckpointStore", checkpoint_dir: str, marker: Dict[str, Any],
+                extra_safe_globals: Sequence[Any] = ()) -> Any:
+    """The common state (``common.pt``) of the committed checkpoint at ``checkpoint_dir`` of
+    ``store``, whose commit marker is ``marker``, deserialized safely."""
     where = f"checkpoint {checkpoint_dir}: {COMMON_FILE}"
-    return loads(read_common_bytes(checkpoint_dir, marker), where, extra_safe_globals)
+    return loads(read_common_bytes(store, checkpoint_dir, marker), where, extra_safe_globals)
 
 
-def read_common_bytes(checkpoint_dir: str, marker: Dict[str, Any]) -> bytes:
-    """The bytes of ``common.pt``, read as a regular file of the checkpoint and checked against the
-    SHA-256 its commit marker records (a copy made from them is then no copy of damage)."""
-    path = os.path.join(checkpoint_dir, COMMON_FILE)
+def read_common_bytes(store: "CheckpointStore", checkpoint_dir: str, marker: Dict[str, Any]) -> bytes:
+    """The bytes of ``common.pt`` (a regular file of the checkpoint, or the store's object),
+    checked against the SHA-256 its commit marker records (a copy made from them is then no copy
+    of damage; skipped when ``store.options.verify`` is off)."""
     where = f"checkpoint {checkpoint_dir}: {COMMON_FILE}"
-    try:
-        blob = (s3.read_object(checkpoint_dir, COMMON_FILE, StorageOptions()) if is_s3_url(checkpoint_dir)
-                else read_inside(path, f"checkpoint {checkpoint_dir}:"))
-    except FileNotFoundError:
-        raise CheckpointingError(f"{where} is missing") from None
-    except OSError as e:
-        raise CheckpointingError(f"{where} cannot be read: {e.strerror or e}") from None
+    blob = store.read_blob(checkpoint_dir, COMMON_FILE)
     if blob is None:
         raise CheckpointingError(f"{where} is missing")
     if not blob:
         raise FormatError(f"{where} is empty (0 bytes)")
     if "common_sha256" in marker:
-        check_sha256(blob, marker["common_sha256"], where)
+        check_sha256(blob, marker["common_sha256"], where, store.options.verify)
     return blob
 
 
 def store_bytes(checkpoint_dir: str, writer: int) -> Optional[int]:
     """Bytes of the files in ``writer``'s store (None when it is missing), refusing ``data/``, the
-    store or anything in it that is a symbolic link (FormatError naming it). None for an ``s3://``
-    checkpoint: an object store has no links, and its sizes are not listed."""
-    if is_s3_url(checkpoint_dir):
-        return None
+    store or anything in it that is a symbolic link (FormatError naming it)."""
     what = f"checkpoint {checkpoint_dir}: store of rank {writer}"
     try:
         refuse_link(os.path.join(checkpoint_dir, DATA_DIR), f"checkpoint {checkpoint_dir}: data directory")

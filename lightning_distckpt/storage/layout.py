@@ -147,8 +147,9 @@ class MetadataFile:
     marker: Dict[str, Any]
 
 
-def open_metadata(checkpoint_dir: str) -> MetadataFile:
-    """Read and check a committed checkpoint's metadata (never through a link inside it)."""
+def open_metadata(checkpoint_dir: str, verify: bool = True) -> MetadataFile:
+    """Read and check a committed checkpoint's metadata (never through a link inside it; its
+    SHA-256 verified unless ``verify`` is off)."""
     given = os.path.abspath(local_path(checkpoint_dir))
     if not os.path.isdir(given):
         from .commit import recover_interrupted_commit  # commit imports this module
@@ -175,37 +176,47 @@ def open_metadata(checkpoint_dir: str) -> MetadataFile:
             raw[name] = read_inside(os.path.join(path, name), f"checkpoint {path}:")
         except OSError as e:
             raise FormatError(f"checkpoint {path}: cannot read {name}: {e.strerror or e}") from None
-    marker = parse_json(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
-    if not isinstance(marker, dict):
-        raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} is not a JSON object")
-    _check_fields(marker, _MARKER_FIELDS, f"checkpoint {path}: {COMMIT_MARKER}")
-    meta = parse_json(raw[METADATA_FILE], f"checkpoint {path}: {METADATA_FILE}")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise FormatError(
-            f"checkpoint {path}: {METADATA_FILE} names format "
-            f"{meta.get('format') if isinstance(meta, dict) else None!r}, "
-            f"expected {FORMAT_NAME!r}"
-        )
-    version = meta.get("format_version")
-    if type(version) is not int or version not in SUPPORTED_FORMAT_VERSIONS:
-        raise FormatError(
-            f"checkpoint {path}: {METADATA_FILE}: format version {version!r} is not supported by this version of "
-            f"lightning_distckpt (supports {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade the library"
-        )
-    if "metadata_sha256" in marker:  # whatever the version claims: a damaged byte may have changed it
-        check_sha256(raw[METADATA_FILE], marker["metadata_sha256"], f"checkpoint {path}: {METADATA_FILE}")
-    _check_fields(meta, _META_FIELDS, f"checkpoint {path}: {METADATA_FILE}")
-    if version < CHECKSUMS_SINCE:
-        warn_no_checksums(path, version)
-    elif "metadata_sha256" not in marker or "common_sha256" not in marker:
-        raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} lacks the checksums a format {version} checkpoint "
-                          f"records (damaged)")
+    marker = parse_marker(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
+    meta = check_metadata(raw[METADATA_FILE], marker, path, verify)
     return MetadataFile(path, meta, marker)
 
 
 def read_metadata(checkpoint_dir: str) -> Dict[str, Any]:
     """The parsed ``metadata.json`` of a committed checkpoint, its format checked."""
     return open_metadata(checkpoint_dir).meta
+
+
+def parse_marker(raw: bytes, where: str) -> Dict[str, Any]:
+    """A commit marker's bytes as a JSON object, its known fields checked (FormatError naming ``where``)."""
+    marker = parse_json(raw, where)
+    if not isinstance(marker, dict):
+        raise FormatError(f"{where} is not a JSON object")
+    _check_fields(marker, _MARKER_FIELDS, where)
+    return marker
+
+
+def check_metadata(raw: bytes, marker: Dict[str, Any], path: str, verify: bool = True) -> Dict[str, Any]:
+    """``metadata.json``'s bytes of the checkpoint at ``path`` (committed by ``marker``) parsed and
+    checked, whatever store holds them: our format, a supported version, the marker's SHA-256, every
+    top-level field, and the checksums a format 3+ marker records."""
+    where = f"checkpoint {path}: {METADATA_FILE}"
+    meta = parse_json(raw, where)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise FormatError(f"{where} names format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+                          f"expected {FORMAT_NAME!r}")
+    version = meta.get("format_version")
+    if type(version) is not int or version not in SUPPORTED_FORMAT_VERSIONS:
+        raise FormatError(f"{where}: format version {version!r} is not supported by this version of "
+                          f"lightning_distckpt (supports {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade the library")
+    if "metadata_sha256" in marker:  # whatever the version claims: a damaged byte may have changed it
+        check_sha256(raw, marker["metadata_sha256"], where, verify)
+    _check_fields(meta, _META_FIELDS, where)
+    if version < CHECKSUMS_SINCE:
+        warn_no_checksums(path, version)
+    elif "metadata_sha256" not in marker or "common_sha256" not in marker:
+        raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} lacks the checksums a format {version} checkpoint "
+                          f"records (damaged)")
+    return meta
 
 
 # Top-level fields: (required, check, what it must be). Their contents (the index, the storage

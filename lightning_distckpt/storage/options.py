@@ -38,6 +38,12 @@ class StorageOptions:
         ``AWS_ENDPOINT_URL`` and ``AWS_REGION``; ``s3_credentials`` is ``"environment"``
         (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``), ``"profile:NAME"``, ``"default"``
         (the AWS SDK's chain) or ``"anonymous"``; s3_retries: attempts per request.
+    verify: a reader's choice, never recorded: verify the checksums we compute (chunks, objects,
+        ``common.pt``, ``metadata.json``) on every read. False only to salvage what still reads
+        from a damaged checkpoint; ``LIGHTNING_DISTCKPT_VERIFY=0`` turns it off process-wide.
+    direct_reads: a reader's choice, never recorded: read whole chunks of local checkpoints
+        straight into their destinations (``storage/direct_read.py``); False sends every read
+        through tensorstore (as ``LIGHTNING_DISTCKPT_DIRECT_READS=0`` does process-wide).
     """
 
     layout: str = "ocdbt"
@@ -49,8 +55,13 @@ class StorageOptions:
     s3_region: Optional[str] = None
     s3_credentials: Optional[str] = None
     s3_retries: int = 4
+    verify: bool = True
+    direct_reads: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("verify", "direct_reads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("chunk_bytes", "io_concurrency", "data_file_bytes", "pack_max_bytes", "s3_retries"):
             value = getattr(self, name)  # a float, str or bool would fail below as a TypeError, or pass
             if isinstance(value, bool) or not isinstance(value, int):

@@ -8,26 +8,40 @@ would be deleted by the swap. :func:`check_output` refuses all of these with an
 
 Paths are compared by their real paths (links resolved; an output that does not exist yet by its
 nearest existing parent, which is what ``os.path.realpath`` resolves) and, for what exists, by
-identity (``st_dev``/``st_ino``: a bind mount or a second name of a directory). ``s3://``
-locations are compared as normalized URLs (a prefix and everything below it).
+identity (``st_dev``/``st_ino``: a bind mount or a second name of a directory). Locations of
+other stores (``s3://``) are compared as normalized URLs of the same store (a prefix and
+everything below it); two stores never hold each other.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Callable, Iterable, NamedTuple, Optional, Tuple, Type
 
 from ..core.errors import ArgumentError
-from .paths import PathLike, checkpoint_location
-from .s3_url import is_s3_url
+from .paths import PathLike
+from .store import CheckpointStore
+from .stores import open_store
 
 # Which entries directly inside the output directory the conversion replaces (None: all of it).
 Replaced = Optional[Callable[[str], bool]]
 
 
-def _real(path: PathLike, what: str) -> str:
-    location = checkpoint_location(path, what)
-    return location.rstrip("/") if is_s3_url(location) else os.path.realpath(location)
+class _Place(NamedTuple):
+    """A location as compared: its store's class and its real path (or normalized URL)."""
+
+    store: Type[CheckpointStore]
+    real: str
+
+    @property
+    def files(self) -> bool:
+        return self.store.file_system
+
+
+def _real(path: PathLike, what: str) -> _Place:
+    store = open_store(path, what=what)
+    real = os.path.realpath(store.location) if store.file_system else store.location.rstrip("/")
+    return _Place(type(store), real)
 
 
 def _shown(path: PathLike) -> str:
@@ -39,11 +53,14 @@ def _below(inner: str, outer: str, sep: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(sep) + sep)
 
 
-def _same_or_below(inner: str, outer: str) -> bool:
-    """``inner`` (a real path or URL) is ``outer`` or below it, by text or, locally, by the identity
-    of ``outer`` and one of ``inner``'s existing ancestors."""
-    if is_s3_url(inner) or is_s3_url(outer):
-        return is_s3_url(inner) and is_s3_url(outer) and _below(inner, outer, "/")
+def _same_or_below(inner_place: _Place, outer_place: _Place) -> bool:
+    """``inner`` (a real path or URL) is ``outer`` or below it, by text or, in the file system, by
+    the identity of ``outer`` and one of ``inner``'s existing ancestors."""
+    inner, outer = inner_place.real, outer_place.real
+    if inner_place.store is not outer_place.store:
+        return False
+    if not outer_place.files:
+        return _below(inner, outer, "/")
     if _below(inner, outer, os.sep):
         return True
     try:
@@ -63,9 +80,10 @@ def _same_or_below(inner: str, outer: str) -> bool:
         path = parent
 
 
-def _first_entry(inner: str, outer: str) -> str:
+def _first_entry(inner_place: _Place, outer_place: _Place) -> str:
     """The name, directly inside ``outer``, of the entry ``inner`` lies in (``inner`` below ``outer``)."""
-    if is_s3_url(outer):
+    inner, outer = inner_place.real, outer_place.real
+    if not outer_place.files:
         return inner[len(outer):].lstrip("/").split("/", 1)[0]
     rel = os.path.relpath(inner, outer)
     return "" if rel.startswith("..") else rel.split(os.sep, 1)[0]
@@ -79,11 +97,11 @@ def check_output(output: PathLike, inputs: Iterable[Tuple[str, PathLike]], what:
     directly inside it for whose name ``replaced(name)`` is true (an export that writes some files
     into an existing directory)."""
     out = _real(output, what)
-    real = f" (real path {out})" if out != _shown(output) else ""
+    real = f" (real path {out.real})" if out.real != _shown(output) else ""
     for name, path in inputs:
         src = _real(path, name)
         if _same_or_below(out, src):
-            where = "is" if out == src else "lies inside"
+            where = "is" if out.real == src.real else "lies inside"
             raise ArgumentError(
                 f"{what} {_shown(output)} {where} the {name} {_shown(path)}{real}: writing it "
                 f"would overwrite what is being read; write the {what} outside the {name}")

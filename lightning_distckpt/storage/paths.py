@@ -35,7 +35,6 @@ import stat
 from typing import BinaryIO, NamedTuple, Optional, Union
 
 from ..core.errors import ArgumentError, ArgumentTypeError, FormatError
-from .s3_url import is_s3_url, parse_s3_url
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -45,7 +44,7 @@ ANYWHERE = os.path.abspath(os.sep)
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def _path_text(path: PathLike, what: str) -> str:
+def path_text(path: PathLike, what: str) -> str:
     """``path`` as a str: a str, an ``os.PathLike`` or bytes (decoded with ``os.fsdecode``, as the
     OS does); anything else is an ArgumentTypeError, an empty path, one with a NUL character or one
     that is not UTF-8 (which tensorstore cannot open) an ArgumentError, each naming ``what``."""
@@ -68,9 +67,9 @@ def _path_text(path: PathLike, what: str) -> str:
 
 
 def local_path(path: PathLike, what: str = "checkpoint") -> str:
-    """``path`` as a string (see :func:`_path_text`: the one check of every path argument), refused
+    """``path`` as a string (see :func:`path_text`: the one check of every path argument), refused
     with ArgumentError when it is a URL rather than a local path."""
-    text = _path_text(path, what)
+    text = path_text(path, what)
     if _SCHEME.match(text):
         raise ArgumentError(f"{what} {text}: URLs are not supported here; give a local or shared file-system path "
                             f"(it would otherwise be written to a local directory named {text.split('://', 1)[0]}:)")
@@ -78,14 +77,20 @@ def local_path(path: PathLike, what: str = "checkpoint") -> str:
 
 
 def checkpoint_location(path: PathLike, what: str = "checkpoint") -> str:
-    """Where a checkpoint is: an ``s3://`` URL normalized, else the local path made absolute (other
-    URLs refused, see :func:`local_path`; ``what`` names the argument in errors). Decided by the
+    """Where a checkpoint is, normalized by the store that serves it (an ``s3://`` URL, or a local
+    path made absolute; other URLs refused; ``what`` names the argument in errors). Decided by the
     path alone, so every rank decides alike (credentials, which may differ by rank, are checked
-    where failures are agreed). A backslash is an ArgumentError: tensorstore, which opens our
-    arrays, reads it as a separator, so ``a\\b`` would be written to ``a/b``."""
-    text = _path_text(path, what)
-    if is_s3_url(text):
-        return parse_s3_url(text).url
+    where failures are agreed). The store is picked by :func:`~.stores.store_class`."""
+    from .stores import store_class  # the factory imports the stores, which import this module
+
+    text = path_text(path, what)
+    return store_class(text).normalize(text, what)
+
+
+def local_location(text: str, what: str = "checkpoint") -> str:
+    """A local checkpoint path made absolute; any URL refused (ArgumentError naming ``what``). A
+    backslash is an ArgumentError: tensorstore, which opens our arrays, reads it as a separator, so
+    ``a\\b`` would be written to ``a/b``."""
     if _SCHEME.match(text):
         scheme = text.split("://", 1)[0]
         raise ArgumentError(f"{what} {text}: {scheme}:// URLs are not supported; a checkpoint goes to a local or "

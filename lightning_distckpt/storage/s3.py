@@ -28,11 +28,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import tensorstore as ts
 
 from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError
-from .checksums import check_sha256, sha256_hex, warn_no_checksums
-from .layout import (
-    _MARKER_FIELDS, _META_FIELDS, CHECKSUMS_SINCE, COMMIT_MARKER, COMMON_FILE, FORMAT_NAME, METADATA_FILE,
-    SUPPORTED_FORMAT_VERSIONS, MetadataFile, _check_fields, parse_json,
-)
+from .checksums import sha256_hex
+from .layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, MetadataFile, check_metadata, parse_marker
 from .options import StorageOptions
 from .s3_url import context_spec, explain, kvstore_spec, parse_s3_url
 
@@ -138,10 +135,7 @@ def read_marker(store: ObjectStore) -> Optional[Dict[str, Any]]:
     if raw is None:
         return None
     where = f"checkpoint {store.url}: {COMMIT_MARKER}"
-    marker = parse_json(raw, where)
-    if not isinstance(marker, dict):
-        raise FormatError(f"{where} is not a JSON object")
-    _check_fields(marker, _MARKER_FIELDS, where)
+    marker = parse_marker(raw, where)
     if not isinstance(marker.get("version"), str) or not _VERSION.match(marker["version"]):
         raise FormatError(f"{where}: field 'version' must name a version ('v-' and 12 hex digits), "
                           f"got {str(marker.get('version'))[:40]!r}")
@@ -217,28 +211,7 @@ def open_metadata(url: str, options: StorageOptions) -> MetadataFile:
     if raw is None:
         raise FormatError(f"checkpoint {store.url}: {COMMIT_MARKER} names version {marker['version']}, which has "
                           f"no {METADATA_FILE} (deleted or damaged)")
-    return MetadataFile(path, _check_meta(path, raw, marker), marker)
-
-
-def _check_meta(path: str, raw: bytes, marker: Dict[str, Any]) -> Dict[str, Any]:
-    """``metadata.json``'s content checked as :func:`~.layout.open_metadata` checks a directory's."""
-    where = f"checkpoint {path}: {METADATA_FILE}"
-    meta = parse_json(raw, where)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where} does not name format {FORMAT_NAME!r}")
-    version = meta.get("format_version")
-    if type(version) is not int or version not in SUPPORTED_FORMAT_VERSIONS:
-        raise FormatError(f"{where}: format version {version!r} is not supported by this version of "
-                          f"lightning_distckpt (supports {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade the library")
-    if "metadata_sha256" in marker:
-        check_sha256(raw, marker["metadata_sha256"], where)
-    _check_fields(meta, _META_FIELDS, where)
-    if version < CHECKSUMS_SINCE:
-        warn_no_checksums(path, version)
-    elif "metadata_sha256" not in marker or "common_sha256" not in marker:
-        raise FormatError(f"checkpoint {path}: {COMMIT_MARKER} lacks the checksums a format {version} checkpoint "
-                          f"records (damaged)")
-    return meta
+    return MetadataFile(path, check_metadata(raw, marker, path, options.verify), marker)
 
 
 def is_committed_version(version_url: str, options: StorageOptions) -> bool:

@@ -31,11 +31,6 @@ S3_READ_COALESCING = {
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 
-def is_s3_url(path: Any) -> bool:
-    """``path`` is a string naming an ``s3://`` location."""
-    return isinstance(path, str) and path.startswith(S3_SCHEME)
-
-
 class S3Location(NamedTuple):
     """A bucket and a key prefix in it (no leading or trailing ``/``; ``""`` for the bucket's root)."""
 

@@ -50,6 +50,17 @@ class S3Leftover:
             return "remove" if older_than_s <= 0 else "unknown-age"
         return "recent" if self.idle_s < older_than_s else "remove"
 
+    def reason(self, verdict: str, older_than_s: float) -> str:
+        """Why ``clean`` keeps or removes this version, in words (``verdict`` from :meth:`verdict`)."""
+        if verdict == "foreign":
+            return f"refused: not provably ours ({self.foreign})"
+        if verdict == "unknown-age":
+            return "its version name carries no start time; a save may still be running (--older-than 0 removes it)"
+        if verdict == "recent":
+            return f"started {self.idle_s:.0f} s ago (< --older-than {older_than_s:.0f} s): a save may still be running"
+        age = "" if self.idle_s is None else f", started {self.idle_s:.0f} s ago"
+        return f"uncommitted ({self.objects} object(s){age})"
+
 
 def _group(keys: List[str]) -> Dict[str, Dict[str, List[str]]]:
     """``{location: {version: [names inside it]}}`` for keys ``[loc/]v-<token>/name``; the leftmost

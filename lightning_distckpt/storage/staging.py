@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import socket
 import stat
@@ -243,6 +244,33 @@ class Leftover:
         if self.idle_s < older_than_s:
             return "recent"
         return "remove"
+
+    def reason(self, verdict: str, older_than_s: float) -> str:
+        """Why ``clean`` keeps or removes this directory, in words (``verdict`` from :meth:`verdict`)."""
+        name = os.path.basename(self.target)
+        if verdict == "link":
+            return f"refused: a symbolic link (to {self.link_to}); links are not followed and not removed"
+        if verdict == "recover" and self.stranded:  # not recovered: dry run, or its commit still runs here
+            return (f"holds a committed checkpoint and {name} is missing: "
+                    + (f"a save on this host (pid {self.live_owner_pids[0]}) is renaming it into place"
+                       if self.live_owner_pids else f"mv {shlex.quote(self.path)} {shlex.quote(self.target)}"))
+        if verdict == "recover":
+            return (f"holds a committed checkpoint and {name} is not one; move {shlex.quote(self.target)} away, "
+                    f"then: mv {shlex.quote(self.path)} {shlex.quote(self.target)}")
+        if verdict == "newer":
+            return (f"holds a committed checkpoint newer than {name}: its commit is under way, or was stopped "
+                    f"before its rename (kept until a newer save of it commits)")
+        if verdict == "in-progress":
+            return "a save is writing into it (pid " + ", ".join(map(str, self.live_owner_pids)) + " on this host)"
+        if verdict == "recent":
+            return f"changed {self.idle_s:.0f} s ago (< --older-than {older_than_s:.0f} s): a save may still be running"
+        return "superseded by the committed checkpoint at its target" if self.committed else \
+            f"uncommitted, idle {self.idle_s:.0f} s"
+
+    @property
+    def stranded(self) -> bool:
+        """Nothing is at the target this committed copy was meant to become: it awaits recovery."""
+        return not os.path.lexists(self.target)
 
 
 def _superseded(path: str, target: str) -> bool:

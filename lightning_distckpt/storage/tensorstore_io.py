@@ -36,68 +36,68 @@ from .array_metadata import (Recorded, RecordedArrays, check_metadata, chunk_sha
                              open_spec, parse_metadata, ts_dtype)
 from .chunk_checksums import VerifiedRead, VerifiedReads, array_checksums, chunk_crcs
 from .direct_read import DirectChunks, direct_reads_enabled
-from .integrity import check_writer_store
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from ..planning.even_index import PackedPlaces
 from .packs import as_tensor, build_pack, pack_runs, packed_view, to_numpy
-from .s3 import is_committed_version as s3_is_committed
-from .s3_url import S3_READ_COALESCING, context_spec, is_s3_url
-from .s3_url import kvstore_spec as s3_kvstore_spec
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
+    from .store import CheckpointStore
 
 PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
 
 
 class TensorStoreIO:
     """Reads and writes stored shards and objects of one checkpoint directory
-    (:class:`~lightning_distckpt.storage.base.ShardWriter` and ``ShardReader``)."""
+    (:class:`~lightning_distckpt.storage.base.ShardWriter` and ``ShardReader``), in the key-value
+    store its :class:`~lightning_distckpt.storage.store.CheckpointStore` gives."""
 
     backend: ClassVar[str] = "tensorstore"
 
     def __init__(self, checkpoint_dir: str, options: StorageOptions = StorageOptions(),
-                 index: Optional["CheckpointIndex"] = None, check_sizes: bool = True) -> None:
+                 index: Optional["CheckpointIndex"] = None, check_sizes: bool = True,
+                 store: Optional["CheckpointStore"] = None) -> None:
         """``index``: the checkpoint's index, needed to read packed shards (a reader of a format 2
         checkpoint passes it; a writer does not). A reader checks each store it reads before it
-        opens it (no links; with ``check_sizes``, no more bytes claimed by the index than stored)."""
-        self.s3 = is_s3_url(checkpoint_dir)  # an s3:// version location (see storage/s3.py)
-        self.root = checkpoint_dir if self.s3 else os.path.abspath(checkpoint_dir)
+        opens it (no links; with ``check_sizes``, no more bytes claimed by the index than stored).
+        ``store``: whose key-value store holds the arrays (default: the one serving ``checkpoint_dir``)."""
+        if store is None:
+            from .stores import open_store  # the stores open this class
+
+            store = open_store(checkpoint_dir, options)
+        self.store = store
+        self.files = store.file_system  # chunk files of our own: direct reads, no links, own checksums
+        self.root = os.path.abspath(checkpoint_dir) if self.files else checkpoint_dir
         self.options = options
         self._packed = PackedPlaces(index, tensor_path)  # handle -> (dtype, offset, shape); an even split's lazily
         self._recorded = RecordedArrays(index)  # what each array's zarr.json must say (array_metadata.check_metadata)
         # One context per directory: all arrays of a rank share one OCDBT database instance, and
         # the I/O concurrency applies to the whole save or load. No chunk cache: checkpoint data
         # is written or read once, and caching would keep references to the caller's tensors.
-        self.context = ts.Context(context_spec(options) if self.s3 else
-            {
-                "file_io_concurrency": {"limit": options.io_concurrency},
-                "data_copy_concurrency": {"limit": options.io_concurrency},
-                "cache_pool": {"total_bytes_limit": 0},
-            }
-        )
+        self.context = store.ts_context(options)
         self._kvstores: Dict[int, Any] = {}
         self._arrays: Dict[Tuple[int, str], Any] = {}
         self._crcs: Dict[Tuple[int, str], Tuple[int, ...]] = {}  # chunk checksums kept in an array's metadata
         self._metadata: Dict[Tuple[int, str], Dict[str, Any]] = {}  # each opened array's zarr.json, as read
         self._reading = index is not None
-        self._index_checksums = index is not None and index.checksums and verification_enabled()
+        self.verify = verification_enabled(options.verify)
+        self._index_checksums = index is not None and index.checksums and self.verify
         self._claimed = index.bytes_per_writer() if index is not None and check_sizes else {}
         self._contained: Set[int] = set()  # writers whose store was checked for links
         # A save committing to the same path swaps another directory in while we read: told apart by its inode
-        self._root_id = _dir_id(self.root) if self._reading else None
+        self._root_id = _dir_id(self.root) if self._reading and self.files else None
         self.direct = DirectChunks(lambda w: rank_dir(self.root, w), options.layout, min(options.io_concurrency, 8),
                                    lambda w, path: self._metadata[(w, path)]) \
-            if self._reading and not self.s3 and direct_reads_enabled() else None
+            if self._reading and self.files and direct_reads_enabled(options.direct_reads) else None
 
     # -- specs --------------------------------------------------------------------------
     def kvstore_spec(self, writer: int) -> Dict[str, Any]:
         """The key-value store holding ``writer``'s arrays and objects."""
         path = rank_dir(self.root, writer)
-        base = s3_kvstore_spec(path, self.options) if self.s3 else {"driver": "file", "path": path + "/"}
+        base = self.store.kvstore_spec(path)
         if self.options.layout == "ocdbt":
-            spec = {"driver": "ocdbt", "base": base, "target_data_file_size": self.options.data_file_bytes}
-            return {**spec, **S3_READ_COALESCING} if self.s3 else spec
+            return {"driver": "ocdbt", "base": base, "target_data_file_size": self.options.data_file_bytes,
+                    **self.store.ocdbt_options}
         return base
 
     def array_spec(self, writer: int, path: str) -> Dict[str, Any]:
@@ -109,7 +109,7 @@ class TensorStoreIO:
     def own_checksums(self, arr: np.ndarray, chunk_bytes: Optional[int] = None) -> bool:
         """Whether we checksum ``arr``'s chunks (``storage/chunk_checksums.py``), not the ``crc32c``
         codec (it does for object stores, packs and empty arrays)."""
-        return not self.s3 and chunk_bytes is None and arr.nbytes > 0
+        return self.files and chunk_bytes is None and arr.nbytes > 0
 
     def _chunk_rows(self, arr: np.ndarray) -> int:
         return chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)[0] if arr.ndim else 1
@@ -133,7 +133,7 @@ class TensorStoreIO:
         their pack array). All packed shards of a writer go into one call: it creates the pack
         arrays. Returns once everything is durable: tensorstore's file driver fsyncs every file.
         """
-        if not self.s3:
+        if self.files:
             os.makedirs(rank_dir(self.root, writer), exist_ok=True)
         arrays: List[Tuple[str, str, np.ndarray, torch.dtype, Optional[int]]] = []  # what, path, data, dtype, chunk
         packs: Dict[torch.dtype, List[ShardWrite]] = {}
@@ -194,14 +194,14 @@ class TensorStoreIO:
         no links out of the checkpoint, no more bytes claimed than stored."""
         if not self._reading or writer in self._contained:
             return
-        check_writer_store(self.root, writer, self._claimed.get(writer, 0))
+        self.store.check_writer(self.root, writer, self._claimed.get(writer, 0))
         self._contained.add(writer)
 
     def _read_error(self, message: str) -> CheckpointingError:
         """A read failure, saying so when the checkpoint was replaced meanwhile (what failed is then
         a consequence, not damage)."""
         if (self._root_id is not None and _dir_id(self.root) != self._root_id) or (
-                self.s3 and self._reading and not s3_is_committed(self.root, self.options)):
+                not self.files and self._reading and not self.store.still_committed(self.root)):
             return CheckpointingError(f"checkpoint {self.root} was replaced while being read (a newer save committed "
                                       f"to the same path); load it again. ({message})")
         return CheckpointingError(message)
@@ -253,7 +253,7 @@ class TensorStoreIO:
 
     def chunk_file(self, writer: int, key: str, index: int) -> Optional[Callable[[int], str]]:
         """Chunk number -> the file holding it, where each chunk is a file (the ``zarr`` layout)."""
-        if self.s3 or self.options.layout == "ocdbt":
+        if not self.files or self.options.layout == "ocdbt":
             return None
         arr_dir, rank = os.path.join(rank_dir(self.root, writer), tensor_path(key, index)), self._arrays[
             (writer, tensor_path(key, index))].rank
@@ -292,12 +292,12 @@ class TensorStoreIO:
             nbytes += dest.numel() * dest.element_size()
         runs = self._read_pack_runs(packed)
         futures += [(what, fut) for what, fut, _ in runs]
-        got, errors = self.direct.reader.run(tasks, verification_enabled()) if tasks else (0, [])
+        got, errors = self.direct.reader.run(tasks, self.verify) if tasks else (0, [])
         # Left to tensorstore, of arrays checksummed in their metadata: whole chunks, verified by us
         more, failed = VerifiedReads().run([VerifiedRead(f"reading {r.key!r} shard {r.index} (written by rank "
                                                          f"{r.writer})", self.open_array(r.writer, r.key, r.index), c,
                                                          tuple(r.src), r.dest, self.chunk_file(r.writer, r.key, r.index))
-                                            for r, c in zip(plain, crcs) if c is not None], verification_enabled())
+                                            for r, c in zip(plain, crcs) if c is not None], self.verify)
         nbytes, errors = nbytes + got + more, errors + failed
         for what, fut in futures:
             try:
@@ -388,7 +388,7 @@ class TensorStoreIO:
             )
         self._check_not_replaced()
         return unframe_object(bytes(res.value), f"checkpoint {self.root}: object {key!r} #{index} (written by rank "
-                              f"{writer})", required=self._index_checksums)
+                              f"{writer})", required=self._index_checksums, verify=self.verify)
 
 
 def _dir_id(path: str) -> Optional[Tuple[int, int]]:

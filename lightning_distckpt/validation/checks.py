@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import re
 import time
 import zipfile
 from typing import Any, Callable, List, Optional, Tuple
@@ -27,12 +26,8 @@ from ..planning.metadata import ObjectRecord, ShardRecord, StoredShard, element_
 from ..planning.validation import validate_object_records, validate_tensor_records
 from ..storage.checksums import check_sha256
 from ..storage.chunk_checksums import VerifiedReads, check_reads
-from ..storage.integrity import store_bytes
 from ..storage.direct_read import ChunkTask, DirectReader
 from ..storage.layout import COMMON_FILE, rank_dir, tensor_path
-from ..storage.paths import read_inside
-from ..storage.s3 import ObjectStore
-from ..storage.s3_url import is_s3_url
 from ..storage.safe_pickle import loads
 from ..storage.tensorstore_io import TensorStoreIO
 from ..reading.checkpoint import OpenedCheckpoint
@@ -57,7 +52,7 @@ def validate_checkpoint(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20
             f"format {ckpt.meta.get('format_version')}: written before checksums, damaged bytes in it may go "
             f"undetected")
     check_index(ckpt, report)
-    tio = TensorStoreIO(ckpt.path, ckpt.options, ckpt.index, check_sizes=False)  # damage named shard by shard
+    tio = ckpt.reader(check_sizes=False)  # damage named shard by shard
     dead = _check_writer_stores(ckpt, report)
     todo = [(key, shard) for key in sorted(ckpt.index.tensors) for shard in ckpt.index.tensors[key].shards
             if shard.writer not in dead]
@@ -102,35 +97,22 @@ def _check_writer_stores(ckpt: OpenedCheckpoint, report: ValidationReport) -> se
     writers |= {s.writer for o in ckpt.index.objects.values() for s in o.shards}
     dead = set()
     claimed = ckpt.index.bytes_per_writer()
-    listed = _s3_writers(ckpt) if is_s3_url(ckpt.path) else None
     for w in sorted(writers):
         n = sum(1 for e in ckpt.index.tensors.values() for s in e.shards if s.writer == w)
-        if listed is not None:  # an object store: no links, no sizes listed; present or not
-            if w not in listed:
-                dead.add(w)
-                report.problems.append(f"rank {w}: no objects under {rank_dir(ckpt.path, w)} "
-                                       f"({n} stored shard(s) lost)")
-            continue
         try:
-            stored = store_bytes(ckpt.path, w)
+            stored = ckpt.writer_store(w)  # as its store knows it: an object store lists no sizes
         except CheckpointingError as e:  # a link out of the checkpoint: nothing in it is read
             dead.add(w)
             report.problems.append(f"rank {w}: {e} ({n} stored shard(s) not read)")
             continue
-        if stored is None:
+        if not stored.exists:
             dead.add(w)
-            report.problems.append(f"rank {w}: data directory {rank_dir(ckpt.path, w)} is missing "
+            report.problems.append(f"rank {w}: {stored.missing or 'nothing stored under ' + rank_dir(ckpt.path, w)} "
                                    f"({n} stored shard(s) lost)")
-        elif stored < claimed.get(w, 0):  # still read: each damaged shard is named below
-            report.problems.append(f"rank {w}: its store holds {stored} bytes, less than the {claimed[w]} bytes of "
-                                   f"tensor data metadata.json claims in it")
+        elif stored.nbytes is not None and stored.nbytes < claimed.get(w, 0):  # still read: damage named below
+            report.problems.append(f"rank {w}: its store holds {stored.nbytes} bytes, less than the {claimed[w]} "
+                                   f"bytes of tensor data metadata.json claims in it")
     return dead
-
-
-def _s3_writers(ckpt: OpenedCheckpoint) -> set:
-    """The writer ranks that have objects under ``data/`` of an ``s3://`` checkpoint."""
-    keys = ObjectStore(ckpt.path, ckpt.options).list_keys("data/")
-    return {int(m.group(1)) for m in (re.match(r"data/rank_(\d+)/", k) for k in keys) if m}
 
 
 class _ReadWindow:
@@ -255,12 +237,9 @@ def _check_objects(ckpt: OpenedCheckpoint, tio: TensorStoreIO, dead: set, report
 def _check_common(ckpt: OpenedCheckpoint, report: ValidationReport) -> None:
     path = os.path.join(ckpt.path, COMMON_FILE)
     try:
-        if is_s3_url(ckpt.path):
-            blob = ObjectStore(ckpt.path, ckpt.options).read(COMMON_FILE)
-            if blob is None:
-                raise FileNotFoundError(2, "no such object")
-        else:
-            blob = read_inside(path, "common state")
+        blob = ckpt.read_blob(COMMON_FILE)  # from its store: a regular file of the checkpoint, or an object
+        if blob is None:
+            raise FileNotFoundError(2, "no such file or object")
     except CheckpointingError as e:  # a link (FormatError), or an object store's failure
         report.problems.append(str(e))
         return

@@ -25,14 +25,15 @@ from ..reading.formats.detect import detect
 from ..reading.formats.megatron import MegatronSource, megatron_config
 from ..storage.base import ShardRead
 from ..storage.safe_pickle import loads
-from ..storage.s3_url import is_s3_url
+from ..storage.stores import open_store
 from .checks import check_index
 from .report import ValidationReport, short_error
 
 
 def open_foreign(path: str) -> Optional[DcpSource]:
     """The source of a DCP or Megatron-Core directory; None for anything else (our own format)."""
-    if is_s3_url(path) or not os.path.isdir(path) or (megatron_config(path) is None and not is_dcp_dir(path)):
+    if not open_store(path).file_system or not os.path.isdir(path) or (
+            megatron_config(path) is None and not is_dcp_dir(path)):
         return None
     source = detect(path)
     assert isinstance(source, DcpSource)

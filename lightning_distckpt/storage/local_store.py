@@ -1,0 +1,197 @@
+"""Checkpoints in a local (or mounted: NFS, Lustre) directory: a save writes into a hidden staging
+directory beside its target (:mod:`.staging`), rank 0 commits with ``metadata.json``, the marker
+and an atomic rename (:mod:`.commit`); readers resolve the directory once and follow no link in it
+(:mod:`.layout`, :mod:`.integrity`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from typing import Any, Dict, List, Optional, Tuple
+
+import tensorstore as ts
+
+from ..core.errors import CheckpointingError, not_found
+from ..progress import Progress, advance
+from . import commit as commit_mod
+from . import staging
+from .integrity import check_writer_store, store_bytes
+from .layout import COMMON_FILE, DATA_DIR, MetadataFile, is_checkpoint_dir, is_committed, open_metadata, rank_dir
+from .options import StorageOptions
+from .paths import TreeStats, local_location, read_inside, scan_tree
+from .safe_pickle import write_file_durable
+from .store import CheckpointStore, StorageFacts, WriterStore
+
+logger = logging.getLogger(__name__)
+
+
+class LocalStore(CheckpointStore):
+    """A directory of the file system: the store of every location no other store's scheme names
+    (a URL of another scheme is refused by :meth:`normalize`, naming it)."""
+
+    file_system = True
+
+    @classmethod
+    def normalize(cls, text: str, what: str) -> str:
+        return local_location(text, what)
+
+    # -- saving -------------------------------------------------------------------------
+    def check_target(self) -> None:
+        commit_mod.check_target(self.location)
+
+    def new_staging(self) -> str:
+        return staging.new_staging_dir(self.location)
+
+    def begin(self, staging_dir: str, rank: int) -> None:
+        os.makedirs(staging_dir, exist_ok=True)
+        staging.write_owner_note(staging_dir, rank)
+
+    def write_blob(self, staging_dir: str, name: str, data: bytes) -> None:
+        write_file_durable(os.path.join(staging_dir, name), data)
+
+    def commit(self, staging_dir: str, metadata_json: str, marker: Dict[str, Any]) -> None:
+        commit_mod.commit(staging_dir, self.location, metadata_json, json.dumps(marker))
+
+    def discard(self, staging_dir: str) -> None:
+        staging.discard(staging_dir)
+
+    def look_around(self, staging_dir: str) -> None:
+        try:  # one listdir of the parent: leftovers of killed saves take a checkpoint's space each
+            staging.warn_about_leftovers(self.location, staging_dir)
+        except OSError as e:
+            logger.debug("checkpoint %s: could not look for leftover staging directories: %s", self.location, e)
+
+    def reserve(self) -> bool:
+        """An empty directory at the target (``saving/async_pending.py``): the commit replaces it
+        like a missing target. Nothing when something is there already."""
+        if os.path.lexists(self.location):
+            return False
+        try:
+            os.mkdir(self.location)
+        except OSError:  # made meanwhile by someone else, or a parent we cannot write: the commit will say
+            return False
+        return True
+
+    def release(self) -> None:
+        """Remove the placeholder if it is still an empty directory (anything put into it meanwhile
+        stays, and the commit refuses to replace it)."""
+        try:
+            if os.path.isdir(self.location) and not os.path.islink(self.location):
+                os.rmdir(self.location)
+        except OSError:
+            pass
+
+    # -- reading ------------------------------------------------------------------------
+    def open_metadata(self) -> MetadataFile:
+        """A missing directory (or a dangling ``last.ckpt`` link) says where the newest committed
+        checkpoints are; a commit killed between its two renames is finished first."""
+        given = self.location
+        if not os.path.isdir(given):
+            commit_mod.recover_interrupted_commit(given)
+        if not os.path.isdir(given):
+            raise not_found(given, staging.describe_missing(given))
+        return open_metadata(given, self.options.verify)
+
+    def read_blob(self, path: str, name: str) -> Optional[bytes]:
+        try:
+            return read_inside(os.path.join(path, name), f"checkpoint {path}:")
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CheckpointingError(f"checkpoint {path}: {name} cannot be read: {e.strerror or e}") from None
+
+    def writer_store(self, path: str, writer: int) -> WriterStore:
+        nbytes = store_bytes(path, writer)
+        return WriterStore(nbytes is not None, nbytes, f"data directory {rank_dir(path, writer)} is missing")
+
+    def check_writer(self, path: str, writer: int, claimed_bytes: int) -> None:
+        check_writer_store(path, writer, claimed_bytes)
+
+    def facts(self, path: str) -> StorageFacts:
+        try:
+            data = scan_tree(os.path.join(path, DATA_DIR), "data directory")
+        except FileNotFoundError:
+            data = TreeStats(0, 0)
+        common = os.path.join(path, COMMON_FILE)
+        leftovers = [{"path": lo.path, "bytes": lo.nbytes, "idle_s": round(lo.idle_s, 1),
+                      "in_progress": bool(lo.live_owner_pids)} for lo in staging.find_leftovers(*os.path.split(path))]
+        common_bytes = os.lstat(common).st_size if os.path.isfile(common) and not os.path.islink(common) else None
+        return StorageFacts(data.files, data.nbytes, common_bytes, leftovers)
+
+    # -- tensorstore ----------------------------------------------------------------------
+    def kvstore_spec(self, path: str) -> Dict[str, Any]:
+        return {"driver": "file", "path": path + "/"}
+
+    def ts_context(self, options: StorageOptions) -> ts.Context:
+        return ts.Context({
+            "file_io_concurrency": {"limit": options.io_concurrency},
+            "data_copy_concurrency": {"limit": options.io_concurrency},
+            "cache_pool": {"total_bytes_limit": 0},
+        })
+
+    # -- versions ---------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return is_committed(self.location)
+
+    def remove(self) -> bool:
+        """The directory, or the link ``save_last="link"`` made (not what it points at)."""
+        target = self.location
+        if os.path.islink(target) or os.path.isfile(target):
+            os.remove(target)
+        elif os.path.isdir(target):
+            shutil.rmtree(target)
+        else:
+            return False
+        return True
+
+    def _scope(self) -> Tuple[str, Optional[str]]:
+        """(parent, name) whose staging directories are looked at: one checkpoint's (by our own
+        markers: its leftovers are beside it), or every one in a directory of checkpoints."""
+        if is_checkpoint_dir(self.location):
+            parent, name = os.path.split(self.location)
+            return parent, name
+        return self.location, None
+
+    def find_leftovers(self) -> List[staging.Leftover]:
+        return staging.find_leftovers(*self._scope())
+
+    def remove_leftover(self, leftover: Any, progress: Optional[Progress] = None) -> None:
+        """Gone already (its commit renamed it into place, or another clean) is fine."""
+        try:
+            shutil.rmtree(leftover.path)
+        except FileNotFoundError:
+            pass
+        advance(progress, leftover.nbytes or 0)
+
+    def recover_leftovers(self) -> List[Tuple[Any, str, str]]:
+        """Each missing checkpoint's newest committed copy renamed into place, and the previous
+        checkpoint its commit moved aside removed (:func:`.commit.recover_interrupted_commit`)."""
+        parent, name = self._scope()
+        stranded = [lo for lo in staging.find_leftovers(parent, name)
+                    if lo.verdict(math.inf) == "recover" and not os.path.lexists(lo.target)]
+        by_path = {lo.path: lo for lo in stranded}
+        done_actions: List[Tuple[Any, str, str]] = []
+        for target in sorted({lo.target for lo in stranded}):
+            done = commit_mod.recover_interrupted_commit(target)
+            if done is None:
+                continue
+            if done.placed in by_path:
+                done_actions.append((by_path[done.placed], "recovered",
+                                     f"its commit was interrupted before its rename into place: renamed to {target}"))
+            done_actions += [(by_path[p], "removed", f"the previous checkpoint that commit had moved aside; "
+                              f"superseded by {os.path.basename(target)}") for p in done.removed if p in by_path]
+        return done_actions
+
+    def last_checkpoints(self, first: str, matches: Any) -> Optional[List[str]]:
+        """Finish the interrupted commits of the matching checkpoints missing from the directory
+        (each rank may at once: atomic renames, no collectives); Lightning then lists it itself."""
+        if not os.path.isdir(self.location):
+            return None
+        names = [n for n in os.listdir(self.location) if staging.is_staging_dir(n)]
+        targets = {staging.target_of(os.path.join(self.location, n)) for n in names}
+        for target in sorted(t for t in targets if matches.match(os.path.basename(t)) and not os.path.lexists(t)):
+            commit_mod.recover_interrupted_commit(target)
+        return None

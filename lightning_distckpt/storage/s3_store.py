@@ -1,0 +1,100 @@
+"""Checkpoints in S3-compatible object storage (``s3://bucket/prefix``): a save writes a fresh
+version, rank 0 commits it with one marker PUT (:mod:`.s3`); leftovers are the versions no marker
+names (:mod:`.s3_versions`). Everything goes through tensorstore's ``s3`` kvstore (:mod:`.s3_url`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Dict, List, Optional
+
+import tensorstore as ts
+
+from ..progress import Progress
+from . import s3, s3_versions
+from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, MetadataFile, rank_dir
+from .options import StorageOptions
+from .s3_url import S3_READ_COALESCING, S3_SCHEME, context_spec, kvstore_spec, parse_s3_url
+from .store import CheckpointStore, StorageFacts, WriterStore
+
+
+class S3Store(CheckpointStore):
+    """An ``s3://`` location: a checkpoint (its marker and versions) or a prefix holding several."""
+
+    scheme = S3_SCHEME
+    ocdbt_options = S3_READ_COALESCING
+
+    @classmethod
+    def normalize(cls, text: str, what: str) -> str:
+        return parse_s3_url(text).url
+
+    # -- saving -------------------------------------------------------------------------
+    def check_target(self) -> None:
+        s3.check_target(self.location, self.options)
+
+    def new_staging(self) -> str:
+        return s3.new_version(self.location)
+
+    def write_blob(self, staging: str, name: str, data: bytes) -> None:
+        s3.write_object(staging, name, data, self.options)
+
+    def commit(self, staging: str, metadata_json: str, marker: Dict[str, Any]) -> None:
+        s3.commit(staging, metadata_json, json.dumps({k: v for k, v in marker.items() if k != "version"}),
+                  self.options)
+
+    def discard(self, staging: str) -> None:
+        s3.discard(staging, self.options)
+
+    # -- reading ------------------------------------------------------------------------
+    def open_metadata(self) -> MetadataFile:
+        return s3.open_metadata(self.location, self.options)
+
+    def read_blob(self, path: str, name: str) -> Optional[bytes]:
+        return s3.read_object(path, name, self.options)
+
+    def writer_store(self, path: str, writer: int) -> WriterStore:
+        """Whether any object is under the writer's prefix (an object store has no links, and its
+        sizes are not listed through the kvstore)."""
+        keys = s3.ObjectStore(path, self.options).list_keys(f"{DATA_DIR}/rank_{int(writer):05d}/")
+        return WriterStore(bool(keys), None, f"no objects under {rank_dir(path, writer)}")
+
+    def still_committed(self, path: str) -> bool:
+        return s3.is_committed_version(path, self.options)
+
+    def facts(self, path: str) -> StorageFacts:
+        """Objects under data/ (their sizes are not listed), common.pt's size, and the versions no
+        marker names."""
+        version = s3.ObjectStore(path, self.options)
+        common = version.read(COMMON_FILE)
+        target = path.rpartition("/")[0]
+        leftovers = [{"path": lo.path, "bytes": None, "idle_s": None if lo.idle_s is None else round(lo.idle_s, 1),
+                      "in_progress": None}
+                     for lo in s3_versions.find_s3_leftovers(target, self.options) if lo.target == target]
+        return StorageFacts(len(version.list_keys(DATA_DIR + "/")), None, None if common is None else len(common),
+                            leftovers)
+
+    # -- tensorstore ----------------------------------------------------------------------
+    def kvstore_spec(self, path: str) -> Dict[str, Any]:
+        return kvstore_spec(path, self.options)
+
+    def ts_context(self, options: StorageOptions) -> ts.Context:
+        return ts.Context(context_spec(options))
+
+    # -- versions ---------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return s3.read_marker(s3.ObjectStore(s3.checkpoint_url(self.location), self.options)) is not None
+
+    def remove(self) -> bool:
+        return s3_versions.remove_checkpoint(self.location, self.options)
+
+    def find_leftovers(self) -> List[s3_versions.S3Leftover]:
+        return s3_versions.find_s3_leftovers(self.location, self.options)
+
+    def remove_leftover(self, leftover: Any, progress: Optional[Progress] = None) -> None:
+        s3_versions.remove_version(leftover, self.options)
+
+    def last_checkpoints(self, first: str, matches: "re.Pattern[str]") -> Optional[List[str]]:
+        """As the URLs of their commit markers: the one object of a checkpoint with a modification
+        time, which Lightning's ``ckpt_path="last"`` compares (``lightning/model_checkpoint.py``)."""
+        return [f"{url}/{COMMIT_MARKER}" for url in s3_versions.committed_children(self.location, first)
+                if matches.match(url.rsplit("/", 1)[1])]

@@ -1,0 +1,195 @@
+"""The store interface: one checkpoint location's whole life, from a save's staging location to
+the removal of the checkpoint, whatever holds the bytes.
+
+Modelled on PyTorch DCP's ``StorageWriter`` (``prepare`` / ``write_data`` / ``finish(metadata,
+results)``), ``StorageReader`` and ``FileSystemBase``: a save names a staging location
+(:meth:`CheckpointStore.new_staging`, rank 0), every rank prepares it (:meth:`~CheckpointStore.begin`)
+and writes its shards through the :class:`~lightning_distckpt.storage.base.ShardWriter` the store opens,
+rank 0 writes ``common.pt`` (:meth:`~CheckpointStore.write_blob`), then commits ``metadata.json`` with
+the commit marker (:meth:`~CheckpointStore.commit`), or discards the staging location. A reader
+opens the committed checkpoint's checked metadata (:meth:`~CheckpointStore.open_metadata`), its
+blobs and a :class:`~lightning_distckpt.storage.base.ShardReader`. ``clean`` and
+``ModelCheckpoint``'s top-k ask the store for leftovers of killed saves and to remove a checkpoint.
+
+Implementations: :class:`~.local_store.LocalStore` (a local or mounted directory: staging beside
+the target, an atomic rename) and :class:`~.s3_store.S3Store` (``s3://``: versions and a marker).
+:func:`~.stores.open_store` picks one from the location, the only place that looks at its form.
+Shards and objects go through tensorstore (:class:`~.tensorstore_io.TensorStoreIO`) over the
+store's key-value store (:meth:`~CheckpointStore.kvstore_spec`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import tensorstore as ts
+
+from .layout import MetadataFile
+from .options import StorageOptions
+
+if TYPE_CHECKING:
+    from ..planning.metadata import CheckpointIndex
+    from ..progress import Progress
+    from .tensorstore_io import TensorStoreIO
+
+
+class WriterStore(NamedTuple):
+    """What a store holds for one writer rank: whether anything, how many bytes (None where the
+    store does not list sizes), and how its absence is said (``validate`` reports it)."""
+
+    exists: bool
+    nbytes: Optional[int]
+    missing: str = ""  # e.g. "data directory CKPT/data/rank_00001 is missing"
+
+
+class StorageFacts(NamedTuple):
+    """What ``inspect`` shows of a committed checkpoint's storage (None: not known to this store)."""
+
+    data_files: int
+    data_bytes: Optional[int]
+    common_bytes: Optional[int]
+    leftovers: List[Dict[str, Any]]
+
+
+class CheckpointStore(ABC):
+    """The store of the checkpoint (or directory of checkpoints) at ``location``.
+
+    ``location`` is normalized by :meth:`normalize` (the factory does it); ``options`` say how
+    arrays are stored and how this process reaches the store (endpoints, concurrency)."""
+
+    #: Locations are paths of the local (or a mounted) file system: readers may open chunk files
+    #: directly (``storage/direct_read.py``) and refuse links in them, and Lightning lists them itself.
+    file_system: ClassVar[bool] = False
+    #: Extra ``ocdbt`` kvstore options for this store (read coalescing for object stores).
+    ocdbt_options: ClassVar[Dict[str, Any]] = {}
+
+    def __init__(self, location: str, options: StorageOptions = StorageOptions()) -> None:
+        self.location = location
+        self.options = options
+
+    # -- which locations --------------------------------------------------------------
+    #: The URL scheme of this store's locations (``"s3://"``); the factory (:mod:`.stores`) matches
+    #: it, as DCP's ``validate_checkpoint_id``. Empty for the file system, which serves the rest.
+    scheme: ClassVar[str] = ""
+
+    @classmethod
+    def normalize(cls, text: str, what: str) -> str:
+        """``text`` as this store's canonical location (ArgumentError naming ``what`` when it is not one)."""
+        return text
+
+    # -- saving -------------------------------------------------------------------------
+    @abstractmethod
+    def check_target(self) -> None:
+        """Before a save writes (rank 0): refuse to replace anything but a checkpoint of ours."""
+
+    @abstractmethod
+    def new_staging(self) -> str:
+        """A fresh staging location for one save (rank 0 names it; nothing is created yet)."""
+
+    def begin(self, staging: str, rank: int) -> None:
+        """Every rank, before it writes into ``staging`` (create what it needs, note the writer)."""
+
+    def open_writer(self, staging: str) -> "TensorStoreIO":
+        """The writer of stored shards and objects into ``staging``."""
+        from .tensorstore_io import TensorStoreIO  # it asks this store for its kvstore
+
+        return TensorStoreIO(staging, self.options, store=self)
+
+    @abstractmethod
+    def write_blob(self, staging: str, name: str, data: bytes) -> None:
+        """Write one whole blob (``common.pt``) into ``staging``, durable when it returns."""
+
+    @abstractmethod
+    def commit(self, staging: str, metadata_json: str, marker: Dict[str, Any]) -> None:
+        """Rank 0, after every rank wrote: write ``metadata.json`` and the commit marker (``marker``
+        plus the SHA-256 of metadata.json and of common.pt as stored) and make ``staging`` the
+        checkpoint at :attr:`location`, atomically; the previous one stays until then."""
+
+    @abstractmethod
+    def discard(self, staging: str) -> None:
+        """Remove an uncommitted staging location (after a failed save)."""
+
+    def look_around(self, staging: str) -> None:
+        """Rank 0, while a save prepares: warn about leftovers of earlier saves (nothing by default)."""
+
+    def reserve(self) -> bool:
+        """Hold :attr:`location`'s name while a background save is in flight (True when this call
+        did); stores whose names appear only at the commit hold nothing."""
+        return False
+
+    def release(self) -> None:
+        """Undo :meth:`reserve` right before the commit."""
+
+    # -- reading ------------------------------------------------------------------------
+    @abstractmethod
+    def open_metadata(self) -> MetadataFile:
+        """The committed checkpoint's checked ``metadata.json`` and marker; its ``path`` is where
+        every later read goes (a real path, a committed version)."""
+
+    @abstractmethod
+    def read_blob(self, path: str, name: str) -> Optional[bytes]:
+        """Blob ``name`` of the committed checkpoint at ``path``; None when missing; a
+        CheckpointingError naming it when it cannot be read (or is no regular file)."""
+
+    def open_reader(self, path: str, options: StorageOptions, index: "CheckpointIndex",
+                    check_sizes: bool = True) -> "TensorStoreIO":
+        """A reader of the stored shards and objects of the committed checkpoint at ``path``."""
+        from .tensorstore_io import TensorStoreIO
+
+        return TensorStoreIO(path, options, index, check_sizes=check_sizes, store=self)
+
+    @abstractmethod
+    def writer_store(self, path: str, writer: int) -> WriterStore:
+        """What ``writer``'s store under ``path`` holds (``validate``); CheckpointingError when it
+        must not be read (a link out of the checkpoint)."""
+
+    def check_writer(self, path: str, writer: int, claimed_bytes: int) -> None:
+        """Before a reader opens ``writer``'s store: refuse what must not be read (nothing by default)."""
+
+    def still_committed(self, path: str) -> bool:
+        """After a read failed: ``path`` is still the committed checkpoint (False: replaced meanwhile)."""
+        return True
+
+    @abstractmethod
+    def facts(self, path: str) -> StorageFacts:
+        """What ``inspect`` shows of the committed checkpoint at ``path``."""
+
+    # -- tensorstore ----------------------------------------------------------------------
+    @abstractmethod
+    def kvstore_spec(self, path: str) -> Dict[str, Any]:
+        """tensorstore's spec of the key-value store whose keys are the entries under ``path``."""
+
+    @abstractmethod
+    def ts_context(self, options: StorageOptions) -> ts.Context:
+        """A fresh tensorstore context for one reader or writer (its concurrency, no cache)."""
+
+    # -- versions ---------------------------------------------------------------------------
+    @abstractmethod
+    def exists(self) -> bool:
+        """A committed checkpoint of ours is at :attr:`location`."""
+
+    @abstractmethod
+    def remove(self) -> bool:
+        """Remove the checkpoint at :attr:`location` (``ModelCheckpoint``'s top-k); False when none."""
+
+    @abstractmethod
+    def find_leftovers(self) -> Sequence[Any]:
+        """What killed saves left at :attr:`location` (a checkpoint, or a directory of them), oldest
+        first: objects with ``path``, ``target``, ``nbytes``, ``idle_s``, ``committed``,
+        ``verdict(older_than_s)`` and ``reason(verdict, older_than_s)``."""
+
+    @abstractmethod
+    def remove_leftover(self, leftover: Any, progress: Optional["Progress"] = None) -> None:
+        """Remove one leftover :meth:`find_leftovers` found (after its verdict said so)."""
+
+    def recover_leftovers(self) -> List[Tuple[Any, str, str]]:
+        """Finish commits interrupted before their checkpoint was in place: ``(leftover, action,
+        reason)`` for each (nothing where a commit is one atomic step)."""
+        return []
+
+    def last_checkpoints(self, first: str, matches: Any) -> Optional[List[str]]:
+        """The committed checkpoints directly under :attr:`location` whose names start with
+        ``first`` and match ``matches`` (a compiled pattern), as the paths Lightning's
+        ``ModelCheckpoint`` resumes from; None where Lightning lists the location itself."""
+        return None
