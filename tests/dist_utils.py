@@ -15,6 +15,7 @@ holds a libc lock crashed the server (a segfault in libc, seen in CI). Workers l
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import socket
 import sys
@@ -33,7 +34,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str, timeout_s: float) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str, timeout_s: float,
+            environ: dict) -> None:
+    # The fork server's environment is the one it started with: take the caller's, as spawn would.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(
@@ -60,12 +65,25 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     os._exit(0)
 
 
+# Workers start from a fork server that imported torch, tensorstore and the package once (a spawned
+# worker imports them again, ~3 s of CPU each, most of the suite's process start-up). The server
+# forks before any test code runs in it: no threads, no process group, no tensorstore context yet.
+_PRELOAD = ["torch", "torch.distributed", "tensorstore", "lightning_distckpt", "lightning_distckpt.serialization"]
+
+
+def _start_method() -> str:
+    if os.environ.get("LDC_TEST_START_METHOD"):  # e.g. "spawn", to rule the fork server out
+        return os.environ["LDC_TEST_START_METHOD"]
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    return "forkserver"
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> List[Any]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="run_distributed_") as out_dir:
         mp.start_processes(
-            _worker, args=(world_size, port, fn, args, out_dir, timeout_s), nprocs=world_size, join=True,
-            start_method="spawn",
+            _worker, args=(world_size, port, fn, args, out_dir, timeout_s, dict(os.environ)), nprocs=world_size, join=True,
+            start_method=_start_method(),
         )
         out = {}
         for r in range(world_size):
