@@ -2,8 +2,9 @@
 tests/data/formats/build.py with the library at the commit that wrote that version, on 2 gloo
 processes) load bit-exactly with today's code: in one process (every tensor whole) and on 2 gloo
 ranks under another split than the one that wrote them (rows <-> columns, the flattened optimizer
-tensor as a column split, the two ShardedObject elements swapped). ``inspect`` and ``validate``
-(the CLI, ``python -m lightning_distckpt``) read each of them. tests/data/README.md lists them."""
+tensor as a column split, the two ShardedObject elements swapped), with each loader; convert's
+relayout brings each to today's format. ``inspect`` and ``validate`` (the CLI, in this process, and
+``python -m lightning_distckpt`` for two) read each of them. tests/data/README.md lists them."""
 
 import importlib.util
 import json
@@ -16,14 +17,17 @@ import torch
 
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
+from lightning_distckpt.cli import main as cli_main
 from lightning_distckpt.export import relayout
 from lightning_distckpt.storage.layout import FORMAT_VERSION
 
 FORMATS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "formats")
 # directory -> (format version, plain tensors stored as tensors?); v5-plain-tensors: format 5 as the
-# commits between plain-tensor storage and the format-6 bump wrote it (with ``plain_tensors``)
+# commits between plain-tensor storage and the format-6 bump wrote it (with ``plain_tensors``);
+# vN-zarr: the zarr layout (a file per chunk) with 1 KiB chunks (arrays and packs of 2 chunks)
 WITNESSES = {"v1": (1, False), "v2": (2, False), "v3": (3, False), "v4": (4, False), "v5": (5, False),
-             "v5-plain-tensors": (5, True), "v6": (6, True)}
+             "v5-plain-tensors": (5, True), "v6": (6, True),
+             **{f"v{n}-zarr": (n, n == 6) for n in range(1, 7)}}
 
 
 def _witness_module():
@@ -133,29 +137,42 @@ def test_metadata_and_common_state(name):
     assert all(torch.equal(scores[k], t) and scores[k].dtype == t.dtype for k, t in W.plain_tensors().items())
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "lightning_distckpt", *args], capture_output=True, text=True,
-                          timeout=300)  # a bound on a hang only
+def _cli(capsys, *args):
+    """The command line in this process (``lightning_distckpt.cli.main``): exit code and stdout."""
+    capsys.readouterr()
+    code = cli_main(list(args))
+    return code, capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", WITNESSES)
-def test_cli_inspect_and_validate(name):
+def test_cli_inspect_and_validate(name, capsys):
     version, stored_plain = WITNESSES[name]
-    done = _cli("inspect", "--json", _path(name))
-    assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout)
+    code, out = _cli(capsys, "inspect", "--json", _path(name))
+    assert code == 0, out
+    summary = json.loads(out)
     assert summary["format_version"] == version and summary["checksums"] == (version >= 3)
+    assert summary["storage"]["layout"] == ("zarr" if name.endswith("-zarr") else "ocdbt")
     shown = {t["key"]: (tuple(t["shape"]), t["dtype"]) for t in summary["tensors"]}
     want = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in W.full_tensors().items()}
     assert {k: shown[k] for k in want} == want
     assert [(o["key"], o["elements"]) for o in summary["objects"]] == [(W.OBJECT_KEY, W.WORLD)]
 
-    done = _cli("validate", "--json", _path(name))
-    assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads(done.stdout)
+    code, out = _cli(capsys, "validate", "--json", _path(name))
+    assert code == 0, out
+    report = json.loads(out)
     assert report["ok"] and report["problems"] == [] and report["objects"] == W.WORLD
     if version < 3:  # written before checksums: readable, refused when checksums are required
         assert any("checksums" in w for w in report["warnings"]), report
-        assert _cli("validate", "--require-checksums", _path(name)).returncode != 0
+        assert _cli(capsys, "validate", "--require-checksums", _path(name))[0] != 0
     else:
         assert report["warnings"] == []
+
+
+@pytest.mark.parametrize("name", ["v1", "v6-zarr"])
+def test_python_m_lightning_distckpt(name):
+    """The module entry point itself (a fresh interpreter) on the oldest and the newest format."""
+    for command in ("inspect", "validate"):
+        done = subprocess.run([sys.executable, "-m", "lightning_distckpt", command, _path(name)],
+                              capture_output=True, text=True, timeout=300)  # a bound on a hang only
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert (f"lightning_distckpt v{WITNESSES[name][0]}," if command == "inspect" else "OK: ") in done.stdout

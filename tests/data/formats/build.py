@@ -5,10 +5,13 @@ Each ``vN/`` is a checkpoint written by the library at the last commit that wrot
 
     git worktree add --detach /work/wt-fmtN COMMIT
     PYTHONPATH=/work/wt-fmtN python tests/data/formats/build.py tests/data/formats/vN
+    PYTHONPATH=/work/wt-fmtN python tests/data/formats/build.py tests/data/formats/vN-zarr zarr
+
+The second form stores with ``StorageOptions(layout="zarr", chunk_bytes=1024)``: a file per chunk,
+and arrays (or packs) of more than one chunk.
 
 The state is ``witness.py``'s (deterministic values, re-created by tests/test_format_witnesses.py).
-The script refuses to write a version other than the one the imported library writes, and an
-existing directory. See tests/data/README.md for the commits used.
+The script refuses an existing directory. See tests/data/README.md for the commits used.
 """
 
 import datetime
@@ -43,17 +46,18 @@ def sharded_state(ldc, rank: int, world: int) -> dict:
     return {"model": model, "optimizer": optimizer, **witness.COMMON, "scores": witness.plain_tensors()}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, layout: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     import lightning_distckpt as ldc
 
-    ldc.save(sharded_state(ldc, rank, world), out)
+    storage = ldc.StorageOptions(layout="zarr", chunk_bytes=1024) if layout == "zarr" else None
+    ldc.save(sharded_state(ldc, rank, world), out, storage=storage)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def main(out: str) -> None:
+def main(out: str, layout: str = "ocdbt") -> None:
     from lightning_distckpt.storage.layout import FORMAT_VERSION
 
     if os.path.exists(out):
@@ -61,10 +65,10 @@ def main(out: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(witness.WORLD, port, os.path.abspath(out)), nprocs=witness.WORLD,
+    mp.start_processes(_worker, args=(witness.WORLD, port, os.path.abspath(out), layout), nprocs=witness.WORLD,
                        start_method="spawn")
-    print(f"wrote format {FORMAT_VERSION} to {out} with torch {torch.__version__}")
+    print(f"wrote format {FORMAT_VERSION} ({layout}) to {out} with torch {torch.__version__}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -13,8 +13,9 @@ WORLD = 2  # every witness was written by 2 gloo processes
 def full_tensors() -> Dict[str, torch.Tensor]:
     """The global tensors, by checkpoint key."""
     return {
-        # fp32, tensor-parallel rows: rank r wrote rows 3r..3r+2 (an even dim-0 split)
-        "model.tp_row.weight": torch.arange(48, dtype=torch.float32).reshape(6, 8) / 8 - 2,
+        # fp32, tensor-parallel rows: rank r wrote rows 48r..48r+47 (an even dim-0 split; 1.5 KiB a
+        # rank, so 2 chunks of the ``-zarr`` witnesses' 1 KiB chunks)
+        "model.tp_row.weight": torch.arange(96 * 8, dtype=torch.float32).reshape(96, 8) / 8 - 2,
         # bf16, tensor-parallel columns: rank r wrote columns 3r..3r+2 (exact in bf16: multiples of 1/4)
         "model.tp_col.weight": (torch.arange(24, dtype=torch.float32).reshape(4, 6) / 4 - 1).to(torch.bfloat16),
         # int64, replicated on both ranks (values past 2**32 catch a narrowing)
