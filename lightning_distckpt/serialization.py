@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from enum import Enum
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
@@ -30,6 +31,7 @@ from .reading.reads import read_tensors
 from .storage.paths import checkpoint_location
 from .storage.tensorstore_io import StorageOptions
 from .saving.async_save import AsyncSaver, AsyncSaveRequest
+from .saving.stats import log_throughput
 from .saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -115,7 +117,6 @@ def load(
     loader: Union[str, Loader, None] = None,
     key_map: KeyMap = None,
     cast: str = SAME_KIND,
-    storage: Optional[StorageOptions] = None,
 ) -> Union[Dict[str, Any], Tuple[Dict[str, Any], set, set]]:
     """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -143,12 +144,8 @@ def load(
     dtype, or another integer dtype; a template of another kind (integer <-> floating, anything <->
     bool) is refused before anything is read (ShardingError naming the key). ``"any"`` converts
     across kinds too, as Megatron-Core and torch DCP do, each value exactly as ``Tensor.to`` does.
-
-    ``storage``: the reader's choices (:class:`StorageOptions` ``verify``, ``direct_reads``,
-    ``io_concurrency``, the S3 endpoint and credentials); the layout is the one the checkpoint records.
     """
     checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
-    require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
     require_state_dict(sharded_state_dict, "sharded_state_dict")
     require(strict, (StrictHandling, Enum, str, bool), "strict", "a StrictHandling (ours or Megatron-Core's), its name or a bool")
     require_globals(extra_safe_globals)
@@ -159,7 +156,7 @@ def load(
     comm = get_comm(process_group)
     sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
-    opener = with_cast(functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals, storage), cast)
+    opener = with_cast(functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals), cast)
     state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, opener, comm, strict,
                                                              extra_safe_globals)
     if strict.returns_keys:
@@ -205,7 +202,9 @@ def load_common_state_dict(checkpoint_dir: PathLike, extra_safe_globals: Sequenc
 
 
 def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:
-    """key -> the whole global tensor, assembled from its shards (single process, no group needed)."""
+    """key -> the whole global tensor, assembled from its shards (single process, no group needed).
+    Logs one INFO line, as :func:`load` does: bytes, seconds, rate."""
+    started = time.perf_counter()
     checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
     source = open_checkpoint(os.fspath(checkpoint_dir))
     check_plain_loadable(source)  # whole tensors are allocated as the index says: check it first
@@ -214,7 +213,9 @@ def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:
         shape, dtype = tuple(e.global_shape), dtype_from_name(e.dtype, key)
         template.append(ShardedTensor(key=key, data=torch.empty(shape, dtype=dtype), dtype=dtype, local_shape=shape,
                                       global_shape=shape, global_offset=(0,) * len(shape)))
-    loaded, _ = read_tensors(source, template, set())
+    loaded, nbytes = read_tensors(source, template, set())
+    seconds = time.perf_counter() - started
+    log_throughput("load_plain_tensors", source.path, 0, [(nbytes, seconds)], seconds)  # one INFO line, as load's
     return {st.key: t for st, t in zip(template, loaded)}
 
 

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ..planning.metadata import element_size
+from ..progress import Progress, advance, set_total
 from ..reading.formats.dcp import DcpSource
 from ..validation.foreign import format_name, open_foreign, validate_foreign
 from .inspect import _table, human_bytes, ranks_text, shard_grid
 
 
-def summarize_foreign(source: DcpSource) -> Dict[str, Any]:
-    """A JSON-able description (``writers`` are the numbers of the data files, sorted by name)."""
+def summarize_foreign(source: DcpSource, progress: Optional[Progress] = None) -> Dict[str, Any]:
+    """A JSON-able description (``writers`` are the numbers of the data files, sorted by name);
+    ``progress`` counts the keys described, as :func:`~.inspect.summarize` does for ours."""
     tensors = []
+    set_total(progress, len(source.index.tensors))
     for key in sorted(source.index.tensors):
         e = source.index.tensors[key]
+        advance(progress, 1)
         tensors.append({"key": key, "shape": list(e.global_shape), "dtype": e.dtype,
                         "bytes": math.prod(e.global_shape) * element_size(e.dtype), "stored_bytes": e.nbytes,
                         "shards": len(e.shards), **shard_grid(e)})

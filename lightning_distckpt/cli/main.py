@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 from ..core.errors import ArgumentError, CheckpointingError
 from ..storage.paths import local_path
-from ..storage.stores import open_store
+from ..storage.s3_url import is_s3_url
 from ..version import __version__
 from .numbers import float_in, int_in
 from .output import bar, command_logging, output_options, verbosity
@@ -65,7 +65,7 @@ def _require_existing(path: str, file_ok: bool = False) -> None:
 
 
 def _checkpoint_path(path: str) -> str:
-    if not open_store(path).file_system:  # opening it says what is wrong (no bucket, no marker, ...) in one line
+    if is_s3_url(path):  # opening it says what is wrong (no bucket, no commit marker, ...) in one line
         return path
     local_path(path)  # a URL is refused as such, not as a missing directory
     _require_existing(path)
@@ -79,14 +79,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .foreign import open_foreign, render_foreign, summarize_foreign
     from .inspect import render, summarize
 
-    foreign = open_foreign(_checkpoint_path(args.checkpoint))  # a DCP or Megatron-Core directory
-    if foreign is not None:
-        summary = summarize_foreign(foreign)
-        print(json.dumps(summary, indent=1) if args.json else render_foreign(summary))
-        return EXIT_OK
-    with bar(args, "inspect", unit="key", delay=0.5) as progress:  # only when describing takes a while
-        summary = summarize(OpenedCheckpoint.open(_checkpoint_path(args.checkpoint)), progress)
-    print(json.dumps(summary, indent=1) if args.json else render(summary))
+    path = _checkpoint_path(args.checkpoint)
+    with bar(args, "inspect", unit="key", quick=True) as progress:  # keys described, any format
+        foreign = open_foreign(path)  # a DCP or Megatron-Core directory
+        if foreign is not None:
+            summary, show = summarize_foreign(foreign, progress), render_foreign
+        else:
+            summary, show = summarize(OpenedCheckpoint.open(path), progress), render
+    print(json.dumps(summary, indent=1) if args.json else show(summary))
     return EXIT_OK
 
 
@@ -106,9 +106,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     from .clean import as_json, clean, render
 
-    if open_store(args.directory, what="directory").file_system and not os.path.isdir(args.directory):
+    if not is_s3_url(args.directory) and not os.path.isdir(local_path(args.directory, "directory")):
         raise UsageError(f"{args.directory}: no such directory")
-    with bar(args, "clean", delay=0.5) as progress:
+    with bar(args, "clean", quick=True) as progress:
         actions = clean(args.directory, args.older_than, args.dry_run, progress)
     print(json.dumps(as_json(actions), indent=1) if args.json else render(actions, args.directory))
     return EXIT_OK
@@ -120,10 +120,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..export import from_torch_file, relayout, to_torch_file  # Lightning checkpoints: Lightning's dict
     from ..storage.tensorstore_io import StorageOptions
 
-    remote = not open_store(args.source, what="source").file_system  # opening it says what is wrong
+    remote = is_s3_url(args.source)  # an s3:// checkpoint: opening it says what is wrong
     if not remote:
         _require_existing(local_path(args.source, "source"), file_ok=True)
-    open_store(args.destination, what="destination")  # a URL no store serves is refused now
+    if not is_s3_url(args.destination):
+        local_path(args.destination, "destination")
     to = args.to or ("torch" if remote or os.path.isdir(args.source) else "distckpt")
     _check_export_options(args, to)
     chunk_bytes = None if args.chunk_mib is None else int(args.chunk_mib * 2**20)  # finite, in range: parsed so

@@ -90,7 +90,13 @@ def command_logging(args: argparse.Namespace) -> Iterator[None]:
         logger.setLevel(old_level)
 
 
+#: Work that is usually quick (``inspect``, ``clean``) draws its bar only once it has taken this long
+#: (a bar that appeared is cleared at the end): a quick command prints nothing but its result.
+QUICK_BAR_DELAY_S = 0.5
+
+
 def bar(args: argparse.Namespace, desc: str, unit: str = "B",
-        delay: float = 0.0) -> "contextlib.AbstractContextManager[Optional[Progress]]":
-    """The command's progress bar (None in a pipe, a file, or with ``--quiet``)."""
-    return progress_bar(bar_wanted(quiet_of(args)), desc, unit, delay=delay)
+        quick: bool = False) -> "contextlib.AbstractContextManager[Optional[Progress]]":
+    """The command's progress bar (None in a pipe, a file, or with ``--quiet``); ``quick``: after
+    :data:`QUICK_BAR_DELAY_S` only."""
+    return progress_bar(bar_wanted(quiet_of(args)), desc, unit, delay=QUICK_BAR_DELAY_S if quick else 0.0)
