@@ -117,6 +117,7 @@ def load(
     loader: Union[str, Loader, None] = None,
     key_map: KeyMap = None,
     cast: str = SAME_KIND,
+    storage: Optional[StorageOptions] = None,
 ) -> Union[Dict[str, Any], Tuple[Dict[str, Any], set, set]]:
     """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -144,8 +145,12 @@ def load(
     dtype, or another integer dtype; a template of another kind (integer <-> floating, anything <->
     bool) is refused before anything is read (ShardingError naming the key). ``"any"`` converts
     across kinds too, as Megatron-Core and torch DCP do, each value exactly as ``Tensor.to`` does.
+
+    ``storage``: the reader's choices (:class:`StorageOptions` ``verify``, ``direct_reads``,
+    ``io_concurrency``, the S3 endpoint and credentials); the layout is the one the checkpoint records.
     """
     checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
+    require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
     require_state_dict(sharded_state_dict, "sharded_state_dict")
     require(strict, (StrictHandling, Enum, str, bool), "strict", "a StrictHandling (ours or Megatron-Core's), its name or a bool")
     require_globals(extra_safe_globals)
@@ -156,7 +161,7 @@ def load(
     comm = get_comm(process_group)
     sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
-    opener = with_cast(functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals), cast)
+    opener = with_cast(functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals, storage), cast)
     state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, opener, comm, strict,
                                                              extra_safe_globals)
     if strict.returns_keys:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 from ..core.errors import ArgumentError, CheckpointingError
 from ..storage.paths import local_path
-from ..storage.s3_url import is_s3_url
+from ..storage.stores import open_store
 from ..version import __version__
 from .numbers import float_in, int_in
 from .output import bar, command_logging, output_options, verbosity
@@ -65,7 +65,7 @@ def _require_existing(path: str, file_ok: bool = False) -> None:
 
 
 def _checkpoint_path(path: str) -> str:
-    if is_s3_url(path):  # opening it says what is wrong (no bucket, no commit marker, ...) in one line
+    if not open_store(path).file_system:  # opening it says what is wrong (no bucket, no marker, ...) in one line
         return path
     local_path(path)  # a URL is refused as such, not as a missing directory
     _require_existing(path)
@@ -106,7 +106,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_clean(args: argparse.Namespace) -> int:
     from .clean import as_json, clean, render
 
-    if not is_s3_url(args.directory) and not os.path.isdir(local_path(args.directory, "directory")):
+    if open_store(args.directory, what="directory").file_system and not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory}: no such directory")
     with bar(args, "clean", quick=True) as progress:
         actions = clean(args.directory, args.older_than, args.dry_run, progress)
@@ -120,11 +120,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..export import from_torch_file, relayout, to_torch_file  # Lightning checkpoints: Lightning's dict
     from ..storage.tensorstore_io import StorageOptions
 
-    remote = is_s3_url(args.source)  # an s3:// checkpoint: opening it says what is wrong
+    remote = not open_store(args.source, what="source").file_system  # opening it says what is wrong
     if not remote:
         _require_existing(local_path(args.source, "source"), file_ok=True)
-    if not is_s3_url(args.destination):
-        local_path(args.destination, "destination")
+    open_store(args.destination, what="destination")  # a URL no store serves is refused now
     to = args.to or ("torch" if remote or os.path.isdir(args.source) else "distckpt")
     _check_export_options(args, to)
     chunk_bytes = None if args.chunk_mib is None else int(args.chunk_mib * 2**20)  # finite, in range: parsed so
