@@ -3,19 +3,18 @@
 (tests/data/dcp/build.py: DTensors with Shard(0), Shard(1), uneven Shard(0) and Replicate
 placements in fp32, bf16, fp16 and int64, an optimizer-like nested dict with a plain 0-d tensor, and
 objects DCP stored as bytes), load bit-exactly through ``ldc.load``: whole in one process and on 2
-gloo ranks under another split. ``inspect`` and ``validate`` (the CLI) read them."""
+gloo ranks under another split, with each loader. ``inspect`` and ``validate`` (the CLI) read them."""
 
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
+from lightning_distckpt.cli import main as cli_main
 
 DCP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dcp")
 FIXTURES = ("torch-2.5", "torch-2.13")
@@ -101,22 +100,17 @@ def test_metadata_plain_tensors_and_common(name):
     assert ldc.load_common_state_dict(path) == COMMON
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "lightning_distckpt", *args], capture_output=True, text=True,
-                          timeout=300)  # a bound on a hang only
-
-
 @pytest.mark.parametrize("name", FIXTURES)
-def test_cli_inspect_and_validate(name):
+def test_cli_inspect_and_validate(name, capsys):
+    """The command line (``lightning_distckpt.cli.main``, in this process)."""
     path = os.path.join(DCP, name)
-    done = _cli("inspect", "--json", path)
-    assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout)
+    capsys.readouterr()
+    assert cli_main(["inspect", "--json", path]) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["format"] == "PyTorch DCP"
     assert {t["key"]: (tuple(t["shape"]), t["dtype"]) for t in summary["tensors"]} == \
         {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in S.full_tensors().items()}
-    done = _cli("validate", "--json", path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads(done.stdout)
+    assert cli_main(["validate", "--json", path]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["problems"] == []
     assert report["bytes_read"] == sum(t.numel() * t.element_size() for t in S.full_tensors().values())
