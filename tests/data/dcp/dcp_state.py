@@ -13,7 +13,8 @@ def full_tensors() -> Dict[str, torch.Tensor]:
     """The global tensors, by DCP's flattened key."""
     return {
         "model.embed.weight": torch.arange(48, dtype=torch.float32).reshape(8, 6) / 8 - 3,  # Shard(0)
-        "model.proj.weight": (torch.arange(24, dtype=torch.float32).reshape(4, 6) / 4 - 2).to(torch.bfloat16),  # Shard(1)
+        # Shard(1), exact in bf16 (multiples of 1/4)
+        "model.proj.weight": (torch.arange(24, dtype=torch.float32).reshape(4, 6) / 4 - 2).to(torch.bfloat16),
         "model.proj.bias": torch.arange(7 * 4, dtype=torch.float16).reshape(7, 4) / 2,  # Shard(0), uneven rows 4 | 3
         "model.ids": torch.arange(5, dtype=torch.int64) * 1_000_000_007 - 3,  # Replicate
         "optim.state.embed.weight.exp_avg": torch.arange(48, dtype=torch.float32).reshape(8, 6) * -0.25,  # Shard(0)
