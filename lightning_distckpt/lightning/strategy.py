@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from ..comm import get_comm
 from ..core.errors import CheckpointingError
 from ..storage.paths import checkpoint_location
-from .parallel import STRATEGY_NAME
+from .parallel import STRATEGY_NAME, ParallelState
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tp_strategy import AsyncCommitHooksMixin, TensorParallelStrategyMixin
 from .trainer_restore import DeferredOptimizerStates, load_before_setup, restore_after_setup
@@ -113,7 +113,15 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
 
     def _model_ssd(self) -> Dict[str, Any]:
         assert self.lightning_module is not None
-        return model_sharded_state_dict(self.lightning_module, self.parallel_state)
+        return model_sharded_state_dict(self.lightning_module, self._checkpoint_parallel_state())
+
+    def _checkpoint_parallel_state(self) -> ParallelState:
+        """The strategy's TP x DP place; before it set up its environment (a Trainer saving before
+        any fit / validate, as stock DDP's rank 0 can), in a one-process job with no process group:
+        one process, so the save is the same one-process save the strategy makes after setup."""
+        if self._parallel_state is None and self.world_size == 1 and not get_comm().distributed:
+            return ParallelState.single()
+        return self.parallel_state
 
     def _optimizer_states(self, model_ssd: Dict[str, Any]) -> List[Dict[str, Any]]:
         """Each optimizer's state, sharded like the parameters of ``model_ssd``."""

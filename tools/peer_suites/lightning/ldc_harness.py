@@ -140,7 +140,8 @@ def _patch_fabric() -> None:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         strategy = kwargs.get("strategy", "auto")
-        if MODE.startswith("strategy") and not args and strategy in DDP_NAMES \
+        # DDP by name only: Fabric's default is one device with no launch, which a DDP strategy needs.
+        if MODE.startswith("strategy") and not args and str(strategy).startswith("ddp") and strategy in DDP_NAMES \
                 and kwargs.get("accelerator") in (None, "auto", "cpu") and not _own_checkpoint_io(kwargs):
             start = {"start_method": DDP_NAMES[strategy]} if DDP_NAMES[strategy] else {}
             config = {"async_save": True} if MODE == "strategy_async" else None
