@@ -9,9 +9,10 @@ it each reader needs; a store only moves bytes:
   its destination tensor) and reads objects back.
 
 :class:`~lightning_distckpt.storage.tensorstore_io.TensorStoreIO` implements both for our own
-directories. A reader of another format (a safetensors file, a DCP directory) or another store
-(an object store) implements :class:`ShardReader` over its own bytes and plugs into the reading
-pipeline (:mod:`lightning_distckpt.reading`) without touching it.
+checkpoints, over the key-value store of their :class:`~lightning_distckpt.storage.store.CheckpointStore`
+(which owns the rest of a checkpoint's life: staging, blobs, commit, versions). A reader of another
+format (a safetensors file, a DCP directory) implements :class:`ShardReader` over its own bytes and
+plugs into the reading pipeline (:mod:`lightning_distckpt.reading`) without touching it.
 """
 
 from __future__ import annotations
