@@ -144,14 +144,15 @@ class PackEnds:
 
 
 def parse_even(value: Any, global_shape: Tuple[int, ...], name: str, where: str,
-               world_size: Optional[int] = None) -> EvenSplit:
+               world_size: Optional[int] = None, rank_stores: Optional[int] = None) -> EvenSplit:
     """An entry's ``even`` field, checked (FormatError naming the field) before anything is sized by
     it: a split is over at most ``world_size`` ranks (metadata.json's ``world_size``: rank i wrote
-    chunk i, so a split over more ranks than saved is damage; without it, :data:`MAX_OVER`)."""
+    chunk i, so a split over more ranks than saved is damage; without it, :data:`MAX_OVER`), and,
+    where the reader counted the checkpoint's rank stores (``rank_stores``), its chunks are at most
+    that many: rank i's store holds chunk i, so a larger claim (``world_size`` forged with it) is
+    refused here, before anything is sized by the chunks."""
     def fail(what: str, must: str, got: Any) -> FormatError:
-        text = repr(got)
-        text = text if len(text) <= 80 else text[:77] + "..."
-        return FormatError(f"{where}: metadata.json field {name}.even{what} must be {must}, got {text}")
+        return FormatError(f"{where}: metadata.json field {name}.even{what} must be {must}, got {_short(got)}")
 
     if not isinstance(value, dict):
         raise fail("", "an object", value)
@@ -164,21 +165,32 @@ def parse_even(value: Any, global_shape: Tuple[int, ...], name: str, where: str,
         raise fail(".over", f"an int in [1, {most}] (at most {bound})" if most != MAX_OVER else
                    f"an int in [1, {MAX_OVER}]", over)
     n = chunks_count(global_shape, over)
+    if rank_stores is not None and n > rank_stores:
+        raise FormatError(f"{where}: metadata.json field {name}.even.over {over} (field world_size: "
+                          f"{_short(world_size)}) puts {n} chunks on as many writer ranks, but data/ holds "
+                          f"{rank_stores} rank stores (rank i stores chunk i): damaged or forged metadata")
     first = value.get("packed_from")
     if type(first) is not int or not 0 <= first <= n:
         raise fail(".packed_from", f"an int in [0, {n}]", first)
     return EvenSplit(over, first)
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def replay_packs(tensors: Mapping[str, Any], where: str) -> None:
     """Set the pack offsets of the even splits among ``tensors`` (key -> TensorEntry) by the
     packing rule; a listed packed shard not where the rule puts it is a FormatError."""
-    splits = [e.even for e in tensors.values() if e.even is not None]
-    if not splits:
+    chunks = [chunks_count(e.global_shape, e.even.over) for e in tensors.values() if e.even is not None]
+    if not chunks:
         return
-    if sum(chunks_count(e.global_shape, e.even.over) for e in tensors.values() if e.even is not None) > MAX_CHUNKS:
+    if sum(chunks) > MAX_CHUNKS:
         raise FormatError(f"{where}: metadata.json's even splits claim more than {MAX_CHUNKS} stored shards")
-    packs = PackEnds(max(s.over for s in splits))
+    # sized by the ranks holding chunks (at most the rank stores), not by ``over``: ranks past the
+    # last chunk write no chunk of any split (PackEnds keeps their listed shards apart)
+    packs = PackEnds(max(chunks))
     for key in sorted(tensors):
         e = tensors[key]
         if e.even is not None:

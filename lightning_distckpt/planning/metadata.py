@@ -16,7 +16,7 @@ from ..core.errors import FormatError, ShardingError
 from ..core.gc_pause import gc_paused
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..storage.key_paths import colliding_keys, collision_reason
-from .even_index import EvenSplit, parse_even, replay_packs
+from .even_index import EvenSplit, chunks_count, parse_even, replay_packs
 
 FlatRange = Optional[Tuple[int, int]]
 
@@ -222,19 +222,20 @@ class CheckpointIndex:
     def bytes_per_writer(self) -> Dict[int, int]:
         """writer rank -> bytes of the tensor data this index says its store holds."""
         out: Dict[int, int] = {}
-        evens: Dict[int, "np.ndarray"] = {}  # even splits' bytes per rank, by split size
+        # even splits' bytes per rank (chunk i on rank i, whatever the split's size): sized by the
+        # chunks, which the parse bounded by the rank stores, not by the ranks a split claims
+        evens = [e for e in self.tensors.values() if e.even is not None]
+        acc = np.zeros(max((chunks_count(e.global_shape, e.even.over) for e in evens), default=0), dtype=np.int64)
         for e in self.tensors.values():
             size = element_size(e.dtype)
             if e.even is not None:
-                numels = e.even.numels(e.global_shape) * size
-                acc = evens.setdefault(e.even.over, np.zeros(e.even.over, dtype=np.int64))
-                acc[:len(numels)] += numels
+                numels = e.even.numels(e.global_shape)
+                acc[:len(numels)] += numels * size
                 continue
             for s in e.shards:
                 out[s.writer] = out.get(s.writer, 0) + s.numel * size
-        for acc in evens.values():
-            for w in np.flatnonzero(acc).tolist():
-                out[w] = out.get(w, 0) + int(acc[w])
+        for w in np.flatnonzero(acc).tolist():
+            out[w] = out.get(w, 0) + int(acc[w])
         return out
 
     def to_json(self) -> Dict[str, Any]:
@@ -250,15 +251,17 @@ class CheckpointIndex:
         }
 
     @classmethod
-    def from_json(cls, data: Dict[str, Any], where: str) -> "CheckpointIndex":
+    def from_json(cls, data: Dict[str, Any], where: str, rank_stores: Optional[int] = None) -> "CheckpointIndex":
         """Parse ``metadata.json``'s index, checking every field's type and range (FormatError
         naming the field): it comes from disk and is not trusted. Shapes are bounded and each
-        shard lies inside its tensor, so nothing sized by the index can ask for absurd memory."""
+        shard lies inside its tensor, so nothing sized by the index can ask for absurd memory.
+        ``rank_stores``: how many rank stores the checkpoint's ``data/`` holds, where the reader
+        counted them; an even split claiming chunks on more ranks is refused before it is sized."""
         with gc_paused():  # tens of thousands of small records (see gc_paused): 3.5x faster without collections
-            return cls._from_json(data, where)
+            return cls._from_json(data, where, rank_stores)
 
     @classmethod
-    def _from_json(cls, data: Dict[str, Any], where: str) -> "CheckpointIndex":
+    def _from_json(cls, data: Dict[str, Any], where: str, rank_stores: Optional[int]) -> "CheckpointIndex":
         f = _Fields(where)
         version = data.get("format_version", EVEN_SINCE)  # absent: the current format
         index = cls(checksums=isinstance(version, int) and version >= _CHECKSUMS_SINCE)
@@ -275,7 +278,7 @@ class CheckpointIndex:
             if "even" in e and isinstance(version, int) and version >= EVEN_SINCE:
                 if "shards" in e:
                     raise FormatError(f"{where}: metadata.json field {name} has both shards and even (one of them)")
-                even = parse_even(e["even"], gshape, name, where, data.get("world_size"))
+                even = parse_even(e["even"], gshape, name, where, data.get("world_size"), rank_stores)
                 entry = TensorEntry(gshape, dtype, even=even)
             else:
                 entry = TensorEntry(gshape, dtype)

@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional, Protocol, Sequence, runtime_checkable
 from ..planning.metadata import CheckpointIndex
 from ..storage.base import ShardReader
 from ..storage.integrity import read_common, read_common_bytes
+from ..storage.layout import DATA_DIR
 from ..storage.paths import PathLike
 from ..storage.store import CheckpointStore, StorageFacts, WriterStore
 from ..storage.stores import open_store
@@ -61,7 +62,8 @@ class OpenedCheckpoint:
         opened = store.open_metadata()
         path, meta = opened.path, opened.meta
         recorded = StorageOptions.from_json(meta.get("storage", {}))
-        return cls(path, meta, CheckpointIndex.from_json(meta, f"checkpoint {path}"),
+        stores = _rank_stores(path) if store.file_system else None  # bounds the index's even splits
+        return cls(path, meta, CheckpointIndex.from_json(meta, f"checkpoint {path}", stores),
                    replace(store.options, layout=recorded.layout, chunk_bytes=recorded.chunk_bytes),
                    opened.marker, store)
 
@@ -92,6 +94,14 @@ class OpenedCheckpoint:
 
     def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
         return read_common(self._store(), self.path, self.marker, extra_safe_globals)
+
+
+def _rank_stores(path: str) -> Optional[int]:
+    """How many entries the local checkpoint's ``data/`` holds (one listdir; None: none listed)."""
+    try:
+        return len(os.listdir(os.path.join(path, DATA_DIR)))
+    except (OSError, ValueError):
+        return None
 
 
 def open_checkpoint(path: PathLike, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = (),
