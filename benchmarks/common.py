@@ -159,6 +159,16 @@ def machine_summary() -> Dict[str, object]:
             "torch": torch.__version__, "platform": platform.platform()}
 
 
+def run_header(args: Any, started: float, load_before: Tuple[float, ...],
+               load_after: Tuple[float, ...]) -> Dict[str, Any]:
+    """What a results JSON records about its run: the command, the machine, its load, the arguments."""
+    import sys
+
+    return {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": machine_summary(),
+            "loadavg_before": load_before, "loadavg_after": load_after, "args": vars(args),
+            "seconds": round(time.time() - started, 1)}
+
+
 def prefault(nbytes: int) -> None:
     """Touch ``nbytes`` of fresh memory and free it again, right before a timed operation.
 

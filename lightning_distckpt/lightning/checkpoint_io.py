@@ -42,7 +42,7 @@ from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
 from ..saving.async_pending import finish_saves_to
 from ..saving.async_save import AsyncSaver, AsyncSaveRequest
-from ..saving.save import finalize_save, prepare_save, write_local
+from ..saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
 from .restore_source import RestoreSource
 from .stock import open_torch_file, tensors_metadata
@@ -77,6 +77,9 @@ class DistCheckpointIO(CheckpointIO):
         self.extra_safe_globals = tuple(extra_safe_globals) + self.config.safe_global_types
         self._saver: Optional[AsyncSaver] = None  # made on the first async save, local or collective
         self._pending: Optional[AsyncSaveRequest] = None
+        # Synchronous collective saves reuse the last validated plan when no rank's layout changed
+        # (one round trip instead of the records' gather and the plans' scatter; async saves: the saver's).
+        self._plan_cache = SavePlanCache()
         # Removals asked for while a background save is in flight (ModelCheckpoint drops the old
         # top-k right after saving the new one): done only once the new checkpoint is committed.
         self._deferred_removals: List[str] = []
@@ -95,7 +98,7 @@ class DistCheckpointIO(CheckpointIO):
         """A copy (``torch.save(trainer)``, ``deepcopy``, the spawn launcher) keeps the settings; the
         save in flight (a thread, a lock, a process group) and its deferred removals stay here."""
         state = dict(self.__dict__)
-        state.update(_saver=None, _pending=None, _deferred_removals=[])
+        state.update(_saver=None, _pending=None, _deferred_removals=[], _plan_cache=SavePlanCache())
         return state
 
     @classmethod
@@ -200,7 +203,7 @@ class DistCheckpointIO(CheckpointIO):
             # so every rank reaches it at the same point of the training.
             self._pending = dist_save(sharded_state_dict, path, async_save=self._async_saver(), **kwargs)
         else:
-            dist_save(sharded_state_dict, path, **kwargs)
+            dist_save(sharded_state_dict, path, plan_cache=self._plan_cache, **kwargs)
 
     def load_sharded(self, template: Dict[str, Any], path: Union[str, "os.PathLike[str]", CheckpointSource],
                      process_group: Optional[dist.ProcessGroup] = None,
@@ -240,7 +243,7 @@ class DistCheckpointIO(CheckpointIO):
         The strategy calls it at each training-step boundary."""
         if self._pending is None:
             return True
-        if not self._pending.all_done():
+        if not self._pending.poll():  # asks the other ranks on a sparse schedule, not at every step
             return False
         self.wait()
         self.step_boundary_commits += 1
@@ -288,7 +291,7 @@ class DistCheckpointIO(CheckpointIO):
     def _save_local(self, tree: Dict[str, Any], target: str, storage: StorageOptions) -> None:
         """The save path with a group of one: no collective, whatever the other ranks do."""
         prep = prepare_save(tree, target, LOCAL, validate_access_integrity=self.config.validate_access_integrity,
-                            balance_writes=False, options=storage)
+                            balance_writes=False, options=storage, plan_cache=self._plan_cache)
         try:
             local: Any = write_local(prep)
         except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up

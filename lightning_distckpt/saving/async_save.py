@@ -60,6 +60,7 @@ class AsyncSaveRequest:
         self._finalized = False
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self._polls = 0  # calls of poll(): the same count on every rank
         if failure is None:
             self._thread = threading.Thread(target=self._write, name="distckpt-async-save", daemon=False)
             self._thread.start()
@@ -84,6 +85,17 @@ class AsyncSaveRequest:
         """Collective: whether every rank's writes have finished (to finalize without blocking)."""
         flags = self._prep.comm.all_gather_object(self.done())
         return all(flags)
+
+    def poll(self) -> bool:
+        """Collective, for a caller asking at every training step: :meth:`all_done`, but the ranks
+        are asked only on the 1st, 2nd, 4th, 8th and then every 16th call (the others return False
+        without communicating; every rank must call it equally often). Each ask is a round trip
+        that waits for the slowest rank: asked at every step of a fast training loop, they cost
+        more than the save itself (docs/benchmarks.md, "Training overhead"). A finished save is
+        then committed a few steps later: at most twice the calls its writes took, or 15 more."""
+        self._polls += 1
+        n = self._polls
+        return (n & (n - 1) == 0 or n % 16 == 0) and self.all_done()
 
     @property
     def finalized(self) -> bool:
