@@ -109,18 +109,33 @@ def pytest_configure(config: pytest.Config) -> None:
     if out:
         config.option.xmlpath = os.path.join(out, f"rank{os.environ.get('RANK', '0')}.xml")
     _stand_in_training()
-    # torch's c10d logger logs each failed/timed collective at DEBUG and propagates: the tests that
-    # assert caplog.text == '' would see it (Megatron-LM's CI does not log these on NCCL).
-    logging.getLogger("c10d-NullHandler-default").propagate = False
     _cpu_distributed()
     _cpu_only_cuda_calls()
     if MODE == "ours":
         _route_to_ours()
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each outcome as it happens, one line per phase that did not simply pass, in
+    ``PEER_OUT/rank<R>.log``: what a run killed at its time limit leaves (no JUnit file then)."""
+    out = os.environ.get("PEER_OUT")
+    if out and (report.when == "call" or not report.passed):
+        line = (report.longreprtext or "").strip().splitlines()
+        with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.log"), "a") as f:
+            f.write(f"{report.nodeid} {report.when} {report.outcome} {line[-1][:300] if line else ''}\n")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if exitstatus == 5:  # nothing collected on this rank: as Megatron-LM's conftest
         session.exitstatus = 0
+
+
+@pytest.fixture(autouse=True)
+def quiet_torch_debug_records() -> None:
+    """torch's c10d and DCP loggers record each collective / DCP step at DEBUG, and the tests that
+    assert ``caplog.text == ''`` see them (they are neither Megatron-Core's nor our records)."""
+    for name in ("c10d-NullHandler-default", "c10d-NullHandler-dcp_logger"):
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 @pytest.fixture(autouse=True)

@@ -24,11 +24,19 @@ if [ -n "${LDC_REV:-}" ]; then
     export PYTHONPATH=$OUT/src:$PYTHONPATH  # before the editable install's finder
 fi
 D=tests/unit_tests/dist_checkpointing
+# test_fully_parallel.py is left out: it drives Megatron-Core's strategy wrappers directly (never
+# save/load), so nothing of ours runs, and on CPU some of its tests need CUDA on some ranks only.
 SELECTED=($D/test_serialization.py $D/test_mapping.py $D/test_safe_globals.py $D/test_async_save.py
-          $D/test_torch_dist.py $D/test_fully_parallel.py $D/test_checkpointable.py)
-# Left out: they fail on one rank only with Megatron-Core's own save/load on this torch (the other
-# ranks then wait in a barrier and every later test fails): see RESULTS.md.
-DESELECTED=(--deselect $D/test_serialization.py::TestSerialization::test_remove_sharded_tensors)
+          $D/test_torch_dist.py $D/test_checkpointable.py)
+# Left out: test_remove_sharded_tensors fails on rank 0 only with Megatron-Core's own save/load on this
+# torch (the other ranks then wait in a barrier and every later test fails); the other two need CUDA.
+DESELECTED=(--deselect $D/test_serialization.py::TestSerialization::test_remove_sharded_tensors
+            --deselect $D/test_mapping.py::TestShardedTensor::test_from_rank_offsets_constructor
+            --deselect $D/test_torch_dist.py::TestCPUTensors::test_cpu_tensors_dont_take_too_much_space)
+# Megatron-Core's own async save hangs on CPU here (its async caller never finishes on some ranks);
+# test_errors_are_reported injects a failure into Megatron-Core's file writer, which ours does not use.
+if [ "$MODE" = megatron ]; then DESELECTED+=(--deselect $D/test_async_save.py); fi
+DESELECTED+=(--deselect $D/test_async_save.py::TestAsyncSave::test_errors_are_reported)
 [ $# -eq 0 ] && set -- "${SELECTED[@]}" "${DESELECTED[@]}"
 PORT=$((20000 + RANDOM % 20000))
 cd "$PEER"
