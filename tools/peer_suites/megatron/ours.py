@@ -11,7 +11,8 @@ Each function takes Megatron-Core 0.16's signature and calls ours. Only argument
 - Our errors (``CheckpointingError``) are raised as Megatron-Core's ``CheckpointingException`` of the
   same message (chained), so the tests' ``pytest.raises`` see the type they name.
 - ``PEER_CAST`` / ``PEER_SAFE_GLOBALS`` (environment) give the options for Megatron-Core's behaviour
-  where ours differs on purpose: ``cast="any"``, and ``extra_safe_globals`` (``module:Name`` list).
+  where ours differs on purpose: ``cast="any"``, and ``extra_safe_globals`` (``module:Name`` list);
+  ``PEER_ERRORS_AS_DCP=1`` raises our errors as torch DCP's ``CheckpointException`` too.
 """
 
 from __future__ import annotations
@@ -25,8 +26,21 @@ import lightning_distckpt as ldc
 from lightning_distckpt.core.errors import CheckpointingError
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from torch.distributed.checkpoint import CheckpointException
 
 CONTENT_METADATA_KEY = "content_metadata"
+
+
+class _AlsoDcpError(CheckpointingException, CheckpointException):
+    """``PEER_ERRORS_AS_DCP=1``: our error as both Megatron-Core's and torch DCP's exception type, to
+    see whether the rest of a test that asks for DCP's type (its backend's) passes."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+        self.message, self._failures = message, {}
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _as_megatron_error(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -35,7 +49,8 @@ def _as_megatron_error(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except CheckpointingError as e:
-            raise CheckpointingException(str(e)) from e
+            kind = _AlsoDcpError if os.environ.get("PEER_ERRORS_AS_DCP") == "1" else CheckpointingException
+            raise kind(str(e)) from e
     return call
 
 
