@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import FormatError, ShardingError
-from .tree_walk import MAX_DEPTH, keep_or_copy, map_paths
+from .tree_walk import CONTAINERS, MAX_DEPTH, Build, keep_or_copy, map_paths
 
 Step = Tuple[str, Any]  # ("d", dict key) | ("l", list index) | ("t", tuple index)
 Steps = Tuple[Step, ...]
@@ -55,11 +55,13 @@ def show(steps: Sequence[Step]) -> str:
     return "".join(f"[{k!r}]" for _, k in steps) or "the top"
 
 
-def key_by_path(tree: Any, convert: Convert, where: str = "the state dict") -> Any:
+def key_by_path(tree: Any, convert: Convert, where: str = "the state dict", *,
+                types: Tuple[type, ...] = CONTAINERS, build: Build = keep_or_copy) -> Any:
     """``tree`` with each leaf for which ``convert(steps, leaf)`` returns a replacement replaced by
     it. Containers on the way to a replaced leaf are copied (dicts as plain dicts); a container
-    holding none is kept as it is, so a tree with nothing to replace is returned itself. A bounded
-    walk at every path (:func:`~.tree_walk.map_paths`: a dict under two keys is converted at each).
+    holding none is kept as it is, so a tree with nothing to replace is returned itself (``build``:
+    another rule, e.g. :func:`~.tree_walk.copy_containers`). Containers are instances of ``types``.
+    A bounded walk at every path (:func:`~.tree_walk.map_paths`: a dict under two keys is converted at each).
 
     Raises :class:`ShardingError` naming both paths when two replacements share a key."""
     seen: Dict[str, Steps] = {}
@@ -74,7 +76,7 @@ def key_by_path(tree: Any, convert: Convert, where: str = "the state dict") -> A
                                 f"{out.key!r} (keys are paths joined with '/'): rename one of them")
         return out
 
-    return map_paths(tree, leaf, keep_or_copy, where=where, step=step_of)
+    return map_paths(tree, leaf, build, where=where, types=types, step=step_of)
 
 
 # -- steps stored in metadata.json, and put back -----------------------------------------------------
@@ -86,10 +88,11 @@ def steps_to_json(steps: Steps) -> Optional[List[List[Any]]]:
     return [[kind, k] for kind, k in steps]
 
 
-def steps_from_json(value: Any, key: str, where: str, max_index: int) -> Steps:
+def steps_from_json(value: Any, key: str, where: str, max_index: int, joined: bool = True) -> Steps:
     """The steps stored for ``key``, checked: dict steps by a str or an int, list steps by an index
     below ``max_index``, at most :data:`~.tree_walk.MAX_DEPTH` of them, joined they give ``key``
-    (FormatError naming ``where`` otherwise: the file is not trusted)."""
+    (unless not ``joined``: a key chosen by a module, not by its place) (FormatError naming
+    ``where`` otherwise: the file is not trusted)."""
     ok = isinstance(value, list) and 0 < len(value) <= MAX_DEPTH
     steps: List[Step] = []
     for step in value if ok else ():
@@ -100,9 +103,10 @@ def steps_from_json(value: Any, key: str, where: str, max_index: int) -> Steps:
             ok = False
             break
         steps.append((step[0], step[1]))
-    if not ok or path_key(steps) != key:
+    if not ok or joined and path_key(steps) != key:
+        what = "joined with '/' giving the key" if joined else f"at most {MAX_DEPTH} of them"
         raise FormatError(f"{where}[{key!r}] must be the path of {key!r} ([['d', key] or ['l', index < {max_index}], "
-                          f"...] joined with '/' giving the key), got {str(value)[:200]}")
+                          f"...] {what}), got {str(value)[:200]}")
     return tuple(steps)
 
 

@@ -55,6 +55,7 @@ class Limits(NamedTuple):
 
 LIMITS = Limits()
 CONTAINERS = (dict, list, tuple)
+_STEP_KINDS = ("d", "l", "t")
 _OPEN = object()  # memo mark of a container being walked: meeting it again is a cycle
 
 
@@ -95,7 +96,9 @@ class _Walk:
 
 
 def _show(path: Sequence[Key]) -> str:
-    text = "/".join(map(str, path)) or "the top"
+    # typed steps (core/tree_paths.py: ("d", key), ("l", index), ("t", index)) are shown by their keys
+    keys = (p[1] if type(p) is tuple and len(p) == 2 and p[0] in _STEP_KINDS else p for p in path)
+    text = "/".join(map(str, keys)) or "the top"
     return text if len(text) <= 200 else text[:100] + " ... " + text[-95:]
 
 
@@ -112,6 +115,11 @@ def keep_or_copy(node: Any, keys: Optional[List[Any]], results: List[Any]) -> An
     if keys is not None:
         return dict(zip(keys, results))
     return results if isinstance(node, list) else tuple(results)
+
+
+def copy_containers(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+    """A ``Build`` that always copies: dicts as plain dicts, sequences as lists of the new children."""
+    return results if keys is None else dict(zip(keys, results))
 
 
 def fold(tree: Any, leaf: Callable[[Any], Any], build: Build, *, where: str = "the state dict",

@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
+from ..core.tree_walk import copy_containers, map_paths
 from ..registration import is_placeholder
 from ..storage.paths import checkpoint_location
 from .checkpoint_io import fabric_writer, foreign_writer
@@ -62,17 +63,21 @@ Path = Tuple[Union[str, int], ...]
 def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor]) -> Any:
     """``node`` with each DTensor replaced by its ShardedTensor (keyed by its path, sharing the local
     tensor's memory; recorded in ``dtensors``) and each other tensor of 1-d or more by a whole one
-    replicated on every rank (stored from rank 0). Scalars and non-tensors stay common state."""
-    if isinstance(node, dict):
-        return {k: shard_tree(v, path + (k,), rank, dtensors) for k, v in node.items()}
-    if isinstance(node, list):
-        return [shard_tree(v, path + (i,), rank, dtensors) for i, v in enumerate(node)]
-    if isinstance(node, DTensor):
-        dtensors[path] = node
-        return dtensor_to_sharded(dtensor_key(path), node)
-    if isinstance(node, torch.Tensor) and node.ndim > 0:
-        return ShardedTensor.from_rank_offsets(dtensor_key(path), node.detach(), replica_id=rank)
-    return node
+    replicated on every rank (stored from rank 0). Scalars and non-tensors stay common state.
+    Dicts and lists are copied (a bounded walk, :mod:`~lightning_distckpt.core.tree_walk`: a tree
+    nested too deep or containing itself is a FormatError naming the place); tuples are leaves."""
+
+    def leaf(steps: Path, value: Any) -> Any:
+        here = path + steps
+        if isinstance(value, DTensor):
+            dtensors[here] = value
+            return dtensor_to_sharded(dtensor_key(here), value)
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
+            return ShardedTensor.from_rank_offsets(dtensor_key(here), value.detach(), replica_id=rank)
+        return value
+
+    where = f"the checkpoint's {dtensor_key(path)!r}" if path else "the checkpoint"
+    return map_paths(node, leaf, copy_containers, where=where, types=(dict, list))
 
 
 def value_at(tree: Any, path: Path) -> Any:

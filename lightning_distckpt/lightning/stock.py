@@ -30,7 +30,7 @@ from ..reading.formats.files import TorchFile
 from ..reading.formats.tensor_files import IndexedFile, TensorFileSource
 from ..serialization import load_common_state_dict
 from ..storage.safe_pickle import load_file
-from .tree import KIND_PLAIN, MANIFEST_KEY, Step, iter_tensor_leaves, key_of, put_at
+from .tree import KIND_PLAIN, MANIFEST_KEY, Step, iter_tensor_leaves, key_of, manifest_paths, place_at
 
 if TYPE_CHECKING:  # checkpoint_io opens torch.save files with open_torch_file: imported for the types only
     from .restore_source import RestoreSource
@@ -187,8 +187,8 @@ def _stored_paths(source: "RestoreSource", extra_safe_globals: Sequence[Any]) ->
     if os.path.isfile(source.path):  # another file (.safetensors): refused as no torch.save archive, as before
         return {key_of(steps): steps for steps, _ in iter_tensor_leaves(load_file(source.path, extra_safe_globals))}
     common = source.load_common(extra_safe_globals)
-    man = common.get(MANIFEST_KEY, {}) if isinstance(common, dict) else {}
-    return {key: tuple((str(kind), k) for kind, k in steps) for steps, key in man.get("tensor_paths", [])}
+    man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
+    return manifest_paths(man, source.path) if man is not None else {}
 
 
 def rekey_template(source: "RestoreSource", template: Dict[str, Any], modules: Mapping[str, ModuleEntry],
@@ -220,8 +220,7 @@ def rekey_template(source: "RestoreSource", template: Dict[str, Any], modules: M
 def place_stored_tensors(loaded: Dict[str, Any], layout: StoredLayout, where: str) -> Dict[str, Any]:
     """Put the tensors read under :data:`REST_KEY` back at their paths in ``loaded`` (drops the manifest)."""
     loaded.pop(MANIFEST_KEY, None)
-    for key, tensor in loaded.pop(REST_KEY, {}).items():
-        put_at(loaded, list(layout.rest_paths[key]), tensor, where)
+    place_at(loaded, layout.rest_paths, loaded.pop(REST_KEY, {}), where)
     return loaded
 
 

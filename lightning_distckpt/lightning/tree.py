@@ -4,18 +4,25 @@ A checkpoint is saved as its natural tree: tensors become ShardedTensors in plac
 is common state. Next to it goes a small manifest (``MANIFEST_KEY``) listing where each
 ShardedTensor sat (typed path steps), so that a checkpoint can be read back without a template:
 each tensor whole, in its place (:func:`template_from_manifest`).
+
+Paths, keys and putting leaves back are :mod:`~lightning_distckpt.core.tree_paths`' (``Step``:
+``("d", key)`` into a dict, ``("l", index)`` into a list); this module only chooses what a
+Lightning checkpoint's tree is (dicts and lists: a tuple is common state as a whole) and reads the
+manifest, which comes from the checkpoint's common state and is checked as such.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..core.errors import FormatError, ShardingError
 from ..core.mapping import ShardedTensor
-from ..core.tree_walk import fold, map_paths, walk_paths
+from ..core.tree_paths import Step, Steps, free_place, key_by_path, path_key, put_at, step_of, steps_from_json
+from ..core.tree_walk import copy_containers, fold, walk_paths
+from ..reading.plain_tensors import MAX_LIST_INDEX, MAX_PADDING
 
 MANIFEST_KEY = "__distckpt__"
 MANIFEST_VERSION = 1
@@ -24,25 +31,21 @@ KIND_SHARDED = "sharded"  # ShardedTensors from every rank (DistCheckpointStrate
 # DTensors from every rank (DistCheckpointModelParallelStrategy): keyed by their path in the checkpoint
 # dict, optimizer state by parameter name (torch.distributed.checkpoint.state_dict's layout)
 KIND_MODEL_PARALLEL = "model_parallel"
-
-# One step into a container: ("d", key) into a dict, ("l", index) into a list.
-Step = Tuple[str, Union[str, int]]
-
-
-def _step(node: Any, key: Union[str, int]) -> Step:
-    return ("d", key) if isinstance(node, dict) else ("l", key)
+TREE_TYPES = (dict, list)  # the containers of a Lightning checkpoint's tree (tuples are common state whole)
 
 
 def iter_tensor_leaves(tree: Any, where: str = "the checkpoint") -> Iterator[Tuple[Tuple[Step, ...], torch.Tensor]]:
     """Tensors reachable through dicts and lists (other containers are common state as they are),
     at every path (a bounded walk, :mod:`~lightning_distckpt.core.tree_walk`)."""
-    for steps, leaf in walk_paths(tree, where=where, types=(dict, list), step=_step):
+    for steps, leaf in walk_paths(tree, where=where, types=TREE_TYPES, step=step_of):
         if isinstance(leaf, torch.Tensor):
             yield steps, leaf
 
 
-def key_of(steps: Tuple[Step, ...]) -> str:
-    return "/".join(str(k) for _, k in steps)
+def key_of(steps: Steps) -> str:
+    """The checkpoint key of the leaf at ``steps`` (:func:`~lightning_distckpt.core.tree_paths.path_key`;
+    ``""`` for the top of the tree itself)."""
+    return path_key(steps) if steps else ""
 
 
 def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
@@ -50,28 +53,21 @@ def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
     ShardedTensor keyed by its path (``state_dict/layer.weight``, ``optimizer_states/0/state/3/exp_avg``).
     Scalars (0-d tensors) stay common state. A DTensor replicated over its mesh is saved whole; a
     sharded one is refused (:func:`whole_dtensor`)."""
-    seen: Dict[str, Tuple[Step, ...]] = {}
 
-    def convert(steps: Tuple[Step, ...], node: Any) -> Any:
+    def convert(steps: Steps, node: Any) -> Optional[ShardedTensor]:
         if isinstance(node, DTensor):
             node = whole_dtensor(key_of(steps), node)
-        if isinstance(node, torch.Tensor) and node.ndim > 0:
-            key = key_of(steps)
-            if key in seen:  # e.g. dict keys 0 and "0" side by side
-                raise ShardingError(f"checkpoint entries {seen[key]} and {steps} would both be stored as {key!r}")
-            seen[key] = steps
-            data = node.detach()
-            if data.layout != torch.strided:
-                raise ShardingError(f"{key!r}: only dense (strided) tensors can be saved, got {data.layout}")
-            return ShardedTensor.from_rank_offsets(key, data.contiguous())
-        return node
+        if not (isinstance(node, torch.Tensor) and node.ndim > 0):
+            return None
+        key = path_key(steps)
+        data = node.detach()
+        if data.layout != torch.strided:
+            raise ShardingError(f"{key!r}: only dense (strided) tensors can be saved, got {data.layout}")
+        return ShardedTensor.from_rank_offsets(key, data.contiguous())
 
-    # keyed by path: a dict under two keys is converted at each (a bounded walk, tree_walk.py)
-    return map_paths(checkpoint, convert, _copy, where="the checkpoint", types=(dict, list), step=_step)
-
-
-def _copy(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
-    return results if keys is None else dict(zip(keys, results))
+    # keyed by path, two leaves with one key refused (dict keys 0 and "0"); a dict under two keys is
+    # converted at each; every container copied (the caller adds the manifest to the copy)
+    return key_by_path(checkpoint, convert, "the checkpoint", types=TREE_TYPES, build=copy_containers)
 
 
 def whole_dtensor(key: str, dt: DTensor) -> torch.Tensor:
@@ -93,7 +89,7 @@ def manifest(tree: Any, kind: str) -> Dict[str, Any]:
     """Where each ShardedTensor and DTensor of ``tree`` sits (factories' expansions are not listed:
     they can only be put back by their ``merge_fn``)."""
     paths: List[Tuple[List[Step], str]] = []
-    for steps, node in walk_paths(tree, where="the checkpoint", types=(dict, list), step=_step):
+    for steps, node in walk_paths(tree, where="the checkpoint", types=TREE_TYPES, step=step_of):
         if isinstance(node, ShardedTensor) and node.flattened_range is None:
             paths.append((list(steps), node.key))
         elif isinstance(node, DTensor):  # saved under its tree path (core/dtensors.py): readable whole
@@ -105,7 +101,7 @@ def torch_optimizer_states(tree: Any) -> Any:
     """Wherever a tree read whole holds optimizer state in the strategies' layout (state and param
     groups by parameter key), the same in ``torch.optim``'s layout (by parameter index, in param
     group order), so a stock strategy's ``optimizer.load_state_dict`` takes it (a bounded walk)."""
-    return fold(tree, _same, _torch_layout, where="the checkpoint", types=(dict, list))
+    return fold(tree, _same, _torch_layout, where="the checkpoint", types=TREE_TYPES)
 
 
 def _same(leaf: Any) -> Any:
@@ -132,40 +128,54 @@ def _keyed_optimizer_state(node: Dict[str, Any]) -> bool:
             and isinstance(node.get("state", {}), dict))
 
 
+def manifest_paths(man: Any, where: str) -> Dict[str, Steps]:
+    """key -> typed steps of each tensor a manifest lists, checked (it is read from the checkpoint's
+    common state: FormatError naming ``where`` for an unknown version, a malformed entry or steps
+    core's :func:`~lightning_distckpt.core.tree_paths.steps_from_json` refuses)."""
+    if not isinstance(man, Mapping) or man.get("version") != MANIFEST_VERSION:
+        raise FormatError(f"checkpoint {where}: unknown {MANIFEST_KEY} manifest {man!r:.200}")
+    entries = man.get("tensor_paths", [])
+    if not isinstance(entries, list):
+        raise FormatError(f"checkpoint {where}: {MANIFEST_KEY} tensor_paths must be a list, got {entries!r:.200}")
+    out: Dict[str, Steps] = {}
+    for entry in entries:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)):
+            raise FormatError(f"checkpoint {where}: {MANIFEST_KEY} entry must be [steps, key], got {entry!r:.200}")
+        steps = [list(s) if isinstance(s, tuple) else s for s in entry[0]] if isinstance(entry[0], list) else entry[0]
+        out[entry[1]] = steps_from_json(steps, entry[1], f"checkpoint {where}: {MANIFEST_KEY} tensor_paths",
+                                        MAX_LIST_INDEX, joined=False)
+    return out
+
+
+def place_at(root: Dict[str, Any], paths: Mapping[str, Steps], leaves: Mapping[str, Any], where: str) -> None:
+    """Put each of ``leaves`` (key -> value) at its path under ``root``, creating the dicts and lists
+    on the way (:func:`~lightning_distckpt.core.tree_paths.put_at`); a place already taken, or
+    needing more than MAX_PADDING empty list slots, is a FormatError naming ``where``."""
+    padded = 0
+    for key, leaf in leaves.items():
+        steps = paths[key]
+        depth = free_place(root, steps)
+        if depth is None:
+            raise FormatError(f"checkpoint {where}: manifest path {[list(s) for s in steps]} of {key!r} does not "
+                              "fit its containers (a leaf or another container is there)")
+        padded += put_at(root, steps, leaf, depth)
+        if padded > MAX_PADDING:
+            raise FormatError(f"checkpoint {where}: manifest puts tensors at list positions needing more than "
+                              f"{MAX_PADDING} empty slots before them; not written by us")
+
+
 def template_from_manifest(man: Mapping[str, Any], metadata: Mapping[str, ShardedTensor], where: str) -> Dict[str, Any]:
     """A load template with each listed tensor whole (an empty CPU tensor of its global shape), in the
     containers the manifest describes. Loading it and merging the common state gives back the tree."""
-    if not isinstance(man, Mapping) or man.get("version") != MANIFEST_VERSION:
-        raise FormatError(f"checkpoint {where}: unknown {MANIFEST_KEY} manifest {man!r:.200}")
-    root: Dict[str, Any] = {}
-    for steps, key in man.get("tensor_paths", []):
+    paths = manifest_paths(man, where)
+    leaves: Dict[str, Any] = {}
+    for key in paths:
         meta = metadata.get(key)
         if meta is None:
             raise FormatError(f"checkpoint {where}: manifest lists tensor {key!r} that metadata.json does not")
         shape = tuple(meta.global_shape)
-        leaf = ShardedTensor(key=key, data=torch.empty(shape, dtype=meta.dtype), dtype=meta.dtype, local_shape=shape,
-                             global_shape=shape, global_offset=(0,) * len(shape))
-        put_at(root, [tuple(s) for s in steps], leaf, where)
+        leaves[key] = ShardedTensor(key=key, data=torch.empty(shape, dtype=meta.dtype), dtype=meta.dtype,
+                                    local_shape=shape, global_shape=shape, global_offset=(0,) * len(shape))
+    root: Dict[str, Any] = {}
+    place_at(root, paths, leaves, where)
     return root
-
-
-def put_at(root: Dict[str, Any], steps: List[Step], leaf: Any, where: str) -> None:
-    """Put ``leaf`` at the typed path ``steps`` under ``root``, creating the containers on the way."""
-    node: Any = root
-    for i, (kind, k) in enumerate(steps):
-        last = i == len(steps) - 1
-        nxt_kind = None if last else steps[i + 1][0]
-        fresh: Any = leaf if last else ({} if nxt_kind == "d" else [])
-        if kind == "d" and isinstance(node, dict):
-            if last:
-                node[k] = leaf
-            node = node.setdefault(k, fresh)
-        elif kind == "l" and isinstance(node, list):
-            assert isinstance(k, int)
-            if len(node) <= k:
-                node.extend([None] * (k + 1 - len(node)))
-            if last or node[k] is None:
-                node[k] = fresh
-            node = node[k]
-        else:
-            raise FormatError(f"checkpoint {where}: manifest path {steps} does not fit its containers")
