@@ -16,13 +16,14 @@ from .comm import get_comm
 from .core.arguments import require, require_bool, require_globals, require_key_map, require_state_dict
 from .core.plain_tensors import shard_tensors
 from .core.megatron_leaves import from_megatron_leaves
-from .core.mapping import ShardedTensor
+from .core.mapping import ShardedObject, ShardedTensor
 from .core.strict import StrictHandling
 from .planning.flat_plan import is_flattened
 from .planning.load_plan import SAME_KIND, parse_cast
 from .planning.metadata import dtype_from_name
 from .reading.checkpoint import open_checkpoint
 from .reading.formats import KeyMap
+from .reading.formats.megatron import unique_key
 from .reading.loaders import Loader, resolve_loader
 from .reading.pipeline import with_cast
 from .reading.plain import check_plain_loadable
@@ -188,6 +189,20 @@ def load_tensors_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) 
             global_shape=shape, global_offset=(0,) * len(shape), axis_fragmentations=(1,) * len(shape),
             flattened_range=slice(0, math.prod(shape)) if flattened and is_flattened(e) else None,
         )
+    return out
+
+
+def load_sharded_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) -> Dict[str, Any]:
+    """Everything sharded the checkpoint stores, without data, as Megatron-Core's function of this
+    name gives it: the tensors of :func:`load_tensors_metadata` under their keys, and each stored
+    ShardedObject element under Megatron-Core's unique key ``<key>/shard_<offset>_<global shape>``
+    (``"opt/shard_0.3_1.8"``). ``load(load_sharded_metadata(p), p)`` reads the whole checkpoint."""
+    out: Dict[str, Any] = dict(load_tensors_metadata(checkpoint_dir, flattened=flattened))
+    source = open_checkpoint(checkpoint_location(checkpoint_dir, "checkpoint_dir"))
+    for key, e in source.index.objects.items():
+        for shard in e.shards:
+            out[unique_key(key, shard.offset, e.global_shape)] = ShardedObject(
+                key, None, tuple(e.global_shape), tuple(shard.offset))
     return out
 
 

@@ -105,7 +105,7 @@ class CheckpointNotFoundError(IncompleteCheckpointError, FileNotFoundError):
 def not_found(path: str, detail: str = "no such directory") -> CheckpointNotFoundError:
     """The error for a checkpoint path where there is nothing: ours (``detail``: why, and where a
     good checkpoint is) with Megatron-Core's "does not exist" for scrapers of its logs."""
-    return CheckpointNotFoundError(f"checkpoint {path}: {detail} (the checkpoint directory does not exist)")
+    return CheckpointNotFoundError(f"checkpoint {path}: {detail} (directory {path} does not exist)")
 
 
 class FormatError(CheckpointingError):
