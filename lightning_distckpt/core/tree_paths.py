@@ -20,7 +20,8 @@ from .tree_walk import CONTAINERS, MAX_DEPTH, Build, keep_or_copy, map_paths
 
 Step = Tuple[str, Any]  # ("d", dict key) | ("l", list index) | ("t", tuple index)
 Steps = Tuple[Step, ...]
-#: What a keyed leaf becomes: a replacement with a ``key`` attribute, or None to keep the leaf.
+#: What a keyed leaf becomes: a replacement with a ``key`` attribute (keys checked for collisions),
+#: another replacement without one (a value kept in the common state), or None to keep the leaf.
 Convert = Callable[[Steps, Any], Optional[Any]]
 
 JSON_KEYS = (str, int)  # the dict keys metadata.json gives back as they were (exact types: no bool)
@@ -70,10 +71,13 @@ def key_by_path(tree: Any, convert: Convert, where: str = "the state dict", *,
         out = convert(steps, value)
         if out is None:
             return value
-        first = seen.setdefault(out.key, steps)
+        key = getattr(out, "key", None)
+        if key is None:
+            return out
+        first = seen.setdefault(key, steps)
         if first != steps:
             raise ShardingError(f"{where}: the tensors at {show(first)} and {show(steps)} would both be stored as "
-                                f"{out.key!r} (keys are paths joined with '/'): rename one of them")
+                                f"{key!r} (keys are paths joined with '/'): rename one of them")
         return out
 
     return map_paths(tree, leaf, build, where=where, types=types, step=step_of)

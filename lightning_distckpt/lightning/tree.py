@@ -54,9 +54,11 @@ def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
     Scalars (0-d tensors) stay common state. A DTensor replicated over its mesh is saved whole; a
     sharded one is refused (:func:`whole_dtensor`)."""
 
-    def convert(steps: Steps, node: Any) -> Optional[ShardedTensor]:
-        if isinstance(node, DTensor):
+    def convert(steps: Steps, node: Any) -> Any:
+        if isinstance(node, DTensor):  # replicated: its local tensor (a 0-d one stays common state)
             node = whole_dtensor(key_of(steps), node)
+            if node.ndim == 0:
+                return node
         if not (isinstance(node, torch.Tensor) and node.ndim > 0):
             return None
         key = path_key(steps)
