@@ -44,10 +44,11 @@ from .serialization import (  # noqa: E402
     load,
     load_common_state_dict,
     load_plain_tensors,
+    load_sharded_metadata,
     load_tensors_metadata,
     save,
 )
-from .validation import ValidationReport, validate  # noqa: E402
+from .validation import validate  # noqa: E402
 from .storage.tensorstore_io import StorageOptions  # noqa: E402
 from .saving.async_save import AsyncSaver  # noqa: E402
 from .reading.loaders import EveryRankLoader, FullyParallelLoader, TwoStageDataParallelLoader  # noqa: E402
@@ -88,8 +89,8 @@ __all__ = [
     "save",
     "load",
     "validate",
-    "ValidationReport",
     "load_tensors_metadata",
+    "load_sharded_metadata",
     "load_common_state_dict",
     "load_plain_tensors",
     "AsyncSaver",

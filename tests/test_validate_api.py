@@ -30,7 +30,7 @@ def _chunk_files(path):
 def test_intact_checkpoint_reports_ok(saved):
     seen = []
     report = ldc.validate(saved, on_key=seen.append)
-    assert isinstance(report, ldc.ValidationReport)
+    assert isinstance(report, ldc.validation.ValidationReport)
     assert report.ok and report.problems == [] and report.warnings == []
     assert report.path == saved and report.shards == 1 and report.objects == 1
     assert report.bytes_read >= 4096 * 4 and seen == ["w"]
