@@ -111,10 +111,17 @@ def load_plain_tensors(checkpoint_dir: Any) -> Any:
     return ldc.load_plain_tensors(checkpoint_dir)
 
 
+@_as_megatron_error
+def load_sharded_metadata(checkpoint_dir: Any, sharded_strategy: Any = None, common_strategy: Any = None) -> Any:
+    """Megatron-Core's ``load_sharded_metadata`` (tensors and ShardedObjects) by ours."""
+    return ldc.load_sharded_metadata(checkpoint_dir)
+
+
 ROUTED = {
     "save": save,
     "load": load,
     "load_tensors_metadata": load_tensors_metadata,
     "load_common_state_dict": load_common_state_dict,
     "load_plain_tensors": load_plain_tensors,
+    "load_sharded_metadata": load_sharded_metadata,
 }
