@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 MODE = os.environ.get("PEER_MODE", "ours")
-_FUNCTIONS = ("save", "load", "load_tensors_metadata", "load_common_state_dict", "load_plain_tensors")
+_FUNCTIONS = ("save", "load", "load_tensors_metadata", "load_common_state_dict", "load_plain_tensors",
+              "load_sharded_metadata")
 
 
 def _route_to_ours() -> None:
