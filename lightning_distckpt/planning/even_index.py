@@ -143,6 +143,13 @@ class PackEnds:
         return at
 
 
+def chunks_bound(rank_stores: int) -> int:
+    """The most chunks an even split may claim where ``data/`` holds ``rank_stores`` rank stores:
+    twice as many plus 64, so what the claim sizes stays proportional to what is stored, while lost
+    stores (damage the readers name) are not mistaken for a forged ``world_size``."""
+    return 2 * rank_stores + 64
+
+
 def parse_even(value: Any, global_shape: Tuple[int, ...], name: str, where: str,
                world_size: Optional[int] = None, rank_stores: Optional[int] = None) -> EvenSplit:
     """An entry's ``even`` field, checked (FormatError naming the field) before anything is sized by
@@ -150,7 +157,9 @@ def parse_even(value: Any, global_shape: Tuple[int, ...], name: str, where: str,
     chunk i, so a split over more ranks than saved is damage; without it, :data:`MAX_OVER`), and,
     where the reader counted the checkpoint's rank stores (``rank_stores``), its chunks are at most
     that many: rank i's store holds chunk i, so a larger claim (``world_size`` forged with it) is
-    refused here, before anything is sized by the chunks."""
+    refused here, before anything is sized by the chunks. The bound leaves room
+    (:func:`chunks_bound`) so that a few lost rank stores are reported as the missing data they are
+    (``validate``: exit status 1, naming the rank), not as forged metadata."""
     def fail(what: str, must: str, got: Any) -> FormatError:
         return FormatError(f"{where}: metadata.json field {name}.even{what} must be {must}, got {_short(got)}")
 
@@ -165,7 +174,7 @@ def parse_even(value: Any, global_shape: Tuple[int, ...], name: str, where: str,
         raise fail(".over", f"an int in [1, {most}] (at most {bound})" if most != MAX_OVER else
                    f"an int in [1, {MAX_OVER}]", over)
     n = chunks_count(global_shape, over)
-    if rank_stores is not None and n > rank_stores:
+    if rank_stores is not None and n > chunks_bound(rank_stores):
         raise FormatError(f"{where}: metadata.json field {name}.even.over {over} (field world_size: "
                           f"{_short(world_size)}) puts {n} chunks on as many writer ranks, but data/ holds "
                           f"{rank_stores} rank stores (rank i stores chunk i): damaged or forged metadata")
