@@ -141,6 +141,9 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
             return tree
 
         tree = build_on_all_ranks(f"save to {checkpoint_location(filepath, 'filepath')}", build)
+        if self._parallel_state is None:
+            # Before the first run, as after a teardown: no later hook would commit a background save.
+            self.checkpoint_io.background_saves = False
         self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:

@@ -6,7 +6,8 @@ CPU), and the checkpoints' contents must be the ones stock Lightning writes.
 * ``ModelCheckpoint``'s files: names, top-k removal, ``last``, and the paths and step counters the
   checkpoint itself records;
 * a checkpoint saved before any fit (the callback called on a Trainer whose strategy only has the
-  module connected): under ``DistCheckpointStrategy`` too, one process, and resumable;
+  module connected): under ``DistCheckpointStrategy`` too, one process, committed on return even
+  with ``async_save``, and resumable;
 * ``OnExceptionCheckpoint``'s checkpoint when training raises;
 * Lightning's ``AsyncCheckpointIO`` wrapping ours: the same files and contents (every checkpoint
   kept: its ``remove_checkpoint`` does not wait for the saves queued before it, for any base plugin,
@@ -38,6 +39,8 @@ def trainer_args(how: str) -> Dict[str, Any]:
         return {"plugins": [DistCheckpointIO({"async_save": True})]}
     if how == "lightning_async":
         return {"plugins": [AsyncCheckpointIO(DistCheckpointIO())]}
+    if how == "strategy_async":
+        return {"strategy": DistCheckpointStrategy(checkpoint={"async_save": True})}
     return {"strategy": DistCheckpointStrategy()} if how == "strategy" else {}
 
 
@@ -71,7 +74,7 @@ def test_top_k_and_last_files_and_what_they_record(tmp_path, isolated_process_gr
     assert set(state["best_k_models"]) == {str(tmp_path / "step=3.ckpt"), str(tmp_path / "step=4.ckpt")}
 
 
-@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("how", HOWS + ["strategy_async"])
 def test_a_checkpoint_saved_before_any_fit_records_its_path_and_resumes(tmp_path, isolated_process_group, how):
     mc = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     mc.CHECKPOINT_NAME_LAST = "{epoch}-last"
@@ -80,7 +83,7 @@ def test_a_checkpoint_saved_before_any_fit_records_its_path_and_resumes(tmp_path
     trainer.strategy.connect(model)  # the module attached, no fit: no process group was set up
     mc._save_last_checkpoint(trainer, {})
     path = tmp_path / "epoch=0-last.ckpt"
-    assert os.listdir(tmp_path) == [path.name]
+    assert os.listdir(tmp_path) == [path.name]  # committed on return (async too: no later hook would)
     saved = read(path)
     assert saved["callbacks"][mc.state_key]["last_model_path"] == str(path)
     assert torch.equal(saved["state_dict"]["layer.weight"], model.layer.weight)

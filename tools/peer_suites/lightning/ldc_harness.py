@@ -7,11 +7,13 @@ the test itself chose neither a checkpoint plugin nor a strategy of its own kind
 * ``plugin``: ``plugins=[DistCheckpointIO()]``.
 * ``async``: ``plugins=[DistCheckpointIO({"async_save": True})]`` (our background saves).
 * ``lightning_async``: ``plugins=[AsyncCheckpointIO(DistCheckpointIO())]`` (Lightning's wrapper).
+* ``stock_async``: ``plugins=[AsyncCheckpointIO(TorchCheckpointIO())]``: Lightning's wrapper around its
+  own plugin, the baseline of ``lightning_async`` (no lightning_distckpt in it).
 * ``strategy``: ``strategy=DistCheckpointStrategy()`` where the test runs the default / a DDP strategy.
 * ``strategy_async``: the same with ``checkpoint={"async_save": True}``.
 
-``LDC_PEER_READTHROUGH=1`` also routes ``torch.load`` / Lightning's ``pl_load`` of one of our checkpoint
-directories to ``DistCheckpointIO().load_checkpoint`` and makes ``os.path.isfile`` true for one: it
+``LDC_PEER_READTHROUGH=1`` also routes ``torch.load`` / Lightning's ``pl_load`` of a checkpoint
+directory to ``DistCheckpointIO().load_checkpoint`` and makes ``os.path.isfile`` true for one: it
 shows that the tests reading the checkpoint path as a single file themselves pass when the path is
 read through our loader. Only in this harness: the package never patches torch or os.
 
@@ -32,7 +34,8 @@ import pytest
 MODE = os.environ.get("LDC_PEER_MODE", "stock")
 READTHROUGH = os.environ.get("LDC_PEER_READTHROUGH", "0") == "1"
 RESULTS = os.environ.get("LDC_PEER_RESULTS")
-MODES = ("stock", "plugin", "async", "lightning_async", "strategy", "strategy_async")
+MODES = ("stock", "plugin", "async", "lightning_async", "stock_async", "strategy", "strategy_async")
+PLUGIN_MODES = ("plugin", "async", "lightning_async", "stock_async")
 #: Strategies the ``strategy`` modes replace (by name): the default and DDP on CPU.
 DDP_NAMES = {None: None, "auto": None, "ddp": None, "ddp_spawn": "spawn", "ddp_fork": "fork",
              "ddp_notebook": "fork"}
@@ -41,10 +44,13 @@ _injected: List[str] = []  # what the current test's Trainers got
 
 
 def _checkpoint_io() -> Any:
+    from lightning.fabric.plugins import TorchCheckpointIO
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     from lightning_distckpt.lightning import DistCheckpointIO
 
+    if MODE == "stock_async":
+        return AsyncCheckpointIO(TorchCheckpointIO())
     if MODE == "plugin":
         return DistCheckpointIO()
     if MODE == "async":
@@ -73,8 +79,9 @@ def _own_checkpoint_io(kwargs: Dict[str, Any]) -> bool:
     given = [p for p in _as_list(kwargs.get("plugins")) if isinstance(p, CheckpointIO)]
     for plugin in given:
         if isinstance(plugin, _WrappingCheckpointIO) and not plugin._base_checkpoint_io_configured \
-                and MODE in ("plugin", "async", "lightning_async"):
-            plugin.checkpoint_io = DistCheckpointIO({"async_save": MODE == "async"})
+                and MODE in PLUGIN_MODES and MODE != "stock_async":
+            # Synchronous under Lightning's wrapper: its teardown does not reach the base plugin's.
+            plugin.checkpoint_io = DistCheckpointIO()
             _injected.append("plugin (base of the test's wrapper)")
     return bool(given)
 
@@ -129,7 +136,7 @@ def _patch_fabric() -> None:
 
     def checkpoint_io(self: Any) -> Any:
         if self._checkpoint_io is None and type(self) in (DDPStrategy, SingleDeviceStrategy) \
-                and MODE in ("plugin", "async", "lightning_async"):
+                and MODE in PLUGIN_MODES:
             self._checkpoint_io = _checkpoint_io()
             _injected.append("plugin")
         return getter(self)
@@ -169,11 +176,9 @@ def _patch_trainer() -> None:
 
 # -- readthrough: a single-file read of our directory goes through our loader (harness only) ---------
 def _ours(path: Any) -> bool:
-    """A committed lightning_distckpt checkpoint directory."""
-    if not isinstance(path, (str, os.PathLike)):
-        return False
-    path = os.fspath(path)
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "metadata.json"))
+    """A directory where a test expects a checkpoint file: ours, committed or with a background save
+    in flight (then our loader commits it first, as it does before any load of that path)."""
+    return isinstance(path, (str, os.PathLike)) and os.path.isdir(os.fspath(path))
 
 
 def _read(path: Any, map_location: Any = None) -> Any:
