@@ -26,3 +26,16 @@ def isolated_process_group():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+# Tests live in folders by what they need; each folder is a marker (``pytest -m "not lightning"``,
+# ``-m unit``), registered in pyproject.toml. ``slow`` marks the longest runs (``-m "not slow"``).
+FOLDER_MARKERS = ("unit", "distributed", "lightning", "interop", "s3", "cli", "docs", "trust", "conformance")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        parts = os.path.relpath(str(item.path), tests_dir).split(os.sep)
+        if len(parts) > 1 and parts[0] in FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))

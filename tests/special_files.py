@@ -1,7 +1,7 @@
-"""Shared by the special-file and link tests (tests/test_trust_special_files.py, tests/test_trust_links.py,
+"""Shared by the special-file and link tests (tests/trust/test_trust_special_files.py, tests/trust/test_trust_links.py,
 tests/trust/test_hostile_special_files.py): checkpoints of every format we read, built locally with
 the real writers (``ldc.save``, ``torch.save``, safetensors, torch DCP; Megatron-Core's layout by
-our exporter, which tests/test_megatron.py checks against megatron-core), a way to put a FIFO, a
+our exporter, which tests/interop/test_megatron.py checks against megatron-core), a way to put a FIFO, a
 socket, a directory or a link in place of one of their files, and the commands run on them.
 
 Run as a script (:class:`Runner`) it reads commands, one JSON line each, runs each in turn in

@@ -1,4 +1,4 @@
-"""Fabric runs across checkpoint borders for tests/test_borders_fabric.py:
+"""Fabric runs across checkpoint borders for tests/lightning/test_borders_fabric.py:
 ``python border_fabric.py SCENARIO... --dir D --out OUT``. Every rank writes ``OUT.rank<r>.json``.
 
 Stock Fabric DDP (TP 1 x DP 2, with or without the DistCheckpointIO plugin) and

@@ -1,4 +1,4 @@
-"""Trainer runs across checkpoint borders for tests/test_borders*.py: ``python border_trainer.py SCENARIO...``.
+"""Trainer runs across checkpoint borders for tests/lightning/test_borders*.py: ``python border_trainer.py SCENARIO...``.
 
 Every rank writes ``OUT.rank<r>.json`` (see trainer_scenarios.py for the conventions).
 """

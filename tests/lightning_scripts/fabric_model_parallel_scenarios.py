@@ -1,5 +1,5 @@
 """Fabric runs of ``FabricDistCheckpointModelParallelStrategy`` (FSDP2 / tensor parallel, CPU gloo) for
-tests/test_model_parallel_fabric.py: ``python fabric_model_parallel_scenarios.py SCENARIO --dir D --out O``.
+tests/lightning/test_model_parallel_fabric.py: ``python fabric_model_parallel_scenarios.py SCENARIO --dir D --out O``.
 Fabric's launcher re-runs this script for the other ranks; every rank writes ``OUT.rank<r>.json``."""
 
 from __future__ import annotations

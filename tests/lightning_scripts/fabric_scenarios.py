@@ -1,4 +1,4 @@
-"""Real Fabric runs for tests/test_fabric.py: a custom training loop with fabric.save / fabric.load.
+"""Real Fabric runs for tests/lightning/test_fabric.py: a custom training loop with fabric.save / fabric.load.
 
 ``python fabric_scenarios.py SCENARIO... --dir D --out OUT --devices N --tp T``; Fabric's launcher
 re-runs this script for the other ranks. Every rank writes ``OUT.rank<r>.json``.

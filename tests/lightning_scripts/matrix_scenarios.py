@@ -1,4 +1,4 @@
-"""Border-matrix cells (docs/lightning.md section 7) on 2 gloo processes, for tests/test_borders_matrix.py:
+"""Border-matrix cells (docs/lightning.md section 7) on 2 gloo processes, for tests/lightning/test_borders_matrix.py:
 ``python matrix_scenarios.py all --dir D --out OUT`` (Lightning / Fabric launch the second rank).
 
 Each writer saves once, at its 2-process split (stock DDP and the plugin: DP 2; the TP strategies: TP 2;

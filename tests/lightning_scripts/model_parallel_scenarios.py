@@ -1,5 +1,5 @@
 """Trainer runs of ``DistCheckpointModelParallelStrategy`` (FSDP2 / tensor parallel on CPU gloo meshes)
-for tests/test_model_parallel*.py: ``python model_parallel_scenarios.py SCENARIO... --dir D --out O``.
+for tests/lightning/test_model_parallel*.py: ``python model_parallel_scenarios.py SCENARIO... --dir D --out O``.
 
 Every rank writes ``OUT.rank<r>.json``. Step ``s``'s global batch depends only on ``s`` (StepBatches),
 so a resumed run sees the data an uninterrupted one would, under any DP x TP split.

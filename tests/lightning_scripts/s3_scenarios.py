@@ -1,4 +1,4 @@
-"""Trainer and Fabric on ``s3://`` checkpoints for tests/test_s3_lightning.py (2 processes, TP 2):
+"""Trainer and Fabric on ``s3://`` checkpoints for tests/s3/test_s3_lightning.py (2 processes, TP 2):
 ``python s3_scenarios.py trainer|fabric --dir s3://bucket/prefix --out OUT``. The AWS environment
 (endpoint, keys) comes from the test. Every rank writes ``OUT.rank<r>.json``."""
 

@@ -24,7 +24,7 @@ import lightning_distckpt as ldc
 from lightning_distckpt import validate
 from lightning_distckpt.core.errors import CheckpointingError
 from lightning_distckpt.storage.layout import encode_key
-from test_trust_zarr_json import OPTIONS, B, N, W, edit_zarr_json, state, template
+from trust.test_trust_zarr_json import OPTIONS, B, N, W, edit_zarr_json, state, template
 from trust.hostile import LONG, SHORT, run_bounded, snapshot
 
 FIELDS = ["zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value",

@@ -1,5 +1,5 @@
 """The state saved into each DCP fixture (``build.py``) and expected back by
-``tests/test_dcp_fixtures.py``: deterministic values (``torch.arange``-based). Depends on torch
+``tests/interop/test_dcp_fixtures.py``: deterministic values (``torch.arange``-based). Depends on torch
 alone (the builder runs it under torch 2.5 and under today's torch)."""
 
 from typing import Any, Dict

@@ -10,7 +10,7 @@ Each ``vN/`` is a checkpoint written by the library at the last commit that wrot
 The second form stores with ``StorageOptions(layout="zarr", chunk_bytes=1024)``: a file per chunk,
 and arrays (or packs) of more than one chunk.
 
-The state is ``witness.py``'s (deterministic values, re-created by tests/test_format_witnesses.py).
+The state is ``witness.py``'s (deterministic values, re-created by tests/interop/test_format_witnesses.py).
 The script refuses an existing directory. See tests/data/README.md for the commits used.
 """
 

@@ -1,5 +1,5 @@
 """The state written into each format witness (``build.py``) and expected back by
-``tests/test_format_witnesses.py``: deterministic values (``torch.arange``-based), so a test
+``tests/interop/test_format_witnesses.py``: deterministic values (``torch.arange``-based), so a test
 re-creates them bit for bit. Depends on torch alone: ``build.py`` runs it under an old checkout of
 the library, the test under today's."""
 

@@ -1,6 +1,6 @@
 """Every store runs the same save / load / validate / clean / remove / convert paths: the local
 file system and the in-memory store of ``tests/memory_store.py``, which plugs in as one class and
-one registration (``register_store``). S3 runs them against moto in ``tests/test_s3*.py``."""
+one registration (``register_store``). S3 runs them against moto in ``tests/s3/test_s3*.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GPU paths: device tensors saved and loaded in place, async save staging device tensors in pinned
 host memory, the two-stage loader delivering into device tensors, collectives on NCCL, and a
 Lightning Trainer on the GPU. Skipped where no CUDA device is present (CI has none); run on a GPU
-machine with ``python -m pytest -q tests/test_gpu.py`` (see docs/loaders.md for the last run)."""
+machine with ``python -m pytest -q tests/lightning/test_gpu.py`` (see docs/loaders.md for the last run)."""
 
 import os
 

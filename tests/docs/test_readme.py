@@ -19,7 +19,7 @@ from typing import Dict
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "readme"
 # A program is shown as: <!-- file: examples/readme/NAME --> on its own line, then a fenced block.
 SHOWN = re.compile(r"^<!-- file: (examples/readme/[\w.-]+) -->\n```\w+\n(.*?)^```$", re.M | re.S)
@@ -66,6 +66,7 @@ def test_readme_is_short_and_keeps_the_setup_commands():
     assert 'pip install -e ".[test]" && python -m pytest -q tests' in text
 
 
+@pytest.mark.slow
 def test_trainer_resumes_on_another_number_of_processes_then_converts(tmp_path):
     out = run_program("trainer.py", tmp_path)
     assert "rank 0 of 2: at step 4" in out and "rank 1 of 2: at step 4" in out
@@ -87,6 +88,7 @@ def test_trainer_resumes_on_another_number_of_processes_then_converts(tmp_path):
                        stored["state_dict/layer.weight"])
 
 
+@pytest.mark.slow
 def test_model_parallel_resumes_under_another_mesh(tmp_path):
     out = run_program("model_parallel.py", tmp_path)
     assert "rank 0: DP 1 x TP 2, at step 4" in out and "rank 1: DP 1 x TP 2, at step 4" in out

@@ -343,7 +343,7 @@ def test_escaping_and_symlinked_files(saved, tmp_path):
 def test_megatron_torch_dist_refused(saved, tmp_path):
     """DCP files with Megatron-Core's metadata.json are read as Megatron-Core's torch_dist (never as
     plain DCP, which would lose its common state): without its common.pt that is refused as
-    incomplete. Real Megatron-Core checkpoints: tests/test_megatron.py."""
+    incomplete. Real Megatron-Core checkpoints: tests/interop/test_megatron.py."""
     path = _copy(saved["plain"], str(tmp_path / "megatron"))
     with open(os.path.join(path, "metadata.json"), "w") as f:
         f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')

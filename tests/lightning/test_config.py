@@ -21,7 +21,7 @@ from lightning_distckpt.lightning import (
 )
 from lightning_distckpt.storage.layout import read_metadata
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 
 
@@ -98,6 +98,7 @@ def _cli(args, tmp_path, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_lightning_cli_yaml_run_and_resume(tmp_path):
     """LightningCLI builds DistCheckpointStrategy (class_path / init_args) with the checkpoint settings
     from configs/cli_gpt_tp.yaml, trains on 2 processes (TP 2); a second run resumes the newest

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(script, out_dir):
@@ -24,6 +24,7 @@ def _run(script, out_dir):
         return proc.stdout, json.load(f)
 
 
+@pytest.mark.slow
 def test_trainer_example(tmp_path):
     stdout, summary = _run("train_gpt_tp.py", tmp_path)
     assert all(summary["checks"].values()), summary["checks"]
@@ -40,7 +41,7 @@ def test_trainer_example(tmp_path):
     assert sorted(os.listdir(ckdir)) == ["last.ckpt", "step=12.ckpt", "step=4.ckpt", "step=8.ckpt"]
 
 
-@pytest.mark.long  # the Fabric loop is run in CI by tests/test_readme.py (examples/readme/fabric.py)
+@pytest.mark.long  # the Fabric loop is run in CI by tests/docs/test_readme.py (examples/readme/fabric.py)
 def test_fabric_example(tmp_path):
     stdout, summary = _run("fabric_gpt_tp.py", tmp_path)
     assert summary["ok"] is True and stdout.rstrip().endswith("OK")

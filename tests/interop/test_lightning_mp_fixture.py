@@ -9,13 +9,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import lightning_distckpt as ldc
 from dist_utils import free_port, run_distributed
 from lightning_distckpt.cli import main as cli_main
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lightning_model_parallel")
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "lightning_model_parallel")
 CKPT = os.path.join(HERE, "ckpt")
 PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
@@ -67,6 +68,7 @@ def test_loads_under_a_column_split_on_two_ranks():
         assert bad == [], f"rank {rank}"
 
 
+@pytest.mark.slow
 def test_model_parallel_strategy_resumes_it_under_tensor_parallel(tmp_path):
     """``fit(ckpt_path=...)`` under DistCheckpointModelParallelStrategy (TP 2, DP 1) on 2 CPU processes:
     at train start every weight and Adam state equals the writer's, the step is restored, training goes on."""

@@ -21,7 +21,7 @@ from lightning_distckpt.cli import main as cli_main
 from lightning_distckpt.export import relayout
 from lightning_distckpt.storage.layout import FORMAT_VERSION
 
-FORMATS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "formats")
+FORMATS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "formats")
 # directory -> (format version, plain tensors stored as tensors?); v5-plain-tensors: format 5 as the
 # commits between plain-tensor storage and the format-6 bump wrote it (with ``plain_tensors``);
 # vN-zarr: the zarr layout (a file per chunk) with 1 KiB chunks (arrays and packs of 2 chunks)

@@ -217,7 +217,7 @@ def test_format_doc_snippet(saved):
 
     import numpy as np
 
-    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "format.md")).read()
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "format.md")).read()
     snippet = re.search(r"## Opening a stored shard.*?```python\n(.*?)```", doc, re.S).group(1)
     for layout in ("ocdbt", "zarr"):
         scope = {"CKPT": saved[layout], "KEY": "layer.weight"}

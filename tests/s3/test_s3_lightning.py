@@ -1,5 +1,5 @@
 """Lightning and Fabric on ``s3://`` checkpoints against moto's S3 server on loopback (the fixtures of
-tests/test_s3.py): ``DistModelCheckpoint(dirpath="s3://...")`` with top-k removal and
+tests/s3/test_s3.py): ``DistModelCheckpoint(dirpath="s3://...")`` with top-k removal and
 ``ckpt_path="last"`` under the ``DistCheckpointIO`` plugin (in this process) and under
 ``DistCheckpointStrategy`` (2 processes, TP 2), and ``fabric.save`` / ``fabric.load`` (2 processes).
 Lightning's ``ModelCheckpoint`` needs ``s3fs`` for an ``s3://`` dirpath."""

@@ -1,5 +1,5 @@
 """The command line on ``s3://`` checkpoints, against moto's S3 server on loopback (the fixtures of
-tests/test_s3.py): ``inspect``, ``validate``, ``convert`` and ``clean``, which removes the versions
+tests/s3/test_s3.py): ``inspect``, ``validate``, ``convert`` and ``clean``, which removes the versions
 no commit marker names and nothing that is not ours."""
 
 import json

@@ -1,5 +1,5 @@
 """The CRC-32C our chunk checksums use (``crc32c-rs`` where installed) is the ``crc32c`` package's,
-the reference that equals the zarr v3 codec's (tests/test_direct_read.py), on every length and
+the reference that equals the zarr v3 codec's (tests/unit/test_direct_read.py), on every length and
 alignment its vector code treats differently, and continued from any value."""
 
 import sys

@@ -36,7 +36,7 @@ from lightning_distckpt.storage.commit import COMMIT_STEPS, KILL_AT_ENV, NO_EXCH
 from lightning_distckpt.storage.staging import OWNERS_DIR, find_leftovers, is_staging_dir
 
 N = 4096
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One rank of a real save of ``w`` = VALUE everywhere and ``step`` = int(VALUE) to TARGET; a
 # world of WORLD ranks joins a gloo group first.
@@ -398,7 +398,7 @@ def _lightning_child(dirpath: str, kill_at: str) -> None:
 @pytest.mark.parametrize("step", [s if s == "after_first_rename" else pytest.param(s, marks=pytest.mark.long)
                                   for s in TWO_RENAME_STEPS])
 def test_killed_commit_of_last_then_ckpt_path_last(tmp_path, step, isolated_process_group):
-    code = f"import sys; sys.path.insert(0, {TESTS!r}); import test_trust_commit as t; " \
+    code = f"import sys; sys.path.insert(0, {TESTS!r}); import trust.test_trust_commit as t; " \
            f"t._lightning_child({str(tmp_path)!r}, {step!r})"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

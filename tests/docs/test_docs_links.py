@@ -22,7 +22,7 @@ from typing import Iterator, List, Set, Tuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOP_DIRS = (".ci", "benchmarks", "configs", "docs", "examples", "lightning_distckpt", "tests")
 SUBPACKAGES = tuple(p.name for p in (ROOT / "lightning_distckpt").iterdir() if (p / "__init__.py").is_file())

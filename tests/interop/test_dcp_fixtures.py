@@ -16,7 +16,7 @@ import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.cli import main as cli_main
 
-DCP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dcp")
+DCP = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "dcp")
 FIXTURES = ("torch-2.5", "torch-2.13")
 
 

@@ -64,6 +64,7 @@ def test_dp2_checkpoint_resumes_in_one_process(dp2_runs, ckpt_dir):
     _continues(res, dp2_runs[0]["ref_losses"])
 
 
+@pytest.mark.slow
 def test_dp2_checkpoint_resumes_under_dp2_tp2(dp2_runs, ckpt_dir):
     """4 processes, FSDP2 over tensor parallel (strided shards): each rank reads its slices."""
     for res in run_script("model_parallel_scenarios.py", ["resume_split", "--tp", "2", "--dir", str(ckpt_dir),

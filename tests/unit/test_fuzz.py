@@ -3,7 +3,7 @@ checkpoint's files (data files, objects, common.pt, metadata.json, the commit ma
 values in metadata.json's fields. Every outcome is exactly the saved data or a CheckpointingError:
 never another exception type, a crash or, for damaged bytes, wrong values.
 
-Bounded for CI (a few seconds). ``LDC_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz.py -s`` runs longer
+Bounded for CI (a few seconds). ``LDC_FUZZ_EXAMPLES=2000 pytest tests/unit/test_fuzz.py -s`` runs longer
 and prints how many cases each test tried.
 """
 

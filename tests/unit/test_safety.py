@@ -53,7 +53,7 @@ URLS = ["s3://bucket/ckpt", "gs://bucket/ckpt", "http://host/ckpt", "file:///tmp
 @pytest.fixture
 def no_aws(tmp_path, monkeypatch):
     """No S3 credentials anywhere: s3:// (supported, docs/object_storage.md) is then refused like
-    the schemes that have no store (tests/test_s3.py covers s3:// with a server)."""
+    the schemes that have no store (tests/s3/test_s3.py covers s3:// with a server)."""
     for name in list(os.environ):
         if name.startswith("AWS_"):
             monkeypatch.delenv(name)
