@@ -166,6 +166,8 @@ def test_mutated_metadata_fields_are_checked(saved, layout, pick, value, delete,
         _outcome(ck, exact_required=not rehash)
 
 
-def test_report_cases_tried():
-    """Prints how many cases the fuzz tests above tried (run with -s)."""
+@pytest.fixture(scope="module", autouse=True)
+def _report_cases_tried():
+    """Prints how many cases this module's fuzz tests tried, once they have run (see it with -s)."""
+    yield
     print(f"\nfuzz cases tried: {TRIED}")
