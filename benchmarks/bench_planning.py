@@ -61,7 +61,7 @@ from lightning_distckpt.planning.validation import (  # noqa: E402
     validate_object_records, validate_record_groups, validate_tensor_records,
 )
 from lightning_distckpt.core.gc_pause import gc_paused  # noqa: E402
-from lightning_distckpt.storage.layout import FORMAT_VERSION  # noqa: E402
+from lightning_distckpt.core.format_versions import FORMAT_VERSION  # noqa: E402
 from lightning_distckpt.saving.save_coordinate import parts_of  # noqa: E402
 from lightning_distckpt.saving.save_prepare import Handshake, PlanningOptions  # noqa: E402
 

@@ -40,7 +40,8 @@ from .core.state_dict import iter_leaves
 from .progress import Progress, add_total, advance, set_total
 from .serialization import load_common_state_dict, load_plain_tensors
 from .storage import commit as commit_mod
-from .storage.layout import COMMON_FILE, FORMAT_VERSION
+from .core.format_versions import FORMAT_VERSION
+from .storage.layout import COMMON_FILE
 from .storage.outputs import check_output
 from .storage.paths import checkpoint_location, local_path
 from .storage.stores import open_store

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..core.format_versions import CHECKSUMS_SINCE, EVEN_SINCE
 from ..core.errors import FormatError, ShardingError
 from ..core.gc_pause import gc_paused
 from ..core.mapping import ShardedObject, ShardedTensor
@@ -263,8 +264,10 @@ class CheckpointIndex:
     @classmethod
     def _from_json(cls, data: Dict[str, Any], where: str, rank_stores: Optional[int]) -> "CheckpointIndex":
         f = _Fields(where)
-        version = data.get("format_version", EVEN_SINCE)  # absent: the current format
-        index = cls(checksums=isinstance(version, int) and version >= _CHECKSUMS_SINCE)
+        # Absent only in an index built by hand (the readers refuse a metadata.json without it): read
+        # with checksums and even splits, as every version since 4.
+        version = data.get("format_version", EVEN_SINCE)
+        index = cls(checksums=isinstance(version, int) and version >= CHECKSUMS_SINCE)
         for key, e in f.obj(data.get("tensors"), "tensors").items():
             name = f"tensors[{key!r}]"
             e = f.obj(e, name)
@@ -317,8 +320,6 @@ def _refuse_colliding_keys(index: CheckpointIndex, where: str) -> None:
                               f"refuses them, so this index was not written by us")
 
 
-_CHECKSUMS_SINCE = 3  # storage.layout.CHECKSUMS_SINCE (planning imports of storage: only key_paths)
-EVEN_SINCE = 4  # storage.layout: even dim-0 splits recorded as one entry (``even_index.py``)
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: no tensor of a checkpoint is bigger; a bigger claim is damage
 _MAX_NDIM = 32
 _MAX_COUNT = 1 << 31  # writers, indices

@@ -11,7 +11,8 @@ from typing import List, NamedTuple, Optional, Union
 import torch
 
 from ..core.errors import CheckpointingError, SaveFailedError
-from ..storage.layout import COMMON_FILE, FORMAT_NAME, FORMAT_VERSION
+from ..core.format_versions import FORMAT_NAME, FORMAT_VERSION
+from ..storage.layout import COMMON_FILE
 from ..version import __version__
 from ..core.gc_pause import gc_paused
 from .save_prepare import PreparedSave

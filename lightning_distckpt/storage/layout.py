@@ -37,15 +37,11 @@ from ..core.gc_pause import gc_paused
 from .checksums import check_sha256, warn_no_checksums
 from .paths import local_path, read_inside, refuse_special
 
-FORMAT_NAME = "lightning_distckpt"
-FORMAT_VERSION = 6  # 2: small shards packed into one array per rank and dtype; 3: checksums on everything;
-# 4: an even dim-0 split is one index entry (planning/even_index.py); 5: chunk checksums may be kept in
-# each array's zarr.json instead of the crc32c codec (chunk_checksums.py): a reader that does not
-# know them would read those chunks unverified, so older versions refuse the format; 6: plain tensors
-# of the state are stored as tensors, their places in the tree in ``plain_tensors``: an older reader
-# would restore the common state without them (a Trainer's best_model_score, say), so it must refuse
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
-CHECKSUMS_SINCE = 3
+# The format's name and versions live in core/format_versions.py; FORMAT_VERSION stays importable from
+# here for tests/data/formats/build.py, which runs against the old commits where it was defined here.
+from ..core.format_versions import (  # noqa: E402,F401
+    CHECKSUMS_SINCE, FORMAT_NAME, FORMAT_VERSION, SUPPORTED_FORMAT_VERSIONS)
+
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 COMMIT_MARKER = "COMMITTED"

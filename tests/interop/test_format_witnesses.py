@@ -19,7 +19,7 @@ import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.cli import main as cli_main
 from lightning_distckpt.export import relayout
-from lightning_distckpt.storage.layout import FORMAT_VERSION
+from lightning_distckpt.core.format_versions import FORMAT_VERSION
 
 FORMATS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "formats")
 # directory -> (format version, plain tensors stored as tensors?); v5-plain-tensors: format 5 as the
