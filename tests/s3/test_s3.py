@@ -2,13 +2,10 @@
 and stopped by this module): single- and two-process saves, resharding loads, overwrites, a save
 that never committed, and errors (missing bucket, unreachable endpoint) on every rank."""
 
-import json
-import logging
 import os
 import signal
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -18,82 +15,10 @@ from lightning_distckpt.core.errors import CheckpointingError, IncompleteCheckpo
 from lightning_distckpt.storage import s3 as s3_mod
 from dist_utils import free_port, run_distributed
 
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
-
-@pytest.fixture(scope="module")
-def endpoint():
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()  # returns once the socket listens
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def bucket(endpoint, monkeypatch):
-    """A fresh bucket; the AWS environment (seen by spawned ranks too) points at the server."""
-    for name, value in (("AWS_ENDPOINT_URL", endpoint), ("AWS_ACCESS_KEY_ID", "testing"),
-                        ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_REGION", "us-east-1")):
-        monkeypatch.setenv(name, value)
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    _client(endpoint).create_bucket(Bucket=name)
-    return name
-
-
-def _client(endpoint):
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                        aws_secret_access_key="testing")
-
-
-def _keys(endpoint, bucket):
-    listed = _client(endpoint).list_objects_v2(Bucket=bucket)
-    return sorted(o["Key"] for o in listed.get("Contents", []))
-
-
-def _marker(endpoint, bucket, prefix):
-    return json.loads(_client(endpoint).get_object(Bucket=bucket, Key=f"{prefix}/COMMITTED")["Body"].read())
-
-
-def _full(seed):
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(8, 6, generator=g), "h": torch.randn(4, 5, generator=g).to(torch.bfloat16),
-            "n": torch.arange(7, dtype=torch.int64) * seed}
-
-
-def _state(seed, rank=0, world=1):
-    """Rows of ``w`` and ``h`` split over the ranks; ``n`` replicated; an object per rank; common."""
-    full = _full(seed)
-    sd = {
-        "w": ldc.ShardedTensor.from_rank_offsets("w", full["w"].chunk(world)[rank].clone(), (0, rank, world)),
-        "h": ldc.ShardedTensor.from_rank_offsets("h", full["h"].chunk(world)[rank].clone(), (0, rank, world)),
-        "n": ldc.ShardedTensor.from_rank_offsets("n", full["n"].clone(), replica_id=rank),
-        "obj": ldc.ShardedObject("obj", {"rank": rank, "seed": seed}, (world,), (rank,)),
-        "step": seed,
-    }
-    return sd
-
-
-def _template(rank=0, world=1):
-    """Columns of ``w`` split over the ranks (a resharding load), ``h`` whole."""
-    full = _full(0)
-    cols = full["w"].chunk(world, dim=1)[rank]
-    return {
-        "w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros_like(cols), (1, rank, world)),
-        "h": ldc.ShardedTensor.from_rank_offsets("h", torch.zeros_like(full["h"]), replica_id=rank),
-        "n": ldc.ShardedTensor.from_rank_offsets("n", torch.zeros(7, dtype=torch.int64), replica_id=rank),
-        "obj": ldc.ShardedObject("obj", None, (world,), (rank,)),
-    }
-
-
-def _check(out, seed, rank=0, world=1):
-    full = _full(seed)
-    assert torch.equal(out["w"], full["w"].chunk(world, dim=1)[rank])
-    assert torch.equal(out["h"].view(torch.int16), full["h"].view(torch.int16))  # bit-exact bfloat16
-    assert torch.equal(out["n"], full["n"])
-    assert out["obj"] == {"rank": rank, "seed": seed} and out["step"] == seed
+from s3_helpers import check as _check, keys as _keys, marker as _marker  # noqa: E402
+from s3_helpers import state as _state, template as _template  # noqa: E402
 
 
 def test_save_and_load_one_process_bit_exact(bucket, endpoint):

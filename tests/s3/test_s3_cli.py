@@ -14,7 +14,8 @@ from lightning_distckpt.core.errors import CheckpointingError
 from lightning_distckpt.storage import s3 as s3_mod
 
 pytest.importorskip("moto.server")
-from test_s3 import _check, _client, _keys, _marker, _state, _template, bucket, endpoint  # noqa: E402,F401
+from s3_helpers import check as _check, client as _client, keys as _keys, marker as _marker  # noqa: E402
+from s3_helpers import state as _state, template as _template  # noqa: E402
 
 
 def _run(capsys, *argv):

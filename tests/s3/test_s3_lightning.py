@@ -15,7 +15,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 from lightning_distckpt.lightning import DistCheckpointIO  # noqa: E402
 from lightning_distckpt.lightning.model_checkpoint import DistModelCheckpoint  # noqa: E402
 from lightning_helpers import run_script  # noqa: E402
-from test_s3 import _keys, bucket, endpoint  # noqa: E402,F401
+from s3_helpers import keys as _keys  # noqa: E402
 
 
 class _Model(BoringModel):
@@ -97,7 +97,7 @@ def test_fabric_save_and_load_on_s3_two_ranks(bucket, endpoint, tmp_path):
 def test_remove_checkpoint_on_s3_removes_only_ours(bucket, endpoint):
     import lightning_distckpt as ldc
     from lightning_distckpt.core.errors import FormatError
-    from test_s3 import _client, _state
+    from s3_helpers import client as _client, state as _state
 
     url = f"s3://{bucket}/ck"
     ldc.save(_state(1), url)
