@@ -83,7 +83,7 @@ class MemoryStore(CheckpointStore):
 
     def new_staging(self) -> str:
         staging = f"{self.location}/v-{uuid.uuid4().hex[:12]}"
-        _STARTED[staging] = time.time()
+        _STARTED[staging] = time.monotonic()  # ages never go negative when the wall clock is set back
         return staging
 
     def write_blob(self, staging: str, name: str, data: bytes) -> None:
@@ -153,7 +153,7 @@ class MemoryStore(CheckpointStore):
     def find_leftovers(self) -> List[MemoryLeftover]:
         marker = self._marker() if self.exists() else None
         committed = None if marker is None else f"{self.location}/{marker['version']}"
-        now = time.time()
+        now = time.monotonic()
         return sorted((MemoryLeftover(v, self.location, now - t) for v, t in _STARTED.items()
                        if v.startswith(self.location + "/") and v != committed), key=lambda lo: -lo.idle_s)
 
