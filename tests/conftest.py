@@ -30,7 +30,7 @@ def isolated_process_group():
 
 # Tests live in folders by what they need; each folder is a marker (``pytest -m "not lightning"``,
 # ``-m unit``), registered in pyproject.toml. ``slow`` marks the longest runs (``-m "not slow"``).
-FOLDER_MARKERS = ("unit", "distributed", "lightning", "interop", "s3", "cli", "docs", "trust", "conformance")
+FOLDER_MARKERS = ("unit", "distributed", "lightning", "interop", "s3", "cli", "docs", "trust", "conformance", "tiers")
 
 
 def pytest_collection_modifyitems(config, items):
