@@ -16,22 +16,22 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..comm import Comm, get_comm
 from ..core.errors import SaveFailedError
-from ..storage.base import ShardWrite
+from ..core.errors import ArgumentError
 from ..storage.paths import checkpoint_location
 from ..storage.tensorstore_io import StorageOptions
 from . import async_pending
+from .async_staging import BufferKey, StagingPlan, StagingPool, describe, plan_staging
 from .save import LocalWrite, PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
 
 logger = logging.getLogger(__name__)
 
-BufferKey = Tuple[str, int, Tuple[int, ...], torch.dtype]
 WriteResult = Union[LocalWrite, BaseException]
 
 
@@ -47,13 +47,16 @@ class AsyncSaveRequest:
     """
 
     def __init__(self, prep: PreparedSave, blocking_s: float, staged_bytes: int,
-                 failure: Optional[BaseException] = None, snapshot_s: float = 0.0, reserved: bool = False) -> None:
+                 failure: Optional[BaseException] = None, snapshot_s: float = 0.0, reserved: bool = False,
+                 written: Optional[LocalWrite] = None, waves: int = 1) -> None:
         self.checkpoint_dir = prep.target
         self.collective = prep.comm.distributed  # its commit needs every rank: never finalized at exit
         self._reserved = reserved  # this process holds the target's name with an empty directory
         self.blocking_s = blocking_s  # the caller's wait in save(): planning + snapshot
         self.snapshot_s = snapshot_s  # of which copying into the staging buffers
         self.staged_bytes = staged_bytes
+        self.waves = waves  # write calls: those made before save returned (a staging budget), then the background one
+        self._written = written  # what was written before save returned (waves under a staging budget)
         self.plan_reused = prep.plan_reused  # the saver's cached plan was reused (no metadata exchange)
         self._prep = prep
         self._result: Optional[WriteResult] = failure
@@ -68,7 +71,10 @@ class AsyncSaveRequest:
 
     def _write(self) -> None:
         try:
-            self._result = write_local(self._prep)
+            result = write_local(self._prep)
+            before = self._written
+            self._result = result if before is None else LocalWrite(result.nbytes + before.nbytes,
+                                                                    result.seconds + before.seconds)
         except BaseException as e:  # reported on every rank by finalize
             self._result = e
 
@@ -128,7 +134,7 @@ class AsyncSaveRequest:
 
 
 class AsyncSaver:
-    """Saves asynchronously, reusing its host staging buffers from one save to the next.
+    """Saves asynchronously, reusing its host staging pool from one save to the next.
 
     ``save`` first finalizes the previous request if the caller has not (so at most one save is
     in flight and its buffers are free to reuse). It also keeps the validated save plan
@@ -142,30 +148,50 @@ class AsyncSaver:
         reserve_targets: while a save is in flight, hold its (local) target's name with an empty
             directory, so that whoever picks free names by asking what exists (Lightning's
             ``ModelCheckpoint``) does not pick it again (:mod:`.async_pending`).
+        max_staging_bytes: the most host memory (bytes, per rank) the snapshot may take; None: as
+            much as the rank's state. When the state is larger, the save goes in waves
+            (:mod:`.async_staging`): the largest shards that fit are snapshotted and written in the
+            background; the rest is written before ``save`` returns (CPU shards straight from their
+            memory, accelerator shards through the staging pool one budget-sized wave at a time),
+            because the caller may change its tensors as soon as ``save`` returns. A smaller budget
+            means less memory and a longer wait in ``save``. An accelerator shard larger than the
+            budget raises :class:`ArgumentError` (a shard is written whole).
     """
 
-    def __init__(self, pin_memory: Optional[bool] = None, reserve_targets: bool = False) -> None:
+    def __init__(self, pin_memory: Optional[bool] = None, reserve_targets: bool = False,
+                 max_staging_bytes: Optional[int] = None) -> None:
+        if max_staging_bytes is not None and (isinstance(max_staging_bytes, bool) or
+                                              not isinstance(max_staging_bytes, int) or max_staging_bytes < 0):
+            raise ArgumentError(f"max_staging_bytes must be None or a number of bytes >= 0, got {max_staging_bytes!r}")
         self.pin_memory = pin_memory
         self.reserve_targets = reserve_targets
-        self._buffers: Dict[BufferKey, torch.Tensor] = {}
+        self.max_staging_bytes = max_staging_bytes
+        self._pool = StagingPool(pin_memory)
         self._pending: Optional[AsyncSaveRequest] = None
         self.plan_cache = SavePlanCache()
 
     def __getstate__(self) -> Dict[str, Any]:
         """A copy (pickle, ``deepcopy``) starts afresh: the save in flight (a thread, its process
-        group), the staging buffers and the cached plan stay with this saver."""
-        return {"pin_memory": self.pin_memory, "reserve_targets": self.reserve_targets}
+        group), the staging pool and the cached plan stay with this saver."""
+        return {"pin_memory": self.pin_memory, "reserve_targets": self.reserve_targets,
+                "max_staging_bytes": self.max_staging_bytes}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
 
     def staging_buffers(self) -> Dict[BufferKey, torch.Tensor]:
-        """The current staging buffers by (key, stored index, shape, dtype) (for inspection)."""
-        return dict(self._buffers)
+        """The last staged wave's buffers by (key, stored index, shape, dtype) (views of the pool)."""
+        return dict(self._pool.views)
 
     @property
     def staging_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """Host memory held for staging now (the pool)."""
+        return self._pool.nbytes
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        """The most host memory staging has held (never above ``max_staging_bytes`` when set)."""
+        return self._pool.peak_bytes
 
     @property
     def pending(self) -> Optional[AsyncSaveRequest]:
@@ -188,7 +214,8 @@ class AsyncSaver:
         storage: Optional[StorageOptions] = None,
         comm: Optional[Comm] = None,
     ) -> AsyncSaveRequest:
-        """Start saving (collective); returns once the state is snapshotted. Same arguments as
+        """Start saving (collective); returns once the state is snapshotted (and, under a staging
+        budget smaller than the state, the rest written). Same arguments as
         :func:`lightning_distckpt.save`. Raises the previous save's error if it failed.
 
         ``comm`` replaces ``process_group`` where the caller has its own: ``Comm(None, 0, 1)`` saves
@@ -202,42 +229,34 @@ class AsyncSaver:
             options=storage or StorageOptions(), plan_cache=self.plan_cache,
         )
         failure: Optional[BaseException] = None
-        staged_bytes = 0
+        written: Optional[LocalWrite] = None
+        plan = StagingPlan([], [], prep.tensors)
         t1 = time.perf_counter()
-        try:
-            staged, staged_bytes = self._snapshot(prep.tensors)
-            prep = replace(prep, tensors=staged)
-        except Exception as e:  # e.g. out of host memory: fail collectively at finalize, not here
+        try:  # any failure (out of host memory, a full disk) is raised on every rank by finalize, not here
+            plan = plan_staging(prep.tensors, self.max_staging_bytes)
+            self._pool.prepare(plan)
+            written = self._write_before_return(prep, plan)
+            prep = replace(prep, tensors=self._pool.stage(plan.staged))
+        except Exception as e:
             failure = e
         t2 = time.perf_counter()
         reserved = (self.reserve_targets and failure is None and comm.rank == 0
                     and async_pending.reserve_target(prep.target))
-        self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1, reserved=reserved)
-        logger.info("async save %s started: %d bytes staged in %.3fs, caller blocked %.3fs (plan %s)", prep.target,
-                    staged_bytes, t2 - t1, t2 - t0, "reused" if prep.plan_reused else "made")
+        staged_bytes = sum(w.data.numel() * w.data.element_size() for w in plan.staged)
+        self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1, reserved=reserved,
+                                         written=written, waves=plan.waves)
+        logger.info("async save %s started: %s in %.3fs, caller blocked %.3fs (plan %s)", prep.target,
+                    describe(plan, self.max_staging_bytes), t2 - t1, t2 - t0, "reused" if prep.plan_reused else "made")
         return self._pending
 
-    def _snapshot(self, tensors: List[ShardWrite]) -> Tuple[List[ShardWrite], int]:
-        """Copy this rank's shards into the staging buffers (reused when the layout is unchanged)."""
-        staged = []
-        used: Dict[BufferKey, torch.Tensor] = {}
-        devices = set()
-        nbytes = 0
-        for w in tensors:
-            key, index, data = w.key, w.index, w.data
-            bkey: BufferKey = (key, index, tuple(data.shape), data.dtype)
-            buf = self._buffers.get(bkey)
-            if buf is None:
-                pin = data.device.type != "cpu" and (self.pin_memory if self.pin_memory is not None else True)
-                buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=pin)
-            on_device = data.device.type != "cpu"
-            buf.copy_(data, non_blocking=on_device and buf.is_pinned())
-            if on_device:
-                devices.add(data.device)
-            used[bkey] = buf
-            staged.append(w._replace(data=buf))
-            nbytes += buf.numel() * buf.element_size()
-        for device in devices:  # the copies must have landed before the caller may change the state
-            torch.accelerator.synchronize(device)
-        self._buffers = used  # buffers of a layout no longer saved are released
-        return staged, nbytes
+    def _write_before_return(self, prep: PreparedSave, plan: StagingPlan) -> Optional[LocalWrite]:
+        """The waves that do not fit the staging budget, written now (the caller may change its
+        tensors once save returns): CPU shards from their own memory, accelerator shards through
+        the staging pool, one wave at a time. None when everything fits the budget."""
+        if not plan.in_place and not plan.device_waves:
+            return None
+        alone = replace(prep, objects=[], common=None)  # objects and common.pt go with the last wave
+        parts = [write_local(replace(alone, tensors=plan.in_place))] if plan.in_place else []
+        for wave in plan.device_waves:
+            parts.append(write_local(replace(alone, tensors=self._pool.stage(wave))))
+        return LocalWrite(sum(p.nbytes for p in parts), sum(p.seconds for p in parts))

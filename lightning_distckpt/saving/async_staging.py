@@ -1,0 +1,180 @@
+"""Host staging of an async save: which of a rank's shards are snapshotted for the background
+write (all of them, or as many as fit a byte budget), and the reused pool they are copied into.
+
+With no budget (or a state that fits it) every shard is copied into the pool and written in the
+background: the caller is blocked only for the copy. With ``max_staging_bytes`` smaller than the
+rank's state, the save goes in *waves*: the caller may change its tensors as soon as ``save``
+returns, so everything that is not in the last (staged, background) wave must be written before
+``save`` returns. The budget trades the caller's blocking time for host memory:
+
+* the last wave: the largest shards that fit the budget together, copied into the pool and
+  written in the background;
+* CPU shards left over: written before ``save`` returns straight from their own memory (as a
+  synchronous save does: no copy, no staging);
+* accelerator shards left over: copied to the host pool one wave (at most the budget) at a time,
+  each wave written before the next reuses the pool.
+
+A shard is written whole by one write, so one larger than the budget cannot be staged: on a CPU
+it is written in place; on an accelerator it is refused (:class:`ArgumentError`, naming it).
+Small shards packed into one array per dtype (``ShardWrite.packed``) are written by one write
+call, so they move together, as one unit.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.errors import ArgumentError
+from ..storage.base import ShardWrite
+from .stats import format_bytes
+
+ALIGN = 64  # each staged shard starts on a cache line (and on its dtype's alignment)
+
+BufferKey = Tuple[str, int, Tuple[int, ...], torch.dtype]
+
+
+class StagingPlan(NamedTuple):
+    """How one rank's shards are written by an async save (see the module docstring)."""
+
+    in_place: List[ShardWrite]  # CPU shards written before save returns, from their own memory
+    device_waves: List[List[ShardWrite]]  # accelerator shards written before save returns, via the pool
+    staged: List[ShardWrite]  # the last wave: snapshotted into the pool, written in the background
+
+    @property
+    def pool_bytes(self) -> int:
+        """The staging pool this plan needs: its largest wave that goes through the pool."""
+        return max((sum(_aligned(_nbytes(w)) for w in wave) for wave in [*self.device_waves, self.staged]), default=0)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether any shard it stages is on an accelerator (pinned staging where asked)."""
+        return any(w.data.device.type != "cpu" for wave in [*self.device_waves, self.staged] for w in wave)
+
+    @property
+    def waves(self) -> int:
+        """Write calls of the save: the synchronous ones and the background one."""
+        return (1 if self.in_place else 0) + len(self.device_waves) + 1
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _nbytes(w: ShardWrite) -> int:
+    return w.data.numel() * w.data.element_size()
+
+
+def _units(tensors: Sequence[ShardWrite]) -> List[List[ShardWrite]]:
+    """Shards that must be written by one call together: each array shard alone, packed ones as one."""
+    packed = [w for w in tensors if w.packed is not None]
+    return [[w] for w in tensors if w.packed is None] + ([packed] if packed else [])
+
+
+def _unit_bytes(unit: Sequence[ShardWrite]) -> int:
+    return sum(_aligned(_nbytes(w)) for w in unit)
+
+
+def _on_device(unit: Sequence[ShardWrite]) -> bool:
+    return any(w.data.device.type != "cpu" for w in unit)
+
+
+def plan_staging(tensors: Sequence[ShardWrite], budget: Optional[int]) -> StagingPlan:
+    """Split a rank's shards into waves under ``budget`` bytes of staging (None: no limit)."""
+    units = _units(tensors)
+    if budget is None or sum(_unit_bytes(u) for u in units) <= budget:
+        return StagingPlan([], [], list(tensors))
+    staged: List[ShardWrite] = []
+    left: List[List[ShardWrite]] = []
+    room = budget
+    for unit in sorted(units, key=_unit_bytes, reverse=True):  # the largest that fit go to the background
+        if _unit_bytes(unit) <= room:
+            staged += unit
+            room -= _unit_bytes(unit)
+        else:
+            left.append(unit)
+    in_place = [w for u in left if not _on_device(u) for w in u]
+    waves: List[List[ShardWrite]] = []
+    rooms: List[int] = []
+    for unit in (u for u in left if _on_device(u)):  # first fit, largest first: few waves
+        size = _unit_bytes(unit)
+        if size > budget:
+            w = max(unit, key=_nbytes)
+            what = f"shard {w.key!r} (stored index {w.index}) on {w.data.device} is {_nbytes(w)} bytes" \
+                if w.packed is None else f"the {len(unit)} small shards packed with {w.key!r} on {w.data.device} " \
+                f"are {sum(_nbytes(x) for x in unit)} bytes"
+            raise ArgumentError(f"max_staging_bytes={budget}: {what}, more than the budget allows (a shard is written "
+                                f"whole, in one wave); raise max_staging_bytes to at least {size}")
+        slot = next((i for i, r in enumerate(rooms) if r >= size), None)
+        if slot is None:
+            waves.append([])
+            rooms.append(budget)
+            slot = len(waves) - 1
+        waves[slot] += unit
+        rooms[slot] -= size
+    return StagingPlan(in_place, waves, staged)
+
+
+class StagingPool:
+    """One flat host buffer (pinned when it stages accelerator tensors) that shards are copied into,
+    as views at aligned offsets; reused by the next wave and the next save while it is large enough
+    (released and reallocated when a save needs more, or less than half of it)."""
+
+    def __init__(self, pin_memory: Optional[bool] = None) -> None:
+        self.pin_memory = pin_memory
+        self._pool: Optional[torch.Tensor] = None
+        self.peak_bytes = 0  # the largest pool this saver held: what staging cost in host memory
+        self.views: Dict[BufferKey, torch.Tensor] = {}  # the last staged wave, by (key, index, shape, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._pool is None else self._pool.numel()
+
+    def release(self) -> None:
+        self._pool, self.views = None, {}
+
+    def prepare(self, plan: StagingPlan) -> None:
+        """Size the pool for ``plan``'s largest wave (kept when it fits and is at most twice that)."""
+        nbytes = plan.pool_bytes
+        pin = plan.pinned and (self.pin_memory if self.pin_memory is not None else True)
+        pool = self._pool
+        if pool is not None and nbytes <= pool.numel() <= 2 * nbytes and pool.is_pinned() == pin:
+            return
+        self.release()  # the old pool goes first: never two at once
+        if nbytes:
+            self._pool = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    def stage(self, tensors: Sequence[ShardWrite]) -> List[ShardWrite]:
+        """Copy ``tensors`` (one wave of the plan :meth:`prepare` sized the pool for) into the pool;
+        returns them pointing at their copies. Device copies are synchronized before it returns
+        (the caller may change the state right after)."""
+        pool = self._pool
+        staged, views, devices, off = [], {}, set(), 0
+        for w in tensors:
+            data, n = w.data, _nbytes(w)
+            assert pool is not None and off + n <= pool.numel(), "StagingPool.prepare sized the pool for the plan"
+            buf = pool[off:off + n].view(data.dtype).view(data.shape)
+            on_device = data.device.type != "cpu"
+            buf.copy_(data, non_blocking=on_device and buf.is_pinned())
+            if on_device:
+                devices.add(data.device)
+            views[(w.key, w.index, tuple(data.shape), data.dtype)] = buf
+            staged.append(w._replace(data=buf))
+            off += _aligned(n)
+        for device in devices:  # the copies must have landed before the caller may change the state
+            torch.accelerator.synchronize(device)
+        self.views = views
+        return staged
+
+
+def describe(plan: StagingPlan, budget: Optional[int]) -> str:
+    """One line for the log: waves, and bytes written in place, via the pool, and in the background."""
+    sync = sum(_nbytes(w) for w in plan.in_place) + sum(_nbytes(w) for wave in plan.device_waves for w in wave)
+    staged = sum(_nbytes(w) for w in plan.staged)
+    if not sync:
+        return f"1 wave, {format_bytes(staged)} staged"
+    return (f"{plan.waves} waves under max_staging_bytes={format_bytes(budget or 0)}: {format_bytes(sync)} written "
+            f"before returning ({len(plan.device_waves)} staged wave(s) from accelerators), "
+            f"{format_bytes(staged)} staged for the background")
