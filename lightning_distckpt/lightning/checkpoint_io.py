@@ -268,7 +268,7 @@ class DistCheckpointIO(CheckpointIO):
     def _async_saver(self) -> AsyncSaver:
         if self._saver is None:
             # Names held while in flight: ModelCheckpoint picks its -vN names by what exists.
-            self._saver = AsyncSaver(reserve_targets=True)
+            self._saver = AsyncSaver(reserve_targets=True, max_staging_bytes=self.config.max_staging_bytes)
         return self._saver
 
     def _storage(self, storage_options: Optional[Any]) -> StorageOptions:

@@ -42,6 +42,10 @@ class DistCheckpointConfig:
             data-parallel group and broadcast within it; the strategies pass their DP group), or
             ``null`` for the library's default.
         async_save: save in the background; the next save (or the end of training) waits for it.
+        max_staging_bytes: with ``async_save``, the most host memory (bytes per rank) the snapshot of
+            a background save may take (``AsyncSaver(max_staging_bytes=...)``); a larger state is
+            saved in waves and the save blocks until all but the last wave are written. ``null``:
+            no limit (the whole state is staged).
         safe_globals: further trusted types that common state and ShardedObjects may hold, by
             import path (``["io.BytesIO", "argparse.Namespace"]``), added to the plugin's
             ``extra_safe_globals`` (loading never unpickles anything else).
@@ -60,6 +64,7 @@ class DistCheckpointConfig:
     strict: str = StrictHandling.ASSUME_OK_UNEXPECTED.value
     loader: Optional[str] = None
     async_save: bool = False
+    max_staging_bytes: Optional[int] = None
     safe_globals: List[str] = field(default_factory=list)
     cast: str = SAME_KIND
     allow_shape_mismatch: bool = False
@@ -73,6 +78,8 @@ class DistCheckpointConfig:
             _import_global(name)
         if self.loader is not None and self.loader not in LOADER_NAMES:
             raise ConfigError(f"unknown loader {self.loader!r}; choose one of {list(LOADER_NAMES)} or null (the default)")
+        if self.max_staging_bytes is not None and self.max_staging_bytes < 0:
+            raise ConfigError(f"max_staging_bytes must be null or >= 0 bytes, got {self.max_staging_bytes}")
         if self.cast not in CAST_RULES:
             raise ConfigError(f"cast must be one of {list(CAST_RULES)}, got {self.cast!r}")
 
