@@ -1,35 +1,144 @@
-"""LocalTier: node-local checkpoints with partner copies, and recovery from the fastest tier."""
+"""LocalTier: node-local checkpoints with partner copies, and recovery from the fastest tier that survived.
+
+Every method is collective over the tier's group (``process_group``, default the world). The tier makes
+its own gloo group at construction (``dist.new_group``: the constructor is collective over the world
+group, as ``new_group`` is): the local save's background thread (commit, replication, pruning) talks over
+it only, so it never races the training's collectives; the caller's thread uses it only while no
+background work runs (``save`` and the other methods first wait for it).
+"""
 
 from __future__ import annotations
 
+import inspect
+import logging
+import os
+import threading
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+import torch.distributed as dist
+
+from lightning_distckpt.comm import Comm
+from lightning_distckpt.core.errors import ArgumentError, ArgumentTypeError
+from lightning_distckpt.saving.async_save import AsyncSaver
+from lightning_distckpt.tiers.context import TierContext
+from lightning_distckpt.tiers.local_save import finish_local_save
+from lightning_distckpt.tiers.nodes import gather_nodes
 from lightning_distckpt.tiers.options import RecoveryPoint, TierOptions
+from lightning_distckpt.tiers.recover import load_local, recoverable
+
+logger = logging.getLogger(__name__)
+
+
+def _tier_comm(process_group: Optional[dist.ProcessGroup]) -> Comm:
+    """A gloo group over ``process_group``'s ranks (the world's by default), or none without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ArgumentError("LocalTier: a process_group was given but torch.distributed is not initialized")
+        return Comm(None, 0, 1)
+    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+    group = dist.new_group(ranks=ranks, backend="gloo")
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ArgumentError("LocalTier: this rank is not in the process_group it was given")
+    return Comm(group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _saver(options: TierOptions) -> AsyncSaver:
+    """The tier's AsyncSaver, under the staging budget where AsyncSaver takes one."""
+    if options.max_staging_bytes is not None and "max_staging_bytes" in inspect.signature(AsyncSaver).parameters:
+        return AsyncSaver(max_staging_bytes=options.max_staging_bytes)
+    return AsyncSaver()
 
 
 class LocalTier:
-    """Node-local checkpoint tier of one rank (collective object: every rank makes one)."""
+    """The node-local tier of one rank (every rank of the group makes one, with the same options)."""
 
-    def __init__(self, options: TierOptions, process_group: Optional[Any] = None) -> None:
+    def __init__(self, options: TierOptions, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        if not isinstance(options, TierOptions):
+            raise ArgumentTypeError(f"LocalTier: options must be a TierOptions, got {type(options).__name__}")
         self.options = options
         self.process_group = process_group
+        comm = _tier_comm(process_group)
+        nodes, root = gather_nodes(options, comm)
+        os.makedirs(root, exist_ok=True)
+        self._ctx = TierContext(options, comm, nodes, root)
+        self._saver = _saver(options)
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._closed = False
+
+    @property
+    def node(self) -> str:
+        """This rank's node name."""
+        return self._ctx.node
+
+    @property
+    def root(self) -> str:
+        """This node's local root (``local_dir`` with ``{node}`` replaced)."""
+        return self._ctx.root
 
     def save(self, sharded_state_dict: Dict[str, Any], step: int) -> None:
-        """Collective. Waits for the previous local save (and its replication) to finish, then snapshots
-        this rank's shards and returns; writing, commit and replication finish in the background."""
-        raise NotImplementedError("LocalTier.save: in progress")
+        """Collective. Waits for the previous local save (and its replication) to finish (raising what
+        failed), then snapshots this rank's shards and returns; writing, commit, replication to partners
+        and pruning finish on the tier's thread."""
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ArgumentError(f"LocalTier.save: step must be an int >= 0, got {step!r}")
+        self.wait()
+        request = self._saver.save(sharded_state_dict, self._ctx.location(step), comm=self._ctx.comm)
+        self._thread = threading.Thread(target=self._finish, args=(request, step), name="distckpt-local-tier",
+                                        daemon=True)
+        self._thread.start()
+
+    def _finish(self, request: Any, step: int) -> None:
+        try:
+            finish_local_save(self._ctx, request, step)
+        except BaseException as e:  # raised on the caller's thread by wait() / the next save()
+            self._error = e
 
     def wait(self) -> None:
         """Collective. Finishes the in-flight local save and replication (raises what failed)."""
-        raise NotImplementedError("LocalTier.wait: in progress")
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def recoverable(self, durable: Sequence[Tuple[int, str]] = ()) -> Optional[RecoveryPoint]:
-        """Collective. The newest step for which every shard is held and verified somewhere."""
-        raise NotImplementedError("LocalTier.recoverable: in progress")
+        """Collective. The newest step for which every shard is held and verified somewhere: this node's
+        local tier, a partner's copy, or one of the given durable checkpoints ``(step, location)`` (rank
+        0's list decides; at equal steps the local tiers win). The same answer on every rank (or the same
+        error); None when nothing is recoverable. Waits for a local save in flight first."""
+        self._check_open()
+        self.wait()
+        durable = [(int(s), str(p)) for s, p in durable]
+        return recoverable(self._ctx, durable)
 
     def load(self, sharded_state_dict: Dict[str, Any], point: RecoveryPoint, **load_kwargs: Any) -> Dict[str, Any]:
-        """Collective. Loads ``point`` as lightning_distckpt.load would."""
-        raise NotImplementedError("LocalTier.load: in progress")
+        """Collective. Loads ``point`` as ``lightning_distckpt.load`` would (same return value, common
+        state included, same resharding): from the durable checkpoint for a durable point; else after
+        completing this node's copy from the partners' (over torch.distributed), from this node's local
+        directory. ``load_kwargs`` go to ``lightning_distckpt.load`` (not ``process_group``: the tier's)."""
+        from lightning_distckpt.serialization import load
+
+        self._check_open()
+        if not isinstance(point, RecoveryPoint):
+            raise ArgumentTypeError(f"LocalTier.load: point must be a RecoveryPoint, got {type(point).__name__}")
+        if "process_group" in load_kwargs:
+            raise ArgumentError("LocalTier.load: the tier's process_group is used; do not pass one")
+        self.wait()
+        if point.source == "durable":
+            return load(sharded_state_dict, point.path, process_group=self.process_group, **load_kwargs)
+        return load_local(self._ctx, point, sharded_state_dict, self.process_group, load_kwargs)
 
     def close(self) -> None:
-        """Finishes what is in flight and releases the tier's resources."""
+        """Finishes what is in flight (raising what failed); the tier is unusable afterwards. (Its gloo
+        group stays until the process group is destroyed: destroying a subgroup is not safe everywhere.)"""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ArgumentError("LocalTier: used after close()")

@@ -70,12 +70,12 @@ class TierOptions:
                 raise ArgumentTypeError(
                     f"TierOptions.node must be a str, got {type(self.node).__name__}"
                 )
-            _check_node_name(self.node)
+            check_node_name(self.node)
         if self.node is not None and self.ranks_per_node is not None:
             raise ArgumentError("TierOptions.node and TierOptions.ranks_per_node are exclusive; give one")
 
 
-def _check_node_name(name: str) -> None:
+def check_node_name(name: str) -> None:
     """Node names become directory names: refuse empty names, separators and dot names."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise ArgumentError(f"TierOptions.node is not a usable node name: {name!r}")

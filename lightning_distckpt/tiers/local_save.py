@@ -1,0 +1,138 @@
+"""The background part of a local save: commit every node's step directory, send each rank's store to
+its partners, prune old steps. Runs on the tier's thread, over the tier's own gloo group only.
+
+The save pipeline itself is the ordinary one (:class:`~lightning_distckpt.saving.async_save.AsyncSaver`
+over a ``node-local://`` location, :class:`~.node_store.NodeLocalStore`): its collective commit
+(``finalize``) makes rank 0's node's directory the checkpoint; the other nodes' leads then commit theirs
+with the same ``metadata.json`` and ``common.pt`` (sent by rank 0), after which each directory holds its
+node's rank stores completely. A failure anywhere raises the same SaveFailedError on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any, Optional, Tuple
+
+from lightning_distckpt.core.errors import CheckpointingError, SaveFailedError
+from lightning_distckpt.saving.async_save import AsyncSaveRequest
+from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, rank_dir
+from lightning_distckpt.storage.staging import discard, live_owner_pids
+from lightning_distckpt.tiers.context import TMP_PREFIX, TierContext
+from lightning_distckpt.tiers.node_store import (NodeLocalStore, committed_steps, remove_step, uncommitted_dirs,
+                                                  write_note)
+from lightning_distckpt.tiers.transfer import Incoming, Outgoing, exchange
+
+logger = logging.getLogger(__name__)
+
+_SHA_FIELDS = ("metadata_sha256", "common_sha256")  # the commit adds them again, from the files it wrote
+
+
+def finish_local_save(ctx: TierContext, request: AsyncSaveRequest, step: int) -> None:
+    """Collective (the tier's thread on every rank): commit, replicate, prune."""
+    request.finalize()  # agreed; rank 0 commits its node's directory
+    _commit_other_nodes(ctx, step)
+    replicate(ctx, step)
+    if ctx.is_lead:
+        prune(ctx, step)
+
+
+def _rank0_files(ctx: TierContext, step: int) -> Tuple[Optional[str], Any]:
+    """Rank 0: (error text, (metadata.json text, common.pt bytes, marker)) of its committed directory."""
+    path = ctx.step_dir(step)
+    try:
+        with open(os.path.join(path, METADATA_FILE), "rb") as f:
+            meta = f.read().decode()
+        with open(os.path.join(path, COMMON_FILE), "rb") as f:
+            common = f.read()
+        with open(os.path.join(path, COMMIT_MARKER), "rb") as f:
+            marker = {k: v for k, v in json.loads(f.read()).items() if k not in _SHA_FIELDS}
+    except (OSError, ValueError) as e:
+        return f"rank 0 cannot read its committed local checkpoint {path}: {e}", None
+    return None, (meta, common, marker)
+
+
+def _commit_other_nodes(ctx: TierContext, step: int) -> None:
+    """Collective: the leads of the nodes other than rank 0's commit their step directories."""
+    comm = ctx.comm
+    failed, files = comm.broadcast_object(_rank0_files(ctx, step) if comm.rank == 0 else None)
+    if failed is not None:
+        raise SaveFailedError(f"local save of step {step}: {failed}")
+    location = ctx.location(step)
+    store = NodeLocalStore(location)
+    staging = NodeLocalStore.staged.get(store.location)
+    error: Optional[Exception] = None
+    if ctx.is_lead and ctx.node != ctx.nodes.node_of(0):
+        try:
+            if staging is None:
+                raise CheckpointingError(f"no staging directory of step {step} was written on node {ctx.node}")
+            meta, common, marker = files
+            store.write_blob(staging, COMMON_FILE, common)
+            store.commit(staging, meta, marker)
+        except Exception as e:
+            error = e
+    try:
+        comm.agree(f"local save of step {step}: committing on every node failed", error, default=SaveFailedError)
+    except CheckpointingError:
+        if ctx.is_lead:  # a step committed on some nodes only is no use: drop it everywhere
+            if staging is not None:
+                discard(staging)
+            remove_step(ctx.step_dir(step))
+        raise
+    finally:
+        NodeLocalStore.staged.pop(store.location, None)
+
+
+def replicate(ctx: TierContext, step: int) -> None:
+    """Collective: every rank sends its store of ``step`` to its partners, which keep it in their node's
+    step directory (received beside it, renamed into ``data/`` whole, then noted as held)."""
+    if ctx.copies == 0:
+        return
+    rank, nodes, replicas = ctx.rank, ctx.nodes, ctx.options.replicas
+    path = ctx.step_dir(step)
+    outgoing = [Outgoing(p, f"rank_{rank:05d}", rank_dir(path, rank)) for p in nodes.partners(rank, replicas)]
+    incoming = [Incoming(s, f"rank_{s:05d}", ctx.tmp_dir(step, f"rank_{s:05d}")) for s in nodes.sources(rank, replicas)]
+    exchange(ctx.comm, outgoing, incoming)
+    error: Optional[Exception] = None
+    try:
+        for item in incoming:
+            place(item.directory, path, item.src, copy_from=nodes.node_of(item.src))
+    except Exception as e:
+        error = e
+    ctx.comm.agree(f"local save of step {step}: keeping the partner copies failed", error, default=SaveFailedError)
+
+
+def place(received: str, step_path: str, writer: int, copy_from: str) -> None:
+    """Rename a received store into ``step_path``'s ``data/`` (replacing a copy there) and note it held.
+    A store with no files (a rank that wrote nothing) leaves only the note."""
+    target = rank_dir(step_path, writer)
+    if os.listdir(received):
+        os.makedirs(os.path.join(step_path, DATA_DIR), exist_ok=True)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        os.rename(received, target)
+    else:
+        os.rmdir(received)
+    write_note(step_path, writer, copy=True, node=copy_from)
+
+
+def prune(ctx: TierContext, step: int) -> None:
+    """This node's lead, after ``step`` was committed and replicated: keep the ``keep_local`` newest
+    committed steps up to ``step``; remove newer ones (an abandoned run's, after a restart from an older
+    step), the tier's temporary directories and staging directories no live process writes."""
+    steps = committed_steps(ctx.root)
+    older = [s for s in steps if s.step <= step]
+    drop = [s for s in steps if s.step > step] + older[:max(0, len(older) - ctx.options.keep_local)]
+    for s in drop:
+        remove_step(s.path)
+    for path in uncommitted_dirs(ctx.root):
+        if not live_owner_pids(path):
+            shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(ctx.root):
+        if name.startswith(TMP_PREFIX):
+            shutil.rmtree(os.path.join(ctx.root, name), ignore_errors=True)
+    if drop:
+        logger.debug("local tier: node %s removed steps %s", ctx.node, [s.step for s in drop])
+

@@ -1,0 +1,184 @@
+"""The node-local store: one local checkpoint of step S is ``<root>/step_<S:09d>/``, a checkpoint in our
+format (metadata.json, common.pt, ``data/rank_XXXXX`` stores with chunk checksums, the commit marker)
+holding only the rank stores of this node's ranks and, once replicated, its partners' stores.
+
+What a step directory holds completely is said by its notes, ``local_tier/held_rank_XXXXX.json``: a rank's
+own note is written when it starts writing (valid once the directory is committed, which happens only
+after every rank wrote), a partner copy's after its store was received whole, checked and renamed into
+``data/``. ``local_tier/`` is also our mark: nothing without it is ever removed by the tier.
+
+:class:`NodeLocalStore` is the :class:`~lightning_distckpt.storage.local_store.LocalStore` of such a
+directory, served for ``node-local://<path>`` locations, so the ordinary save pipeline
+(:class:`~lightning_distckpt.saving.async_save.AsyncSaver`) writes it: rank 0 names the staging directory
+in its own node's root and every rank maps that name into its own node's root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, FrozenSet, List, Optional
+
+from lightning_distckpt.core.errors import ArgumentError
+from lightning_distckpt.storage.layout import COMMIT_MARKER, is_committed
+from lightning_distckpt.storage.local_store import LocalStore
+from lightning_distckpt.storage.options import StorageOptions
+from lightning_distckpt.storage.safe_pickle import write_file_durable
+from lightning_distckpt.storage.staging import is_staging_dir
+from lightning_distckpt.storage.stores import register_store
+
+SCHEME = "node-local://"
+TIER_DIR = "local_tier"  # the notes of what a step directory holds, and our mark
+_STEP = re.compile(r"step_(\d{9,})")
+_NOTE = re.compile(r"held_rank_(\d{5,})\.json")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:09d}")
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step of a step directory's name, None for any other name."""
+    m = _STEP.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def note_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, TIER_DIR, f"held_rank_{rank:05d}.json")
+
+
+def write_note(directory: str, rank: int, copy: bool, node: Optional[str] = None) -> None:
+    """Record that ``directory`` holds ``rank``'s store (its own, or a partner ``copy``) completely."""
+    os.makedirs(os.path.join(directory, TIER_DIR), exist_ok=True)
+    write_file_durable(note_path(directory, rank), json.dumps({"rank": rank, "copy": copy, "from": node}).encode())
+
+
+def read_notes(directory: str) -> Dict[int, Dict[str, Any]]:
+    """rank -> note of each store ``directory`` holds completely (unreadable notes count as absent)."""
+    out: Dict[int, Dict[str, Any]] = {}
+    notes = os.path.join(directory, TIER_DIR)
+    try:
+        names = os.listdir(notes)
+    except OSError:
+        return out
+    for name in names:
+        m = _NOTE.fullmatch(name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(notes, name), "rb") as f:
+                note = json.loads(f.read(4096))
+        except (OSError, ValueError):
+            continue
+        if isinstance(note, dict) and note.get("rank") == int(m.group(1)):
+            out[int(m.group(1))] = note
+    return out
+
+
+def is_ours(directory: str) -> bool:
+    """A step directory the tier wrote (committed or not): it has our ``local_tier/`` notes folder."""
+    path = os.path.join(directory, TIER_DIR)
+    return os.path.isdir(path) and not os.path.islink(path)
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """A committed step directory of this node: where, and whose stores it holds completely."""
+
+    step: int
+    path: str
+    held: FrozenSet[int]
+    copies: FrozenSet[int] = field(default_factory=frozenset)
+
+
+def committed_steps(root: str) -> List[LocalStep]:
+    """This node's committed step directories of ours, oldest first (torn and staging ones skipped)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        step = step_of(name)
+        path = os.path.join(root, name)
+        if step is None or os.path.islink(path) or not is_ours(path) or not is_committed(path):
+            continue
+        notes = read_notes(path)
+        out.append(LocalStep(step, path, frozenset(notes), frozenset(r for r, n in notes.items() if n.get("copy"))))
+    return sorted(out, key=lambda s: s.step)
+
+
+def uncommitted_dirs(root: str) -> List[str]:
+    """Directories under ``root`` that local saves or fetches left unfinished: staging directories,
+    and step directories of ours without a commit marker."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        path = os.path.join(root, name)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if is_staging_dir(path) or (step_of(name) is not None and is_ours(path) and not is_committed(path)):
+            out.append(path)
+    return out
+
+
+def remove_step(path: str) -> None:
+    """Remove a step directory of ours (the marker first, so a half-removed one is never taken as committed)."""
+    if not is_ours(path):
+        return
+    try:
+        os.remove(os.path.join(path, COMMIT_MARKER))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class NodeLocalStore(LocalStore):
+    """The :class:`LocalStore` of one node-local step directory (``node-local://<path>``): staging
+    names are rank 0's, mapped into this rank's node root; each rank notes the store it writes."""
+
+    scheme = SCHEME
+    #: location -> this process's staging directory of the save in flight to it (set by :meth:`begin`, on
+    #: every rank), where the tier's commit of the other nodes finds it.
+    staged: ClassVar[Dict[str, str]] = {}
+
+    def __init__(self, location: str, options: StorageOptions = StorageOptions()) -> None:
+        super().__init__(location[len(SCHEME):] if location.startswith(SCHEME) else location, options)
+
+    @classmethod
+    def normalize(cls, text: str, what: str) -> str:
+        path = text[len(SCHEME):]
+        if not os.path.isabs(path):
+            raise ArgumentError(f"{what} {text}: a {SCHEME} location names an absolute path")
+        return SCHEME + LocalStore.normalize(path, what)
+
+    def here(self, staging_dir: str) -> str:
+        """Rank 0's staging directory, as this rank's node has it (same name, this node's root)."""
+        return os.path.join(os.path.dirname(self.location), os.path.basename(staging_dir))
+
+    def begin(self, staging_dir: str, rank: int) -> None:
+        here = self.here(staging_dir)
+        super().begin(here, rank)
+        write_note(here, rank, copy=False)
+        NodeLocalStore.staged[self.location] = here
+
+    def open_writer(self, staging_dir: str) -> Any:
+        return super().open_writer(self.here(staging_dir))
+
+    def write_blob(self, staging_dir: str, name: str, data: bytes) -> None:
+        super().write_blob(self.here(staging_dir), name, data)
+
+    def commit(self, staging_dir: str, metadata_json: str, marker: Dict[str, Any]) -> None:
+        super().commit(self.here(staging_dir), metadata_json, marker)
+
+    def discard(self, staging_dir: str) -> None:
+        super().discard(self.here(staging_dir))
+
+
+register_store(NodeLocalStore)

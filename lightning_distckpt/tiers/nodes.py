@@ -1,0 +1,114 @@
+"""Which node each rank runs on, where its node-local root is, and which ranks hold its partner copies.
+
+Node identity: :attr:`TierOptions.node` when given, else ``node<rank // ranks_per_node>`` when
+``ranks_per_node`` simulates nodes (tests), else the host name. The names are all-gathered once, so every
+rank knows every rank's node; nodes are numbered by their first rank.
+
+Partners: the ``k``-th partner (``k = 1 .. replicas``) of the rank with local index ``j`` on node ``i`` is
+the rank with local index ``j mod size(i + k)`` on node ``(i + k) mod N``: never on the same node, spread
+over the nodes' ranks, the same on every rank. ``replicas >= N`` cannot be met on ``N`` nodes: the tier
+keeps ``N - 1`` copies and warns once (a one-node job then simply keeps no partner copies), rather than
+refusing a configuration a job may also be started with on fewer nodes for a test.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from lightning_distckpt.comm import Comm
+from lightning_distckpt.core.errors import ArgumentError
+from lightning_distckpt.tiers.options import TierOptions, check_node_name
+
+logger = logging.getLogger(__name__)
+
+NODE_PLACEHOLDER = "{node}"
+
+
+def node_name(options: TierOptions, rank: int) -> str:
+    """This rank's node name (see the module docstring)."""
+    if options.node is not None:
+        return options.node
+    if options.ranks_per_node is not None:
+        return f"node{rank // options.ranks_per_node}"
+    name = socket.gethostname()
+    check_node_name(name)
+    return name
+
+
+def local_root(options: TierOptions, node: str) -> str:
+    """The node-local root of ``node``: ``local_dir`` with ``{node}`` replaced, absolute."""
+    return os.path.abspath(os.path.expanduser(options.local_dir.replace(NODE_PLACEHOLDER, node)))
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """Every rank's node (``nodes[rank]``), as the ranks of one group see it."""
+
+    nodes: Tuple[str, ...]
+
+    @property
+    def names(self) -> List[str]:
+        """The node names, in the order of their first rank."""
+        return list(dict.fromkeys(self.nodes))
+
+    def node_of(self, rank: int) -> str:
+        return self.nodes[rank]
+
+    def ranks_on(self, node: str) -> List[int]:
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    def lead(self, node: str) -> int:
+        """The node's lowest rank: it commits and prunes the node's directories."""
+        return self.ranks_on(node)[0]
+
+    def is_lead(self, rank: int) -> bool:
+        return self.lead(self.nodes[rank]) == rank
+
+    def copies(self, replicas: int) -> int:
+        """How many partner copies can be kept: ``replicas``, at most one per other node."""
+        return min(replicas, len(self.names) - 1)
+
+    def partners(self, rank: int, replicas: int) -> List[int]:
+        """The ranks that keep copies of ``rank``'s store (see the module docstring)."""
+        names = self.names
+        i = names.index(self.nodes[rank])
+        j = self.ranks_on(self.nodes[rank]).index(rank)
+        out = []
+        for k in range(1, self.copies(replicas) + 1):
+            ranks = self.ranks_on(names[(i + k) % len(names)])
+            out.append(ranks[j % len(ranks)])
+        return out
+
+    def sources(self, rank: int, replicas: int) -> List[int]:
+        """The ranks whose stores ``rank`` keeps copies of."""
+        return [r for r in range(len(self.nodes)) if rank in self.partners(r, replicas)]
+
+
+def gather_nodes(options: TierOptions, comm: Comm) -> Tuple[NodeMap, str]:
+    """Collective: every rank's node, and this rank's node-local root. ArgumentError on every rank
+    when two nodes of one host would share a root (``local_dir`` needs ``{node}`` when nodes are
+    simulated on one host)."""
+    error: Optional[Exception] = None
+    mine: Tuple[str, str, str] = ("", "", "")
+    try:
+        name = node_name(options, comm.rank)
+        mine = (name, socket.gethostname(), local_root(options, name))
+    except Exception as e:  # agreed: every rank raises it
+        error = e
+    gathered: List[Tuple[str, str, str]] = comm.agree("local tier: naming the nodes failed", error, mine,
+                                                      default=ArgumentError)
+    owners: Dict[Tuple[str, str], str] = {}
+    for name, host, root in gathered:
+        other = owners.setdefault((host, root), name)
+        if other != name:
+            raise ArgumentError(f"TierOptions.local_dir: nodes {other!r} and {name!r} on host {host!r} would share "
+                                f"the local directory {root!r}; put '{NODE_PLACEHOLDER}' in local_dir")
+    nodes = NodeMap(tuple(g[0] for g in gathered))
+    if comm.rank == 0 and options.replicas > nodes.copies(options.replicas):
+        logger.warning("local tier: replicas=%d asked, but only %d other node(s): keeping %d partner copies",
+                       options.replicas, len(nodes.names) - 1, nodes.copies(options.replicas))
+    return nodes, mine[2]

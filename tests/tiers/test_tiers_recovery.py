@@ -1,0 +1,98 @@
+"""The node-local tier on 4 gloo ranks as 2 simulated nodes of 2: local saves with partner copies,
+agreement on the newest recoverable step, bit-exact recovery from partner copies when a node's
+directory is lost, fallback to the durable checkpoint when both copies of a store are gone, pruning."""
+
+import os
+import shutil
+
+import pytest
+
+import lightning_distckpt as ldc
+from dist_utils import run_distributed
+from lightning_distckpt.tiers import LocalTier, RecoveryPoint
+from tier_helpers import check_loaded, options, state
+
+pytestmark = pytest.mark.tiers
+
+
+def _save_steps(rank, world, tmp, steps, durable_at=()):
+    tier = LocalTier(options(tmp))
+    for step in steps:
+        tier.save(state(rank, world, step), step)
+        if step in durable_at:
+            ldc.save(state(rank, world, step), os.path.join(tmp, f"durable_{step}"))
+    tier.wait()
+    point = tier.recoverable()
+    tier.close()
+    return point, tier.node, tier.root
+
+
+def _recover(rank, world, tmp, durable=(), objects=True):
+    tier = LocalTier(options(tmp))
+    point = tier.recoverable(durable)
+    out = None
+    if point is not None:
+        out = tier.load(state(rank, world, 0, template=True, objects=objects), point)
+        check_loaded(out, rank, world, point.step, objects=objects)
+    tier.close()
+    return point
+
+
+def _held(root, step):
+    """rank -> copy? of the stores a node's step directory notes as held."""
+    from lightning_distckpt.tiers.node_store import read_notes, step_dir
+
+    return {r: n["copy"] for r, n in read_notes(step_dir(root, step)).items()}
+
+
+def test_save_replicate_prune_and_agree(tmp_path):
+    tmp = str(tmp_path)
+    results = run_distributed(_save_steps, 4, tmp, [10, 20, 30])
+    assert {r[0] for r in results} == {RecoveryPoint(30, "local")}
+    assert [r[1] for r in results] == ["node0", "node0", "node1", "node1"]
+    for node, own, copies in (("node0", {0, 1}, {2, 3}), ("node1", {2, 3}, {0, 1})):
+        root = os.path.join(tmp, node)
+        assert sorted(os.listdir(root)) == ["step_000000020", "step_000000030"]  # keep_local=2
+        held = _held(root, 30)
+        assert {r for r, c in held.items() if not c} == own and {r for r, c in held.items() if c} == copies
+
+
+@pytest.mark.parametrize("lost", ["node0", "node1"])
+def test_node_lost_recovers_bit_exact_from_partner_copies(tmp_path, lost):
+    tmp = str(tmp_path)
+    run_distributed(_save_steps, 4, tmp, [10, 20, 30])
+    shutil.rmtree(os.path.join(tmp, lost))
+    points = run_distributed(_recover, 4, tmp)
+    assert set(points) == {RecoveryPoint(30, "local")}
+    held = _held(os.path.join(tmp, lost), 30)  # the lost node's directory is back, every store fetched
+    assert set(held) == {0, 1, 2, 3} and all(held.values())
+
+
+def test_both_copies_lost_falls_back_to_durable(tmp_path):
+    tmp = str(tmp_path)
+    run_distributed(_save_steps, 4, tmp, [10, 20, 30], (20,))
+    shutil.rmtree(os.path.join(tmp, "node1"))
+    for step in (20, 30):  # rank 2's store: its own copy went with node1, the partner copy goes now
+        shutil.rmtree(os.path.join(tmp, "node0", f"step_{step:09d}", "data", "rank_00002"))
+    durable = [(20, os.path.join(tmp, "durable_20"))]
+    points = run_distributed(_recover, 4, tmp, durable)
+    assert set(points) == {RecoveryPoint(20, "durable", durable[0][1])}
+    assert run_distributed(_recover, 4, tmp) == [None] * 4  # nothing local, no durable given
+
+
+def test_durable_newer_than_local_wins(tmp_path):
+    tmp = str(tmp_path)
+    run_distributed(_save_steps, 4, tmp, [10, 20], (20,))
+    durable = [(20, os.path.join(tmp, "durable_20")), (40, os.path.join(tmp, "missing_40"))]
+    assert set(run_distributed(_recover, 4, tmp, durable)) == {RecoveryPoint(20, "local")}  # local wins a tie
+    run_distributed(_save_steps, 4, tmp, [10])  # a restarted job's step 10: the abandoned run's newer steps go
+    for node in ("node0", "node1"):
+        assert sorted(os.listdir(os.path.join(tmp, node))) == ["step_000000010"]
+
+
+def test_world_shrinks_to_one_node(tmp_path):
+    tmp = str(tmp_path)
+    run_distributed(_save_steps, 4, tmp, [10, 20])
+    shutil.rmtree(os.path.join(tmp, "node1"))
+    points = run_distributed(_recover, 2, tmp, (), False)  # 2 ranks, new split of "w"
+    assert set(points) == {RecoveryPoint(20, "local")}
