@@ -10,19 +10,40 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..core.errors import ConfigError
+from ..core.errors import CheckpointingError, ConfigError
 from ..core.strict import StrictHandling
 from ..planning.load_plan import CAST_RULES, SAME_KIND
 from ..storage.tensorstore_io import StorageOptions
 from ..reading.loaders import LOADER_NAMES
+from ..tiers import TierOptions
 
 ConfigLike = Union["DistCheckpointConfig", "StrategyConfig", Mapping[str, Any], DictConfig, str, os.PathLike, None]
+
+
+@dataclass
+class TiersConfig:
+    """The ``tiers:`` section: :class:`~lightning_distckpt.tiers.TierOptions`' fields (docs/tiers.md).
+    A structured config of its own (TierOptions is frozen, which omegaconf cannot merge into); it is
+    checked by building the TierOptions."""
+
+    local_dir: str = MISSING
+    local_every_n_steps: int = 50
+    keep_local: int = 2
+    replicas: int = 1
+    durable_every_n_steps: Optional[int] = None
+    node: Optional[str] = None
+    ranks_per_node: Optional[int] = None
+    max_staging_bytes: Optional[int] = None
+
+    def options(self) -> TierOptions:
+        """The :class:`TierOptions` these settings give (its checks raise ArgumentError naming the field)."""
+        return TierOptions(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass
@@ -56,6 +77,9 @@ class DistCheckpointConfig:
             module's (a larger one zero-padded, a smaller one truncated; the number of axes must
             match), as ``ShardedTensor(..., allow_shape_mismatch=True)`` does; off: a mismatch is a
             ``ShardingError`` listing every such key.
+        tiers: node-local checkpoints every few steps with partner copies, and ``ckpt_path="last"``
+            resuming from the newest recoverable step in any tier (:class:`TiersConfig`, docs/tiers.md);
+            ``null``: off.
     """
 
     storage: StorageOptions = field(default_factory=StorageOptions)
@@ -68,6 +92,7 @@ class DistCheckpointConfig:
     safe_globals: List[str] = field(default_factory=list)
     cast: str = SAME_KIND
     allow_shape_mismatch: bool = False
+    tiers: Optional[TiersConfig] = None
 
     def __post_init__(self) -> None:
         try:
@@ -82,6 +107,18 @@ class DistCheckpointConfig:
             raise ConfigError(f"max_staging_bytes must be null or >= 0 bytes, got {self.max_staging_bytes}")
         if self.cast not in CAST_RULES:
             raise ConfigError(f"cast must be one of {list(CAST_RULES)}, got {self.cast!r}")
+        if isinstance(self.tiers, Mapping):  # built in Python with a dict for the section
+            self.tiers = TiersConfig(**self.tiers)
+        if self.tiers is not None:
+            try:
+                self.tiers.options()
+            except CheckpointingError as e:  # ArgumentError / ArgumentTypeError: the field and the value
+                raise ConfigError(f"tiers: {e}") from None
+
+    @property
+    def tier_options(self) -> Optional[TierOptions]:
+        """The ``tiers:`` section as :class:`~lightning_distckpt.tiers.TierOptions`; None when off."""
+        return None if self.tiers is None else self.tiers.options()
 
     @property
     def strict_handling(self) -> StrictHandling:

@@ -25,6 +25,8 @@ from ..storage.paths import checkpoint_location
 from .parallel import STRATEGY_NAME, ParallelState
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tp_strategy import AsyncCommitHooksMixin, TensorParallelStrategyMixin
+from .tiers import is_tier_marker, with_tier_callback
+from .tiers_restore import DeferredTierOptimizerStates, load_recovery_point
 from .trainer_restore import DeferredOptimizerStates, load_before_setup, restore_after_setup
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
 
@@ -131,6 +133,15 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank saves its shards of the model and optimizer state; the rest of
         ``checkpoint`` (loops, callbacks, schedulers, hyper-parameters) is common state."""
+        tree = self.sharded_checkpoint(checkpoint, f"save to {checkpoint_location(filepath, 'filepath')}")
+        if self._parallel_state is None:
+            # Before the first run, as after a teardown: no later hook would commit a background save.
+            self.checkpoint_io.background_saves = False
+        self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
+
+    def sharded_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> Dict[str, Any]:
+        """Collective: the tree :meth:`save_checkpoint` saves for Lightning's ``checkpoint`` dict (the
+        module's and optimizers' shards; the rest common state). ``what`` names the save in errors."""
         def build() -> Dict[str, Any]:
             model_ssd = self._model_ssd()
             tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -140,11 +151,13 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
             tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
             return tree
 
-        tree = build_on_all_ranks(f"save to {checkpoint_location(filepath, 'filepath')}", build)
-        if self._parallel_state is None:
-            # Before the first run, as after a teardown: no later hook would commit a background save.
-            self.checkpoint_io.background_saves = False
-        self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
+        return build_on_all_ranks(what, build)
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        options = self.checkpoint_io.config.tier_options
+        if options is not None and self._launcher is not None:  # tiers: a TierCheckpoint before ckpt_path resolves
+            self._launcher = with_tier_callback(self._launcher, options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Collective, before setup: every rank reads its shards of the module (in place) and the
@@ -153,12 +166,18 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
         accepted for the signature: loading is always safe."""
         path = checkpoint_location(checkpoint_path, "checkpoint_path")
         assert self.lightning_module is not None
-        return load_before_setup(self, path, self.lightning_module.trainer.state.fn == TrainerFn.FITTING)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if is_tier_marker(path):  # ckpt_path="last" with tiers: the newest recoverable step of any tier
+            return load_recovery_point(self, path, fitting)
+        return load_before_setup(self, path, fitting)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Collective: the optimizer state :meth:`load_checkpoint` left for after setup, in place.
         A checkpoint with no optimizer state at all (``optimizer_states={}``) restores none, as stock."""
         states = checkpoint["optimizer_states"]
+        if isinstance(states, DeferredTierOptimizerStates):
+            states.restore(self)
+            return
         if isinstance(states, DeferredOptimizerStates):
             restore_after_setup(self, states)
             return

@@ -1,0 +1,228 @@
+"""Checkpoint tiers for Trainer runs: a node-local checkpoint every ``local_every_n_steps`` optimizer
+steps (:class:`~lightning_distckpt.tiers.LocalTier`, with partner copies on other nodes), the durable
+checkpoints as today, and ``fit(ckpt_path="last")`` resuming from the newest step any tier can restore.
+
+How it plugs into Lightning (no patching; docs/tiers.md):
+
+* :class:`TierCheckpoint` is a ``ModelCheckpoint`` (the durable tier: ``last.ckpt`` every
+  ``durable_every_n_steps``, or nothing of its own when that is unset and the Trainer's other
+  ``ModelCheckpoint`` decides) that also saves the local tier from ``on_train_batch_end``: the dict
+  ``trainer.save_checkpoint`` builds (``dump_checkpoint``), in the sharded form the strategy saves.
+* ``DistCheckpointStrategy`` with ``tiers:`` configured adds one to the Trainer's callbacks when it
+  launches (its launcher is Lightning's own with :class:`_TierLaunch` mixed in), before Lightning
+  resolves ``ckpt_path``.
+* Lightning resolves ``"last"`` on each rank alone (before any process group exists) as the newest
+  of what every ``ModelCheckpoint._find_last_checkpoints`` names. Once a local save has happened,
+  this callback names a marker file in its folder (shared storage, the same on every rank), made
+  the newest; the strategy's ``load_checkpoint`` of the marker asks the tiers, collectively, for the
+  newest recoverable step (:mod:`.tiers_restore`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable, List, Optional, Set, Tuple
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+
+from ..core.errors import CheckpointingError
+from ..tiers import LocalTier, TierOptions
+from .model_checkpoint import DistModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+#: The file in the TierCheckpoint's folder that says local saves were made here.
+MARKER_NAME = "tiers-last.json"
+
+
+def is_tier_marker(path: Any) -> bool:
+    """Whether ``path`` (what Lightning resolved ``ckpt_path`` to) is a tiers marker."""
+    return isinstance(path, (str, os.PathLike)) and os.path.basename(os.fspath(path)) == MARKER_NAME
+
+
+class TierCheckpoint(DistModelCheckpoint):
+    """Saves the node-local tier every ``options.local_every_n_steps`` optimizer steps; as a
+    ``ModelCheckpoint``, saves ``last.ckpt`` every ``options.durable_every_n_steps`` (unset: no
+    durable saves of its own). ``DistCheckpointStrategy`` adds one when its config has ``tiers:``;
+    pass one yourself to choose its ``dirpath`` or other ``ModelCheckpoint`` arguments.
+
+    Args:
+        options: the tiers' settings.
+        kwargs: ``ModelCheckpoint``'s arguments (default: ``save_top_k=0``, and ``save_last=True``
+            with ``every_n_train_steps=durable_every_n_steps`` when that is set).
+    """
+
+    def __init__(self, options: TierOptions, **kwargs: Any) -> None:
+        if not isinstance(options, TierOptions):
+            raise CheckpointingError(f"TierCheckpoint needs TierOptions, got {type(options).__name__}")
+        durable = options.durable_every_n_steps
+        defaults = dict(save_top_k=0, save_last=durable is not None, every_n_train_steps=durable or 0,
+                        every_n_epochs=0)
+        super().__init__(**{**defaults, **kwargs})
+        self.options = options
+        self.local_tier: Optional[LocalTier] = None
+        self._last_local_step = -1
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["local_tier"] = None  # threads and a process group stay with this process
+        return state
+
+    # -- the local tier ----------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """ModelCheckpoint's setup, then this rank's LocalTier (collective: every rank sets up)."""
+        super().setup(trainer, pl_module, stage)
+        if not callable(getattr(trainer.strategy, "sharded_checkpoint", None)):
+            raise CheckpointingError(f"TierCheckpoint needs DistCheckpointStrategy (the local tier holds its sharded "
+                                     f"checkpoints), got {type(trainer.strategy).__name__}")
+        if self.local_tier is None:
+            self.local_tier = LocalTier(self.options)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """The durable save when due (ModelCheckpoint's), then the local one when due."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step = trainer.global_step
+        if step % self.options.local_every_n_steps or step == self._last_local_step or self._skip(trainer):
+            return
+        self.save_local(trainer, step)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """With no per-epoch saves (``every_n_epochs=0``, the default here), none: ``ModelCheckpoint``
+        would save ``last.ckpt`` at every epoch end; the durable tier saves every N steps only."""
+        if self._every_n_epochs:
+            super().on_train_epoch_end(trainer, pl_module)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """As :meth:`on_train_epoch_end`, for the ``last.ckpt`` ``ModelCheckpoint`` saves after validation."""
+        if self._every_n_epochs:
+            super().on_validation_end(trainer, pl_module)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The end of training waits for the last local save and its partner copies (collective);
+        ``ModelCheckpoint``'s save of a ``last.ckpt`` at the end only with per-epoch saves (as above)."""
+        if self._every_n_epochs:
+            super().on_train_end(trainer, pl_module)
+        if self.local_tier is not None:
+            self.local_tier.wait()
+
+    @staticmethod
+    def _skip(trainer: Any) -> bool:
+        return bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
+
+    def save_local(self, trainer: Any, step: int) -> None:
+        """Collective: the checkpoint ``trainer.save_checkpoint`` would write, handed to the local tier
+        (which returns once it has its snapshot)."""
+        assert self.local_tier is not None, "TierCheckpoint.setup makes the local tier"
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        tree = trainer.strategy.sharded_checkpoint(checkpoint, f"local tier step {step}")
+        self.local_tier.save(tree, step=step)
+        self._last_local_step = step
+        if trainer.is_global_zero:
+            self._write_marker(trainer, step)
+
+    # -- ckpt_path="last" ----------------------------------------------------------------------
+    def marker_path(self, trainer: Any) -> Optional[str]:
+        """Where the marker is: this callback's folder (None: an ``s3://`` folder, or none known)."""
+        dirpath = str(self.dirpath) if self.dirpath is not None else self._default_dir(trainer)
+        if dirpath is None or "://" in dirpath:
+            return None
+        return os.path.join(dirpath, MARKER_NAME)
+
+    def _write_marker(self, trainer: Any, step: int) -> None:
+        marker = self.marker_path(trainer)
+        if marker is None or os.path.isfile(marker):
+            return
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        tmp = f"{marker}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"what": "lightning_distckpt tiers: local saves were made; ckpt_path='last' asks the tiers",
+                       "local_dir": self.options.local_dir, "first_local_step": step}, f)
+        os.replace(tmp, marker)
+
+    def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
+        """The durable ``last*.ckpt`` found, and the marker once local saves were made here, made the
+        newest candidate (its time set to now): the connector keeps the newest by modification time,
+        and loading the marker asks the tiers for the newest recoverable step, durable ones included."""
+        found = self.durable_last_checkpoints(trainer)
+        marker = self.marker_path(trainer)
+        if marker is not None and os.path.isfile(marker):
+            os.utime(marker)
+            found.add(marker)
+        return found
+
+    def durable_last_checkpoints(self, trainer: Any) -> Set[str]:
+        """This callback's own ``last*.ckpt`` (DistModelCheckpoint's lookup)."""
+        return set(super()._find_last_checkpoints(trainer))
+
+
+def tier_callback(trainer: Any) -> Optional[TierCheckpoint]:
+    """The Trainer's TierCheckpoint (the first, if several)."""
+    return next((cb for cb in trainer.callbacks if isinstance(cb, TierCheckpoint)), None)
+
+
+def durable_candidates(trainer: Any, read_step: Callable[[str], Optional[int]]) -> List[Tuple[int, str]]:
+    """``(global step, path)`` of each durable ``last*.ckpt`` the Trainer's ``ModelCheckpoint``\\ s find,
+    newest step first; ``read_step`` reads a checkpoint's step (None: not one this strategy resumes)."""
+    paths: Set[str] = set()
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, TierCheckpoint):
+            paths |= cb.durable_last_checkpoints(trainer)
+        elif isinstance(cb, ModelCheckpoint):
+            paths |= {p for p in cb._find_last_checkpoints(trainer) if not is_tier_marker(p)}
+    out = []
+    for path in sorted(paths):
+        step = read_step(path)
+        if step is not None:
+            out.append((step, path))
+    return sorted(out, reverse=True)
+
+
+def add_tier_callback(trainer: Any, options: TierOptions) -> None:
+    """A :class:`TierCheckpoint` of ``options`` in the Trainer's callbacks, unless it has one."""
+    if trainer is not None and tier_callback(trainer) is None:
+        trainer.callbacks.append(TierCheckpoint(options))
+
+
+class _TierLaunch:
+    """A launcher that adds a :class:`TierCheckpoint` to the Trainer's callbacks (unless it has one)
+    before the Trainer function runs: before Lightning resolves ``ckpt_path="last"``, and before a
+    spawn launcher copies the Trainer to its processes. Mixed into Lightning's own launchers, so
+    what Lightning does by their type (a subprocess launcher's kill on Ctrl-C) stays."""
+
+    tier_options: TierOptions
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        add_tier_callback(trainer, self.tier_options)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class TierSubprocessScriptLauncher(_TierLaunch, _SubprocessScriptLauncher):
+    """``_SubprocessScriptLauncher`` (``strategy="ddp_distckpt"``) adding a :class:`TierCheckpoint`."""
+
+
+class TierMultiProcessingLauncher(_TierLaunch, _MultiProcessingLauncher):
+    """``_MultiProcessingLauncher`` (``"ddp_distckpt_spawn"``) adding a :class:`TierCheckpoint`."""
+
+
+_TIER_LAUNCHERS = {_SubprocessScriptLauncher: TierSubprocessScriptLauncher,
+                   _MultiProcessingLauncher: TierMultiProcessingLauncher}
+
+
+def with_tier_callback(launcher: _Launcher, options: TierOptions) -> _Launcher:
+    """``launcher`` (as the strategy configured it) as the same launcher that also adds a
+    :class:`TierCheckpoint` of ``options`` to the Trainer before launching."""
+    cls = _TIER_LAUNCHERS.get(type(launcher))
+    if cls is None:
+        raise CheckpointingError(f"tiers: the strategy's launcher {type(launcher).__name__} is not one this layer "
+                                 f"extends ({[c.__name__ for c in _TIER_LAUNCHERS]}); pass a TierCheckpoint in "
+                                 "the Trainer's callbacks instead of configuring tiers: in the strategy")
+    out = cls.__new__(cls)
+    out.__dict__.update(launcher.__dict__)
+    out.tier_options = options
+    return out

@@ -1,0 +1,123 @@
+"""``fit(ckpt_path="last")`` with tiers: the ranks agree on the newest recoverable step
+(:meth:`LocalTier.recoverable`, given the durable ``last*.ckpt`` checkpoints found) and restore it,
+in the same two parts as any restore (:mod:`.trainer_restore`): the module and every entry but the
+optimizer state before setup, the optimizer state in place once the optimizers exist. A durable
+point is restored by the usual path; a local one is read by :meth:`LocalTier.load` (own node's tier,
+a partner's copy over torch.distributed, or durable storage, shard by shard)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from ..core.errors import CheckpointingError, IncompleteCheckpointError
+from ..core.strict import StrictHandling
+from ..tiers import LocalTier, RecoveryPoint
+from .sharded import build_on_all_ranks, restore_optimizer
+from .tiers import durable_candidates, tier_callback
+from .trainer_restore import OPTIMIZER_ENTRY, load_before_setup
+from .tree import MANIFEST_KEY
+
+if TYPE_CHECKING:
+    from .strategy import DistCheckpointStrategy
+
+log = logging.getLogger(__name__)
+
+#: A local point holds the whole checkpoint and each part reads only its own keys: the modes that
+#: report saved keys no part asks for ("missing") keep their other half.
+_PART_STRICT = {StrictHandling.RAISE_ALL: StrictHandling.RAISE_UNEXPECTED,
+                StrictHandling.LOG_ALL: StrictHandling.LOG_UNEXPECTED,
+                StrictHandling.RETURN_ALL: StrictHandling.ASSUME_OK_UNEXPECTED,
+                StrictHandling.RETURN_UNEXPECTED: StrictHandling.ASSUME_OK_UNEXPECTED}
+
+
+@dataclass
+class DeferredTierOptimizerStates:
+    """What the restore of a local point leaves under ``checkpoint["optimizer_states"]``: read into
+    the optimizers by ``load_optimizer_state_dict`` once they exist."""
+
+    tier: LocalTier
+    point: RecoveryPoint
+    stored: int  # optimizer states the checkpoint holds
+
+    def __repr__(self) -> str:
+        return f"DeferredTierOptimizerStates({self.stored} optimizer state(s) of local step {self.point.step})"
+
+    def restore(self, strategy: "DistCheckpointStrategy") -> None:
+        """Collective: the optimizer state of the local point, in place."""
+        optimizers = strategy._raw_optimizers()
+        if self.stored != len(optimizers):
+            raise CheckpointingError(f"local checkpoint of step {self.point.step} has {self.stored} optimizer "
+                                     f"states, the module has {len(optimizers)} optimizers")
+        if not optimizers:
+            return
+
+        def build() -> Dict[str, Any]:
+            return {OPTIMIZER_ENTRY: strategy._optimizer_states(strategy._model_ssd())}
+
+        template = build_on_all_ranks(f"load of the optimizer state of local step {self.point.step}", build)
+        loaded = tier_load(strategy, self.tier, template, self.point)
+        for opt, state in zip(optimizers, loaded[OPTIMIZER_ENTRY]):
+            restore_optimizer(opt, state)
+
+
+def tier_load(strategy: "DistCheckpointStrategy", tier: LocalTier, template: Dict[str, Any],
+              point: RecoveryPoint) -> Dict[str, Any]:
+    """Collective :meth:`LocalTier.load` with the strategy's load settings."""
+    strict = strategy._strict_handling()
+    io = strategy.checkpoint_io
+    out = tier.load(template, point, strict=_PART_STRICT.get(strict, strict),
+                    extra_safe_globals=io.extra_safe_globals, cast=io.config.cast)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def durable_step(strategy: "DistCheckpointStrategy", path: str) -> Optional[int]:
+    """The global step a durable checkpoint was saved at (its common state's ``global_step``); None
+    for one that cannot say (logged: it is then not a candidate)."""
+    try:
+        common = strategy.checkpoint_io.open_source(path).load_common(strategy.checkpoint_io.extra_safe_globals)
+        step = common.get("global_step") if isinstance(common, dict) else None
+    except CheckpointingError as e:
+        log.warning("tiers: durable checkpoint %s is not a candidate: %s", path, e)
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def load_recovery_point(strategy: "DistCheckpointStrategy", marker: str, fitting: bool) -> Dict[str, Any]:
+    """Collective, before setup: Lightning resolved ``ckpt_path="last"`` to the tiers' ``marker``;
+    agree on the newest recoverable step and restore it (the optimizer state deferred when fitting)."""
+    assert strategy.lightning_module is not None
+    trainer = strategy.lightning_module.trainer
+    callback = tier_callback(trainer)
+    if callback is None or callback.local_tier is None:
+        raise CheckpointingError(f"ckpt_path resolved to the tiers marker {marker}, but the Trainer has no "
+                                 "TierCheckpoint set up (configure tiers: in the strategy's checkpoint config)")
+    tier = callback.local_tier
+    durable = durable_candidates(trainer, lambda path: durable_step(strategy, path))
+    point = tier.recoverable(durable)
+    if point is None:
+        raise IncompleteCheckpointError(
+            f'ckpt_path="last": local saves were made here ({marker}) but no step is recoverable: every copy of '
+            f"some shard of the local checkpoints is gone and no durable last checkpoint was found "
+            f"({len(durable)} candidate(s)). Remove {marker} to start from scratch, or pass a checkpoint path.")
+    log.info("tiers: resuming from step %d (%s%s)", point.step, point.source,
+             f" {point.path}" if point.path else f", local tier {tier.options.local_dir}")
+    if point.source == "durable":
+        assert point.path is not None
+        return load_before_setup(strategy, point.path, fitting)
+    return load_local_before_setup(strategy, tier, point, fitting and strategy.lightning_restore_optimizer)
+
+
+def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier, point: RecoveryPoint,
+                            restore_optimizers: bool) -> Dict[str, Any]:
+    """Collective: the module's shards of a local point read in place, every other entry whole; the
+    optimizer state deferred (:class:`DeferredTierOptimizerStates`) when restoring optimizers."""
+    template = build_on_all_ranks(f"load of local step {point.step}", lambda: {"state_dict": strategy._model_ssd()})
+    checkpoint = dict(tier_load(strategy, tier, template, point))
+    checkpoint.pop(MANIFEST_KEY, None)
+    stored = checkpoint.pop(OPTIMIZER_ENTRY, None)
+    if restore_optimizers:
+        count = len(stored) if isinstance(stored, (list, tuple, dict)) else 0
+        checkpoint[OPTIMIZER_ENTRY] = DeferredTierOptimizerStates(tier, point, count)
+    return checkpoint

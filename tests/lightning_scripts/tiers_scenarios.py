@@ -1,0 +1,119 @@
+"""Trainer runs with checkpoint tiers for tests/tiers/test_lightning_tiers.py, launched as
+``python tiers_scenarios.py SCENARIO --dir D --out O --devices N --tp T --ranks-per-node R``.
+
+The ranks are simulated nodes of ``R`` ranks, each node's local tier its own directory
+(``D/<run>/local/node<i>``). A "failure" ends a run and deletes one node's local directory (or all
+of them); the next Trainer in the same processes (a new module, strategy, callback and tier) resumes
+with ``fit(ckpt_path="last")``. Every rank writes what it saw to ``OUT.rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/ (lightning_helpers)
+
+from scenario_runner import scenario_main  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+
+from lightning_distckpt import CheckpointingError  # noqa: E402
+from lightning_distckpt.lightning import DistCheckpointStrategy  # noqa: E402
+from lightning_distckpt.lightning.tiers import MARKER_NAME, TierCheckpoint  # noqa: E402
+from lightning_helpers import TPMLP  # noqa: E402
+from trainer_scenarios import same, snapshot  # noqa: E402
+
+TIMEOUT = timedelta(seconds=90)  # a hang fails the test instead of blocking it
+TOTAL, FAIL_AT = 10, 9  # steps of a whole run; the step the interrupted run ends at
+LOCAL_EVERY, DURABLE_EVERY = 2, 6
+
+
+class FirstStep(Callback):
+    """Records the global step training starts from (the step a resume restored)."""
+
+    def __init__(self) -> None:
+        self.step: Optional[int] = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.step = trainer.global_step
+
+
+def fit(args: argparse.Namespace, root: str, max_steps: int, ckpt_path: Optional[str] = None) -> Dict[str, Any]:
+    """One Trainer run under ``root`` with tiers (local every 2 steps, durable every 6); its snapshot."""
+    tiers = {"local_dir": os.path.join(root, "local", "{node}"), "local_every_n_steps": LOCAL_EVERY,
+             "durable_every_n_steps": DURABLE_EVERY, "ranks_per_node": args.ranks_per_node, "replicas": 1,
+             "keep_local": 2}
+    strategy = DistCheckpointStrategy(tensor_parallel_size=args.tp, timeout=TIMEOUT, checkpoint={"tiers": tiers})
+    first = FirstStep()
+    model = TPMLP(total_steps=TOTAL)
+    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=max_steps, max_epochs=-1,
+                      callbacks=[first], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=root)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    snap = snapshot(model, trainer)
+    snap["first_step"] = first.step
+    snap["tier_callbacks"] = sum(isinstance(cb, TierCheckpoint) for cb in trainer.callbacks)
+    return snap
+
+
+def listing(root: str) -> Dict[str, List[str]]:
+    """What each node's local tier and the durable folder hold (names only)."""
+    out = {}
+    for sub in ("local/node0", "local/node1", "checkpoints"):
+        path = os.path.join(root, sub)
+        out[sub] = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return out
+
+
+def lose(trainer_strategy_barrier: Any, root: str, nodes: List[str], rank: int) -> None:
+    """Delete the local directories of ``nodes`` (rank 0), with every rank waiting for it."""
+    if rank == 0:
+        for node in nodes:
+            shutil.rmtree(os.path.join(root, "local", node), ignore_errors=True)
+    trainer_strategy_barrier()
+
+
+def recovery(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """A: 10 steps straight. B: the same job ends at step 9 (a first run: ckpt_path="last" finds
+    nothing). Node 0's local tier is lost; C resumes with "last" (from step 8: node 1's partner copies)
+    to 10. Every local copy is lost; D resumes from the durable step 6 to 10. C and D must end where A
+    did, exactly. Then the durable checkpoint is removed too: "last" refuses on every rank."""
+    import torch.distributed as dist
+
+    a = fit(args, os.path.join(args.dir, "A"), TOTAL)
+    rank = dist.get_rank()  # the process group exists from the first fit on
+    root = os.path.join(args.dir, "B")
+    b = fit(args, root, FAIL_AT, ckpt_path="last")
+    res["b_first_step"], res["b_global_step"] = b["first_step"], b["global_step"]
+    res["b_tier_callbacks"] = b["tier_callbacks"]
+    res["after_b"] = listing(root)
+
+    lose(dist.barrier, root, ["node0"], rank)
+    c = fit(args, root, TOTAL, ckpt_path="last")
+    res["c_first_step"], res["c_exact"] = c["first_step"], same(a, c)
+    res["c_losses_match"] = {k: v for k, v in a["losses"].items() if k >= c["first_step"]} == c["losses"]
+    res["after_c"] = listing(root)
+
+    lose(dist.barrier, root, ["node0", "node1"], rank)
+    d = fit(args, root, TOTAL, ckpt_path="last")
+    res["d_first_step"], res["d_exact"] = d["first_step"], same(a, d)
+
+    lose(dist.barrier, root, ["node0", "node1"], rank)
+    if rank == 0:
+        shutil.rmtree(os.path.join(root, "checkpoints", "last.ckpt"))
+    dist.barrier()
+    try:
+        fit(args, root, TOTAL, ckpt_path="last")
+        res["nothing_left"] = "no error"
+    except CheckpointingError as e:
+        res["nothing_left"] = f"{type(e).__name__}: {e}"
+    res["marker"] = os.path.isfile(os.path.join(root, "checkpoints", MARKER_NAME))
+
+
+if __name__ == "__main__":
+    scenario_main({"recovery": recovery}, **{"--ranks-per-node": dict(type=int, default=2)})

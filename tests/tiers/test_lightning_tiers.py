@@ -1,0 +1,56 @@
+"""Checkpoint tiers in real Trainer runs: 4 gloo processes (TP 2 x DP 2) as 2 simulated nodes of 2
+ranks, local saves every 2 steps and durable ones every 6 (tests/lightning_scripts/tiers_scenarios.py).
+A run ends at step 9 and a node's local tier is deleted: ``fit(ckpt_path="last")`` resumes from
+local step 8 (the partner copies) and ends exactly where an uninterrupted run ends; with every local
+copy gone it resumes from the durable step 6, again exactly; with nothing left it refuses on every rank."""
+
+import pytest
+
+from lightning_helpers import run_script
+
+pytestmark = pytest.mark.slow
+
+STATE = {"weights": True, "opt": True, "lr": True, "sched": True, "global_step": True, "epoch": True}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiers_trainer")
+    results = run_script("tiers_scenarios.py", ["recovery", "--dir", str(d), "--devices", "4", "--tp", "2",
+                                                "--ranks-per-node", "2"], str(d / "out"), world_size=4, timeout=420)
+    return d, results
+
+
+def test_strategy_adds_the_tier_callback_and_first_last_starts_fresh(runs):
+    _, results = runs
+    for res in results:
+        assert res["b_tier_callbacks"] == 1  # added by the strategy (tiers: in its config), once
+        assert res["b_first_step"] == 0 and res["b_global_step"] == 9  # "last" with nothing saved: from scratch
+        # each node holds the newest local step (its own shards and its partner's copy); pruning: tests/tiers core
+        assert all("step_000000008" in res["after_b"][f"local/{node}"] for node in ("node0", "node1"))
+        assert res["after_b"]["checkpoints"] == ["last.ckpt", "tiers-last.json"]  # durable step 6, the marker
+
+
+def test_one_node_lost_resumes_from_the_newest_local_step_exactly(runs):
+    _, results = runs
+    for res in results:
+        assert res["c_first_step"] == 8  # node 0's tier gone: node 1's partner copies of step 8
+        assert res["c_exact"] == STATE  # weights, optimizer, scheduler, loops: as the uninterrupted run's
+        assert res["c_losses_match"] is True
+        # the resumed run saved on: both nodes hold step 10
+        assert all("step_000000010" in res["after_c"][f"local/{node}"] for node in ("node0", "node1"))
+
+
+def test_every_local_copy_lost_resumes_from_durable_exactly(runs):
+    _, results = runs
+    for res in results:
+        assert res["d_first_step"] == 6
+        assert res["d_exact"] == STATE
+
+
+def test_nothing_recoverable_refuses_on_every_rank(runs):
+    _, results = runs
+    for res in results:
+        assert res["nothing_left"].startswith("IncompleteCheckpointError")
+        assert "no step is recoverable" in res["nothing_left"] and "tiers-last.json" in res["nothing_left"]
+        assert res["marker"] is True  # the marker is the user's to remove: never deleted behind their back
