@@ -15,7 +15,14 @@ Sync and steady-state async saves are repeated (``--repeats``, default 3) and me
 The target: blocking time at most 10% of the synchronous save time. The checkpoint written
 asynchronously is loaded back and compared with the state at the time of the save.
 
+``--budgets`` (fractions of a rank's state, ``none`` for no budget) measures host memory instead:
+for each budget, fresh processes make two async saves with ``AsyncSaver(max_staging_bytes=...)``
+while the caller trains; reported per rank: the peak RSS above the RSS with the state in memory
+(``VmHWM`` reset before the first save), the saver's peak staging bytes, the caller's blocking
+time (the budget trades it for memory) and the save to commit.
+
 Run: ``.venv/bin/python benchmarks/bench_async.py [--mb 512] [--worlds 1 2] [--repeats 3] [--out results.json]``
+or ``... --worlds 2 --budgets none 0.5 0.25 0``
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import lightning_distckpt as ldc  # noqa: E402
 from common import fmt_table, local_state, machine_summary, state_bytes  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
+from rss import peak_increase_mib, reset_peak  # noqa: E402
 
 
 def _sharded(tensors, rank: int, world: int) -> Dict[str, Any]:
@@ -128,6 +136,118 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int) ->
     return out
 
 
+def _memory_worker(rank: int, world: int, root: str, total_bytes: int, fraction: Any) -> Dict[str, Any]:
+    """Two async saves under ``fraction`` x this rank's state of staging budget (None: no budget)."""
+    torch.set_num_threads(1)
+    tensors = local_state(total_bytes, rank, world, "tp")
+    sd = _sharded(tensors, rank, world)
+    nbytes = state_bytes(tensors)
+    budget = None if fraction is None else int(fraction * nbytes)
+    ldc.save({k: v for k, v in list(sd.items())[:2]}, f"{root}/warmup")  # imports, tensorstore, out of the peak
+    saver = ldc.AsyncSaver(max_staging_bytes=budget)
+    before = reset_peak()
+    blocked, total = [], []
+    for i in range(2):
+        _barrier()
+        t0 = time.perf_counter()
+        req = saver.save(sd, f"{root}/m{i}")
+        blocked.append(_max(time.perf_counter() - t0))
+        _train(0.5)
+        req.finalize()
+        total.append(_max(time.perf_counter() - t0))
+    return {"state_bytes": nbytes, "budget": budget, "peak_rss_mib": peak_increase_mib(before),
+            "peak_staging": saver.peak_staging_bytes, "waves": req.waves, "blocked_s": blocked, "total_s": total}
+
+
+def run_memory(world: int, total_bytes: int, fractions: List[Any]) -> List[Dict[str, Any]]:
+    rows = []
+    for fraction in fractions:
+        root = tempfile.mkdtemp(prefix=f"bench_async_mem_{world}_", dir=os.environ.get("BENCH_DIR"))
+        try:  # fresh processes for each budget: each peak is its own
+            per_rank = run_distributed(_memory_worker, world, root, total_bytes, fraction, timeout_s=600)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        rows.append({"world": world, "fraction": fraction, "per_rank": per_rank})
+    return rows
+
+
+def report_memory(rows: List[Dict[str, Any]]) -> str:
+    out = []
+    for r in rows:
+        p = r["per_rank"]
+        mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
+        out.append([r["world"], "none" if r["fraction"] is None else f"{r['fraction']:g}",
+                    mib(max(x["state_bytes"] for x in p)),
+                    "-" if p[0]["budget"] is None else mib(max(x["budget"] for x in p)),
+                    mib(max(x["peak_staging"] for x in p)), f"{max(x['peak_rss_mib'] for x in p):.0f}",
+                    max(x["waves"] for x in p), " / ".join(f"{b:.3f}" for b in p[0]["blocked_s"]),
+                    " / ".join(f"{b:.3f}" for b in p[0]["total_s"])])
+    return fmt_table(["ranks", "budget (x state)", "state MiB per rank", "budget MiB", "peak staging MiB",
+                      "peak RSS above state MiB", "waves", "caller blocked s (1st / 2nd save)",
+                      "save to commit s"], out)
+
+
+def _steps(k: int) -> None:
+    a = torch.randn(256, 256)
+    for _ in range(k):
+        a = torch.tanh(a @ a)
+
+
+def _timed(fn: Any) -> float:
+    _barrier()
+    t0 = time.perf_counter()
+    fn()
+    return _max(time.perf_counter() - t0)
+
+
+def _overhead_worker(rank: int, world: int, root: str, total_bytes: int, repeats: int, train_s: float,
+                     configs: List[str]) -> Dict[str, Any]:
+    """What a save costs a caller that trains for ``train_s`` after it: per config, the time of
+    save + the steps (+ finalize) minus the time of the steps alone, every repeat interleaved."""
+    torch.set_num_threads(1)
+    tensors = local_state(total_bytes, rank, world, "tp")
+    sd = _sharded(tensors, rank, world)
+    ldc.save(sd, f"{root}/warmup")
+    t0 = time.perf_counter()
+    _steps(50)
+    k = int(_max(50 * train_s / (time.perf_counter() - t0)))  # the same step count on every rank
+    savers = {c: ldc.AsyncSaver(nice=int(c.split(":")[1]), io_concurrency=int(c.split(":")[2]) or None)
+              for c in configs if c.startswith("async")}
+    for c, saver in savers.items():  # buffers allocated, plan cached: the steady state
+        saver.save(sd, f"{root}/{c}").finalize()
+    times: Dict[str, List[float]] = {c: [] for c in ["none", *configs]}
+    for r in range(repeats):
+        order = ["none", *configs]
+        order = order[r % len(order):] + order[:r % len(order)]
+        for c in order:
+            if c == "none":
+                times[c].append(_timed(lambda: _steps(k)))
+            elif c == "sync":
+                times[c].append(_timed(lambda: (ldc.save(sd, f"{root}/sync"), _steps(k))))
+            else:
+                def run_async(saver: Any = savers[c], path: str = f"{root}/{c}") -> None:
+                    req = saver.save(sd, path)
+                    _steps(k)
+                    req.finalize()
+                times[c].append(_timed(run_async))
+    return {"steps": k, "times": times}
+
+
+def run_overhead(world: int, total_bytes: int, repeats: int, train_s: float, configs: List[str]) -> str:
+    root = tempfile.mkdtemp(prefix=f"bench_async_ovh_{world}_", dir=os.environ.get("BENCH_DIR"))
+    try:
+        res = run_distributed(_overhead_worker, world, root, total_bytes, repeats, train_s, configs, timeout_s=600)[0]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    base = res["times"]["none"]
+    rows = [["none (steps alone)", f"{statistics.median(base):.3f}", "-", " / ".join(f"{t:.2f}" for t in base)]]
+    for c in configs:
+        t = res["times"][c]
+        lost = statistics.median(a - b for a, b in zip(t, base))
+        rows.append([c, f"{statistics.median(t):.3f}", f"{lost:.3f}", " / ".join(f"{x:.2f}" for x in t)])
+    return fmt_table(["config (async:nice:io_concurrency)", "median s", "lost s (median of paired)", "all s"], rows)
+
+
 def run(world: int, total_bytes: int, repeats: int) -> Dict[str, Any]:
     root = tempfile.mkdtemp(prefix=f"bench_async_{world}_", dir=os.environ.get("BENCH_DIR"))
     try:
@@ -168,8 +288,28 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=3, help="sync saves and steady-state async saves (medians)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--budgets", nargs="+", default=None,
+                    help="host memory mode: staging budgets as fractions of a rank's state, or 'none'")
+    ap.add_argument("--overhead", nargs="+", default=None,
+                    help="overhead mode: configs 'sync' and 'async:NICE:IO_CONCURRENCY' (0: the storage default)")
+    ap.add_argument("--train-s", type=float, default=3.0, help="overhead mode: seconds of steps after each save")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.overhead:
+        for w in args.worlds:
+            print(f"machine: {machine_summary()}, load average {os.getloadavg()[0]:.1f}, ranks {w}")
+            print(run_overhead(w, args.mb * 10**6, args.repeats, args.train_s, args.overhead))
+        print(f"load average after {os.getloadavg()[0]:.1f}")
+        return
+    if args.budgets:
+        fractions = [None if b == "none" else float(b) for b in args.budgets]
+        rows = [r for w in args.worlds for r in run_memory(w, args.mb * 10**6, fractions)]
+        print(f"machine: {machine_summary()}, load average {os.getloadavg()[0]:.1f}")
+        print(report_memory(rows))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"machine": machine_summary(), "memory": rows}, f, indent=1)
+        return
     results = [run(w, args.mb * 10**6, args.repeats) for w in args.worlds]
     print(f"machine: {machine_summary()}")
     print(report(results))

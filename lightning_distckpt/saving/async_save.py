@@ -48,7 +48,7 @@ class AsyncSaveRequest:
 
     def __init__(self, prep: PreparedSave, blocking_s: float, staged_bytes: int,
                  failure: Optional[BaseException] = None, snapshot_s: float = 0.0, reserved: bool = False,
-                 written: Optional[LocalWrite] = None, waves: int = 1) -> None:
+                 written: Optional[LocalWrite] = None, waves: int = 1, nice: int = 0) -> None:
         self.checkpoint_dir = prep.target
         self.collective = prep.comm.distributed  # its commit needs every rank: never finalized at exit
         self._reserved = reserved  # this process holds the target's name with an empty directory
@@ -64,12 +64,14 @@ class AsyncSaveRequest:
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         self._polls = 0  # calls of poll(): the same count on every rank
+        self._nice = nice
         if failure is None:
             self._thread = threading.Thread(target=self._write, name="distckpt-async-save", daemon=False)
             self._thread.start()
         async_pending.track(self)
 
     def _write(self) -> None:
+        _yield_cpu(self._nice)
         try:
             result = write_local(self._prep)
             before = self._written
@@ -133,6 +135,20 @@ class AsyncSaveRequest:
         logger.info("async save %s committed (caller blocked %.3fs)", self.checkpoint_dir, self.blocking_s)
 
 
+def _yield_cpu(nice: int) -> None:
+    """Run this thread (and the tensorstore threads it starts) at scheduling priority ``nice``
+    (Linux: per thread), so that where the training uses every core the background writes take the
+    CPU time it leaves rather than slowing its steps. Nothing where the OS does not allow it."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError as e:
+        logger.debug("background save thread keeps its priority: %s", e)
+
+
 class AsyncSaver:
     """Saves asynchronously, reusing its host staging pool from one save to the next.
 
@@ -156,16 +172,28 @@ class AsyncSaver:
             because the caller may change its tensors as soon as ``save`` returns. A smaller budget
             means less memory and a longer wait in ``save``. An accelerator shard larger than the
             budget raises :class:`ArgumentError` (a shard is written whole).
+        nice: the background writes' scheduling priority (Linux ``nice`` of the writing thread, 0 to
+            19; 0 keeps the caller's): they yield the CPU to the training where it uses every core.
+        io_concurrency: at most this many tensorstore threads copy and write in the background
+            (``StorageOptions.io_concurrency`` caps it too); None: the storage options'.
     """
 
     def __init__(self, pin_memory: Optional[bool] = None, reserve_targets: bool = False,
-                 max_staging_bytes: Optional[int] = None) -> None:
+                 max_staging_bytes: Optional[int] = None, nice: int = 10,
+                 io_concurrency: Optional[int] = None) -> None:
         if max_staging_bytes is not None and (isinstance(max_staging_bytes, bool) or
                                               not isinstance(max_staging_bytes, int) or max_staging_bytes < 0):
             raise ArgumentError(f"max_staging_bytes must be None or a number of bytes >= 0, got {max_staging_bytes!r}")
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ArgumentError(f"nice must be an int from 0 to 19, got {nice!r}")
+        if io_concurrency is not None and (isinstance(io_concurrency, bool) or not isinstance(io_concurrency, int)
+                                           or io_concurrency < 1):
+            raise ArgumentError(f"io_concurrency must be None or an int >= 1, got {io_concurrency!r}")
         self.pin_memory = pin_memory
         self.reserve_targets = reserve_targets
         self.max_staging_bytes = max_staging_bytes
+        self.nice = nice
+        self.io_concurrency = io_concurrency
         self._pool = StagingPool(pin_memory)
         self._pending: Optional[AsyncSaveRequest] = None
         self.plan_cache = SavePlanCache()
@@ -174,7 +202,7 @@ class AsyncSaver:
         """A copy (pickle, ``deepcopy``) starts afresh: the save in flight (a thread, its process
         group), the staging pool and the cached plan stay with this saver."""
         return {"pin_memory": self.pin_memory, "reserve_targets": self.reserve_targets,
-                "max_staging_bytes": self.max_staging_bytes}
+                "max_staging_bytes": self.max_staging_bytes, "nice": self.nice, "io_concurrency": self.io_concurrency}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -223,10 +251,13 @@ class AsyncSaver:
         self.finalize()
         t0 = time.perf_counter()
         comm = comm if comm is not None else get_comm(process_group)
+        options = storage or StorageOptions()
+        if self.io_concurrency is not None and self.io_concurrency < options.io_concurrency:
+            options = replace(options, io_concurrency=self.io_concurrency)  # a writer's choice: not in the plan
         prep = prepare_save(
             sharded_state_dict, checkpoint_location(checkpoint_dir, "checkpoint_dir"), comm,
             validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
-            options=storage or StorageOptions(), plan_cache=self.plan_cache,
+            options=options, plan_cache=self.plan_cache,
         )
         failure: Optional[BaseException] = None
         written: Optional[LocalWrite] = None
@@ -244,7 +275,7 @@ class AsyncSaver:
                     and async_pending.reserve_target(prep.target))
         staged_bytes = sum(w.data.numel() * w.data.element_size() for w in plan.staged)
         self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1, reserved=reserved,
-                                         written=written, waves=plan.waves)
+                                         written=written, waves=plan.waves, nice=self.nice)
         logger.info("async save %s started: %s in %.3fs, caller blocked %.3fs (plan %s)", prep.target,
                     describe(plan, self.max_staging_bytes), t2 - t1, t2 - t0, "reused" if prep.plan_reused else "made")
         return self._pending
