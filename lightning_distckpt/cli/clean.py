@@ -59,7 +59,12 @@ def clean(path: str, older_than_s: float, dry_run: bool, progress: Optional[Prog
     older_than_s = check_older_than(older_than_s)
     store = open_store(path, what="directory")
     actions = [] if dry_run else [CleanAction(*done) for done in store.recover_leftovers()]
-    found = [(lo, lo.verdict(older_than_s)) for lo in store.find_leftovers()]
+    leftovers = list(store.find_leftovers())
+    if store.file_system:  # node-local tiers: unfinished transfers, torn steps (tiers/views.py)
+        from ..tiers.views import tier_leftovers
+
+        leftovers += tier_leftovers(path)
+    found = [(lo, lo.verdict(older_than_s)) for lo in leftovers]
     if not dry_run:
         set_total(progress, sum(lo.nbytes or 0 for lo, verdict in found if verdict == "remove"))
     for lo, verdict in found:

@@ -1,6 +1,7 @@
 """``lightning-distckpt`` / ``python -m lightning_distckpt``: look into and check checkpoints.
 
     lightning-distckpt inspect DIR [--json]     keys, global shapes, dtypes, bytes, shard grid, writers
+                                                (a node-local tier root: steps and rank stores held)
     lightning-distckpt validate DIR [--json]    read every stored byte; exit 1 if anything is damaged
                                                 (both also take a DCP or Megatron-Core torch_dist directory)
     lightning-distckpt clean DIR [--dry-run]    remove staging directories that killed saves left behind
@@ -77,12 +78,16 @@ def _checkpoint_path(path: str) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..reading.checkpoint import OpenedCheckpoint
     from .foreign import open_foreign, render_foreign, summarize_foreign
+    from ..tiers.views import render_tier, tier_summary
     from .inspect import render, summarize
 
     path = _checkpoint_path(args.checkpoint)
     with bar(args, "inspect", unit="key", quick=True) as progress:  # keys described, any format
         foreign = open_foreign(path)  # a DCP or Megatron-Core directory
-        if foreign is not None:
+        tiers = tier_summary(path) if foreign is None and open_store(path).file_system else None
+        if tiers is not None:  # node-local tiers: a node root, or a directory of them
+            summary, show = tiers, render_tier
+        elif foreign is not None:
             summary, show = summarize_foreign(foreign, progress), render_foreign
         else:
             summary, show = summarize(OpenedCheckpoint.open(path), progress), render

@@ -4,12 +4,25 @@ every rank's node and this node's local root."""
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 from lightning_distckpt.comm import Comm
+from lightning_distckpt.storage.commit import KILL_AT_ENV, STOP_AT_ENV
 from lightning_distckpt.tiers.node_store import SCHEME, step_dir
 from lightning_distckpt.tiers.nodes import NodeMap
 from lightning_distckpt.tiers.options import TierOptions
+
+#: Points of a local save where tests may kill (or stop) a rank, as the commit's steps (storage/commit.py).
+TIER_STEPS = ("tier_before_place", "tier_before_note")
+
+
+def test_point(name: str) -> None:
+    """Test hook: stop or kill this process at ``name`` when the environment lists it (see storage/commit.py)."""
+    for env, sig in ((STOP_AT_ENV, signal.SIGSTOP), (KILL_AT_ENV, signal.SIGKILL)):
+        if name in os.environ.get(env, "").split(","):
+            os.kill(os.getpid(), sig)
+
 
 #: Names of the tier's temporary directories under a node root (transfers in progress): never a checkpoint.
 TMP_PREFIX = ".ldc-tier-tmp-"

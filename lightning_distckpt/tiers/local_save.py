@@ -20,7 +20,7 @@ from lightning_distckpt.core.errors import CheckpointingError, SaveFailedError
 from lightning_distckpt.saving.async_save import AsyncSaveRequest
 from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, rank_dir
 from lightning_distckpt.storage.staging import discard, live_owner_pids
-from lightning_distckpt.tiers.context import TMP_PREFIX, TierContext
+from lightning_distckpt.tiers.context import TMP_PREFIX, TierContext, test_point
 from lightning_distckpt.tiers.node_store import (NodeLocalStore, committed_steps, remove_step, uncommitted_dirs,
                                                   write_note)
 from lightning_distckpt.tiers.transfer import Incoming, Outgoing, exchange
@@ -31,12 +31,17 @@ _SHA_FIELDS = ("metadata_sha256", "common_sha256")  # the commit adds them again
 
 
 def finish_local_save(ctx: TierContext, request: AsyncSaveRequest, step: int) -> None:
-    """Collective (the tier's thread on every rank): commit, replicate, prune."""
+    """Collective (the tier's thread on every rank): make room, commit, replicate, prune.
+
+    At most ``keep_local`` step directories exist on a node at any time, the one being written included
+    (the host-memory bound of a ``/dev/shm`` tier): the oldest goes when a save starts."""
+    if ctx.is_lead:
+        prune(ctx, step, ctx.options.keep_local - 1)
     request.finalize()  # agreed; rank 0 commits its node's directory
     _commit_other_nodes(ctx, step)
     replicate(ctx, step)
     if ctx.is_lead:
-        prune(ctx, step)
+        prune(ctx, step, ctx.options.keep_local)
 
 
 def _rank0_files(ctx: TierContext, step: int) -> Tuple[Optional[str], Any]:
@@ -108,6 +113,7 @@ def place(received: str, step_path: str, writer: int, copy_from: str) -> None:
     """Rename a received store into ``step_path``'s ``data/`` (replacing a copy there) and note it held.
     A store with no files (a rank that wrote nothing) leaves only the note."""
     target = rank_dir(step_path, writer)
+    test_point("tier_before_place")
     if os.listdir(received):
         os.makedirs(os.path.join(step_path, DATA_DIR), exist_ok=True)
         if os.path.isdir(target):
@@ -115,16 +121,17 @@ def place(received: str, step_path: str, writer: int, copy_from: str) -> None:
         os.rename(received, target)
     else:
         os.rmdir(received)
+    test_point("tier_before_note")
     write_note(step_path, writer, copy=True, node=copy_from)
 
 
-def prune(ctx: TierContext, step: int) -> None:
-    """This node's lead, after ``step`` was committed and replicated: keep the ``keep_local`` newest
-    committed steps up to ``step``; remove newer ones (an abandoned run's, after a restart from an older
-    step), the tier's temporary directories and staging directories no live process writes."""
+def prune(ctx: TierContext, step: int, keep: int) -> None:
+    """This node's lead, around the save of ``step``: keep the ``keep`` newest committed steps up to
+    ``step``; remove newer ones (an abandoned run's, after a restart from an older step), the tier's
+    temporary directories and staging directories no live process writes."""
     steps = committed_steps(ctx.root)
     older = [s for s in steps if s.step <= step]
-    drop = [s for s in steps if s.step > step] + older[:max(0, len(older) - ctx.options.keep_local)]
+    drop = [s for s in steps if s.step > step] + older[:max(0, len(older) - keep)]
     for s in drop:
         remove_step(s.path)
     for path in uncommitted_dirs(ctx.root):

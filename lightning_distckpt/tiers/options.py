@@ -32,7 +32,8 @@ class TierOptions:
     ``local_dir`` is the node-local root (``/dev/shm/ckpt``, a local NVMe path); a ``"{node}"`` in it is
     replaced by this rank's node name (tests give each simulated node its own directory).
     ``local_every_n_steps`` and ``durable_every_n_steps`` are read by the Lightning layer, not by
-    :class:`LocalTier`. ``keep_local`` newest committed local checkpoints are kept per node; ``replicas``
+    :class:`LocalTier`. At most ``keep_local`` local checkpoints are kept per node, the one being written
+    included (with 1, nothing local is recoverable while a save is in flight); ``replicas``
     partner copies of each rank's shards are kept on other nodes. ``node`` overrides the node name
     (default: ``LOCAL_WORLD_SIZE``-free hostname); ``ranks_per_node`` simulates nodes
     (``node = f"node{rank // ranks_per_node}"``). ``max_staging_bytes`` bounds the host memory of the
