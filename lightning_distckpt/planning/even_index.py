@@ -237,11 +237,12 @@ class PackedPlaces:
     def _writer(self, writer: int) -> None:
         if not self._even or writer in self._asked:
             return
-        self._asked.add(writer)
         for key, entry in self._even:
             for i, _, shape, packed in entry.even.chunks(entry.global_shape, writer, writer + 1):
                 if packed is not None:
                     self._places[(writer, self._path_of(key, i))] = (entry.dtype, packed, shape)
+        # marked after: readers in other threads share these places (another may fill them again, alike)
+        self._asked.add(writer)
 
     def get(self, handle: Tuple[int, str], default: Optional[Place] = None) -> Optional[Place]:
         self._writer(handle[0])

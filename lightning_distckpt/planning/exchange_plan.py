@@ -12,7 +12,7 @@ from different readers, spreading storage reads over the group from the first op
 from __future__ import annotations
 
 import zlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -119,8 +119,12 @@ def plan_exchange(requests: Sequence[Sequence[ChunkRequest]], *, bucket_bytes: i
     load = [0] * size
     reader: Dict[ChunkId, int] = {}
     for c in sorted(needers, key=lambda c: (-nbytes[c], _sort_key(c))):
-        start = _spread_start(c, size)
-        reader[c] = min(needers[c], key=lambda rk: (load[rk], (rk - start) % size))
+        who = needers[c]
+        if len(who) == 1:  # no choice (no tie to break): the only needer reads it
+            reader[c] = next(iter(who))
+        else:
+            start = _spread_start(c, size)
+            reader[c] = min(who, key=lambda rk: (load[rk], (rk - start) % size))
         load[reader[c]] += nbytes[c]
 
     # Group into ops: big chunks alone, small ones bucketed by (reader, needers).
@@ -134,22 +138,24 @@ def plan_exchange(requests: Sequence[Sequence[ChunkRequest]], *, bucket_bytes: i
             buckets[(reader[c], who)].append(c)
     for (src, who), chunks in sorted(buckets.items()):
         current: List[ChunkId] = []
+        filled = 0  # bytes of ``current`` (a running sum: summing it per chunk was quadratic in its length)
         for c in chunks:
-            if current and sum(nbytes[x] for x in current) + nbytes[c] > bucket_bytes:
+            if current and filled + nbytes[c] > bucket_bytes:
                 per_src[src].append(_op(src, current, nbytes, who, size))
-                current = []
+                current, filled = [], 0
             current.append(c)
+            filled += nbytes[c]
         if current:
             per_src[src].append(_op(src, current, nbytes, who, size))
 
     # Interleave the readers: next op from the reader with the fewest bytes scheduled so far,
     # so every reader starts at once and they progress at the same pace.
     plan = ExchangePlan(read_bytes={rk: load[rk] for rk in range(size)}, requested_bytes=requested)
-    queues = {src: list(ops) for src, ops in per_src.items()}
+    queues = {src: deque(ops) for src, ops in per_src.items()}
     scheduled = {src: 0 for src in queues}
     while queues:
         src = min(queues, key=lambda s: (scheduled[s], s))
-        op = queues[src].pop(0)
+        op = queues[src].popleft()
         plan.ops.append(op)
         scheduled[src] += op.nbytes
         if not queues[src]:

@@ -43,6 +43,7 @@ class TensorReadPlan:
     key: str
     items: Tuple[ReadItem, ...]
     zero_fill: bool  # part of the requested shard lies outside the saved tensor
+    whole: bool = False  # one item, the whole of one stored shard into the whole request (no slicing needed)
 
 
 def _rel(off: Sequence[int], shape: Sequence[int], origin: Sequence[int]) -> Tuple[slice, ...]:
@@ -171,9 +172,15 @@ def plan_tensor_read(request: ShardedTensor, entry: TensorEntry,
     if request.flattened_range is not None or is_flattened(entry):
         return plan_flat_read(request, entry, checkpoint_dir)
     off, shape = request.global_offset, request.shard_shape
+    stored = entry.shards_in_rows(off[0], off[0] + shape[0]) if shape else entry.shards
+    if len(stored) == 1 and tuple(stored[0].offset) == tuple(off) and tuple(stored[0].shape) == tuple(shape):
+        # the request is a stored shard (loaded as saved): one item, no box arithmetic; stored shards lie
+        # inside the saved tensor (checked when the index was read), so nothing is zero-filled
+        whole = tuple(slice(0, n) for n in shape)
+        return TensorReadPlan(key, (ReadItem(stored[0].writer, stored[0].index, whole, whole),), False, True)
     items: List[ReadItem] = []
     covered = 0
-    for s in entry.shards_in_rows(off[0], off[0] + shape[0]) if shape else entry.shards:
+    for s in stored:
         inter = intersect(off, shape, s.offset, s.shape)
         if inter is None:
             continue

@@ -51,6 +51,7 @@ class OpenedCheckpoint:
     options: StorageOptions  # the recorded layout with the reader's own choices (verify, concurrency, ...)
     marker: Dict[str, Any] = field(default_factory=dict)  # the commit marker (checksums of common.pt, metadata)
     store: Optional[CheckpointStore] = None
+    _readers: Dict[bool, TensorStoreIO] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, checkpoint_dir: PathLike, options: Optional[StorageOptions] = None) -> "OpenedCheckpoint":
@@ -73,8 +74,17 @@ class OpenedCheckpoint:
         return self.store
 
     def reader(self, check_sizes: bool = True) -> TensorStoreIO:
-        """A reader of this checkpoint's stored shards (packed ones included) and objects."""
-        return self._store().open_reader(self.path, self.options, self.index, check_sizes)
+        """A new reader of this checkpoint's stored shards (packed ones included) and objects. The
+        readers of one opened checkpoint share what the first derived from the index (a pass over
+        every key: :meth:`TensorStoreIO.sibling`); each has its own stores and arrays."""
+        first = self._readers.get(check_sizes)
+        if first is None:
+            first = self._readers[check_sizes] = self._store().open_reader(self.path, self.options, self.index,
+                                                                           check_sizes)
+            return first
+        sibling = getattr(first, "sibling", None)  # a store's own reader type may not share
+        return sibling() if sibling is not None else self._store().open_reader(self.path, self.options, self.index,
+                                                                               check_sizes)
 
     def read_blob(self, name: str) -> Optional[bytes]:
         """A whole blob of the checkpoint (``common.pt``), as stored; None when missing."""

@@ -72,6 +72,9 @@ def read_targets(source: CheckpointSource, targets: Sequence[ReadTarget], reader
             dest.zero_()
         if isinstance(plan, FlatReadPlan):
             _flat_reads(request.key, plan, dest.reshape(-1), reads, copies)
+        elif plan.whole:  # into dest itself (indexing it with whole slices costs a view per key)
+            item = plan.items[0]
+            reads.append(ShardRead(request.key, item.writer, item.index, item.src, dest))
         else:
             reads.extend(ShardRead(request.key, it.writer, it.index, it.src, dest[it.dst]) for it in plan.items)
     nbytes = reader.read_into(reads)
@@ -131,6 +134,8 @@ def _flat_reads(key: str, plan: FlatReadPlan, dest: torch.Tensor, reads: List[Sh
 def read_objects(source: CheckpointSource, objects: Sequence[ShardedObject], skip: Set[str],
                  extra_safe_globals: Sequence[Any] = ()) -> List[Optional[Any]]:
     """The loaded value of each requested object, by position (None where its key is in ``skip``)."""
+    if not objects:
+        return []
     reader = source.reader()
     out: List[Optional[Any]] = [None] * len(objects)
     for i, so in enumerate(objects):

@@ -265,8 +265,17 @@ _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets, to delete
 
 
+_SYNTAX = bytes(range(256)).translate(None, b'[]{}"')  # every byte but the brackets and quotes, to delete
+
+
 def _max_depth(raw: bytes) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped)."""
+    if b"\\" not in raw:  # no escapes: every quote opens or closes a string, so brackets after an odd
+        # number of quotes are inside one (vectorised: the regex below costs ~50 ms on a 10,000-key index)
+        marks = np.frombuffer(raw.translate(None, _SYNTAX), dtype=np.uint8)
+        outside = (np.cumsum(marks == ord('"')) & 1) == 0
+        steps = np.where((marks == ord("[")) | (marks == ord("{")), 1, np.where(marks == ord('"'), 0, -1))[outside]
+        return int(np.cumsum(steps).max()) if steps.size else 0
     brackets = _STRING.sub(b"", raw).translate(None, _BRACKETS)
     if not brackets:
         return 0
