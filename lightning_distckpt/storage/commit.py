@@ -17,14 +17,15 @@ import logging
 import os
 import shutil
 import signal
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 from ..core.errors import CheckpointingError
 from .checksums import sha256_hex
-from .layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, is_our_committed_checkpoint
+from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, is_our_committed_checkpoint
 from .paths import read_inside
 from .safe_pickle import write_file_durable
-from .staging import STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes, target_of
+from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes,
+                      target_of)
 
 _RENAME_EXCHANGE = 2
 logger = logging.getLogger(__name__)
@@ -85,11 +86,22 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def fsync_tree_dirs(root: str) -> None:
-    """fsync every directory under ``root`` so new entries survive a crash (file data is fsync'd
-    by whoever wrote it)."""
-    for dirpath, _, _ in os.walk(root):
+def fsync_tree_dirs(root: str, skip: Callable[[str], bool] = lambda path: False) -> None:
+    """fsync every directory under ``root`` (``root`` included) once, so new entries survive a crash
+    (file data is fsync'd by whoever wrote it); directories for which ``skip(path)`` holds are left
+    out with everything under them."""
+    for dirpath, dirnames, _ in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not skip(os.path.join(dirpath, d))]
         fsync_dir(dirpath)
+
+
+def _made_durable_elsewhere(staging: str) -> Callable[[str], bool]:
+    """The directories of ``staging`` the commit need not fsync: ``data/`` and the rank stores in it,
+    fsync'd by their writers before they reported success (a ``ShardWriter``'s write is durable when
+    it returns, entries up to ``data/`` included), so rank 0 does not walk every rank's store one
+    fsync at a time; and the owner notes, hints that are removed before the rename."""
+    skipped = {os.path.join(staging, DATA_DIR), os.path.join(staging, OWNERS_DIR)}
+    return skipped.__contains__
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -116,21 +128,26 @@ def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> N
 
     The marker gets the SHA-256 of ``metadata.json`` and of ``common.pt`` as written (read back from
     the staging directory: what is verified on load is what is on disk). The owner notes of every
-    rank stay until the marker is durable (until then ``clean`` sees a running save; from then on a
+    rank stay until the marker is written (until then ``clean`` sees a running save; from then on a
     committed copy, which it keeps while it is newer than the target) and are removed before the
-    rename."""
+    rename. fsyncs: the three files, the staging directory twice (under ``data/`` each writer made
+    its own store durable) and the parent after the rename."""
     metadata = metadata_json.encode()
     write_file_durable(os.path.join(staging, METADATA_FILE), metadata)
-    fsync_tree_dirs(staging)
+    # Everything the marker covers is durable before it is written: the files (fsync'd by their
+    # writers) and their entries (the rank stores' by their writers, the rest here)
+    fsync_tree_dirs(staging, _made_durable_elsewhere(staging))
     _step("after_metadata")
     marker = json.loads(marker_json)
     marker["metadata_sha256"] = sha256_hex(metadata)
     marker["common_sha256"] = _file_sha256(os.path.join(staging, COMMON_FILE))
     marker_bytes = json.dumps(marker).encode()
     write_file_durable(os.path.join(staging, COMMIT_MARKER), marker_bytes)
-    fsync_dir(staging)
     _step("after_marker")
     remove_owner_notes(staging)
+    # One fsync for the marker's entry and the notes' removal, before the rename: a crash before it
+    # leaves an uncommitted staging directory (notes or not, its processes are gone), never a
+    # committed one with notes
     fsync_dir(staging)
     _step("after_notes_removed")
     _swap_in(staging, target, marker_bytes)

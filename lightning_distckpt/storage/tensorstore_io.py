@@ -14,40 +14,41 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
   rank and dtype (``p/<dtype>``, :mod:`.packs`): creating an array costs ~0.15-0.2 ms each;
 * OCDBT data files are bounded (``data_file_bytes``, 64 MiB): one huge ``writev`` per batch, as
   OCDBT does by default, was slower and far more variable than bounded files written concurrently;
-* chunk checksums are computed by us, each array's just before tensorstore writes it, and go
-  into each array's zarr.json, written after (:mod:`.chunk_checksums`); not by the ``crc32c`` codec.
+* chunk checksums are computed by us, each array's just before tensorstore takes it, and go
+  into each array's zarr.json (:mod:`.chunk_checksums`); not by the ``crc32c`` codec;
+* the write path (:mod:`.tensorstore_write`) puts everything of one call in one transaction: one
+  OCDBT commit per rank store, not one per batch of writes that happened to arrive together.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tensorstore as ts
-import torch
 
 from ..core.errors import CheckpointingError, FormatError
-from .base import ObjectWrite, ShardRead, ShardWrite
+from .base import ShardRead
 from .options import StorageOptions
-from .checksums import frame_object, unframe_object, verification_enabled
-from .array_metadata import (Recorded, RecordedArrays, check_metadata, chunk_shape, create_metadata, metadata_key,
+from .checksums import unframe_object, verification_enabled
+from .array_metadata import (Recorded, RecordedArrays, check_metadata, chunk_shape, metadata_key,
                              open_spec, parse_metadata, ts_dtype)
-from .chunk_checksums import VerifiedRead, VerifiedReads, array_checksums, chunk_crcs
+from .chunk_checksums import VerifiedRead, VerifiedReads, array_checksums
 from .direct_read import DirectChunks, direct_reads_enabled
 from .layout import object_path, pack_path, rank_dir, tensor_path
-from ..planning.even_index import PackedPlaces
-from .packs import as_tensor, build_pack, pack_runs, packed_view, to_numpy
+from ..planning.even_index import PackedPlaces, Place
+from .packs import copy_out, pack_runs, packed_view, to_numpy
+from .tensorstore_write import TensorStoreWrites
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
     from .store import CheckpointStore
 
-PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
 
-
-class TensorStoreIO:
+class TensorStoreIO(TensorStoreWrites):
     """Reads and writes stored shards and objects of one checkpoint directory
     (:class:`~lightning_distckpt.storage.base.ShardWriter` and ``ShardReader``), in the key-value
     store its :class:`~lightning_distckpt.storage.store.CheckpointStore` gives."""
@@ -69,26 +70,40 @@ class TensorStoreIO:
         self.files = store.file_system  # chunk files of our own: direct reads, no links, own checksums
         self.root = os.path.abspath(checkpoint_dir) if self.files else checkpoint_dir
         self.options = options
-        self._packed = PackedPlaces(index, tensor_path)  # handle -> (dtype, offset, shape); an even split's lazily
+        # (writer, (key, index)) -> (dtype, offset, shape): keyed by shard, not by its path (no key encoding per read)
+        self._packed = PackedPlaces(index, _shard_id)
         self._recorded = RecordedArrays(index)  # what each array's zarr.json must say (array_metadata.check_metadata)
-        # One context per directory: all arrays of a rank share one OCDBT database instance, and
-        # the I/O concurrency applies to the whole save or load. No chunk cache: checkpoint data
-        # is written or read once, and caching would keep references to the caller's tensors.
-        self.context = store.ts_context(options)
-        self._kvstores: Dict[int, Any] = {}
-        self._arrays: Dict[Tuple[int, str], Any] = {}
-        self._crcs: Dict[Tuple[int, str], Tuple[int, ...]] = {}  # chunk checksums kept in an array's metadata
-        self._metadata: Dict[Tuple[int, str], Dict[str, Any]] = {}  # each opened array's zarr.json, as read
         self._reading = index is not None
         self.verify = verification_enabled(options.verify)
         self._index_checksums = index is not None and index.checksums and self.verify
         self._claimed = index.bytes_per_writer() if index is not None and check_sizes else {}
-        self._contained: Set[int] = set()  # writers whose store was checked for links
         # A save committing to the same path swaps another directory in while we read: told apart by its inode
         self._root_id = _dir_id(self.root) if self._reading and self.files else None
-        self.direct = DirectChunks(lambda w: rank_dir(self.root, w), options.layout, min(options.io_concurrency, 8),
-                                   lambda w, path: self._metadata[(w, path)]) \
-            if self._reading and self.files and direct_reads_enabled(options.direct_reads) else None
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """What each reader (or writer) keeps of its own: its tensorstore context, opened stores and
+        arrays, the writers it checked."""
+        # One context per directory: all arrays of a rank share one OCDBT database instance, and
+        # the I/O concurrency applies to the whole save or load. No chunk cache: checkpoint data
+        # is written or read once, and caching would keep references to the caller's tensors.
+        self.context = self.store.ts_context(self.options)
+        self._kvstores: Dict[int, Any] = {}
+        self._arrays: Dict[Tuple[int, str], Any] = {}
+        self._crcs: Dict[Tuple[int, str], Tuple[int, ...]] = {}  # chunk checksums kept in an array's metadata
+        self._metadata: Dict[Tuple[int, str], Dict[str, Any]] = {}  # each opened array's zarr.json, as read
+        self._contained: Set[int] = set()  # writers whose store was checked for links
+        self.direct = DirectChunks(lambda w: rank_dir(self.root, w), self.options.layout,
+                                   min(self.options.io_concurrency, 8), lambda w, path: self._metadata[(w, path)]) \
+            if self._reading and self.files and direct_reads_enabled(self.options.direct_reads) else None
+
+    def sibling(self) -> "TensorStoreIO":
+        """Another reader of the same checkpoint, for another thread (a reader is used by one thread
+        at a time): its own context, stores and arrays, but what this one derived from the index
+        (packed places, recorded shapes, claimed sizes: a pass over every key) shared, not redone."""
+        other = copy.copy(self)
+        other._fresh_state()
+        return other
 
     # -- specs --------------------------------------------------------------------------
     def kvstore_spec(self, writer: int) -> Dict[str, Any]:
@@ -113,80 +128,6 @@ class TensorStoreIO:
 
     def _chunk_rows(self, arr: np.ndarray) -> int:
         return chunk_shape(arr.shape, arr.itemsize, self.options.chunk_bytes)[0] if arr.ndim else 1
-
-    def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int],
-                    chunk_bytes: Optional[int] = None, crcs: Optional[Sequence[int]] = None) -> Dict[str, Any]:
-        """Spec creating the array for one stored shard: raw little-endian bytes, chunks of at most
-        ``chunk_bytes`` (default: the options') along the first axis, every chunk stored (zeros too),
-        each checksummed: ``crcs`` recorded in its metadata, or else the ``crc32c`` codec."""
-        chunks = chunk_shape(shape, dtype.itemsize, chunk_bytes or self.options.chunk_bytes)
-        return {"driver": "zarr3", "kvstore": self.kvstore_spec(writer), "path": path + "/",
-                "store_data_equal_to_fill_value": True,
-                "metadata": create_metadata([int(s) for s in shape], ts_dtype(dtype), chunks, crcs)}
-
-    # -- writing ------------------------------------------------------------------------
-    def write(self, writer: int, tensors: Sequence[ShardWrite], objects: Sequence[ObjectWrite] = ()) -> int:
-        """Write shards and objects into ``writer``'s store; returns bytes.
-
-        ``data`` must be CPU tensors in global-axes shape, left unchanged until this returns
-        (tensorstore reads them in place, without a staging copy; packed shards are copied into
-        their pack array). All packed shards of a writer go into one call: it creates the pack
-        arrays. Returns once everything is durable: tensorstore's file driver fsyncs every file.
-        """
-        if self.files:
-            os.makedirs(rank_dir(self.root, writer), exist_ok=True)
-        arrays: List[Tuple[str, str, np.ndarray, torch.dtype, Optional[int]]] = []  # what, path, data, dtype, chunk
-        packs: Dict[torch.dtype, List[ShardWrite]] = {}
-        for w in tensors:
-            if w.packed is None:
-                arrays.append((repr(w.key), tensor_path(w.key, w.index), to_numpy(w.data.contiguous()), w.data.dtype,
-                               None))
-            else:
-                packs.setdefault(w.data.dtype, []).append(w)
-        for dtype, members in packs.items():
-            # Small chunks: a reader of a few packed shards fetches about what it needs.
-            arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
-                           to_numpy(build_pack(dtype, members)), dtype,
-                           min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
-        opens, ours = [], []
-        for what, path, arr, dtype, chunk_bytes in arrays:
-            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
-            own = self.own_checksums(arr, chunk_bytes)
-            if own:  # chunks first, zarr.json with their checksums after
-                spec["metadata"]["codecs"] = spec["metadata"]["codecs"][:1]
-                ours.append((what, path, arr, dtype))
-            how = {"open": True, "assume_metadata": True} if own else {"create": True}
-            opens.append((what, ts.open(spec, context=self.context, **how), arr, own))
-        writes, nbytes, crcs = [], 0, []
-        for key, fut, arr, own in opens:
-            try:
-                store = fut.result()
-            except Exception as e:
-                raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: {e}") from e
-            # Checksummed just before its write is issued, while tensorstore writes the arrays before it:
-            # tensorstore then copies it out of the cache the checksum filled (docs/benchmarks.md)
-            crcs += [chunk_crcs(arr, self._chunk_rows(arr))] if own else []
-            writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
-            nbytes += arr.nbytes
-        # Then every zarr.json at once, one OCDBT commit (created one by one, many were committed alone)
-        writes += [(f"{what} (its zarr.json)", ts.open(self.create_spec(writer, path, dtype, arr.shape, None, c),
-                                                       create=True, context=self.context))
-                   for (what, path, arr, dtype), c in zip(ours, crcs)]
-        if objects:
-            kv = self._kvstore(writer)
-            for key, index, blob in objects:
-                writes.append((repr(key), kv.write(object_path(key, index), frame_object(blob))))
-                nbytes += len(blob)
-        errors = []
-        for key, w in writes:  # wait for all, so no write is still running when we raise
-            try:
-                w.result()
-            except Exception as e:
-                errors.append(f"{key}: {e}")
-        if errors:
-            raise CheckpointingError(f"checkpoint {self.root}: writing failed for {'; '.join(errors[:5])}"
-                                     + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
-        return nbytes
 
     # -- reading ------------------------------------------------------------------------
     def _check_contained(self, writer: int) -> None:
@@ -234,7 +175,7 @@ class TensorStoreIO:
             if handle in self._arrays or handle in pending or handle in views:
                 continue
             self._check_contained(writer)
-            packed = self._packed.get(handle)
+            packed = self._packed.get((writer, (key, index)))
             if packed is not None:
                 views[handle] = ((writer, packed[0]), packed[1], packed[2])
                 pack_keys.setdefault((writer, packed[0]), []).append((key, packed[1] + math.prod(packed[2])))
@@ -273,7 +214,11 @@ class TensorStoreIO:
         ``stored[src]`` converted to its dtype. Returns bytes read. Packed shards: :func:`pack_runs`."""
         plain, packed = [], []
         for r in reads:
-            (packed if (r.writer, tensor_path(r.key, r.index)) in self._packed else plain).append(r)
+            place = self._packed.get((r.writer, (r.key, r.index)))
+            if place is None:
+                plain.append(r)
+            else:
+                packed.append((r, place))
         self.open_arrays((writer, key, index) for key, writer, index, _, _ in plain)
         tasks: List[Any] = []
         if self.direct is not None:  # whole chunks straight into the destinations (storage/direct_read.py)
@@ -309,21 +254,17 @@ class TensorStoreIO:
                                    + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
         self._check_not_replaced()
         for _, fut, pieces in runs:
-            run = as_tensor(fut.result())
-            for start, shape, src, dest in pieces:
-                dest.copy_(run[start:start + math.prod(shape)].view(shape)[src])
-                nbytes += dest.numel() * dest.element_size()
+            nbytes += copy_out(fut.result(), pieces)
         return nbytes
 
-    def _read_pack_runs(self, reads: Sequence[ShardRead]) -> List[Any]:
-        """Start one read per run of nearby packed shards (:func:`~.packs.pack_runs`)."""
-        place = lambda r: self._packed[(r.writer, tensor_path(r.key, r.index))]  # noqa: E731
+    def _read_pack_runs(self, reads: Sequence[Tuple[ShardRead, Place]]) -> List[Any]:
+        """Start one read per run of nearby packed shards (:func:`~.packs.pack_runs`); ``reads``:
+        each read with its place in its pack."""
         keys: Dict[Tuple[int, str], List[Tuple[str, int]]] = {}
-        for r in reads:
-            dtype, offset, shape = place(r)
+        for r, (dtype, offset, shape) in reads:
             keys.setdefault((r.writer, dtype), []).append((r.key, offset + math.prod(shape)))
         self._open_packs(keys)
-        return pack_runs(reads, place, lambda writer, dtype: self._arrays[(writer, pack_path(dtype))])
+        return pack_runs(reads, lambda writer, dtype: self._arrays[(writer, pack_path(dtype))])
 
     def _open_packs(self, packs: Dict[Tuple[int, str], List[Tuple[str, int]]]) -> None:
         """Open the pack arrays ``(writer, dtype)`` concurrently, given the ``(key, end element)`` of
@@ -389,6 +330,10 @@ class TensorStoreIO:
         self._check_not_replaced()
         return unframe_object(bytes(res.value), f"checkpoint {self.root}: object {key!r} #{index} (written by rank "
                               f"{writer})", required=self._index_checksums, verify=self.verify)
+
+
+def _shard_id(key: str, index: int) -> Tuple[str, int]:
+    return (key, index)
 
 
 def _dir_id(path: str) -> Optional[Tuple[int, int]]:

@@ -1,0 +1,145 @@
+"""The write path of :class:`~.tensorstore_io.TensorStoreIO` (a base class of it): each stored
+shard a zarr v3 array, small shards packed, objects framed with their checksum, everything of one
+``write`` call in one tensorstore transaction (one OCDBT commit per rank store and call), then the
+store's directories fsync'd, so a call returns with everything it wrote durable."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from ..core.errors import CheckpointingError
+from .array_metadata import chunk_shape, create_metadata, ts_dtype
+from .base import ObjectWrite, ShardWrite
+from .checksums import frame_object
+from .chunk_checksums import chunk_crcs
+from .commit import fsync_dir, fsync_tree_dirs
+from .layout import object_path, pack_path, rank_dir, tensor_path
+from .packs import build_pack, to_numpy
+
+PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
+
+
+class TensorStoreWrites:
+    """Writing shards and objects into a rank's store; :class:`~.tensorstore_io.TensorStoreIO`
+    provides the attributes used (``root``, ``files``, ``options``, ``context``) and the specs."""
+
+    root: str
+    files: bool
+    options: Any
+    context: Any
+
+    def kvstore_spec(self, writer: int) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def own_checksums(self, arr: np.ndarray, chunk_bytes: Optional[int] = None) -> bool:
+        raise NotImplementedError
+
+    def _chunk_rows(self, arr: np.ndarray) -> int:
+        raise NotImplementedError
+
+    def _kvstore(self, writer: int) -> Any:
+        raise NotImplementedError
+
+    def create_spec(self, writer: int, path: str, dtype: torch.dtype, shape: Sequence[int],
+                    chunk_bytes: Optional[int] = None, crcs: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+        """Spec creating the array for one stored shard: raw little-endian bytes, chunks of at most
+        ``chunk_bytes`` (default: the options') along the first axis, every chunk stored (zeros too),
+        each checksummed: ``crcs`` recorded in its metadata, or else the ``crc32c`` codec."""
+        chunks = chunk_shape(shape, dtype.itemsize, chunk_bytes or self.options.chunk_bytes)
+        return {"driver": "zarr3", "kvstore": self.kvstore_spec(writer), "path": path + "/",
+                "store_data_equal_to_fill_value": True,
+                "metadata": create_metadata([int(s) for s in shape], ts_dtype(dtype), chunks, crcs)}
+
+    # -- writing ------------------------------------------------------------------------
+    def write(self, writer: int, tensors: Sequence[ShardWrite], objects: Sequence[ObjectWrite] = ()) -> int:
+        """Write shards and objects into ``writer``'s store; returns bytes.
+
+        ``data`` must be CPU tensors in global-axes shape, left unchanged until this returns
+        (tensorstore reads them in place, without a staging copy; packed shards are copied into
+        their pack array). All packed shards of a writer go into one call: it creates the pack
+        arrays. Everything of one call goes into one tensorstore transaction, committed once:
+        one OCDBT commit (a data file, its manifest: four fsyncs) instead of one per batch of
+        writes that happened to arrive together (three or four per save, 14 fsyncs). Returns once
+        everything is durable: tensorstore's file driver fsyncs every file it writes, and then every
+        directory of the store is fsync'd (the commit relies on it, :func:`.commit.commit`).
+        Several calls into one store (an async save's waves) each commit their own transaction.
+        """
+        if self.files:
+            os.makedirs(rank_dir(self.root, writer), exist_ok=True)
+        txn = ts.Transaction(atomic=self.options.layout == "ocdbt")  # the zarr layout: many files, not atomic
+        try:
+            nbytes, pending = self._stage_writes(txn, writer, tensors, objects)
+        except BaseException:
+            txn.abort()
+            raise
+        errors = []
+        for key, w in pending:  # wait for all, so no write is still running when we raise
+            try:
+                w.result()
+            except Exception as e:
+                errors.append(f"{key}: {e}")
+        if not errors:
+            try:
+                txn.commit_async().result()
+            except Exception as e:
+                errors.append(f"committing rank {writer}'s store: {e}")
+        else:
+            txn.abort()
+        if errors:
+            raise CheckpointingError(f"checkpoint {self.root}: writing failed for {'; '.join(errors[:5])}"
+                                     + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+        if self.files:  # the store's directory entries too, up to data/: the commit does not walk them
+            if self.options.layout != "ocdbt":  # OCDBT's commit fsyncs its two directories, the file driver its files
+                fsync_tree_dirs(rank_dir(self.root, writer))
+            fsync_dir(os.path.dirname(rank_dir(self.root, writer)))
+        return nbytes
+
+    def _stage_writes(self, txn: Any, writer: int, tensors: Sequence[ShardWrite],
+                      objects: Sequence[ObjectWrite]) -> Tuple[int, List[Tuple[str, Any]]]:
+        """Open every array of the call in ``txn`` and start its writes (nothing reaches the store
+        before the commit); returns the bytes and the ``(what, future)`` of each write."""
+        arrays: List[Tuple[str, str, np.ndarray, torch.dtype, Optional[int]]] = []  # what, path, data, dtype, chunk
+        packs: Dict[torch.dtype, List[ShardWrite]] = {}
+        for w in tensors:
+            if w.packed is None:
+                arrays.append((repr(w.key), tensor_path(w.key, w.index), to_numpy(w.data.contiguous()), w.data.dtype,
+                               None))
+            else:
+                packs.setdefault(w.data.dtype, []).append(w)
+        for dtype, members in packs.items():
+            # Small chunks: a reader of a few packed shards fetches about what it needs.
+            arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
+                           build_pack(dtype, members), dtype, min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
+        opens, ours = [], []
+        for what, path, arr, dtype, chunk_bytes in arrays:
+            spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
+            own = self.own_checksums(arr, chunk_bytes)
+            if own:  # chunks opened without their zarr.json: it is written with their checksums below
+                spec["metadata"]["codecs"] = spec["metadata"]["codecs"][:1]
+                ours.append((what, path, arr, dtype))
+            how = {"open": True, "assume_metadata": True} if own else {"create": True}
+            opens.append((what, ts.open(spec, context=self.context, transaction=txn, **how), arr, own))
+        writes, nbytes, crcs = [], 0, []
+        for key, fut, arr, own in opens:
+            try:
+                store = fut.result()
+            except Exception as e:
+                raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: {e}") from e
+            # Checksummed just before tensorstore takes the array (it copies it out of the cache the checksum filled)
+            crcs += [chunk_crcs(arr, self._chunk_rows(arr))] if own else []
+            writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
+            nbytes += arr.nbytes
+        writes += [(f"{what} (its zarr.json)", ts.open(self.create_spec(writer, path, dtype, arr.shape, None, c),
+                                                       create=True, context=self.context, transaction=txn))
+                   for (what, path, arr, dtype), c in zip(ours, crcs)]
+        if objects:
+            kv = self._kvstore(writer).with_transaction(txn)
+            for key, index, blob in objects:
+                writes.append((repr(key), kv.write(object_path(key, index), frame_object(blob))))
+                nbytes += len(blob)
+        return nbytes, writes

@@ -1,0 +1,89 @@
+"""What one save costs the store (issue 29): each rank store gets one OCDBT commit per write call
+(one version in its manifest beside the empty first one), several calls into one store (an async
+save's waves) are each committed, and the commit's directory walk leaves out the rank stores,
+which their writers made durable."""
+
+import os
+
+import pytest
+import tensorstore as ts
+import torch
+
+import lightning_distckpt as ldc
+from lightning_distckpt.storage import commit as commit_mod
+from lightning_distckpt.storage.base import ObjectWrite, ShardWrite
+from lightning_distckpt.storage.layout import object_path, rank_dir, tensor_path
+from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
+
+
+def _versions(checkpoint: str, writer: int = 0) -> int:
+    """How many versions (commits) the OCDBT manifest of ``writer``'s store records."""
+    base = ts.KvStore.open({"driver": "file", "path": rank_dir(checkpoint, writer) + "/"}).result()
+    return len(ts.ocdbt.dump(base).result()["versions"])
+
+
+def _state():
+    """Large shards (each its own array), small ones (packed, two dtypes) and an object."""
+    g = torch.Generator().manual_seed(0)
+    sd = {f"big{i}": ldc.ShardedTensor.from_rank_offsets(f"big{i}", torch.randn(70000, generator=g)) for i in range(3)}
+    sd.update({f"norm{i}": ldc.ShardedTensor.from_rank_offsets(f"norm{i}", torch.randn(16, generator=g))
+               for i in range(50)})
+    sd["half"] = ldc.ShardedTensor.from_rank_offsets("half", torch.randn(8, generator=g).to(torch.bfloat16))
+    sd["rng"] = ldc.ShardedObject("rng", {"seed": 3}, (1,), (0,))
+    return sd
+
+
+def test_a_save_commits_each_rank_store_once(tmp_path):
+    sd = _state()
+    ldc.save(sd, str(tmp_path / "ck"))
+    # the first version is the empty manifest OCDBT writes when the store is created; before
+    # issue 29 a save like this one made three more (arrays, zarr.json files, objects)
+    assert _versions(str(tmp_path / "ck")) == 2
+    back = ldc.load(_state(), str(tmp_path / "ck"))
+    for key, value in sd.items():
+        if key == "rng":
+            assert back[key] == {"seed": 3}
+        else:
+            assert torch.equal(back[key], value.data)
+
+
+def test_several_writes_into_one_store_are_each_committed(tmp_path):
+    """An async save under a memory budget writes a rank's shards in waves: one call each."""
+    root = str(tmp_path / "ck")
+    os.makedirs(root)
+    io = TensorStoreIO(root)
+    a, b = torch.arange(1000.0), torch.arange(500.0) * -1
+    io.write(0, [ShardWrite("a", 0, a, None)])
+    io.write(0, [ShardWrite("b", 0, b, None)], [ObjectWrite("o", 0, b"payload")])
+    assert _versions(root) == 3
+    for key, value in (("a", a), ("b", b)):
+        stored = ts.open(io.array_spec(0, tensor_path(key, 0))).result().read().result()
+        assert torch.equal(torch.from_numpy(stored), value)
+    kv = ts.KvStore.open(io.kvstore_spec(0)).result()
+    assert kv.read(object_path("o", 0)).result().state == "value"
+
+
+def test_a_failed_write_commits_nothing(tmp_path):
+    """A write that fails (a shard that cannot be stored) leaves no version behind: the transaction
+    is aborted, not half committed."""
+    root = str(tmp_path / "ck")
+    os.makedirs(root)
+    io = TensorStoreIO(root)
+    io.write(0, [ShardWrite("a", 0, torch.arange(10.0), None)])
+    with pytest.raises(ldc.CheckpointingError, match="writing failed|cannot create"):
+        # the same array again: its zarr.json exists, so creating it fails
+        io.write(0, [ShardWrite("a", 0, torch.arange(10.0), None), ShardWrite("c", 0, torch.arange(3.0), None)])
+    assert _versions(root) == 2
+
+
+def test_the_commit_walk_leaves_the_rank_stores_to_their_writers(tmp_path, monkeypatch):
+    """Rank 0's commit fsyncs the staging directory's own entries, not every directory of every
+    rank's store (each writer fsync'd its own before reporting success)."""
+    synced = []
+    real = commit_mod.fsync_dir
+    monkeypatch.setattr(commit_mod, "fsync_dir", lambda path: (synced.append(os.path.abspath(path)), real(path)))
+    ldc.save(_state(), str(tmp_path / "ck"))
+    staged = [p for p in synced if ".distckpt-staging-" in p]
+    assert staged and all(os.path.basename(p).startswith(".distckpt-staging-") for p in staged), staged
+    assert len(staged) == 2  # before the marker (metadata.json, common.pt, data/) and after it
+    assert synced[-1] == str(tmp_path)  # the parent, after the rename
