@@ -238,12 +238,14 @@ class DistCheckpointIO(CheckpointIO):
         return self._pending
 
     def finalize_if_done(self) -> bool:
-        """Collective when a collective save is pending: commit it if every rank's writes have
-        finished, without blocking on unfinished ones. Returns whether nothing is pending now.
-        The strategy calls it at each training-step boundary."""
+        """Finish a pending save whose background commit is done (local), or, for a save committed
+        by its caller (collective), commit it if every rank's writes have finished; never blocks on
+        unfinished ones. Returns whether nothing is pending now. The strategy calls it at each
+        training-step boundary."""
         if self._pending is None:
             return True
-        if not self._pending.poll():  # asks the other ranks on a sparse schedule, not at every step
+        pending = self._pending
+        if not (pending.done() if pending.commits_in_background else pending.poll()):  # poll: sparse round trips
             return False
         self.wait()
         self.step_boundary_commits += 1
@@ -268,7 +270,10 @@ class DistCheckpointIO(CheckpointIO):
     def _async_saver(self) -> AsyncSaver:
         if self._saver is None:
             # Names held while in flight: ModelCheckpoint picks its -vN names by what exists.
-            self._saver = AsyncSaver(reserve_targets=True, max_staging_bytes=self.config.max_staging_bytes)
+            # The background thread commits too (a group of the saver's own): the training's step
+            # boundaries only look at the thread, with no round trip and no commit on their thread.
+            self._saver = AsyncSaver(reserve_targets=True, max_staging_bytes=self.config.max_staging_bytes,
+                                     commit_in_background=True)
         return self._saver
 
     def _storage(self, storage_options: Optional[Any]) -> StorageOptions:

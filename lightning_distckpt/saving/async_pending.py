@@ -17,7 +17,8 @@ Two things a background save must not do, that a save which returns committed ne
   Every request is tracked here until finalized: a group-of-one request (no collective in its
   commit) is committed when the process exits (``atexit``; ``multiprocessing``'s exit handlers in
   forked and spawned workers), or when this process loads the same path (:func:`finish_saves_to`). A
-  collective request cannot be committed by one process alone at exit: that is logged as an ERROR.
+  collective request cannot be committed by one process alone at exit: that is logged as an ERROR,
+  unless its background thread commits it (``commits_in_background``: waited for at exit).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def _finish_at_exit() -> None:
     for request in _mine():
         if request.finalized:
             continue
-        if request.collective:
+        if request.collective and not request.commits_in_background:
             logger.error("background save to %s was never committed: the process exits before the collective "
                          "finalize every rank must call (the staging directory stays; `python -m lightning_distckpt "
                          "clean` removes it)", request.checkpoint_dir)

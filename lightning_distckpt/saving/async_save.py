@@ -44,13 +44,21 @@ class AsyncSaveRequest:
     checkpoint does not exist at its target until ``finalize`` returns (with ``reserved``, an empty
     directory holds its name meanwhile: :mod:`.async_pending`). A request of a group of one (no
     collective in its commit) that is never finalized is committed when the process exits.
+
+    With ``commits_in_background`` (``AsyncSaver(commit_in_background=True)``) the background thread
+    also commits, as soon as its writes are done, over a process group of the saver's own (the
+    training's collectives never wait for it): ``done()`` then says the save is committed (or failed),
+    and ``finalize()`` only waits for the thread and raises its error, with no communication.
     """
 
     def __init__(self, prep: PreparedSave, blocking_s: float, staged_bytes: int,
                  failure: Optional[BaseException] = None, snapshot_s: float = 0.0, reserved: bool = False,
-                 written: Optional[LocalWrite] = None, waves: int = 1, nice: int = 0) -> None:
+                 written: Optional[LocalWrite] = None, waves: int = 1, nice: int = 0,
+                 commit_comm: Optional[Comm] = None) -> None:
         self.checkpoint_dir = prep.target
         self.collective = prep.comm.distributed  # its commit needs every rank: never finalized at exit
+        self._commit_comm = commit_comm  # the background thread commits over this group; None: finalize commits
+        self.commits_in_background = commit_comm is not None
         self._reserved = reserved  # this process holds the target's name with an empty directory
         self.blocking_s = blocking_s  # the caller's wait in save(): planning + snapshot
         self.snapshot_s = snapshot_s  # of which copying into the staging buffers
@@ -65,23 +73,40 @@ class AsyncSaveRequest:
         self._thread: Optional[threading.Thread] = None
         self._polls = 0  # calls of poll(): the same count on every rank
         self._nice = nice
-        if failure is None:
+        if failure is None or commit_comm is not None:  # a background commit reports the failure collectively
             self._thread = threading.Thread(target=self._write, name="distckpt-async-save", daemon=False)
             self._thread.start()
         async_pending.track(self)
 
     def _write(self) -> None:
         _yield_cpu(self._nice)
+        if self._result is None:  # else the snapshot failed: nothing to write, the commit says so everywhere
+            try:
+                result = write_local(self._prep)
+                before = self._written
+                self._result = result if before is None else LocalWrite(result.nbytes + before.nbytes,
+                                                                        result.seconds + before.seconds)
+            except BaseException as e:  # reported on every rank by the commit
+                self._result = e
+        if self._commit_comm is not None:
+            self._commit(replace(self._prep, comm=self._commit_comm))
+
+    def _commit(self, prep: PreparedSave) -> None:
+        """Agree on every rank's writes and commit (collective over ``prep.comm``); keeps the error."""
+        if self._reserved:  # the commit renames into a free name
+            async_pending.release_target(self.checkpoint_dir)
+        result = self._result if self._result is not None else SaveFailedError(
+            f"save to {self.checkpoint_dir}: the background write ended without a result")
         try:
-            result = write_local(self._prep)
-            before = self._written
-            self._result = result if before is None else LocalWrite(result.nbytes + before.nbytes,
-                                                                    result.seconds + before.seconds)
-        except BaseException as e:  # reported on every rank by finalize
-            self._result = e
+            finalize_save(prep, result)
+        except BaseException as e:
+            self._error = e
+        finally:
+            self._prep = replace(self._prep, tensors=[], objects=[], common=None)  # drop references to buffers
 
     def done(self) -> bool:
-        """Whether this rank's background writes have finished (non-blocking, local)."""
+        """Whether this rank's background writes (and, with ``commits_in_background``, the commit)
+        have finished (non-blocking, local)."""
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> None:
@@ -111,6 +136,7 @@ class AsyncSaveRequest:
 
     def finalize(self) -> None:
         """Collective: wait for the writes, then commit (or raise SaveFailedError everywhere).
+        With ``commits_in_background``: wait for the background commit and raise its error (local).
 
         Calling it again returns (or re-raises the same error) without communicating.
         """
@@ -121,17 +147,10 @@ class AsyncSaveRequest:
         self.wait()
         self._finalized = True
         async_pending.untrack(self)
-        if self._reserved:  # the commit renames into a free name (on this thread: no name check runs between)
-            async_pending.release_target(self.checkpoint_dir)
-        result = self._result if self._result is not None else SaveFailedError(
-            f"save to {self.checkpoint_dir}: the background write ended without a result")
-        try:
-            finalize_save(self._prep, result)
-        except BaseException as e:
-            self._error = e
-            raise
-        finally:
-            self._prep = replace(self._prep, tensors=[], objects=[], common=None)  # drop references to buffers
+        if self._commit_comm is None:  # on this thread: no name check of this process runs before the commit
+            self._commit(self._prep)
+        if self._error is not None:
+            raise self._error
         logger.info("async save %s committed (caller blocked %.3fs)", self.checkpoint_dir, self.blocking_s)
 
 
@@ -176,11 +195,16 @@ class AsyncSaver:
             19; 0 keeps the caller's): they yield the CPU to the training where it uses every core.
         io_concurrency: at most this many tensorstore threads copy and write in the background
             (``StorageOptions.io_concurrency`` caps it too); None: the storage options'.
+        commit_in_background: the background thread also commits (:class:`AsyncSaveRequest`,
+            ``commits_in_background``), over a gloo group the saver makes at its first save over the
+            whole world (every rank calls ``save``, so every rank makes it); a save over a subgroup
+            commits at ``finalize`` as without it. The training thread then neither asks the other
+            ranks whether the writes are done nor waits for the commit's agreement and fsyncs.
     """
 
     def __init__(self, pin_memory: Optional[bool] = None, reserve_targets: bool = False,
                  max_staging_bytes: Optional[int] = None, nice: int = 10,
-                 io_concurrency: Optional[int] = None) -> None:
+                 io_concurrency: Optional[int] = None, commit_in_background: bool = False) -> None:
         if max_staging_bytes is not None and (isinstance(max_staging_bytes, bool) or
                                               not isinstance(max_staging_bytes, int) or max_staging_bytes < 0):
             raise ArgumentError(f"max_staging_bytes must be None or a number of bytes >= 0, got {max_staging_bytes!r}")
@@ -194,6 +218,8 @@ class AsyncSaver:
         self.max_staging_bytes = max_staging_bytes
         self.nice = nice
         self.io_concurrency = io_concurrency
+        self.commit_in_background = commit_in_background
+        self._commit_group: Optional[dist.ProcessGroup] = None  # made by the first save over the world
         self._pool = StagingPool(pin_memory)
         self._pending: Optional[AsyncSaveRequest] = None
         self.plan_cache = SavePlanCache()
@@ -202,7 +228,8 @@ class AsyncSaver:
         """A copy (pickle, ``deepcopy``) starts afresh: the save in flight (a thread, its process
         group), the staging pool and the cached plan stay with this saver."""
         return {"pin_memory": self.pin_memory, "reserve_targets": self.reserve_targets,
-                "max_staging_bytes": self.max_staging_bytes, "nice": self.nice, "io_concurrency": self.io_concurrency}
+                "max_staging_bytes": self.max_staging_bytes, "nice": self.nice, "io_concurrency": self.io_concurrency,
+                "commit_in_background": self.commit_in_background}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -275,10 +302,26 @@ class AsyncSaver:
                     and async_pending.reserve_target(prep.target))
         staged_bytes = sum(w.data.numel() * w.data.element_size() for w in plan.staged)
         self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1, reserved=reserved,
-                                         written=written, waves=plan.waves, nice=self.nice)
+                                         written=written, waves=plan.waves, nice=self.nice,
+                                         commit_comm=self._background_comm(comm))
         logger.info("async save %s started: %s in %.3fs, caller blocked %.3fs (plan %s)", prep.target,
                     describe(plan, self.max_staging_bytes), t2 - t1, t2 - t0, "reused" if prep.plan_reused else "made")
         return self._pending
+
+    def _background_comm(self, comm: Comm) -> Optional[Comm]:
+        """Where the background thread commits: the group of one itself; for the whole world (in
+        its rank order), a gloo group of this saver's own, made now (collective: every rank is in
+        this save); None (the caller's ``finalize`` commits) otherwise or when not asked to."""
+        if not self.commit_in_background:
+            return None
+        if not comm.distributed:
+            return comm
+        world = list(range(dist.get_world_size()))
+        if comm.group is not None and dist.get_process_group_ranks(comm.group) != world:
+            return None
+        if self._commit_group is None:
+            self._commit_group = dist.new_group(world, backend="gloo")
+        return Comm(self._commit_group, comm.rank, comm.size)
 
     def _write_before_return(self, prep: PreparedSave, plan: StagingPlan) -> Optional[LocalWrite]:
         """The waves that do not fit the staging budget, written now (the caller may change its
