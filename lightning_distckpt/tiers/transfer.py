@@ -2,9 +2,10 @@
 with torch.distributed point-to-point messages, through :class:`~lightning_distckpt.comm.Comm`.
 
 One exchange is collective over the tier's group: every rank all-gathers the manifests of what it sends
-(relative path and size of each file, per item), so every receiver knows every message's size; then all
-receives and sends are posted at once (no pair can wait on another) and waited for. A receiver writes
-each item into the directory it names and checks that every file arrived at its size; the stored chunks
+(relative path and size of each file, per item), so every rank computes the same schedule: files cut into
+pieces, pieces grouped into rounds bounded in bytes per rank (:func:`schedule`). In each round a rank
+posts all its receives and sends at once (no pair can wait on another) and waits for them. A receiver
+writes each item into the directory it names, its files created at their listed sizes; the stored chunks
 carry their own checksums, verified when they are read.
 """
 
@@ -71,6 +72,46 @@ def _safe_relpath(rel: str) -> str:
     return norm
 
 
+#: Files travel in pieces of at most this many bytes, in rounds of at most ROUND_BYTES sent plus received
+#: by any one rank: the host memory a transfer takes is bounded whatever the stores' sizes.
+PIECE_BYTES = 64 << 20
+ROUND_BYTES = 256 << 20
+
+
+class Piece(NamedTuple):
+    """``length`` bytes at ``offset`` of file ``rel`` of item ``label``, from ``src`` to ``dst``."""
+
+    src: int
+    dst: int
+    label: str
+    rel: str
+    offset: int
+    length: int
+
+
+def schedule(gathered: List[Dict[Tuple[int, str], Manifest]], piece_bytes: Optional[int] = None,
+             round_bytes: Optional[int] = None) -> List[List[Piece]]:
+    """Every piece of every item, in rounds (the same on every rank, from the same manifests): a round
+    ends where one more piece would take a rank's bytes in it above ``round_bytes`` (default: the
+    module's :data:`PIECE_BYTES` and :data:`ROUND_BYTES`, read at the call)."""
+    piece_bytes = piece_bytes or PIECE_BYTES
+    round_bytes = round_bytes or ROUND_BYTES
+    rounds: List[List[Piece]] = [[]]
+    load: Dict[int, int] = {}
+    for src, part in enumerate(gathered):
+        for (dst, label), manifest in sorted(part.items()):
+            for rel, size in manifest:
+                for off in range(0, size, piece_bytes):
+                    piece = Piece(src, dst, label, rel, off, min(piece_bytes, size - off))
+                    if rounds[-1] and max(load.get(src, 0), load.get(dst, 0)) + piece.length > round_bytes:
+                        rounds.append([])
+                        load = {}
+                    rounds[-1].append(piece)
+                    load[src] = load.get(src, 0) + piece.length
+                    load[dst] = load.get(dst, 0) + piece.length
+    return rounds
+
+
 def exchange(comm: Comm, outgoing: List[Outgoing], incoming: List[Incoming]) -> int:
     """Collective: send ``outgoing`` and receive ``incoming`` (every rank calls it, with matching
     lists: what a rank receives from ``src`` under ``label`` is what ``src`` sends it under that label).
@@ -85,51 +126,83 @@ def exchange(comm: Comm, outgoing: List[Outgoing], incoming: List[Incoming]) -> 
     gathered: List[Dict[Tuple[int, str], Manifest]] = comm.agree("local tier: listing the files to send failed",
                                                                  error, mine)
     try:
-        missing = [f"{i.label} from rank {i.src}" for i in incoming if (comm.rank, i.label) not in gathered[i.src]]
-        error = CheckpointingError(f"local tier: rank {comm.rank} expects {', '.join(missing)}, "
-                                   "which is not sent") if missing else None
-        recvs = [(i, rel, size) for i in incoming for rel, size in gathered[i.src][(comm.rank, i.label)]
-                 if not missing]
-        paths = [os.path.join(i.directory, _safe_relpath(rel)) for i, rel, _ in recvs]
+        _prepare_incoming(comm.rank, gathered, incoming)
     except Exception as e:
-        error, recvs, paths = e, [], []
-    comm.agree("local tier: planning the transfers failed", error)
-    pending: List[Pending] = []
-    bufs = [torch.empty(size, dtype=torch.uint8) for _, _, size in recvs]
+        error = e
+    comm.agree("local tier: preparing to receive failed", error)
+    sources = {(o.dst, o.label): o.directory for o in outgoing}
+    targets = {(i.src, i.label): i.directory for i in incoming}
+    received, error = 0, None
+    for pieces in schedule(gathered):
+        received += _round(comm, pieces, sources, targets)
+    try:
+        for i in incoming:  # durable before anyone renames the item into place
+            _fsync_tree(i.directory)
+    except OSError as e:
+        error = e
+    # Every rank's items are whole when this returns: a node's lead may move what its other ranks received.
+    comm.agree("local tier: writing the received files failed", error)
+    return received
+
+
+def _fsync_tree(directory: str) -> None:
+    for base, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(base, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _prepare_incoming(rank: int, gathered: List[Dict[Tuple[int, str], Manifest]], incoming: List[Incoming]) -> None:
+    """Check that every expected item is sent, and create its files at their sizes (empty ones included)."""
+    missing = [f"{i.label} from rank {i.src}" for i in incoming if (rank, i.label) not in gathered[i.src]]
+    if missing:
+        raise CheckpointingError(f"local tier: rank {rank} expects {', '.join(missing)}, which is not sent")
     for i in incoming:
         shutil.rmtree(i.directory, ignore_errors=True)
         os.makedirs(i.directory)
-    tags: Dict[Tuple[int, int], int] = {}  # per (src, dst) pair: messages numbered in label order on both sides
-    for (i, rel, size), buf in sorted(zip(recvs, bufs), key=lambda x: (x[0][0].src, x[0][0].label)):
-        if size:
-            pending.append(comm.irecv(buf, i.src, tag=_next(tags, i.src, comm.rank)))
-    for o in sorted(outgoing, key=lambda o: (o.dst, o.label)):
-        for rel, size in mine[(o.dst, o.label)]:
-            if size:
-                data = _read(os.path.join(o.directory, rel), size)
-                pending.append(comm.isend(data, o.dst, tag=_next(tags, comm.rank, o.dst)))
-    for p in pending:
-        p.wait()
-    for path, buf in zip(paths, bufs):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(memoryview(buf.numpy()))
-            f.flush()
-            os.fsync(f.fileno())
-    return sum(b.numel() for b in bufs)
+        for rel, size in gathered[i.src][(rank, i.label)]:
+            path = os.path.join(i.directory, _safe_relpath(rel))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.truncate(size)
 
 
-def _next(tags: Dict[Tuple[int, int], int], src: int, dst: int) -> int:
-    """The next message tag of the pair ``src -> dst`` (both sides count in the same order)."""
-    n = tags.get((src, dst), 0)
-    tags[(src, dst)] = n + 1
-    return n
+def _round(comm: Comm, pieces: List[Piece], sources: Dict[Tuple[int, str], str],
+           targets: Dict[Tuple[int, str], str]) -> int:
+    """One round: this rank's receives and sends posted at once, waited for, received pieces written.
+    A piece's tag is its place in the round (unique, the same on both sides)."""
+    pending: List[Pending] = []
+    writes: List[Tuple[str, int, torch.Tensor]] = []
+    for tag, p in enumerate(pieces):
+        if p.dst == comm.rank:
+            buf = torch.empty(p.length, dtype=torch.uint8)
+            pending.append(comm.irecv(buf, p.src, tag=tag))
+            writes.append((os.path.join(targets[(p.src, p.label)], _safe_relpath(p.rel)), p.offset, buf))
+        elif p.src == comm.rank:
+            data = _read(os.path.join(sources[(p.dst, p.label)], p.rel), p.offset, p.length)
+            pending.append(comm.isend(data, p.dst, tag=tag))
+    for w in pending:
+        w.wait()
+    for path, offset, buf in writes:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            view = memoryview(buf.numpy())
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        finally:
+            os.close(fd)
+    return sum(b.numel() for _, _, b in writes)
 
 
-def _read(path: str, size: int) -> torch.Tensor:
-    """A file's bytes as a uint8 tensor (its size checked against the manifest's)."""
+def _read(path: str, offset: int, length: int) -> torch.Tensor:
+    """``length`` bytes of a file at ``offset`` as a uint8 tensor (short: the file changed meanwhile)."""
     with open(path, "rb") as f:
-        data = bytearray(f.read())
-    if len(data) != size:
-        raise CheckpointingError(f"local tier: {path} changed while being sent ({size} -> {len(data)} bytes)")
+        f.seek(offset)
+        data = bytearray(f.read(length))
+    if len(data) != length:
+        raise CheckpointingError(f"local tier: {path} changed while being sent (short read at {offset})")
     return torch.frombuffer(data, dtype=torch.uint8)

@@ -15,8 +15,17 @@ from tier_helpers import check_loaded, options, state
 pytestmark = pytest.mark.tiers
 
 
-def _save_steps(rank, world, tmp, steps, durable_at=()):
-    tier = LocalTier(options(tmp))
+def _small_pieces():
+    """Transfers cut into many pieces and rounds (the bounded-memory path of every store's transfer)."""
+    from lightning_distckpt.tiers import transfer
+
+    transfer.PIECE_BYTES, transfer.ROUND_BYTES = 1000, 2500
+
+
+def _save_steps(rank, world, tmp, steps, durable_at=(), small_pieces=False, kw=None):
+    if small_pieces:
+        _small_pieces()
+    tier = LocalTier(options(tmp, **(kw or {})))
     for step in steps:
         tier.save(state(rank, world, step), step)
         if step in durable_at:
@@ -27,7 +36,9 @@ def _save_steps(rank, world, tmp, steps, durable_at=()):
     return point, tier.node, tier.root
 
 
-def _recover(rank, world, tmp, durable=(), objects=True):
+def _recover(rank, world, tmp, durable=(), objects=True, small_pieces=False):
+    if small_pieces:
+        _small_pieces()
     tier = LocalTier(options(tmp))
     point = tier.recoverable(durable)
     out = None
@@ -57,12 +68,12 @@ def test_save_replicate_prune_and_agree(tmp_path):
         assert {r for r, c in held.items() if not c} == own and {r for r, c in held.items() if c} == copies
 
 
-@pytest.mark.parametrize("lost", ["node0", "node1"])
-def test_node_lost_recovers_bit_exact_from_partner_copies(tmp_path, lost):
+@pytest.mark.parametrize("lost,small_pieces", [("node0", False), ("node1", True)])
+def test_node_lost_recovers_bit_exact_from_partner_copies(tmp_path, lost, small_pieces):
     tmp = str(tmp_path)
-    run_distributed(_save_steps, 4, tmp, [10, 20, 30])
+    run_distributed(_save_steps, 4, tmp, [10, 20, 30], (), small_pieces)
     shutil.rmtree(os.path.join(tmp, lost))
-    points = run_distributed(_recover, 4, tmp)
+    points = run_distributed(_recover, 4, tmp, (), True, small_pieces)
     assert set(points) == {RecoveryPoint(30, "local")}
     held = _held(os.path.join(tmp, lost), 30)  # the lost node's directory is back, every store fetched
     assert set(held) == {0, 1, 2, 3} and all(held.values())
@@ -96,3 +107,26 @@ def test_world_shrinks_to_one_node(tmp_path):
     shutil.rmtree(os.path.join(tmp, "node1"))
     points = run_distributed(_recover, 2, tmp, (), False)  # 2 ranks, new split of "w"
     assert set(points) == {RecoveryPoint(20, "local")}
+
+
+def test_keep_local_one_and_no_replicas(tmp_path):
+    """keep_local=1 keeps one step per node; replicas=0 sends no copies, so a lost node loses its stores."""
+    tmp = str(tmp_path)
+    run_distributed(_save_steps, 4, tmp, [10, 20], (), False, {"keep_local": 1, "replicas": 0})
+    for node, own in (("node0", {0, 1}), ("node1", {2, 3})):
+        assert sorted(os.listdir(os.path.join(tmp, node))) == ["step_000000020"]
+        assert _held(os.path.join(tmp, node), 20) == {r: False for r in own}
+    shutil.rmtree(os.path.join(tmp, "node0"))
+    assert run_distributed(_recover, 4, tmp) == [None] * 4
+
+
+def _three_copies(rank, world, tmp):
+    tier = LocalTier(options(tmp, replicas=3))  # 2 nodes: one partner copy kept, with a warning
+    tier.save(state(rank, world, 10), 10)
+    tier.close()
+
+
+def test_more_replicas_than_other_nodes_keeps_one_per_node(tmp_path):
+    tmp = str(tmp_path)
+    run_distributed(_three_copies, 4, tmp)
+    assert _held(os.path.join(tmp, "node0"), 10) == {0: False, 1: False, 2: True, 3: True}
