@@ -1,6 +1,23 @@
 """Checkpoint tiers: node-local checkpoints with partner copies, and recovery from the fastest tier.
 
-Contract with the Lightning layer: /work/notes/tiers_contract.md. Changes to it are written here.
+Contract with the Lightning layer: /work/notes/tiers_contract.md. Changes to it and what it left open:
+
+- ``LocalTier(options, process_group)`` is collective over the **world** group (it makes its own gloo
+  group with ``dist.new_group``, which every process of the world enters). Its background thread
+  (commit, replication, pruning) talks over that group only.
+- ``keep_local`` counts the step being written: when a local save starts, a node keeps only the
+  ``keep_local - 1`` newest committed steps (at most ``keep_local`` directories per node at any time;
+  with 1, nothing local is recoverable while a save is in flight). Steps newer than the one saved (an
+  abandoned run's) are removed.
+- ``replicas`` above the number of other nodes keeps one copy per other node, with a warning.
+- ``save`` raises the previous save's failure (SaveFailedError, on every rank), as ``wait`` does; every
+  rank must pass the same ``step`` (else ArgumentError on every rank, at ``wait`` / the next ``save``).
+- ``recoverable`` and ``load`` first wait for a save in flight. ``recoverable``: rank 0's ``durable``
+  list decides; at equal steps the local tiers win. ``load(..., **load_kwargs)``: kwargs go to
+  ``lightning_distckpt.load`` (not ``process_group``: the tier's is used). Chunk checksums of local copies
+  are verified as the load reads them: a damaged copy raises FormatError on every rank (load a durable
+  point then).
+- Added: ``LocalTier.node`` and ``LocalTier.root`` (this rank's node name and node-local root).
 """
 
 from lightning_distckpt.tiers.local_tier import LocalTier

@@ -16,7 +16,7 @@ import os
 import shutil
 from typing import Any, Optional, Tuple
 
-from lightning_distckpt.core.errors import CheckpointingError, SaveFailedError
+from lightning_distckpt.core.errors import ArgumentError, CheckpointingError, SaveFailedError
 from lightning_distckpt.saving.async_save import AsyncSaveRequest
 from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, rank_dir
 from lightning_distckpt.storage.staging import discard, live_owner_pids
@@ -45,7 +45,7 @@ def finish_local_save(ctx: TierContext, request: AsyncSaveRequest, step: int) ->
 
 
 def _rank0_files(ctx: TierContext, step: int) -> Tuple[Optional[str], Any]:
-    """Rank 0: (error text, (metadata.json text, common.pt bytes, marker)) of its committed directory."""
+    """Rank 0: (error text, (step, metadata.json text, common.pt bytes, marker)) of its committed directory."""
     path = ctx.step_dir(step)
     try:
         with open(os.path.join(path, METADATA_FILE), "rb") as f:
@@ -56,7 +56,7 @@ def _rank0_files(ctx: TierContext, step: int) -> Tuple[Optional[str], Any]:
             marker = {k: v for k, v in json.loads(f.read()).items() if k not in _SHA_FIELDS}
     except (OSError, ValueError) as e:
         return f"rank 0 cannot read its committed local checkpoint {path}: {e}", None
-    return None, (meta, common, marker)
+    return None, (step, meta, common, marker)
 
 
 def _commit_other_nodes(ctx: TierContext, step: int) -> None:
@@ -69,11 +69,14 @@ def _commit_other_nodes(ctx: TierContext, step: int) -> None:
     store = NodeLocalStore(location)
     staging = NodeLocalStore.staged.get(store.location)
     error: Optional[Exception] = None
-    if ctx.is_lead and ctx.node != ctx.nodes.node_of(0):
+    if files[0] != step:  # each node's directory is named by its lead's step: all must be rank 0's
+        error = ArgumentError(f"LocalTier.save: step {step} given on rank {comm.rank}, but {files[0]} on rank 0; "
+                              "every rank must save the same step")
+    elif ctx.is_lead and ctx.node != ctx.nodes.node_of(0):
         try:
             if staging is None:
                 raise CheckpointingError(f"no staging directory of step {step} was written on node {ctx.node}")
-            meta, common, marker = files
+            _, meta, common, marker = files
             store.write_blob(staging, COMMON_FILE, common)
             store.commit(staging, meta, marker)
         except Exception as e:

@@ -111,7 +111,6 @@ class LocalTier:
         error); None when nothing is recoverable. Waits for a local save in flight first."""
         self._check_open()
         self.wait()
-        durable = [(int(s), str(p)) for s, p in durable]
         return recoverable(self._ctx, durable)
 
     def load(self, sharded_state_dict: Dict[str, Any], point: RecoveryPoint, **load_kwargs: Any) -> Dict[str, Any]:

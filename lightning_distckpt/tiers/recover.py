@@ -15,9 +15,9 @@ directory appears committed and whole, in one rename). Then the ordinary collect
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from lightning_distckpt.core.errors import CheckpointingError, IncompleteCheckpointError
+from lightning_distckpt.core.errors import ArgumentError, CheckpointingError, IncompleteCheckpointError
 from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, rank_dir
 from lightning_distckpt.storage.stores import open_store
 from lightning_distckpt.tiers.context import TierContext
@@ -32,11 +32,11 @@ BASE_LABEL = "base"
 BASE_FILES = (METADATA_FILE, COMMON_FILE, COMMIT_MARKER)
 
 
-def gather_holdings(ctx: TierContext) -> List[StepInfo]:
-    """Collective: every node's checked holdings (listed by its lead), the same list on every rank."""
-    error: Optional[Exception] = None
+def gather_holdings(ctx: TierContext, error: Optional[Exception] = None) -> List[StepInfo]:
+    """Collective: every node's checked holdings (listed by its lead), the same list on every rank;
+    ``error`` (this rank's bad argument, say) is raised on every rank instead."""
     mine: List[StepInfo] = []
-    if ctx.is_lead:
+    if ctx.is_lead and error is None:
         try:
             mine = scan_node(ctx.root, ctx.node)
         except Exception as e:  # agreed: every rank raises the same
@@ -45,16 +45,22 @@ def gather_holdings(ctx: TierContext) -> List[StepInfo]:
     return [info for part in gathered for info in part]
 
 
-def recoverable(ctx: TierContext, durable: Sequence[Tuple[int, str]]) -> Optional[RecoveryPoint]:
+def recoverable(ctx: TierContext, durable: Any) -> Optional[RecoveryPoint]:
     """Collective: the newest recoverable step (see the module docstring); rank 0's ``durable`` list
-    decides."""
+    decides (a malformed list is an ArgumentError on every rank)."""
+    checked: List[Tuple[int, str]] = []
+    try:
+        checked = _check_durable(durable)
+    except ArgumentError as e:
+        gather_holdings(ctx, e)  # agreed: raised on every rank
+        raise
     best = newest_complete(gather_holdings(ctx))
     local_step = best[0].step if best else None
     error: Optional[Exception] = None
     found: Optional[Tuple[int, str]] = None
     if ctx.rank == 0:
         try:
-            found = _newest_durable(durable, local_step)
+            found = _newest_durable(checked, local_step)
         except Exception as e:
             error = e
     found = ctx.comm.agree("local tier: checking the durable checkpoints failed", error, found)[0]
@@ -63,7 +69,22 @@ def recoverable(ctx: TierContext, durable: Sequence[Tuple[int, str]]) -> Optiona
     return RecoveryPoint(local_step, "local") if local_step is not None else None
 
 
-def _newest_durable(durable: Sequence[Tuple[int, str]], newer_than: Optional[int]) -> Optional[Tuple[int, str]]:
+def _check_durable(durable: Any) -> List[Tuple[int, str]]:
+    """``durable`` as a list of (step >= 0, location); ArgumentError naming what is wrong."""
+    try:
+        pairs = list(durable)
+    except TypeError:
+        raise ArgumentError(f"recoverable: durable must be a sequence of (step, location), got {durable!r}") from None
+    out = []
+    for item in pairs:
+        if (not isinstance(item, (tuple, list)) or len(item) != 2 or isinstance(item[0], bool)
+                or not isinstance(item[0], int) or item[0] < 0 or not isinstance(item[1], (str, os.PathLike))):
+            raise ArgumentError(f"recoverable: each durable checkpoint must be (step >= 0, location), got {item!r}")
+        out.append((item[0], os.fspath(item[1])))
+    return out
+
+
+def _newest_durable(durable: List[Tuple[int, str]], newer_than: Optional[int]) -> Optional[Tuple[int, str]]:
     """The newest committed durable checkpoint with a step above ``newer_than`` (its metadata checked)."""
     for step, location in sorted(durable, key=lambda d: d[0], reverse=True):
         if newer_than is not None and step <= newer_than:

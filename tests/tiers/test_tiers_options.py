@@ -1,0 +1,73 @@
+"""TierOptions and RecoveryPoint refuse bad values naming the field; partner choice on simulated nodes;
+LocalTier's argument errors are the same on every rank (no rank left waiting)."""
+
+import pytest
+
+from dist_utils import run_distributed
+from lightning_distckpt.core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
+from lightning_distckpt.tiers import LocalTier, RecoveryPoint, TierOptions
+from lightning_distckpt.tiers.nodes import NodeMap
+from tier_helpers import options, state
+
+pytestmark = pytest.mark.tiers
+
+
+@pytest.mark.parametrize("kw,err,field", [
+    ({"keep_local": 0}, ArgumentError, "keep_local"),
+    ({"replicas": -1}, ArgumentError, "replicas"),
+    ({"local_every_n_steps": 1.5}, ArgumentTypeError, "local_every_n_steps"),
+    ({"ranks_per_node": True}, ArgumentTypeError, "ranks_per_node"),
+    ({"node": "a/b"}, ArgumentError, "node"),
+    ({"node": "n0", "ranks_per_node": 2}, ArgumentError, "ranks_per_node"),
+    ({"max_staging_bytes": 0}, ArgumentError, "max_staging_bytes"),
+])
+def test_options_refuse_bad_values(kw, err, field):
+    with pytest.raises(err, match=field):
+        TierOptions(local_dir="/tmp/x", **kw)
+
+
+@pytest.mark.parametrize("local_dir", ["", "s3://bucket/x", 3])
+def test_options_refuse_bad_local_dir(local_dir):
+    with pytest.raises(CheckpointingError, match="local_dir"):
+        TierOptions(local_dir=local_dir)
+
+
+def test_recovery_point_checks():
+    with pytest.raises(ArgumentError, match="path"):
+        RecoveryPoint(10, "durable")
+    with pytest.raises(ArgumentError, match="source"):
+        RecoveryPoint(10, "nvme")
+
+
+def test_partners_are_on_other_nodes_and_spread():
+    nodes = NodeMap(("a", "a", "b", "b", "c", "c"))
+    assert [nodes.partners(r, 1) for r in range(6)] == [[2], [3], [4], [5], [0], [1]]
+    assert nodes.partners(0, 2) == [2, 4] and nodes.sources(0, 2) == [2, 4]
+    assert nodes.partners(0, 5) == [2, 4]  # at most one copy per other node
+    uneven = NodeMap(("a", "a", "a", "b"))
+    assert [uneven.partners(r, 1) for r in range(4)] == [[3], [3], [3], [0]]
+    assert NodeMap(("a", "a")).partners(0, 1) == []
+
+
+def _bad_calls(rank, world, tmp):
+    tier = LocalTier(options(tmp))
+    errors = []
+    bad_durable = [(10, "x")] if rank else [("ten", "x")]  # only rank 0's is bad: still every rank raises
+    try:
+        tier.recoverable(bad_durable)
+    except ArgumentError as e:
+        errors.append(type(e).__name__)
+    tier.save(state(rank, world, 10 + (rank == 3)), 10 + (rank == 3))  # rank 3 disagrees on the step
+    try:
+        tier.wait()
+    except CheckpointingError as e:
+        errors.append(type(e).__name__)
+    tier.save(state(rank, world, 20), 20)  # the tier goes on after a failed save
+    tier.wait()
+    errors.append(tier.recoverable().step)
+    return errors
+
+
+def test_argument_errors_are_agreed(tmp_path):
+    results = run_distributed(_bad_calls, 4, str(tmp_path))
+    assert results == [["ArgumentError", "ArgumentError", 20]] * 4
