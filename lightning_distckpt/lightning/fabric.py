@@ -83,6 +83,12 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """Collective save of ``state``: modules and optimizers sharded, the rest common state."""
+        tree = self.sharded_state(state, filter, f"save to {checkpoint_location(path, 'path')}")
+        self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
+
+    def sharded_state(self, state: Dict[str, Any], filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
+                      what: str = "save") -> Dict[str, Any]:
+        """Collective: the tree :meth:`save_checkpoint` saves for ``state`` (``what`` names the save in errors)."""
         filter = filter or {}
 
         def build() -> Dict[str, Any]:
@@ -105,8 +111,7 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
             tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
             return tree
 
-        tree = build_on_all_ranks(f"save to {checkpoint_location(path, 'path')}", build)
-        self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
+        return build_on_all_ranks(what, build)
 
     def load_checkpoint(self, path: Any, state: Optional[Union[Module, Optimizer, Dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -135,19 +140,7 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
         absent = [name for name in state if name not in loaded and name not in layout.template]
         if strict and absent:
             raise MissingKeysError(f"checkpoint {target}: has no entry {absent} (load with strict=False to skip them)")
-        for name, obj in list(state.items()):
-            if name not in loaded:
-                continue
-            value = loaded.pop(name)
-            if isinstance(obj, Module):
-                _unwrap(obj).load_state_dict(value, strict=strict)
-            elif isinstance(obj, Optimizer):
-                restore_optimizer(obj, value)
-            elif isinstance(obj, _Stateful):
-                obj.load_state_dict(value)
-            else:
-                state[name] = value
-        return loaded
+        return apply_loaded(state, loaded, strict)
 
     def _load_template(self, target: str, state: Mapping[str, Any]) -> Tuple[RestoreSource, StoredLayout]:
         """The checkpoint opened, and the template for ``fabric.load(target, state)``: the state's
@@ -207,6 +200,24 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
                                 ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)
         layout.optimizer_sources.update({n: ("optimizer_states", i) for i, n in enumerate(optimizers)})
         return layout
+
+
+def apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool) -> Dict[str, Any]:
+    """Put each entry of ``loaded`` into the object of ``state`` it belongs to (modules, optimizers,
+    stateful objects in place; plain values replaced); returns the entries ``state`` has no place for."""
+    for name, obj in list(state.items()):
+        if name not in loaded:
+            continue
+        value = loaded.pop(name)
+        if isinstance(obj, Module):
+            _unwrap(obj).load_state_dict(value, strict=strict)
+        elif isinstance(obj, Optimizer):
+            restore_optimizer(obj, value)
+        elif isinstance(obj, _Stateful):
+            obj.load_state_dict(value)
+        else:
+            state[name] = value
+    return loaded
 
 
 FabricDistCheckpointStrategy.register_strategies(STRATEGY_REGISTRY)

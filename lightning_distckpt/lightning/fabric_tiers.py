@@ -1,0 +1,102 @@
+"""Checkpoint tiers in a Fabric loop: :class:`FabricTiers` saves the state to the node-local tier
+every ``local_every_n_steps`` and restores the newest recoverable step of any tier (docs/tiers.md).
+
+    fabric = Fabric(devices=4, strategy=FabricDistCheckpointStrategy(checkpoint={"tiers": {...}}))
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    tiers = FabricTiers(fabric)                               # collective
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    tiers.restore(state, durable=[(1000, "ckpt/step1000")])   # in place; None: nothing to restore
+    for step in range(state["step"], total):
+        ...                                                   # one optimizer step
+        state["step"] = step + 1
+        tiers.save(state, step + 1)                           # a local save when due
+        if (step + 1) % 1000 == 0:
+            fabric.save(f"ckpt/step{step + 1}", state)        # the durable tier, as before
+    tiers.wait()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from torch.optim import Optimizer
+
+from ..core.errors import ArgumentError, CheckpointingError
+from ..core.strict import StrictHandling
+from ..tiers import LocalTier, RecoveryPoint, TierOptions
+from .fabric import apply_loaded
+from .sharded import build_on_all_ranks, optimizer_sharded_state
+from .tree import MANIFEST_KEY
+
+
+class FabricTiers:
+    """The node-local tier of a Fabric job under ``FabricDistCheckpointStrategy`` (collective: every
+    rank makes one, after ``fabric.launch()``).
+
+    Args:
+        fabric: the launched Fabric.
+        options: the tiers' settings; default: the ``tiers:`` section of the strategy's checkpoint config.
+    """
+
+    def __init__(self, fabric: Any, options: Optional[TierOptions] = None) -> None:
+        strategy = fabric.strategy
+        if not callable(getattr(strategy, "sharded_state", None)):
+            raise CheckpointingError(f"FabricTiers needs FabricDistCheckpointStrategy, got {type(strategy).__name__}")
+        options = options if options is not None else strategy.checkpoint_io.config.tier_options
+        if options is None:
+            raise ArgumentError("FabricTiers: no options given and the strategy's checkpoint config has no tiers: section")
+        self.strategy = strategy
+        self.options = options
+        self.tier = LocalTier(options)
+        self._last_step = -1
+
+    def save(self, state: Dict[str, Any], step: int) -> bool:
+        """Collective: when ``step`` is a multiple of ``local_every_n_steps`` (and not saved yet), the
+        tree ``fabric.save`` would write for ``state``, handed to the local tier; returns once it is
+        snapshotted (True), or at once when no save is due (False)."""
+        if step % self.options.local_every_n_steps or step == self._last_step:
+            return False
+        self.tier.save(self.strategy.sharded_state(state, what=f"local tier step {step}"), step=step)
+        self._last_step = step
+        return True
+
+    def restore(self, state: Dict[str, Any], durable: Sequence[Tuple[int, str]] = (),
+                strict: bool = True) -> Optional[RecoveryPoint]:
+        """Collective: the newest step of any tier (this node's, a partner's copy, or one of the
+        ``durable`` checkpoints ``(step, path)`` that ``fabric.save`` wrote) loaded into ``state`` in
+        place, as ``fabric.load`` would; returns where from, or None (``state`` untouched) when
+        nothing is recoverable."""
+        point = self.tier.recoverable(durable)
+        if point is None:
+            return None
+        if point.source == "durable":
+            assert point.path is not None
+            self.strategy.load_checkpoint(point.path, state, strict=strict)
+            return point
+        template = build_on_all_ranks(f"load of local step {point.step}", lambda: self._template(state))
+        io = self.strategy.checkpoint_io
+        handling = io.config.strict_handling if strict else StrictHandling.LOG_ALL
+        out = self.tier.load(template, point, strict=handling, extra_safe_globals=io.extra_safe_globals,
+                             cast=io.config.cast)
+        loaded = dict(out[0] if isinstance(out, tuple) else out)
+        loaded.pop(MANIFEST_KEY, None)
+        apply_loaded(state, loaded, strict)
+        return point
+
+    def _template(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """The state's modules and optimizers, sharded as the strategy saves them."""
+        modules = self.strategy._module_ssds(state)
+        template: Dict[str, Any] = dict(modules.by_name)
+        for name, obj in state.items():
+            if isinstance(obj, Optimizer):
+                template[name] = optimizer_sharded_state(obj, modules.params, name, init_state=True)
+        return template
+
+    def wait(self) -> None:
+        """Collective: finish the local save in flight and its partner copies (raises what failed)."""
+        self.tier.wait()
+
+    def close(self) -> None:
+        """Finish what is in flight; the tier is unusable afterwards."""
+        self.tier.close()
