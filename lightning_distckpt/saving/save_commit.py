@@ -28,6 +28,11 @@ class LocalWrite(NamedTuple):
 
 def write_local(prep: PreparedSave) -> LocalWrite:
     """This rank's writes into the store's staging location (no collectives)."""
+    with gc_paused():  # a spec and a future per array: see gc_paused (a no-op in a background thread)
+        return _write_local(prep)
+
+
+def _write_local(prep: PreparedSave) -> LocalWrite:
     t0 = time.perf_counter()
     prep.store.begin(prep.staging, prep.comm.rank)
     tensors = [w._replace(data=w.data.cpu()) if w.data.device.type != "cpu" else w for w in prep.tensors]
