@@ -199,6 +199,8 @@ def replay_packs(tensors: Mapping[str, Any], where: str) -> None:
         raise FormatError(f"{where}: metadata.json's even splits claim more than {MAX_CHUNKS} stored shards")
     # sized by the ranks holding chunks (at most the rank stores), not by ``over``: ranks past the
     # last chunk write no chunk of any split (PackEnds keeps their listed shards apart)
+    if max(chunks) <= _SMALL_SPLITS:
+        return _replay_small(tensors, where)
     packs = PackEnds(max(chunks))
     for key in sorted(tensors):
         e = tensors[key]
@@ -209,6 +211,35 @@ def replay_packs(tensors: Mapping[str, Any], where: str) -> None:
             if s.packed is not None and packs.take(s.writer, e.dtype, s.numel) != s.packed:
                 raise FormatError(f"{where}: metadata.json field tensors[{key!r}].shards[{i}].packed {s.packed} is "
                                   "not where the packing rule puts it (writer's packed shards in key order)")
+
+
+_SMALL_SPLITS = 64  # at most this many chunks per split: replayed with plain ints (numpy per key cost ~5 µs)
+
+
+def _replay_small(tensors: Mapping[str, Any], where: str) -> None:
+    """:func:`replay_packs` where every even split has few chunks: the same rule (each writer's
+    packed elements per dtype, a running sum in key order) kept in plain lists and dicts."""
+    ends: Dict[Tuple[str, int], int] = {}  # (dtype, writer) -> elements packed so far
+    for key in sorted(tensors):
+        e = tensors[key]
+        if e.even is not None:
+            shape, first = e.global_shape, e.even.packed_from
+            n, rows, per_row = chunks_count(shape, e.even.over), e.even.rows(shape), math.prod(shape[1:])
+            at = []
+            for i in range(first, n):
+                end = ends.get((e.dtype, i), 0)
+                at.append(end)
+                ends[(e.dtype, i)] = end + (rows if i < n - 1 else shape[0] - (n - 1) * rows) * per_row
+            e.even.packed = np.array(at, dtype=np.int64)
+            continue
+        for i, s in enumerate(e.shards):
+            if s.packed is None:
+                continue
+            end = ends.get((e.dtype, s.writer), 0)
+            if end != s.packed:
+                raise FormatError(f"{where}: metadata.json field tensors[{key!r}].shards[{i}].packed {s.packed} is "
+                                  "not where the packing rule puts it (writer's packed shards in key order)")
+            ends[(e.dtype, s.writer)] = end + s.numel
 
 
 Place = Tuple[str, int, Tuple[int, ...]]  # dtype, element offset in the pack array, shard shape
