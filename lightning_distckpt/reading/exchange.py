@@ -25,6 +25,7 @@ import torch
 
 from ..comm import Comm, Pending, byte_view
 from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ExchangeOp, ExchangePlan
+from .buckets import gather_bytes, scatter_bytes
 from .checkpoint import CheckpointSource
 from .reads import ReadOutcome, ReadTarget, read_shape, read_targets
 from .request import Requester
@@ -72,6 +73,7 @@ class ChunkExchange:
             shape = st.local_shape if st.flattened_range is None else (st.flattened_range.stop - st.flattened_range.start,)
             # detach: parameters (keep_vars) are written in place, outside autograd
             self.dest[c] = st.data.detach() if st.data is not None else torch.empty(shape, dtype=st.dtype)
+        self._costs: Dict[int, int] = {}  # id of an op of the plan -> its cost
         indexed = [(i, op) for i, op in enumerate(plan.ops) if op.involves(comm.rank)]
         self.my_ops = [op for _, op in indexed]
         self.op_index = [i for i, _ in indexed]
@@ -100,8 +102,12 @@ class ChunkExchange:
         return extra
 
     def cost(self, op: ExchangeOp) -> int:
-        """What an op counts against the in-flight bound: its bytes, or its buffers if more."""
-        return max(op.nbytes, self.planned_extra(op))
+        """What an op counts against the in-flight bound: its bytes, or its buffers if more (kept:
+        the schedule asks again, and a bucket of small chunks costs a look at each)."""
+        known = self._costs.get(id(op))
+        if known is None:
+            known = self._costs[id(op)] = max(op.nbytes, self.planned_extra(op))
+        return known
 
     def _alloc(self, slot: _Slot, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         t = torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=self._pin and device.type == "cpu")
@@ -173,10 +179,7 @@ class ChunkExchange:
                 return
             t0 = time.perf_counter()
             if len(op.chunks) > 1:
-                o = 0
-                for t, n in zip(slot.targets, op.sizes):
-                    slot.comm[o:o + n].copy_(byte_view(t))
-                    o += n
+                gather_bytes(slot.comm, slot.targets, op.sizes)
             elif slot.comm_is_dest:
                 self.dest[op.chunks[0]].copy_(slot.targets[0])
             elif slot.comm.device.type != "cpu":
@@ -214,16 +217,9 @@ class ChunkExchange:
                     d.copy_(t)
                 self._deliver(c)
         else:
-            o = 0
-            for c, n in zip(op.chunks, op.sizes):
-                d = self.dest[c]
-                if not slot.comm_is_dest:
-                    piece = slot.comm[o:o + n]
-                    if d.is_contiguous():
-                        byte_view(d).copy_(piece)
-                    else:  # clone: a bucket offset need not be aligned for a view as d.dtype
-                        d.copy_(piece.clone().view(d.dtype).view(d.shape))
-                o += n
+            if not slot.comm_is_dest:
+                scatter_bytes(slot.comm, [self.dest[c] for c in op.chunks], op.sizes)
+            for c in op.chunks:
                 self._deliver(c)
         self.stats.copy_s += time.perf_counter() - t1
         self.inflight -= slot.cost
@@ -377,3 +373,4 @@ class ChunkExchange:
             for s in batch:
                 assert s.read is not None
                 s.read.set_result(None)
+
