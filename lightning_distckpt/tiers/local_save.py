@@ -37,7 +37,13 @@ def finish_local_save(ctx: TierContext, request: AsyncSaveRequest, step: int) ->
     (the host-memory bound of a ``/dev/shm`` tier): the oldest goes when a save starts."""
     if ctx.is_lead:
         prune(ctx, step, ctx.options.keep_local - 1)
-    request.finalize()  # agreed; rank 0 commits its node's directory
+    try:
+        request.finalize()  # agreed; rank 0 commits its node's directory
+    except BaseException:
+        staging = NodeLocalStore.staged.pop(NodeLocalStore(ctx.location(step)).location, None)
+        if ctx.is_lead and staging is not None:  # rank 0's was discarded by the pipeline; the others' here
+            discard(staging)
+        raise
     _commit_other_nodes(ctx, step)
     replicate(ctx, step)
     if ctx.is_lead:
@@ -87,7 +93,7 @@ def _commit_other_nodes(ctx: TierContext, step: int) -> None:
         if ctx.is_lead:  # a step committed on some nodes only is no use: drop it everywhere
             if staging is not None:
                 discard(staging)
-            remove_step(ctx.step_dir(step))
+            remove_step(ctx.step_dir(files[0] if files else step))  # named by rank 0's step
         raise
     finally:
         NodeLocalStore.staged.pop(store.location, None)

@@ -49,6 +49,18 @@ def _saver(options: TierOptions) -> AsyncSaver:
     return AsyncSaver()
 
 
+def _yield_cpu(nice: int) -> None:
+    """Run the calling thread at scheduling priority ``nice`` (Linux: per thread; elsewhere nothing)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:  # not permitted here: run at the normal priority
+        pass
+
+
 class LocalTier:
     """The node-local tier of one rank (every rank of the group makes one, with the same options)."""
 
@@ -90,6 +102,7 @@ class LocalTier:
         self._thread.start()
 
     def _finish(self, request: Any, step: int) -> None:
+        _yield_cpu(getattr(self._saver, "nice", 0))  # like the saver's writing thread: the training comes first
         try:
             finish_local_save(self._ctx, request, step)
         except BaseException as e:  # raised on the caller's thread by wait() / the next save()
