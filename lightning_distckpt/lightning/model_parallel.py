@@ -51,6 +51,8 @@ from .sharded import build_on_all_ranks, describe_source
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
                     rekey_template, restore_param_keys)
 from .strategy import warn_async_link_last
+from .tiers import is_tier_marker, with_tier_callback
+from .tiers_restore import load_model_parallel_recovery
 from .tp_strategy import AsyncCommitHooksMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest
 
@@ -150,7 +152,11 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
         """Collective: every rank saves its shards of the model and optimizer state; the rest of
         ``checkpoint`` is common state."""
         path = os.fspath(self.broadcast(checkpoint_location(filepath, "filepath")))
+        tree = self.sharded_checkpoint(checkpoint, f"save to {path}")
+        self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
 
+    def sharded_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> Dict[str, Any]:
+        """Collective: the tree :meth:`save_checkpoint` saves for Lightning's ``checkpoint`` dict."""
         def build() -> Dict[str, Any]:
             tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             for entry in ("state_dict", "optimizer_states"):
@@ -159,8 +165,31 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
             tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL)
             return tree
 
-        tree = build_on_all_ranks(f"save to {path}", build)
-        self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
+        return build_on_all_ranks(what, build)
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        options = self.checkpoint_io.config.tier_options
+        if options is not None:  # tiers: a TierCheckpoint before ckpt_path resolves
+            self._launcher = with_tier_callback(self._launcher, options)
+
+    def template(self, optimizers: List[Optimizer], dtensors: Dict[Path, DTensor]) -> Dict[str, Any]:
+        """The module's (and ``optimizers``') state as this strategy saves it, each DTensor recorded
+        in ``dtensors`` by its path."""
+        assert self.model is not None
+        template: Dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        if optimizers:
+            template["optimizer_states"] = [get_optimizer_state_dict(self.model, o) for o in optimizers]
+        return {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
+
+    def set_states(self, loaded: Dict[str, Any], optimizers: List[Optimizer]) -> Dict[str, Any]:
+        """The loaded module and optimizer state into the model and ``optimizers``; returns the rest."""
+        assert self.model is not None
+        options = StateDictOptions(strict=not self._strict_handling().skips_unexpected)
+        set_model_state_dict(self.model, loaded.pop("state_dict"), options=options)
+        for opt, state in zip(optimizers, loaded.pop("optimizer_states", [])):
+            set_optimizer_state_dict(self.model, opt, state, options=options)
+        return loaded
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Collective: every rank reads its shards into its parameters and optimizer state (under
@@ -168,6 +197,8 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
         always safe."""
         path = os.fspath(self.broadcast(checkpoint_location(checkpoint_path, "checkpoint_path")))
         assert self.model is not None and self.lightning_module is not None
+        if is_tier_marker(path):  # ckpt_path="last" with tiers: the newest recoverable step of any tier
+            return load_model_parallel_recovery(self, path)
         extra = self.checkpoint_io.extra_safe_globals
         dcp = self.checkpoint_io.open_source(path) if is_lightning_dcp(path) else None
         if dcp is not None and describe_source(dcp, extra).by_trainer:
@@ -187,10 +218,7 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
             by_path = is_tree_path_layout(path, saved.kind)
             if (saved.kind != KIND_MODEL_PARALLEL and not by_path) or not saved.by_trainer:
                 raise CheckpointingError(refusal(path, saved.kind, saved.by_trainer))
-            template: Dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-            if optimizers:
-                template["optimizer_states"] = [get_optimizer_state_dict(self.model, o) for o in optimizers]
-            template = {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
+            template = self.template(optimizers, dtensors)
             if not by_path:
                 return StoredLayout(template, {}), source
             # A stock .ckpt or the plugin's directory: the same names, but optimizer state by index.
@@ -210,11 +238,7 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
             loaded = place_stored_tensors(loaded, layout, path)
             loaded["optimizer_states"] = [_by_name(restore_param_keys(s, order, path))
                                           for s, order in zip(loaded.get("optimizer_states", []), orders)]
-        options = StateDictOptions(strict=not strict.skips_unexpected)
-        set_model_state_dict(self.model, loaded.pop("state_dict"), options=options)
-        for opt, state in zip(optimizers, loaded.pop("optimizer_states", [])):
-            set_optimizer_state_dict(self.model, opt, state, options=options)
-        return loaded
+        return self.set_states(loaded, optimizers)
 
     def teardown(self) -> None:
         self.checkpoint_io.teardown()  # the stock strategy skips CheckpointIO.teardown: commit a pending save

@@ -156,7 +156,7 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         options = self.checkpoint_io.config.tier_options
-        if options is not None and self._launcher is not None:  # tiers: a TierCheckpoint before ckpt_path resolves
+        if options is not None:  # tiers: a TierCheckpoint before ckpt_path resolves
             self._launcher = with_tier_callback(self._launcher, options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:

@@ -210,13 +210,35 @@ class TierMultiProcessingLauncher(_TierLaunch, _MultiProcessingLauncher):
     """``_MultiProcessingLauncher`` (``"ddp_distckpt_spawn"``) adding a :class:`TierCheckpoint`."""
 
 
+class TierDirectLauncher(_Launcher):
+    """Where the strategy has no launcher (Lightning's ``ModelParallelStrategy`` in processes started
+    by Lightning's launcher, ``torchrun`` or SLURM): the Trainer function called in this process, as
+    Lightning calls it without a launcher, once a :class:`TierCheckpoint` is added."""
+
+    def __init__(self, options: TierOptions) -> None:
+        self.tier_options = options
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        add_tier_callback(trainer, self.tier_options)
+        return function(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        """No processes of its own to kill."""
+
+
 _TIER_LAUNCHERS = {_SubprocessScriptLauncher: TierSubprocessScriptLauncher,
                    _MultiProcessingLauncher: TierMultiProcessingLauncher}
 
 
-def with_tier_callback(launcher: _Launcher, options: TierOptions) -> _Launcher:
-    """``launcher`` (as the strategy configured it) as the same launcher that also adds a
+def with_tier_callback(launcher: Optional[_Launcher], options: TierOptions) -> _Launcher:
+    """``launcher`` (as the strategy configured it; None: none) as the same launcher that also adds a
     :class:`TierCheckpoint` of ``options`` to the Trainer before launching."""
+    if launcher is None:
+        return TierDirectLauncher(options)
     cls = _TIER_LAUNCHERS.get(type(launcher))
     if cls is None:
         raise CheckpointingError(f"tiers: the strategy's launcher {type(launcher).__name__} is not one this layer "

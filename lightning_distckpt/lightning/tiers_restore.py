@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from ..core.errors import CheckpointingError, IncompleteCheckpointError
+from ..core.dtensors import restore_dtensor
 from ..core.strict import StrictHandling
 from ..tiers import LocalTier, RecoveryPoint
 from .sharded import build_on_all_ranks, restore_optimizer
@@ -20,6 +21,7 @@ from .trainer_restore import OPTIMIZER_ENTRY, load_before_setup
 from .tree import MANIFEST_KEY
 
 if TYPE_CHECKING:
+    from .model_parallel import DistCheckpointModelParallelStrategy
     from .strategy import DistCheckpointStrategy
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class DeferredTierOptimizerStates:
             restore_optimizer(opt, state)
 
 
-def tier_load(strategy: "DistCheckpointStrategy", tier: LocalTier, template: Dict[str, Any],
+def tier_load(strategy: Any, tier: LocalTier, template: Dict[str, Any],
               point: RecoveryPoint) -> Dict[str, Any]:
     """Collective :meth:`LocalTier.load` with the strategy's load settings."""
     strict = strategy._strict_handling()
@@ -72,7 +74,7 @@ def tier_load(strategy: "DistCheckpointStrategy", tier: LocalTier, template: Dic
     return out[0] if isinstance(out, tuple) else out
 
 
-def durable_step(strategy: "DistCheckpointStrategy", path: str) -> Optional[int]:
+def durable_step(strategy: Any, path: str) -> Optional[int]:
     """The global step a durable checkpoint was saved at (its common state's ``global_step``); None
     for one that cannot say (logged: it is then not a candidate)."""
     try:
@@ -84,9 +86,9 @@ def durable_step(strategy: "DistCheckpointStrategy", path: str) -> Optional[int]
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def load_recovery_point(strategy: "DistCheckpointStrategy", marker: str, fitting: bool) -> Dict[str, Any]:
-    """Collective, before setup: Lightning resolved ``ckpt_path="last"`` to the tiers' ``marker``;
-    agree on the newest recoverable step and restore it (the optimizer state deferred when fitting)."""
+def agree_on_point(strategy: Any, marker: str) -> Tuple[LocalTier, RecoveryPoint]:
+    """Collective: Lightning resolved ``ckpt_path="last"`` to the tiers' ``marker``; the Trainer's
+    local tier and the newest step recoverable from any tier (the durable ``last*.ckpt`` included)."""
     assert strategy.lightning_module is not None
     trainer = strategy.lightning_module.trainer
     callback = tier_callback(trainer)
@@ -103,10 +105,36 @@ def load_recovery_point(strategy: "DistCheckpointStrategy", marker: str, fitting
             f"({len(durable)} candidate(s)). Remove {marker} to start from scratch, or pass a checkpoint path.")
     log.info("tiers: resuming from step %d (%s%s)", point.step, point.source,
              f" {point.path}" if point.path else f", local tier {tier.options.local_dir}")
+    return tier, point
+
+
+def load_recovery_point(strategy: "DistCheckpointStrategy", marker: str, fitting: bool) -> Dict[str, Any]:
+    """Collective, before setup (DistCheckpointStrategy): the agreed point restored, the optimizer
+    state deferred until the optimizers exist when fitting."""
+    tier, point = agree_on_point(strategy, marker)
     if point.source == "durable":
         assert point.path is not None
         return load_before_setup(strategy, point.path, fitting)
     return load_local_before_setup(strategy, tier, point, fitting and strategy.lightning_restore_optimizer)
+
+
+def load_model_parallel_recovery(strategy: "DistCheckpointModelParallelStrategy", marker: str) -> Dict[str, Any]:
+    """Collective, after setup (DistCheckpointModelParallelStrategy restores there): the agreed point
+    read into the model's and optimizers' DTensors; returns the rest of the checkpoint."""
+    from .model_parallel import put_value, value_at  # it imports this module
+
+    tier, point = agree_on_point(strategy, marker)
+    if point.source == "durable":
+        assert point.path is not None
+        return strategy.load_checkpoint(point.path)
+    optimizers = strategy._raw_optimizers()
+    dtensors: Dict[Any, Any] = {}
+    template = build_on_all_ranks(f"load of local step {point.step}", lambda: strategy.template(optimizers, dtensors))
+    loaded = dict(tier_load(strategy, tier, template, point))
+    loaded.pop(MANIFEST_KEY, None)
+    for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
+        put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))
+    return strategy.set_states(loaded, optimizers)
 
 
 def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier, point: RecoveryPoint,

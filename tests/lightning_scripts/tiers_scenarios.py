@@ -23,9 +23,10 @@ from scenario_runner import scenario_main  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 
 from lightning_distckpt import CheckpointingError  # noqa: E402
-from lightning_distckpt.lightning import DistCheckpointStrategy  # noqa: E402
+from lightning_distckpt.lightning import DistCheckpointModelParallelStrategy, DistCheckpointStrategy  # noqa: E402
 from lightning_distckpt.lightning.tiers import MARKER_NAME, TierCheckpoint  # noqa: E402
 from lightning_helpers import TPMLP  # noqa: E402
+from model_parallel_scenarios import MPModel, full_state  # noqa: E402
 from trainer_scenarios import same, snapshot  # noqa: E402
 
 TIMEOUT = timedelta(seconds=90)  # a hang fails the test instead of blocking it
@@ -43,19 +44,31 @@ class FirstStep(Callback):
         self.step = trainer.global_step
 
 
-def fit(args: argparse.Namespace, root: str, max_steps: int, ckpt_path: Optional[str] = None) -> Dict[str, Any]:
-    """One Trainer run under ``root`` with tiers (local every 2 steps, durable every 6); its snapshot."""
+def fit(args: argparse.Namespace, root: str, max_steps: int, ckpt_path: Optional[str] = None,
+        model_parallel: bool = False) -> Dict[str, Any]:
+    """One Trainer run under ``root`` with tiers (local every 2 steps, durable every 6); its snapshot.
+    ``model_parallel``: DistCheckpointModelParallelStrategy (FSDP2 x TP, DP = world / tp) and MPModel."""
     tiers = {"local_dir": os.path.join(root, "local", "{node}"), "local_every_n_steps": LOCAL_EVERY,
              "durable_every_n_steps": DURABLE_EVERY, "ranks_per_node": args.ranks_per_node, "replicas": 1,
              "keep_local": 2}
-    strategy = DistCheckpointStrategy(tensor_parallel_size=args.tp, timeout=TIMEOUT, checkpoint={"tiers": tiers})
+    if model_parallel:
+        strategy: Any = DistCheckpointModelParallelStrategy(
+            data_parallel_size=args.devices // args.tp, tensor_parallel_size=args.tp, timeout=TIMEOUT,
+            checkpoint={"tiers": tiers})
+        model: Any = MPModel(total_steps=TOTAL)
+    else:
+        strategy = DistCheckpointStrategy(tensor_parallel_size=args.tp, timeout=TIMEOUT, checkpoint={"tiers": tiers})
+        model = TPMLP(total_steps=TOTAL)
     first = FirstStep()
-    model = TPMLP(total_steps=TOTAL)
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=max_steps, max_epochs=-1,
                       callbacks=[first], logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=root)
     trainer.fit(model, ckpt_path=ckpt_path)
-    snap = snapshot(model, trainer)
+    if model_parallel:
+        snap = {"state": full_state(model, trainer), "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                "global_step": trainer.global_step, "losses": dict(model.losses)}
+    else:
+        snap = snapshot(model, trainer)
     snap["first_step"] = first.step
     snap["tier_callbacks"] = sum(isinstance(cb, TierCheckpoint) for cb in trainer.callbacks)
     return snap
@@ -78,13 +91,14 @@ def lose(trainer_strategy_barrier: Any, root: str, nodes: List[str], rank: int) 
     trainer_strategy_barrier()
 
 
+import torch.distributed as dist  # noqa: E402
+
+
 def recovery(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     """A: 10 steps straight. B: the same job ends at step 9 (a first run: ckpt_path="last" finds
     nothing). Node 0's local tier is lost; C resumes with "last" (from step 8: node 1's partner copies)
     to 10. Every local copy is lost; D resumes from the durable step 6 to 10. C and D must end where A
     did, exactly. Then the durable checkpoint is removed too: "last" refuses on every rank."""
-    import torch.distributed as dist
-
     a = fit(args, os.path.join(args.dir, "A"), TOTAL)
     rank = dist.get_rank()  # the process group exists from the first fit on
     root = os.path.join(args.dir, "B")
@@ -115,5 +129,26 @@ def recovery(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["marker"] = os.path.isfile(os.path.join(root, "checkpoints", MARKER_NAME))
 
 
+def recovery_model_parallel(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """As :func:`recovery` under DistCheckpointModelParallelStrategy (FSDP2 x TP, restored after
+    setup): node 0's local tier lost, then every local copy; exact against a straight run."""
+    import torch
+
+    def exact(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+        return (set(a["state"]) == set(b["state"]) and all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+                and a["sched"] == b["sched"] and a["global_step"] == b["global_step"])
+
+    a = fit(args, os.path.join(args.dir, "mpA"), TOTAL, model_parallel=True)
+    rank = dist.get_rank()
+    root = os.path.join(args.dir, "mpB")
+    fit(args, root, FAIL_AT, model_parallel=True)
+    lose(dist.barrier, root, ["node0"], rank)
+    c = fit(args, root, TOTAL, ckpt_path="last", model_parallel=True)
+    res["mp_c"] = [c["first_step"], exact(a, c)]
+    lose(dist.barrier, root, ["node0", "node1"], rank)
+    d = fit(args, root, TOTAL, ckpt_path="last", model_parallel=True)
+    res["mp_d"] = [d["first_step"], exact(a, d)]
+
+
 if __name__ == "__main__":
-    scenario_main({"recovery": recovery}, **{"--ranks-per-node": dict(type=int, default=2)})
+    scenario_main({"recovery": recovery, "recovery_model_parallel": recovery_model_parallel}, **{"--ranks-per-node": dict(type=int, default=2)})

@@ -2,7 +2,8 @@
 ranks, local saves every 2 steps and durable ones every 6 (tests/lightning_scripts/tiers_scenarios.py).
 A run ends at step 9 and a node's local tier is deleted: ``fit(ckpt_path="last")`` resumes from
 local step 8 (the partner copies) and ends exactly where an uninterrupted run ends; with every local
-copy gone it resumes from the durable step 6, again exactly; with nothing left it refuses on every rank."""
+copy gone it resumes from the durable step 6, again exactly; with nothing left it refuses on every rank.
+The same under DistCheckpointModelParallelStrategy (FSDP2 x TP, DTensor state, restored after setup)."""
 
 import pytest
 
@@ -16,7 +17,7 @@ STATE = {"weights": True, "opt": True, "lr": True, "sched": True, "global_step":
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiers_trainer")
-    results = run_script("tiers_scenarios.py", ["recovery", "--dir", str(d), "--devices", "4", "--tp", "2",
+    results = run_script("tiers_scenarios.py", ["recovery", "recovery_model_parallel", "--dir", str(d), "--devices", "4", "--tp", "2",
                                                 "--ranks-per-node", "2"], str(d / "out"), world_size=4, timeout=420)
     return d, results
 
@@ -54,3 +55,10 @@ def test_nothing_recoverable_refuses_on_every_rank(runs):
         assert res["nothing_left"].startswith("IncompleteCheckpointError")
         assert "no step is recoverable" in res["nothing_left"] and "tiers-last.json" in res["nothing_left"]
         assert res["marker"] is True  # the marker is the user's to remove: never deleted behind their back
+
+
+def test_model_parallel_strategy_resumes_local_then_durable_exactly(runs):
+    _, results = runs
+    for res in results:
+        assert res["mp_c"] == [8, True]  # node 0 lost: local step 8 from the partner copies, exact
+        assert res["mp_d"] == [6, True]  # every local copy lost: durable step 6, exact
