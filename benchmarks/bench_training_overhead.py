@@ -26,7 +26,10 @@ Measured on each rank: ``fit s``, from ``on_train_start`` (after setup, DDP's br
 ``fit`` returns (an async save still in flight at the end is waited for there: a user pays for
 it too); the slowest rank counts. ``blocked s`` is the time inside ``trainer.save_checkpoint``
 per checkpoint (what the training loop waits for; for async saves the planning and snapshot).
-``peak RSS`` is the largest ``ru_maxrss`` of the ranks. Rounds are interleaved (every round runs
+``peak RSS`` is the largest ``ru_maxrss`` of the ranks. ``CPU s`` are the CPU seconds, from the
+start of training until ``fit`` returns, of the training thread and of the whole process (the
+background save threads and tensorstore's included), slowest rank: on a machine other jobs load,
+wall times stretch with the load, CPU seconds much less. Rounds are interleaved (every round runs
 every size and contestant once, the order rotated each round); medians over rounds with a 90%
 bootstrap interval (rounds resampled, fixed seed); ``s lost per ckpt`` = (fit s - its baseline's
 fit s) / checkpoints, the interval from resampling rounds in pairs. ``--py-spy DIR`` records each
@@ -146,6 +149,7 @@ def _recorder() -> Any:
 
             trainer.save_checkpoint = timed  # what ModelCheckpoint calls
             self.rss_start_mib = (status_kib("VmRSS") or 0) / 1024
+            self.cpu0 = (time.thread_time(), time.process_time())  # CPU time: robust on a busy machine
             self.t0 = time.perf_counter()
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -172,8 +176,9 @@ def _script(args: argparse.Namespace) -> None:
                       enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
     trainer.fit(_mlp_class()(args.layers, args.width, args.steps * 2))
     fit_s = time.perf_counter() - record.t0
+    train_cpu_s, proc_cpu_s = time.thread_time() - record.cpu0[0], time.process_time() - record.cpu0[1]
     rank = trainer.global_rank
-    out = {"fit_s": fit_s, "loop_s": record.loop_s, "saves_s": record.saves, "rss_start_mib": record.rss_start_mib,
+    out = {"fit_s": fit_s, "loop_s": record.loop_s, "train_cpu_s": train_cpu_s, "proc_cpu_s": proc_cpu_s, "saves_s": record.saves, "rss_start_mib": record.rss_start_mib,
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "global_step": trainer.global_step,
            "checkpoints": len(os.listdir(args.ckpt_dir)) if rank == 0 and os.path.isdir(args.ckpt_dir) else None}
@@ -211,6 +216,8 @@ def _launch(args: argparse.Namespace, name: str, size: str, work: str, rnd: int)
     return {"size": size, "contestant": name, "round": rnd, "ranks": ranks, "layers": layers, "width": width,
             "fit_s": max(r["fit_s"] for r in ranks), "loop_s": max(r["loop_s"] for r in ranks),
             "blocked_s": max(sum(r["saves_s"]) for r in ranks), "checkpoints": ranks[0]["checkpoints"],
+            "train_cpu_s": max(r.get("train_cpu_s", 0.0) for r in ranks),
+            "proc_cpu_s": max(r.get("proc_cpu_s", 0.0) for r in ranks),
             "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks), "steps": ranks[0]["global_step"]}
 
 
@@ -233,7 +240,9 @@ def summarize(results: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
             s: Dict[str, Any] = {"fit_s": statistics.median(fits), "fit_ci": bootstrap(fits, statistics.median),
                                  "runs": fits, "checkpoints": runs[0]["checkpoints"] or 0,
                                  "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in runs),
-                                 "blocked_s": statistics.median(r["blocked_s"] for r in runs)}
+                                 "blocked_s": statistics.median(r["blocked_s"] for r in runs),
+                                 "train_cpu_s": statistics.median(r.get("train_cpu_s", 0.0) for r in runs),
+                                 "proc_cpu_s": statistics.median(r.get("proc_cpu_s", 0.0) for r in runs)}
             base = BASELINE[name]
             pairs = [(r["fit_s"], by[(base, r["round"])]["fit_s"]) for r in runs if (base, r["round"]) in by]
             n = s["checkpoints"]
@@ -259,9 +268,11 @@ def table(summary: Dict[str, Dict[str, Any]]) -> str:
                      f"{100 * s['overhead']:+.0f}%" if "overhead" in s else "-",
                      s["checkpoints"], lost, f"{s['blocked_s'] / s['checkpoints']:.3f}" if s["checkpoints"] else "-",
                      f"{s['peak_rss_mib']:.0f}" + (f" ({s['peak_rss_mib'] - s['base_rss_mib']:+.0f})"
-                                                   if "base_rss_mib" in s else "")])
+                                                   if "base_rss_mib" in s else ""),
+                     f"{s['train_cpu_s']:.2f} / {s['proc_cpu_s']:.2f}"])
     return fmt_table(["size", "contestant", "fit s [90%]", "runs", "vs no ckpt", "ckpts", "s lost per ckpt [90%]",
-                      "blocked s per ckpt", "peak RSS MiB (vs no ckpt)"], rows)
+                      "blocked s per ckpt", "peak RSS MiB (vs no ckpt)",
+                      "CPU s: training thread / process (slowest rank)"], rows)
 
 
 def _args(argv: List[str] | None) -> argparse.Namespace:
@@ -308,6 +319,7 @@ def main(argv: List[str] | None = None) -> int:
                 for name in names[k:] + names[:k]:
                     res = _launch(args, name, size, work, rnd)
                     print(f"[#{rnd}] {size:5s} {name:13s} fit {res['fit_s']:6.2f}s blocked {res['blocked_s']:6.2f}s "
+                          f"CPU {res['train_cpu_s']:6.2f}s / {res['proc_cpu_s']:6.2f}s "
                           f"ckpts {res['checkpoints']} peak RSS {res['peak_rss_mib']:6.0f} MiB", flush=True)
                     results.append(res)
     finally:
