@@ -191,7 +191,8 @@ def run_round(args: argparse.Namespace, tree: str) -> Dict[str, Any]:
         if args.count:
             cmd.append("--count")
             if shutil.which("strace"):
-                cmd = ["strace", "-f", "-qq", "-e", "trace=fsync,fdatasync,access,faccessat,faccessat2", "-o", trace] + cmd
+                calls = "trace=fsync,fdatasync,access,faccessat,faccessat2"
+                cmd = ["strace", "-f", "-qq", "-e", calls, "-o", trace] + cmd
         subprocess.run(cmd, check=True)
         with open(out) as f:
             res = json.load(f)

@@ -3,6 +3,7 @@ is not initialized. Every collective the library makes goes through here."""
 
 from __future__ import annotations
 
+import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type
@@ -19,6 +20,10 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     any dtype goes over any backend."""
     return t.reshape(-1).view(torch.uint8)
 
+
+#: Pickled objects up to this size travel in :meth:`Comm.all_gather_object`'s first exchange.
+SMALL_OBJECT_BYTES = 1024
+_SIZE_BYTES = 8  # each rank's pickled size, first in what it sends
 
 #: What torch raises when a collective fails (``DistBackendError`` derives from RuntimeError).
 _TORCH_ERRORS = (RuntimeError, ValueError)
@@ -133,12 +138,33 @@ class Comm:
 
     # -- picklable objects -------------------------------------------------------------------------
     def all_gather_object(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, in rank order. One exchange when every pickled object fits in
+        :data:`SMALL_OBJECT_BYTES` (a save's handshakes and agreements: a few hundred bytes), where
+        torch's ``all_gather_object`` always makes two (the sizes, then the padded bytes); a second
+        exchange, padded to the largest, carries larger ones."""
         if not self.distributed:
             return [obj]
-        out: List[Any] = [None] * self.size
         with self._mapped("all_gather_object"):
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            device = comm_device(self.group)
+            mine = torch.zeros(_SIZE_BYTES + SMALL_OBJECT_BYTES, dtype=torch.uint8)
+            mine[:_SIZE_BYTES] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            if len(data) <= SMALL_OBJECT_BYTES:
+                mine[_SIZE_BYTES:_SIZE_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            heads = self._all_gather_bytes(mine.to(device))
+            sizes = [int(h[:_SIZE_BYTES].view(torch.int64)) for h in heads]
+            if max(sizes) <= SMALL_OBJECT_BYTES:
+                return [pickle.loads(h[_SIZE_BYTES:_SIZE_BYTES + n].numpy().tobytes()) for h, n in zip(heads, sizes)]
+            padded = torch.zeros(max(sizes), dtype=torch.uint8)
+            padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            rest = self._all_gather_bytes(padded.to(device))
+            return [pickle.loads(b[:n].numpy().tobytes()) for b, n in zip(rest, sizes)]
+
+    def _all_gather_bytes(self, mine: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's ``mine`` (same size on every rank), on the CPU, in rank order."""
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [t.cpu() for t in out]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Broadcast from group rank ``src``."""

@@ -1,5 +1,5 @@
-"""What one save costs the store (issue 29): each rank store gets one OCDBT commit per write call
-(one version in its manifest; no empty first one: the writer tells OCDBT its configuration), several calls into one store (an async
+"""What one save costs the store (issue 29): each rank store gets one OCDBT commit per write call (one
+version in its manifest; no empty first one: the writer tells OCDBT its configuration), several calls into one store (an async
 save's waves) are each committed, and the commit's directory walk leaves out the rank stores,
 which their writers made durable."""
 
