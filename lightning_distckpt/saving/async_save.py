@@ -1,12 +1,16 @@
 """Asynchronous save: the caller is blocked only while the state is planned (a metadata exchange)
-and snapshotted into host staging buffers; the writes run in a background thread; ``finalize``
-(on the caller's thread, collective) waits for them, agrees on success over all ranks and only
-then commits.
+and snapshotted into host staging buffers (under a staging budget, also while what does not fit
+is written: :mod:`.async_staging`); the writes run in a background thread; ``finalize`` (on the
+caller's thread, collective) waits for them, agrees on success over all ranks and only then
+commits, or, with ``commit_in_background``, the background thread agrees and commits itself
+over a process group of the saver's own.
 
-The background thread makes no collective calls, so it never races the training's collectives
-on the same group. Staging buffers are kept by the :class:`AsyncSaver` and reused by the next
-save of the same layout instead of being reallocated (pinned memory when the state lives on an
-accelerator, so device-to-host copies are asynchronous DMA).
+The background thread makes no collective call on the caller's group, so it never races the
+training's collectives. Staging buffers (views of one host pool) are kept by the
+:class:`AsyncSaver` and reused by the next save of the same layout instead of being reallocated
+(pinned memory when the state lives on an accelerator, so device-to-host copies are asynchronous
+DMA). The thread runs at a lower scheduling priority (``nice``): where the training uses every
+core, the writes take what it leaves.
 """
 
 from __future__ import annotations
@@ -199,7 +203,9 @@ class AsyncSaver:
             ``commits_in_background``), over a gloo group the saver makes at its first save over the
             whole world (every rank calls ``save``, so every rank makes it); a save over a subgroup
             commits at ``finalize`` as without it. The training thread then neither asks the other
-            ranks whether the writes are done nor waits for the commit's agreement and fsyncs.
+            ranks whether the writes are done nor waits for the commit's agreement and fsyncs. With
+            ``reserve_targets`` the thread releases the target's name right before its commit (a
+            name check by the caller's thread can then fall between the two).
     """
 
     def __init__(self, pin_memory: Optional[bool] = None, reserve_targets: bool = False,
