@@ -45,7 +45,8 @@ class FabricTiers:
             raise CheckpointingError(f"FabricTiers needs FabricDistCheckpointStrategy, got {type(strategy).__name__}")
         options = options if options is not None else strategy.checkpoint_io.config.tier_options
         if options is None:
-            raise ArgumentError("FabricTiers: no options given and the strategy's checkpoint config has no tiers: section")
+            raise ArgumentError("FabricTiers: no options given and the strategy's checkpoint config has no "
+                                "tiers: section")
         self.strategy = strategy
         self.options = options
         self.tier = LocalTier(options)

@@ -31,7 +31,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..core.errors import CheckpointingError
+from ..core.errors import ArgumentTypeError, CheckpointingError
 from ..tiers import LocalTier, TierOptions
 from .model_checkpoint import DistModelCheckpoint
 
@@ -60,7 +60,7 @@ class TierCheckpoint(DistModelCheckpoint):
 
     def __init__(self, options: TierOptions, **kwargs: Any) -> None:
         if not isinstance(options, TierOptions):
-            raise CheckpointingError(f"TierCheckpoint needs TierOptions, got {type(options).__name__}")
+            raise ArgumentTypeError(f"TierCheckpoint needs TierOptions, got {type(options).__name__}")
         durable = options.durable_every_n_steps
         defaults = dict(save_top_k=0, save_last=durable is not None, every_n_train_steps=durable or 0,
                         every_n_epochs=0)

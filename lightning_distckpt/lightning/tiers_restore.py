@@ -80,7 +80,7 @@ def durable_step(strategy: Any, path: str) -> Optional[int]:
     try:
         common = strategy.checkpoint_io.open_source(path).load_common(strategy.checkpoint_io.extra_safe_globals)
         step = common.get("global_step") if isinstance(common, dict) else None
-    except CheckpointingError as e:
+    except (CheckpointingError, OSError) as e:  # not ours to resume, or gone since it was listed
         log.warning("tiers: durable checkpoint %s is not a candidate: %s", path, e)
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None

@@ -43,14 +43,16 @@ def train(run: Run, tiers: FabricTiers, state: Dict[str, Any], durable: str, sto
 
 def same(a: Run, b: Run) -> bool:
     fa, fb = a.full(), b.full()
-    return set(fa) == set(fb) and all(torch.equal(fa[k], fb[k]) for k in fa) and a.sched.state_dict() == b.sched.state_dict()
+    exact = set(fa) == set(fb) and all(torch.equal(fa[k], fb[k]) for k in fa)
+    return exact and a.sched.state_dict() == b.sched.state_dict()
 
 
 def recovery(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     local = os.path.join(args.dir, "local")
     tiers_cfg = {"local_dir": os.path.join(local, "{node}"), "local_every_n_steps": 2,
                  "ranks_per_node": args.ranks_per_node, "replicas": 1, "keep_local": 2}
-    strategy = FabricDistCheckpointStrategy(tensor_parallel_size=args.tp, timeout=TIMEOUT, checkpoint={"tiers": tiers_cfg})
+    strategy = FabricDistCheckpointStrategy(tensor_parallel_size=args.tp, timeout=TIMEOUT,
+                                            checkpoint={"tiers": tiers_cfg})
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
     rank = dist.get_rank()

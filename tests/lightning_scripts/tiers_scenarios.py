@@ -135,7 +135,8 @@ def recovery_model_parallel(args: argparse.Namespace, res: Dict[str, Any]) -> No
     import torch
 
     def exact(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-        return (set(a["state"]) == set(b["state"]) and all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+        sa, sb = a["state"], b["state"]
+        return (set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
                 and a["sched"] == b["sched"] and a["global_step"] == b["global_step"])
 
     a = fit(args, os.path.join(args.dir, "mpA"), TOTAL, model_parallel=True)
@@ -151,4 +152,5 @@ def recovery_model_parallel(args: argparse.Namespace, res: Dict[str, Any]) -> No
 
 
 if __name__ == "__main__":
-    scenario_main({"recovery": recovery, "recovery_model_parallel": recovery_model_parallel}, **{"--ranks-per-node": dict(type=int, default=2)})
+    scenario_main({"recovery": recovery, "recovery_model_parallel": recovery_model_parallel},
+                  **{"--ranks-per-node": dict(type=int, default=2)})

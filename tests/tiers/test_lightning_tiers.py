@@ -17,8 +17,8 @@ STATE = {"weights": True, "opt": True, "lr": True, "sched": True, "global_step":
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiers_trainer")
-    results = run_script("tiers_scenarios.py", ["recovery", "recovery_model_parallel", "--dir", str(d), "--devices", "4", "--tp", "2",
-                                                "--ranks-per-node", "2"], str(d / "out"), world_size=4, timeout=420)
+    args = ["recovery", "recovery_model_parallel", "--dir", str(d), "--devices", "4", "--tp", "2", "--ranks-per-node", "2"]
+    results = run_script("tiers_scenarios.py", args, str(d / "out"), world_size=4, timeout=420)
     return d, results
 
 

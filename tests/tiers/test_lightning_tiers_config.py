@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_distckpt import ConfigError
+from lightning_distckpt import ArgumentTypeError, ConfigError
 from lightning_distckpt.lightning import DistCheckpointConfig, load_checkpoint_config
 from lightning_distckpt.lightning.tiers import TierCheckpoint
 from lightning_distckpt.tiers import TierOptions
@@ -32,6 +32,9 @@ def test_bad_section_is_named(section, named):
 
 def test_tier_checkpoint_durable_defaults():
     durable = TierCheckpoint(TierOptions(local_dir="/x", durable_every_n_steps=6))
-    assert (durable.save_last, durable._every_n_train_steps, durable._every_n_epochs, durable.save_top_k) == (True, 6, 0, 0)
+    assert (durable.save_last, durable._every_n_train_steps, durable._every_n_epochs, durable.save_top_k) == \
+        (True, 6, 0, 0)
     local_only = TierCheckpoint(TierOptions(local_dir="/x"))  # the Trainer's other ModelCheckpoint decides
     assert (local_only.save_last, local_only._every_n_train_steps, local_only.save_top_k) == (False, 0, 0)
+    with pytest.raises(ArgumentTypeError, match="TierOptions"):
+        TierCheckpoint({"local_dir": "/x"})
