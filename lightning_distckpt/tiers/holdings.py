@@ -49,8 +49,8 @@ def scan_node(root: str, node: str) -> List[StepInfo]:
     for local in committed_steps(root):
         try:
             out.append(_check(local, node))
-        except (CheckpointingError, OSError, ValueError) as e:
-            logger.warning("local tier: node %s: %s is not used: %s", node, local.path, e)
+        except Exception as e:  # noqa: BLE001 - whatever fails its checks is not used, never fatal
+            logger.warning("local tier: node %s: %s is not used: %s: %s", node, local.path, type(e).__name__, e)
     return out
 
 

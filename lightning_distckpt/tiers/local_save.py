@@ -69,13 +69,12 @@ def _commit_other_nodes(ctx: TierContext, step: int) -> None:
     """Collective: the leads of the nodes other than rank 0's commit their step directories."""
     comm = ctx.comm
     failed, files = comm.broadcast_object(_rank0_files(ctx, step) if comm.rank == 0 else None)
-    if failed is not None:
-        raise SaveFailedError(f"local save of step {step}: {failed}")
-    location = ctx.location(step)
-    store = NodeLocalStore(location)
+    store = NodeLocalStore(ctx.location(step))
     staging = NodeLocalStore.staged.get(store.location)
     error: Optional[Exception] = None
-    if files[0] != step:  # each node's directory is named by its lead's step: all must be rank 0's
+    if failed is not None:  # the same on every rank (broadcast): each cleans up below
+        error = SaveFailedError(f"local save of step {step}: {failed}")
+    elif files[0] != step:  # each node's directory is named by its lead's step: all must be rank 0's
         error = ArgumentError(f"LocalTier.save: step {step} given on rank {comm.rank}, but {files[0]} on rank 0; "
                               "every rank must save the same step")
     elif ctx.is_lead and ctx.node != ctx.nodes.node_of(0):
