@@ -27,7 +27,9 @@ def _save_steps(rank, world, tmp, steps, durable_at=(), small_pieces=False, kw=N
         _small_pieces()
     tier = LocalTier(options(tmp, **(kw or {})))
     for step in steps:
-        tier.save(state(rank, world, step), step)
+        sd = state(rank, world, step)
+        tier.save(sd, step)
+        sd["w"].data.add_(1e6)  # the training goes on at once: the save holds its own snapshot
         if step in durable_at:
             ldc.save(state(rank, world, step), os.path.join(tmp, f"durable_{step}"))
     tier.wait()
