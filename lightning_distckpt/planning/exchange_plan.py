@@ -38,9 +38,9 @@ def chunk_id(st: ShardedTensor) -> ChunkId:
                    dtype_name(st.dtype, st.key))
 
 
-@dataclass(frozen=True)
-class ChunkRequest:
-    """One rank's request for a chunk, as exchanged (plain data)."""
+class ChunkRequest(NamedTuple):
+    """One rank's request for a chunk, as exchanged (plain data: a pair, the chunk a plain tuple
+    where it travelled as one)."""
 
     chunk: ChunkId
     nbytes: int
@@ -111,14 +111,16 @@ def plan_exchange(requests: Sequence[Sequence[ChunkRequest]], *, bucket_bytes: i
     nbytes: Dict[ChunkId, int] = {}
     requested = 0
     for rank, reqs in enumerate(requests):
-        for r in reqs:
-            needers[r.chunk].add(rank)
-            nbytes[r.chunk] = r.nbytes
-            requested += r.nbytes
+        for chunk, n in reqs:  # ChunkRequests, or (chunk, nbytes) pairs as gathered
+            needers[chunk].add(rank)
+            nbytes[chunk] = n
+            requested += n
 
     load = [0] * size
     reader: Dict[ChunkId, int] = {}
-    for c in sorted(needers, key=lambda c: (-nbytes[c], _sort_key(c))):
+    in_order = sorted(needers, key=_sort_key)
+    # largest first, ties in chunk order (a stable sort of the sorted chunks: one sort key per chunk)
+    for c in sorted(in_order, key=nbytes.__getitem__, reverse=True):
         who = needers[c]
         if len(who) == 1:  # no choice (no tie to break): the only needer reads it
             reader[c] = next(iter(who))
@@ -130,7 +132,7 @@ def plan_exchange(requests: Sequence[Sequence[ChunkRequest]], *, bucket_bytes: i
     # Group into ops: big chunks alone, small ones bucketed by (reader, needers).
     per_src: Dict[int, List[ExchangeOp]] = defaultdict(list)
     buckets: Dict[Tuple[int, Tuple[int, ...]], List[ChunkId]] = defaultdict(list)
-    for c in sorted(needers, key=_sort_key):
+    for c in in_order:
         who = tuple(sorted(needers[c]))
         if nbytes[c] >= bucket_bytes:
             per_src[reader[c]].append(_op(reader[c], [c], nbytes, who, size))
