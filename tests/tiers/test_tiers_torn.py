@@ -44,3 +44,22 @@ def test_killed_local_save_is_never_used(tmp_path, victim, point, lost, expected
         shutil.rmtree(os.path.join(tmp, lost))
     points = run_distributed(_recover, 4, tmp)
     assert set(points) == {RecoveryPoint(expected, "local")}
+
+
+def _save(rank, world, tmp):
+    tier = LocalTier(options(tmp))
+    for step in (10, 20, 30):
+        tier.save(state(rank, world, step), step)
+    tier.close()
+
+
+@pytest.mark.parametrize("point", ["tier_before_place", "tier_before_note"])
+def test_recovery_killed_while_fetching_then_recovers(tmp_path, point):
+    """A restarted job killed while node1's lead puts the fetched copies in place: the next restart still
+    recovers step 30 bit-exactly (what the killed one left is never taken as held)."""
+    tmp = str(tmp_path)
+    run_distributed(_save, 4, tmp)
+    shutil.rmtree(os.path.join(tmp, "node1"))
+    run_killed(4, "recover", tmp, 2, {"LDC_TIER_ARM": f"{KILL_AT_ENV}={point}"})
+    assert not os.path.exists(os.path.join(tmp, "node1", "step_000000030"))  # never renamed into place
+    assert set(run_distributed(_recover, 4, tmp)) == {RecoveryPoint(30, "local")}
