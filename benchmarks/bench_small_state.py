@@ -16,6 +16,9 @@ Two parts, each round a fresh pair of processes (``torch.multiprocessing`` spawn
   replicated, saved ``--tiny-repeats`` times (no plan cache: a fresh plan each) and loaded back
   (default loader) into a template of the same layout; timed on rank 0 from a barrier.
 
+Each save is also timed in rank 0's CPU seconds (``_cpu``: ``time.process_time``, every thread of
+the process), which a busy machine inflates far less than wall time.
+
 Prints medians and interquartile ranges over every timed repeat of every round, and writes them with
 the command line and the load average to ``benchmarks/results/small_state_<tag>.json``.
 
@@ -28,6 +31,7 @@ of the library) and, with ``strace`` installed, the fsync / fdatasync calls of b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -37,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXED_TENSORS, FIXED_NUMEL = 8, 65536  # 8 x 256 KB fp32 = 2 MB
@@ -88,6 +92,28 @@ def _counting(dist: Any) -> Dict[str, int]:
     return counts
 
 
+@contextlib.contextmanager
+def _fsyncs_off() -> Iterator[None]:
+    """Within the block, saves of ours skip every fsync (Python's ``os.fsync`` and tensorstore's
+    ``file_io_sync``): what the durability guarantee costs, measured. Benchmarks only: such a
+    save is not crash safe."""
+    from lightning_distckpt.storage.local_store import LocalStore
+
+    context, fsync = LocalStore.ts_context, os.fsync
+
+    def unsynced(self: Any, options: Any) -> Any:
+        import tensorstore as ts
+
+        return ts.Context({**context(self, options).spec.to_json(), "file_io_sync": False})
+
+    LocalStore.ts_context = unsynced  # type: ignore[method-assign]
+    os.fsync = lambda fd: None
+    try:
+        yield
+    finally:
+        LocalStore.ts_context, os.fsync = context, fsync  # type: ignore[method-assign]
+
+
 def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, Any]:
     import lightning_distckpt as ldc
     from lightning_distckpt.saving.save import SavePlanCache
@@ -102,7 +128,7 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
     sd = {k: ldc.ShardedTensor.from_rank_offsets(k, t, replica_id=rank) for k, t in tensors.items()}
     sd["step"] = 7
     cache = SavePlanCache()
-    times: Dict[str, List[float]] = {"ours": [], "stock": [], "stock_fsync": []}
+    times: Dict[str, List[float]] = {"ours": [], "ours_nosync": [], "stock": [], "stock_fsync": []}
     ldc.save(sd, os.path.join(root, "warm"), plan_cache=cache)  # first save plans; not timed
 
     def ours(i: int) -> None:
@@ -123,7 +149,12 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
                 os.close(fd)
         barrier()
 
-    runs = {"ours": ours, "stock": stock, "stock_fsync": lambda i: stock(i, True)}
+    def ours_unsynced(i: int) -> None:
+        with _fsyncs_off():
+            ldc.save(sd, os.path.join(root, f"ours_nosync_{i}"), plan_cache=cache)
+
+    cpu: Dict[str, List[float]] = {name: [] for name in times}
+    runs = {"ours": ours, "ours_nosync": ours_unsynced, "stock": stock, "stock_fsync": lambda i: stock(i, True)}
     order = list(runs)
     collectives: List[Dict[str, int]] = []
     for i in range(args["repeats"]):
@@ -133,20 +164,21 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
             if name == "ours" and counts is not None:
                 counts.clear()
                 _marker("begin")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             runs[name](i)
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             if name == "ours" and counts is not None:
                 _marker("end")
                 collectives.append(dict(counts))
         barrier()
         if rank == 0:  # out of the timing: the next save starts from a like directory
             for p in os.listdir(root):
-                if p.startswith(("ours_", "stock_")):
+                if p.startswith(("ours_", "stock_")):  # ours_nosync_ too
                     shutil.rmtree(os.path.join(root, p), ignore_errors=True) if os.path.isdir(
                         os.path.join(root, p)) else os.remove(os.path.join(root, p))
         barrier()
-    res["fixed"] = times
+    res["fixed"] = {**times, **{f"{name}_cpu": xs for name, xs in cpu.items()}}
     if counts is not None:
         res["collectives_per_save"] = collectives[-1] if collectives else {}
     # -- many tiny tensors -------------------------------------------------------------------
@@ -163,13 +195,14 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
             out[f"replicated.{i}"] = ldc.ShardedTensor.from_rank_offsets(f"replicated.{i}", t, replica_id=rank)
         return out
 
-    saved, tiny = tiny_sd(True), {"save": [], "load": []}
+    saved, tiny = tiny_sd(True), {"save": [], "save_cpu": [], "load": []}
     for i in range(args["tiny_repeats"]):
         path = os.path.join(root, f"tiny_{i}")
         barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ldc.save(saved, path)
         tiny["save"].append(time.perf_counter() - t0)
+        tiny["save_cpu"].append(time.process_time() - c0)  # rank 0's CPU seconds, all threads: less load-bound
         template = tiny_sd(False)
         barrier()
         t0 = time.perf_counter()

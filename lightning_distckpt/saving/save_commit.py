@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import List, NamedTuple, Optional, Union
 
 import torch
@@ -36,7 +37,16 @@ def _write_local(prep: PreparedSave) -> LocalWrite:
     t0 = time.perf_counter()
     prep.store.begin(prep.staging, prep.comm.rank)
     tensors = [w._replace(data=w.data.cpu()) if w.data.device.type != "cpu" else w for w in prep.tensors]
-    nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
+    if not (tensors or prep.objects):
+        nbytes = 0
+    elif prep.common is None:
+        nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects)
+    else:  # rank 0: common.pt beside its shards, so their fsyncs overlap (the pool waits for it on errors too)
+        with ThreadPoolExecutor(1, thread_name_prefix="distckpt-common") as pool:
+            common = pool.submit(prep.store.write_blob, prep.staging, COMMON_FILE, prep.common)
+            nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects)
+            common.result()
+        return LocalWrite(nbytes + len(prep.common), time.perf_counter() - t0)
     if prep.common is not None:
         prep.store.write_blob(prep.staging, COMMON_FILE, prep.common)
         nbytes += len(prep.common)

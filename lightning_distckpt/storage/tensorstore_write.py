@@ -95,21 +95,31 @@ class TensorStoreWrites:
                 w.result()
             except Exception as e:
                 errors.append(f"{key}: {e}")
-        if not errors:
+        if errors:
+            txn.abort()
+        else:
+            committing = txn.commit_async()
             try:
-                txn.commit_async().result()
+                self._sync_dirs(writer)  # while tensorstore commits: concurrent fsyncs share journal commits
+            except OSError as e:
+                errors.append(f"making rank {writer}'s store durable: {e}")
+            try:
+                committing.result()
             except Exception as e:
                 errors.append(f"committing rank {writer}'s store: {e}")
-        else:
-            txn.abort()
         if errors:
             raise CheckpointingError(f"checkpoint {self.root}: writing failed for {'; '.join(errors[:5])}"
                                      + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
-        if self.files:  # the store's directory entries too, up to data/: the commit does not walk them
-            if self.options.layout != "ocdbt":  # OCDBT's commit fsyncs its two directories, the file driver its files
-                fsync_tree_dirs(rank_dir(self.root, writer))
-            fsync_dir(os.path.dirname(rank_dir(self.root, writer)))
+        if self.files and self.options.layout != "ocdbt":  # its chunk directories, made by the commit
+            fsync_tree_dirs(rank_dir(self.root, writer))
         return nbytes
+
+    def _sync_dirs(self, writer: int) -> None:
+        """fsync ``data/``, which holds the entry of ``writer``'s store (made before the transaction):
+        the commit does not walk the rank stores. Inside an OCDBT store, its commit fsyncs its two
+        directories and the file driver its files."""
+        if self.files:
+            fsync_dir(os.path.dirname(rank_dir(self.root, writer)))
 
     def _stage_writes(self, txn: Any, writer: int, tensors: Sequence[ShardWrite],
                       objects: Sequence[ObjectWrite]) -> Tuple[int, List[Tuple[str, Any]]]:
