@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -225,7 +225,8 @@ class AsyncSaver:
         self.nice = nice
         self.io_concurrency = io_concurrency
         self.commit_in_background = commit_in_background
-        self._commit_group: Optional[dist.ProcessGroup] = None  # made by the first save over the world
+        # (the world group it was made in, the group): made by the first save over each new world
+        self._commit_group: Optional[Tuple[Any, dist.ProcessGroup]] = None
         self._pool = StagingPool(pin_memory)
         self._pending: Optional[AsyncSaveRequest] = None
         self.plan_cache = SavePlanCache()
@@ -325,9 +326,9 @@ class AsyncSaver:
         world = list(range(dist.get_world_size()))
         if comm.group is not None and dist.get_process_group_ranks(comm.group) != world:
             return None
-        if self._commit_group is None:
-            self._commit_group = dist.new_group(world, backend="gloo")
-        return Comm(self._commit_group, comm.rank, comm.size)
+        if self._commit_group is None or self._commit_group[0] is not dist.group.WORLD:  # made anew with a new world
+            self._commit_group = (dist.group.WORLD, dist.new_group(world, backend="gloo"))
+        return Comm(self._commit_group[1], comm.rank, comm.size)
 
     def _write_before_return(self, prep: PreparedSave, plan: StagingPlan) -> Optional[LocalWrite]:
         """The waves that do not fit the staging budget, written now (the caller may change its

@@ -102,3 +102,19 @@ def test_subgroup_save_commits_at_finalize(tmp_path):
     res = run_distributed(_subgroup, 3, str(tmp_path), timeout_s=120)
     assert res[2] is None
     assert res[0] == (False, True) and res[1] == (False, True)
+
+
+def _new_world(rank, world, root):
+    """A saver kept across a torn-down and re-made world group (a second run in the same process)
+    makes its commit group again instead of using the destroyed one."""
+    saver = ldc.AsyncSaver(commit_in_background=True)
+    saver.save(state(rank, world, 1.0), f"{root}/a").finalize()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{root}/rendezvous")
+    req = saver.save(state(rank, world, 2.0), f"{root}/b")
+    req.finalize()
+    return req.commits_in_background, same(loaded(f"{root}/b", rank, world), state(rank, world, 2.0))
+
+
+def test_a_new_world_gets_a_new_commit_group(tmp_path):
+    assert run_distributed(_new_world, 2, str(tmp_path), timeout_s=120) == [(True, True), (True, True)]
