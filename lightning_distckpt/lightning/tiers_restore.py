@@ -8,6 +8,7 @@ a partner's copy over torch.distributed, or durable storage, shard by shard)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
@@ -96,6 +97,7 @@ def agree_on_point(strategy: Any, marker: str) -> Tuple[LocalTier, RecoveryPoint
         raise CheckpointingError(f"ckpt_path resolved to the tiers marker {marker}, but the Trainer has no "
                                  "TierCheckpoint set up (configure tiers: in the strategy's checkpoint config)")
     tier = callback.local_tier
+    started = time.perf_counter()
     durable = durable_candidates(trainer, lambda path: durable_step(strategy, path))
     point = tier.recoverable(durable)
     if point is None:
@@ -103,8 +105,9 @@ def agree_on_point(strategy: Any, marker: str) -> Tuple[LocalTier, RecoveryPoint
             f'ckpt_path="last": local saves were made here ({marker}) but no step is recoverable: every copy of '
             f"some shard of the local checkpoints is gone and no durable last checkpoint was found "
             f"({len(durable)} candidate(s)). Remove {marker} to start from scratch, or pass a checkpoint path.")
-    log.info("tiers: resuming from step %d (%s%s)", point.step, point.source,
-             f" {point.path}" if point.path else f", local tier {tier.options.local_dir}")
+    log.info("tiers: resuming from step %d (%s%s); agreed in %.3f s (%d durable candidate(s))", point.step,
+             point.source, f" {point.path}" if point.path else f", local tier {tier.options.local_dir}",
+             time.perf_counter() - started, len(durable))
     return tier, point
 
 
