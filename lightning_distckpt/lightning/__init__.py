@@ -11,11 +11,13 @@ from .checkpoint_io import DistCheckpointIO
 from .config import DistCheckpointConfig, StrategyConfig, load_checkpoint_config, load_strategy_config
 from .fabric import FabricDistCheckpointStrategy
 from .fabric_model_parallel import FabricDistCheckpointModelParallelStrategy
+from .fabric_tiers import FabricTiers
 from .model_parallel import DistCheckpointModelParallelStrategy
 from .model_checkpoint import DistModelCheckpoint
 from .inference import load_lightning_module, load_module_weights
 from .parallel import ParallelState, module_sharded_state_dict, parallel_state_of
 from .strategy import DistCheckpointStrategy
+from .tiers import TierCheckpoint
 
 __all__ = [
     "DistCheckpointIO",
@@ -24,6 +26,8 @@ __all__ = [
     "DistModelCheckpoint",
     "FabricDistCheckpointStrategy",
     "FabricDistCheckpointModelParallelStrategy",
+    "FabricTiers",
+    "TierCheckpoint",
     "DistCheckpointConfig",
     "StrategyConfig",
     "ConfigError",
