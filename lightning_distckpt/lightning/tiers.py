@@ -84,6 +84,12 @@ class TierCheckpoint(DistModelCheckpoint):
         if self.local_tier is None:
             self.local_tier = LocalTier(self.options)
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """The step training starts (or resumes) from needs no local save: with gradient accumulation,
+        the batches before the next optimizer step end at that same global step."""
+        super().on_train_start(trainer, pl_module)
+        self._last_local_step = trainer.global_step
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The durable save when due (ModelCheckpoint's), then the local one when due."""
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
