@@ -3,6 +3,7 @@ exactly one writer (computed by the save's coordinator, or by every rank from an
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -146,9 +147,27 @@ def _even_load(groups: Sequence[RecordGroup], even: EvenKeys, world_size: int) -
     load = np.zeros(world_size, dtype=np.int64)
     for chunks in even.values():
         r = groups[chunks[0][0]].records.tensors[chunks[0][1]]
-        numels = EvenSplit(world_size, 0).numels(r.global_shape)
+        numels = _even_numels(r.global_shape, world_size)
         load[:len(numels)] += numels * element_size(r.dtype)
     return load.tolist()
+
+
+# Per distinct shape, not per key: thousands of keys share a few shapes (norms, biases, tiny tensors),
+# and each numpy call costs microseconds. Read-only results, bounded caches.
+@functools.lru_cache(maxsize=4096)
+def _even_numels(global_shape: Tuple[int, ...], size: int) -> np.ndarray:
+    numels = EvenSplit(size, 0).numels(global_shape)
+    numels.flags.writeable = False
+    return numels
+
+
+@functools.lru_cache(maxsize=4096)
+def _even_rule(global_shape: Tuple[int, ...], size: int, itemsize: int, pack_max_bytes: int) -> int:
+    """The first packed chunk of ``global_shape``'s even split (:meth:`EvenSplit.of`)."""
+    return EvenSplit.of(global_shape, size, itemsize, pack_max_bytes).packed_from
+
+
+_even_box = functools.lru_cache(maxsize=1 << 16)(even_box)
 
 
 def _assign_writers(
@@ -263,14 +282,14 @@ def _plan_even_key(plan: SavePlan, key: str, even: _EvenPart, pack_max_bytes: in
     chunks, size = even.keys[key], even.world_size
     first = even.groups[chunks[0][0]].records.tensors[chunks[0][1]]
     gshape, dtype = first.global_shape, first.dtype
-    split = EvenSplit.of(gshape, size, element_size(dtype), pack_max_bytes)
-    split.packed = packs.take_even(dtype, split.numels(gshape), split.packed_from)
+    split = EvenSplit(size, _even_rule(gshape, size, element_size(dtype), pack_max_bytes))
+    split.packed = packs.take_even(dtype, _even_numels(gshape, size), split.packed_from)
     for gi, src in chunks:
         ranks = writers.get(gi)
         if ranks is None:
             ranks = writers[gi] = [rank for rank in even.groups[gi].ranks if rank not in even.derived]
         for rank in ranks:
-            offset, shape = even_box(gshape, rank, size)
+            offset, shape = _even_box(gshape, rank, size)
             packed = int(split.packed[rank - split.packed_from]) if rank >= split.packed_from else None
             plan.writes.setdefault(rank, []).append(WriteItem(key, (offset, shape, None), rank, packed, src))
     return TensorEntry(gshape, dtype, even=split)
