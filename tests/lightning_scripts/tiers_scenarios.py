@@ -25,7 +25,7 @@ from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning_distckpt import CheckpointingError  # noqa: E402
 from lightning_distckpt.lightning import DistCheckpointModelParallelStrategy, DistCheckpointStrategy  # noqa: E402
 from lightning_distckpt.lightning.tiers import MARKER_NAME, TierCheckpoint  # noqa: E402
-from lightning_helpers import TPMLP  # noqa: E402
+from lightning_helpers import TPMLP, full_weights  # noqa: E402
 from model_parallel_scenarios import MPModel, full_state  # noqa: E402
 from trainer_scenarios import same, snapshot  # noqa: E402
 
@@ -74,6 +74,19 @@ def fit(args: argparse.Namespace, root: str, max_steps: int, ckpt_path: Optional
     return snap
 
 
+def test_losses(args: argparse.Namespace, root: str, model: Any, ckpt_path: Optional[str]) -> List[float]:
+    """``trainer.test`` of ``model`` under the tiers' strategy (``ckpt_path="last"``: the newest
+    recoverable step, weights only); the test losses."""
+    tiers = {"local_dir": os.path.join(root, "local", "{node}"), "local_every_n_steps": LOCAL_EVERY,
+             "ranks_per_node": args.ranks_per_node}
+    strategy = DistCheckpointStrategy(tensor_parallel_size=args.tp, timeout=TIMEOUT, checkpoint={"tiers": tiers})
+    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      default_root_dir=root)
+    trainer.test(model, ckpt_path=ckpt_path, verbose=False)
+    return model.test_losses
+
+
 def listing(root: str) -> Dict[str, List[str]]:
     """What each node's local tier and the durable folder hold (names only)."""
     out = {}
@@ -91,6 +104,7 @@ def lose(trainer_strategy_barrier: Any, root: str, nodes: List[str], rank: int) 
     trainer_strategy_barrier()
 
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
@@ -112,6 +126,13 @@ def recovery(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["c_first_step"], res["c_exact"] = c["first_step"], same(a, c)
     res["c_losses_match"] = {k: v for k, v in a["losses"].items() if k >= c["first_step"]} == c["losses"]
     res["after_c"] = listing(root)
+    # Trainer.test with "last": the newest recoverable step (local step 10), weights only: the
+    # uninterrupted run's final weights.
+    restored = TPMLP(total_steps=TOTAL)
+    res["test_last"] = test_losses(args, root, restored, "last")
+    weights = full_weights(restored)
+    res["test_last_weights"] = set(weights) == set(a["weights"]) and all(
+        torch.equal(weights[k], a["weights"][k]) for k in weights)
 
     lose(dist.barrier, root, ["node0", "node1"], rank)
     d = fit(args, root, TOTAL, ckpt_path="last")
@@ -132,8 +153,6 @@ def recovery(args: argparse.Namespace, res: Dict[str, Any]) -> None:
 def recovery_model_parallel(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     """As :func:`recovery` under DistCheckpointModelParallelStrategy (FSDP2 x TP, restored after
     setup): node 0's local tier lost, then every local copy; exact against a straight run."""
-    import torch
-
     def exact(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
         sa, sb = a["state"], b["state"]
         return (set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -42,6 +42,13 @@ def test_one_node_lost_resumes_from_the_newest_local_step_exactly(runs):
         assert all("step_000000010" in res["after_c"][f"local/{node}"] for node in ("node0", "node1"))
 
 
+def test_test_with_last_loads_the_newest_local_weights(runs):
+    _, results = runs
+    for res in results:
+        assert len(res["test_last"]) == 1  # trainer.test(ckpt_path="last") ran from local step 10
+        assert res["test_last_weights"] is True  # the uninterrupted run's final weights
+
+
 def test_every_local_copy_lost_resumes_from_durable_exactly(runs):
     _, results = runs
     for res in results:
