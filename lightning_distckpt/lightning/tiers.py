@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -125,12 +125,15 @@ class TierCheckpoint(DistModelCheckpoint):
         """Collective: the checkpoint ``trainer.save_checkpoint`` would write, handed to the local tier
         (which returns once it has its snapshot)."""
         assert self.local_tier is not None, "TierCheckpoint.setup makes the local tier"
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        tree = trainer.strategy.sharded_checkpoint(checkpoint, f"local tier step {step}")
-        self.local_tier.save(tree, step=step)
+        self.local_tier.save(self.local_tree(trainer, step), step=step)
         self._last_local_step = step
         if trainer.is_global_zero:
             self._write_marker(trainer, step)
+
+    def local_tree(self, trainer: Any, step: int) -> Dict[str, Any]:
+        """Collective: Lightning's checkpoint dict (``dump_checkpoint``) in the sharded form the strategy saves."""
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        return trainer.strategy.sharded_checkpoint(checkpoint, f"local tier step {step}")
 
     # -- ckpt_path="last" ----------------------------------------------------------------------
     def marker_path(self, trainer: Any) -> Optional[str]:
