@@ -236,16 +236,7 @@ class CheckpointIndex:
         for e in self.tensors.values():
             size = element_size(e.dtype)
             if e.even is not None:
-                n = chunks_count(e.global_shape, e.even.over)
-                if n <= len(few):
-                    rows, per_row = e.even.rows(e.global_shape), math.prod(e.global_shape[1:]) * size
-                    for i in range(n - 1):
-                        few[i] += rows * per_row
-                    if n:
-                        few[n - 1] += (e.global_shape[0] - (n - 1) * rows) * per_row
-                    continue
-                numels = e.even.numels(e.global_shape)
-                acc[:len(numels)] += numels * size
+                e.even.add_bytes(e.global_shape, size, few, acc)
                 continue
             for s in e.shards:
                 out[s.writer] = out.get(s.writer, 0) + s.numel * size
