@@ -211,7 +211,8 @@ def _overhead_worker(rank: int, world: int, root: str, total_bytes: int, repeats
     t0 = time.perf_counter()
     _steps(50)
     k = int(_max(50 * train_s / (time.perf_counter() - t0)))  # the same step count on every rank
-    savers = {c: ldc.AsyncSaver(nice=int(c.split(":")[1]), io_concurrency=int(c.split(":")[2]) or None)
+    savers = {c: ldc.AsyncSaver(nice=int(c.split(":")[1]), io_concurrency=int(c.split(":")[2]) or None,
+                                commit_in_background=c.endswith(":bg"))
               for c in configs if c.startswith("async")}
     for c, saver in savers.items():  # buffers allocated, plan cached: the steady state
         saver.save(sd, f"{root}/{c}").finalize()
@@ -245,7 +246,7 @@ def run_overhead(world: int, total_bytes: int, repeats: int, train_s: float, con
         t = res["times"][c]
         lost = statistics.median(a - b for a, b in zip(t, base))
         rows.append([c, f"{statistics.median(t):.3f}", f"{lost:.3f}", " / ".join(f"{x:.2f}" for x in t)])
-    return fmt_table(["config (async:nice:io_concurrency)", "median s", "lost s (median of paired)", "all s"], rows)
+    return fmt_table(["config (async:nice:io_concurrency[:bg])", "median s", "lost s (median of paired)", "all s"], rows)
 
 
 def run(world: int, total_bytes: int, repeats: int) -> Dict[str, Any]:
@@ -291,7 +292,8 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", default=None,
                     help="host memory mode: staging budgets as fractions of a rank's state, or 'none'")
     ap.add_argument("--overhead", nargs="+", default=None,
-                    help="overhead mode: configs 'sync' and 'async:NICE:IO_CONCURRENCY' (0: the storage default)")
+                    help="overhead mode: configs 'sync' and 'async:NICE:IO_CONCURRENCY[:bg]' (0: the storage "
+                         "default; bg: commit in the background)")
     ap.add_argument("--train-s", type=float, default=3.0, help="overhead mode: seconds of steps after each save")
     args = ap.parse_args()
     t0 = time.perf_counter()
