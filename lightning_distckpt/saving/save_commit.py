@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, NamedTuple, Optional, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from ..core.errors import CheckpointingError, SaveFailedError
 from ..core.format_versions import FORMAT_NAME, FORMAT_VERSION
-from ..storage.layout import COMMON_FILE
+from ..storage.layout import COMMON_FILE, METADATA_FILE
 from ..version import __version__
 from ..core.gc_pause import gc_paused
 from .save_prepare import PreparedSave
@@ -37,20 +37,35 @@ def _write_local(prep: PreparedSave) -> LocalWrite:
     t0 = time.perf_counter()
     prep.store.begin(prep.staging, prep.comm.rank)
     tensors = [w._replace(data=w.data.cpu()) if w.data.device.type != "cpu" else w for w in prep.tensors]
-    if not (tensors or prep.objects):
-        nbytes = 0
-    elif prep.common is None:
-        nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects)
-    else:  # rank 0: common.pt beside its shards, so their fsyncs overlap (the pool waits for it on errors too)
-        with ThreadPoolExecutor(1, thread_name_prefix="distckpt-common") as pool:
-            common = pool.submit(prep.store.write_blob, prep.staging, COMMON_FILE, prep.common)
+    blobs = _rank0_files(prep)
+
+    def write_blobs() -> None:
+        for name, data in blobs:
+            prep.store.write_blob(prep.staging, name, data)
+
+    if blobs and (tensors or prep.objects):  # beside the shards, so their fsyncs overlap (the pool waits on errors)
+        with ThreadPoolExecutor(1, thread_name_prefix="distckpt-blobs") as pool:
+            done = pool.submit(write_blobs)
             nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects)
-            common.result()
-        return LocalWrite(nbytes + len(prep.common), time.perf_counter() - t0)
-    if prep.common is not None:
-        prep.store.write_blob(prep.staging, COMMON_FILE, prep.common)
-        nbytes += len(prep.common)
-    return LocalWrite(nbytes, time.perf_counter() - t0)
+            done.result()
+    else:
+        nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
+        write_blobs()
+    return LocalWrite(nbytes + (len(prep.common) if prep.common is not None else 0), time.perf_counter() - t0)
+
+
+def _rank0_files(prep: PreparedSave) -> List[Tuple[str, bytes]]:
+    """What rank 0 writes beside its shards: common.pt and, with it, in a file-system store,
+    metadata.json (its content is the plan's, known now: written and fsync'd here, off the commit's
+    critical path; the commit finds it in place, ``storage/commit.py``). An async save's earlier
+    waves carry neither (``common=None``): its last one does."""
+    if prep.common is None:
+        return []
+    files = [(COMMON_FILE, prep.common)]
+    if prep.comm.rank == 0 and prep.store.file_system:
+        prep.metadata_text = json.dumps(_metadata(prep))
+        files.append((METADATA_FILE, prep.metadata_text.encode()))
+    return files
 
 
 def finalize_save(prep: PreparedSave, local: Union[LocalWrite, BaseException]) -> None:
@@ -86,8 +101,10 @@ def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[Exception
     Returns the error, if any (disk full while writing metadata, permissions, something in the way)."""
     marker = {"bytes": sum(w.nbytes for w in written), "world_size": prep.comm.size, "committed_unix": time.time()}
     try:
-        with gc_paused():  # an index of a hundred thousand shards is as many small dicts
-            text = json.dumps(_metadata(prep))
+        text = prep.metadata_text
+        if text is None:  # not written by write_local (an object store)
+            with gc_paused():  # an index of a hundred thousand shards is as many small dicts
+                text = json.dumps(_metadata(prep))
         prep.store.commit(prep.staging, text, marker)
     except Exception as e:
         return e

@@ -90,6 +90,7 @@ class PreparedSave:
     # rank 0: key -> steps (JSON) of each plain tensor leaf saved as a tensor; metadata.json's
     # ``plain_tensors``, so a load puts each back at its place (core/plain_tensors.py)
     plain_tensors: Dict[str, Any] = field(default_factory=dict)
+    metadata_text: Optional[str] = None  # rank 0: metadata.json as write_local wrote it (file-system stores)
 
 
 class SavePlanCache:

@@ -133,7 +133,8 @@ def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> N
     rename. fsyncs: the three files, the staging directory twice (under ``data/`` each writer made
     its own store durable) and the parent after the rename."""
     metadata = metadata_json.encode()
-    write_file_durable(os.path.join(staging, METADATA_FILE), metadata)
+    if not _holds(os.path.join(staging, METADATA_FILE), metadata):  # the save writes it beside its shards
+        write_file_durable(os.path.join(staging, METADATA_FILE), metadata)
     # Everything the marker covers is durable before it is written: the files (fsync'd by their
     # writers) and their entries (the rank stores' by their writers, the rest here)
     fsync_tree_dirs(staging, _made_durable_elsewhere(staging))
@@ -153,6 +154,16 @@ def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> N
     _swap_in(staging, target, marker_bytes)
     fsync_dir(os.path.dirname(os.path.abspath(target)))
     _step("after_cleanup")
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """``path`` (in our own staging directory) is a file holding exactly ``data``, written durably
+    by the save (``saving/save_commit.py``: rank 0 writes metadata.json beside its shards)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(data) + 1) == data
+    except OSError:
+        return False
 
 
 _RACES = (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY)  # another process renamed first
