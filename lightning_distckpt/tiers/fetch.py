@@ -12,7 +12,7 @@ place, a new step directory appearing committed and whole in one rename.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 from lightning_distckpt.core.errors import CheckpointingError, IncompleteCheckpointError
 from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, parse_json, rank_dir
@@ -93,9 +93,10 @@ def _needs(ctx: TierContext, step: int, has_dir: bool, template: Optional[Dict[s
 
 
 def complete_local_copy(ctx: TierContext, step: int, holdings: List[StepInfo],
-                        template: Optional[Dict[str, Any]]) -> str:
+                        template: Optional[Dict[str, Any]]) -> Tuple[str, FrozenSet[int]]:
     """Collective: make this node's directory of ``step`` hold what its ranks' load of ``template`` reads
-    (everything when ``template`` is None); its path."""
+    (everything when ``template`` is None); its path and the writers whose stores it now holds (checked:
+    those of the holdings, listed and checked by :func:`.holdings.scan_node`, and those just received)."""
     group = newest_complete(holdings, step=step)
     if group is None:
         raise IncompleteCheckpointError(f"local tier: step {step} is no longer recoverable from the local "
@@ -111,7 +112,9 @@ def complete_local_copy(ctx: TierContext, step: int, holdings: List[StepInfo],
         except Exception as e:
             error = e
     ctx.comm.agree(f"local tier: completing the local copies of step {step} failed", error)
-    return ctx.step_dir(step)
+    mine = next((i.held for i in group if i.node == ctx.node), frozenset())
+    fetched = frozenset(f.writer for f in plan if f.writer is not None and ctx.nodes.node_of(f.dst) == ctx.node)
+    return ctx.step_dir(step), mine | fetched
 
 
 def _assemble(ctx: TierContext, step: int, fetched: List[Fetch], has_dir: bool) -> None:

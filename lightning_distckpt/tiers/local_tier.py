@@ -1,10 +1,12 @@
 """LocalTier: node-local checkpoints with partner copies, and recovery from the fastest tier that survived.
 
-Every method is collective over the tier's group (``process_group``, default the world). The tier makes
-its own gloo group at construction (``dist.new_group``: the constructor is collective over the world
-group, as ``new_group`` is): the local save's background thread (commit, replication, pruning) talks over
-it only, so it never races the training's collectives; the caller's thread uses it only while no
-background work runs (``save`` and the other methods first wait for it).
+Every method is collective over the tier's group (``process_group``, default the world). The tier talks
+over a gloo group of its own (:mod:`.groups`: made by the first tier over these ranks with
+``dist.new_group``, so that constructor is collective over the world group, and reused by later tiers
+over the same ranks for the life of the process): the local save's background thread (commit,
+replication, pruning) talks over it only, so it never races the training's collectives; the caller's
+thread uses it only while no background work runs (``save`` and the other methods first wait for it).
+A tier whose group a newer tier took is finished (its background work first) and refuses further use.
 """
 
 from __future__ import annotations
@@ -21,22 +23,24 @@ from lightning_distckpt.comm import Comm
 from lightning_distckpt.core.errors import ArgumentError, ArgumentTypeError
 from lightning_distckpt.saving.async_save import AsyncSaver
 from lightning_distckpt.tiers.context import TierContext
+from lightning_distckpt.tiers.groups import GroupUser, tier_group
 from lightning_distckpt.tiers.local_save import finish_local_save
 from lightning_distckpt.tiers.nodes import gather_nodes
 from lightning_distckpt.tiers.options import RecoveryPoint, TierOptions
-from lightning_distckpt.tiers.recover import load_local, recoverable
+from lightning_distckpt.tiers.recover import ReadyCopy, load_local, recoverable
 
 logger = logging.getLogger(__name__)
 
 
-def _tier_comm(process_group: Optional[dist.ProcessGroup]) -> Comm:
-    """A gloo group over ``process_group``'s ranks (the world's by default), or none without torch.distributed."""
+def _tier_comm(process_group: Optional[dist.ProcessGroup], user: GroupUser) -> Comm:
+    """The tiers' gloo group over ``process_group``'s ranks (the world's by default), now ``user``'s; or
+    none without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise ArgumentError("LocalTier: a process_group was given but torch.distributed is not initialized")
         return Comm(None, 0, 1)
-    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-    group = dist.new_group(ranks=ranks, backend="gloo")
+    ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group is not None else None
+    group = tier_group(ranks, user)
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         raise ArgumentError("LocalTier: this rank is not in the process_group it was given")
     return Comm(group, dist.get_rank(group), dist.get_world_size(group))
@@ -69,14 +73,16 @@ class LocalTier:
             raise ArgumentTypeError(f"LocalTier: options must be a TierOptions, got {type(options).__name__}")
         self.options = options
         self.process_group = process_group
-        comm = _tier_comm(process_group)
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._superseded = False
+        comm = _tier_comm(process_group, self)
         nodes, root = gather_nodes(options, comm)
         os.makedirs(root, exist_ok=True)
         self._ctx = TierContext(options, comm, nodes, root)
         self._saver = _saver(options)
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-        self._closed = False
+        self._ready: Dict[int, ReadyCopy] = {}  # steps an earlier load completed here (forgotten at a save)
 
     @property
     def node(self) -> str:
@@ -96,6 +102,7 @@ class LocalTier:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ArgumentError(f"LocalTier.save: step must be an int >= 0, got {step!r}")
         self.wait()
+        self._ready.clear()  # the save may prune or replace what an earlier load completed
         request = self._saver.save(sharded_state_dict, self._ctx.location(step), comm=self._ctx.comm)
         self._thread = threading.Thread(target=self._finish, args=(request, step), name="distckpt-local-tier",
                                         daemon=True)
@@ -141,7 +148,7 @@ class LocalTier:
         self.wait()
         if point.source == "durable":
             return load(sharded_state_dict, point.path, process_group=self.process_group, **load_kwargs)
-        return load_local(self._ctx, point, sharded_state_dict, self.process_group, load_kwargs)
+        return load_local(self._ctx, point, sharded_state_dict, self.process_group, load_kwargs, self._ready)
 
     def close(self) -> None:
         """Finishes what is in flight (raising what failed); the tier is unusable afterwards. (Its gloo
@@ -151,6 +158,17 @@ class LocalTier:
         self._closed = True
         self.wait()
 
+    def quiesce(self) -> None:
+        """A newer tier over the same ranks takes the group: finish the background work (what failed is
+        raised by ``wait``/``close``), and refuse further use."""
+        self._superseded = True
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+
     def _check_open(self) -> None:
         if self._closed:
             raise ArgumentError("LocalTier: used after close()")
+        if self._superseded:
+            raise ArgumentError("LocalTier: used after a newer LocalTier over the same ranks took its group "
+                                "(one tier per process at a time)")

@@ -9,18 +9,27 @@ partners, over torch.distributed), then runs the ordinary collective ``lightning
 rank's own node directory, resharding as any load. Its loader is ``"every_rank"`` unless the caller
 names another (each rank reads its own pieces, from its node's memory or disk: an exchange loader would
 have ranks read for each other, so every node would need every store).
+
+A restore loads one point in parts (Lightning: the module, then the optimizer state). The first
+:func:`load_local` of a point remembers (:class:`ReadyCopy`, per tier and step, forgotten at the next
+save) which stores this node's completed, checked copy holds; a later load of the point whose every rank
+reads only stores its node holds skips the listing, the checks and the fetch (one small all-gather
+decides, so every rank takes the same path) and goes straight to the load.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 from lightning_distckpt.core.errors import ArgumentError, CheckpointingError
+from lightning_distckpt.storage.layout import METADATA_FILE, parse_json
+from lightning_distckpt.storage.paths import read_inside
 from lightning_distckpt.storage.stores import open_store
 from lightning_distckpt.tiers.context import TierContext
 from lightning_distckpt.tiers.fetch import complete_local_copy
 from lightning_distckpt.tiers.holdings import StepInfo, newest_complete, scan_node
+from lightning_distckpt.tiers.needs import needed_writers
 from lightning_distckpt.tiers.options import RecoveryPoint
 
 EVERY_RANK = "every_rank"
@@ -91,12 +100,43 @@ def _newest_durable(durable: List[Tuple[int, str]], newer_than: Optional[int]) -
     return None
 
 
+class ReadyCopy(NamedTuple):
+    """This node's copy of one step, completed and checked by an earlier load of it."""
+
+    path: str
+    held: FrozenSet[int]  # the writers whose stores it holds
+    meta: Any  # its parsed metadata.json (None: unreadable, so no load skips the checks)
+
+
+def _ready_for(ctx: TierContext, ready: Optional[ReadyCopy], template: Dict[str, Any], every_rank: bool) -> bool:
+    """Collective: whether every rank's load of ``template`` reads only stores its node's ready copy holds."""
+    ok = False
+    if ready is not None and every_rank and isinstance(ready.meta, dict):
+        need = needed_writers(template, ready.meta, ready.path, ctx.rank)
+        ok = need is not None and need <= ready.held
+    return all(ctx.comm.agree("local tier: checking this node's copy failed", None, ok))
+
+
 def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[str, Any],
-               process_group: Any, load_kwargs: Dict[str, Any]) -> Any:
-    """Collective: complete this node's copy of ``point``, then the ordinary load from it."""
+               process_group: Any, load_kwargs: Dict[str, Any], ready: Dict[int, ReadyCopy]) -> Any:
+    """Collective: complete this node's copy of ``point`` (unless ``ready`` says an earlier load of it
+    did: then it is remembered there), then the ordinary load from it."""
     from lightning_distckpt.serialization import load
 
     every_rank = load_kwargs.get("loader", EVERY_RANK) == EVERY_RANK
-    path = complete_local_copy(ctx, point.step, gather_holdings(ctx), sharded_state_dict if every_rank else None)
+    known = ready.get(point.step)
+    if known is not None and _ready_for(ctx, known, sharded_state_dict, every_rank):
+        path = known.path
+    else:
+        path, held = complete_local_copy(ctx, point.step, gather_holdings(ctx),
+                                         sharded_state_dict if every_rank else None)
+        ready[point.step] = ReadyCopy(path, held, _metadata(path))
     return load(sharded_state_dict, path, process_group=process_group, **{"loader": EVERY_RANK, **load_kwargs})
 
+
+def _metadata(path: str) -> Any:
+    """The parsed ``metadata.json`` of a local copy; None when it cannot be read (the load will say why)."""
+    try:
+        return parse_json(read_inside(os.path.join(path, METADATA_FILE), METADATA_FILE), path)
+    except (OSError, CheckpointingError):
+        return None
