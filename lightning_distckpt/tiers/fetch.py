@@ -61,7 +61,10 @@ def store_plan(group: List[StepInfo], nodes: NodeMap, needs: Dict[str, FrozenSet
 
 
 def _transfer(ctx: TierContext, step: int, plan: List[Fetch]) -> None:
-    """Collective: move the items of ``plan`` into the receivers' temporary directories."""
+    """Collective: move the items of ``plan`` into the receivers' temporary directories (an empty plan,
+    the same on every rank, costs no collective)."""
+    if not plan:
+        return
     outgoing, incoming = [], []
     here = ctx.step_dir(step)  # senders are on nodes holding the directory
     for f in plan:

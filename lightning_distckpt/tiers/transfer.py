@@ -172,37 +172,54 @@ def _prepare_incoming(rank: int, gathered: List[Dict[Tuple[int, str], Manifest]]
 
 def _round(comm: Comm, pieces: List[Piece], sources: Dict[Tuple[int, str], str],
            targets: Dict[Tuple[int, str], str]) -> int:
-    """One round: this rank's receives and sends posted at once, waited for, received pieces written.
+    """One round: this rank's receives and sends posted at once, then each received piece written as
+    soon as it is in (while the later ones still arrive: gloo moves them on its own threads).
     A piece's tag is its place in the round (unique, the same on both sides)."""
-    pending: List[Pending] = []
-    writes: List[Tuple[str, int, torch.Tensor]] = []
+    pending: List[Tuple[Pending, Optional[Tuple[str, int, torch.Tensor]]]] = []
     for tag, p in enumerate(pieces):
         if p.dst == comm.rank:
             buf = torch.empty(p.length, dtype=torch.uint8)
-            pending.append(comm.irecv(buf, p.src, tag=tag))
-            writes.append((os.path.join(targets[(p.src, p.label)], _safe_relpath(p.rel)), p.offset, buf))
+            write = (os.path.join(targets[(p.src, p.label)], _safe_relpath(p.rel)), p.offset, buf)
+            pending.append((comm.irecv(buf, p.src, tag=tag), write))
         elif p.src == comm.rank:
             data = _read(os.path.join(sources[(p.dst, p.label)], p.rel), p.offset, p.length)
-            pending.append(comm.isend(data, p.dst, tag=tag))
-    for w in pending:
-        w.wait()
-    for path, offset, buf in writes:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            view = memoryview(buf.numpy())
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], offset + done)
-        finally:
-            os.close(fd)
-    return sum(b.numel() for _, _, b in writes)
+            pending.append((comm.isend(data, p.dst, tag=tag), None))
+    received = 0
+    for work, write in pending:
+        work.wait()
+        if write is not None:
+            _write(*write)
+            received += write[2].numel()
+    return received
+
+
+def _write(path: str, offset: int, buf: torch.Tensor) -> None:
+    """A received piece into its file at ``offset``, from the tensor's own memory (no copy)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    finally:
+        os.close(fd)
 
 
 def _read(path: str, offset: int, length: int) -> torch.Tensor:
-    """``length`` bytes of a file at ``offset`` as a uint8 tensor (short: the file changed meanwhile)."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = bytearray(f.read(length))
-    if len(data) != length:
+    """``length`` bytes of a file at ``offset`` as a uint8 tensor, read straight into its memory (short:
+    the file changed meanwhile)."""
+    out = torch.empty(length, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    done = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while done < length:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+    finally:
+        os.close(fd)
+    if done != length:
         raise CheckpointingError(f"local tier: {path} changed while being sent (short read at {offset})")
-    return torch.frombuffer(data, dtype=torch.uint8)
+    return out
