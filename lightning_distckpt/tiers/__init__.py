@@ -2,9 +2,11 @@
 
 Contract with the Lightning layer: /work/notes/tiers_contract.md. Changes to it and what it left open:
 
-- ``LocalTier(options, process_group)`` is collective over the **world** group (it makes its own gloo
-  group with ``dist.new_group``, which every process of the world enters). Its background thread
-  (commit, replication, pruning) talks over that group only.
+- ``LocalTier(options, process_group)`` is collective over the **world** group (the first tier over
+  these ranks makes a gloo group with ``dist.new_group``, which every process of the world enters; later
+  tiers over the same ranks reuse it, :mod:`.groups`, so a process making a tier per ``fit`` does not
+  accumulate groups; the tier the group is taken from finishes its background work and refuses further
+  use). Its background thread (commit, replication, pruning) talks over that group only.
 - ``keep_local`` counts the step being written: when a local save starts, a node keeps only the
   ``keep_local - 1`` newest committed steps (at most ``keep_local`` directories per node at any time;
   with 1, nothing local is recoverable while a save is in flight). Steps newer than the one saved (an
@@ -16,7 +18,8 @@ Contract with the Lightning layer: /work/notes/tiers_contract.md. Changes to it 
   list decides; at equal steps the local tiers win. ``load(..., **load_kwargs)``: kwargs go to
   ``lightning_distckpt.load`` (not ``process_group``: the tier's is used). Chunk checksums of local copies
   are verified as the load reads them: a damaged copy raises FormatError on every rank (load a durable
-  point then).
+  point then). A later ``load`` of the same point (the optimizer after the module) skips the listing,
+  checks and fetch when every rank's node already holds what it reads (until the next ``save``).
 - Added: ``LocalTier.node`` and ``LocalTier.root`` (this rank's node name and node-local root).
 """
 
