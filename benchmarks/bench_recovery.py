@@ -20,12 +20,17 @@ Contestants:
 
 The failure: when step ``--fail-at`` is done every rank exits at once (``os._exit``, no teardown, no
 save at the end), after the local tier's save in flight has finished (so the outcome does not depend on
-timing). Then node 1's local directory is deleted (``--keep-node`` keeps it) and the durable folder
-is dropped from the page cache. The restart is a fresh launch with ``ckpt_path="last"``; its clock
-starts just before the launch and stops on each rank when its first batch starts.
+timing). Then node 1's local directory is deleted (``--keep-node`` keeps it) and the durable folder's
+files are dropped from the page cache (fsync, then ``posix_fadvise(DONTNEED)``, as ``bench_save_load``
+does): a real restart reads durable storage cold (another node, or the cache gone), while the local
+tier (``/dev/shm``) stays in memory as it would on a surviving node. The restart is a fresh launch
+with ``ckpt_path="last"``; its clock starts just before the launch and stops on each rank when its
+first batch starts.
 
 Reported per contestant (slowest rank): steps redone (fail step - step resumed from), recovery s
-(launch to first step), restore s (inside the strategy's load hooks), run s (first step to the
+(launch to first step), restore s (inside the strategy's load hooks: agreeing on the point, fetching,
+reading), start s (recovery s - restore s on each rank: starting the processes, the same work for
+every contestant), run s (first step to the
 failure), checkpointing overhead s (run s - ``none``'s run s), blocked s (the training thread inside
 saves), and lost s = recovery s + steps redone x ``none``'s mean step time.
 """
@@ -234,6 +239,7 @@ def _contestant(args: argparse.Namespace, name: str) -> Dict[str, Any]:
     restart = _launch(args, "restart", name, os.path.join(args.work, f"{name}-restart"))
     res.update(restart=restart, recovery_s=max(r["to_first_step_s"] for r in restart),
                restore_s=max(r["restore_s"] for r in restart), resumed_step=restart[0]["first_step"],
+               start_s=max(r["to_first_step_s"] - r["restore_s"] for r in restart),
                steps_redone=args.fail_at - restart[0]["first_step"])
     return res
 
@@ -247,12 +253,13 @@ def _table(results: List[Dict[str, Any]]) -> str:
     for r in results:
         over = f"{r['run_s'] - base['run_s']:.2f}" if base and r is not base else "-"
         if r["contestant"] == "none":
-            rows.append(["none", "-", "-", "-", "-", f"{r['run_s']:.2f}", "-", "-", "-"])
+            rows.append(["none", "-", "-", "-", "-", "-", f"{r['run_s']:.2f}", "-", "-", "-"])
             continue
         lost = f"{r['recovery_s'] + r['steps_redone'] * step_s:.2f}" if step_s else "-"
         rows.append([r["contestant"], str(r["resumed_step"]), str(r["steps_redone"]), f"{r['recovery_s']:.2f}",
-                     f"{r['restore_s']:.2f}", f"{r['run_s']:.2f}", over, f"{r['blocked_s']:.2f}", lost])
-    return fmt_table(["contestant", "resumed at", "steps redone", "recovery s", "restore s", "run s",
+                     f"{r['restore_s']:.2f}", f"{r['start_s']:.2f}", f"{r['run_s']:.2f}", over,
+                     f"{r['blocked_s']:.2f}", lost])
+    return fmt_table(["contestant", "resumed at", "steps redone", "recovery s", "restore s", "start s", "run s",
                       "ckpt overhead s", "blocked s", "lost s"], rows)
 
 

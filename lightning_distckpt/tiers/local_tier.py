@@ -15,7 +15,7 @@ import inspect
 import logging
 import os
 import threading
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -24,6 +24,7 @@ from lightning_distckpt.core.errors import ArgumentError, ArgumentTypeError
 from lightning_distckpt.saving.async_save import AsyncSaver
 from lightning_distckpt.tiers.context import TierContext
 from lightning_distckpt.tiers.groups import GroupUser, tier_group
+from lightning_distckpt.tiers.holdings import StepInfo
 from lightning_distckpt.tiers.local_save import finish_local_save
 from lightning_distckpt.tiers.nodes import gather_nodes
 from lightning_distckpt.tiers.options import RecoveryPoint, TierOptions
@@ -83,6 +84,7 @@ class LocalTier:
         self._ctx = TierContext(options, comm, nodes, root)
         self._saver = _saver(options)
         self._ready: Dict[int, ReadyCopy] = {}  # steps an earlier load completed here (forgotten at a save)
+        self._holdings: Optional[List[StepInfo]] = None  # what recoverable() listed, for the load that follows
 
     @property
     def node(self) -> str:
@@ -103,6 +105,7 @@ class LocalTier:
             raise ArgumentError(f"LocalTier.save: step must be an int >= 0, got {step!r}")
         self.wait()
         self._ready.clear()  # the save may prune or replace what an earlier load completed
+        self._holdings = None
         request = self._saver.save(sharded_state_dict, self._ctx.location(step), comm=self._ctx.comm)
         self._thread = threading.Thread(target=self._finish, args=(request, step), name="distckpt-local-tier",
                                         daemon=True)
@@ -131,7 +134,8 @@ class LocalTier:
         error); None when nothing is recoverable. Waits for a local save in flight first."""
         self._check_open()
         self.wait()
-        return recoverable(self._ctx, durable)
+        point, self._holdings = recoverable(self._ctx, durable)
+        return point
 
     def load(self, sharded_state_dict: Dict[str, Any], point: RecoveryPoint, **load_kwargs: Any) -> Dict[str, Any]:
         """Collective. Loads ``point`` as ``lightning_distckpt.load`` would (same return value, common
@@ -148,7 +152,9 @@ class LocalTier:
         self.wait()
         if point.source == "durable":
             return load(sharded_state_dict, point.path, process_group=self.process_group, **load_kwargs)
-        return load_local(self._ctx, point, sharded_state_dict, self.process_group, load_kwargs, self._ready)
+        holdings, self._holdings = self._holdings, None  # stale once a load completed this node's copy
+        return load_local(self._ctx, point, sharded_state_dict, self.process_group, load_kwargs, self._ready,
+                          holdings)
 
     def close(self) -> None:
         """Finishes what is in flight (raising what failed); the tier is unusable afterwards. (Its gloo

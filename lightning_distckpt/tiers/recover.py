@@ -48,16 +48,18 @@ def gather_holdings(ctx: TierContext, error: Optional[Exception] = None) -> List
     return [info for part in gathered for info in part]
 
 
-def recoverable(ctx: TierContext, durable: Any) -> Optional[RecoveryPoint]:
-    """Collective: the newest recoverable step (see the module docstring); rank 0's ``durable`` list
-    decides (a malformed list is an ArgumentError on every rank)."""
+def recoverable(ctx: TierContext, durable: Any) -> Tuple[Optional[RecoveryPoint], List[StepInfo]]:
+    """Collective: the newest recoverable step (see the module docstring; rank 0's ``durable`` list
+    decides, a malformed list is an ArgumentError on every rank) and the holdings it was chosen from
+    (the same on every rank: the load that follows needs not list and check them again)."""
     checked: List[Tuple[int, str]] = []
     try:
         checked = _check_durable(durable)
     except ArgumentError as e:
         gather_holdings(ctx, e)  # agreed: raised on every rank
         raise
-    best = newest_complete(gather_holdings(ctx))
+    holdings = gather_holdings(ctx)
+    best = newest_complete(holdings)
     local_step = best[0].step if best else None
     error: Optional[Exception] = None
     found: Optional[Tuple[int, str]] = None
@@ -68,8 +70,8 @@ def recoverable(ctx: TierContext, durable: Any) -> Optional[RecoveryPoint]:
             error = e
     found = ctx.comm.agree("local tier: checking the durable checkpoints failed", error, found)[0]
     if found is not None:
-        return RecoveryPoint(found[0], "durable", found[1])
-    return RecoveryPoint(local_step, "local") if local_step is not None else None
+        return RecoveryPoint(found[0], "durable", found[1]), holdings
+    return (RecoveryPoint(local_step, "local") if local_step is not None else None), holdings
 
 
 def _check_durable(durable: Any) -> List[Tuple[int, str]]:
@@ -118,9 +120,11 @@ def _ready_for(ctx: TierContext, ready: Optional[ReadyCopy], template: Dict[str,
 
 
 def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[str, Any],
-               process_group: Any, load_kwargs: Dict[str, Any], ready: Dict[int, ReadyCopy]) -> Any:
+               process_group: Any, load_kwargs: Dict[str, Any], ready: Dict[int, ReadyCopy],
+               holdings: Optional[List[StepInfo]] = None) -> Any:
     """Collective: complete this node's copy of ``point`` (unless ``ready`` says an earlier load of it
-    did: then it is remembered there), then the ordinary load from it."""
+    did: then it is remembered there), then the ordinary load from it. ``holdings``: those
+    :func:`recoverable` just gathered (the same on every rank), else they are gathered again."""
     from lightning_distckpt.serialization import load
 
     every_rank = load_kwargs.get("loader", EVERY_RANK) == EVERY_RANK
@@ -128,7 +132,7 @@ def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[
     if known is not None and _ready_for(ctx, known, sharded_state_dict, every_rank):
         path = known.path
     else:
-        path, held = complete_local_copy(ctx, point.step, gather_holdings(ctx),
+        path, held = complete_local_copy(ctx, point.step, holdings if holdings is not None else gather_holdings(ctx),
                                          sharded_state_dict if every_rank else None)
         ready[point.step] = ReadyCopy(path, held, _metadata(path))
     return load(sharded_state_dict, path, process_group=process_group, **{"loader": EVERY_RANK, **load_kwargs})
