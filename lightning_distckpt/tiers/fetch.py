@@ -96,10 +96,11 @@ def _needs(ctx: TierContext, step: int, has_dir: bool, template: Optional[Dict[s
 
 
 def complete_local_copy(ctx: TierContext, step: int, holdings: List[StepInfo],
-                        template: Optional[Dict[str, Any]]) -> Tuple[str, FrozenSet[int]]:
+                        template: Optional[Dict[str, Any]]) -> Tuple[str, FrozenSet[int], FrozenSet[int]]:
     """Collective: make this node's directory of ``step`` hold what its ranks' load of ``template`` reads
-    (everything when ``template`` is None); its path and the writers whose stores it now holds (checked:
-    those of the holdings, listed and checked by :func:`.holdings.scan_node`, and those just received)."""
+    (everything when ``template`` is None); its path, the writers whose stores it now holds (checked:
+    those of the holdings, listed and checked by :func:`.holdings.scan_node`, and those just received)
+    and the checkpoint's writers."""
     group = newest_complete(holdings, step=step)
     if group is None:
         raise IncompleteCheckpointError(f"local tier: step {step} is no longer recoverable from the local "
@@ -117,7 +118,7 @@ def complete_local_copy(ctx: TierContext, step: int, holdings: List[StepInfo],
     ctx.comm.agree(f"local tier: completing the local copies of step {step} failed", error)
     mine = next((i.held for i in group if i.node == ctx.node), frozenset())
     fetched = frozenset(f.writer for f in plan if f.writer is not None and ctx.nodes.node_of(f.dst) == ctx.node)
-    return ctx.step_dir(step), mine | fetched
+    return ctx.step_dir(step), mine | fetched, group[0].writers
 
 
 def _assemble(ctx: TierContext, step: int, fetched: List[Fetch], has_dir: bool) -> None:

@@ -107,13 +107,16 @@ class ReadyCopy(NamedTuple):
 
     path: str
     held: FrozenSet[int]  # the writers whose stores it holds
+    whole: bool  # it holds every writer's store: any load of it reads only what it holds
     meta: Any  # its parsed metadata.json (None: unreadable, so no load skips the checks)
 
 
 def _ready_for(ctx: TierContext, ready: Optional[ReadyCopy], template: Dict[str, Any], every_rank: bool) -> bool:
     """Collective: whether every rank's load of ``template`` reads only stores its node's ready copy holds."""
     ok = False
-    if ready is not None and every_rank and isinstance(ready.meta, dict):
+    if ready is not None and every_rank and ready.whole:
+        ok = True  # no need to plan this rank's reads (as costly as the load's own planning)
+    elif ready is not None and every_rank and isinstance(ready.meta, dict):
         need = needed_writers(template, ready.meta, ready.path, ctx.rank)
         ok = need is not None and need <= ready.held
     return all(ctx.comm.agree("local tier: checking this node's copy failed", None, ok))
@@ -132,9 +135,11 @@ def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[
     if known is not None and _ready_for(ctx, known, sharded_state_dict, every_rank):
         path = known.path
     else:
-        path, held = complete_local_copy(ctx, point.step, holdings if holdings is not None else gather_holdings(ctx),
-                                         sharded_state_dict if every_rank else None)
-        ready[point.step] = ReadyCopy(path, held, _metadata(path))
+        path, held, writers = complete_local_copy(ctx, point.step,
+                                                  holdings if holdings is not None else gather_holdings(ctx),
+                                                  sharded_state_dict if every_rank else None)
+        whole = writers <= held
+        ready[point.step] = ReadyCopy(path, held, whole, None if whole else _metadata(path))
     return load(sharded_state_dict, path, process_group=process_group, **{"loader": EVERY_RANK, **load_kwargs})
 
 
