@@ -98,7 +98,9 @@ def agree_on_point(strategy: Any, marker: str) -> Tuple[LocalTier, RecoveryPoint
                                  "TierCheckpoint set up (configure tiers: in the strategy's checkpoint config)")
     tier = callback.local_tier
     started = time.perf_counter()
-    durable = durable_candidates(trainer, lambda path: durable_step(strategy, path))
+    # rank 0's list decides (LocalTier.recoverable): the other ranks need not read every candidate's
+    # common state (cold, from durable storage) only to have it ignored
+    durable = durable_candidates(trainer, lambda path: durable_step(strategy, path)) if trainer.global_rank == 0 else []
     point = tier.recoverable(durable)
     if point is None:
         raise IncompleteCheckpointError(
