@@ -116,13 +116,17 @@ def _parts(args: argparse.Namespace) -> Tuple[Any, ...]:
         pass
 
     class TimedTierCheckpoint(TierCheckpoint):
-        """Seconds in local saves: in all, and building the checkpoint dict (the rest is LocalTier.save)."""
+        """Seconds in local saves: in all, waiting for the previous local save's background work (write,
+        commit, partner copy), and building the checkpoint dict (the rest is LocalTier.save's snapshot)."""
 
         local_s = 0.0
+        local_wait_s = 0.0
         local_tree_s = 0.0
 
         def save_local(self, trainer: Any, step: int) -> None:
             t0 = time.perf_counter()
+            self.local_tier.wait()  # what LocalTier.save would wait for first, timed apart
+            self.local_wait_s += time.perf_counter() - t0
             super().save_local(trainer, step)
             self.local_s += time.perf_counter() - t0
 
@@ -156,6 +160,7 @@ def _parts(args: argparse.Namespace) -> Tuple[Any, ...]:
                                    steps=trainer.global_step - self.record["first_step"],
                                    blocked_s=trainer.strategy.save_s + sum(cb.local_s for cb in tier),
                                    durable_s=trainer.strategy.save_s, local_s=sum(cb.local_s for cb in tier),
+                                   local_wait_s=sum(cb.local_wait_s for cb in tier),
                                    local_tree_s=sum(cb.local_tree_s for cb in tier))
                 self._exit(trainer)
 
