@@ -5,9 +5,9 @@ every rank's writes, commit on rank 0, agree on the commit)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -43,15 +43,37 @@ def _write_local(prep: PreparedSave) -> LocalWrite:
         for name, data in blobs:
             prep.store.write_blob(prep.staging, name, data)
 
-    if blobs and (tensors or prep.objects):  # beside the shards, so their fsyncs overlap (the pool waits on errors)
-        with ThreadPoolExecutor(1, thread_name_prefix="distckpt-blobs") as pool:
-            done = pool.submit(write_blobs)
-            nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects)
-            done.result()
+    if blobs and (tensors or prep.objects):  # beside the shards, so their fsyncs overlap
+        nbytes = _beside(write_blobs, lambda: prep.writer.write(prep.comm.rank, tensors, prep.objects))
     else:
         nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
         write_blobs()
     return LocalWrite(nbytes + (len(prep.common) if prep.common is not None else 0), time.perf_counter() - t0)
+
+
+def _beside(side: Callable[[], None], main: Callable[[], int]) -> int:
+    """``main()``'s result, with ``side()`` run in a thread meanwhile; raises what either raised.
+
+    A plain thread, not a ``concurrent.futures`` pool: an async save still in flight when the
+    interpreter exits is finished by an exit handler, after ``concurrent.futures`` has stopped taking
+    new work ("cannot schedule new futures after interpreter shutdown")."""
+    errors: List[BaseException] = []
+
+    def run() -> None:
+        try:
+            side()
+        except BaseException as e:  # re-raised on the caller's thread below
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="distckpt-blobs", daemon=True)
+    thread.start()
+    try:
+        result = main()
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return result
 
 
 def _rank0_files(prep: PreparedSave) -> List[Tuple[str, bytes]]:
