@@ -7,11 +7,11 @@ Two things a background save must not do, that a save which returns committed ne
   ``name-v2.ckpt``) by asking its file system whether each candidate exists. A background save
   exists at its target only once committed, so the next save would take the same name and replace
   it. :func:`reserve_target` holds the name with an empty directory from the save's start: the commit
-  replaces an empty directory like a missing target (:func:`~lightning_distckpt.storage.commit.check_target`),
-  and :func:`release_target` removes it again right before the commit (on the caller's thread, so no
-  name check of this process runs in between), so a committed copy never sits beside its placeholder
-  and a killed commit is recovered as before. A process killed while its save is in flight leaves the
-  empty directory; loading it is refused as an uncommitted checkpoint.
+  replaces an empty directory as it replaces an older checkpoint, in one swap
+  (:func:`~lightning_distckpt.storage.commit.check_target`), so the name is never free while the save
+  is in flight (whichever thread commits); :func:`release_target` removes the placeholder after a
+  failed save. A process killed while its save is in flight leaves the empty directory; loading it
+  is refused as an uncommitted checkpoint.
 * **Be forgotten.** A save issued after the training loop ended (``trainer.save_checkpoint()`` after
   ``fit()``, the spawn launcher's last weights) has no next save, load or teardown to commit it.
   Every request is tracked here until finalized: a group-of-one request (no collective in its

@@ -97,15 +97,15 @@ class AsyncSaveRequest:
 
     def _commit(self, prep: PreparedSave) -> None:
         """Agree on every rank's writes and commit (collective over ``prep.comm``); keeps the error."""
-        if self._reserved:  # the commit renames into a free name
-            async_pending.release_target(self.checkpoint_dir)
         result = self._result if self._result is not None else SaveFailedError(
             f"save to {self.checkpoint_dir}: the background write ended without a result")
         try:
-            finalize_save(prep, result)
+            finalize_save(prep, result)  # the commit replaces the placeholder (an empty directory) in one swap
         except BaseException as e:
             self._error = e
         finally:
+            if self._reserved:  # a failed save's placeholder goes (only an empty directory is ever removed)
+                async_pending.release_target(self.checkpoint_dir)
             self._prep = replace(self._prep, tensors=[], objects=[], common=None)  # drop references to buffers
 
     def done(self) -> bool:
@@ -204,8 +204,8 @@ class AsyncSaver:
             whole world (every rank calls ``save``, so every rank makes it); a save over a subgroup
             commits at ``finalize`` as without it. The training thread then neither asks the other
             ranks whether the writes are done nor waits for the commit's agreement and fsyncs. With
-            ``reserve_targets`` the thread releases the target's name right before its commit (a
-            name check by the caller's thread can then fall between the two).
+            ``reserve_targets`` the commit swaps the checkpoint in over the placeholder, so the name
+            is never free while the save is in flight.
     """
 
     def __init__(self, pin_memory: Optional[bool] = None, reserve_targets: bool = False,
