@@ -8,7 +8,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 full = torch.arange(48.0).reshape(8, 6)  # the global tensor; each rank holds a piece
 
-# Each piece says where it sits: (axis, this rank's fragment, number of fragments along that axis).
+# Each piece says where it sits: (axis, this rank's fragment, fragments along that axis).
 ldc.save({
     "weight": ldc.ShardedTensor.from_rank_offsets("weight", full.chunk(world, 0)[rank].clone(), (0, rank, world)),
     "bias": ldc.ShardedTensor.from_rank_offsets("bias", torch.ones(6), replica_id=rank),  # replicated: stored once

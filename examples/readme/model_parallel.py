@@ -1,5 +1,5 @@
 # Run: python examples/readme/model_parallel.py 1 2 4 && python examples/readme/model_parallel.py 2 1 8
-# (DP 1 x TP 2 to step 4; then resume as DP 2 x TP 1, FSDP2 alone, to step 8)
+# (DP 1 x TP 2 to step 4; then DP 2 x TP 1, FSDP2 alone, to step 8)
 import sys
 
 import torch

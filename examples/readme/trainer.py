@@ -1,5 +1,5 @@
 # Run: python examples/readme/trainer.py 2 4 && python examples/readme/trainer.py 1 8
-# (to step 4 on 2 processes, then on 1 process from the last checkpoint to step 8)
+# (2 processes to step 4, then 1 process from the last checkpoint to step 8)
 import sys
 
 from lightning.pytorch import Trainer
