@@ -6,7 +6,6 @@ out of a pack run by numpy against torch."""
 import copy
 import json
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
