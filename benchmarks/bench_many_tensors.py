@@ -69,6 +69,8 @@ def _local(full: Dict[str, torch.Tensor], rank: int, world: int) -> Dict[str, to
 
 
 def _timed(fn: Callable[[], None]) -> float:
+    # common.timed_collective's twin: bench_many_tensors_ab.py runs a copy of this file inside older
+    # checkouts, whose benchmarks/common.py may not have it.
     dist.barrier()
     t0 = time.perf_counter()
     fn()

@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import lightning_distckpt as ldc  # noqa: E402
-from common import dir_bytes, drop_page_cache, fmt_table, local_state, machine_summary, state_bytes  # noqa: E402
+from common import (dir_bytes, drop_page_cache, fmt_table, local_state, machine_summary,  # noqa: E402
+                    state_bytes, timed_collective)
 from dist_utils import run_distributed  # noqa: E402
 
 SAVES = ("fully_parallel", "every_replica_writes", "rank0_writes_all")
@@ -60,16 +61,6 @@ class _BytesLog(logging.Handler):
 def device_read_bytes() -> int:
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
-
-
-def _timed_collective(fn) -> float:
-    """Wall time of a collective operation: from a common start to the slowest rank's end."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dt = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
 
 
 def _quiesce(path: str, rank: int) -> None:
@@ -95,7 +86,7 @@ def _worker(rank: int, world: int, root: str, total_bytes: int) -> Dict[str, Any
             sd = state
         _quiesce(root, rank)
         balance = name != "rank0_writes_all"
-        seconds = _timed_collective(lambda sd=sd, path=path, balance=balance: ldc.save(sd, path, balance_writes=balance))
+        seconds = timed_collective(lambda sd=sd, path=path, balance=balance: ldc.save(sd, path, balance_writes=balance))
         out["save"][name] = {"s": seconds, "bytes_on_disk": dir_bytes(path) if rank == 0 else 0}
 
     path = f"{root}/save_fully_parallel"
@@ -115,7 +106,7 @@ def _worker(rank: int, world: int, root: str, total_bytes: int) -> Dict[str, Any
         _quiesce(path, rank)
         io0 = device_read_bytes()
         log.bytes.clear()
-        seconds = _timed_collective(lambda loader=loader: ldc.load(template, path, loader=loader))
+        seconds = timed_collective(lambda loader=loader: ldc.load(template, path, loader=loader))
         device = device_read_bytes() - io0
         ok = all(torch.equal(template[t.key].data, t.data) for t in tensors)
         if name == "every_rank":

@@ -39,7 +39,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import LocalTensor, fmt_table, free_port, local_state, machine_summary, unique_bytes  # noqa: E402
+from benchmarks.common import (LocalTensor, fmt_table, free_port, local_state, machine_summary,  # noqa: E402
+                               timed_collective, unique_bytes)
 
 BUCKET = "bench-s3"
 CONTESTANTS = ("ours", "dcp")
@@ -82,16 +83,6 @@ def _dcp(state: List[LocalTensor], dest: List[torch.Tensor], url: str, rank: int
 FACTORIES: Dict[str, Callable] = {"ours": _ours, "dcp": _dcp}
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed.item())
-
-
 def _delete_prefix(prefix: str) -> None:
     import boto3
 
@@ -115,10 +106,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
             for name in args.contestants[k:] + args.contestants[:k]:  # nobody always goes first
                 prefix = f"{name}-{rep}"
                 save, load = FACTORIES[name](state, dest, f"s3://{BUCKET}/{prefix}", rank, world)
-                save_s = _timed(save)
+                save_s = timed_collective(save)
                 for d in dest:
                     d.zero_()
-                load_s = _timed(load)
+                load_s = timed_collective(load)
                 oks: List[bool] = [False] * world
                 dist.all_gather_object(oks, all(torch.equal(t.data, d) for t, d in zip(state, dest)))
                 if rank == 0:

@@ -143,6 +143,19 @@ def timed(fn: Callable[[], object]) -> Tuple[float, object]:
     return time.perf_counter() - t0, res
 
 
+def timed_collective(fn: Callable[[], object]) -> float:
+    """Wall seconds of a collective operation on every rank: from a barrier to the slowest rank's end
+    (the same number on every rank)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
 def fmt_table(headers: List[str], rows: List[List[object]]) -> str:
     """A GitHub-markdown table."""
     cells = [[str(c) for c in r] for r in rows]

@@ -38,3 +38,13 @@ def test_tier_checkpoint_durable_defaults():
     assert (local_only.save_last, local_only._every_n_train_steps, local_only.save_top_k) == (False, 0, 0)
     with pytest.raises(ArgumentTypeError, match="TierOptions"):
         TierCheckpoint({"local_dir": "/x"})
+
+
+def test_the_section_has_every_tier_option_and_no_other():
+    """TiersConfig repeats TierOptions' fields (omegaconf cannot merge into a frozen dataclass): they
+    must not drift apart."""
+    from dataclasses import fields
+
+    from lightning_distckpt.lightning.config import TiersConfig
+
+    assert [f.name for f in fields(TiersConfig)] == [f.name for f in fields(TierOptions)]
