@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
 import sys
@@ -43,19 +42,6 @@ from dist_utils import run_distributed  # noqa: E402
 
 SAVES = ("fully_parallel", "every_replica_writes", "rank0_writes_all")
 LOADS = ("every_rank", "fully_parallel", "two_stage", "two_stage_32MB")
-
-
-class _BytesLog(logging.Handler):
-    """Collects this rank's bytes from the library's own throughput log (every-rank loads)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.bytes: List[int] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args
-        if isinstance(args, tuple) and len(args) == 6 and args[0] == "load" and args[2] == dist.get_rank():
-            self.bytes.append(int(args[3]))
 
 
 def device_read_bytes() -> int:
@@ -90,30 +76,22 @@ def _worker(rank: int, world: int, root: str, total_bytes: int) -> Dict[str, Any
         out["save"][name] = {"s": seconds, "bytes_on_disk": dir_bytes(path) if rank == 0 else 0}
 
     path = f"{root}/save_fully_parallel"
-    log = _BytesLog()
-    logger = logging.getLogger("lightning_distckpt")
-    logger.addHandler(log)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
     template = {t.key: ldc.ShardedTensor.from_rank_offsets(t.key, torch.empty_like(t.data), replica_id=rank)
                 for t in tensors}
     for name in LOADS:
-        loader: Any = {"every_rank": "every_rank", "fully_parallel": ldc.FullyParallelLoader(),
+        # loader objects, not names: each keeps every rank's stats of its last load (last_stats)
+        loader: Any = {"every_rank": ldc.EveryRankLoader(), "fully_parallel": ldc.FullyParallelLoader(),
                        "two_stage": ldc.TwoStageDataParallelLoader(),
                        "two_stage_32MB": ldc.TwoStageDataParallelLoader(max_inflight_bytes=32 << 20)}[name]
         for st in template.values():
             st.data.zero_()
         _quiesce(path, rank)
         io0 = device_read_bytes()
-        log.bytes.clear()
         seconds = timed_collective(lambda loader=loader: ldc.load(template, path, loader=loader))
         device = device_read_bytes() - io0
         ok = all(torch.equal(template[t.key].data, t.data) for t in tensors)
-        if name == "every_rank":
-            lib_bytes, extra, inflight = log.bytes[-1], 0, 0
-        else:
-            me = loader.last_stats[rank]
-            lib_bytes, extra, inflight = me.bytes_read, me.peak_extra_bytes, me.peak_inflight_bytes
+        me = loader.last_stats[rank]
+        lib_bytes, extra, inflight = me.bytes_read, me.peak_extra_bytes, me.peak_inflight_bytes
         out["load"][name] = {"s": seconds, "storage_bytes": lib_bytes, "device_bytes": device, "ok": ok,
                              "peak_extra_bytes": extra, "peak_inflight_bytes": inflight}
         if name == "two_stage" and rank == 0:

@@ -66,7 +66,11 @@ class _GCPausedLoader:
 
 
 class EveryRankLoader(_GCPausedLoader):
-    """Each rank reads the pieces its own shards need."""
+    """Each rank reads the pieces its own shards need; ``last_stats`` holds every rank's
+    :class:`LoadStats` of the last load, as :class:`ExchangeLoader`'s does."""
+
+    def __init__(self) -> None:
+        self.last_stats: List[LoadStats] = []
 
     def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
               extra_safe_globals: Sequence[Any]) -> Result:
@@ -80,7 +84,7 @@ class EveryRankLoader(_GCPausedLoader):
                 stats.read_s = time.perf_counter() - t0
             except Exception as e:  # reported on every rank in finish_load
                 ctx.fail(e)
-        result, _ = finish_load(ctx, tensors, stats, extra_safe_globals, "load")
+        result, self.last_stats = finish_load(ctx, tensors, stats, extra_safe_globals, "load")
         return result
 
 
