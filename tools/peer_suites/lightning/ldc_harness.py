@@ -260,4 +260,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> Optional[str]:
-    return f"lightning_distckpt peer harness: mode={MODE} readthrough={READTHROUGH}"
+    import lightning_distckpt
+
+    return (f"lightning_distckpt peer harness: mode={MODE} readthrough={READTHROUGH} "
+            f"package={os.path.dirname(lightning_distckpt.__file__)}")

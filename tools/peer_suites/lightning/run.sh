@@ -10,6 +10,8 @@
 #   `pip install --target "$PEER_SITE" cloudpickle tensorboardX` (not in our environment).
 # TESTS: the test paths under $PEER (default: the checkpointing tests and the checkpoint-IO plugins').
 # READTHROUGH=1 also routes single-file reads of our directories to our loader (ldc_harness.py).
+# LDC_REV=HEAD: run a git archive of that commit's lightning_distckpt (the shared working tree may be
+#   mid-edit), with LDC_OVERLAY="path ..." (files of the working tree) copied over it.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PEER="${PEER:-/work/peer/lightning/tests}"
@@ -24,6 +26,14 @@ TESTS="${TESTS:-tests_pytorch/checkpointing tests_pytorch/plugins/test_checkpoin
 MODES=("$@")
 [ ${#MODES[@]} -eq 0 ] && MODES=(stock plugin async lightning_async stock_async strategy strategy_async)
 mkdir -p "$OUT"
+if [ -n "${LDC_REV:-}" ]; then
+  REPO="$(cd "$HERE/../../.." && pwd)"
+  SRC="$OUT/src"; rm -rf "$SRC"; mkdir -p "$SRC"
+  git -C "$REPO" archive "$LDC_REV" lightning_distckpt | tar -x -C "$SRC"
+  for f in ${LDC_OVERLAY:-}; do cp "$REPO/$f" "$SRC/$f"; done
+  export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"  # before the editable install's finder
+  echo "lightning_distckpt from $LDC_REV ($(git -C "$REPO" rev-parse --short "$LDC_REV"))"
+fi
 cd "$PEER"
 for mode in "${MODES[@]}"; do
   tag="$mode$([ "${READTHROUGH:-0}" = 1 ] && echo _readthrough || true)"
