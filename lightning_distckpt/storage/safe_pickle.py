@@ -7,13 +7,15 @@ allow-listed types below can be restored. Users add their own with ``extra_safe_
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import os
 import pickle
 import re
+import threading
 import typing
 import zipfile
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -75,8 +77,7 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
     """torch.load with weights_only. A refused type (the weights-only unpickler raises
     UnpicklingError) is an UnsafeContentError; anything else that fails is a damaged archive."""
     try:
-        allowed = default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)
-        with torch.serialization.safe_globals(allowed):
+        with _allowed(default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)):
             payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap or None)
     except RecursionError:
         raise FormatError(f"{where}: nested too deeply to deserialize; refused") from None
@@ -91,6 +92,39 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
 
 
 _LOADED_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+_ALLOW_LOCK = threading.Lock()
+#: type -> how many of our loads hold it in torch's allow-list now; only types the list lacked when the
+#: first of them began are counted (a type registered by someone else is never taken away)
+_HELD: Dict[Any, int] = {}
+
+
+@contextlib.contextmanager
+def _allowed(types: Sequence[Any]) -> Iterator[None]:
+    """``types`` allowed for torch's weights-only unpickler while the block runs. Its allow-list is
+    process-wide, and torch's ``safe_globals`` context removes on exit every type it was given: a
+    user's ``add_safe_globals`` of the same type (Megatron-Core registers ``argparse.Namespace`` and
+    more at import) was undone by our load, and of two loads in threads the first to finish took the
+    other's types away mid-load. Here a load adds what the list lacks and the last of our loads
+    holding a type takes it away; what was registered before stays."""
+    with _ALLOW_LOCK:
+        present = set(torch.serialization.get_safe_globals())
+        mine = [t for t in dict.fromkeys(types) if t in _HELD or t not in present]
+        torch.serialization.add_safe_globals([t for t in mine if t not in present])
+        for t in mine:
+            _HELD[t] = _HELD.get(t, 0) + 1
+    try:
+        yield
+    finally:
+        with _ALLOW_LOCK:
+            gone = []
+            for t in mine:
+                _HELD[t] -= 1
+                if not _HELD[t]:
+                    del _HELD[t]
+                    gone.append(t)
+            if gone:  # torch's own removal (its context's exit): one assignment, never an empty list between
+                torch.serialization.safe_globals(gone).__exit__(None, None, None)
 
 
 # torch's weights-only unpickler names the type it refused: "Unsupported global: GLOBAL _io.BytesIO ..."
