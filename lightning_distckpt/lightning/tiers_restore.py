@@ -148,6 +148,7 @@ def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier,
     optimizer state deferred (:class:`DeferredTierOptimizerStates`) when restoring optimizers."""
     template = build_on_all_ranks(f"load of local step {point.step}", lambda: {"state_dict": strategy._model_ssd()})
     checkpoint = dict(tier_load(strategy, tier, template, point))
+    point = tier.last_point or point  # another step where every local copy of this one was damaged
     checkpoint.pop(MANIFEST_KEY, None)
     stored = checkpoint.pop(OPTIMIZER_ENTRY, None)
     if restore_optimizers:

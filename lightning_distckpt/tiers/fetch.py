@@ -128,7 +128,7 @@ def _assemble(ctx: TierContext, step: int, fetched: List[Fetch], has_dir: bool) 
     target = here if has_dir else ctx.tmp_dir(step, BASE_LABEL)
     os.makedirs(os.path.join(target, TIER_DIR), exist_ok=True)
     for f in fetched:
-        place(ctx.tmp_dir(step, f.label), target, f.writer, copy_from="fetched")
+        place(ctx.tmp_dir(step, f.label), target, f.writer, copy_from=ctx.nodes.node_of(f.src), fetched=True)
     if not has_dir:
         if os.path.lexists(here):
             remove_step(here)  # another save of this step, or a torn one: ours, superseded

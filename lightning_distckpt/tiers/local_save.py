@@ -117,9 +117,10 @@ def replicate(ctx: TierContext, step: int) -> None:
     ctx.comm.agree(f"local save of step {step}: keeping the partner copies failed", error, default=SaveFailedError)
 
 
-def place(received: str, step_path: str, writer: int, copy_from: str) -> None:
-    """Rename a received store into ``step_path``'s ``data/`` (replacing a copy there) and note it held.
-    A store with no files (a rank that wrote nothing) leaves only the note."""
+def place(received: str, step_path: str, writer: int, copy_from: str, fetched: bool = False) -> None:
+    """Rename a received store into ``step_path``'s ``data/`` (replacing a copy there) and note it held
+    (a copy from node ``copy_from``; ``fetched``: during a recovery). A store with no files (a rank that
+    wrote nothing) leaves only the note."""
     target = rank_dir(step_path, writer)
     test_point("tier_before_place")
     if os.listdir(received):
@@ -130,7 +131,7 @@ def place(received: str, step_path: str, writer: int, copy_from: str) -> None:
     else:
         os.rmdir(received)
     test_point("tier_before_note")
-    write_note(step_path, writer, copy=True, node=copy_from)
+    write_note(step_path, writer, copy=True, node=copy_from, fetched=fetched)
 
 
 def prune(ctx: TierContext, step: int, keep: int) -> None:

@@ -85,6 +85,9 @@ class LocalTier:
         self._saver = _saver(options)
         self._ready: Dict[int, ReadyCopy] = {}  # steps an earlier load completed here (forgotten at a save)
         self._holdings: Optional[List[StepInfo]] = None  # what recoverable() listed, for the load that follows
+        self._durable: List[Tuple[int, str]] = []  # the durable checkpoints recoverable() checked (rank 0's)
+        #: The point the latest :meth:`load` read: the one asked for, or where a damaged copy made it fall back.
+        self.last_point: Optional[RecoveryPoint] = None
 
     @property
     def node(self) -> str:
@@ -134,14 +137,19 @@ class LocalTier:
         error); None when nothing is recoverable. Waits for a local save in flight first."""
         self._check_open()
         self.wait()
-        point, self._holdings = recoverable(self._ctx, durable)
+        point, self._holdings, self._durable = recoverable(self._ctx, durable)
         return point
 
     def load(self, sharded_state_dict: Dict[str, Any], point: RecoveryPoint, **load_kwargs: Any) -> Dict[str, Any]:
         """Collective. Loads ``point`` as ``lightning_distckpt.load`` would (same return value, common
         state included, same resharding): from the durable checkpoint for a durable point; else after
         completing this node's copy from the partners' (over torch.distributed), from this node's local
-        directory. ``load_kwargs`` go to ``lightning_distckpt.load`` (not ``process_group``: the tier's)."""
+        directory. ``load_kwargs`` go to ``lightning_distckpt.load`` (not ``process_group``: the tier's).
+
+        A local copy failing its checksums as it is read is not used (WARNING naming it): the load falls
+        back, agreed by every rank, to another copy of the step; for the first load after
+        :meth:`recoverable`, else to the newest step still recoverable (an older local one, or a durable
+        checkpoint it was given). :attr:`last_point` says which point was read."""
         from lightning_distckpt.serialization import load
 
         self._check_open()
@@ -151,10 +159,14 @@ class LocalTier:
             raise ArgumentError("LocalTier.load: the tier's process_group is used; do not pass one")
         self.wait()
         if point.source == "durable":
+            self.last_point = point
             return load(sharded_state_dict, point.path, process_group=self.process_group, **load_kwargs)
         holdings, self._holdings = self._holdings, None  # stale once a load completed this node's copy
-        return load_local(self._ctx, point, sharded_state_dict, self.process_group, load_kwargs, self._ready,
-                          holdings)
+        # Only the first load after recoverable() may fall back to another step: nothing was restored yet.
+        durable = self._durable if holdings is not None else None
+        out, self.last_point = load_local(self._ctx, point, sharded_state_dict, self.process_group, load_kwargs,
+                                          self._ready, holdings, durable)
+        return out
 
     def close(self) -> None:
         """Finishes what is in flight (raising what failed); the tier is unusable afterwards. (Its gloo

@@ -50,10 +50,12 @@ def note_path(directory: str, rank: int) -> str:
     return os.path.join(directory, TIER_DIR, f"held_rank_{rank:05d}.json")
 
 
-def write_note(directory: str, rank: int, copy: bool, node: Optional[str] = None) -> None:
-    """Record that ``directory`` holds ``rank``'s store (its own, or a partner ``copy``) completely."""
+def write_note(directory: str, rank: int, copy: bool, node: Optional[str] = None, fetched: bool = False) -> None:
+    """Record that ``directory`` holds ``rank``'s store (its own, or a partner ``copy`` from ``node``;
+    ``fetched``: received during a recovery) completely."""
     os.makedirs(os.path.join(directory, TIER_DIR), exist_ok=True)
-    write_file_durable(note_path(directory, rank), json.dumps({"rank": rank, "copy": copy, "from": node}).encode())
+    note = {"rank": rank, "copy": copy, "from": node, "fetched": fetched}
+    write_file_durable(note_path(directory, rank), json.dumps(note).encode())
 
 
 def read_notes(directory: str) -> Dict[int, Dict[str, Any]]:

@@ -15,24 +15,33 @@ A restore loads one point in parts (Lightning: the module, then the optimizer st
 save) which stores this node's completed, checked copy holds; a later load of the point whose every rank
 reads only stores its node holds skips the listing, the checks and the fetch (one small all-gather
 decides, so every rank takes the same path) and goes straight to the load.
+
+A damaged local copy (a chunk failing its checksum as the load reads it) is never used: the failed load
+is retried from another copy, an older step or durable storage, agreed by every rank (:func:`load_local`,
+:mod:`.damage`); nothing is read twice when nothing is damaged.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Set, Tuple
 
-from lightning_distckpt.core.errors import ArgumentError, CheckpointingError
+from lightning_distckpt.core.errors import ArgumentError, CheckpointingError, IncompleteCheckpointError
 from lightning_distckpt.storage.layout import METADATA_FILE, parse_json
 from lightning_distckpt.storage.paths import read_inside
 from lightning_distckpt.storage.stores import open_store
 from lightning_distckpt.tiers.context import TierContext
+from lightning_distckpt.tiers.damage import Damage, find_damage
 from lightning_distckpt.tiers.fetch import complete_local_copy
 from lightning_distckpt.tiers.holdings import StepInfo, newest_complete, scan_node
 from lightning_distckpt.tiers.needs import needed_writers
 from lightning_distckpt.tiers.options import RecoveryPoint
 
+logger = logging.getLogger(__name__)
+
 EVERY_RANK = "every_rank"
+Durable = List[Tuple[int, str]]  # (step, location) of durable checkpoints
 
 
 def gather_holdings(ctx: TierContext, error: Optional[Exception] = None) -> List[StepInfo]:
@@ -48,30 +57,37 @@ def gather_holdings(ctx: TierContext, error: Optional[Exception] = None) -> List
     return [info for part in gathered for info in part]
 
 
-def recoverable(ctx: TierContext, durable: Any) -> Tuple[Optional[RecoveryPoint], List[StepInfo]]:
+def recoverable(ctx: TierContext, durable: Any) -> Tuple[Optional[RecoveryPoint], List[StepInfo], Durable]:
     """Collective: the newest recoverable step (see the module docstring; rank 0's ``durable`` list
-    decides, a malformed list is an ArgumentError on every rank) and the holdings it was chosen from
-    (the same on every rank: the load that follows needs not list and check them again)."""
-    checked: List[Tuple[int, str]] = []
+    decides, a malformed list is an ArgumentError on every rank), the holdings it was chosen from
+    (the same on every rank: the load that follows needs not list and check them again) and the
+    durable checkpoints checked (rank 0's; the load's fallback when every local copy is damaged)."""
+    checked: Durable = []
     try:
         checked = _check_durable(durable)
     except ArgumentError as e:
         gather_holdings(ctx, e)  # agreed: raised on every rank
         raise
     holdings = gather_holdings(ctx)
+    return decide(ctx, holdings, checked), holdings, checked
+
+
+def decide(ctx: TierContext, holdings: List[StepInfo], durable: Durable) -> Optional[RecoveryPoint]:
+    """Collective: the newest save of ``holdings`` every store of which some node holds, or a newer
+    durable checkpoint of rank 0's ``durable`` (checked by rank 0, newest first); the same on every rank."""
     best = newest_complete(holdings)
     local_step = best[0].step if best else None
     error: Optional[Exception] = None
     found: Optional[Tuple[int, str]] = None
     if ctx.rank == 0:
         try:
-            found = _newest_durable(checked, local_step)
+            found = _newest_durable(durable, local_step)
         except Exception as e:
             error = e
     found = ctx.comm.agree("local tier: checking the durable checkpoints failed", error, found)[0]
     if found is not None:
-        return RecoveryPoint(found[0], "durable", found[1]), holdings
-    return (RecoveryPoint(local_step, "local") if local_step is not None else None), holdings
+        return RecoveryPoint(found[0], "durable", found[1])
+    return RecoveryPoint(local_step, "local") if local_step is not None else None
 
 
 def _check_durable(durable: Any) -> List[Tuple[int, str]]:
@@ -122,25 +138,84 @@ def _ready_for(ctx: TierContext, ready: Optional[ReadyCopy], template: Dict[str,
     return all(ctx.comm.agree("local tier: checking this node's copy failed", None, ok))
 
 
+class LocalCopy(NamedTuple):
+    """This node's copy of a step, ready for the load: where, and the writers whose stores it holds."""
+
+    path: str
+    held: FrozenSet[int]
+
+
+def _local_copy(ctx: TierContext, step: int, template: Dict[str, Any], ready: Dict[int, ReadyCopy],
+                holdings: Optional[List[StepInfo]], every_rank: bool) -> LocalCopy:
+    """Collective: this node's copy of ``step`` completed (unless ``ready`` says an earlier load of it
+    did), remembered in ``ready``."""
+    known = ready.get(step)
+    if known is not None and _ready_for(ctx, known, template, every_rank):
+        return LocalCopy(known.path, known.held)
+    path, held, writers = complete_local_copy(ctx, step, holdings if holdings is not None else gather_holdings(ctx),
+                                              template if every_rank else None)
+    whole = writers <= held
+    ready[step] = ReadyCopy(path, held, whole, None if whole else _metadata(path))
+    return LocalCopy(path, held)
+
+
 def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[str, Any],
                process_group: Any, load_kwargs: Dict[str, Any], ready: Dict[int, ReadyCopy],
-               holdings: Optional[List[StepInfo]] = None) -> Any:
+               holdings: Optional[List[StepInfo]] = None,
+               durable: Optional[Durable] = None) -> Tuple[Any, RecoveryPoint]:
     """Collective: complete this node's copy of ``point`` (unless ``ready`` says an earlier load of it
-    did: then it is remembered there), then the ordinary load from it. ``holdings``: those
-    :func:`recoverable` just gathered (the same on every rank), else they are gathered again."""
+    did: then it is remembered there), then the ordinary load from it; returns what the load returns
+    and the point it read. ``holdings``: those :func:`recoverable` just gathered (the same on every
+    rank), else they are gathered again.
+
+    A load that fails on some ranks (agreed, so every rank knows which) has the stores their nodes hold
+    checked (:func:`.damage.find_damage`); with damaged ones found, the holdings are listed again without
+    them and the load retried: the same step from another copy, else (only with ``durable``, the first
+    load after :func:`recoverable`: nothing of the point was restored yet) the newest step still
+    recoverable, local or durable. Without damage found, the load's own error is raised."""
     from lightning_distckpt.serialization import load
 
     every_rank = load_kwargs.get("loader", EVERY_RANK) == EVERY_RANK
-    known = ready.get(point.step)
-    if known is not None and _ready_for(ctx, known, sharded_state_dict, every_rank):
-        path = known.path
+    seen: Set[Tuple[str, str, int, Optional[str]]] = set()  # (node, step directory, writer, fetched from)
+    while True:
+        if point.source == "durable":
+            return load(sharded_state_dict, point.path, process_group=process_group, **load_kwargs), point
+        copy = _local_copy(ctx, point.step, sharded_state_dict, ready, holdings, every_rank)
+        try:
+            out = load(sharded_state_dict, copy.path, process_group=process_group,
+                       **{"loader": EVERY_RANK, **load_kwargs})
+            return out, point
+        except CheckpointingError as e:
+            if not e.failures:  # not agreed over the ranks: no collective may follow
+                raise
+            error = e
+        ready.pop(point.step, None)
+        damage = find_damage(ctx, copy.path, copy.held, error.failures)
+        new = {(d.node, d.path, d.writer, d.fetched_from) for d in damage} - seen
+        if not new:  # nothing (new) damaged: the load failed for another reason
+            raise error
+        seen |= new
+        holdings = gather_holdings(ctx)  # listed again: the damaged stores' notes are gone
+        point = _next_point(ctx, point, holdings, durable, damage, error)
+
+
+def _next_point(ctx: TierContext, point: RecoveryPoint, holdings: List[StepInfo], durable: Optional[Durable],
+                damage: List[Damage], error: CheckpointingError) -> RecoveryPoint:
+    """Collective: where a load retries after ``damage`` (see :func:`load_local`); the same on every rank."""
+    what = "; ".join(f"node {d.node}: rank {d.writer}'s store ({d.problem})" for d in damage[:3])
+    if durable is not None:
+        new = decide(ctx, holdings, durable)
     else:
-        path, held, writers = complete_local_copy(ctx, point.step,
-                                                  holdings if holdings is not None else gather_holdings(ctx),
-                                                  sharded_state_dict if every_rank else None)
-        whole = writers <= held
-        ready[point.step] = ReadyCopy(path, held, whole, None if whole else _metadata(path))
-    return load(sharded_state_dict, path, process_group=process_group, **{"loader": EVERY_RANK, **load_kwargs})
+        new = point if newest_complete(holdings, step=point.step) is not None else None
+    if new is None:
+        raise IncompleteCheckpointError(
+            f"local tier: step {point.step}: damaged local copies ({what}) and no intact copy of every store of "
+            + ("it, no older local step and no durable checkpoint left" if durable is not None
+               else "it left (part of it was already restored: no fallback to another step)")) from error
+    if ctx.rank == 0:
+        logger.warning("local tier: step %d: damaged local copies (%s): loading %s instead", point.step, what,
+                       f"step {new.step} from {new.source}" + (f" {new.path}" if new.path else " copies"))
+    return new
 
 
 def _metadata(path: str) -> Any:

@@ -19,7 +19,7 @@ import math
 import os
 import time
 import zipfile
-from typing import Any, Callable, List, Optional, Tuple
+from typing import AbstractSet, Any, Callable, List, Optional, Tuple
 
 from ..core.errors import CheckpointingError, FormatError, UnsafeContentError
 from ..planning.metadata import ObjectRecord, ShardRecord, StoredShard, element_size
@@ -37,12 +37,15 @@ from .report import ValidationReport, short_error
 
 def validate_checkpoint(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20,
                         on_key: Optional[Callable[[str], None]] = None, require_checksums: bool = False,
-                        progress: Optional[Progress] = None) -> ValidationReport:
+                        progress: Optional[Progress] = None,
+                        writers: Optional[AbstractSet[int]] = None) -> ValidationReport:
     """Check everything ``checkpoint_dir`` stores (see module docstring). Raises
     IncompleteCheckpointError / FormatError when it is not a readable committed checkpoint.
     ``require_checksums``: a checkpoint written before checksums (format 1 or 2) is a problem,
     not a warning. ``on_key(key)`` is called as each key's shards are checked; ``progress``
-    (:mod:`lightning_distckpt.progress`) counts the bytes read."""
+    (:mod:`lightning_distckpt.progress`) counts the bytes read. ``writers``: only these ranks' stores
+    (their shards and objects; not the index nor the common state): a partial copy, as a node-local tier
+    holds, checked store by store."""
     t0 = time.perf_counter()
     ckpt = OpenedCheckpoint.open(checkpoint_dir)
     report = ValidationReport(ckpt.path, progress=progress)
@@ -51,11 +54,12 @@ def validate_checkpoint(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20
         (report.problems if require_checksums else report.warnings).append(
             f"format {ckpt.meta.get('format_version')}: written before checksums, damaged bytes in it may go "
             f"undetected")
-    check_index(ckpt, report)
+    if writers is None:
+        check_index(ckpt, report)
     tio = ckpt.reader(check_sizes=False)  # damage named shard by shard
-    dead = _check_writer_stores(ckpt, report)
+    dead = _check_writer_stores(ckpt, report, writers)
     todo = [(key, shard) for key in sorted(ckpt.index.tensors) for shard in ckpt.index.tensors[key].shards
-            if shard.writer not in dead]
+            if shard.writer not in dead and (writers is None or shard.writer in writers)]
     try:  # open every array at once (concurrently); failures are reported shard by shard below
         tio.open_arrays((shard.writer, key, shard.index) for key, shard in todo)
     except CheckpointingError:
@@ -67,8 +71,9 @@ def validate_checkpoint(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20
         if on_key and (i + 1 == len(todo) or todo[i + 1][0] != key):
             on_key(key)
     window.drain()
-    _check_objects(ckpt, tio, dead, report)
-    _check_common(ckpt, report)
+    _check_objects(ckpt, tio, dead, report, writers)
+    if writers is None:
+        _check_common(ckpt, report)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -91,10 +96,12 @@ def check_index(ckpt: Any, report: ValidationReport) -> None:
     report.problems += [f"index: {p}" for p in validate_tensor_records(records) + validate_object_records(objects)]
 
 
-def _check_writer_stores(ckpt: OpenedCheckpoint, report: ValidationReport) -> set:
-    """Writers whose store directory is gone (reported once, not once per shard)."""
+def _check_writer_stores(ckpt: OpenedCheckpoint, report: ValidationReport,
+                         only: Optional[AbstractSet[int]] = None) -> set:
+    """Writers whose store directory is gone (reported once, not once per shard); ``only``: of these."""
     writers = {s.writer for e in ckpt.index.tensors.values() for s in e.shards}
     writers |= {s.writer for o in ckpt.index.objects.values() for s in o.shards}
+    writers = writers if only is None else writers & set(only)
     dead = set()
     claimed = ckpt.index.bytes_per_writer()
     for w in sorted(writers):
@@ -217,10 +224,11 @@ def _check_blob(blob: bytes, where: str, report: ValidationReport) -> None:
         report.problems.append(str(e))
 
 
-def _check_objects(ckpt: OpenedCheckpoint, tio: TensorStoreIO, dead: set, report: ValidationReport) -> None:
+def _check_objects(ckpt: OpenedCheckpoint, tio: TensorStoreIO, dead: set, report: ValidationReport,
+                   only: Optional[AbstractSet[int]] = None) -> None:
     for key in sorted(ckpt.index.objects):
         for s in ckpt.index.objects[key].shards:
-            if s.writer in dead:
+            if s.writer in dead or (only is not None and s.writer not in only):
                 continue
             where = f"object {key!r} element {list(s.offset)} (rank {s.writer})"
             try:

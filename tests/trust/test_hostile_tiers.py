@@ -138,3 +138,47 @@ def test_hostile_node_root(pristine, tmp_path, case):
 @given(case=damages)
 def test_hostile_node_root_long(pristine, tmp_path, case):
     _case(pristine, str(tmp_path), case)
+
+
+def _flip_case(pristine, tmp, flips):
+    """Bytes flipped in the newest step's rank stores only: the older step is intact, so the recovery
+    must give the exact state of one of the steps (the damaged copy set aside), never an error."""
+    case_dir = os.path.join(tmp, f"flip{len(os.listdir(tmp))}")
+    root = os.path.join(case_dir, "root")
+    shutil.copytree(pristine, root)
+    data = os.path.join(root, f"step_{STEPS[-1]:09d}", "data")
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(data) for f in fs if os.path.getsize(os.path.join(d, f)))
+    for choice, where in flips:
+        path = files[choice % len(files)]
+        raw = bytearray(open(path, "rb").read())
+        raw[where % len(raw)] ^= 0xA5
+        open(path, "wb").write(bytes(raw))
+
+    def recover():
+        tier = LocalTier(TierOptions(local_dir=root))
+        point = tier.recoverable()
+        return tier.load(_state(0, template=True), point), tier.last_point
+
+    out = run_bounded(recover)
+    assert "error" not in out, repr(out.get("error"))
+    state, point = out["value"]
+    assert point.source == "local" and point.step in STEPS
+    assert torch.equal(state["w"], _state(point.step)["w"].data) and state["step"] == point.step
+    assert state["obj"] == {"step": point.step}
+    shutil.rmtree(case_dir)
+
+
+flips = st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1 << 20)), min_size=1, max_size=3)
+
+
+@SHORT
+@given(flips=flips)
+def test_flipped_newest_step_falls_back(pristine, tmp_path, flips):
+    _flip_case(pristine, str(tmp_path), flips)
+
+
+@pytest.mark.long
+@LONG
+@given(flips=flips)
+def test_flipped_newest_step_falls_back_long(pristine, tmp_path, flips):
+    _flip_case(pristine, str(tmp_path), flips)

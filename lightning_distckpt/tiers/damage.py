@@ -1,0 +1,104 @@
+"""Damaged local copies found by a load: which stores, and keeping them out of every later recovery.
+
+Listing a node's holdings checks only what is cheap (metadata and common state against the commit
+marker, each store's size, :mod:`.holdings`); the chunk checksums are verified as the load reads them.
+When a load of a local copy fails on some ranks (an error agreed over the ranks, so every rank knows
+which), :func:`find_damage` reads back, with their checksums, the stores held by the failing ranks'
+nodes (each store by one rank of its node), and every rank gets the same list of damaged stores. The
+node's lead then drops each damaged store's held-note (the store is no longer counted as held, by this
+recovery's next listing nor by a later job's; nothing else is removed) and logs a WARNING naming it.
+A damaged store this node had *fetched* from another node earlier in the recovery came damaged from
+there: that node's note of it goes too, so a retry never fetches the same damage again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, FrozenSet, List, NamedTuple, Optional
+
+from lightning_distckpt.core.errors import CheckpointingError, RankFailure
+from lightning_distckpt.tiers.context import TierContext
+from lightning_distckpt.tiers.node_store import note_path, read_notes
+
+logger = logging.getLogger(__name__)
+
+
+class Damage(NamedTuple):
+    """One damaged store of one node's step directory."""
+
+    node: str
+    writer: int
+    path: str  # the step directory
+    problem: str  # what validation found (names the file or chunk)
+    fetched_from: Optional[str]  # the node it was fetched from during this recovery, else None
+
+
+def verify_stores(path: str, writers: List[int]) -> Dict[int, str]:
+    """writer -> its first problem, for each of ``writers`` whose store in the local copy at ``path``
+    fails the checks validation makes (every chunk read and its checksum verified)."""
+    from lightning_distckpt.validation.checks import validate_checkpoint  # imports the reading layer
+
+    out: Dict[int, str] = {}
+    for w in writers:
+        try:
+            problems = validate_checkpoint(path, writers={w}).problems
+        except CheckpointingError as e:
+            problems = [str(e)]
+        if problems:
+            out[w] = problems[0]
+    return out
+
+
+def _my_share(ctx: TierContext, held: FrozenSet[int]) -> List[int]:
+    """The stores this rank verifies: its node's held ones, dealt out over the node's ranks."""
+    ranks = ctx.nodes.ranks_on(ctx.node)
+    return [w for i, w in enumerate(sorted(held)) if ranks[i % len(ranks)] == ctx.rank]
+
+
+def find_damage(ctx: TierContext, path: str, held: FrozenSet[int], failures: Dict[int, RankFailure]) -> List[Damage]:
+    """Collective: the damaged stores of the nodes whose ranks' load failed (``failures``, the same on
+    every rank), the same list on every rank; their notes dropped (see the module docstring)."""
+    failing = {ctx.nodes.node_of(r) for r in failures if 0 <= r < len(ctx.nodes.nodes)}
+    mine: List[Damage] = []
+    error: Optional[Exception] = None
+    if ctx.node in failing:
+        try:
+            notes = read_notes(path)
+            for w, problem in sorted(verify_stores(path, _my_share(ctx, held)).items()):
+                note = notes.get(w, {})
+                source = note.get("from") if note.get("fetched") else None
+                mine.append(Damage(ctx.node, w, path, problem, source if isinstance(source, str) else None))
+        except Exception as e:  # agreed: every rank raises it
+            error = e
+    gathered = ctx.comm.agree("local tier: checking the local copies a failed load read failed", error, mine)
+    damage = [d for part in gathered for d in part]
+    error = None
+    if ctx.is_lead:
+        try:
+            _drop_notes(ctx, damage)
+        except Exception as e:
+            error = e
+    ctx.comm.agree("local tier: setting the damaged local copies aside failed", error)
+    return damage
+
+
+def _drop_notes(ctx: TierContext, damage: List[Damage]) -> None:
+    """This node's lead: the held-notes of its damaged stores (and of those it sent damaged) removed."""
+    for d in damage:
+        if d.node == ctx.node:
+            logger.warning("local tier: node %s: the copy of rank %d's store in %s is damaged and is not used: %s",
+                           d.node, d.writer, d.path, d.problem)
+            _remove(note_path(d.path, d.writer))
+        elif d.fetched_from == ctx.node:
+            own = os.path.join(ctx.root, os.path.basename(d.path))
+            logger.warning("local tier: node %s: rank %d's store in %s arrived damaged on node %s: not used either",
+                           ctx.node, d.writer, own, d.node)
+            _remove(note_path(own, d.writer))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
