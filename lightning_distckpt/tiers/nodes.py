@@ -1,8 +1,14 @@
 """Which node each rank runs on, where its node-local root is, and which ranks hold its partner copies.
 
 Node identity: :attr:`TierOptions.node` when given, else ``node<rank // ranks_per_node>`` when
-``ranks_per_node`` simulates nodes (tests), else the host name. The names are all-gathered once, so every
-rank knows every rank's node; nodes are numbered by their first rank.
+``ranks_per_node`` simulates nodes (tests), else the host name combined with the launcher's node: where
+``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set (torchrun, Lightning's launchers), the ranks of one
+launched node are ``rank - LOCAL_RANK`` onwards, so that first rank names the launcher's node. A host
+running one launcher node is named by its host name alone; a host name shared by several launcher nodes
+(containers with one host name, ``torchrun --nnodes 2`` on one machine) is split into
+``<host>-<first rank>``; ranks on different hosts are on different nodes whatever the launcher says (they
+cannot share memory or a disk). The names are all-gathered once, so every rank knows every rank's node;
+nodes are numbered by their first rank.
 
 Partners: the ``k``-th partner (``k = 1 .. replicas``) of the rank with local index ``j`` on node ``i`` is
 the rank with local index ``j mod size(i + k)`` on node ``(i + k) mod N``: never on the same node, spread
@@ -17,7 +23,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from lightning_distckpt.comm import Comm
 from lightning_distckpt.core.errors import ArgumentError
@@ -28,15 +34,52 @@ logger = logging.getLogger(__name__)
 NODE_PLACEHOLDER = "{node}"
 
 
-def node_name(options: TierOptions, rank: int) -> str:
-    """This rank's node name (see the module docstring)."""
+def node_name(options: TierOptions, rank: int) -> Optional[str]:
+    """This rank's node name when the options give it (``node``, ``ranks_per_node``); None: from the host
+    and the launcher (:func:`name_nodes`)."""
     if options.node is not None:
         return options.node
     if options.ranks_per_node is not None:
         return f"node{rank // options.ranks_per_node}"
-    name = socket.gethostname()
-    check_node_name(name)
-    return name
+    return None
+
+
+def _env_int(name: str) -> Optional[int]:
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ArgumentError(f"local tier: the environment variable {name}={text!r} is not an integer") from None
+
+
+def launcher_node(world_rank: int) -> Optional[int]:
+    """The first world rank of this process's launched node (``world_rank - LOCAL_RANK``), where the
+    launcher set ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; None where it did not."""
+    local_rank, local_size = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
+    if local_rank is None or local_size is None:
+        return None
+    if not 0 <= local_rank < local_size or local_rank > world_rank:
+        raise ArgumentError(f"local tier: LOCAL_RANK={local_rank} does not fit LOCAL_WORLD_SIZE={local_size} and "
+                            f"rank {world_rank}; set TierOptions.node to name this rank's node")
+    return world_rank - local_rank
+
+
+def name_nodes(found: List[Tuple[Optional[str], str, Optional[int]]]) -> List[str]:
+    """Every rank's node name from each rank's (name given, host name, launcher node): see the module
+    docstring. The same on every rank (a pure function of the gathered values)."""
+    launched: Dict[str, Set[Optional[int]]] = {}
+    for given, host, first in found:
+        if given is None:
+            launched.setdefault(host, set()).add(first)
+    out = []
+    for given, host, first in found:
+        if given is not None:
+            out.append(given)
+        else:
+            out.append(host if len(launched[host]) == 1 or first is None else f"{host}-{first}")
+    return out
 
 
 def local_root(options: TierOptions, node: str) -> str:
@@ -88,27 +131,43 @@ class NodeMap:
         return [r for r in range(len(self.nodes)) if rank in self.partners(r, replicas)]
 
 
+def _world_rank(comm: Comm) -> int:
+    """This process's rank in the world (what ``LOCAL_RANK`` is relative to)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else comm.rank
+
+
 def gather_nodes(options: TierOptions, comm: Comm) -> Tuple[NodeMap, str]:
     """Collective: every rank's node, and this rank's node-local root. ArgumentError on every rank
     when two nodes of one host would share a root (``local_dir`` needs ``{node}`` when nodes are
     simulated on one host)."""
     error: Optional[Exception] = None
-    mine: Tuple[str, str, str] = ("", "", "")
+    host = socket.gethostname()
+    mine: Tuple[Optional[str], str, Optional[int]] = (None, host, None)
     try:
-        name = node_name(options, comm.rank)
-        mine = (name, socket.gethostname(), local_root(options, name))
+        given = node_name(options, comm.rank)
+        mine = (given, host, launcher_node(_world_rank(comm)) if given is None else None)
     except Exception as e:  # agreed: every rank raises it
         error = e
-    gathered: List[Tuple[str, str, str]] = comm.agree("local tier: naming the nodes failed", error, mine,
+    found = comm.agree("local tier: naming the nodes failed", error, mine, default=ArgumentError)
+    name = name_nodes(found)[comm.rank]
+    where: Tuple[str, str, str] = (name, host, "")
+    try:
+        check_node_name(name)
+        where = (name, host, local_root(options, name))
+    except Exception as e:
+        error = e
+    gathered: List[Tuple[str, str, str]] = comm.agree("local tier: naming the nodes failed", error, where,
                                                       default=ArgumentError)
     owners: Dict[Tuple[str, str], str] = {}
-    for name, host, root in gathered:
-        other = owners.setdefault((host, root), name)
-        if other != name:
-            raise ArgumentError(f"TierOptions.local_dir: nodes {other!r} and {name!r} on host {host!r} would share "
-                                f"the local directory {root!r}; put '{NODE_PLACEHOLDER}' in local_dir")
+    for node, host_name, root in gathered:
+        other = owners.setdefault((host_name, root), node)
+        if other != node:
+            raise ArgumentError(f"TierOptions.local_dir: nodes {other!r} and {node!r} on host {host_name!r} would "
+                                f"share the local directory {root!r}; put '{NODE_PLACEHOLDER}' in local_dir")
     nodes = NodeMap(tuple(g[0] for g in gathered))
     if comm.rank == 0 and options.replicas > nodes.copies(options.replicas):
         logger.warning("local tier: replicas=%d asked, but only %d other node(s): keeping %d partner copies",
                        options.replicas, len(nodes.names) - 1, nodes.copies(options.replicas))
-    return nodes, mine[2]
+    return nodes, where[2]

@@ -35,7 +35,8 @@ class TierOptions:
     :class:`LocalTier`. At most ``keep_local`` local checkpoints are kept per node, the one being written
     included (with 1, nothing local is recoverable while a save is in flight); ``replicas``
     partner copies of each rank's shards are kept on other nodes. ``node`` overrides the node name
-    (default: ``LOCAL_WORLD_SIZE``-free hostname); ``ranks_per_node`` simulates nodes
+    (default: the host name, split by the launcher's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` where one host
+    name runs several launched nodes, :mod:`.nodes`); ``ranks_per_node`` simulates nodes
     (``node = f"node{rank // ranks_per_node}"``). ``max_staging_bytes`` bounds the host memory of the
     snapshot.
     """

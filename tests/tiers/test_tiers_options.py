@@ -71,3 +71,46 @@ def _bad_calls(rank, world, tmp):
 def test_argument_errors_are_agreed(tmp_path):
     results = run_distributed(_bad_calls, 4, str(tmp_path))
     assert results == [["ArgumentError", "ArgumentError", 20]] * 4
+
+
+def test_node_names_from_host_and_launcher():
+    from lightning_distckpt.tiers.nodes import name_nodes
+
+    # one launched node per host: the host name alone; given names win
+    assert name_nodes([(None, "a", 0), (None, "a", 0), (None, "b", 2), ("x", "b", None)]) == ["a", "a", "b", "x"]
+    # one host name for two launched nodes (containers, torchrun --nnodes 2 on one machine): split
+    assert name_nodes([(None, "h", 0), (None, "h", 0), (None, "h", 2), (None, "h", 2)]) == ["h-0", "h-0", "h-2", "h-2"]
+    # no launcher variables: the host name
+    assert name_nodes([(None, "h", None), (None, "h", None)]) == ["h", "h"]
+
+
+def _launched(rank, world, tmp, local_world_size):
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    os.environ["LOCAL_RANK"] = str(rank % 2) if local_world_size == 2 else "x"
+    try:
+        tier = LocalTier(TierOptions(local_dir=os.path.join(tmp, "{node}")))
+    except ArgumentError as e:
+        return str(e)
+    tier.save(state(rank, world, 10), 10)
+    tier.close()
+    return tier.node
+
+
+def test_launcher_variables_split_one_host_into_nodes(tmp_path):
+    """4 processes on one host, launched as 2 nodes of 2 (LOCAL_RANK / LOCAL_WORLD_SIZE as torchrun sets
+    them): two nodes, each with its own directory and the other's partner copies; a malformed variable
+    is the same ArgumentError on every rank."""
+    import os
+    import socket
+
+    from lightning_distckpt.tiers.node_store import read_notes
+
+    host = socket.gethostname()
+    names = run_distributed(_launched, 4, str(tmp_path), 2)
+    assert names == [f"{host}-0", f"{host}-0", f"{host}-2", f"{host}-2"]
+    notes = read_notes(os.path.join(str(tmp_path), f"{host}-0", "step_000000010"))
+    assert {r: n["copy"] for r, n in notes.items()} == {0: False, 1: False, 2: True, 3: True}
+    errors = run_distributed(_launched, 4, str(tmp_path / "bad"), 3)
+    assert len(set(errors)) == 1 and "LOCAL_RANK" in errors[0]
