@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Union
 
+import numpy as np
 import torch
 
 from ..core.errors import CheckpointingError
@@ -66,8 +67,20 @@ def _scalar_dtype(fused: bool) -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+#: From this size a fresh state tensor's zeros come from ``calloc`` (see :func:`_zeros`).
+_CALLOC_BYTES = 1 << 20
+
+
 def _zeros(p: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(p, memory_format=torch.preserve_format)
+    """Zeros like ``p`` (shape, dtype, device, strides). A large contiguous CPU tensor's zeros come from
+    ``calloc`` (numpy's zeros): fresh pages the kernel hands over zeroed, touched only when first
+    written (a load writes every one), where ``torch.zeros_like`` writes every byte first (most of a
+    restore's cost of building the optimizer's template: the load overwrites them all)."""
+    nbytes = p.numel() * p.element_size()
+    if (p.device.type != "cpu" or type(p) not in (torch.Tensor, torch.nn.Parameter) or nbytes < _CALLOC_BYTES
+            or not p.is_contiguous()):
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(p.dtype).view(p.shape)
 
 
 def fresh_state(optimizer: torch.optim.Optimizer, group: Dict[str, Any], p: torch.Tensor) -> Optional[Dict[str, Any]]:
