@@ -68,6 +68,7 @@ class TierCheckpoint(DistModelCheckpoint):
         self.options = options
         self.local_tier: Optional[LocalTier] = None
         self._last_local_step = -1
+        self._marker_seen = False  # the marker exists (this process wrote or found it): no look per local save
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -137,37 +138,82 @@ class TierCheckpoint(DistModelCheckpoint):
 
     # -- ckpt_path="last" ----------------------------------------------------------------------
     def marker_path(self, trainer: Any) -> Optional[str]:
-        """Where the marker is: this callback's folder (None: an ``s3://`` folder, or none known)."""
+        """Where the marker is: this callback's folder, a directory or an ``s3://`` prefix (None: none known)."""
         dirpath = str(self.dirpath) if self.dirpath is not None else self._default_dir(trainer)
-        if dirpath is None or "://" in dirpath:
+        if dirpath is None:
             return None
-        return os.path.join(dirpath, MARKER_NAME)
+        return f"{dirpath.rstrip('/')}/{MARKER_NAME}" if is_s3(dirpath) else os.path.join(dirpath, MARKER_NAME)
 
     def _write_marker(self, trainer: Any, step: int) -> None:
+        """Rank 0, at a local save: the marker, unless this callback already saw it."""
         marker = self.marker_path(trainer)
-        if marker is None or os.path.isfile(marker):
+        if marker is None or self._marker_seen:
             return
-        os.makedirs(os.path.dirname(marker), exist_ok=True)
-        tmp = f"{marker}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"what": "lightning_distckpt tiers: local saves were made; ckpt_path='last' asks the tiers",
-                       "local_dir": self.options.local_dir, "first_local_step": step}, f)
-        os.replace(tmp, marker)
+        data = json.dumps({"what": "lightning_distckpt tiers: local saves were made; ckpt_path='last' asks the tiers",
+                           "local_dir": self.options.local_dir, "first_local_step": step}).encode()
+        if is_s3(marker):
+            folder = _marker_folder(marker)
+            if folder.read(MARKER_NAME) is None:
+                folder.write(MARKER_NAME, data)
+        elif not os.path.isfile(marker):
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            tmp = f"{marker}.tmp{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, marker)
+        self._marker_seen = True
 
     def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
         """The durable ``last*.ckpt`` found, and the marker once local saves were made here, made the
-        newest candidate (its time set to now): the connector keeps the newest by modification time,
-        and loading the marker asks the tiers for the newest recoverable step, durable ones included."""
+        newest candidate (its time set to now; on S3 the object written again, the same bytes): the
+        connector keeps the newest by modification time, and loading the marker asks the tiers for the
+        newest recoverable step, durable ones included."""
         found = self.durable_last_checkpoints(trainer)
         marker = self.marker_path(trainer)
-        if marker is not None and os.path.isfile(marker):
-            os.utime(marker)
+        if marker is not None and _touch_marker(marker):
             found.add(marker)
         return found
 
     def durable_last_checkpoints(self, trainer: Any) -> Set[str]:
         """This callback's own ``last*.ckpt`` (DistModelCheckpoint's lookup)."""
         return set(super()._find_last_checkpoints(trainer))
+
+
+def is_s3(path: str) -> bool:
+    return path.startswith("s3://")
+
+
+def _marker_folder(marker: str) -> Any:
+    """The object store of the ``s3://`` folder holding ``marker``."""
+    from ..storage.s3 import ObjectStore
+    from ..storage.options import StorageOptions
+
+    return ObjectStore(marker[:-len(MARKER_NAME)].rstrip("/"), StorageOptions())
+
+
+def _touch_marker(marker: str) -> bool:
+    """Whether the marker exists; if so its modification time is made now (what makes it the newest
+    ``last`` candidate). Every rank does it alone, before any process group exists (as Lightning
+    resolves ``"last"``): the S3 object is written again with its own bytes (concurrent identical writes
+    of one object are harmless), and fsspec's cached listing of the folder is dropped, so the
+    connector's ``modified`` asks S3 again."""
+    if not is_s3(marker):
+        if not os.path.isfile(marker):
+            return False
+        os.utime(marker)
+        return True
+    folder = _marker_folder(marker)
+    data = folder.read(MARKER_NAME)
+    if data is None:
+        return False
+    folder.write(MARKER_NAME, data)
+    try:
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
+        get_filesystem(marker).invalidate_cache()
+    except Exception as e:  # noqa: BLE001 - without s3fs Lightning cannot resolve "last" on S3 at all
+        log.debug("tiers: dropping fsspec's cache for %s failed: %s", marker, e)
+    return True
 
 
 def tier_callback(trainer: Any) -> Optional[TierCheckpoint]:
