@@ -123,32 +123,44 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def commit(staging: str, target: str, metadata_json: str, marker_json: str) -> None:
+def commit(staging: str, target: str, metadata_json: str, marker_json: str, entries_synced: bool = False) -> None:
     """Write metadata and marker into ``staging`` and move it to ``target`` (rank 0 only).
 
     The marker gets the SHA-256 of ``metadata.json`` and of ``common.pt`` as written (read back from
     the staging directory: what is verified on load is what is on disk). The owner notes of every
     rank stay until the marker is written (until then ``clean`` sees a running save; from then on a
     committed copy, which it keeps while it is newer than the target) and are removed before the
-    rename. fsyncs: the three files, the staging directory twice (under ``data/`` each writer made
-    its own store durable) and the parent after the rename."""
+    rename.
+
+    fsyncs on the way (each waits for the file system's journal): the marker, then the staging
+    directory (its entry and the notes' removal, already in the marker's journal commit on ext4 and
+    XFS), the parent after the rename. Before them, what the marker covers must be durable: the
+    files are fsync'd by their writers, the rank stores' entries by their writers (under ``data/``),
+    and the staging directory's own entries either here (one fsync of each directory outside
+    ``data/``) or, when ``entries_synced``, already by the save (``LocalStore.write_blob`` fsyncs
+    the directory after each blob, and ``data/`` is made before any: nothing is added later)."""
     metadata = metadata_json.encode()
     if not _holds(os.path.join(staging, METADATA_FILE), metadata):  # the save writes it beside its shards
         write_file_durable(os.path.join(staging, METADATA_FILE), metadata)
-    # Everything the marker covers is durable before it is written: the files (fsync'd by their
-    # writers) and their entries (the rank stores' by their writers, the rest here)
-    fsync_tree_dirs(staging, _made_durable_elsewhere(staging))
+        entries_synced = False
+    if not entries_synced:
+        fsync_tree_dirs(staging, _made_durable_elsewhere(staging))
     _step("after_metadata")
     marker = json.loads(marker_json)
     marker["metadata_sha256"] = sha256_hex(metadata)
     marker["common_sha256"] = _file_sha256(os.path.join(staging, COMMON_FILE))
     marker_bytes = json.dumps(marker).encode()
-    write_file_durable(os.path.join(staging, COMMIT_MARKER), marker_bytes)
-    _step("after_marker")
-    remove_owner_notes(staging)
-    # One fsync for the marker's entry and the notes' removal, before the rename: a crash before it
-    # leaves an uncommitted staging directory (notes or not, its processes are gone), never a
-    # committed one with notes
+    with open(os.path.join(staging, COMMIT_MARKER), "wb") as f:
+        f.write(marker_bytes)
+        f.flush()
+        _step("after_marker")
+        # The notes go once the marker is there (a running clean sees one or the other, never
+        # neither), before it is durable: its fsync then makes the marker, its entry and the notes'
+        # removal durable in one journal commit, and the directory's fsync after it finds little left
+        # to do. A crash before both leaves an uncommitted staging directory (notes or not, its
+        # processes are gone), never a committed one with notes; the rename waits for both.
+        remove_owner_notes(staging)
+        os.fsync(f.fileno())
     fsync_dir(staging)
     _step("after_notes_removed")
     _swap_in(staging, target, marker_bytes)

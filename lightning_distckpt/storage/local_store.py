@@ -10,7 +10,7 @@ import logging
 import math
 import os
 import shutil
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import tensorstore as ts
 
@@ -19,7 +19,7 @@ from ..progress import Progress, advance
 from . import commit as commit_mod
 from . import staging
 from .integrity import check_writer_store, store_bytes
-from .layout import COMMON_FILE, DATA_DIR, MetadataFile, is_checkpoint_dir, is_committed, open_metadata, rank_dir
+from .layout import COMMON_FILE, DATA_DIR, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed, open_metadata, rank_dir
 from .options import StorageOptions
 from .paths import TreeStats, local_location, read_inside, scan_tree
 from .safe_pickle import write_file_durable
@@ -34,6 +34,11 @@ class LocalStore(CheckpointStore):
 
     file_system = True
 
+    def __init__(self, location: str, options: StorageOptions = StorageOptions()) -> None:
+        super().__init__(location, options)
+        # staging directories whose every entry is durable (see write_blob): their commit fsyncs none
+        self._entries_synced: Set[str] = set()
+
     @classmethod
     def normalize(cls, text: str, what: str) -> str:
         return local_location(text, what)
@@ -46,16 +51,31 @@ class LocalStore(CheckpointStore):
         return staging.new_staging_dir(self.location)
 
     def begin(self, staging_dir: str, rank: int) -> None:
-        os.makedirs(staging_dir, exist_ok=True)
+        """The staging directory and its ``data/`` (made before any blob: see :meth:`write_blob`),
+        and this rank's owner note."""
+        os.makedirs(os.path.join(staging_dir, DATA_DIR), exist_ok=True)
         staging.write_owner_note(staging_dir, rank)
 
     def write_blob(self, staging_dir: str, name: str, data: bytes) -> None:
+        """The file, durable. After ``metadata.json``, the last of a save's blobs (``saving/save_commit.py``
+        writes it beside the shards), the directory is fsync'd too: with ``data/`` made by
+        :meth:`begin` and the blobs its only other entries, they are then all durable, so the commit
+        (after every rank wrote) need not fsync it before its marker, and this fsync overlaps the
+        shards' writes. Another blob after it undoes that."""
         write_file_durable(os.path.join(staging_dir, name), data)
+        if name == METADATA_FILE:
+            commit_mod.fsync_dir(staging_dir)
+            self._entries_synced.add(staging_dir)
+        else:
+            self._entries_synced.discard(staging_dir)
 
     def commit(self, staging_dir: str, metadata_json: str, marker: Dict[str, Any]) -> None:
-        commit_mod.commit(staging_dir, self.location, metadata_json, json.dumps(marker))
+        synced = staging_dir in self._entries_synced
+        self._entries_synced.discard(staging_dir)
+        commit_mod.commit(staging_dir, self.location, metadata_json, json.dumps(marker), entries_synced=synced)
 
     def discard(self, staging_dir: str) -> None:
+        self._entries_synced.discard(staging_dir)
         staging.discard(staging_dir)
 
     def look_around(self, staging_dir: str) -> None:

@@ -78,12 +78,32 @@ def test_a_failed_write_commits_nothing(tmp_path):
 
 def test_the_commit_walk_leaves_the_rank_stores_to_their_writers(tmp_path, monkeypatch):
     """Rank 0's commit fsyncs the staging directory's own entries, not every directory of every
-    rank's store (each writer fsync'd its own before reporting success)."""
-    synced = []
-    real = commit_mod.fsync_dir
+    rank's store (each writer fsync'd its own before reporting success); a save's own entries are
+    made durable beside its shards (after metadata.json), so the commit syncs the staging directory
+    once, after its marker."""
+    synced, commits = [], []
+    real, real_commit = commit_mod.fsync_dir, commit_mod.commit
     monkeypatch.setattr(commit_mod, "fsync_dir", lambda path: (synced.append(os.path.abspath(path)), real(path)))
+    monkeypatch.setattr(commit_mod, "commit", lambda *a, **k: (commits.append(len(synced)), real_commit(*a, **k)))
     ldc.save(_state(), str(tmp_path / "ck"))
     staged = [p for p in synced if ".distckpt-staging-" in p]
     assert staged and all(os.path.basename(p).startswith(".distckpt-staging-") for p in staged), staged
-    assert len(staged) == 2  # before the marker (metadata.json, common.pt, data/) and after it
+    assert len(staged) == 2  # beside the shards (metadata.json, common.pt, data/) and after the marker
+    in_commit = synced[commits[0]:]
+    assert len(in_commit) == 2 and ".distckpt-staging-" in in_commit[0]  # after the marker
     assert synced[-1] == str(tmp_path)  # the parent, after the rename
+
+
+def test_a_commit_not_told_its_entries_are_durable_syncs_them(tmp_path, monkeypatch):
+    """A commit whose metadata.json was not written by the save (relayout, tiers) or whose store
+    did not see the save's blobs fsyncs the staging directory before its marker, as before."""
+    from lightning_distckpt.storage.local_store import LocalStore
+
+    synced = []
+    real = commit_mod.fsync_dir
+    monkeypatch.setattr(commit_mod, "fsync_dir", lambda path: (synced.append(os.path.abspath(path)), real(path)))
+    monkeypatch.setattr(LocalStore, "write_blob", lambda self, staging, name, data: commit_mod.write_file_durable(
+        os.path.join(staging, name), data))  # a store that syncs nothing beside the shards
+    ldc.save(_state(), str(tmp_path / "ck"))
+    assert len([p for p in synced if ".distckpt-staging-" in p]) == 2  # before the marker and after it
+    assert ldc.load(_state(), str(tmp_path / "ck"))["norm3"].shape == (16,)
