@@ -21,7 +21,7 @@ from .core.strict import StrictHandling
 from .planning.flat_plan import is_flattened
 from .planning.load_plan import SAME_KIND, parse_cast
 from .planning.metadata import dtype_from_name
-from .reading.checkpoint import open_checkpoint
+from .reading.checkpoint import TemplateOnly, open_checkpoint
 from .reading.formats import KeyMap
 from .reading.formats.megatron import unique_key
 from .reading.loaders import Loader, resolve_loader
@@ -119,6 +119,7 @@ def load(
     key_map: KeyMap = None,
     cast: str = SAME_KIND,
     storage: Optional[StorageOptions] = None,
+    common: bool = True,
 ) -> Union[Dict[str, Any], Tuple[Dict[str, Any], set, set]]:
     """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
@@ -149,6 +150,11 @@ def load(
 
     ``storage``: the reader's choices (:class:`StorageOptions` ``verify``, ``direct_reads``,
     ``io_concurrency``, the S3 endpoint and credentials); the layout is the one the checkpoint records.
+
+    ``common=False``: the template's leaves only. The common state is neither merged into the result
+    nor read (unless the template's own plain tensors are kept there, by a checkpoint written before
+    plain tensors were stored as tensors), and plain tensors stored where the template has no leaf
+    are not read: for a part of a checkpoint whose common state the caller has, or does not need.
     """
     checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
     require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
@@ -156,18 +162,27 @@ def load(
     require(strict, (StrictHandling, Enum, str, bool), "strict", "a StrictHandling (ours or Megatron-Core's), its name or a bool")
     require_globals(extra_safe_globals)
     require_key_map(key_map)
+    require_bool(common, "common")
     parse_cast(cast)
     strict = StrictHandling.parse(strict)
     # Megatron-Core's leaves as ours; DTensors and plain tensors loaded back into the template's own
     comm = get_comm(process_group)
     sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
-    opener = with_cast(functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals, storage), cast)
+    opener: Any = functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals, storage)
+    if not common:
+        opener = _template_only(opener)
+    opener = with_cast(opener, cast)
     state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, opener, comm, strict,
                                                              extra_safe_globals)
     if strict.returns_keys:
         return state, missing, unexpected
     return state
+
+
+def _template_only(opener: Any) -> Any:
+    """An opener of ``opener``'s source read for the template's leaves only (``common=False``)."""
+    return lambda: TemplateOnly(opener())
 
 
 def load_tensors_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) -> Dict[str, ShardedTensor]:

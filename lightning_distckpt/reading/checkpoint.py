@@ -106,6 +106,37 @@ class OpenedCheckpoint:
         return read_common(self._store(), self.path, self.marker, extra_safe_globals)
 
 
+class TemplateOnly:
+    """``source`` read for the template's leaves only (``load(..., common=False)``): the load
+    neither merges the common state nor reads the plain tensors stored where the template has no
+    leaf (:attr:`keeps_common` False, asked by the pipeline through any wrapper). The common state
+    is still read where the template's own plain tensors are kept there (a checkpoint that keeps
+    them in it): their values come from nowhere else. Every other attribute is the source's."""
+
+    keeps_common = False
+
+    def __init__(self, source: CheckpointSource) -> None:
+        self.source = source
+        self.path: str = source.path
+        self.index = source.index
+
+    def reader(self) -> ShardReader:
+        return self.source.reader()
+
+    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
+        return self.source.load_common(extra_safe_globals)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "source":  # not set yet (copy / unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+
+def keeps_common(source: Any) -> bool:
+    """Whether a load from ``source`` merges its common state (see :class:`TemplateOnly`)."""
+    return bool(getattr(source, "keeps_common", True))
+
+
 def _rank_stores(path: str) -> Optional[int]:
     """How many entries the local checkpoint's ``data/`` holds (one listdir; None: none listed)."""
     try:

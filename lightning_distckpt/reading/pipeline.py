@@ -22,7 +22,7 @@ from ..comm import Comm
 from ..core.errors import CheckpointingError
 from ..core.strict import StrictHandling
 from ..planning.load_plan import SAME_KIND, check_dtype_conversion, check_global_shapes, parse_cast
-from .checkpoint import CheckpointSource, open_checkpoint
+from .checkpoint import CheckpointSource, keeps_common, open_checkpoint
 from .reads import read_objects
 from .plain_tensors import fill_from_common, lacking_plain, request_stored, stored_places, with_filled
 from .request import LoadRequest, assemble, make_request, match_keys
@@ -161,7 +161,8 @@ def plan_request(sharded_state_dict: Dict[str, Any], source: Optional[Checkpoint
     request = make_request(sharded_state_dict)
     if source is None:
         return _Planned(request)
-    request_stored(request, source, stored_places(source))
+    if keeps_common(source):  # load(..., common=False): the template's leaves only
+        request_stored(request, source, stored_places(source))
     lacking = lacking_plain(request, source)
     if not lacking:
         return _Planned(request)
@@ -178,7 +179,8 @@ def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], sta
     if ctx.error is None:
         try:
             objects = read_objects(ctx.source, ctx.request.objects, ctx.absent, extra_safe_globals)
-            common = ctx.common if ctx.common_read else ctx.source.load_common(extra_safe_globals)
+            common = ({} if not keeps_common(ctx.source) else ctx.common if ctx.common_read
+                      else ctx.source.load_common(extra_safe_globals))
             state = assemble(ctx.request, common, with_filled(tensors, ctx.filled), objects)
         except Exception as e:  # reported on every rank below
             ctx.fail(e)
