@@ -61,6 +61,8 @@ def megatron_config(path: str) -> Optional[MegatronConfig]:
     # also named metadata.json: a link to a file inside the directory is read here, and refused by
     # our own reader if the directory is ours.
     text = read_model_file(config, CONFIG_NAME, model_root(path), _MAX_CONFIG_BYTES)
+    if b"sharded_backend" not in text and b"\\u" not in text:
+        return None  # not Megatron's (its key, unescaped, is not there): ours is parsed once, by our reader
     try:
         # Nesting bounded before parsing: a hostile metadata.json (ours or Megatron's) must not
         # drive the JSON parser into deep recursion.
