@@ -81,6 +81,13 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """Collective save of ``state``: modules and optimizers sharded, the rest common state."""
         target = os.fspath(self.broadcast(checkpoint_location(path, "path")))
+        tree = self.sharded_state(state, filter, f"save to {target}")
+        self.checkpoint_io.save_sharded(tree, target, storage_options=storage_options)
+
+    def sharded_state(self, state: Dict[str, Any], filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
+                      what: str = "save") -> Dict[str, Any]:
+        """Collective: the tree :meth:`save_checkpoint` saves for ``state`` (``what`` names the save in
+        errors); also what :class:`~.fabric_tiers.FabricTiers` hands to the local tier."""
         filter = filter or {}
 
         def build() -> Dict[str, Any]:
@@ -101,8 +108,44 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
             tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL)
             return tree
 
-        tree = build_on_all_ranks(f"save to {target}", build)
-        self.checkpoint_io.save_sharded(tree, target, storage_options=storage_options)
+        return build_on_all_ranks(what, build)
+
+    def state_template(self, state: Mapping[str, Any], dtensors: Dict[Path, DTensor]) -> Dict[str, Any]:
+        """The modules' and optimizers' entries of ``state`` as sharded templates (local shards of their
+        DTensors, each DTensor recorded in ``dtensors`` by its place, for :meth:`apply_state`)."""
+        template: Dict[str, Any] = {}
+        for name, obj in state.items():
+            if isinstance(obj, Module):
+                template[name] = get_model_state_dict(obj)
+            elif isinstance(obj, Optimizer):
+                template[name] = get_optimizer_state_dict(_owner(obj, state), obj)
+        return {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
+
+    def apply_state(self, state: Dict[str, Any], loaded: Dict[str, Any], dtensors: Dict[Path, DTensor],
+                    handling: StrictHandling, strict: bool, where: str) -> Dict[str, Any]:
+        """The loaded entries put into ``state`` (modules and optimizers through torch's state-dict API,
+        their DTensors rebuilt from the loaded local shards; stateful objects in place; plain values
+        replaced); returns what ``state`` has no place for. ``where`` names the checkpoint in errors."""
+        loaded.pop(MANIFEST_KEY, None)
+        for place, dt in dtensors.items():
+            put_value(loaded, place, restore_dtensor(dt, value_at(loaded, place)))
+        absent = [name for name in state if name not in loaded]
+        if strict and absent:
+            raise MissingKeysError(f"checkpoint {where}: has no entry {absent} (load with strict=False to skip them)")
+        options = StateDictOptions(strict=not handling.skips_unexpected)
+        for name, obj in list(state.items()):
+            if name not in loaded:
+                continue
+            value = loaded.pop(name)
+            if isinstance(obj, Module):
+                set_model_state_dict(obj, value, options=options)
+            elif isinstance(obj, Optimizer):
+                set_optimizer_state_dict(_owner(obj, state), obj, value, options=options)
+            elif isinstance(obj, _Stateful):
+                obj.load_state_dict(value)
+            else:
+                state[name] = value
+        return loaded
 
     def load_checkpoint(self, path: Any, state: Optional[Union[Module, Optimizer, Dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -129,13 +172,7 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
             saved = describe_source(source, extra)
             if saved.kind != KIND_MODEL_PARALLEL or saved.by_trainer:
                 raise CheckpointingError(refusal(target, saved.kind, saved.by_trainer, type(self).__name__))
-            template: Dict[str, Any] = {}
-            for name, obj in state.items():
-                if isinstance(obj, Module):
-                    template[name] = get_model_state_dict(obj)
-                elif isinstance(obj, Optimizer):
-                    template[name] = get_optimizer_state_dict(_owner(obj, state), obj)
-            out = {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
+            out = self.state_template(state, dtensors)
             # Entries not asked for come back complete: each of their tensors whole.
             whole = template_from_manifest(saved.manifest or {}, tensors_metadata(source), target)
             out.update({k: v for k, v in whole.items() if k not in state})
@@ -144,23 +181,4 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
         source, template = build_on_all_ranks(f"load from {target}", build)
         handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
         loaded = self.checkpoint_io.load_sharded(template, source, strict=handling)
-        loaded.pop(MANIFEST_KEY, None)
-        for where, dt in dtensors.items():
-            put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))
-        absent = [name for name in state if name not in loaded]
-        if strict and absent:
-            raise MissingKeysError(f"checkpoint {target}: has no entry {absent} (load with strict=False to skip them)")
-        options = StateDictOptions(strict=not handling.skips_unexpected)
-        for name, obj in list(state.items()):
-            if name not in loaded:
-                continue
-            value = loaded.pop(name)
-            if isinstance(obj, Module):
-                set_model_state_dict(obj, value, options=options)
-            elif isinstance(obj, Optimizer):
-                set_optimizer_state_dict(_owner(obj, state), obj, value, options=options)
-            elif isinstance(obj, _Stateful):
-                obj.load_state_dict(value)
-            else:
-                state[name] = value
-        return loaded
+        return self.apply_state(state, loaded, dtensors, handling, strict, target)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from lightning.fabric.wrappers import (_FabricDataLoader, _FabricModule, _FabricOptimizer, _unwrap_compiled,
+                                       _unwrap_objects)
 from torch.optim import Optimizer
 
 from ..core.errors import ArgumentError, CheckpointingError
@@ -31,8 +33,9 @@ from .tree import MANIFEST_KEY
 
 
 class FabricTiers:
-    """The node-local tier of a Fabric job under ``FabricDistCheckpointStrategy`` (collective: every
-    rank makes one, after ``fabric.launch()``).
+    """The node-local tier of a Fabric job under ``FabricDistCheckpointStrategy`` or
+    ``FabricDistCheckpointModelParallelStrategy`` (collective: every rank makes one, after
+    ``fabric.launch()`` and ``fabric.setup``).
 
     Args:
         fabric: the launched Fabric.
@@ -42,7 +45,8 @@ class FabricTiers:
     def __init__(self, fabric: Any, options: Optional[TierOptions] = None) -> None:
         strategy = fabric.strategy
         if not callable(getattr(strategy, "sharded_state", None)):
-            raise CheckpointingError(f"FabricTiers needs FabricDistCheckpointStrategy, got {type(strategy).__name__}")
+            raise CheckpointingError("FabricTiers needs FabricDistCheckpointStrategy or "
+                                     f"FabricDistCheckpointModelParallelStrategy, got {type(strategy).__name__}")
         options = options if options is not None else strategy.checkpoint_io.config.tier_options
         if options is None:
             raise ArgumentError("FabricTiers: no options given and the strategy's checkpoint config has no "
@@ -58,7 +62,8 @@ class FabricTiers:
         snapshotted (True), or at once when no save is due (False)."""
         if step % self.options.local_every_n_steps or step == self._last_step:
             return False
-        self.tier.save(self.strategy.sharded_state(state, what=f"local tier step {step}"), step=step)
+        tree = self.strategy.sharded_state(_unwrap_objects(state), what=f"local tier step {step}")
+        self.tier.save(tree, step=step)
         self._last_step = step
         return True
 
@@ -71,19 +76,39 @@ class FabricTiers:
         point = self.tier.recoverable(durable)
         if point is None:
             return None
+        # As fabric.save / fabric.load see it: Fabric's wrappers removed (the keys fabric.save writes), plain
+        # values copied back into the caller's dict afterwards.
+        unwrapped = _unwrap_objects(state)
+        point = self._restore(unwrapped, point, strict)
+        for name in list(unwrapped):
+            obj, _ = _unwrap_compiled(state[name])
+            if not isinstance(obj, (_FabricModule, _FabricOptimizer, _FabricDataLoader)):
+                state[name] = unwrapped[name]
+        return point
+
+    def _restore(self, state: Dict[str, Any], point: RecoveryPoint, strict: bool) -> RecoveryPoint:
+        """Collective: ``point`` loaded into ``state`` (unwrapped objects); the point actually read."""
         if point.source == "durable":
             assert point.path is not None
             self.strategy.load_checkpoint(point.path, state, strict=strict)
             return point
-        template = build_on_all_ranks(f"load of local step {point.step}", lambda: self._template(state))
+        model_parallel = callable(getattr(self.strategy, "state_template", None))
+        dtensors: Dict[Any, Any] = {}
+        build = (lambda: self.strategy.state_template(state, dtensors)) if model_parallel else \
+            (lambda: self._template(state))
+        template = build_on_all_ranks(f"load of local step {point.step}", build)
         io = self.strategy.checkpoint_io
         handling = io.config.strict_handling if strict else StrictHandling.LOG_ALL
         out = self.tier.load(template, point, strict=handling, extra_safe_globals=io.extra_safe_globals,
                              cast=io.config.cast)
         loaded = dict(out[0] if isinstance(out, tuple) else out)
-        loaded.pop(MANIFEST_KEY, None)
-        apply_loaded(state, loaded, strict)
-        return self.tier.last_point or point  # another step where every local copy of this one was damaged
+        point = self.tier.last_point or point  # another step where every local copy of this one was damaged
+        if model_parallel:  # FabricDistCheckpointModelParallelStrategy: DTensors, torch's state-dict API
+            self.strategy.apply_state(state, loaded, dtensors, handling, strict, f"local step {point.step}")
+        else:
+            loaded.pop(MANIFEST_KEY, None)
+            apply_loaded(state, loaded, strict)
+        return point
 
     def _template(self, state: Dict[str, Any]) -> Dict[str, Any]:
         """The state's modules and optimizers, sharded as the strategy saves them."""

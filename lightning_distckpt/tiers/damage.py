@@ -45,6 +45,10 @@ def verify_stores(path: str, writers: List[int]) -> Dict[int, str]:
             problems = validate_checkpoint(path, writers={w}).problems
         except CheckpointingError as e:
             problems = [str(e)]
+        except Exception as e:  # noqa: BLE001 - the check itself failed: no verdict, so not damage
+            logger.warning("local tier: checking rank %d's store in %s failed (%s: %s): not counted as damaged",
+                           w, path, type(e).__name__, e)
+            problems = []
         if problems:
             out[w] = problems[0]
     return out

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 EVERY_RANK = "every_rank"
 Durable = List[Tuple[int, str]]  # (step, location) of durable checkpoints
+#: Load failures that say the request does not fit the checkpoint, never that its bytes are damaged.
+NOT_DAMAGE = frozenset({"MissingKeysError", "ArgumentError", "ArgumentTypeError", "ConfigError"})
 
 
 def gather_holdings(ctx: TierContext, error: Optional[Exception] = None) -> List[StepInfo]:
@@ -186,7 +188,9 @@ def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[
                        **{"loader": EVERY_RANK, **load_kwargs})
             return out, point
         except CheckpointingError as e:
-            if not e.failures:  # not agreed over the ranks: no collective may follow
+            # Not agreed over the ranks: no collective may follow. A request the checkpoint cannot serve
+            # (keys, arguments) is no damage: nothing is read back for it.
+            if not e.failures or all(f.type_name in NOT_DAMAGE for f in e.failures.values()):
                 raise
             error = e
         ready.pop(point.step, None)

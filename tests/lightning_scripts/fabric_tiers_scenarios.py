@@ -85,5 +85,61 @@ def recovery(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["all_local_lost"] = restart(["node0", "node1"])
 
 
+def model_parallel(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """As :func:`recovery`, under FabricDistCheckpointModelParallelStrategy (FSDP2 x TP, DTensor state)."""
+    from datetime import timedelta
+
+    from fabric_model_parallel_scenarios import Run as MPRun, parallelize
+
+    from lightning_distckpt.lightning.fabric_model_parallel import FabricDistCheckpointModelParallelStrategy
+
+    local = os.path.join(args.dir, "local")
+    tiers_cfg = {"local_dir": os.path.join(local, "{node}"), "local_every_n_steps": 2,
+                 "ranks_per_node": args.ranks_per_node, "replicas": 1, "keep_local": 2}
+    strategy = FabricDistCheckpointModelParallelStrategy(
+        parallelize, data_parallel_size=args.devices // args.tp, tensor_parallel_size=args.tp,
+        timeout=timedelta(seconds=90), checkpoint={"tiers": tiers_cfg})
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
+    fabric.launch()
+    rank = dist.get_rank()
+    a = MPRun(fabric)
+    a.train(0, TOTAL)
+    durable = os.path.join(args.dir, "durable_step6")
+
+    def run_to(run: Any, tiers: FabricTiers, state: Dict[str, Any], stop: int) -> None:
+        for step in range(state["step"], stop):
+            run.train(step, step + 1)
+            state["step"] = step + 1
+            tiers.save(state, step + 1)
+            if step + 1 == DURABLE_AT:
+                fabric.save(durable, state)
+        tiers.wait()
+
+    b = MPRun(fabric)
+    state = {"model": b.model, "optimizer": b.opt, "step": 0}
+    tiers = FabricTiers(fabric)
+    res["b_restored"] = tiers.restore(state) is None
+    run_to(b, tiers, state, FAIL_AT)
+
+    def restart(lost: Any) -> Dict[str, Any]:
+        if rank == 0:
+            for node in lost:
+                shutil.rmtree(os.path.join(local, node), ignore_errors=True)
+        dist.barrier()
+        run = MPRun(fabric)
+        state = {"model": run.model, "optimizer": run.opt, "step": 0}
+        tiers = FabricTiers(fabric)
+        point = tiers.restore(state, durable=[(DURABLE_AT, durable)])
+        out = {"point": [point.step, point.source], "step": state["step"]}
+        run_to(run, tiers, state, TOTAL)
+        fa, fr = a.full(), run.full()
+        out["exact"] = set(fa) == set(fr) and all(torch.equal(fa[k], fr[k]) for k in fa)
+        return out
+
+    res["one_node_lost"] = restart(["node0"])
+    res["all_local_lost"] = restart(["node0", "node1"])
+
+
 if __name__ == "__main__":
-    scenario_main({"recovery": recovery}, **{"--ranks-per-node": dict(type=int, default=2)})
+    scenario_main({"recovery": recovery, "model_parallel": model_parallel},
+                  **{"--ranks-per-node": dict(type=int, default=2)})
