@@ -7,7 +7,9 @@ on every nested list and dict it returns, about a dozen objects per array and so
 load that are never freed, and it costs about 90 µs per array. Instead the reader reads each
 ``zarr.json`` through the store (about 20 µs, concurrently), parses it as untrusted data, and
 opens the array with it (``assume_metadata``): tensorstore checks it as it builds the array and
-does not read it a second time.
+does not read it a second time. Where the reader reads an array's chunks itself
+(:mod:`.direct_read`), it does not open it in tensorstore at all: the checked zarr.json says all
+it needs (:func:`metadata_chunk_rows`, :func:`metadata_checksums`).
 """
 
 from __future__ import annotations
@@ -145,6 +147,23 @@ def create_metadata(shape: Sequence[int], data_type: str, chunks: Sequence[int],
     ``crc32c`` codec checksums its chunks (tensorstore adds the other fields of :func:`canonical_metadata`)."""
     full = canonical_metadata(shape, data_type, chunks, crcs is None, crcs)
     return {k: full[k] for k in ("shape", "data_type", "chunk_grid", "codecs", "attributes") if k in full}
+
+
+def metadata_chunk_rows(metadata: Dict[str, Any]) -> int:
+    """Rows per chunk of an array whose zarr.json passed :func:`check_metadata` (a 0-d array: 1)."""
+    chunks = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    return int(chunks[0]) if chunks else 1
+
+
+def metadata_checksums(metadata: Dict[str, Any], where: str, required: bool) -> Optional[Tuple[int, ...]]:
+    """The chunk checksums an array's zarr.json (checked by :func:`check_metadata`) records, or None
+    (then the ``crc32c`` codec checksums its chunks, or nothing does). FormatError when ``required``
+    (the checkpoint records checksums) and it has none: its zarr.json was changed."""
+    crcs = attribute_crcs(metadata, chunk_count(metadata["shape"], metadata_chunk_rows(metadata)), where)
+    if crcs is None and required and _CRC_CODEC not in metadata["codecs"]:
+        raise FormatError(f"{where} is stored without checksums although the checkpoint records them (its zarr.json "
+                          f"was changed): damaged")
+    return crcs
 
 
 def check_metadata(metadata: Dict[str, Any], recorded: Recorded, where: str) -> None:

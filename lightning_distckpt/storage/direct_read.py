@@ -75,23 +75,25 @@ class Geometry:
         return self.chunk_rows * self.row_bytes + (4 if self.checksum else 0)
 
 
-def geometry(arr: Any, metadata: Dict[str, Any], where: str = "an array") -> Optional[Geometry]:
-    """The geometry of an opened zarr v3 array (``metadata``: its zarr.json as read), or None when
-    it is not a plain array chunked along its first axis only (then tensorstore reads it).
-    FormatError for malformed checksums."""
+def geometry(metadata: Dict[str, Any], where: str = "an array") -> Optional[Geometry]:
+    """The geometry of a zarr v3 array from its zarr.json as read and checked against metadata.json
+    (``array_metadata.check_metadata``: nothing else is trusted here, and the array need not be
+    opened in tensorstore), or None when it is not a plain array chunked along its first axis only
+    (then tensorstore reads it). FormatError for malformed checksums."""
     try:
         codecs = metadata.get("codecs")
         encoding = metadata.get("chunk_key_encoding")
-        chunks = tuple(arr.chunk_layout.read_chunk.shape)
-        itemsize = np.dtype(arr.dtype.numpy_dtype).itemsize
-    except Exception:  # an array tensorstore describes otherwise: let it read the array
+        shape = tuple(int(n) for n in metadata["shape"])
+        chunks = tuple(int(n) for n in metadata["chunk_grid"]["configuration"]["chunk_shape"])
+        dtype = _torch_dtype(metadata["data_type"])
+    except Exception:  # not an array as our writers make them: let tensorstore read it
         return None
-    if codecs not in (_PLAIN, _PLAIN + [_CRC]) or arr.rank == 0 or chunks[1:] != tuple(arr.shape[1:]):
+    if codecs not in (_PLAIN, _PLAIN + [_CRC]) or not shape or dtype is None or chunks[1:] != shape[1:]:
         return None
     if encoding not in (None, {"name": "default"}, {"name": "default", "configuration": {"separator": "/"}}):
         return None
-    crcs = attribute_crcs(metadata, chunk_count(arr.shape, int(chunks[0])), where)
-    geo = Geometry(tuple(arr.shape), arr.dtype.name, int(chunks[0]), math.prod(arr.shape[1:]) * itemsize,
+    crcs = attribute_crcs(metadata, chunk_count(shape, chunks[0]), where)
+    geo = Geometry(shape, metadata["data_type"], chunks[0], math.prod(shape[1:]) * dtype.itemsize,
                    len(codecs) == 2, crcs)
     return geo if geo.chunk_bytes > 0 else None
 
@@ -286,17 +288,17 @@ class DirectChunks:
         self._locations: Dict[int, Optional[Dict[str, Optional[ChunkLocation]]]] = {}
         self._geometry: Dict[Tuple[int, str], Optional[Geometry]] = {}
 
-    def split(self, reads: Sequence[Any], array: Callable[[int, str, int], Any],
-              path: Callable[[str, int], str]) -> Tuple[List[ChunkTask], List[Any]]:
+    def split(self, reads: Sequence[Any], path: Callable[[str, int], str]) -> Tuple[List[ChunkTask], List[Any]]:
         """(chunk tasks for the :class:`~lightning_distckpt.storage.base.ShardRead` s that can be
-        read directly, the reads left to tensorstore). ``array(writer, key, index)`` is the opened
-        array, ``path(key, index)`` its path in the store. Raises FormatError for a missing chunk."""
+        read directly, the reads left to tensorstore). ``path(key, index)`` is an array's path in
+        the store; its zarr.json (``metadata``) was read and checked. Raises FormatError for a
+        missing chunk."""
         tasks: List[ChunkTask] = []
         rest: List[Any] = []
         for r in reads:
             arr_path = path(r.key, r.index)
             where = f"{r.key!r} shard {r.index} (written by rank {r.writer})"
-            geo = self._geo(r.writer, arr_path, array(r.writer, r.key, r.index), where)
+            geo = self._geo(r.writer, arr_path, where)
             ok = geo is not None and r.dest.numel() > 0 and _castable(geo.dtype, r.dest.dtype)
             locate = self._locator(r.writer, arr_path) if ok else None
             planned = plan_chunks(where, geo, r.src, r.dest, locate) if locate is not None else None
@@ -308,8 +310,9 @@ class DirectChunks:
 
     def check_tasks(self, writer: int, arr_path: str, arr: Any, where: str) -> Optional[List[ChunkTask]]:
         """Tasks that read and verify every chunk of an array, delivering nothing (``validate``);
-        None when tensorstore must read it. Raises FormatError for a missing chunk."""
-        geo = self._geo(writer, arr_path, arr, where)
+        None when tensorstore must read it. Raises FormatError for a missing chunk. ``arr`` (the
+        opened array) is not needed: its checked zarr.json gives the geometry."""
+        geo = self._geo(writer, arr_path, where)
         locate = self._locator(writer, arr_path) if geo is not None else None
         if geo is None or locate is None:
             return None
@@ -325,9 +328,9 @@ class DirectChunks:
             tasks.append(ChunkTask(what, loc, geo, slice(0, 0), (), None, False, c))
         return tasks
 
-    def _geo(self, writer: int, arr_path: str, arr: Any, where: str) -> Optional[Geometry]:
+    def _geo(self, writer: int, arr_path: str, where: str) -> Optional[Geometry]:
         if (writer, arr_path) not in self._geometry:
-            self._geometry[(writer, arr_path)] = geometry(arr, self.metadata(writer, arr_path), where)
+            self._geometry[(writer, arr_path)] = geometry(self.metadata(writer, arr_path), where)
         return self._geometry[(writer, arr_path)]
 
     def _locator(self, writer: int, arr_path: str) -> Optional[Callable[[str], Optional[ChunkLocation]]]:

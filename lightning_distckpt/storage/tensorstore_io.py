@@ -34,9 +34,9 @@ from ..core.errors import CheckpointingError, FormatError
 from .base import ShardRead
 from .options import StorageOptions
 from .checksums import unframe_object, verification_enabled
-from .array_metadata import (Recorded, RecordedArrays, check_metadata, chunk_shape, metadata_key,
+from .array_metadata import (Recorded, RecordedArrays, check_metadata, chunk_shape, metadata_checksums, metadata_key,
                              open_spec, parse_metadata, ts_dtype)
-from .chunk_checksums import VerifiedRead, VerifiedReads, array_checksums
+from .chunk_checksums import VerifiedRead, VerifiedReads
 from .direct_read import DirectChunks, direct_reads_enabled
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from ..planning.even_index import PackedPlaces, Place
@@ -89,12 +89,13 @@ class TensorStoreIO(TensorStoreWrites):
         # is written or read once, and caching would keep references to the caller's tensors.
         self.context = self.store.ts_context(self.options)
         self._kvstores: Dict[int, Any] = {}
-        self._arrays: Dict[Tuple[int, str], Any] = {}
+        self._arrays: Dict[Tuple[int, str], Any] = {}  # opened in tensorstore (what tensorstore reads)
         self._crcs: Dict[Tuple[int, str], Tuple[int, ...]] = {}  # chunk checksums kept in an array's metadata
-        self._metadata: Dict[Tuple[int, str], Dict[str, Any]] = {}  # each opened array's zarr.json, as read
+        self._metadata: Dict[Tuple[int, str], Dict[str, Any]] = {}  # each array's zarr.json, as read and checked
         self._contained: Set[int] = set()  # writers whose store was checked for links
-        self.direct = DirectChunks(lambda w: rank_dir(self.root, w), self.options.layout,
-                                   min(self.options.io_concurrency, 8), lambda w, path: self._metadata[(w, path)]) \
+        root, metadata = self.root, self._metadata  # not ``self``: no reference cycle for the collector to find
+        self.direct = DirectChunks(lambda w: rank_dir(root, w), self.options.layout,
+                                   min(self.options.io_concurrency, 8), lambda w, path: metadata[(w, path)]) \
             if self._reading and self.files and direct_reads_enabled(self.options.direct_reads) else None
 
     def sibling(self) -> "TensorStoreIO":
@@ -164,15 +165,18 @@ class TensorStoreIO(TensorStoreWrites):
                 ) from e
         return self._kvstores[writer]
 
-    def open_arrays(self, shards: Iterable[Tuple[int, str, int]]) -> None:
-        """Open ``(writer, key, index)`` stored shards concurrently (cached for this reader). A packed
-        shard opens as a view of its range of the pack array, in the shard's own shape."""
+    def open_arrays(self, shards: Iterable[Tuple[int, str, int]], tensorstore: bool = True) -> None:
+        """Open ``(writer, key, index)`` stored shards concurrently (cached for this reader): each
+        array's zarr.json read and checked against metadata.json, and, with ``tensorstore``, the
+        array opened in tensorstore (direct reads need only the checked zarr.json). A packed shard
+        opens as a view of its range of the pack array, in the shard's own shape."""
         pending: Dict[Tuple[int, str], Tuple[str, Recorded]] = {}
         views: Dict[Tuple[int, str], Tuple[Tuple[int, str], int, Tuple[int, ...]]] = {}
         pack_keys: Dict[Tuple[int, str], List[Tuple[str, int]]] = {}
         for writer, key, index in shards:
             handle = (writer, tensor_path(key, index))
-            if handle in self._arrays or handle in pending or handle in views:
+            if handle in self._arrays or handle in pending or handle in views or (
+                    not tensorstore and handle in self._metadata):
                 continue
             self._check_contained(writer)
             packed = self._packed.get((writer, (key, index)))
@@ -182,12 +186,14 @@ class TensorStoreIO(TensorStoreWrites):
                 continue
             what = f"{key!r} shard {index} (written by rank {writer})"
             pending[handle] = (what, self._recorded.shard(writer, key, index, f"checkpoint {self.root}: {what}"))
-        for handle, arr in self._open_stored(pending).items():
-            crcs = array_checksums(arr, self._metadata[handle], f"checkpoint {self.root}: {pending[handle][0]}",
-                                   self._index_checksums)  # before caching
+        for handle, metadata in self._read_checked({h: w for h, w in pending.items()
+                                                    if h not in self._metadata}).items():
+            crcs = metadata_checksums(metadata, f"checkpoint {self.root}: {pending[handle][0]}", self._index_checksums)
             if crcs is not None:
                 self._crcs[handle] = crcs
-            self._arrays[handle] = arr
+            self._metadata[handle] = metadata  # accepted: checked, its checksums too
+        if tensorstore:
+            self._arrays.update(self._open_checked({h: w for h, (w, _) in pending.items()}))
         self._open_packs(pack_keys)
         for handle, ((writer, dtype), offset, shape) in views.items():
             self._arrays[handle] = packed_view(self._arrays[(writer, pack_path(dtype))], offset, shape)
@@ -196,8 +202,8 @@ class TensorStoreIO(TensorStoreWrites):
         """Chunk number -> the file holding it, where each chunk is a file (the ``zarr`` layout)."""
         if not self.files or self.options.layout == "ocdbt":
             return None
-        arr_dir, rank = os.path.join(rank_dir(self.root, writer), tensor_path(key, index)), self._arrays[
-            (writer, tensor_path(key, index))].rank
+        arr_dir, rank = os.path.join(rank_dir(self.root, writer), tensor_path(key, index)), len(self._metadata[
+            (writer, tensor_path(key, index))]["shape"])
         return lambda c: os.path.join(arr_dir, "c", *([str(c)] + ["0"] * (rank - 1) if rank else []))
 
     def stored_crcs(self, writer: int, key: str, index: int) -> Optional[Tuple[int, ...]]:
@@ -219,13 +225,15 @@ class TensorStoreIO(TensorStoreWrites):
                 plain.append(r)
             else:
                 packed.append((r, place))
-        self.open_arrays((writer, key, index) for key, writer, index, _, _ in plain)
+        # Direct reads need each array's checked zarr.json only; what is left to tensorstore is opened there
+        self.open_arrays(((writer, key, index) for key, writer, index, _, _ in plain), tensorstore=self.direct is None)
         tasks: List[Any] = []
         if self.direct is not None:  # whole chunks straight into the destinations (storage/direct_read.py)
             try:
-                tasks, plain = self.direct.split(plain, self.open_array, tensor_path)
+                tasks, plain = self.direct.split(plain, tensor_path)
             except CheckpointingError as e:
                 raise self._read_error(f"checkpoint {self.root}: {e}") from e
+            self.open_arrays((writer, key, index) for key, writer, index, _, _ in plain)
         crcs = [self._crcs.get((r.writer, tensor_path(r.key, r.index))) for r in plain]
         nbytes, futures = 0, []  # tensorstore's reads first: they run while ours below do
         for key, writer, index, src, dest in (r for r, c in zip(plain, crcs) if c is None):
@@ -279,17 +287,19 @@ class TensorStoreIO(TensorStoreWrites):
                     raise FormatError(f"checkpoint {self.root}: {what} holds {self._arrays[handle].shape[0]} elements, "
                                       f"fewer than the {end} metadata.json packs in it: damaged")
                 pending[handle] = (what, Recorded(dtype, (end,), True))
-        for handle, arr in self._open_stored(pending).items():
+        for handle, metadata in self._read_checked(pending).items():
             where = f"checkpoint {self.root}: {pending[handle][0]}"
-            if array_checksums(arr, self._metadata[handle], where, self._index_checksums) is not None:
+            if metadata_checksums(metadata, where, self._index_checksums) is not None:
                 raise FormatError(f"{where}: its zarr.json records chunk checksums, which packs never do (they keep "
                                   f"the crc32c codec): not as our writer stores it")
-            self._arrays[handle] = arr
+            self._metadata[handle] = metadata
+        self._arrays.update(self._open_checked({h: w for h, (w, _) in pending.items()}))
 
-    def _open_stored(self, wanted: Dict[Tuple[int, str], Tuple[str, Recorded]]) -> Dict[Tuple[int, str], Any]:
-        """Open the arrays ``(writer, path) -> (what, recorded)`` concurrently from the zarr.json we read, each
-        checked first against what metadata.json records (:mod:`.array_metadata`); errors name ``what``."""
-        reads, opens = {}, {}
+    def _read_checked(self, wanted: Dict[Tuple[int, str], Tuple[str, Recorded]]) -> Dict[Tuple[int, str], Dict[str, Any]]:
+        """Read the zarr.json of the arrays ``(writer, path) -> (what, recorded)`` concurrently, each
+        checked against what metadata.json records (:mod:`.array_metadata`); errors name ``what``.
+        The caller keeps each in ``_metadata`` once it accepts its checksums."""
+        reads, out = {}, {}
         for handle in wanted:
             self._check_contained(handle[0])
             reads[handle] = self._kvstore(handle[0]).read(metadata_key(handle[1]))
@@ -304,9 +314,20 @@ class TensorStoreIO(TensorStoreWrites):
             if metadata is None:
                 raise self._read_error(f"{where} is missing or unreadable: no {metadata_key(handle[1])}")
             check_metadata(metadata, wanted[handle][1], where)  # before anything is read through it
-            self._metadata[handle] = metadata
-            opens[handle] = (where, ts.open(open_spec(self.array_spec(*handle), metadata), open=True, read=True,
-                                            assume_metadata=True, context=self.context))
+            out[handle] = metadata
+        return out
+
+    def _open_checked(self, wanted: Dict[Tuple[int, str], str]) -> Dict[Tuple[int, str], Any]:
+        """Open the arrays ``(writer, path) -> what`` in tensorstore concurrently (those not open yet),
+        from their zarr.json as :meth:`_read_checked` read and checked it: tensorstore does not read
+        it again (``assume_metadata``); errors name ``what``."""
+        opens = {}
+        for handle, what in wanted.items():
+            if handle in self._arrays:
+                continue
+            where = f"checkpoint {self.root}: {what}"
+            opens[handle] = (where, ts.open(open_spec(self.array_spec(*handle), self._metadata[handle]), open=True,
+                                            read=True, assume_metadata=True, context=self.context))
         out = {}
         for handle, (where, fut) in opens.items():
             try:
