@@ -100,6 +100,10 @@ class CheckpointStore(ABC):
     def write_blob(self, staging: str, name: str, data: bytes) -> None:
         """Write one whole blob (``common.pt``) into ``staging``, durable when it returns."""
 
+    def make_durable(self, store_dir: str, options: StorageOptions) -> None:
+        """After a write into one rank's store committed: make what it wrote durable, where the
+        store's :meth:`ts_context` leaves that to the writer (nothing by default)."""
+
     @abstractmethod
     def commit(self, staging: str, metadata_json: str, marker: Dict[str, Any]) -> None:
         """Rank 0, after every rank wrote: write ``metadata.json`` and the commit marker (``marker``

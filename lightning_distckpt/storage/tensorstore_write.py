@@ -34,6 +34,7 @@ class TensorStoreWrites:
 
     root: str
     files: bool
+    store: Any  # the CheckpointStore
     options: Any
     context: Any
 
@@ -77,8 +78,9 @@ class TensorStoreWrites:
         arrays. Everything of one call goes into one tensorstore transaction, committed once:
         one OCDBT commit (a data file, its manifest: four fsyncs) instead of one per batch of
         writes that happened to arrive together (three or four per save, 14 fsyncs). Returns once
-        everything is durable: tensorstore's file driver fsyncs every file it writes, and then every
-        directory of the store is fsync'd (the commit relies on it, :func:`.commit.commit`).
+        everything is durable: every file it wrote is fsync'd (by tensorstore's file driver, or
+        after the commit by the store's ``make_durable``: an OCDBT store's files all at once), and
+        every directory of the store (the commit relies on it, :func:`.commit.commit`).
         Several calls into one store (an async save's waves) each commit their own transaction.
         """
         if self.files:
@@ -107,6 +109,11 @@ class TensorStoreWrites:
                 committing.result()
             except Exception as e:
                 errors.append(f"committing rank {writer}'s store: {e}")
+            else:
+                try:  # what the store's context left unsynced (LocalStore: an OCDBT store's files)
+                    self.store.make_durable(rank_dir(self.root, writer), self.options)
+                except OSError as e:
+                    errors.append(f"making rank {writer}'s store durable: {e}")
         if errors:
             raise CheckpointingError(f"checkpoint {self.root}: writing failed for {'; '.join(errors[:5])}"
                                      + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
