@@ -15,12 +15,13 @@ core, the writes take what it leaves.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,8 @@ class AsyncSaveRequest:
         self._reserved = reserved  # this process holds the target's name with an empty directory
         self.blocking_s = blocking_s  # the caller's wait in save(): planning + snapshot
         self.snapshot_s = snapshot_s  # of which copying into the staging buffers
+        self.blocking_cpu_s = 0.0  # the caller's CPU-seconds in save() (its thread's)
+        self.snapshot_cpu_s = 0.0  # of which the snapshot's
         self.staged_bytes = staged_bytes
         self.waves = waves  # write calls: those made before save returned (a staging budget), then the background one
         self._written = written  # what was written before save returned (waves under a staging budget)
@@ -83,17 +86,17 @@ class AsyncSaveRequest:
         async_pending.track(self)
 
     def _write(self) -> None:
-        _yield_cpu(self._nice)
-        if self._result is None:  # else the snapshot failed: nothing to write, the commit says so everywhere
-            try:
-                result = write_local(self._prep)
-                before = self._written
-                self._result = result if before is None else LocalWrite(result.nbytes + before.nbytes,
-                                                                        result.seconds + before.seconds)
-            except BaseException as e:  # reported on every rank by the commit
-                self._result = e
-        if self._commit_comm is not None:
-            self._commit(replace(self._prep, comm=self._commit_comm))
+        with _yielding_cpu(self._nice):
+            if self._result is None:  # else the snapshot failed: nothing to write, the commit says so everywhere
+                try:
+                    result = write_local(self._prep)
+                    before = self._written
+                    self._result = result if before is None else LocalWrite(result.nbytes + before.nbytes,
+                                                                            result.seconds + before.seconds)
+                except BaseException as e:  # reported on every rank by the commit
+                    self._result = e
+            if self._commit_comm is not None:
+                self._commit(replace(self._prep, comm=self._commit_comm))
 
     def _commit(self, prep: PreparedSave) -> None:
         """Agree on every rank's writes and commit (collective over ``prep.comm``); keeps the error."""
@@ -158,18 +161,65 @@ class AsyncSaveRequest:
         logger.info("async save %s committed (caller blocked %.3fs)", self.checkpoint_dir, self.blocking_s)
 
 
-def _yield_cpu(nice: int) -> None:
-    """Run this thread (and the tensorstore threads it starts) at scheduling priority ``nice``
-    (Linux: per thread), so that where the training uses every core the background writes take the
-    CPU time it leaves rather than slowing its steps. Nothing where the OS does not allow it."""
+IO_THREAD_NAME = "ts_pool_worker"  # the (Linux) name of tensorstore's worker threads
+_RENICE_EVERY_S = 0.1  # how often a background save looks for tensorstore workers started meanwhile
+
+
+@contextlib.contextmanager
+def _yielding_cpu(nice: int) -> Iterator[None]:
+    """Run the block with this thread and tensorstore's worker threads at scheduling priority
+    ``nice`` (Linux: per thread), so that where the training uses every core the background writes
+    take the CPU time it leaves rather than slowing its steps. Nothing where the OS does not allow it.
+
+    The workers do most of a save's CPU work (the copy into the page cache, the fsyncs). They are
+    shared by the process and started by tensorstore's own thread with its priority: when a load
+    or a synchronous save on the training thread used tensorstore first, they and every worker
+    started later would run at the training's priority. So they are lowered at the start, and
+    workers started during the save are lowered as they appear (an idle worker exits after some
+    seconds, so a save minutes later starts new ones). Once lowered they stay so (an unprivileged
+    process cannot raise a priority back): later loads on them only yield to busy cores."""
     if nice <= 0 or not hasattr(os, "setpriority"):
+        yield
         return
+    _lower(threading.get_native_id(), nice)
+    _lower_io_threads(nice)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(_RENICE_EVERY_S):
+            _lower_io_threads(nice)
+
+    watcher = threading.Thread(target=watch, name="distckpt-renice", daemon=True)  # inherits ``nice``
+    watcher.start()
     try:
-        tid = threading.get_native_id()
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def _lower(tid: int, nice: int) -> None:
+    try:
         if os.getpriority(os.PRIO_PROCESS, tid) < nice:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError as e:
-        logger.debug("background save thread keeps its priority: %s", e)
+    except OSError as e:  # gone meanwhile, or not allowed: it keeps its priority
+        logger.debug("thread %d keeps its priority: %s", tid, e)
+
+
+def _lower_io_threads(nice: int) -> None:
+    """Lower tensorstore's worker threads of this process to ``nice`` (Linux ``/proc``; else nothing)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() != IO_THREAD_NAME:
+                    continue
+        except OSError:  # exited meanwhile
+            continue
+        _lower(int(task), nice)
 
 
 class AsyncSaver:
@@ -283,7 +333,7 @@ class AsyncSaver:
         ``comm`` replaces ``process_group`` where the caller has its own: ``Comm(None, 0, 1)`` saves
         from this process alone, entering no collective (e.g. a rank-0-only Lightning save)."""
         self.finalize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         comm = comm if comm is not None else get_comm(process_group)
         options = storage or StorageOptions()
         if self.io_concurrency is not None and self.io_concurrency < options.io_concurrency:
@@ -296,7 +346,7 @@ class AsyncSaver:
         failure: Optional[BaseException] = None
         written: Optional[LocalWrite] = None
         plan = StagingPlan([], [], prep.tensors)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         try:  # any failure (out of host memory, a full disk) is raised on every rank by finalize, not here
             plan = plan_staging(prep.tensors, self.max_staging_bytes)
             self._pool.prepare(plan)
@@ -304,13 +354,14 @@ class AsyncSaver:
             prep = replace(prep, tensors=self._pool.stage(plan.staged))
         except Exception as e:
             failure = e
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         reserved = (self.reserve_targets and failure is None and comm.rank == 0
                     and async_pending.reserve_target(prep.target))
         staged_bytes = sum(w.data.numel() * w.data.element_size() for w in plan.staged)
         self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1, reserved=reserved,
                                          written=written, waves=plan.waves, nice=self.nice,
                                          commit_comm=self._background_comm(comm))
+        self._pending.blocking_cpu_s, self._pending.snapshot_cpu_s = c2 - c0, c2 - c1
         logger.info("async save %s started: %s in %.3fs, caller blocked %.3fs (plan %s)", prep.target,
                     describe(plan, self.max_staging_bytes), t2 - t1, t2 - t0, "reused" if prep.plan_reused else "made")
         return self._pending
