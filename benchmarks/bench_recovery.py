@@ -29,7 +29,8 @@ first batch starts.
 
 Reported per contestant (slowest rank): steps redone (fail step - step resumed from), recovery s
 (launch to first step), restore s (inside the strategy's load hooks: agreeing on the point, fetching,
-reading), start s (recovery s - restore s on each rank: starting the processes, the same work for
+reading), restore CPU s (the same hooks' process CPU seconds, summed over the ranks: steadier than wall
+seconds on a shared machine), start s (recovery s - restore s on each rank: starting the processes, the same work for
 every contestant), run s (first step to the
 failure), checkpointing overhead s (run s - ``none``'s run s), blocked s (the training thread inside
 saves), and lost s = recovery s + steps redone x ``none``'s mean step time.
@@ -85,17 +86,31 @@ def _parts(args: argparse.Namespace) -> Tuple[Any, ...]:
             return DataLoader(TensorDataset(torch.randn(8 * (args.fail_at + 100), 4)), batch_size=2)
 
     class Timed:
-        """Seconds in the strategy's save and load hooks."""
+        """Seconds in the strategy's save and load hooks (the load hooks: wall and this process's CPU
+        seconds; with ``BENCH_RECOVERY_PROFILE=<dir>`` set, a cProfile of them per rank is written there)."""
 
         save_s = 0.0
         restore_s = 0.0
+        restore_cpu_s = 0.0
+        profile: Any = None
 
         def _timed(self, field: str, name: str, *a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
+            loading = field == "restore_s"
+            if loading and os.environ.get("BENCH_RECOVERY_PROFILE"):
+                import cProfile
+                self.profile = self.profile or cProfile.Profile()
+                self.profile.enable()
             try:
                 return getattr(super(), name)(*a, **k)
             finally:
                 setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
+                if loading:
+                    self.restore_cpu_s += time.process_time() - c0
+                    if self.profile is not None:
+                        self.profile.disable()
+                        self.profile.dump_stats(os.path.join(os.environ["BENCH_RECOVERY_PROFILE"],
+                                                             f"rank{self.global_rank}.prof"))
 
         def save_checkpoint(self, *a: Any, **k: Any) -> Any:
             return self._timed("save_s", "save_checkpoint", *a, **k)
@@ -148,7 +163,8 @@ def _parts(args: argparse.Namespace) -> Tuple[Any, ...]:
             now = time.time()
             if not self.record:
                 self.record = {"to_first_step_s": now - args.t0, "first_step": trainer.global_step,
-                               "restore_s": trainer.strategy.restore_s, "t_first": now}
+                               "restore_s": trainer.strategy.restore_s,
+                               "restore_cpu_s": getattr(trainer.strategy, "restore_cpu_s", 0.0), "t_first": now}
                 if args.phase == "restart":
                     self._exit(trainer)
             if trainer.global_step == args.fail_at:
@@ -241,9 +257,12 @@ def _contestant(args: argparse.Namespace, name: str) -> Dict[str, Any]:
     durable = os.path.join(args.work, name, "checkpoints")
     if os.path.isdir(durable):
         drop_page_cache(durable)
+    if name == "tiers" and args.local_cold:
+        drop_page_cache(args.local_root)
     restart = _launch(args, "restart", name, os.path.join(args.work, f"{name}-restart"))
     res.update(restart=restart, recovery_s=max(r["to_first_step_s"] for r in restart),
                restore_s=max(r["restore_s"] for r in restart), resumed_step=restart[0]["first_step"],
+               restore_cpu_s=sum(r.get("restore_cpu_s", 0.0) for r in restart),
                start_s=max(r["to_first_step_s"] - r["restore_s"] for r in restart),
                steps_redone=args.fail_at - restart[0]["first_step"])
     return res
@@ -258,13 +277,15 @@ def _table(results: List[Dict[str, Any]]) -> str:
     for r in results:
         over = f"{r['run_s'] - base['run_s']:.2f}" if base and r is not base else "-"
         if r["contestant"] == "none":
-            rows.append(["none", "-", "-", "-", "-", "-", f"{r['run_s']:.2f}", "-", "-", "-"])
+            rows.append(["none", "-", "-", "-", "-", "-", "-", f"{r['run_s']:.2f}", "-", "-", "-"])
             continue
         lost = f"{r['recovery_s'] + r['steps_redone'] * step_s:.2f}" if step_s else "-"
         rows.append([r["contestant"], str(r["resumed_step"]), str(r["steps_redone"]), f"{r['recovery_s']:.2f}",
-                     f"{r['restore_s']:.2f}", f"{r['start_s']:.2f}", f"{r['run_s']:.2f}", over,
+                     f"{r['restore_s']:.2f}", f"{r['restore_cpu_s']:.2f}", f"{r['start_s']:.2f}",
+                     f"{r['run_s']:.2f}", over,
                      f"{r['blocked_s']:.2f}", lost])
-    return fmt_table(["contestant", "resumed at", "steps redone", "recovery s", "restore s", "start s", "run s",
+    return fmt_table(["contestant", "resumed at", "steps redone", "recovery s", "restore s", "restore CPU s",
+                      "start s", "run s",
                       "ckpt overhead s", "blocked s", "lost s"], rows)
 
 
@@ -277,6 +298,11 @@ def _args(argv: List[str] | None) -> argparse.Namespace:
     p.add_argument("--local-every", type=int, default=5, help="n: local saves every n steps (default 5)")
     p.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"comma-separated subset of {CONTESTANTS}")
     p.add_argument("--keep-node", action="store_true", help="keep node 1's local tier (default: it is lost)")
+    p.add_argument("--local-base", default=None,
+                   help="where the simulated nodes' local tiers go (default /dev/shm, else the work folder)")
+    p.add_argument("--local-cold", action="store_true",
+                   help="drop the local tiers' files from the page cache before the restart too (a disk local tier "
+                        "whose node's cache is gone; /dev/shm cannot be dropped)")
     p.add_argument("--dir", default=None, help="where durable checkpoints go (default: a temp dir in the cwd)")
     p.add_argument("--json", default=None, help="write raw results and the table here")
     p.add_argument("--timeout", type=float, default=600, help="seconds one launch may take")
@@ -303,8 +329,8 @@ def main(argv: List[str] | None = None) -> int:
         raise SystemExit(f"unknown contestant(s) {unknown}; choose from {CONTESTANTS}")
     own = args.dir is None
     args.work = tempfile.mkdtemp(prefix="bench_recovery_", dir=os.getcwd()) if own else args.dir
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else args.work
-    args.local_root = tempfile.mkdtemp(prefix="bench_recovery_local_", dir=shm)
+    base = args.local_base or ("/dev/shm" if os.path.isdir("/dev/shm") else args.work)
+    args.local_root = tempfile.mkdtemp(prefix="bench_recovery_local_", dir=base)
     started, load_before = time.time(), os.getloadavg()
     results = []
     try:
