@@ -303,8 +303,10 @@ def _committed_copies(target: str) -> List[Tuple[float, str]]:
         return []
     copies = []
     for entry in names:
+        if STAGING_TAG not in entry or not is_staging_dir(entry):  # most: the other checkpoints (every first save looks)
+            continue
         path = os.path.join(parent, entry)
-        if not is_staging_dir(entry) or os.path.basename(target_of(path)) != name or os.path.islink(path):
+        if os.path.basename(target_of(path)) != name or os.path.islink(path):
             continue
         when = commit_time(path) if os.path.isdir(path) and is_our_committed_checkpoint(path) else None
         if when is not None:
