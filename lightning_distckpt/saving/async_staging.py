@@ -146,6 +146,7 @@ class StagingPool:
             self._pool = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             self.peak_bytes = max(self.peak_bytes, nbytes)
 
+    @torch.no_grad()  # a parameter's copy must not join its autograd graph (a node per shard, the pool held)
     def stage(self, tensors: Sequence[ShardWrite]) -> List[ShardWrite]:
         """Copy ``tensors`` (one wave of the plan :meth:`prepare` sized the pool for) into the pool;
         returns them pointing at their copies. Device copies are synchronized before it returns
