@@ -123,6 +123,16 @@ class RecordedArrays:
             raise FormatError(f"{where}: metadata.json records no shard {index} of {key!r} written by rank {writer}")
         return Recorded(entry.dtype, shape)
 
+    def read_whole(self, writer: int, key: str, index: int, src: Sequence[slice]) -> bool:
+        """Whether ``src`` covers the whole array stored for shard ``index`` of ``key`` by ``writer``
+        (False where metadata.json records none: opening it says what is wrong)."""
+        try:
+            shape = self.shard(writer, key, index, "").shape
+        except FormatError:
+            return False
+        return len(src) == len(shape) and all(isinstance(s, slice) and s.indices(n) == (0, n, 1)
+                                              for s, n in zip(src, shape))
+
 
 def bytes_codec(data_type: str) -> Dict[str, Any]:
     """The ``bytes`` codec as tensorstore writes it for ``data_type`` (no endianness for one byte)."""

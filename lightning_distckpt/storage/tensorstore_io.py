@@ -37,6 +37,7 @@ from .checksums import unframe_object, verification_enabled
 from .array_metadata import (Recorded, RecordedArrays, check_metadata, chunk_shape, metadata_checksums, metadata_key,
                              open_spec, parse_metadata, ts_dtype)
 from .chunk_checksums import VerifiedRead, VerifiedReads
+from .chunk_reads import ReadSession
 from .direct_read import DirectChunks, direct_reads_enabled
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from ..planning.even_index import PackedPlaces, Place
@@ -46,6 +47,10 @@ from .tensorstore_write import TensorStoreWrites
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
     from .store import CheckpointStore
+
+
+_FIRST_BATCH = 8  # reads planned before the first direct reads start (then 16, 32, ...)
+_PREFETCH_BYTES = 512 << 20  # of chunks read whole, asked of the device before their metadata is read
 
 
 class TensorStoreIO(TensorStoreWrites):
@@ -225,33 +230,27 @@ class TensorStoreIO(TensorStoreWrites):
                 plain.append(r)
             else:
                 packed.append((r, place))
-        # Direct reads need each array's checked zarr.json only; what is left to tensorstore is opened there
-        self.open_arrays(((writer, key, index) for key, writer, index, _, _ in plain), tensorstore=self.direct is None)
-        tasks: List[Any] = []
-        if self.direct is not None:  # whole chunks straight into the destinations (storage/direct_read.py)
-            try:
-                tasks, plain = self.direct.split(plain, tensor_path)
-            except CheckpointingError as e:
-                raise self._read_error(f"checkpoint {self.root}: {e}") from e
-            self.open_arrays((writer, key, index) for key, writer, index, _, _ in plain)
-        crcs = [self._crcs.get((r.writer, tensor_path(r.key, r.index))) for r in plain]
-        nbytes, futures = 0, []  # tensorstore's reads first: they run while ours below do
-        for key, writer, index, src, dest in (r for r, c in zip(plain, crcs) if c is None):
-            store = self.open_array(writer, key, index)[src]
-            if ts_dtype(dest.dtype) != store.dtype.name:
-                store = ts.cast(store, ts_dtype(dest.dtype))
-            target = ts.array(to_numpy(dest), copy=False, write=True, context=self.context)
-            futures.append((f"reading {key!r} shard {index} (written by rank {writer})", target.write(store)))
-            nbytes += dest.numel() * dest.element_size()
-        runs = self._read_pack_runs(packed)
-        futures += [(what, fut) for what, fut, _ in runs]
-        got, errors = self.direct.reader.run(tasks, self.verify) if tasks else (0, [])
-        # Left to tensorstore, of arrays checksummed in their metadata: whole chunks, verified by us
-        more, failed = VerifiedReads().run([VerifiedRead(f"reading {r.key!r} shard {r.index} (written by rank "
-                                                         f"{r.writer})", self.open_array(r.writer, r.key, r.index), c,
-                                                         tuple(r.src), r.dest, self.chunk_file(r.writer, r.key, r.index))
-                                            for r, c in zip(plain, crcs) if c is not None], self.verify)
-        nbytes, errors = nbytes + got + more, errors + failed
+        session, plain = self._start_direct(plain)
+        try:
+            crcs = [self._crcs.get((r.writer, tensor_path(r.key, r.index))) for r in plain]
+            nbytes, futures = 0, []  # tensorstore's reads: they run while ours do
+            for key, writer, index, src, dest in (r for r, c in zip(plain, crcs) if c is None):
+                store = self.open_array(writer, key, index)[src]
+                if ts_dtype(dest.dtype) != store.dtype.name:
+                    store = ts.cast(store, ts_dtype(dest.dtype))
+                target = ts.array(to_numpy(dest), copy=False, write=True, context=self.context)
+                futures.append((f"reading {key!r} shard {index} (written by rank {writer})", target.write(store)))
+                nbytes += dest.numel() * dest.element_size()
+            runs = self._read_pack_runs(packed)
+            futures += [(what, fut) for what, fut, _ in runs]
+            # Left to tensorstore, of arrays checksummed in their metadata: whole chunks, verified by us
+            more, errors = VerifiedReads().run([VerifiedRead(
+                f"reading {r.key!r} shard {r.index} (written by rank {r.writer})", self.open_array(r.writer, r.key, r.index),
+                c, tuple(r.src), r.dest, self.chunk_file(r.writer, r.key, r.index))
+                for r, c in zip(plain, crcs) if c is not None], self.verify)
+        finally:  # (on failures too: the direct reads write into the destinations until they end)
+            got, failed = session.finish() if session is not None else (0, [])
+        nbytes, errors = nbytes + more + got, errors + failed
         for what, fut in futures:
             try:
                 fut.result()
@@ -264,6 +263,37 @@ class TensorStoreIO(TensorStoreWrites):
         for _, fut, pieces in runs:
             nbytes += copy_out(fut.result(), pieces)
         return nbytes
+
+    def _start_direct(self, plain: List[ShardRead]) -> Tuple[Optional[ReadSession], List[ShardRead]]:
+        """Start the direct reads of ``plain`` (whole chunks straight into the destinations,
+        storage/direct_read.py): every array's zarr.json read and checked at once (concurrently,
+        before any chunk: behind chunk reads on the device, each would wait for megabytes), then the
+        reads planned and started batch by batch, the first chunks on their way while later ones are
+        planned. Returns the session (None without direct reads) and the reads left to tensorstore,
+        their arrays opened there."""
+        if self.direct is None:
+            self.open_arrays((r.writer, r.key, r.index) for r in plain)
+            return None, plain
+        for writer in {r.writer for r in plain}:
+            self._check_contained(writer)  # before anything of its store is read
+        self.direct.prefetch([(r.writer, tensor_path(r.key, r.index)) for r in plain
+                              if self._recorded.read_whole(r.writer, r.key, r.index, r.src)], _PREFETCH_BYTES)
+        self.open_arrays(((r.writer, r.key, r.index) for r in plain), tensorstore=False)
+        session, rest, start, size = self.direct.reader.start(self.verify), [], 0, _FIRST_BATCH
+        try:
+            while start < len(plain):
+                batch, start, size = plain[start:start + size], start + size, size * 2
+                try:
+                    tasks, left = self.direct.split(batch, tensor_path)
+                except CheckpointingError as e:
+                    raise self._read_error(f"checkpoint {self.root}: {e}") from e
+                session.submit(tasks)
+                rest += left
+            self.open_arrays((r.writer, r.key, r.index) for r in rest)
+        except BaseException:
+            session.finish()  # what it read is of no use now: the error is raised
+            raise
+        return session, rest
 
     def _read_pack_runs(self, reads: Sequence[Tuple[ShardRead, Place]]) -> List[Any]:
         """Start one read per run of nearby packed shards (:func:`~.packs.pack_runs`); ``reads``:

@@ -229,3 +229,19 @@ def test_loads_leave_no_objects_behind(tmp_path):
         after = load_and_count()
     # About 8 per load remain (not per array); the leak left about 12 per array per load (2,070 here)
     assert after - before < 200, f"{after - before} objects left behind by 3 loads of 40 arrays"
+
+
+def test_prefetch_asks_for_each_arrays_zarr_json_first_then_its_chunks_up_to_the_limit(saved, monkeypatch):
+    """A cold load starts the device on what it is about to read whole (storage/chunk_reads.py:
+    advise_willneed) before reading the arrays' metadata: their zarr.json first, then chunks, at
+    most ``limit`` bytes of them. The ranges asked for are recorded instead of advised here."""
+    from lightning_distckpt.storage import direct_read
+    asked = []
+    monkeypatch.setattr(direct_read, "advise_willneed", asked.extend)
+    chunks = direct_read.DirectChunks(lambda w: rank_dir(saved["ocdbt"], w), "ocdbt", 2, lambda w, p: {})
+    locations = ocdbt_locations(rank_dir(saved["ocdbt"], 0))
+    chunk_bytes = locations["t/w/0/c/0/0"].length
+    chunks.prefetch([(0, "t/w/0"), (0, "t/b/0")], limit=3 * chunk_bytes)
+    assert asked[:2] == [locations["t/w/0/zarr.json"], locations["t/b/0/zarr.json"]]
+    assert set(asked[2:]) <= {loc for key, loc in locations.items() if key.startswith("t/w/0/c/")}
+    assert len(asked[2:]) == 3  # the limit: 3 chunks of 'w', none of 'b'
