@@ -12,8 +12,14 @@ into, as CPU-seconds of the whole process (``time.process_time``: every thread, 
 * ``commit``: ``finalize()`` (agreement, rank 0's commit, fsyncs);
 
 and, on the same bytes, the raw ceilings: ``memcpy`` (a copy of the state into a preallocated,
-touched buffer), ``crc32c`` (the chunk checksums' CRC-32C over the state) and ``write`` (the state
-written with ``os.write`` from its numpy buffers into one file, then ``fsync``). Medians over the
+touched buffer), ``crc32c`` (the chunk checksums' CRC-32C over the state), ``write`` (the state
+written with ``os.write`` from its numpy buffers into a new file, then ``fsync``) and ``rewrite``
+(the same over that file again). On a VM that hands freed guest memory back to its host (free page
+reporting, as this machine's), a new file's page-cache pages each cost a host fault: ``write``
+there is up to ~10x ``rewrite`` (when no recently freed memory is at hand), and so is the page-cache
+copy of every save, ours and stock alike. ``BENCH_POOL_PROBE=1`` adds ``write_pool`` (the staged
+bytes written from the staging pool into a new file, as the background writer does) and
+``read_pool`` (a memcpy out of the pool). Medians over the
 repeats; CPU-seconds summed over ranks are printed beside each rank's. The first save of the saver
 (``first_*``: the staging pool allocated, the plan made) is reported apart.
 
@@ -43,7 +49,7 @@ from bench_async import _barrier, _sharded  # noqa: E402
 from common import fmt_table, local_state, machine_summary, state_bytes  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
 
-PHASES = ("blocked", "background", "commit", "memcpy", "crc32c", "write", "write_copy")
+PHASES = ("blocked", "background", "commit", "memcpy", "crc32c", "write", "rewrite")
 
 
 def _cpu(fn: Callable[[], Any]) -> float:
@@ -53,13 +59,13 @@ def _cpu(fn: Callable[[], Any]) -> float:
     return time.process_time() - c0
 
 
-def _ceilings(tensors: List[Any], root: str) -> Dict[str, float]:
-    """The raw ceilings on this rank's bytes: copy, checksum, write + fsync."""
+def _ceilings(tensors: List[Any], dst: torch.Tensor, root: str, n: int) -> Dict[str, float]:
+    """The raw ceilings on this rank's bytes: copy (into ``dst``, allocated once like a staging
+    pool), checksum, and write + fsync, into a new file (what a save does: every page of the page
+    cache fresh) and over the same file again (its pages freed and at once reused)."""
     from lightning_distckpt.storage.chunk_checksums import crc32c
 
     flat = [t.data.reshape(-1).view(torch.uint8) for t in tensors]
-    dst = torch.empty(sum(f.numel() for f in flat), dtype=torch.uint8)
-    dst.fill_(0)  # touched: a reused staging pool's pages are resident
 
     def copy() -> None:
         off = 0
@@ -71,9 +77,7 @@ def _ceilings(tensors: List[Any], root: str) -> Dict[str, float]:
         for f in flat:
             crc32c(memoryview(f.numpy()))
 
-    path = os.path.join(root, f"raw_{os.getpid()}")
-
-    def write() -> None:
+    def write(path: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             for f in flat:
@@ -84,11 +88,18 @@ def _ceilings(tensors: List[Any], root: str) -> Dict[str, float]:
         finally:
             os.close(fd)
 
-    out = {"memcpy": _cpu(copy), "crc32c": _cpu(crc), "write": _cpu(write)}
-    flat = [dst]  # the same bytes written from one buffer that was written to just before
-    out["write_copy"] = _cpu(write)
-    os.unlink(path)
-    return out
+    path = os.path.join(root, f"raw_{os.getpid()}_{n}")
+    return {"memcpy": _cpu(copy), "crc32c": _cpu(crc), "write": _cpu(lambda: write(path)),
+            "rewrite": _cpu(lambda: write(path))}  # (kept: a save's files stay too, until they are replaced)
+
+
+def _write_new(buf: torch.Tensor, path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    view = memoryview(buf.numpy())
+    while view:
+        view = view[os.write(fd, view[:64 << 20]):]
+    os.fsync(fd)
+    os.close(fd)
 
 
 def _wait_for_profiler(rank: int) -> None:
@@ -113,6 +124,7 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int,
     nbytes = state_bytes(tensors)
     saver = ldc.AsyncSaver(max_staging_bytes=None if budget is None else int(budget * nbytes), **saver_args)
     ldc.save({k: v for k, v in list(sd.items())[:2]}, f"{root}/imports")  # imports, tensorstore started
+    dst = torch.zeros(nbytes, dtype=torch.uint8)  # the memcpy ceiling's destination, resident like a staging pool
     _barrier()
     c0, w0 = time.process_time(), time.perf_counter()
     first = saver.save(sd, f"{root}/warm")  # the staging pool allocated, the plan made and cached
@@ -127,7 +139,7 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int,
         os.sync()
         _barrier()
         c0 = time.process_time()
-        req = saver.save(sd, f"{root}/s{i % 2}")
+        req = saver.save(sd, f"{root}/s{i}")  # a new checkpoint each time, as ModelCheckpoint's
         c1 = time.process_time()
         req.wait()
         c2 = time.process_time()
@@ -141,8 +153,14 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int,
             rows["snapshot"].append(req.snapshot_cpu_s)
         rows["blocked_wall"].append(req.blocking_s)
         _barrier()
-        for k, v in _ceilings(tensors, root).items():
+        for k, v in _ceilings(tensors, dst, root, i).items():
             rows[k].append(v)
+        if os.environ.get("BENCH_POOL_PROBE"):
+            pool = saver._pool._pool
+            where = os.path.join(root, f"pool_{rank}_{i}")
+            rows.setdefault("write_pool", []).append(_cpu(lambda: _write_new(pool, where)))
+            m = min(dst.numel(), pool.numel())
+            rows.setdefault("read_pool", []).append(_cpu(lambda: dst[:m].copy_(pool[:m])))
     return {"state_bytes": nbytes, "cpu_s": {p: statistics.median(v) for p, v in rows.items() if v},
             "all": rows, "blocked_wall_s": req.blocking_s, "snapshot_wall_s": req.snapshot_s}
 
@@ -150,7 +168,7 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int,
 def report(per_rank: List[Dict[str, Any]]) -> str:
     rows = []
     for p in ("first_blocked_wall", "first_blocked", "first_plan", "first_snapshot", "blocked_wall", "plan", "snapshot",
-              *PHASES):
+              *PHASES, "write_pool", "read_pool"):
         each = [r["cpu_s"][p] for r in per_rank if p in r["cpu_s"]]
         if not each:
             continue
