@@ -31,12 +31,8 @@ _SHA_FIELDS = ("metadata_sha256", "common_sha256")  # the commit adds them again
 
 
 def finish_local_save(ctx: TierContext, request: AsyncSaveRequest, step: int) -> None:
-    """Collective (the tier's thread on every rank): make room, commit, replicate, prune.
-
-    At most ``keep_local`` step directories exist on a node at any time, the one being written included
-    (the host-memory bound of a ``/dev/shm`` tier): the oldest goes when a save starts."""
-    if ctx.is_lead:
-        prune(ctx, step, ctx.options.keep_local - 1)
+    """Collective (the tier's thread on every rank): commit, replicate, prune (the room for the save was
+    made before it started writing, :func:`make_room`)."""
     try:
         request.finalize()  # agreed; rank 0 commits its node's directory
     except BaseException:
@@ -48,6 +44,18 @@ def finish_local_save(ctx: TierContext, request: AsyncSaveRequest, step: int) ->
     replicate(ctx, step)
     if ctx.is_lead:
         prune(ctx, step, ctx.options.keep_local)
+
+
+def make_room(ctx: TierContext, step: int) -> None:
+    """This node's lead, before the save of ``step`` writes anything: at most ``keep_local`` step
+    directories exist on a node at any time, the one being written included (the host-memory bound of a
+    ``/dev/shm`` tier), so the oldest goes now. A failure only delays it to the prune after the save
+    (logged: the other ranks are not told, so no rank is left waiting)."""
+    try:
+        prune(ctx, step, ctx.options.keep_local - 1)
+    except Exception as e:  # noqa: BLE001 - retried by the prune that ends the save
+        logger.warning("local tier: node %s: making room for step %d failed: %s: %s", ctx.node, step,
+                       type(e).__name__, e)
 
 
 def _rank0_files(ctx: TierContext, step: int) -> Tuple[Optional[str], Any]:

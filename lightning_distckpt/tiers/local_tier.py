@@ -25,7 +25,7 @@ from lightning_distckpt.saving.async_save import AsyncSaver
 from lightning_distckpt.tiers.context import TierContext
 from lightning_distckpt.tiers.groups import GroupUser, tier_group
 from lightning_distckpt.tiers.holdings import StepInfo
-from lightning_distckpt.tiers.local_save import finish_local_save
+from lightning_distckpt.tiers.local_save import finish_local_save, make_room
 from lightning_distckpt.tiers.nodes import gather_nodes
 from lightning_distckpt.tiers.options import RecoveryPoint, TierOptions
 from lightning_distckpt.tiers.recover import ReadyCopy, load_local, recoverable
@@ -109,6 +109,8 @@ class LocalTier:
         self.wait()
         self._ready.clear()  # the save may prune or replace what an earlier load completed
         self._holdings = None
+        if self._ctx.is_lead:  # room first: with a staging budget the save writes much before it returns
+            make_room(self._ctx, step)
         request = self._saver.save(sharded_state_dict, self._ctx.location(step), comm=self._ctx.comm)
         self._thread = threading.Thread(target=self._finish, args=(request, step), name="distckpt-local-tier",
                                         daemon=True)

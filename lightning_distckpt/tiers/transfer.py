@@ -11,6 +11,7 @@ carry their own checksums, verified when they are read.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -170,56 +171,61 @@ def _prepare_incoming(rank: int, gathered: List[Dict[Tuple[int, str], Manifest]]
                 f.truncate(size)
 
 
+class _Mapped:
+    """The files of one round mapped into memory: a piece is sent straight from its file's pages and
+    received straight into them (on ``/dev/shm`` those pages are the local tier itself: a transfer takes
+    no host memory of its own; elsewhere they are page cache, written back by the fsync that follows)."""
+
+    def __init__(self) -> None:
+        self._maps: Dict[Tuple[str, bool], mmap.mmap] = {}
+
+    def view(self, path: str, offset: int, length: int, writable: bool) -> torch.Tensor:
+        """``length`` bytes of ``path`` at ``offset`` as a uint8 tensor over the mapped file."""
+        key = (path, writable)
+        if key not in self._maps:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+            try:
+                # ACCESS_COPY for reading: a writable (private, never written) view, which torch wants
+                self._maps[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
+            finally:
+                os.close(fd)
+        mm = self._maps[key]
+        if offset + length > len(mm):
+            raise CheckpointingError(f"local tier: {path} changed while being sent (it ends before {offset + length})")
+        return torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset)
+
+    def close(self) -> None:
+        """Flush what was received (msync) and unmap, once no tensor uses the maps any more."""
+        for (_, writable), mm in self._maps.items():
+            if writable:
+                mm.flush()
+            try:
+                mm.close()
+            except BufferError:  # a tensor over it still lives (held by torch): unmapped when it goes
+                pass
+        self._maps.clear()
+
+
 def _round(comm: Comm, pieces: List[Piece], sources: Dict[Tuple[int, str], str],
            targets: Dict[Tuple[int, str], str]) -> int:
-    """One round: this rank's receives and sends posted at once, then each received piece written as
-    soon as it is in (while the later ones still arrive: gloo moves them on its own threads).
-    A piece's tag is its place in the round (unique, the same on both sides)."""
-    pending: List[Tuple[Pending, Optional[Tuple[str, int, torch.Tensor]]]] = []
-    for tag, p in enumerate(pieces):
-        if p.dst == comm.rank:
-            buf = torch.empty(p.length, dtype=torch.uint8)
-            write = (os.path.join(targets[(p.src, p.label)], _safe_relpath(p.rel)), p.offset, buf)
-            pending.append((comm.irecv(buf, p.src, tag=tag), write))
-        elif p.src == comm.rank:
-            data = _read(os.path.join(sources[(p.dst, p.label)], p.rel), p.offset, p.length)
-            pending.append((comm.isend(data, p.dst, tag=tag), None))
+    """One round: this rank's receives and sends posted at once, each straight from or into its file's
+    mapped pages (:class:`_Mapped`), then waited for. A piece's tag is its place in the round (unique,
+    the same on both sides)."""
+    maps = _Mapped()
+    pending: List[Pending] = []
     received = 0
-    for work, write in pending:
-        work.wait()
-        if write is not None:
-            _write(*write)
-            received += write[2].numel()
+    try:
+        for tag, p in enumerate(pieces):
+            if p.dst == comm.rank:
+                path = os.path.join(targets[(p.src, p.label)], _safe_relpath(p.rel))
+                pending.append(comm.irecv(maps.view(path, p.offset, p.length, True), p.src, tag=tag))
+                received += p.length
+            elif p.src == comm.rank:
+                path = os.path.join(sources[(p.dst, p.label)], p.rel)
+                pending.append(comm.isend(maps.view(path, p.offset, p.length, False), p.dst, tag=tag))
+        for work in pending:
+            work.wait()
+    finally:
+        pending.clear()  # the works hold the tensors over the maps: released before unmapping
+        maps.close()
     return received
-
-
-def _write(path: str, offset: int, buf: torch.Tensor) -> None:
-    """A received piece into its file at ``offset``, from the tensor's own memory (no copy)."""
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        view = memoryview(buf.numpy())
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-    finally:
-        os.close(fd)
-
-
-def _read(path: str, offset: int, length: int) -> torch.Tensor:
-    """``length`` bytes of a file at ``offset`` as a uint8 tensor, read straight into its memory (short:
-    the file changed meanwhile)."""
-    out = torch.empty(length, dtype=torch.uint8)
-    view = memoryview(out.numpy())
-    done = 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while done < length:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                break
-            done += n
-    finally:
-        os.close(fd)
-    if done != length:
-        raise CheckpointingError(f"local tier: {path} changed while being sent (short read at {offset})")
-    return out
