@@ -28,6 +28,7 @@ from .paths import open_regular
 
 _CRC_TRAILER = struct.Struct("<I")
 _PIECE_BYTES = 1 << 20  # read and checksum a chunk this much at a time
+_ADVISE_BYTES = 4 << 20  # asked of the kernel's readahead per call
 
 
 class ChunkLocation(NamedTuple):
@@ -220,9 +221,10 @@ def _advise(ranges: List[ChunkLocation]) -> None:
                 except (OSError, FormatError):
                     fds[r.path] = None
             fd = fds[r.path]
-            if fd is not None:
+            # The kernel starts at most its readahead size (a few MiB) per call: ask piece by piece
+            for offset in range(r.offset, r.offset + r.length, _ADVISE_BYTES) if fd is not None else ():
                 with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, r.offset, r.length, os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(fd, offset, min(_ADVISE_BYTES, r.offset + r.length - offset), os.POSIX_FADV_WILLNEED)
     finally:
         for fd in fds.values():
             if fd is not None:
