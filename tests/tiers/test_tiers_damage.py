@@ -148,3 +148,58 @@ def test_nothing_intact_is_the_same_error_on_every_rank(tmp_path):
     errors = run_distributed(_recover_error, 4, tmp)
     assert errors[0] is not None and len(set(errors)) == 1, errors
     assert "damaged local copies" in errors[0]
+
+
+X_ROWS = 4096  # "x": replicated, stored once by rank 0, unpacked (1 MiB: the middle of rank 0's data file)
+
+
+def _two_part_state(rank, world, step, template=False):
+    sd = _state(rank, world, step, template)
+    x = torch.zeros(X_ROWS, COLS) if template else torch.arange(X_ROWS * COLS, dtype=torch.float32).reshape(
+        X_ROWS, COLS) + step
+    sd["x"] = ldc.ShardedTensor.from_rank_offsets("x", x, replica_id=rank)
+    return sd
+
+
+def _save_two_part(rank, world, tmp):
+    tier = LocalTier(options(tmp))
+    for step in (10, 20, 30):
+        tier.save(_two_part_state(rank, world, step), step)
+    tier.close()
+
+
+def _restore_in_two_parts(rank, world, tmp):
+    """A restore's two parts, as Lightning's: "w" first (node1 reads only its own stores), then "x" (read by
+    every rank from rank 0's store: on node1 its partner copy, damaged)."""
+    tier = LocalTier(options(tmp))
+    point = tier.recoverable()
+    full = _two_part_state(rank, world, 0, template=True)
+    first = tier.load({"w": full["w"], "step": full["step"]}, point)
+    try:
+        second = tier.load({"x": full["x"]}, tier.last_point)  # the point the first part read
+    except ldc.IncompleteCheckpointError as e:
+        return point, str(e)
+    finally:
+        tier.close()
+    expected = _two_part_state(rank, world, tier.last_point.step)
+    assert torch.equal(first["w"], expected["w"].data) and torch.equal(second["x"], expected["x"].data)
+    return point, tier.last_point
+
+
+def test_damage_found_by_a_later_part_uses_another_copy_of_the_same_step(tmp_path):
+    tmp = str(tmp_path)
+    run_distributed(_save_two_part, 4, tmp)
+    _flip(tmp, "node1", 30, 0)  # node1's partner copy of rank 0's store
+    results = run_distributed(_restore_in_two_parts, 4, tmp)
+    assert set(results) == {(RecoveryPoint(30, "local"), RecoveryPoint(30, "local"))}
+    assert _noted(tmp, "node1", 30)[0]["fetched"]  # replaced by node0's copy
+
+
+def test_damage_in_every_copy_found_by_a_later_part_is_an_error_not_another_step(tmp_path):
+    tmp = str(tmp_path)
+    run_distributed(_save_two_part, 4, tmp)
+    _flip(tmp, "node1", 30, 0)
+    _flip(tmp, "node0", 30, 0)
+    results = run_distributed(_restore_in_two_parts, 4, tmp)
+    assert {p for p, _ in results} == {RecoveryPoint(30, "local")}
+    assert len({m for _, m in results}) == 1 and "already restored" in results[0][1], results
