@@ -36,14 +36,15 @@ def write_local(prep: PreparedSave) -> LocalWrite:
 def _write_local(prep: PreparedSave) -> LocalWrite:
     t0 = time.perf_counter()
     prep.store.begin(prep.staging, prep.comm.rank)
-    tensors = [w._replace(data=w.data.cpu()) if w.data.device.type != "cpu" else w for w in prep.tensors]
-    blobs = _rank0_files(prep)
+    # is_cpu, not device.type: a device object per tensor costs ~0.3 us, 3 ms a save of 10,000 keys
+    tensors = [w._replace(data=w.data.cpu()) if not w.data.is_cpu else w for w in prep.tensors]
 
     def write_blobs() -> None:
-        for name, data in blobs:
+        # metadata.json's text made here too: tens of ms for 10,000 keys, beside the shard writes
+        for name, data in _rank0_files(prep):
             prep.store.write_blob(prep.staging, name, data)
 
-    if blobs and (tensors or prep.objects):  # beside the shards, so their fsyncs overlap
+    if prep.common is not None and (tensors or prep.objects):  # beside the shards, so their fsyncs overlap
         nbytes = _beside(write_blobs, lambda: prep.writer.write(prep.comm.rank, tensors, prep.objects))
     else:
         nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
