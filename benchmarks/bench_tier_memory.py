@@ -175,8 +175,9 @@ def main() -> None:
               f"({'within' if n['within_target'] else 'ABOVE'}); RSS peak increase (mapped shm pages counted "
               f"again) {n['rss_peak_increase_mib']:.1f} MiB")
     for r in ranks:
-        print(f"  rank {r['rank']}: own store {r['own_store_bytes'] / 2**20:.1f} MiB, copies {r['copies_held_bytes'] / 2**20:.1f} "
-              f"MiB, anon +{r['anon_peak_increase_mib']:.1f} MiB, RSS +{r['rss_peak_increase_mib']:.1f} MiB, staging peak {r['peak_staging_mib']:.1f} MiB, "
+        print(f"  rank {r['rank']}: own store {r['own_store_bytes'] / 2**20:.1f} MiB, copies "
+              f"{r['copies_held_bytes'] / 2**20:.1f} MiB, anon +{r['anon_peak_increase_mib']:.1f} MiB, "
+              f"RSS +{r['rss_peak_increase_mib']:.1f} MiB, staging peak {r['peak_staging_mib']:.1f} MiB, "
               f"{r['seconds']:.2f} s")
     print(f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     if args.json:

@@ -19,9 +19,11 @@ Contract with the Lightning layer: /work/notes/tiers_contract.md. Changes to it 
   ``lightning_distckpt.load`` (not ``process_group``: the tier's is used). Chunk checksums of local copies
   are verified as the load reads them: a damaged copy is set aside (WARNING naming it) and the load retried,
   agreed by every rank, from another copy, else (first load after ``recoverable`` only) an older local step
-  or a durable checkpoint; ``LocalTier.last_point`` says which point was read. A later ``load`` of the same point (the optimizer after the module) skips the listing,
-  checks and fetch when every rank's node already holds what it reads (until the next ``save``).
-- Added: ``LocalTier.node`` and ``LocalTier.root`` (this rank's node name and node-local root), ``LocalTier.last_point``.
+  or a durable checkpoint; ``LocalTier.last_point`` says which point was read. A later ``load`` of the same
+  point (the optimizer after the module) skips the listing, checks and fetch when every rank's node already
+  holds what it reads (until the next ``save``).
+- Added: ``LocalTier.node`` and ``LocalTier.root`` (this rank's node name and node-local root),
+  ``LocalTier.last_point``.
 """
 
 from lightning_distckpt.tiers.local_tier import LocalTier

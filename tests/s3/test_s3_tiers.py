@@ -3,7 +3,6 @@ loopback, this folder's fixtures): the marker is an object in that folder, and "
 newest local step when the local tier holds it, the durable ``last.ckpt`` on S3 when it does not.
 One process (DistCheckpointStrategy on one CPU device: one node, no partner copies)."""
 
-import os
 import shutil
 
 import pytest

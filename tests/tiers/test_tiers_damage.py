@@ -111,7 +111,8 @@ def test_damaged_in_every_local_step_falls_back_to_durable(tmp_path):
         _flip(tmp, "node0", step, 3)
     durable = [(20, os.path.join(tmp, "durable_20"))]
     results = run_distributed(_recover, 4, tmp, durable)
-    assert {(p, q) for p, q, _ in results} == {(RecoveryPoint(30, "local"), RecoveryPoint(20, "durable", durable[0][1]))}
+    expected = (RecoveryPoint(30, "local"), RecoveryPoint(20, "durable", durable[0][1]))
+    assert {(p, q) for p, q, _ in results} == {expected}
 
 
 def test_damaged_copy_fetched_by_a_lost_node_is_not_fetched_again(tmp_path):
