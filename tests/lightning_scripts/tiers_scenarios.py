@@ -150,6 +150,36 @@ def recovery(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["marker"] = os.path.isfile(os.path.join(root, "checkpoints", MARKER_NAME))
 
 
+def damage(root: str, step: int) -> None:
+    """Flip a byte every 4 KiB of every data file of ``step`` on every node: no copy of it is intact."""
+    for node in ("node0", "node1"):
+        data = os.path.join(root, "local", node, f"step_{step:09d}", "data")
+        for d, _, files in os.walk(data):
+            for name in files:
+                path = os.path.join(d, name)
+                with open(path, "r+b") as f:
+                    raw = bytearray(f.read())
+                    for i in range(len(raw) // 2, len(raw), 4096):
+                        raw[i] ^= 0x5A
+                    f.seek(0)
+                    f.write(bytes(raw))
+
+
+def recovery_damaged(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Every local copy of step 8 damaged (found as the restore reads it, not by the listing): the restore
+    falls back, agreed by every rank, to local step 6 (module and optimizer alike), exact against a
+    straight run."""
+    a = fit(args, os.path.join(args.dir, "dmgA"), TOTAL)
+    rank = dist.get_rank()
+    root = os.path.join(args.dir, "dmgB")
+    fit(args, root, FAIL_AT)
+    if rank == 0:
+        damage(root, 8)
+    dist.barrier()
+    e = fit(args, root, TOTAL, ckpt_path="last")
+    res["damaged_first_step"], res["damaged_exact"] = e["first_step"], same(a, e)
+
+
 def recovery_model_parallel(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     """As :func:`recovery` under DistCheckpointModelParallelStrategy (FSDP2 x TP, restored after
     setup): node 0's local tier lost, then every local copy; exact against a straight run."""
@@ -171,5 +201,6 @@ def recovery_model_parallel(args: argparse.Namespace, res: Dict[str, Any]) -> No
 
 
 if __name__ == "__main__":
-    scenario_main({"recovery": recovery, "recovery_model_parallel": recovery_model_parallel},
+    scenario_main({"recovery": recovery, "recovery_model_parallel": recovery_model_parallel,
+                   "recovery_damaged": recovery_damaged},
                   **{"--ranks-per-node": dict(type=int, default=2)})

@@ -3,7 +3,8 @@ ranks, local saves every 2 steps and durable ones every 6 (tests/lightning_scrip
 A run ends at step 9 and a node's local tier is deleted: ``fit(ckpt_path="last")`` resumes from
 local step 8 (the partner copies) and ends exactly where an uninterrupted run ends; with every local
 copy gone it resumes from the durable step 6, again exactly; with nothing left it refuses on every rank.
-The same under DistCheckpointModelParallelStrategy (FSDP2 x TP, DTensor state, restored after setup)."""
+The same under DistCheckpointModelParallelStrategy (FSDP2 x TP, DTensor state, restored after setup).
+Every local copy of step 8 damaged (found as the restore reads it): resumes from local step 6, exactly."""
 
 import pytest
 
@@ -17,7 +18,8 @@ STATE = {"weights": True, "opt": True, "lr": True, "sched": True, "global_step":
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiers_trainer")
-    args = ["recovery", "recovery_model_parallel", "--dir", str(d), "--devices", "4", "--tp", "2", "--ranks-per-node", "2"]
+    args = ["recovery", "recovery_model_parallel", "recovery_damaged", "--dir", str(d), "--devices", "4", "--tp", "2",
+            "--ranks-per-node", "2"]
     results = run_script("tiers_scenarios.py", args, str(d / "out"), world_size=4, timeout=420)
     return d, results
 
@@ -69,3 +71,10 @@ def test_model_parallel_strategy_resumes_local_then_durable_exactly(runs):
     for res in results:
         assert res["mp_c"] == [8, True]  # node 0 lost: local step 8 from the partner copies, exact
         assert res["mp_d"] == [6, True]  # every local copy lost: durable step 6, exact
+
+
+def test_damaged_local_copies_fall_back_to_an_older_step_exactly(runs):
+    _, results = runs
+    for res in results:
+        assert res["damaged_first_step"] == 6  # step 8 damaged in every copy: local step 6, module and optimizer
+        assert res["damaged_exact"] == STATE
