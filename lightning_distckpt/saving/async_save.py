@@ -15,13 +15,12 @@ core, the writes take what it leaves.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -32,6 +31,7 @@ from ..core.errors import ArgumentError
 from ..storage.paths import checkpoint_location
 from ..storage.tensorstore_io import StorageOptions
 from . import async_pending
+from .priority import yielding_cpu
 from .async_staging import BufferKey, StagingPlan, StagingPool, describe, plan_staging
 from .save import LocalWrite, PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
 
@@ -86,7 +86,7 @@ class AsyncSaveRequest:
         async_pending.track(self)
 
     def _write(self) -> None:
-        with _yielding_cpu(self._nice):
+        with yielding_cpu(self._nice):
             if self._result is None:  # else the snapshot failed: nothing to write, the commit says so everywhere
                 try:
                     result = write_local(self._prep)
@@ -159,67 +159,6 @@ class AsyncSaveRequest:
         if self._error is not None:
             raise self._error
         logger.info("async save %s committed (caller blocked %.3fs)", self.checkpoint_dir, self.blocking_s)
-
-
-IO_THREAD_NAME = "ts_pool_worker"  # the (Linux) name of tensorstore's worker threads
-_RENICE_EVERY_S = 0.1  # how often a background save looks for tensorstore workers started meanwhile
-
-
-@contextlib.contextmanager
-def _yielding_cpu(nice: int) -> Iterator[None]:
-    """Run the block with this thread and tensorstore's worker threads at scheduling priority
-    ``nice`` (Linux: per thread), so that where the training uses every core the background writes
-    take the CPU time it leaves rather than slowing its steps. Nothing where the OS does not allow it.
-
-    The workers do most of a save's CPU work (the copy into the page cache, the fsyncs). They are
-    shared by the process and started by tensorstore's own thread with its priority: when a load
-    or a synchronous save on the training thread used tensorstore first, they and every worker
-    started later would run at the training's priority. So they are lowered at the start, and
-    workers started during the save are lowered as they appear (an idle worker exits after some
-    seconds, so a save minutes later starts new ones). Once lowered they stay so (an unprivileged
-    process cannot raise a priority back): later loads on them only yield to busy cores."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        yield
-        return
-    _lower(threading.get_native_id(), nice)
-    _lower_io_threads(nice)
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.wait(_RENICE_EVERY_S):
-            _lower_io_threads(nice)
-
-    watcher = threading.Thread(target=watch, name="distckpt-renice", daemon=True)  # inherits ``nice``
-    watcher.start()
-    try:
-        yield
-    finally:
-        done.set()
-        watcher.join()
-
-
-def _lower(tid: int, nice: int) -> None:
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError as e:  # gone meanwhile, or not allowed: it keeps its priority
-        logger.debug("thread %d keeps its priority: %s", tid, e)
-
-
-def _lower_io_threads(nice: int) -> None:
-    """Lower tensorstore's worker threads of this process to ``nice`` (Linux ``/proc``; else nothing)."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if f.read().strip() != IO_THREAD_NAME:
-                    continue
-        except OSError:  # exited meanwhile
-            continue
-        _lower(int(task), nice)
 
 
 class AsyncSaver:
@@ -365,6 +304,19 @@ class AsyncSaver:
         logger.info("async save %s started: %s in %.3fs, caller blocked %.3fs (plan %s)", prep.target,
                     describe(plan, self.max_staging_bytes), t2 - t1, t2 - t0, "reused" if prep.plan_reused else "made")
         return self._pending
+
+    def make_commit_group(self, comm: Comm) -> None:
+        """Collective over ``comm`` (every rank): make now the gloo group the first save would
+        make for its background commit, so that save does not wait for the group's rendezvous."""
+        self._background_comm(comm)
+
+    def reserve_staging(self, nbytes: int, on_accelerator: bool) -> None:
+        """Allocate the staging pool for an expected ``nbytes`` largest wave (capped at
+        ``max_staging_bytes``) and fault its pages in on a thread of its own, ahead of the first
+        save (see :meth:`StagingPool.reserve`); a save of another size reallocates as before."""
+        if self.max_staging_bytes is not None:
+            nbytes = min(nbytes, self.max_staging_bytes)
+        self._pool.reserve(nbytes, on_accelerator and (self.pin_memory if self.pin_memory is not None else True))
 
     def _background_comm(self, comm: Comm) -> Optional[Comm]:
         """Where the background thread commits: the group of one itself; for the whole world (in

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning_distckpt.comm import Comm
 from lightning_distckpt.core.errors import ArgumentError, ArgumentTypeError
 from lightning_distckpt.saving.async_save import AsyncSaver
+from lightning_distckpt.saving.priority import lower_thread
 from lightning_distckpt.tiers.context import TierContext
 from lightning_distckpt.tiers.groups import GroupUser, tier_group
 from lightning_distckpt.tiers.holdings import StepInfo
@@ -52,18 +53,6 @@ def _saver(options: TierOptions) -> AsyncSaver:
     if options.max_staging_bytes is not None and "max_staging_bytes" in inspect.signature(AsyncSaver).parameters:
         return AsyncSaver(max_staging_bytes=options.max_staging_bytes)
     return AsyncSaver()
-
-
-def _yield_cpu(nice: int) -> None:
-    """Run the calling thread at scheduling priority ``nice`` (Linux: per thread; elsewhere nothing)."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError:  # not permitted here: run at the normal priority
-        pass
 
 
 class LocalTier:
@@ -117,7 +106,7 @@ class LocalTier:
         self._thread.start()
 
     def _finish(self, request: Any, step: int) -> None:
-        _yield_cpu(getattr(self._saver, "nice", 0))  # like the saver's writing thread: the training comes first
+        lower_thread(threading.get_native_id(), getattr(self._saver, "nice", 0))  # like the saver's writing thread: the training comes first
         try:
             finish_local_save(self._ctx, request, step)
         except BaseException as e:  # raised on the caller's thread by wait() / the next save()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lightning_distckpt as ldc
-from lightning_distckpt.saving.async_save import _yielding_cpu
+from lightning_distckpt.saving.priority import yielding_cpu
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priorities are a Linux feature")
@@ -21,7 +21,7 @@ def test_background_thread_lowers_only_its_own_priority():
     seen = {}
 
     def work():
-        with _yielding_cpu(mine + 3):
+        with yielding_cpu(mine + 3):
             seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     t = threading.Thread(target=work)
@@ -34,7 +34,7 @@ def test_background_thread_lowers_only_its_own_priority():
 _WORKERS_LOWERED = textwrap.dedent("""
     import os, sys, threading, torch
     import lightning_distckpt as ldc
-    from lightning_distckpt.saving.async_save import IO_THREAD_NAME
+    from lightning_distckpt.saving.priority import IO_THREAD_NAME
 
     def workers():
         out = {}
