@@ -264,6 +264,18 @@ class DistCheckpointIO(CheckpointIO):
         for target in removals:
             self.remove_checkpoint(target)
 
+    def prepare_background_saves(self, comm: Comm) -> None:
+        """Collective over ``comm`` (the group the saves will use), at the start of a run that saves
+        in the background: make the saver and its commit group now, not in the first save."""
+        if self._in_background():
+            self._async_saver().make_commit_group(comm)
+
+    def reserve_staging(self, nbytes: int, on_accelerator: bool) -> None:
+        """Local: allocate the staging pool for a save expected to stage ``nbytes`` on this rank, its
+        pages faulted in on a thread of its own (ahead of the first save, which otherwise pays them)."""
+        if self._in_background():
+            self._async_saver().reserve_staging(nbytes, on_accelerator)
+
     def _in_background(self) -> bool:
         return self.config.async_save and self.background_saves
 

@@ -9,7 +9,7 @@ parameters); the optimizer state follows its parameters' sharding; the rest of t
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from ..comm import get_comm
 from ..core.errors import CheckpointingError
+from ..saving.async_staging import ALIGN
 from ..storage.paths import checkpoint_location
 from .parallel import STRATEGY_NAME, ParallelState
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
@@ -72,6 +73,7 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
     """
 
     strategy_name = STRATEGY_NAME
+    _staging_reserved = True  # on_train_start clears it: the staging pool is reserved once per fit
 
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         return self._data_parallel_ddp(model, self.determine_ddp_device_ids())
@@ -94,6 +96,44 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
         self.model_to_device()
         self._broadcast_over_data_parallel(self.model)
         self.setup_precision_plugin()
+
+    def on_train_start(self) -> None:
+        """Collective: an async-saving fit makes its saver's commit group now (every rank is here),
+        not in the first save."""
+        super().on_train_start()
+        if self.lightning_module is not None and self.lightning_module.trainer.checkpoint_callbacks:
+            self.checkpoint_io.prepare_background_saves(get_comm())
+        self._staging_reserved = False
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Once the optimizers hold state (after the first step), an async-saving fit allocates its
+        staging pool and faults it in on a thread of its own: the first save only copies."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._staging_reserved or not any(o.state for o in self._raw_optimizers()):
+            return
+        self._staging_reserved = True
+        if self.lightning_module is not None and self.lightning_module.trainer.checkpoint_callbacks:
+            nbytes, on_accelerator = self._staged_bytes_estimate()
+            self.checkpoint_io.reserve_staging(nbytes, on_accelerator)
+
+    def _staged_bytes_estimate(self) -> Tuple[int, bool]:
+        """What a save stages on this rank: its module and optimizer tensors, shared out among the
+        data-parallel replicas (each writes its part of the replicated shards), and whether any is
+        on an accelerator."""
+        assert self.lightning_module is not None
+        tensors = [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
+        tensors += [v for o in self._raw_optimizers() for st in o.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        nbytes = sum(sizes)
+        ps = self.parallel_state
+        if self.checkpoint_io.config.balance_writes and ps.dp_size > 1:
+            # each shard is written whole by one replica: a rank's share is off the even split by
+            # at most the largest one
+            nbytes = nbytes // ps.dp_size + max(sizes)
+        elif ps.dp_rank != 0:  # unbalanced: the first replica writes them all
+            return 0, False
+        return nbytes + ALIGN * len(sizes), any(t.device.type != "cpu" for t in tensors)  # shards start aligned
 
     def _broadcast_over_data_parallel(self, module: Module) -> None:
         ps = self.parallel_state

@@ -22,6 +22,7 @@ call, so they move together, as one unit.
 
 from __future__ import annotations
 
+import threading
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -126,16 +127,38 @@ class StagingPool:
         self._pool: Optional[torch.Tensor] = None
         self.peak_bytes = 0  # the largest pool this saver held: what staging cost in host memory
         self.views: Dict[BufferKey, torch.Tensor] = {}  # the last staged wave, by (key, index, shape, dtype)
+        self._touching: Optional[threading.Thread] = None  # reserve()'s first touch of the pool
 
     @property
     def nbytes(self) -> int:
         return 0 if self._pool is None else self._pool.numel()
 
     def release(self) -> None:
+        self._settle()
         self._pool, self.views = None, {}
+
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        """Allocate the pool ahead of the first save (``nbytes``: the expected size of a save's
+        largest wave) and touch its pages on a thread of its own: the first save's copy otherwise
+        pays the kernel's page faults and zeroing (on a loaded host several times the copy itself).
+        The save uses it when :meth:`prepare` finds it the right size; no-op when a pool exists."""
+        if self._pool is not None or nbytes <= 0:
+            return
+        self._pool = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.peak_bytes = max(self.peak_bytes, nbytes)
+        # zero_ releases the GIL: the training thread runs on meanwhile
+        self._touching = threading.Thread(target=self._pool.zero_, name="distckpt-staging-touch", daemon=True)
+        self._touching.start()
+
+    def _settle(self) -> None:
+        """Wait for :meth:`reserve`'s touch (the pool is written by that thread until then)."""
+        if self._touching is not None:
+            self._touching.join()
+            self._touching = None
 
     def prepare(self, plan: StagingPlan) -> None:
         """Size the pool for ``plan``'s largest wave (kept when it fits and is at most twice that)."""
+        self._settle()
         nbytes = plan.pool_bytes
         pin = plan.pinned and (self.pin_memory if self.pin_memory is not None else True)
         pool = self._pool
