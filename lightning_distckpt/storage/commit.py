@@ -303,7 +303,7 @@ def _committed_copies(target: str) -> List[Tuple[float, str]]:
         return []
     copies = []
     for entry in names:
-        if STAGING_TAG not in entry or not is_staging_dir(entry):  # most: the other checkpoints (every first save looks)
+        if STAGING_TAG not in entry or not is_staging_dir(entry):  # most: other checkpoints (every new name looks)
             continue
         path = os.path.join(parent, entry)
         if os.path.basename(target_of(path)) != name or os.path.islink(path):

@@ -19,7 +19,8 @@ from ..progress import Progress, advance
 from . import commit as commit_mod
 from . import staging
 from .integrity import check_writer_store, store_bytes
-from .layout import COMMON_FILE, DATA_DIR, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed, open_metadata, rank_dir
+from .layout import (COMMON_FILE, DATA_DIR, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed, open_metadata,
+                     rank_dir)
 from .options import StorageOptions
 from .paths import TreeStats, local_location, read_inside, scan_tree
 from .safe_pickle import write_file_durable

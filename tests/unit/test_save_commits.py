@@ -84,7 +84,8 @@ def test_the_commit_walk_leaves_the_rank_stores_to_their_writers(tmp_path, monke
     synced, commits = [], []
     real, real_commit = commit_mod.fsync_dir, commit_mod.commit
     monkeypatch.setattr(commit_mod, "fsync_dir", lambda path: (synced.append(os.path.abspath(path)), real(path)))
-    monkeypatch.setattr(commit_mod, "commit", lambda *a, **k: (commits.append(len(synced)), real_commit(*a, **k)))
+    monkeypatch.setattr(commit_mod, "commit",
+                        lambda *a, **k: (commits.append(len(synced)), real_commit(*a, **k)))
     ldc.save(_state(), str(tmp_path / "ck"))
     staged = [p for p in synced if os.path.basename(p).startswith(".distckpt-staging-")]
     assert len(staged) == 2  # beside the shards (metadata.json, common.pt, data/) and after the marker
@@ -104,7 +105,8 @@ def test_a_commit_not_told_its_entries_are_durable_syncs_them(tmp_path, monkeypa
     monkeypatch.setattr(LocalStore, "write_blob", lambda self, staging, name, data: commit_mod.write_file_durable(
         os.path.join(staging, name), data))  # a store that syncs nothing beside the shards
     ldc.save(_state(), str(tmp_path / "ck"))
-    assert len([p for p in synced if os.path.basename(p).startswith(".distckpt-staging-")]) == 2  # before the marker and after it
+    staged = [p for p in synced if os.path.basename(p).startswith(".distckpt-staging-")]
+    assert len(staged) == 2  # before the marker and after it
     assert ldc.load(_state(), str(tmp_path / "ck"))["norm3"].shape == (16,)
 
 
@@ -123,6 +125,7 @@ def test_an_ocdbt_store_is_made_durable_after_its_commit(tmp_path, monkeypatch):
     store = rank_dir(str(tmp_path / "ck"), 0)
     on_disk = {os.path.relpath(os.path.join(d, n), store) for d, dirs, files in os.walk(store) for n in dirs + files}
     on_disk.add(".")
-    in_store = {os.path.relpath(p, rank_dir(p.split("/data/rank_00000")[0], 0)) for p in synced if "/data/rank_00000" in p}
+    in_store = {os.path.relpath(p, rank_dir(p.split("/data/rank_00000")[0], 0))
+                for p in synced if "/data/rank_00000" in p}
     assert on_disk and on_disk <= in_store, on_disk - in_store
     assert torch.equal(ldc.load(_state(), str(tmp_path / "ck"))["big1"], _state()["big1"].data)

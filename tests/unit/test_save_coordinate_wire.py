@@ -22,7 +22,8 @@ def test_records_survive_the_trip_to_the_coordinator():
                                                  flattened_range=slice(2, 8)),
     ]
     objects = [ldc.ShardedObject("rng", {"seed": 1}, (2,), (1,), replica_id=0)]
-    records = mark_even(RankRecords([ShardRecord.of(t, 1) for t in tensors], [ObjectRecord.of(o, 1) for o in objects]), 2)
+    records = mark_even(RankRecords([ShardRecord.of(t, 1) for t in tensors],
+                                    [ObjectRecord.of(o, 1) for o in objects]), 2)
     assert records.even  # the even chunk is marked, and stays so
     back = _from_tuples(pickle.loads(pickle.dumps(_as_tuples(records))))
     assert back == records
