@@ -224,7 +224,8 @@ def _advise(ranges: List[ChunkLocation]) -> None:
             # The kernel starts at most its readahead size (a few MiB) per call: ask piece by piece
             for offset in range(r.offset, r.offset + r.length, _ADVISE_BYTES) if fd is not None else ():
                 with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, offset, min(_ADVISE_BYTES, r.offset + r.length - offset), os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(fd, offset, min(_ADVISE_BYTES, r.offset + r.length - offset),
+                                     os.POSIX_FADV_WILLNEED)
     finally:
         for fd in fds.values():
             if fd is not None:

@@ -245,8 +245,9 @@ class TensorStoreIO(TensorStoreWrites):
             futures += [(what, fut) for what, fut, _ in runs]
             # Left to tensorstore, of arrays checksummed in their metadata: whole chunks, verified by us
             more, errors = VerifiedReads().run([VerifiedRead(
-                f"reading {r.key!r} shard {r.index} (written by rank {r.writer})", self.open_array(r.writer, r.key, r.index),
-                c, tuple(r.src), r.dest, self.chunk_file(r.writer, r.key, r.index))
+                f"reading {r.key!r} shard {r.index} (written by rank {r.writer})",
+                self.open_array(r.writer, r.key, r.index), c, tuple(r.src), r.dest,
+                self.chunk_file(r.writer, r.key, r.index))
                 for r, c in zip(plain, crcs) if c is not None], self.verify)
         finally:  # (on failures too: the direct reads write into the destinations until they end)
             got, failed = session.finish() if session is not None else (0, [])
@@ -325,7 +326,8 @@ class TensorStoreIO(TensorStoreWrites):
             self._metadata[handle] = metadata
         self._arrays.update(self._open_checked({h: w for h, (w, _) in pending.items()}))
 
-    def _read_checked(self, wanted: Dict[Tuple[int, str], Tuple[str, Recorded]]) -> Dict[Tuple[int, str], Dict[str, Any]]:
+    def _read_checked(self, wanted: Dict[Tuple[int, str], Tuple[str, Recorded]]
+                      ) -> Dict[Tuple[int, str], Dict[str, Any]]:
         """Read the zarr.json of the arrays ``(writer, path) -> (what, recorded)`` concurrently, each
         checked against what metadata.json records (:mod:`.array_metadata`); errors name ``what``.
         The caller keeps each in ``_metadata`` once it accepts its checksums."""
