@@ -95,7 +95,8 @@ def main() -> None:
     if rank == 0:
         for r in range(2):
             path = f"{args.out}.rank{r}.json"
-            print(f"rank {r}: saves_s", [round(s, 3) for s in json.load(open(path))["saves_s"]] if os.path.exists(path) else "?")
+            saves = json.load(open(path))["saves_s"] if os.path.exists(path) else []
+            print(f"rank {r}: saves_s", [round(s, 3) for s in saves])
         print("rank 0 phases (wall s / cpu s):")
         for i, ph in enumerate(PHASES):
             print(f"  save {i}: " + "  ".join(f"{k} {w:.3f}/{c:.3f}" for k, (w, c) in ph.items()))
