@@ -24,6 +24,7 @@ so a stock run moves to this strategy with ``ckpt_path=<its checkpoint>``; later
 from __future__ import annotations
 
 import logging
+import math
 import os
 from datetime import timedelta
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
@@ -35,7 +36,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
 
 from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
@@ -45,6 +46,7 @@ from ..core.tree_walk import copy_containers, map_paths
 from ..registration import is_placeholder
 from ..storage.paths import checkpoint_location
 from .checkpoint_io import fabric_writer, foreign_writer
+from .async_warmup import AsyncWarmupMixin, Held, staged_share
 from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .sharded import build_on_all_ranks, describe_source
@@ -92,7 +94,7 @@ def put_value(tree: Any, path: Path, value: Any) -> None:
     value_at(tree, path[:-1])[path[-1]] = value
 
 
-class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelStrategy):
+class DistCheckpointModelParallelStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format.
 
     ``Trainer(strategy=DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
@@ -146,6 +148,17 @@ class DistCheckpointModelParallelStrategy(AsyncCommitHooksMixin, ModelParallelSt
 
     def _raw_optimizers(self) -> List[Optimizer]:
         return [_raw(o) for o in self.optimizers]
+
+    def _staged_bytes_estimate(self) -> Tuple[int, bool]:
+        """What a save stages on this rank (see :func:`shard_tree`): the local shards of its DTensors
+        (parameters and optimizer moments), each shared among the ranks holding a replica of it, and
+        its plain tensors, replicated on every rank; and whether any is on an accelerator."""
+        assert self.lightning_module is not None
+        tensors = [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
+        tensors += [v for o in self._raw_optimizers() for st in o.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return staged_share([_held(t, self.global_rank, self.world_size) for t in tensors],
+                            self.checkpoint_io.config.balance_writes)
 
     # -- save and load ---------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -277,6 +290,18 @@ def _param_order(optimizer_state: Dict[str, Any]) -> List[str]:
 
 def _by_name(restored: Dict[str, Any]) -> Dict[str, Any]:
     return {"state": restored["state"], "param_groups": restored["param_groups"]}
+
+
+def _held(t: torch.Tensor, rank: int, world_size: int) -> Held:
+    """``t`` as a save holds it on this rank: a DTensor's local shard, replicated over its mesh's
+    ``Replicate()`` dims (main where this rank's coordinates on them are 0); a plain tensor on
+    every rank (main on rank 0), as :func:`shard_tree` describes them."""
+    if not isinstance(t, DTensor):
+        return t.detach(), world_size, rank == 0
+    mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate()
+    dims = [i for i, p in enumerate(t.placements) if isinstance(p, Replicate)]
+    replicas = math.prod(mesh.size(i) for i in dims)
+    return t.to_local(), replicas, coordinate is None or all(coordinate[i] == 0 for i in dims)
 
 
 def _raw(optimizer: Any) -> Optimizer:

@@ -21,8 +21,8 @@ from torch.optim import Optimizer
 
 from ..comm import get_comm
 from ..core.errors import CheckpointingError
-from ..saving.async_staging import ALIGN
 from ..storage.paths import checkpoint_location
+from .async_warmup import AsyncWarmupMixin, staged_share
 from .parallel import STRATEGY_NAME, ParallelState
 from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
 from .tp_strategy import AsyncCommitHooksMixin, TensorParallelStrategyMixin
@@ -50,7 +50,7 @@ def optimizer_prefix(index: int) -> str:
     return f"optimizer_states.{index}"
 
 
-class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin, DDPStrategy):
+class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorParallelStrategyMixin, DDPStrategy):
     """DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
 
     ``Trainer(strategy=DistCheckpointStrategy(tensor_parallel_size=2), devices=4)`` runs TP 2 x DP 2;
@@ -73,7 +73,6 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
     """
 
     strategy_name = STRATEGY_NAME
-    _staging_reserved = True  # on_train_start clears it: the staging pool is reserved once per fit
 
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         return self._data_parallel_ddp(model, self.determine_ddp_device_ids())
@@ -97,25 +96,6 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
         self._broadcast_over_data_parallel(self.model)
         self.setup_precision_plugin()
 
-    def on_train_start(self) -> None:
-        """Collective: an async-saving fit makes its saver's commit group now (every rank is here),
-        not in the first save."""
-        super().on_train_start()
-        if self.lightning_module is not None and self.lightning_module.trainer.checkpoint_callbacks:
-            self.checkpoint_io.prepare_background_saves(get_comm())
-        self._staging_reserved = False
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Once the optimizers hold state (after the first step), an async-saving fit allocates its
-        staging pool and faults it in on a thread of its own: the first save only copies."""
-        super().on_train_batch_start(batch, batch_idx)
-        if self._staging_reserved or not any(o.state for o in self._raw_optimizers()):
-            return
-        self._staging_reserved = True
-        if self.lightning_module is not None and self.lightning_module.trainer.checkpoint_callbacks:
-            nbytes, on_accelerator = self._staged_bytes_estimate()
-            self.checkpoint_io.reserve_staging(nbytes, on_accelerator)
-
     def _staged_bytes_estimate(self) -> Tuple[int, bool]:
         """What a save stages on this rank: its module and optimizer tensors, shared out among the
         data-parallel replicas (each writes its part of the replicated shards), and whether any is
@@ -124,16 +104,9 @@ class DistCheckpointStrategy(AsyncCommitHooksMixin, TensorParallelStrategyMixin,
         tensors = [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
         tensors += [v for o in self._raw_optimizers() for st in o.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0]
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        nbytes = sum(sizes)
         ps = self.parallel_state
-        if self.checkpoint_io.config.balance_writes and ps.dp_size > 1:
-            # each shard is written whole by one replica: a rank's share is off the even split by
-            # at most the largest one
-            nbytes = nbytes // ps.dp_size + max(sizes)
-        elif ps.dp_rank != 0:  # unbalanced: the first replica writes them all
-            return 0, False
-        return nbytes + ALIGN * len(sizes), any(t.device.type != "cpu" for t in tensors)  # shards start aligned
+        held = [(t, ps.dp_size, ps.dp_rank == 0) for t in tensors]  # every DP replica holds them, the first is main
+        return staged_share(held, self.checkpoint_io.config.balance_writes)
 
     def _broadcast_over_data_parallel(self, module: Module) -> None:
         ps = self.parallel_state
