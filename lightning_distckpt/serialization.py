@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import get_comm
+from .core.errors import ArgumentError
 from .core.arguments import require, require_bool, require_globals, require_key_map, require_state_dict
 from .core.plain_tensors import shard_tensors
 from .core.megatron_leaves import from_megatron_leaves
@@ -22,6 +23,7 @@ from .planning.flat_plan import is_flattened
 from .planning.load_plan import SAME_KIND, parse_cast
 from .planning.metadata import dtype_from_name
 from .reading.checkpoint import TemplateOnly, open_checkpoint
+from .reading.shared_source import SharedCopy
 from .reading.formats import KeyMap
 from .reading.formats.megatron import unique_key
 from .reading.loaders import Loader, resolve_loader
@@ -151,12 +153,19 @@ def load(
     ``storage``: the reader's choices (:class:`StorageOptions` ``verify``, ``direct_reads``,
     ``io_concurrency``, the S3 endpoint and credentials); the layout is the one the checkpoint records.
 
+    ``checkpoint_dir`` may also be a ``reading.shared_source.SharedCopy`` of one: the loads of parts
+    of one checkpoint then share its opening and its common state.
+
     ``common=False``: the template's leaves only. The common state is neither merged into the result
     nor read (unless the template's own plain tensors are kept there, by a checkpoint written before
     plain tensors were stored as tensors), and plain tensors stored where the template has no leaf
     are not read: for a part of a checkpoint whose common state the caller has, or does not need.
     """
-    checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
+    shared = checkpoint_dir if isinstance(checkpoint_dir, SharedCopy) else None
+    if shared is None:
+        checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
+    elif key_map is not None or storage is not None:
+        raise ArgumentError("load: key_map and storage choose how a path is opened; not with a SharedCopy")
     require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
     require_state_dict(sharded_state_dict, "sharded_state_dict")
     require(strict, (StrictHandling, Enum, str, bool), "strict", "a StrictHandling (ours or Megatron-Core's), its name or a bool")
@@ -169,7 +178,8 @@ def load(
     comm = get_comm(process_group)
     sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
-    opener: Any = functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals, storage)
+    opener: Any = (shared if shared is not None
+                   else functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals, storage))
     if not common:
         opener = _template_only(opener)
     opener = with_cast(opener, cast)

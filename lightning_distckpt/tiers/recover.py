@@ -14,7 +14,8 @@ A restore loads one point in parts (Lightning: the module, then the optimizer st
 :func:`load_local` of a point remembers (:class:`ReadyCopy`, per tier and step, forgotten at the next
 save) which stores this node's completed, checked copy holds; a later load of the point whose every rank
 reads only stores its node holds skips the listing, the checks and the fetch (one small all-gather
-decides, so every rank takes the same path) and goes straight to the load.
+decides, so every rank takes the same path) and goes straight to the load; the loads of a copy share one
+opening of it and one read of its common state (:class:`~lightning_distckpt.reading.shared_source.SharedCopy`).
 
 A damaged local copy (a chunk failing its checksum as the load reads it) is never used: the failed load
 is retried from another copy, an older step or durable storage, agreed by every rank (:func:`load_local`,
@@ -28,6 +29,7 @@ import os
 from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Set, Tuple
 
 from lightning_distckpt.core.errors import ArgumentError, CheckpointingError, IncompleteCheckpointError
+from lightning_distckpt.reading.shared_source import SharedCopy
 from lightning_distckpt.storage.layout import METADATA_FILE, parse_json
 from lightning_distckpt.storage.paths import read_inside
 from lightning_distckpt.storage.stores import open_store
@@ -127,6 +129,7 @@ class ReadyCopy(NamedTuple):
     held: FrozenSet[int]  # the writers whose stores it holds
     whole: bool  # it holds every writer's store: any load of it reads only what it holds
     meta: Any  # its parsed metadata.json (None: unreadable, so no load skips the checks)
+    opened: SharedCopy  # the copy as every load of it opens it: once, its common state read once
 
 
 def _ready_for(ctx: TierContext, ready: Optional[ReadyCopy], template: Dict[str, Any], every_rank: bool) -> bool:
@@ -141,10 +144,12 @@ def _ready_for(ctx: TierContext, ready: Optional[ReadyCopy], template: Dict[str,
 
 
 class LocalCopy(NamedTuple):
-    """This node's copy of a step, ready for the load: where, and the writers whose stores it holds."""
+    """This node's copy of a step, ready for the load: where, the writers whose stores it holds, and
+    its opener shared by every load of it."""
 
     path: str
     held: FrozenSet[int]
+    opened: SharedCopy
 
 
 def _local_copy(ctx: TierContext, step: int, template: Dict[str, Any], ready: Dict[int, ReadyCopy],
@@ -153,12 +158,15 @@ def _local_copy(ctx: TierContext, step: int, template: Dict[str, Any], ready: Di
     did), remembered in ``ready``."""
     known = ready.get(step)
     if known is not None and _ready_for(ctx, known, template, every_rank):
-        return LocalCopy(known.path, known.held)
+        return LocalCopy(known.path, known.held, known.opened)
     path, held, writers = complete_local_copy(ctx, step, holdings if holdings is not None else gather_holdings(ctx),
                                               template if every_rank else None)
     whole = writers <= held
-    ready[step] = ReadyCopy(path, held, whole, None if whole else _metadata(path))
-    return LocalCopy(path, held)
+    # Stores fetched for this load join the same copy (its metadata and common state unchanged, each load's
+    # reader opens the stores anew): the opening stays shared. After damage the copy's note is gone: opened anew.
+    opened = known.opened if known is not None and known.path == path else SharedCopy(path)
+    ready[step] = ReadyCopy(path, held, whole, None if whole else _metadata(path), opened)
+    return LocalCopy(path, held, opened)
 
 
 def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[str, Any],
@@ -184,7 +192,9 @@ def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[
             return load(sharded_state_dict, point.path, process_group=process_group, **load_kwargs), point
         copy = _local_copy(ctx, point.step, sharded_state_dict, ready, holdings, every_rank)
         try:
-            out = load(sharded_state_dict, copy.path, process_group=process_group,
+            # The copy's shared opener: the parts of a restore open it and unpickle its common state once.
+            target: Any = copy.opened if not {"key_map", "storage"} & set(load_kwargs) else copy.path
+            out = load(sharded_state_dict, target, process_group=process_group,
                        **{"loader": EVERY_RANK, **load_kwargs})
             return out, point
         except CheckpointingError as e:

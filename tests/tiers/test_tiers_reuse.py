@@ -76,6 +76,56 @@ def test_second_load_of_a_point_skips_the_fetch(tmp_path):
     assert held == ["rank_00000", "rank_00002", "rank_00003"]
 
 
+def _count_openings():
+    """Counts, in this process, the openings of local copies by loads and the reads of a checkpoint's
+    common state (each an unpickling)."""
+    from lightning_distckpt.reading import checkpoint, shared_source
+
+    opened, common = [], []
+    real_open, real_common = shared_source.open_checkpoint, checkpoint.OpenedCheckpoint.load_common
+
+    def counted_open(path, *a, **k):
+        opened.append(path)
+        return real_open(path, *a, **k)
+
+    def counted_common(self, *a, **k):
+        common.append(self.path)
+        return real_common(self, *a, **k)
+
+    shared_source.open_checkpoint = counted_open
+    checkpoint.OpenedCheckpoint.load_common = counted_common
+    return opened, common
+
+
+def _one_opening(rank, world, tmp):
+    opened, common = _count_openings()
+    tier = LocalTier(options(tmp))
+    point = tier.recoverable()
+    before = len(common)
+    first = tier.load({"w": state(rank, world, 0, template=True)["w"]}, point)  # the module's part
+    first["step"] = "the caller's own"  # never seen by the next load
+    check_loaded(tier.load(state(rank, world, 0, template=True), point), rank, world, point.step)  # the rest
+    counts = [(len(opened), len(common) - before)]
+    tier.save(state(rank, world, 40), 40)  # a new step: a new copy, opened anew
+    point = tier.recoverable()
+    before = len(common)
+    check_loaded(tier.load(state(rank, world, 0, template=True), point), rank, world, 40)
+    counts.append((len(opened), len(common) - before))
+    tier.close()
+    return counts
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_parts_of_a_restore_open_the_copy_once(tmp_path, lost):
+    """The loads of one point share one opening of the copy and one read of its common state per rank,
+    each load's result its own (node1 lost: its ranks fetch first, the same after)."""
+    tmp = str(tmp_path)
+    run_distributed(_save, 4, tmp, [10, 30])
+    if lost:
+        shutil.rmtree(os.path.join(tmp, "node1"))
+    assert run_distributed(_one_opening, 4, tmp) == [[(1, 1), (2, 1)]] * 4
+
+
 def _two_tiers(rank, world, tmp):
     first = LocalTier(options(tmp))
     first.save(state(rank, world, 10), 10)  # in flight when the second tier takes the group
