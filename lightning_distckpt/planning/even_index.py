@@ -79,19 +79,25 @@ class EvenSplit:
     def chunks(self, global_shape: Tuple[int, ...], lo: int = 0,
                hi: Optional[int] = None) -> List[Tuple[int, Tuple[int, ...], Tuple[int, ...], Optional[int]]]:
         """(i, offset, shape, packed) of the chunks i in [lo, hi)."""
-        n, rows = chunks_count(global_shape, self.over), self.rows(global_shape)
-        rest = tuple(global_shape[1:])
-        zeros = (0,) * len(rest)
-        lo, hi = max(lo, 0), min(n, n if hi is None else hi)
+        g0 = global_shape[0]
+        rows = -(-g0 // self.over)
+        n = -(-g0 // rows) if rows else 0  # chunks_count, inline: a loader asks once per key and writer
+        lo, hi = max(lo, 0), n if hi is None or hi > n else hi
         if hi <= lo:
             return []
+        rest = tuple(global_shape[1:])
+        zeros = (0,) * len(rest)
+        if hi - lo == 1:  # one chunk (a rank's own, the common question): no lists of lists
+            at = self.packed[lo - self.packed_from] if self.packed is not None and lo >= self.packed_from else None
+            length = rows if hi * rows <= g0 else g0 - lo * rows
+            return [(lo, (lo * rows,) + zeros, (length,) + rest, None if at is None else int(at))]
         first = min(max(lo, self.packed_from), hi)  # the first packed chunk asked for
         packed: List[Optional[int]] = [None] * (first - lo)
         packed += self.packed[first - self.packed_from:hi - self.packed_from].tolist() \
             if self.packed is not None else [None] * (hi - first)
         shapes = [(rows,) + rest] * (hi - lo)
-        if hi * rows > global_shape[0]:  # the last chunk is shorter
-            shapes[-1] = (global_shape[0] - (hi - 1) * rows,) + rest
+        if hi * rows > g0:  # the last chunk is shorter
+            shapes[-1] = (g0 - (hi - 1) * rows,) + rest
         offsets = [(start,) + zeros for start in range(lo * rows, hi * rows, rows)]
         return list(zip(range(lo, hi), offsets, shapes, packed))
 
@@ -232,27 +238,42 @@ _SMALL_SPLITS = 64  # at most this many chunks per split: replayed with plain in
 def _replay_small(tensors: Mapping[str, Any], where: str) -> None:
     """:func:`replay_packs` where every even split has few chunks: the same rule (each writer's
     packed elements per dtype, a running sum in key order) kept in plain lists and dicts."""
-    ends: Dict[Tuple[str, int], int] = {}  # (dtype, writer) -> elements packed so far
+    # dtype -> elements packed so far by writers below _SMALL_SPLITS (every even chunk's writer), by
+    # position; listed shards of other writers in ``far`` (a list indexed by writer: no tuple keys per chunk)
+    ends: Dict[str, List[int]] = {}
+    far: Dict[Tuple[str, int], int] = {}
     for key in sorted(tensors):
         e = tensors[key]
-        if e.even is not None:
-            shape, first = e.global_shape, e.even.packed_from
-            n, rows, per_row = chunks_count(shape, e.even.over), e.even.rows(shape), math.prod(shape[1:])
-            at = []
-            for i in range(first, n):
-                end = ends.get((e.dtype, i), 0)
-                at.append(end)
-                ends[(e.dtype, i)] = end + (rows if i < n - 1 else shape[0] - (n - 1) * rows) * per_row
-            e.even.packed = np.array(at, dtype=np.int64)
+        col = ends.get(e.dtype)
+        if col is None:
+            col = ends[e.dtype] = [0] * _SMALL_SPLITS
+        even = e.even
+        if even is not None:
+            shape, first = e.global_shape, even.packed_from
+            g0 = shape[0]
+            rows = -(-g0 // even.over)
+            n = -(-g0 // rows) if rows else 0
+            per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
+            at = col[first:n]
+            size = rows * per_row
+            for i in range(first, n - 1):
+                col[i] += size
+            if first < n:
+                col[n - 1] += (g0 - (n - 1) * rows) * per_row
+            even.packed = np.array(at, dtype=np.int64)
             continue
         for i, s in enumerate(e.shards):
             if s.packed is None:
                 continue
-            end = ends.get((e.dtype, s.writer), 0)
+            w = s.writer
+            end = col[w] if w < _SMALL_SPLITS else far.get((e.dtype, w), 0)
             if end != s.packed:
                 raise FormatError(f"{where}: metadata.json field tensors[{key!r}].shards[{i}].packed {s.packed} is "
                                   "not where the packing rule puts it (writer's packed shards in key order)")
-            ends[(e.dtype, s.writer)] = end + s.numel
+            if w < _SMALL_SPLITS:
+                col[w] = end + s.numel
+            else:
+                far[(e.dtype, w)] = end + s.numel
 
 
 Place = Tuple[str, int, Tuple[int, ...]]  # dtype, element offset in the pack array, shard shape

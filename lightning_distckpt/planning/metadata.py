@@ -16,8 +16,8 @@ from ..core.format_versions import CHECKSUMS_SINCE, EVEN_SINCE
 from ..core.errors import FormatError, ShardingError
 from ..core.gc_pause import gc_paused
 from ..core.mapping import ShardedObject, ShardedTensor
-from ..storage.key_paths import colliding_keys, collision_reason
 from .even_index import EvenSplit, chunks_count, parse_even, replay_packs
+from .index_fast import fast_tensor_entries, refuse_colliding_keys
 
 FlatRange = Optional[Tuple[int, int]]
 
@@ -274,7 +274,14 @@ class CheckpointIndex:
         # with checksums and even splits, as every version since 4.
         version = data.get("format_version", EVEN_SINCE)
         index = cls(checksums=isinstance(version, int) and version >= CHECKSUMS_SINCE)
-        for key, e in f.obj(data.get("tensors"), "tensors").items():
+        tensors = f.obj(data.get("tensors"), "tensors")
+        even_ok = isinstance(version, int) and version >= EVEN_SINCE
+        # the common entries checked and built without naming their fields; the rest (and any fault) below
+        fast = fast_tensor_entries(tensors, even_ok, data.get("world_size"), rank_stores, MAX_TENSOR_BYTES)
+        for key, e in tensors.items():
+            if type(key) is str and key in fast:
+                index.tensors[key] = fast[key]
+                continue
             name = f"tensors[{key!r}]"
             e = f.obj(e, name)
             dtype = e.get("dtype")
@@ -284,7 +291,7 @@ class CheckpointIndex:
             if math.prod(gshape) * element_size(dtype) > MAX_TENSOR_BYTES:
                 raise FormatError(f"{where}: metadata.json field {name}.global_shape {list(gshape)} claims more than "
                                   f"{MAX_TENSOR_BYTES} bytes")
-            if "even" in e and isinstance(version, int) and version >= EVEN_SINCE:
+            if "even" in e and even_ok:
                 if "shards" in e:
                     raise FormatError(f"{where}: metadata.json field {name} has both shards and even (one of them)")
                 even = parse_even(e["even"], gshape, name, where, data.get("world_size"), rank_stores)
@@ -313,17 +320,8 @@ class CheckpointIndex:
                 stored.add(at)
                 entry_o.shards.append(StoredObject(offset, *at))
             index.objects[f.key(key, "objects")] = entry_o
-        _refuse_colliding_keys(index, where)
+        refuse_colliding_keys(index, where)
         return index
-
-
-def _refuse_colliding_keys(index: CheckpointIndex, where: str) -> None:
-    """FormatError when two tensor keys, or two object keys, are stored at one path (a save
-    refuses them: ``storage/key_paths.py``), so neither is read as the other."""
-    for kind, keys in (("tensors", index.tensors), ("objects", index.objects)):
-        for a, b in colliding_keys(keys):
-            raise FormatError(f"{where}: metadata.json lists {kind} {a!r} and {b!r}: {collision_reason(a, b)}; a save "
-                              f"refuses them, so this index was not written by us")
 
 
 MAX_TENSOR_BYTES = 1 << 50  # 1 PiB: no tensor of a checkpoint is bigger; a bigger claim is damage
