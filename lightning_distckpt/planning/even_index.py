@@ -219,7 +219,7 @@ def replay_packs(tensors: Mapping[str, Any], where: str) -> None:
     # sized by the ranks holding chunks (at most the rank stores), not by ``over``: ranks past the
     # last chunk write no chunk of any split (PackEnds keeps their listed shards apart)
     if max(chunks) <= _SMALL_SPLITS:
-        return _replay_small(tensors, where)
+        return _replay_small(tensors, where, max(chunks))
     packs = PackEnds(max(chunks))
     for key in sorted(tensors):
         e = tensors[key]
@@ -235,10 +235,10 @@ def replay_packs(tensors: Mapping[str, Any], where: str) -> None:
 _SMALL_SPLITS = 64  # at most this many chunks per split: replayed with plain ints (numpy per key cost ~5 µs)
 
 
-def _replay_small(tensors: Mapping[str, Any], where: str) -> None:
+def _replay_small(tensors: Mapping[str, Any], where: str, most: int) -> None:
     """:func:`replay_packs` where every even split has few chunks: the same rule (each writer's
     packed elements per dtype, a running sum in key order) kept in plain lists and dicts."""
-    # dtype -> elements packed so far by writers below _SMALL_SPLITS (every even chunk's writer), by
+    # dtype -> elements packed so far by writers below ``most`` (every even chunk's writer), by
     # position; listed shards of other writers in ``far`` (a list indexed by writer: no tuple keys per chunk)
     ends: Dict[str, List[int]] = {}
     far: Dict[Tuple[str, int], int] = {}
@@ -246,7 +246,7 @@ def _replay_small(tensors: Mapping[str, Any], where: str) -> None:
         e = tensors[key]
         col = ends.get(e.dtype)
         if col is None:
-            col = ends[e.dtype] = [0] * _SMALL_SPLITS
+            col = ends[e.dtype] = [0] * most
         even = e.even
         if even is not None:
             shape, first = e.global_shape, even.packed_from
@@ -266,11 +266,11 @@ def _replay_small(tensors: Mapping[str, Any], where: str) -> None:
             if s.packed is None:
                 continue
             w = s.writer
-            end = col[w] if w < _SMALL_SPLITS else far.get((e.dtype, w), 0)
+            end = col[w] if w < most else far.get((e.dtype, w), 0)
             if end != s.packed:
                 raise FormatError(f"{where}: metadata.json field tensors[{key!r}].shards[{i}].packed {s.packed} is "
                                   "not where the packing rule puts it (writer's packed shards in key order)")
-            if w < _SMALL_SPLITS:
+            if w < most:
                 col[w] = end + s.numel
             else:
                 far[(e.dtype, w)] = end + s.numel
