@@ -164,15 +164,16 @@ class TierCheckpoint(DistModelCheckpoint):
         self._marker_seen = True
 
     def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
-        """The durable ``last*.ckpt`` found, and the marker once local saves were made here, made the
-        newest candidate (its time set to now; on S3 the object written again, the same bytes): the
-        connector keeps the newest by modification time, and loading the marker asks the tiers for the
-        newest recoverable step, durable ones included."""
-        found = self.durable_last_checkpoints(trainer)
+        """The marker once local saves were made here, else the durable ``last*.ckpt`` found. Loading
+        the marker asks the tiers for the newest recoverable step, every durable ``last*.ckpt`` included
+        (:func:`durable_candidates`), so ours are not offered beside it: the connector keeps the newest
+        candidate by modification time, and S3 keeps whole seconds, a tie a fast restart can meet. The
+        marker is made the newest (its time set to now; on S3 the object written again, the same
+        bytes) against other callbacks' candidates."""
         marker = self.marker_path(trainer)
         if marker is not None and _touch_marker(marker):
-            found.add(marker)
-        return found
+            return {marker}
+        return self.durable_last_checkpoints(trainer)
 
     def durable_last_checkpoints(self, trainer: Any) -> Set[str]:
         """This callback's own ``last*.ckpt`` (DistModelCheckpoint's lookup)."""

@@ -27,6 +27,11 @@ def bucket(endpoint, monkeypatch):
     for name, value in (("AWS_ENDPOINT_URL", endpoint), ("AWS_ACCESS_KEY_ID", "testing"),
                         ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_REGION", "us-east-1")):
         monkeypatch.setenv(name, value)
+    try:  # fsspec keeps s3fs instances keyed by their arguments, not the environment: one made in an
+        import s3fs  # earlier module (Lightning's ModelCheckpoint makes them) would ask that module's
+        s3fs.S3FileSystem.clear_instance_cache()  # stopped server
+    except ImportError:
+        pass
     name = f"b-{uuid.uuid4().hex[:12]}"
     client(endpoint).create_bucket(Bucket=name)
     return name
