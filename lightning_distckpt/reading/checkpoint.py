@@ -106,14 +106,9 @@ class OpenedCheckpoint:
         return read_common(self._store(), self.path, self.marker, extra_safe_globals)
 
 
-class TemplateOnly:
-    """``source`` read for the template's leaves only (``load(..., common=False)``): the load
-    neither merges the common state nor reads the plain tensors stored where the template has no
-    leaf (:attr:`keeps_common` False, asked by the pipeline through any wrapper). The common state
-    is still read where the template's own plain tensors are kept there (a checkpoint that keeps
-    them in it): their values come from nowhere else. Every other attribute is the source's."""
-
-    keeps_common = False
+class SourceView:
+    """A checkpoint source seen through a view that changes one aspect of a load (its subclasses);
+    every attribute it does not set is the wrapped source's."""
 
     def __init__(self, source: CheckpointSource) -> None:
         self.source = source
@@ -130,6 +125,16 @@ class TemplateOnly:
         if name == "source":  # not set yet (copy / unpickle): no recursion
             raise AttributeError(name)
         return getattr(self.source, name)
+
+
+class TemplateOnly(SourceView):
+    """``source`` read for the template's leaves only (``load(..., common=False)``): the load
+    neither merges the common state nor reads the plain tensors stored where the template has no
+    leaf (:attr:`keeps_common` False, asked by the pipeline through any wrapper). The common state
+    is still read where the template's own plain tensors are kept there (a checkpoint that keeps
+    them in it): their values come from nowhere else. Every other attribute is the source's."""
+
+    keeps_common = False
 
 
 def keeps_common(source: Any) -> bool:

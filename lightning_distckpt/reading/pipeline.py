@@ -22,7 +22,7 @@ from ..comm import Comm
 from ..core.errors import CheckpointingError
 from ..core.strict import StrictHandling
 from ..planning.load_plan import SAME_KIND, check_dtype_conversion, check_global_shapes, parse_cast
-from .checkpoint import CheckpointSource, keeps_common, open_checkpoint
+from .checkpoint import CheckpointSource, SourceView, keeps_common, open_checkpoint
 from .reads import read_objects
 from .plain_tensors import fill_from_common, lacking_plain, request_stored, stored_places, with_filled
 from .request import LoadRequest, assemble, make_request, match_keys
@@ -56,27 +56,14 @@ class LoadContext:
 Opener = Callable[[], CheckpointSource]
 
 
-class CastingSource:
+class CastingSource(SourceView):
     """``source`` read under the cast rule ``cast`` (``planning.load_plan.CAST_RULES``): how
     ``load(..., cast="any")`` reaches :func:`begin_load` through any loader, whose ``load``
     signature stays as it is. Every other attribute is the source's."""
 
     def __init__(self, source: CheckpointSource, cast: str) -> None:
-        self.source = source
+        super().__init__(source)
         self.cast = cast
-        self.path: str = source.path
-        self.index = source.index
-
-    def reader(self) -> Any:
-        return self.source.reader()
-
-    def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
-        return self.source.load_common(extra_safe_globals)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "source":  # not set yet (copy / unpickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.source, name)
 
 
 def with_cast(checkpoint: Union[str, CheckpointSource, Opener],

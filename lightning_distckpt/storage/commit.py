@@ -80,6 +80,7 @@ def _file_sha256(path: str) -> str:
 
 
 def fsync_dir(path: str) -> None:
+    """fsync ``path``: a directory (its entries) or a file (its data)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -95,13 +96,6 @@ def fsync_tree_dirs(root: str, skip: Callable[[str], bool] = lambda path: False)
         dirnames[:] = [d for d in dirnames if not skip(os.path.join(dirpath, d))]
         fsync_dir(dirpath)
 
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _SYNC_THREADS = 16  # files fsync'd at once: each waits for the journal, they share its commits
@@ -128,7 +122,7 @@ def fsync_tree(root: str) -> None:
             except IndexError:  # another thread took the last one
                 return
             try:
-                _fsync_path(path)
+                fsync_dir(path)
             except OSError as e:
                 errors.append(e)
 

@@ -118,8 +118,7 @@ def test_an_ocdbt_store_is_made_durable_after_its_commit(tmp_path, monkeypatch):
 
     assert LocalStore(str(tmp_path)).ts_context(StorageOptions()).spec.to_json()["file_io_sync"] is False
     synced = []
-    real_file, real_dir = commit_mod._fsync_path, commit_mod.fsync_dir
-    monkeypatch.setattr(commit_mod, "_fsync_path", lambda path: (synced.append(path), real_file(path)))
+    real_dir = commit_mod.fsync_dir  # files and directories alike
     monkeypatch.setattr(commit_mod, "fsync_dir", lambda path: (synced.append(path), real_dir(path)))
     ldc.save(_state(), str(tmp_path / "ck"))
     store = rank_dir(str(tmp_path / "ck"), 0)
