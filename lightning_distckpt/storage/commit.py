@@ -102,18 +102,20 @@ _SYNC_THREADS = 16  # files fsync'd at once: each waits for the journal, they sh
 
 
 def fsync_tree(root: str) -> None:
-    """fsync every file under ``root``, all at once from threads (concurrent fsyncs share the file
-    system's journal commits, so a few cost about one), then every directory (``root`` included),
-    whose entries those commits mostly carried already. Raises the first OSError. Plain threads,
-    not a ``concurrent.futures`` pool (see ``saving/save_commit._beside``: an async save may finish
-    after the interpreter stopped taking futures)."""
-    files: List[str] = []
-    dirs: List[str] = []
+    """fsync every file and every directory under ``root`` (``root`` included), all at once from
+    threads: concurrent fsyncs share the file system's journal commits, so a few cost about one.
+    The directories go with the files, not after them: each fsync makes durable what is there when
+    it runs (a directory its entries, a file its data), the files and their entries all exist
+    before this is called, and nothing after it relies on an order among them, only on all being
+    done when it returns (before the commit marker; ``storage/commit.commit``). Raises the first
+    OSError. Plain threads, not a ``concurrent.futures`` pool (see ``saving/save_commit._beside``:
+    an async save may finish after the interpreter stopped taking futures)."""
+    paths: List[str] = []
     for dirpath, _, filenames in os.walk(root):
-        dirs.append(dirpath)
-        files += [os.path.join(dirpath, name) for name in filenames]
+        paths.append(dirpath)
+        paths += [os.path.join(dirpath, name) for name in filenames]
     errors: List[OSError] = []
-    pending = list(reversed(files))
+    pending = list(reversed(paths))
 
     def work() -> None:
         while pending:
@@ -127,7 +129,7 @@ def fsync_tree(root: str) -> None:
                 errors.append(e)
 
     threads = [threading.Thread(target=work, name="distckpt-fsync", daemon=True)
-               for _ in range(min(_SYNC_THREADS, len(files)) - 1)]
+               for _ in range(min(_SYNC_THREADS, len(paths)) - 1)]
     for t in threads:
         t.start()
     work()  # this thread takes its share
@@ -135,8 +137,6 @@ def fsync_tree(root: str) -> None:
         t.join()
     if errors:
         raise errors[0]
-    for path in reversed(dirs):  # deepest first: a directory after the entries in it
-        fsync_dir(path)
 
 
 def _made_durable_elsewhere(staging: str) -> Callable[[str], bool]:
