@@ -146,11 +146,23 @@ class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorPara
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank saves its shards of the model and optimizer state; the rest of
         ``checkpoint`` (loops, callbacks, schedulers, hyper-parameters) is common state."""
+        self._save_agreed = False
         tree = self.sharded_checkpoint(checkpoint, f"save to {checkpoint_location(filepath, 'filepath')}")
         if self._parallel_state is None:
             # Before the first run, as after a teardown: no later hook would commit a background save.
             self.checkpoint_io.background_saves = False
         self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
+        # A save made here and now (none left pending in the background) ended with every rank of the world
+        # agreeing on its commit (saving/save_commit.finalize_save): every rank is past it, as after a barrier
+        self._save_agreed = self.checkpoint_io.pending is None
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Lightning's barrier, except the one ``Trainer.save_checkpoint`` makes right after a synchronous
+        save of :meth:`save_checkpoint`: that save's last step was an agreement of every rank already
+        (one collective round less per checkpoint; a background save keeps the barrier)."""
+        if name == "Trainer.save_checkpoint" and self.__dict__.pop("_save_agreed", False):
+            return
+        super().barrier(name)
 
     def sharded_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> Dict[str, Any]:
         """Collective: the tree :meth:`save_checkpoint` saves for Lightning's ``checkpoint`` dict (the

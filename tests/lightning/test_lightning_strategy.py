@@ -11,7 +11,8 @@ import torch
 from lightning_distckpt.lightning import load_lightning_module
 from lightning_helpers import TEST_STEP, TPMLP, run_script
 
-SCENARIOS = ["tp_layers", "exact_resume", "failures", "nonstrict", "topk_last", "link_last", "exact_resume_yaml"]
+SCENARIOS = ["tp_layers", "exact_resume", "failures", "nonstrict", "topk_last", "link_last", "exact_resume_yaml",
+             "save_barrier"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,18 @@ def test_tensor_parallel_layers_and_groups(tp2):
         assert described["m.fc2.weight"] == [[3, 8], [0, 4 * rank], 0, True]
         assert described["m.fc2.bias"] == [[3], [0], [rank, 0], True]  # replicated: rank 0 writes it
         assert described["m.norm.weight"] == [[3], [0], [rank, 0], True]
+
+
+def test_no_second_barrier_after_a_synchronous_save(tp2):
+    """A synchronous save ends with every rank agreeing on its commit, so Trainer.save_checkpoint's
+    barrier after it is left out; a background save keeps it (issue 29: a collective round less)."""
+    _, results = tp2
+    for res in results:
+        assert res["barrier_sync"] == {"barriers": 0, "committed_on_return": True, "pending": False,
+                                       "barriers_after": 1}
+        assert res["barrier_async"]["pending"] is True and res["barrier_async"]["barriers"] == 1
+        assert res["barrier_async"]["barriers_after"] == 2
+        assert res["barrier_sync_committed_after_fit"] and res["barrier_async_committed_after_fit"]
 
 
 def test_exact_resume_restores_everything(tp2):

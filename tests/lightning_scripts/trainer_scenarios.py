@@ -370,8 +370,48 @@ def exact_resume_yaml(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["yaml_two_stage_loads"] = sum("two_stage" in m or "two-stage" in m for m in logs.messages)
 
 
+class CountingBarriers(Callback):
+    """At step 1, ``trainer.save_checkpoint`` with ``torch.distributed.barrier`` counted; records the
+    barriers it made and whether the checkpoint was committed (or pending) when it returned."""
+
+    def __init__(self, path: str, results: Dict[str, Any]) -> None:
+        self.path, self.results = path, results
+
+    def on_train_batch_end(self, trainer_: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer_.global_step != 1:
+            return
+        real, calls = torch.distributed.barrier, []
+
+        def counted(*a: Any, **k: Any) -> Any:
+            calls.append(1)
+            return real(*a, **k)
+
+        torch.distributed.barrier = counted
+        try:
+            trainer_.save_checkpoint(self.path)
+            self.results["barriers"] = len(calls)
+            self.results["committed_on_return"] = committed(self.path)
+            self.results["pending"] = trainer_.strategy.checkpoint_io.pending is not None
+            trainer_.strategy.barrier("Trainer.save_checkpoint")  # not right after a save: a barrier
+            self.results["barriers_after"] = len(calls)
+        finally:
+            torch.distributed.barrier = real
+
+
+def save_barrier(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Trainer.save_checkpoint's barrier after a synchronous save is left out (the save's commit was
+    agreed by every rank: each sees it committed when it returns); after a background save it stays."""
+    for name, cfg in (("sync", {}), ("async", {"async_save": True})):
+        seen: Dict[str, Any] = {}
+        path = os.path.join(args.dir, "barrier", name)
+        t = trainer(args, strategy_for(args, **cfg), 2, [CountingBarriers(path, seen)], enable_checkpointing=False)
+        t.fit(TPMLP(total_steps=2))
+        res[f"barrier_{name}"] = seen
+        res[f"barrier_{name}_committed_after_fit"] = committed(path)
+
+
 SCENARIOS = {"tp_layers": tp_layers, "exact_resume": exact_resume, "failures": failures, "nonstrict": nonstrict,
-             "resume_other_world": resume_other_world, "exact_resume_yaml": exact_resume_yaml, "topk_last": topk_last, "link_last": link_last}
+             "resume_other_world": resume_other_world, "exact_resume_yaml": exact_resume_yaml, "topk_last": topk_last, "link_last": link_last, "save_barrier": save_barrier}
 
 
 if __name__ == "__main__":
