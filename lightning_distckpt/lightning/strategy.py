@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from ..comm import get_comm
 from ..core.errors import CheckpointingError
+from ..core.mapping import ShardedTensorFactory
 from ..storage.paths import checkpoint_location
 from .async_warmup import AsyncWarmupMixin, staged_share
 from .parallel import STRATEGY_NAME, ParallelState
@@ -145,9 +146,15 @@ class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorPara
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank saves its shards of the model and optimizer state; the rest of
-        ``checkpoint`` (loops, callbacks, schedulers, hyper-parameters) is common state."""
+        ``checkpoint`` (loops, callbacks, schedulers, hyper-parameters) is common state. A rank that cannot
+        build its tree fails the save's handshake (:func:`failing_tree`): every rank raises its error, in
+        one collective round fewer than an agreement of its own before the save."""
         self._save_agreed = False
-        tree = self.sharded_checkpoint(checkpoint, f"save to {checkpoint_location(filepath, 'filepath')}")
+        checkpoint_location(filepath, "filepath")  # a bad path is refused alike on every rank, before anything
+        try:
+            tree = self._checkpoint_tree(checkpoint)
+        except Exception as e:  # agreed by the save's handshake, not by a collective of its own
+            tree = failing_tree(e)
         if self._parallel_state is None:
             # Before the first run, as after a teardown: no later hook would commit a background save.
             self.checkpoint_io.background_saves = False
@@ -167,16 +174,17 @@ class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorPara
     def sharded_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> Dict[str, Any]:
         """Collective: the tree :meth:`save_checkpoint` saves for Lightning's ``checkpoint`` dict (the
         module's and optimizers' shards; the rest common state). ``what`` names the save in errors."""
-        def build() -> Dict[str, Any]:
-            model_ssd = self._model_ssd()
-            tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            tree["state_dict"] = model_ssd
-            if "optimizer_states" in checkpoint:
-                tree["optimizer_states"] = self._optimizer_states(model_ssd)
-            tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
-            return tree
+        return build_on_all_ranks(what, lambda: self._checkpoint_tree(checkpoint))
 
-        return build_on_all_ranks(what, build)
+    def _checkpoint_tree(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's tree for ``checkpoint`` (local: no collective)."""
+        model_ssd = self._model_ssd()
+        tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        tree["state_dict"] = model_ssd
+        if "optimizer_states" in checkpoint:
+            tree["optimizer_states"] = self._optimizer_states(model_ssd)
+        tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
+        return tree
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -211,6 +219,17 @@ class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorPara
             raise CheckpointingError(f"the checkpoint has {len(states)} optimizer states, the module has {len(optimizers)} optimizers")
         for opt, state in zip(optimizers, states):
             restore_optimizer(opt, state)
+
+
+def failing_tree(error: Exception) -> Dict[str, Any]:
+    """A state dict whose description raises ``error``: its one entry is a factory that re-raises it.
+    The save's handshake agrees on every rank's failure to describe its state
+    (``saving/save_prepare.prepare_save``), so every rank raises ``error`` (its type kept, this rank
+    named) before anything is written, as it would for a failure inside ``sharded_state_dict``."""
+    def fail(*_: Any) -> Any:
+        raise error
+
+    return {"failed": ShardedTensorFactory("failed", torch.empty(0), fail, fail)}
 
 
 DistCheckpointStrategy.register_strategies(StrategyRegistry)

@@ -77,9 +77,9 @@ def test_save_failing_on_one_rank_raises_on_every_rank(tp2):
         # A write that fails on rank 1 only: every rank raises SaveFailedError naming rank 1.
         assert fails["write_fails_on_rank1"].startswith("SaveFailedError")
         assert "rank 1" in fails["write_fails_on_rank1"] and "meta" in fails["write_fails_on_rank1"]
-        # Rank 1 cannot even describe its state: every rank raises before any collective I/O.
+        # Rank 1 cannot even describe its state: every rank raises before writing (agreed by the save's handshake).
         assert fails["describe_fails_on_rank1"].startswith("CheckpointingError")
-        assert "before any I/O: rank 1: this rank cannot describe its state" in fails["describe_fails_on_rank1"]
+        assert "before writing: rank 1: this rank cannot describe its state" in fails["describe_fails_on_rank1"]
         assert res["failures_global_step"] == 4  # and training went on on every rank
         assert res["good_ckpt_intact"] is True  # the earlier checkpoint at the same path survived
         assert res["leftovers"] == []  # failed saves left no staging directories
