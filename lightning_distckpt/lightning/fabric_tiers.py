@@ -62,6 +62,7 @@ class FabricTiers:
         snapshotted (True), or at once when no save is due (False)."""
         if step % self.options.local_every_n_steps or step == self._last_step:
             return False
+        self.tier.begin(step)  # the node's oldest step removed while the tree is built
         tree = self.strategy.sharded_state(_unwrap_objects(state), what=f"local tier step {step}")
         self.tier.save(tree, step=step)
         self._last_step = step

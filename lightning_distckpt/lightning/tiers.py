@@ -69,6 +69,7 @@ class TierCheckpoint(DistModelCheckpoint):
         self.local_tier: Optional[LocalTier] = None
         self._last_local_step = -1
         self._marker_seen = False  # the marker exists (this process wrote or found it): no look per local save
+        self._staging_reserved = True  # on_train_start clears it: the snapshot memory is reserved once per fit
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -90,6 +91,25 @@ class TierCheckpoint(DistModelCheckpoint):
         the batches before the next optimizer step end at that same global step."""
         super().on_train_start(trainer, pl_module)
         self._last_local_step = trainer.global_step
+        self._staging_reserved = False
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Once per fit, when the optimizers hold state (their moments allocated: the estimate covers
+        them), the local tier's snapshot memory is allocated and faulted in on a thread of its own (as
+        the strategy does for its durable saves): the first local save only copies."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._staging_reserved or self.local_tier is None:
+            return
+        strategy = trainer.strategy
+        raw = getattr(strategy, "_raw_optimizers", None)  # Lightning's wrappers removed
+        optimizers = raw() if callable(raw) else list(strategy.optimizers)
+        if not any(o.state for o in optimizers):
+            return
+        self._staging_reserved = True
+        estimate = getattr(strategy, "_staged_bytes_estimate", None)
+        if callable(estimate) and not self._skip(trainer):
+            nbytes, on_accelerator = estimate()
+            self.local_tier.reserve_staging(nbytes, on_accelerator)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The durable save when due (ModelCheckpoint's), then the local one when due."""
@@ -126,6 +146,7 @@ class TierCheckpoint(DistModelCheckpoint):
         """Collective: the checkpoint ``trainer.save_checkpoint`` would write, handed to the local tier
         (which returns once it has its snapshot)."""
         assert self.local_tier is not None, "TierCheckpoint.setup makes the local tier"
+        self.local_tier.begin(step)  # the node's oldest step removed while the tree is built
         self.local_tier.save(self.local_tree(trainer, step), step=step)
         self._last_local_step = step
         if trainer.is_global_zero:

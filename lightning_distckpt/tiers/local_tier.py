@@ -55,6 +55,11 @@ def _saver(options: TierOptions) -> AsyncSaver:
     return AsyncSaver()
 
 
+def _check_step(step: Any, method: str) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ArgumentError(f"LocalTier.{method}: step must be an int >= 0, got {step!r}")
+
+
 class LocalTier:
     """The node-local tier of one rank (every rank of the group makes one, with the same options)."""
 
@@ -64,6 +69,8 @@ class LocalTier:
         self.options = options
         self.process_group = process_group
         self._thread: Optional[threading.Thread] = None
+        self._room: Optional[threading.Thread] = None  # the lead making room for the next save (begin)
+        self._room_step: Optional[int] = None  # the step room was made (or is being made) for
         self._error: Optional[BaseException] = None
         self._closed = False
         self._superseded = False
@@ -88,22 +95,52 @@ class LocalTier:
         """This node's local root (``local_dir`` with ``{node}`` replaced)."""
         return self._ctx.root
 
+    def begin(self, step: int) -> None:
+        """Optional, before building the tree that :meth:`save` of ``step`` gets: waits for the previous
+        local save (raising what failed), then this node's lead starts making room for ``step`` (removing
+        the oldest step directory beyond ``keep_local``) on a helper thread, so the removal overlaps the
+        caller's building of the tree instead of adding to it; :meth:`save` finishes it before anything
+        is written. Enters no collective."""
+        self._check_open()
+        _check_step(step, "begin")
+        self._begin(step, background=True)
+
     def save(self, sharded_state_dict: Dict[str, Any], step: int) -> None:
         """Collective. Waits for the previous local save (and its replication) to finish (raising what
         failed), then snapshots this rank's shards and returns; writing, commit, replication to partners
         and pruning finish on the tier's thread."""
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ArgumentError(f"LocalTier.save: step must be an int >= 0, got {step!r}")
-        self.wait()
-        self._ready.clear()  # the save may prune or replace what an earlier load completed
-        self._holdings = None
-        if self._ctx.is_lead:  # room first: with a staging budget the save writes much before it returns
-            make_room(self._ctx, step)
+        _check_step(step, "save")
+        if self._room_step != step:  # no begin(step): room is made now
+            self._begin(step, background=False)
+        self.wait()  # the room made (no rank writes before the leads enter the save's handshake)
+        self._room_step = None
         request = self._saver.save(sharded_state_dict, self._ctx.location(step), comm=self._ctx.comm)
         self._thread = threading.Thread(target=self._finish, args=(request, step), name="distckpt-local-tier",
                                         daemon=True)
         self._thread.start()
+
+    def _begin(self, step: int, background: bool) -> None:
+        """Wait for the previous save; the lead makes room for ``step`` (on a helper thread: ``background``)."""
+        self.wait()
+        self._ready.clear()  # the save may prune or replace what an earlier load completed
+        self._holdings = None
+        self._room_step = step
+        if not self._ctx.is_lead:  # room first: with a staging budget the save writes much before it returns
+            return
+        if background:
+            self._room = threading.Thread(target=make_room, args=(self._ctx, step), name="distckpt-local-tier-room",
+                                          daemon=True)
+            self._room.start()
+        else:
+            make_room(self._ctx, step)
+
+    def reserve_staging(self, nbytes: int, on_accelerator: bool = False) -> None:
+        """Local: allocate the snapshot's staging memory for an expected ``nbytes`` on this rank (capped
+        at ``max_staging_bytes``) and fault its pages in on a thread of its own, ahead of the first
+        save, which otherwise pays them (:meth:`AsyncSaver.reserve_staging`)."""
+        self._check_open()
+        self._saver.reserve_staging(nbytes, on_accelerator)
 
     def _finish(self, request: Any, step: int) -> None:
         lower_thread(threading.get_native_id(), getattr(self._saver, "nice", 0))  # like the saver's writing thread: the training comes first
@@ -114,6 +151,9 @@ class LocalTier:
 
     def wait(self) -> None:
         """Collective. Finishes the in-flight local save and replication (raises what failed)."""
+        room, self._room = self._room, None
+        if room is not None:  # make_room logs what failed: nothing to raise
+            room.join()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
@@ -128,6 +168,7 @@ class LocalTier:
         error); None when nothing is recoverable. Waits for a local save in flight first."""
         self._check_open()
         self.wait()
+        self._room_step = None  # what was listed (and may be fetched next) stays until a save makes room again
         point, self._holdings, self._durable = recoverable(self._ctx, durable)
         return point
 
@@ -149,6 +190,7 @@ class LocalTier:
         if "process_group" in load_kwargs:
             raise ArgumentError("LocalTier.load: the tier's process_group is used; do not pass one")
         self.wait()
+        self._room_step = None
         if point.source == "durable":
             self.last_point = point
             return load(sharded_state_dict, point.path, process_group=self.process_group, **load_kwargs)
@@ -171,9 +213,9 @@ class LocalTier:
         """A newer tier over the same ranks takes the group: finish the background work (what failed is
         raised by ``wait``/``close``), and refuse further use."""
         self._superseded = True
-        thread = self._thread
-        if thread is not None:
-            thread.join()
+        for thread in (self._room, self._thread):
+            if thread is not None:
+                thread.join()
 
     def _check_open(self) -> None:
         if self._closed:

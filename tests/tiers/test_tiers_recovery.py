@@ -22,11 +22,13 @@ def _small_pieces():
     transfer.PIECE_BYTES, transfer.ROUND_BYTES = 1000, 2500
 
 
-def _save_steps(rank, world, tmp, steps, durable_at=(), small_pieces=False, kw=None):
+def _save_steps(rank, world, tmp, steps, durable_at=(), small_pieces=False, kw=None, begin=()):
     if small_pieces:
         _small_pieces()
     tier = LocalTier(options(tmp, **(kw or {})))
     for step in steps:
+        if step in begin:  # as TierCheckpoint: room made while the tree is built
+            tier.begin(begin[step])
         sd = state(rank, world, step)
         tier.save(sd, step)
         sd["w"].data.add_(1e6)  # the training goes on at once: the save holds its own snapshot
@@ -58,9 +60,11 @@ def _held(root, step):
     return {r: n["copy"] for r, n in read_notes(step_dir(root, step)).items()}
 
 
-def test_save_replicate_prune_and_agree(tmp_path):
+# begin: step -> the step begin() is called with before that step's save (another step: save makes room itself)
+@pytest.mark.parametrize("begin", [{}, {10: 10, 20: 20, 30: 30}, {20: 20, 30: 25}], ids=["save", "begin", "mixed"])
+def test_save_replicate_prune_and_agree(tmp_path, begin):
     tmp = str(tmp_path)
-    results = run_distributed(_save_steps, 4, tmp, [10, 20, 30])
+    results = run_distributed(_save_steps, 4, tmp, [10, 20, 30], (), False, None, begin)
     assert {r[0] for r in results} == {RecoveryPoint(30, "local")}
     assert [r[1] for r in results] == ["node0", "node0", "node1", "node1"]
     for node, own, copies in (("node0", {0, 1}, {2, 3}), ("node1", {2, 3}, {0, 1})):
@@ -68,6 +72,31 @@ def test_save_replicate_prune_and_agree(tmp_path):
         assert sorted(os.listdir(root)) == ["step_000000020", "step_000000030"]  # keep_local=2
         held = _held(root, 30)
         assert {r for r, c in held.items() if not c} == own and {r for r, c in held.items() if c} == copies
+
+
+def _save_with_reserved_staging(rank, world, tmp):
+    """Step 10 by one tier (its snapshot's size noted), 20 and 30 by a second one that reserved that
+    much before its first save (the pool the save then copies into, faulted in by a thread)."""
+    first = LocalTier(options(tmp))
+    first.save(state(rank, world, 10), 10)
+    first.close()
+    nbytes = first._saver.staging_bytes
+    tier = LocalTier(options(tmp))
+    tier.reserve_staging(nbytes)
+    assert tier._saver.staging_bytes == nbytes
+    for step in (20, 30):
+        sd = state(rank, world, step)
+        tier.save(sd, step)
+        sd["w"].data.add_(1e6)
+        assert tier._saver.staging_bytes == nbytes  # the reserved pool, not a new one
+    tier.close()
+
+
+def test_reserved_snapshot_memory_saves_exactly(tmp_path):
+    tmp = str(tmp_path)
+    run_distributed(_save_with_reserved_staging, 4, tmp)
+    shutil.rmtree(os.path.join(tmp, "node0"))
+    assert set(run_distributed(_recover, 4, tmp)) == {RecoveryPoint(30, "local")}  # bit-exact (check_loaded)
 
 
 @pytest.mark.parametrize("lost,small_pieces", [("node0", False), ("node1", True)])
