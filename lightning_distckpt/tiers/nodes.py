@@ -84,7 +84,11 @@ def name_nodes(found: List[Tuple[Optional[str], str, Optional[int]]]) -> List[st
 
 def local_root(options: TierOptions, node: str) -> str:
     """The node-local root of ``node``: ``local_dir`` with ``{node}`` replaced, absolute."""
-    return os.path.abspath(os.path.expanduser(options.local_dir.replace(NODE_PLACEHOLDER, node)))
+    return _root_of(options.local_dir, node)
+
+
+def _root_of(local_dir: str, node: str) -> str:
+    return os.path.abspath(os.path.expanduser(local_dir.replace(NODE_PLACEHOLDER, node)))
 
 
 @dataclass(frozen=True)
@@ -139,35 +143,34 @@ def _world_rank(comm: Comm) -> int:
 
 
 def gather_nodes(options: TierOptions, comm: Comm) -> Tuple[NodeMap, str]:
-    """Collective: every rank's node, and this rank's node-local root. ArgumentError on every rank
-    when two nodes of one host would share a root (``local_dir`` needs ``{node}`` when nodes are
-    simulated on one host)."""
+    """Collective (one all-gather): every rank's node, and this rank's node-local root. ArgumentError
+    on every rank when two nodes of one host would share a root (``local_dir`` needs ``{node}`` when
+    nodes are simulated on one host). Each rank's name and root follow from what every rank gathered
+    (its given name, host, launcher node and ``local_dir``), so every rank computes every rank's alike."""
     error: Optional[Exception] = None
     host = socket.gethostname()
-    mine: Tuple[Optional[str], str, Optional[int]] = (None, host, None)
+    mine: Tuple[Optional[str], str, Optional[int], str] = (None, host, None, options.local_dir)
     try:
         given = node_name(options, comm.rank)
-        mine = (given, host, launcher_node(_world_rank(comm)) if given is None else None)
+        mine = (given, host, launcher_node(_world_rank(comm)) if given is None else None, options.local_dir)
     except Exception as e:  # agreed: every rank raises it
         error = e
     found = comm.agree("local tier: naming the nodes failed", error, mine, default=ArgumentError)
-    name = name_nodes(found)[comm.rank]
-    where: Tuple[str, str, str] = (name, host, "")
+    names = name_nodes([f[:3] for f in found])
     try:
-        check_node_name(name)
-        where = (name, host, local_root(options, name))
-    except Exception as e:
-        error = e
-    gathered: List[Tuple[str, str, str]] = comm.agree("local tier: naming the nodes failed", error, where,
-                                                      default=ArgumentError)
+        for name in dict.fromkeys(names):  # the same check on every rank: the same error everywhere
+            check_node_name(name)
+    except ArgumentError as e:
+        raise ArgumentError(f"local tier: naming the nodes failed: {e}") from e
     owners: Dict[Tuple[str, str], str] = {}
-    for node, host_name, root in gathered:
+    for node, (_, host_name, _, local_dir) in zip(names, found):
+        root = _root_of(local_dir, node)
         other = owners.setdefault((host_name, root), node)
         if other != node:
             raise ArgumentError(f"TierOptions.local_dir: nodes {other!r} and {node!r} on host {host_name!r} would "
                                 f"share the local directory {root!r}; put '{NODE_PLACEHOLDER}' in local_dir")
-    nodes = NodeMap(tuple(g[0] for g in gathered))
+    nodes = NodeMap(tuple(names))
     if comm.rank == 0 and options.replicas > nodes.copies(options.replicas):
         logger.warning("local tier: replicas=%d asked, but only %d other node(s): keeping %d partner copies",
                        options.replicas, len(nodes.names) - 1, nodes.copies(options.replicas))
-    return nodes, where[2]
+    return nodes, local_root(options, names[comm.rank])

@@ -114,3 +114,19 @@ def test_launcher_variables_split_one_host_into_nodes(tmp_path):
     assert {r: n["copy"] for r, n in notes.items()} == {0: False, 1: False, 2: True, 3: True}
     errors = run_distributed(_launched, 4, str(tmp_path / "bad"), 3)
     assert len(set(errors)) == 1 and "LOCAL_RANK" in errors[0]
+
+
+def _shared_root(rank, world, tmp):
+    try:
+        LocalTier(TierOptions(local_dir=tmp, ranks_per_node=2))
+    except ArgumentError as e:
+        return str(e)
+    return None
+
+
+def test_simulated_nodes_sharing_one_directory_refused_on_every_rank(tmp_path):
+    """Two simulated nodes of one host with a local_dir lacking {node}: the same ArgumentError on every
+    rank (each rank's root computed from what all gathered), naming both nodes and the fix."""
+    errors = run_distributed(_shared_root, 4, str(tmp_path))
+    assert len(set(errors)) == 1 and errors[0] is not None
+    assert "'node0' and 'node1'" in errors[0] and "{node}" in errors[0]
