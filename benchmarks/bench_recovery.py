@@ -32,7 +32,8 @@ Reported per contestant (slowest rank): steps redone (fail step - step resumed f
 reading), restore CPU s (the same hooks' process CPU seconds, summed over the ranks: steadier than wall
 seconds on a shared machine), start s (recovery s - restore s on each rank: starting the processes, the same work for
 every contestant), run s (first step to the
-failure), checkpointing overhead s (run s - ``none``'s run s), blocked s (the training thread inside
+failure), run CPU s (the same span's process CPU seconds, summed over the ranks: the checkpointing's background
+work included), checkpointing overhead s (run s - ``none``'s run s), blocked s (the training thread inside
 saves), and lost s = recovery s + steps redone x ``none``'s mean step time.
 """
 
@@ -135,15 +136,17 @@ def _parts(args: argparse.Namespace) -> Tuple[Any, ...]:
         commit, partner copy), and building the checkpoint dict (the rest is LocalTier.save's snapshot)."""
 
         local_s = 0.0
+        local_cpu_s = 0.0  # the training thread's CPU seconds in local saves
         local_wait_s = 0.0
         local_tree_s = 0.0
 
         def save_local(self, trainer: Any, step: int) -> None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             self.local_tier.wait()  # what LocalTier.save would wait for first, timed apart
             self.local_wait_s += time.perf_counter() - t0
             super().save_local(trainer, step)
             self.local_s += time.perf_counter() - t0
+            self.local_cpu_s += time.thread_time() - c0
 
         def local_tree(self, trainer: Any, step: int) -> Any:
             t0 = time.perf_counter()
@@ -163,7 +166,7 @@ def _parts(args: argparse.Namespace) -> Tuple[Any, ...]:
             now = time.time()
             if not self.record:
                 self.record = {"to_first_step_s": now - args.t0, "first_step": trainer.global_step,
-                               "restore_s": trainer.strategy.restore_s,
+                               "cpu_first": time.process_time(), "restore_s": trainer.strategy.restore_s,
                                "restore_cpu_s": getattr(trainer.strategy, "restore_cpu_s", 0.0), "t_first": now}
                 if args.phase == "restart":
                     self._exit(trainer)
@@ -173,6 +176,8 @@ def _parts(args: argparse.Namespace) -> Tuple[Any, ...]:
                         cb.local_tier.wait()
                 tier = [cb for cb in trainer.callbacks if isinstance(cb, TimedTierCheckpoint)]
                 self.record.update(run_s=now - self.record["t_first"],
+                                   run_cpu_s=time.process_time() - self.record["cpu_first"],
+                                   local_cpu_s=sum(cb.local_cpu_s for cb in tier),
                                    steps=trainer.global_step - self.record["first_step"],
                                    blocked_s=trainer.strategy.save_s + sum(cb.local_s for cb in tier),
                                    durable_s=trainer.strategy.save_s, local_s=sum(cb.local_s for cb in tier),
@@ -249,6 +254,7 @@ def _contestant(args: argparse.Namespace, name: str) -> Dict[str, Any]:
 
     run = _launch(args, "run", name, os.path.join(args.work, f"{name}-run"))
     res: Dict[str, Any] = {"contestant": name, "run": run, "run_s": max(r["run_s"] for r in run),
+                           "run_cpu_s": sum(r["run_cpu_s"] for r in run),
                            "steps": run[0]["steps"], "blocked_s": max(r["blocked_s"] for r in run)}
     if name == "none":
         return res
@@ -277,15 +283,16 @@ def _table(results: List[Dict[str, Any]]) -> str:
     for r in results:
         over = f"{r['run_s'] - base['run_s']:.2f}" if base and r is not base else "-"
         if r["contestant"] == "none":
-            rows.append(["none", "-", "-", "-", "-", "-", "-", f"{r['run_s']:.2f}", "-", "-", "-"])
+            rows.append(["none", "-", "-", "-", "-", "-", "-", f"{r['run_s']:.2f}", f"{r['run_cpu_s']:.2f}", "-", "-",
+                         "-"])
             continue
         lost = f"{r['recovery_s'] + r['steps_redone'] * step_s:.2f}" if step_s else "-"
         rows.append([r["contestant"], str(r["resumed_step"]), str(r["steps_redone"]), f"{r['recovery_s']:.2f}",
                      f"{r['restore_s']:.2f}", f"{r['restore_cpu_s']:.2f}", f"{r['start_s']:.2f}",
-                     f"{r['run_s']:.2f}", over,
+                     f"{r['run_s']:.2f}", f"{r['run_cpu_s']:.2f}", over,
                      f"{r['blocked_s']:.2f}", lost])
     return fmt_table(["contestant", "resumed at", "steps redone", "recovery s", "restore s", "restore CPU s",
-                      "start s", "run s",
+                      "start s", "run s", "run CPU s",
                       "ckpt overhead s", "blocked s", "lost s"], rows)
 
 
@@ -336,7 +343,7 @@ def main(argv: List[str] | None = None) -> int:
     try:
         for name in names:
             res = _contestant(args, name)
-            print(f"{name:8s} run {res['run_s']:6.2f}s blocked {res['blocked_s']:5.2f}s"
+            print(f"{name:8s} run {res['run_s']:6.2f}s ({res['run_cpu_s']:6.2f} CPU s) blocked {res['blocked_s']:5.2f}s"
                   + (f" resumed at {res['resumed_step']} recovery {res['recovery_s']:5.2f}s" if "recovery_s" in res else ""),
                   flush=True)
             results.append(res)
