@@ -153,9 +153,21 @@ class TierCheckpoint(DistModelCheckpoint):
             self._write_marker(trainer, step)
 
     def local_tree(self, trainer: Any, step: int) -> Dict[str, Any]:
-        """Collective: Lightning's checkpoint dict (``dump_checkpoint``) in the sharded form the strategy saves."""
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        return trainer.strategy.sharded_checkpoint(checkpoint, f"local tier step {step}")
+        """Lightning's checkpoint dict (``dump_checkpoint``) in the sharded form the strategy saves. Where
+        the strategy builds it locally (``DistCheckpointStrategy``), a rank that cannot gets a tree whose
+        description re-raises its error (:func:`failing_tree`): the local save's handshake raises it on
+        every rank, one collective round fewer than an agreement of its own; elsewhere collective."""
+        strategy = trainer.strategy
+        build = getattr(strategy, "_checkpoint_tree", None)
+        if not callable(build):
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            return strategy.sharded_checkpoint(checkpoint, f"local tier step {step}")
+        try:
+            return build(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+        except Exception as e:  # agreed by LocalTier.save's handshake, before anything is written
+            from .strategy import failing_tree  # (strategy imports this module)
+
+            return failing_tree(e)
 
     # -- ckpt_path="last" ----------------------------------------------------------------------
     def marker_path(self, trainer: Any) -> Optional[str]:

@@ -45,7 +45,7 @@ class FirstStep(Callback):
 
 
 def fit(args: argparse.Namespace, root: str, max_steps: int, ckpt_path: Optional[str] = None,
-        model_parallel: bool = False) -> Dict[str, Any]:
+        model_parallel: bool = False, model_cls: Any = None) -> Dict[str, Any]:
     """One Trainer run under ``root`` with tiers (local every 2 steps, durable every 6); its snapshot.
     ``model_parallel``: DistCheckpointModelParallelStrategy (FSDP2 x TP, DP = world / tp) and MPModel."""
     tiers = {"local_dir": os.path.join(root, "local", "{node}"), "local_every_n_steps": LOCAL_EVERY,
@@ -58,7 +58,7 @@ def fit(args: argparse.Namespace, root: str, max_steps: int, ckpt_path: Optional
         model: Any = MPModel(total_steps=TOTAL)
     else:
         strategy = DistCheckpointStrategy(tensor_parallel_size=args.tp, timeout=TIMEOUT, checkpoint={"tiers": tiers})
-        model = TPMLP(total_steps=TOTAL)
+        model = (model_cls or TPMLP)(total_steps=TOTAL)
     first = FirstStep()
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=max_steps, max_epochs=-1,
                       callbacks=[first], logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -200,7 +200,29 @@ def recovery_model_parallel(args: argparse.Namespace, res: Dict[str, Any]) -> No
     res["mp_d"] = [d["first_step"], exact(a, d)]
 
 
+class FailsAtStep4(TPMLP):
+    """Rank 1 cannot describe its module's shards at step 4 (a local save's, not a durable one's)."""
+
+    def sharded_state_dict(self, prefix: str = "") -> Dict[str, Any]:
+        if self.trainer.global_step == 4 and dist.get_rank() == 1:
+            raise RuntimeError("rank 1 cannot describe its shards at step 4")
+        return super().sharded_state_dict(prefix)
+
+
+def local_tree_fails(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """One rank fails building the local save's tree (agreed in the save's handshake, not before it):
+    every rank raises, naming rank 1 and its error; nothing of step 4 is kept."""
+    root = os.path.join(args.dir, "treefail")
+    try:
+        fit(args, root, TOTAL, model_cls=FailsAtStep4)
+        res["tree_fails"] = "no error"
+    except CheckpointingError as e:
+        res["tree_fails"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    res["tree_fails_listing"] = listing(root)
+
+
 if __name__ == "__main__":
     scenario_main({"recovery": recovery, "recovery_model_parallel": recovery_model_parallel,
-                   "recovery_damaged": recovery_damaged},
+                   "recovery_damaged": recovery_damaged, "local_tree_fails": local_tree_fails},
                   **{"--ranks-per-node": dict(type=int, default=2)})

@@ -18,7 +18,7 @@ STATE = {"weights": True, "opt": True, "lr": True, "sched": True, "global_step":
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiers_trainer")
-    args = ["recovery", "recovery_model_parallel", "recovery_damaged", "--dir", str(d), "--devices", "4", "--tp", "2",
+    args = ["recovery", "recovery_model_parallel", "recovery_damaged", "local_tree_fails", "--dir", str(d), "--devices", "4", "--tp", "2",
             "--ranks-per-node", "2"]
     results = run_script("tiers_scenarios.py", args, str(d / "out"), world_size=4, timeout=420)
     return d, results
@@ -78,3 +78,13 @@ def test_damaged_local_copies_fall_back_to_an_older_step_exactly(runs):
     for res in results:
         assert res["damaged_first_step"] == 6  # step 8 damaged in every copy: local step 6, module and optimizer
         assert res["damaged_exact"] == STATE
+
+
+def test_a_rank_failing_its_local_tree_fails_every_rank(runs):
+    """The local save's tree is built without an agreement of its own: the save's handshake raises the
+    failing rank's error on every rank, before anything of that step is written."""
+    _, results = runs
+    for res in results:
+        assert "rank 1" in res["tree_fails"] and "cannot describe its shards at step 4" in res["tree_fails"]
+        for node in ("local/node0", "local/node1"):
+            assert res["tree_fails_listing"][node] == ["step_000000002"]
