@@ -21,6 +21,8 @@ Contestants (each run is a fresh pair of processes, Lightning's launcher startin
 * ``ours_io`` / ``ours_io_async`` - DDP and our ``DistCheckpointIO`` plugin (rank 0 saves alone),
   synchronous / ``async_save``;
 * ``ours`` / ``ours_async`` - ``DistCheckpointStrategy`` (every rank saves its part), sync / async.
+* ``ours_zarr`` / ``ours_zarr_async`` - the same with ``storage: {layout: zarr}`` (chunk files of
+  1 MiB+ written with ``O_DIRECT``, not through the page cache; not run unless named).
 
 Measured on each rank: ``fit s``, from ``on_train_start`` (after setup, DDP's broadcast) until
 ``fit`` returns (an async save still in flight at the end is waited for there: a user pays for
@@ -59,7 +61,8 @@ from benchmarks.rss import status_kib  # noqa: E402
 
 #: contestant -> the contestant whose fit time is its no-checkpoint baseline
 BASELINE = {"none": "none", "stock": "none", "stock_async": "none", "mp_none": "mp_none", "stock_dcp": "mp_none",
-            "ours_mp": "mp_none", "ours_io": "none", "ours_io_async": "none", "ours": "none", "ours_async": "none"}
+            "ours_mp": "mp_none", "ours_io": "none", "ours_io_async": "none", "ours": "none", "ours_async": "none",
+            "ours_zarr": "none", "ours_zarr_async": "none"}
 DEFAULT = ("none", "stock", "stock_async", "mp_none", "stock_dcp", "ours_io", "ours_io_async", "ours", "ours_async")
 #: size -> (layers, width)
 SIZES = {"small": (8, 128), "large": (8, 2048)}
@@ -112,6 +115,7 @@ def _strategy(name: str) -> Tuple[Any, List[Any]]:
                                               DistCheckpointStrategy)
 
     async_cfg = {"async_save": True}
+    zarr_cfg = {"storage": {"layout": "zarr"}}  # plain zarr arrays: large chunks written with O_DIRECT
     return {
         "none": lambda: (DDPStrategy(process_group_backend="gloo"), []),
         "stock": lambda: (DDPStrategy(process_group_backend="gloo"), []),
@@ -123,6 +127,9 @@ def _strategy(name: str) -> Tuple[Any, List[Any]]:
         "ours_io_async": lambda: (DDPStrategy(process_group_backend="gloo"), [DistCheckpointIO(async_cfg)]),
         "ours": lambda: (DistCheckpointStrategy(process_group_backend="gloo"), []),
         "ours_async": lambda: (DistCheckpointStrategy(process_group_backend="gloo", checkpoint=async_cfg), []),
+        "ours_zarr": lambda: (DistCheckpointStrategy(process_group_backend="gloo", checkpoint=zarr_cfg), []),
+        "ours_zarr_async": lambda: (DistCheckpointStrategy(process_group_backend="gloo",
+                                                           checkpoint={**zarr_cfg, **async_cfg}), []),
     }[name]()
 
 

@@ -32,6 +32,9 @@ from ..storage.base import ShardWrite
 from .stats import format_bytes
 
 ALIGN = 64  # each staged shard starts on a cache line (and on its dtype's alignment)
+# Shards of 1 MiB+ start on a page, and so does the pool: their chunk files are written with
+# O_DIRECT straight from the pool (storage/direct_write.py), which wants page-aligned memory.
+PAGE, PAGE_ALIGNED_FROM = 4096, 1 << 20
 
 BufferKey = Tuple[str, int, Tuple[int, ...], torch.dtype]
 
@@ -60,7 +63,16 @@ class StagingPlan(NamedTuple):
 
 
 def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    """Pool bytes a shard of ``n`` bytes may take: its bytes to the next cache line, and for a
+    page-aligned one the gap before its page."""
+    return -(-n // ALIGN) * ALIGN + (PAGE if n >= PAGE_ALIGNED_FROM else 0)
+
+
+def _page_aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory starting on a page (torch's allocator gives 64-byte alignment)."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
+    shift = -raw.data_ptr() % PAGE
+    return raw[shift:shift + nbytes]  # a view: the storage (and its pinning) is kept
 
 
 def _nbytes(w: ShardWrite) -> int:
@@ -144,7 +156,7 @@ class StagingPool:
         The save uses it when :meth:`prepare` finds it the right size; no-op when a pool exists."""
         if self._pool is not None or nbytes <= 0:
             return
-        self._pool = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._pool = _page_aligned_empty(nbytes, pin)
         self.peak_bytes = max(self.peak_bytes, nbytes)
         # zero_ releases the GIL: the training thread runs on meanwhile
         self._touching = threading.Thread(target=self._pool.zero_, name="distckpt-staging-touch", daemon=True)
@@ -166,7 +178,7 @@ class StagingPool:
             return
         self.release()  # the old pool goes first: never two at once
         if nbytes:
-            self._pool = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self._pool = _page_aligned_empty(nbytes, pin)
             self.peak_bytes = max(self.peak_bytes, nbytes)
 
     @torch.no_grad()  # a parameter's copy must not join its autograd graph (a node per shard, the pool held)
@@ -178,6 +190,7 @@ class StagingPool:
         staged, views, devices, off = [], {}, set(), 0
         for w in tensors:
             data, n = w.data, _nbytes(w)
+            off = -(-off // PAGE) * PAGE if n >= PAGE_ALIGNED_FROM else off
             assert pool is not None and off + n <= pool.numel(), "StagingPool.prepare sized the pool for the plan"
             buf = pool[off:off + n].view(data.dtype).view(data.shape)
             on_device = data.device.type != "cpu"
@@ -186,7 +199,7 @@ class StagingPool:
                 devices.add(data.device)
             views[(w.key, w.index, tuple(data.shape), data.dtype)] = buf
             staged.append(w._replace(data=buf))
-            off += _aligned(n)
+            off += -(-n // ALIGN) * ALIGN
         for device in devices:  # the copies must have landed before the caller may change the state
             torch.accelerator.synchronize(device)
         self.views = views

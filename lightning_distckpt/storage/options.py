@@ -44,6 +44,11 @@ class StorageOptions:
     direct_reads: a reader's choice, never recorded: read whole chunks of local checkpoints
         straight into their destinations (``storage/direct_read.py``); False sends every read
         through tensorstore (as ``LIGHTNING_DISTCKPT_DIRECT_READS=0`` does process-wide).
+    direct_writes: a writer's choice, never recorded: in the ``"zarr"`` layout on a local file
+        system that allows it, write the chunk files of arrays of 1 MiB+ with ``O_DIRECT``, not
+        through the page cache (``storage/direct_write.py``: the same bytes, a fraction of the
+        CPU); False, or ``LIGHTNING_DISTCKPT_DIRECT_WRITES=0`` process-wide, leaves them to
+        tensorstore's buffered writes.
     """
 
     layout: str = "ocdbt"
@@ -57,9 +62,10 @@ class StorageOptions:
     s3_retries: int = 4
     verify: bool = True
     direct_reads: bool = True
+    direct_writes: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("verify", "direct_reads"):
+        for name in ("verify", "direct_reads", "direct_writes"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         for name in ("chunk_bytes", "io_concurrency", "data_file_bytes", "pack_max_bytes", "s3_retries"):

@@ -19,6 +19,7 @@ from .base import ObjectWrite, ShardWrite
 from .checksums import frame_object
 from .chunk_checksums import chunk_crcs
 from .commit import fsync_dir, fsync_tree_dirs
+from . import direct_write
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from .packs import build_pack, to_numpy
 
@@ -128,6 +129,13 @@ class TensorStoreWrites:
         if self.files:
             fsync_dir(os.path.dirname(rank_dir(self.root, writer)))
 
+    def _direct_writes(self, writer: int) -> bool:
+        """Whether this call writes its large arrays' chunk files itself with ``O_DIRECT``
+        (:mod:`.direct_write`): the zarr layout, a local file system that allows it."""
+        return (self.files and self.options.layout == "zarr"
+                and direct_write.direct_writes_enabled(self.options.direct_writes)
+                and direct_write.supported(rank_dir(self.root, writer)))
+
     def _stage_writes(self, txn: Any, writer: int, tensors: Sequence[ShardWrite],
                       objects: Sequence[ObjectWrite]) -> Tuple[int, List[Tuple[str, Any]]]:
         """Open every array of the call in ``txn`` and start its writes (nothing reaches the store
@@ -145,22 +153,30 @@ class TensorStoreWrites:
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
                            build_pack(dtype, members), dtype, min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
         opens, ours = [], []
+        direct = self._direct_writes(writer)
         for what, path, arr, dtype, chunk_bytes in arrays:
             spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
             own = self.own_checksums(arr, chunk_bytes)
             if own:  # chunks opened without their zarr.json: it is written with their checksums below
                 spec["metadata"]["codecs"] = spec["metadata"]["codecs"][:1]
                 ours.append((what, path, arr, dtype))
+            if own and direct and direct_write.eligible(arr):  # chunk files of our own, O_DIRECT
+                opens.append((what, None, arr, os.path.join(rank_dir(self.root, writer), path)))
+                continue
             how = {"open": True, "assume_metadata": True} if own else {"create": True}
             opens.append((what, ts.open(spec, context=self.context, transaction=txn, **how), arr, own))
         writes, nbytes, crcs = [], 0, []
         for key, fut, arr, own in opens:
+            # Checksummed just before the array is written (the write copies it out of the cache the checksum filled)
+            crcs += [chunk_crcs(arr, self._chunk_rows(arr))] if own else []
+            if fut is None:  # ``own`` is the array's directory
+                writes.append((key, direct_write.submit_array(own, arr, self._chunk_rows(arr))))
+                nbytes += arr.nbytes
+                continue
             try:
                 store = fut.result()
             except Exception as e:
                 raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: {e}") from e
-            # Checksummed just before tensorstore takes the array (it copies it out of the cache the checksum filled)
-            crcs += [chunk_crcs(arr, self._chunk_rows(arr))] if own else []
             writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
             nbytes += arr.nbytes
         writes += [(f"{what} (its zarr.json)", ts.open(self.create_spec(writer, path, dtype, arr.shape, None, c),
