@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 from ..core.errors import CheckpointingError
@@ -97,44 +98,69 @@ def fsync_tree_dirs(root: str, skip: Callable[[str], bool] = lambda path: False)
         fsync_dir(dirpath)
 
 
-
 _SYNC_THREADS = 16  # files fsync'd at once: each waits for the journal, they share its commits
 
 
+def _new_sync_pool() -> None:
+    """The helper threads of :func:`fsync_all`, kept between saves (starting 3 threads per rank store
+    and save cost ~0.4 ms of CPU, 2 MB state); a forked child (a DataLoader worker) gets its own."""
+    global _SYNC_POOL
+    _SYNC_POOL = ThreadPoolExecutor(max_workers=_SYNC_THREADS - 1, thread_name_prefix="distckpt-fsync")
+
+
+_SYNC_POOL: ThreadPoolExecutor
+_new_sync_pool()
+os.register_at_fork(after_in_child=_new_sync_pool)
+
+
 def fsync_tree(root: str) -> None:
-    """fsync every file and every directory under ``root`` (``root`` included), all at once from
-    threads: concurrent fsyncs share the file system's journal commits, so a few cost about one.
-    The directories go with the files, not after them: each fsync makes durable what is there when
-    it runs (a directory its entries, a file its data), the files and their entries all exist
-    before this is called, and nothing after it relies on an order among them, only on all being
-    done when it returns (before the commit marker; ``storage/commit.commit``). Raises the first
-    OSError. Plain threads, not a ``concurrent.futures`` pool (see ``saving/save_commit._beside``:
-    an async save may finish after the interpreter stopped taking futures)."""
+    """fsync every file and every directory under ``root`` (``root`` included), all at once
+    (:func:`fsync_all`). The directories go with the files, not after them: each fsync makes
+    durable what is there when it runs (a directory its entries, a file its data), the files and
+    their entries all exist before this is called, and nothing after it relies on an order among
+    them, only on all being done when it returns (before the commit marker; :func:`commit`)."""
     paths: List[str] = []
     for dirpath, _, filenames in os.walk(root):
         paths.append(dirpath)
         paths += [os.path.join(dirpath, name) for name in filenames]
-    errors: List[OSError] = []
+    fsync_all(paths)
+
+
+def fsync_all(paths: List[str]) -> None:
+    """fsync every one of ``paths`` (files or directories) at once: concurrent fsyncs share the file
+    system's journal commits, so a few cost about one. Returns when all are done; raises the first
+    OSError. The calling thread takes its share and, where no helper thread of the pool comes (the
+    interpreter is shutting down and the pool takes no more work, e.g. an async save finished at
+    exit; or a forked child, whose pool has no threads), does them all itself."""
+    errors: List[Exception] = []
     pending = list(reversed(paths))
+    busy = [0]  # paths a helper has taken and not finished
+    changed = threading.Condition()
 
     def work() -> None:
-        while pending:
-            try:
+        while True:
+            with changed:
+                if not pending:
+                    return
                 path = pending.pop()
-            except IndexError:  # another thread took the last one
-                return
+                busy[0] += 1
             try:
                 fsync_dir(path)
-            except OSError as e:
+            except Exception as e:  # raised by the caller below, whichever thread met it
                 errors.append(e)
+            finally:
+                with changed:
+                    busy[0] -= 1
+                    changed.notify_all()
 
-    threads = [threading.Thread(target=work, name="distckpt-fsync", daemon=True)
-               for _ in range(min(_SYNC_THREADS, len(paths)) - 1)]
-    for t in threads:
-        t.start()
-    work()  # this thread takes its share
-    for t in threads:
-        t.join()
+    try:
+        for _ in range(min(_SYNC_THREADS, len(paths)) - 1):
+            _SYNC_POOL.submit(work)  # a helper that comes after the last path was taken returns at once
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown": this thread does them
+        pass
+    work()
+    with changed:
+        changed.wait_for(lambda: busy[0] == 0)
     if errors:
         raise errors[0]
 

@@ -128,3 +128,29 @@ def test_an_ocdbt_store_is_made_durable_after_its_commit(tmp_path, monkeypatch):
                 for p in synced if "/data/rank_00000" in p}
     assert on_disk and on_disk <= in_store, on_disk - in_store
     assert torch.equal(ldc.load(_state(), str(tmp_path / "ck"))["big1"], _state()["big1"].data)
+
+
+def test_fsync_all_syncs_every_path_and_raises_what_any_thread_met(tmp_path, monkeypatch):
+    """fsync_all: every path fsync'd once (helper threads of the kept pool and the caller share them),
+    a failure on any thread raised by the caller; with the pool refusing work (the interpreter
+    shutting down: an async save finished at exit) the caller does them all itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = []
+    for i in range(6):
+        (tmp_path / f"f{i}").write_bytes(b"x" * 100)
+        paths.append(str(tmp_path / f"f{i}"))
+    paths.append(str(tmp_path))
+    synced = []
+    real = commit_mod.fsync_dir
+    monkeypatch.setattr(commit_mod, "fsync_dir", lambda path: (synced.append(path), real(path)))
+    commit_mod.fsync_all(paths)
+    assert sorted(synced) == sorted(paths)
+    with pytest.raises(FileNotFoundError):
+        commit_mod.fsync_all(paths + [str(tmp_path / "missing")])
+    stopped = ThreadPoolExecutor(max_workers=2)
+    stopped.shutdown()  # submit now raises RuntimeError, as at interpreter shutdown
+    monkeypatch.setattr(commit_mod, "_SYNC_POOL", stopped)
+    synced.clear()
+    commit_mod.fsync_all(paths)
+    assert sorted(synced) == sorted(paths)
