@@ -1,7 +1,8 @@
 """LocalTier: node-local checkpoints with partner copies, and recovery from the fastest tier that survived.
 
-Every method is collective over the tier's group (``process_group``, default the world). The tier talks
-over a gloo group of its own (:mod:`.groups`: made by the first tier over these ranks with
+Every method but ``begin`` and ``reserve_staging`` (local) is collective over the tier's group
+(``process_group``, default the world). The tier talks over a gloo group of its own (:mod:`.groups`:
+made by the first tier over these ranks with
 ``dist.new_group``, so that constructor is collective over the world group, and reused by later tiers
 over the same ranks for the life of the process): the local save's background thread (commit,
 replication, pruning) talks over it only, so it never races the training's collectives; the caller's
