@@ -94,11 +94,15 @@ class TierCheckpoint(DistModelCheckpoint):
         self._staging_reserved = False
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """Once per fit, when the optimizers hold state (their moments allocated: the estimate covers
-        them), the local tier's snapshot memory is allocated and faulted in on a thread of its own (as
-        the strategy does for its durable saves): the first local save only copies."""
+        """Ahead of a local save: its room made as the step starts (:meth:`_begin_local`); once per fit,
+        when the optimizers hold state (their moments allocated: the estimate covers them), the local
+        tier's snapshot memory allocated and faulted in on a thread of its own (as the strategy does for
+        its durable saves): the first local save only copies."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._staging_reserved or self.local_tier is None:
+        if self.local_tier is None:
+            return
+        self._begin_local(trainer)
+        if self._staging_reserved:
             return
         strategy = trainer.strategy
         raw = getattr(strategy, "_raw_optimizers", None)  # Lightning's wrappers removed
@@ -110,6 +114,14 @@ class TierCheckpoint(DistModelCheckpoint):
         if callable(estimate) and not self._skip(trainer):
             nbytes, on_accelerator = estimate()
             self.local_tier.reserve_staging(nbytes, on_accelerator)
+
+    def _begin_local(self, trainer: Any) -> None:
+        """As the batch whose optimizer step may make a local save due starts: the node's oldest local
+        step goes now (``LocalTier.begin``, a helper thread), while the step trains, not in the save."""
+        step = trainer.global_step + 1
+        if step % self.options.local_every_n_steps == 0 and step != self._last_local_step and not self._skip(trainer):
+            assert self.local_tier is not None
+            self.local_tier.begin(step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The durable save when due (ModelCheckpoint's), then the local one when due."""
@@ -146,7 +158,7 @@ class TierCheckpoint(DistModelCheckpoint):
         """Collective: the checkpoint ``trainer.save_checkpoint`` would write, handed to the local tier
         (which returns once it has its snapshot)."""
         assert self.local_tier is not None, "TierCheckpoint.setup makes the local tier"
-        self.local_tier.begin(step)  # the node's oldest step removed while the tree is built
+        self.local_tier.begin(step)  # begun as the step started (see _begin_local); else now, while the tree is built
         self.local_tier.save(self.local_tree(trainer, step), step=step)
         self._last_local_step = step
         if trainer.is_global_zero:

@@ -97,14 +97,16 @@ class LocalTier:
         return self._ctx.root
 
     def begin(self, step: int) -> None:
-        """Optional, before building the tree that :meth:`save` of ``step`` gets: waits for the previous
-        local save (raising what failed), then this node's lead starts making room for ``step`` (removing
-        the oldest step directory beyond ``keep_local``) on a helper thread, so the removal overlaps the
-        caller's building of the tree instead of adding to it; :meth:`save` finishes it before anything
-        is written. Enters no collective."""
+        """Optional, ahead of :meth:`save` of ``step`` (e.g. as the training step that ends at ``step``
+        starts): this node's lead makes room for it (removes the oldest step directory beyond
+        ``keep_local``) on a helper thread, once the previous local save's background work is done (not
+        after one that failed: its error is raised by ``save``), so the removal overlaps the training
+        instead of blocking the save; :meth:`save` waits for it before anything is written. Returns at
+        once; enters no collective; again for the same step, nothing."""
         self._check_open()
         _check_step(step, "begin")
-        self._begin(step, background=True)
+        if self._room_step != step:
+            self._begin(step, background=True)
 
     def save(self, sharded_state_dict: Dict[str, Any], step: int) -> None:
         """Collective. Waits for the previous local save (and its replication) to finish (raising what
@@ -122,18 +124,31 @@ class LocalTier:
         self._thread.start()
 
     def _begin(self, step: int, background: bool) -> None:
-        """Wait for the previous save; the lead makes room for ``step`` (on a helper thread: ``background``)."""
-        self.wait()
+        """The lead makes room for ``step``: on a helper thread after the previous save's (``background``),
+        else now, after waiting for the previous save (raising what failed)."""
+        room, self._room = self._room, None
+        if room is not None:  # an earlier begin's
+            room.join()
+        if not background:
+            self.wait()
         self._ready.clear()  # the save may prune or replace what an earlier load completed
         self._holdings = None
         self._room_step = step
         if not self._ctx.is_lead:  # room first: with a staging budget the save writes much before it returns
             return
         if background:
-            self._room = threading.Thread(target=make_room, args=(self._ctx, step), name="distckpt-local-tier-room",
-                                          daemon=True)
+            self._room = threading.Thread(target=self._make_room_after, args=(self._thread, step),
+                                          name="distckpt-local-tier-room", daemon=True)
             self._room.start()
         else:
+            make_room(self._ctx, step)
+
+    def _make_room_after(self, previous: Optional[threading.Thread], step: int) -> None:
+        """The room thread: the previous save's background work first (its pruning, its directories);
+        after a failed one nothing is removed (the save raises its error before writing)."""
+        if previous is not None:
+            previous.join()
+        if self._error is None:
             make_room(self._ctx, step)
 
     def reserve_staging(self, nbytes: int, on_accelerator: bool = False) -> None:
