@@ -5,7 +5,6 @@ every rank's writes, commit on rank 0, agree on the commit)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
@@ -13,6 +12,7 @@ import torch
 
 from ..core.errors import CheckpointingError, SaveFailedError
 from ..core.format_versions import FORMAT_NAME, FORMAT_VERSION
+from ..storage.commit import in_background
 from ..storage.layout import COMMON_FILE, METADATA_FILE
 from ..version import __version__
 from ..core.gc_pause import gc_paused
@@ -53,27 +53,19 @@ def _write_local(prep: PreparedSave) -> LocalWrite:
 
 
 def _beside(side: Callable[[], None], main: Callable[[], int]) -> int:
-    """``main()``'s result, with ``side()`` run in a thread meanwhile; raises what either raised.
-
-    A plain thread, not a ``concurrent.futures`` pool: an async save still in flight when the
-    interpreter exits is finished by an exit handler, after ``concurrent.futures`` has stopped taking
-    new work ("cannot schedule new futures after interpreter shutdown")."""
-    errors: List[BaseException] = []
-
-    def run() -> None:
-        try:
-            side()
-        except BaseException as e:  # re-raised on the caller's thread below
-            errors.append(e)
-
-    thread = threading.Thread(target=run, name="distckpt-blobs", daemon=True)
-    thread.start()
+    """``main()``'s result, with ``side()`` run meanwhile on a kept thread (``storage/commit.in_background``:
+    no thread started per save); raises what either raised. Where the pool takes no more work (an
+    async save finished at interpreter exit), ``side()`` runs first, on this thread."""
+    pending = in_background(side)
+    if pending is None:
+        side()
+        return main()
     try:
         result = main()
     finally:
-        thread.join()
-    if errors:
-        raise errors[0]
+        side_error = pending.exception()  # waits: no blob is still being written when this returns
+    if side_error is not None:
+        raise side_error
     return result
 
 

@@ -154,3 +154,25 @@ def test_fsync_all_syncs_every_path_and_raises_what_any_thread_met(tmp_path, mon
     synced.clear()
     commit_mod.fsync_all(paths)
     assert sorted(synced) == sorted(paths)
+
+
+def test_a_blob_that_cannot_be_written_fails_the_save(tmp_path, monkeypatch):
+    """common.pt and metadata.json are written beside the shards (on a kept thread): a failure there
+    (a full disk) fails the save with its error, and the previous checkpoint stays."""
+    import errno
+
+    from lightning_distckpt.storage.local_store import LocalStore
+
+    ldc.save(_state(), str(tmp_path / "ck"))
+    real = LocalStore.write_blob
+
+    def full(self, staging, name, data):
+        if name == "metadata.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, staging, name, data)
+
+    monkeypatch.setattr(LocalStore, "write_blob", full)
+    with pytest.raises(ldc.SaveFailedError, match="No space left on device"):
+        ldc.save(_state(), str(tmp_path / "ck"))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # the staging directory discarded
+    assert ldc.load(_state(), str(tmp_path / "ck"))["norm3"].shape == (16,)
