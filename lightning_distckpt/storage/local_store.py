@@ -152,19 +152,17 @@ class LocalStore(CheckpointStore):
             "data_copy_concurrency": {"limit": options.io_concurrency},
             "cache_pool": {"total_bytes_limit": 0},
         }
-        if options.layout == "ocdbt":
-            # An OCDBT commit fsyncs as it goes: the data file, its directory, the manifest, the
-            # store's directory, each waiting for the journal (four in a row per rank and save, most
-            # of a small save's time). Unsynced here, the writer makes the store durable after the
-            # commit instead (make_durable: every file at once, then the directories).
-            spec["file_io_sync"] = False
+        # An OCDBT commit fsyncs as it goes: the data file, its directory, the manifest, the store's
+        # directory, each waiting for the journal (four in a row per rank and save, most of a small
+        # save's time); the zarr layout's commit fsyncs its files one after another. Unsynced here,
+        # the writer makes the store durable after the commit instead (make_durable: every file at once).
+        spec["file_io_sync"] = False
         return ts.Context(spec)
 
     def make_durable(self, store_dir: str, options: StorageOptions) -> None:
         """After a write into the rank store ``store_dir`` committed: its files and directories
         durable (``storage/commit.fsync_tree``), where :meth:`ts_context` left them unsynced."""
-        if options.layout == "ocdbt":
-            commit_mod.fsync_tree(store_dir)
+        commit_mod.fsync_tree(store_dir)
 
     # -- versions ---------------------------------------------------------------------------
     def exists(self) -> bool:

@@ -18,7 +18,7 @@ from .array_metadata import chunk_shape, create_metadata, ts_dtype
 from .base import ObjectWrite, ShardWrite
 from .checksums import frame_object
 from .chunk_checksums import chunk_crcs
-from .commit import fsync_dir, fsync_tree_dirs
+from .commit import fsync_dir
 from . import direct_write
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from .packs import build_pack, to_numpy
@@ -118,8 +118,6 @@ class TensorStoreWrites:
         if errors:
             raise CheckpointingError(f"checkpoint {self.root}: writing failed for {'; '.join(errors[:5])}"
                                      + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
-        if self.files and self.options.layout != "ocdbt":  # its chunk directories, made by the commit
-            fsync_tree_dirs(rank_dir(self.root, writer))
         return nbytes
 
     def _sync_dirs(self, writer: int) -> None:

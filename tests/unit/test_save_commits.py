@@ -110,17 +110,20 @@ def test_a_commit_not_told_its_entries_are_durable_syncs_them(tmp_path, monkeypa
     assert ldc.load(_state(), str(tmp_path / "ck"))["norm3"].shape == (16,)
 
 
-def test_an_ocdbt_store_is_made_durable_after_its_commit(tmp_path, monkeypatch):
-    """tensorstore writes an OCDBT store unsynced (its commit would fsync file, directory, manifest,
-    directory one after another); the writer then fsyncs every file and directory of it."""
+@pytest.mark.parametrize("layout", ["ocdbt", "zarr"])
+def test_a_rank_store_is_made_durable_after_its_commit(tmp_path, monkeypatch, layout):
+    """tensorstore writes a rank store unsynced (an OCDBT commit would fsync file, directory,
+    manifest, directory one after another; a zarr one each file in turn); the writer then fsyncs
+    every file and directory of it."""
     from lightning_distckpt.storage.local_store import LocalStore
     from lightning_distckpt.storage.options import StorageOptions
 
-    assert LocalStore(str(tmp_path)).ts_context(StorageOptions()).spec.to_json()["file_io_sync"] is False
+    options = StorageOptions(layout=layout, chunk_bytes=100_000)  # zarr: big1's chunks, 2 files
+    assert LocalStore(str(tmp_path)).ts_context(options).spec.to_json()["file_io_sync"] is False
     synced = []
     real_dir = commit_mod.fsync_dir  # files and directories alike
     monkeypatch.setattr(commit_mod, "fsync_dir", lambda path: (synced.append(path), real_dir(path)))
-    ldc.save(_state(), str(tmp_path / "ck"))
+    ldc.save(_state(), str(tmp_path / "ck"), storage=options)
     store = rank_dir(str(tmp_path / "ck"), 0)
     on_disk = {os.path.relpath(os.path.join(d, n), store) for d, dirs, files in os.walk(store) for n in dirs + files}
     on_disk.add(".")
