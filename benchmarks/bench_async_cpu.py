@@ -21,7 +21,8 @@ copy of every save, ours and stock alike. ``BENCH_POOL_PROBE=1`` adds ``write_po
 bytes written from the staging pool into a new file, as the background writer does) and
 ``read_pool`` (a memcpy out of the pool). Medians over the
 repeats; CPU-seconds summed over ranks are printed beside each rank's. The first save of the saver
-(``first_*``: the staging pool allocated, the plan made) is reported apart.
+(``first_*``: the staging pool allocated, the plan made) is reported apart. ``BENCH_LAYOUT=zarr``
+saves in the zarr layout (chunk files of 128 KiB+ written with ``O_DIRECT``).
 
 Run: ``python benchmarks/bench_async_cpu.py [--mb 400] [--worlds 2] [--repeats 3] [--budget none]``;
 an older checkout: ``PYTHONPATH=/path/to/checkout python benchmarks/bench_async_cpu.py``.
@@ -127,7 +128,8 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int,
     dst = torch.zeros(nbytes, dtype=torch.uint8)  # the memcpy ceiling's destination, resident like a staging pool
     _barrier()
     c0, w0 = time.process_time(), time.perf_counter()
-    first = saver.save(sd, f"{root}/warm")  # the staging pool allocated, the plan made and cached
+    storage = ldc.StorageOptions(layout=os.environ.get("BENCH_LAYOUT", "ocdbt"))
+    first = saver.save(sd, f"{root}/warm", storage=storage)  # the staging pool allocated, the plan made and cached
     c1, w1 = time.process_time(), time.perf_counter()
     first.finalize()
     rows: Dict[str, List[float]] = {p: [] for p in (*PHASES, "blocked_wall")}
@@ -139,7 +141,7 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int,
         os.sync()
         _barrier()
         c0 = time.process_time()
-        req = saver.save(sd, f"{root}/s{i}")  # a new checkpoint each time, as ModelCheckpoint's
+        req = saver.save(sd, f"{root}/s{i}", storage=storage)  # a new checkpoint each time, as ModelCheckpoint's
         c1 = time.process_time()
         req.wait()
         c2 = time.process_time()

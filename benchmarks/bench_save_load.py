@@ -195,9 +195,9 @@ def factory(name: str) -> Callable:
     """``ours`` (the library's default loader), ``ours:<loader>`` (e.g. ``ours:every_rank``),
     ``ours:nocrc`` (saved without chunk checksums: the off side of the checksum A/B),
     ``ours:codec`` (chunk checksums by the zarr ``crc32c`` codec, as formats 3-4 saved),
-    ``ours:zarr`` (the zarr layout: chunk files of 1 MiB+ written with ``O_DIRECT``), or one of
+    ``ours:zarr`` (the zarr layout: chunk files of 128 KiB+ written with ``O_DIRECT``), or one of
     the other contestants."""
-    if name == "ours:zarr":  # plain zarr arrays, chunks of 1 MiB+ written with O_DIRECT
+    if name == "ours:zarr":  # plain zarr arrays, chunks of 128 KiB+ written with O_DIRECT
         return lambda *a: _ours(*a, layout="zarr")
     if name in ("ours:nocrc", "ours:codec"):
         return lambda *a: _ours(*a, checksums="off" if name == "ours:nocrc" else "codec")

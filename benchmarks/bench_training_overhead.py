@@ -22,7 +22,7 @@ Contestants (each run is a fresh pair of processes, Lightning's launcher startin
   synchronous / ``async_save``;
 * ``ours`` / ``ours_async`` - ``DistCheckpointStrategy`` (every rank saves its part), sync / async.
 * ``ours_zarr`` / ``ours_zarr_async`` - the same with ``storage: {layout: zarr}`` (chunk files of
-  1 MiB+ written with ``O_DIRECT``, not through the page cache; not run unless named).
+  128 KiB+ written with ``O_DIRECT``, not through the page cache; not run unless named).
 
 Measured on each rank: ``fit s``, from ``on_train_start`` (after setup, DDP's broadcast) until
 ``fit`` returns (an async save still in flight at the end is waited for there: a user pays for

@@ -28,13 +28,14 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..core.errors import ArgumentError
+from ..storage import direct_write
 from ..storage.base import ShardWrite
 from .stats import format_bytes
 
 ALIGN = 64  # each staged shard starts on a cache line (and on its dtype's alignment)
-# Shards of 1 MiB+ start on a page, and so does the pool: their chunk files are written with
-# O_DIRECT straight from the pool (storage/direct_write.py), which wants page-aligned memory.
-PAGE, PAGE_ALIGNED_FROM = 4096, 1 << 20
+# Shards that may be written with O_DIRECT start on a page, and so does the pool: their chunk files
+# then go straight from the pool (storage/direct_write.py), which wants page-aligned memory.
+PAGE, PAGE_ALIGNED_FROM = direct_write.ALIGN, direct_write.MIN_DIRECT_BYTES
 
 BufferKey = Tuple[str, int, Tuple[int, ...], torch.dtype]
 

@@ -32,7 +32,7 @@ import numpy as np
 DIRECT_WRITES_ENV = "LIGHTNING_DISTCKPT_DIRECT_WRITES"
 ALIGN = 4096  # the largest logical block size in common use; a multiple of every smaller one
 BLOCK = 8 * 1024 * 1024  # bytes per write call, and the bounce buffer's size
-MIN_DIRECT_BYTES = 1024 * 1024  # smaller arrays: the page cache costs little, a file open as much
+MIN_DIRECT_BYTES = 128 * 1024  # smaller arrays are packed (pack_max_bytes) or not worth a file of their own
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 THREADS = 4  # concurrent files: a device's queue wants a few writes in flight

@@ -45,7 +45,7 @@ class StorageOptions:
         straight into their destinations (``storage/direct_read.py``); False sends every read
         through tensorstore (as ``LIGHTNING_DISTCKPT_DIRECT_READS=0`` does process-wide).
     direct_writes: a writer's choice, never recorded: in the ``"zarr"`` layout on a local file
-        system that allows it, write the chunk files of arrays of 1 MiB+ with ``O_DIRECT``, not
+        system that allows it, write the chunk files of arrays of 128 KiB+ with ``O_DIRECT``, not
         through the page cache (``storage/direct_write.py``: the same bytes, a fraction of the
         CPU); False, or ``LIGHTNING_DISTCKPT_DIRECT_WRITES=0`` process-wide, leaves them to
         tensorstore's buffered writes.
