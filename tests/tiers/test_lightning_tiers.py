@@ -29,9 +29,14 @@ def test_strategy_adds_the_tier_callback_and_first_last_starts_fresh(runs):
     for res in results:
         assert res["b_tier_callbacks"] == 1  # added by the strategy (tiers: in its config), once
         assert res["b_first_step"] == 0 and res["b_global_step"] == 9  # "last" with nothing saved: from scratch
-        # each node holds the newest local step (its own shards and its partner's copy); pruning: tests/tiers core
+        # each node holds the newest local step (its own shards and its partner's copy)
         assert all("step_000000008" in res["after_b"][f"local/{node}"] for node in ("node0", "node1"))
         assert res["after_b"]["checkpoints"] == ["last.ckpt", "tiers-last.json"]  # durable step 6, the marker
+    # Pruning: each node's lead, once its own local save is done (other ranks may list a node whose lead is
+    # still finishing), holds the keep_local=2 newest steps; the older ones went as the steps that made the
+    # next saves due started (LocalTier.begin).
+    for rank, node in ((0, "node0"), (2, "node1")):
+        assert results[rank]["after_b"][f"local/{node}"] == ["step_000000006", "step_000000008"], results[rank]
 
 
 def test_one_node_lost_resumes_from_the_newest_local_step_exactly(runs):
