@@ -26,6 +26,8 @@ the command line and the load average to ``benchmarks/results/small_state_<tag>.
 and once with this checkout, alternating which goes first, so both meet the same machine load.
 ``--count`` also counts, per save of ours, the collectives (top-level ``torch.distributed`` calls
 of the library) and, with ``strace`` installed, the fsync / fdatasync calls of both ranks.
+``--phases`` times, per save of ours and on each rank's main thread, the steps of the save (wall
+and process CPU seconds, medians): where the fixed cost goes (issue 29).
 """
 
 from __future__ import annotations
@@ -114,6 +116,52 @@ def _fsyncs_off() -> Iterator[None]:
         LocalStore.ts_context, os.fsync = context, fsync  # type: ignore[method-assign]
 
 
+# (module, attribute path, label): the steps of a save, timed on the main thread by --phases; a step a
+# version of the library lacks is left out
+PHASES = (("lightning_distckpt.serialization", "prepare_save", "prepare_save"),
+          ("lightning_distckpt.saving.save_prepare", "_describe", "  describe"),
+          ("lightning_distckpt.storage.local_store", "LocalStore.begin", "  begin (staging dirs, owner note)"),
+          ("lightning_distckpt.serialization", "write_local", "write_local"),
+          ("lightning_distckpt.storage.tensorstore_write", "TensorStoreWrites.write", "  shard writes"),
+          ("lightning_distckpt.storage.tensorstore_write", "TensorStoreWrites._stage_writes", "    stage (open, write)"),
+          ("lightning_distckpt.storage.local_store", "LocalStore.make_durable", "    make durable (fsyncs)"),
+          ("lightning_distckpt.serialization", "finalize_save", "finalize_save"),
+          ("lightning_distckpt.storage.local_store", "LocalStore.commit", "  commit (rank 0)"),
+          ("lightning_distckpt.comm", "Comm.agree", "agree"))
+
+
+def _phase_timers() -> Dict[str, List[float]]:
+    """Wrap the steps of :data:`PHASES`; returns the per-save sums being filled (label -> [wall, cpu]).
+    ``Comm.agree`` is labelled by its place in the save (1: handshake, 2: outcomes, 3: commit)."""
+    import importlib
+    import threading
+
+    current: Dict[str, List[float]] = {}
+    for module, attr, label in PHASES:
+        owner: Any = importlib.import_module(module)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+
+        def timed(*a: Any, _fn: Callable = fn, _label: str = label, **k: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                return _fn(*a, **k)
+            if _label == "agree":
+                _label = f"agree {sum(key.startswith('agree') for key in current) + 1}"
+            t, c = time.perf_counter(), time.process_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                spent = current.setdefault(_label, [0.0, 0.0])
+                spent[0] += time.perf_counter() - t
+                spent[1] += time.process_time() - c
+        setattr(owner, name, timed)
+    return current
+
+
 def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, Any]:
     import lightning_distckpt as ldc
     from lightning_distckpt.saving.save import SavePlanCache
@@ -122,6 +170,8 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
     barrier = lambda: dist.barrier()  # noqa: E731
     res: Dict[str, Any] = {"library": os.path.dirname(ldc.__file__), "fixed": {}, "tiny": {}}
     counts = _counting(dist) if args["count"] else None
+    phase_now = _phase_timers() if args["phases"] else None
+    phases: Dict[str, Dict[str, List[float]]] = {}
     # -- fixed cost --------------------------------------------------------------------------
     g = torch.Generator().manual_seed(0)
     tensors = {f"layer{i}.weight": torch.randn(FIXED_NUMEL, generator=g) for i in range(FIXED_TENSORS)}
@@ -164,8 +214,15 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
             if name == "ours" and counts is not None:
                 counts.clear()
                 _marker("begin")
+            if phase_now is not None:
+                phase_now.clear()
             t0, c0 = time.perf_counter(), time.process_time()
             runs[name](i)
+            if name == "ours" and phase_now is not None:
+                for label, (wall, cpu_s) in phase_now.items():
+                    phases.setdefault(label, {"wall": [], "cpu": []})
+                    phases[label]["wall"].append(wall)
+                    phases[label]["cpu"].append(cpu_s)
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
             if name == "ours" and counts is not None:
@@ -181,6 +238,10 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
     res["fixed"] = {**times, **{f"{name}_cpu": xs for name, xs in cpu.items()}}
     if counts is not None:
         res["collectives_per_save"] = collectives[-1] if collectives else {}
+    if phase_now is not None:  # every rank's, gathered on rank 0 (which writes the round's results)
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, phases)
+        res["phases"] = {f"rank {r}": p for r, p in enumerate(gathered)}
     # -- many tiny tensors -------------------------------------------------------------------
     n = args["tiny"]
     half = n // 2
@@ -221,6 +282,8 @@ def run_round(args: argparse.Namespace, tree: str) -> Dict[str, Any]:
         cmd = [sys.executable, os.path.abspath(__file__), "--_round", out, "--_tree", tree,
                "--repeats", str(args.repeats), "--tiny", str(args.tiny), "--tiny-repeats", str(args.tiny_repeats)]
         trace = os.path.join(tmp, "strace.txt")
+        if args.phases:
+            cmd.append("--phases")
         if args.count:
             cmd.append("--count")
             if shutil.which("strace"):
@@ -251,7 +314,7 @@ def _fsyncs_between_markers(trace: str) -> Optional[float]:
     return fsyncs / saves if saves else None
 
 
-def _child(out: str, tree: str, repeats: int, tiny: int, tiny_repeats: int, count: bool) -> None:
+def _child(out: str, tree: str, repeats: int, tiny: int, tiny_repeats: int, count: bool, phases: bool) -> None:
     """Entry of one round's interpreter: the library from ``tree``, two spawned ranks."""
     sys.path.insert(0, os.path.dirname(HERE))
     from benchmarks.common import free_port
@@ -260,7 +323,8 @@ def _child(out: str, tree: str, repeats: int, tiny: int, tiny_repeats: int, coun
     import torch.multiprocessing as mp
 
     root = tempfile.mkdtemp(dir=os.path.dirname(out))
-    params = {"dir": root, "repeats": repeats, "tiny": tiny, "tiny_repeats": tiny_repeats, "count": count}
+    params = {"dir": root, "repeats": repeats, "tiny": tiny, "tiny_repeats": tiny_repeats, "count": count,
+              "phases": phases}
     mp.spawn(_worker, args=(free_port(), params, out), nprocs=2, join=True)
 
 
@@ -273,6 +337,11 @@ def summarize(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
     for extra in ("collectives_per_save", "fsyncs_per_save"):
         if extra in rounds[-1]:
             out[extra] = rounds[-1][extra]
+    if "phases" in rounds[0]:  # ms: median wall and CPU per save, over every round
+        out["phases_ms"] = {
+            rank: {label: [round(1e3 * statistics.median(x for r in rounds for x in r["phases"][rank][label][what]), 3)
+                           for what in ("wall", "cpu")] for label in per_label}
+            for rank, per_label in rounds[0]["phases"].items()}
     return out
 
 
@@ -284,13 +353,14 @@ def main() -> None:
     p.add_argument("--tiny-repeats", type=int, default=2)
     p.add_argument("--ab", default=None, help="an older checkout to compare with, interleaved")
     p.add_argument("--count", action="store_true", help="count collectives and fsyncs per save")
+    p.add_argument("--phases", action="store_true", help="time the steps of each save of ours, per rank")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--tag", default=None, help="writes benchmarks/results/small_state_<tag>.json")
     p.add_argument("--_round", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_tree", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args._round:
-        _child(args._round, args._tree, args.repeats, args.tiny, args.tiny_repeats, args.count)
+        _child(args._round, args._tree, args.repeats, args.tiny, args.tiny_repeats, args.count, args.phases)
         return
     sys.path.insert(0, os.path.dirname(HERE))
     from benchmarks.common import fmt_table, run_header
@@ -316,6 +386,10 @@ def main() -> None:
         for extra in ("collectives_per_save", "fsyncs_per_save"):
             if extra in summary[v]:
                 print(f"{v} {extra}: {summary[v][extra]}")
+        for rank, per_label in summary[v].get("phases_ms", {}).items():
+            print(f"{v} {rank}, ms per save (wall / CPU):")
+            for label, (wall, cpu_ms) in per_label.items():
+                print(f"    {label:36s} {wall:7.3f} / {cpu_ms:7.3f}")
     record = {**run_header(args, started, load_before, os.getloadavg()), "trees": trees, "summary": summary,
               "rounds": rounds}
     if args.tag:
