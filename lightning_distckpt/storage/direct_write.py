@@ -40,6 +40,7 @@ _supported: Dict[int, bool] = {}  # st_dev -> whether O_DIRECT writes work there
 _lock = threading.Lock()
 _local = threading.local()
 _pool: Optional[ThreadPoolExecutor] = None
+_pool_pid = 0
 
 
 def direct_writes_enabled(option: bool) -> bool:
@@ -165,10 +166,10 @@ def write_array_chunks(array_dir: str, arr: np.ndarray, chunk_rows: int) -> Opti
 def submit_array(array_dir: str, arr: np.ndarray, chunk_rows: int) -> "Future[Optional[int]]":
     """:func:`write_array_chunks` on one of the writer threads, at the caller's scheduling priority
     (an async save's background thread runs below the training: so do its writes)."""
-    global _pool
+    global _pool, _pool_pid
     with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="distckpt-direct-write")
+        if _pool is None or _pool_pid != os.getpid():  # a forked child has none of the parent's threads
+            _pool, _pool_pid = ThreadPoolExecutor(THREADS, thread_name_prefix="distckpt-direct-write"), os.getpid()
     nice = _priority()
     return _pool.submit(_at_priority, nice, array_dir, arr, chunk_rows)
 

@@ -130,3 +130,21 @@ def test_tmpfs_checkpoints_load_back(tmp_path_factory):
 def test_direct_writes_must_be_a_bool():
     with pytest.raises(ldc.ConfigError, match="direct_writes"):
         StorageOptions(direct_writes="yes")
+
+
+@needs_direct
+def test_a_forked_child_writes_with_threads_of_its_own(tmp_path):
+    # the parent's writer threads do not exist in a forked child: it must not wait for them
+    import multiprocessing
+
+    _direct_dir(tmp_path)
+    arr = np.arange(1 << 18, dtype=np.float32).reshape(256, 1024)
+    direct_write.submit_array(str(tmp_path / "parent"), arr, 64).result()  # the parent's pool exists
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=lambda: direct_write.submit_array(str(tmp_path / "child"), arr, 64).result())
+    child.start()
+    child.join(60)  # a failure bound only: the write takes milliseconds
+    assert child.exitcode == 0
+    for name in ("parent", "child"):
+        got = b"".join((tmp_path / name / "c" / str(i) / "0").read_bytes() for i in range(4))
+        assert got == arr.tobytes()
