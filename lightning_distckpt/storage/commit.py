@@ -18,7 +18,7 @@ import os
 import shutil
 import signal
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from ..core.errors import CheckpointingError
@@ -26,6 +26,7 @@ from .checksums import sha256_hex
 from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, is_our_committed_checkpoint
 from .paths import read_inside
 from .safe_pickle import write_file_durable
+from .workers import KeptWorkers
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes,
                       target_of)
 
@@ -101,26 +102,15 @@ def fsync_tree_dirs(root: str, skip: Callable[[str], bool] = lambda path: False)
 _SYNC_THREADS = 16  # files fsync'd at once: each waits for the journal, they share its commits
 
 
-def _new_sync_pool() -> None:
-    """The helper threads of :func:`fsync_all` and :func:`in_background`, kept between saves
-    (starting 3 threads per rank store and save cost ~0.4 ms of CPU, 2 MB state); a forked child (a
-    DataLoader worker) gets its own."""
-    global _SYNC_POOL
-    _SYNC_POOL = ThreadPoolExecutor(max_workers=_SYNC_THREADS - 1, thread_name_prefix="distckpt-fsync")
-
-
-_SYNC_POOL: ThreadPoolExecutor
-_new_sync_pool()
-os.register_at_fork(after_in_child=_new_sync_pool)
+# The helper threads of :func:`fsync_all` and :func:`in_background`, kept between saves (starting
+# 3 threads per rank store and save cost ~0.4 ms of CPU, 2 MB state); see :mod:`.workers`.
+_SYNC_POOL = KeptWorkers("distckpt-fsync", _SYNC_THREADS - 1)
 
 
 def in_background(fn: Callable[[], Any]) -> "Optional[Future[Any]]":
     """``fn`` started on a thread of the kept pool; None where the pool takes no more work (the
     interpreter is shutting down: an async save finished at exit), and the caller runs it itself."""
-    try:
-        return _SYNC_POOL.submit(fn)
-    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-        return None
+    return _SYNC_POOL.submit(fn)
 
 
 def fsync_tree(root: str) -> None:

@@ -24,10 +24,12 @@ import errno
 import mmap
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+
+from .workers import KeptWorkers
 
 DIRECT_WRITES_ENV = "LIGHTNING_DISTCKPT_DIRECT_WRITES"
 ALIGN = 4096  # the largest logical block size in common use; a multiple of every smaller one
@@ -39,8 +41,7 @@ THREADS = 4  # concurrent files: a device's queue wants a few writes in flight
 _supported: Dict[int, bool] = {}  # st_dev -> whether O_DIRECT writes work there
 _lock = threading.Lock()
 _local = threading.local()
-_pool: Optional[ThreadPoolExecutor] = None
-_pool_pid = 0
+_POOL = KeptWorkers("distckpt-direct-write", THREADS)
 
 
 def direct_writes_enabled(option: bool) -> bool:
@@ -166,12 +167,15 @@ def write_array_chunks(array_dir: str, arr: np.ndarray, chunk_rows: int) -> Opti
 def submit_array(array_dir: str, arr: np.ndarray, chunk_rows: int) -> "Future[Optional[int]]":
     """:func:`write_array_chunks` on one of the writer threads, at the caller's scheduling priority
     (an async save's background thread runs below the training: so do its writes)."""
-    global _pool, _pool_pid
-    with _lock:
-        if _pool is None or _pool_pid != os.getpid():  # a forked child has none of the parent's threads
-            _pool, _pool_pid = ThreadPoolExecutor(THREADS, thread_name_prefix="distckpt-direct-write"), os.getpid()
     nice = _priority()
-    return _pool.submit(_at_priority, nice, array_dir, arr, chunk_rows)
+    future = _POOL.submit(_at_priority, nice, array_dir, arr, chunk_rows)
+    if future is None:  # interpreter shutdown (an async save finishing at exit): on this thread
+        future = Future()
+        try:
+            future.set_result(_at_priority(nice, array_dir, arr, chunk_rows))
+        except BaseException as e:
+            future.set_exception(e)
+    return future
 
 
 def _priority() -> int:

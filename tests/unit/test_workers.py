@@ -1,0 +1,48 @@
+"""Kept helper threads (storage/workers.py): work runs and its errors reach the caller; the threads
+are daemons with a stop() that ends them (the convention Lightning's test suites enforce for threads
+a test leaves behind), and the pool starts new ones after; a forked child gets threads of its own."""
+
+import multiprocessing
+import threading
+
+import pytest
+
+from lightning_distckpt.storage.workers import KeptWorkers
+
+
+def test_work_runs_and_errors_reach_the_caller():
+    pool = KeptWorkers("test-workers", 3)
+    assert [f.result() for f in [pool.submit(pow, 2, i) for i in range(8)]] == [2 ** i for i in range(8)]
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result()
+    pool.stop()
+
+
+def test_threads_left_behind_are_daemons_that_stop():
+    before = set(threading.enumerate())
+    pool = KeptWorkers("test-workers", 2)
+    assert pool.submit(sum, [1, 2]).result() == 3
+    new = set(threading.enumerate()) - before
+    assert new and all(t.daemon and callable(getattr(t, "stop", None)) for t in new)
+    for t in new:
+        t.stop()
+        assert not t.is_alive()
+    assert pool.submit(sum, [3, 4]).result() == 7  # new threads after a stop
+    pool.stop()
+    assert set(threading.enumerate()) <= before
+
+
+def _child(pool, q):
+    q.put(pool.submit(sum, [5, 6]).result())
+
+
+def test_a_forked_child_gets_threads_of_its_own():
+    pool = KeptWorkers("test-workers", 2)
+    assert pool.submit(sum, [1]).result() == 1  # the parent's threads exist
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child, args=(pool, q))
+    child.start()
+    child.join(60)  # a failure bound only
+    assert child.exitcode == 0 and q.get(timeout=10) == 11
+    pool.stop()
