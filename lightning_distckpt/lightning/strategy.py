@@ -152,7 +152,7 @@ class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorPara
         self._save_agreed = False
         checkpoint_location(filepath, "filepath")  # a bad path is refused alike on every rank, before anything
         try:
-            tree = self._checkpoint_tree(checkpoint)
+            tree = self.checkpoint_tree(checkpoint)
         except Exception as e:  # agreed by the save's handshake, not by a collective of its own
             tree = failing_tree(e)
         if self._parallel_state is None:
@@ -174,10 +174,11 @@ class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorPara
     def sharded_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> Dict[str, Any]:
         """Collective: the tree :meth:`save_checkpoint` saves for Lightning's ``checkpoint`` dict (the
         module's and optimizers' shards; the rest common state). ``what`` names the save in errors."""
-        return build_on_all_ranks(what, lambda: self._checkpoint_tree(checkpoint))
+        return build_on_all_ranks(what, lambda: self.checkpoint_tree(checkpoint))
 
-    def _checkpoint_tree(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
-        """This rank's tree for ``checkpoint`` (local: no collective)."""
+    def checkpoint_tree(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's tree for Lightning's ``checkpoint`` dict, built locally (no collective; :meth:`sharded_checkpoint`
+        is the collective form that agrees on a failure): the module's and optimizers' shards, the rest common state."""
         model_ssd = self._model_ssd()
         tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         tree["state_dict"] = model_ssd

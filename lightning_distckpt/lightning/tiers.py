@@ -170,7 +170,7 @@ class TierCheckpoint(DistModelCheckpoint):
         description re-raises its error (:func:`failing_tree`): the local save's handshake raises it on
         every rank, one collective round fewer than an agreement of its own; elsewhere collective."""
         strategy = trainer.strategy
-        build = getattr(strategy, "_checkpoint_tree", None)
+        build = getattr(strategy, "checkpoint_tree", None)
         if not callable(build):
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             return strategy.sharded_checkpoint(checkpoint, f"local tier step {step}")
