@@ -177,8 +177,9 @@ class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorPara
         return build_on_all_ranks(what, lambda: self.checkpoint_tree(checkpoint))
 
     def checkpoint_tree(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
-        """This rank's tree for Lightning's ``checkpoint`` dict, built locally (no collective; :meth:`sharded_checkpoint`
-        is the collective form that agrees on a failure): the module's and optimizers' shards, the rest common state."""
+        """This rank's tree for Lightning's ``checkpoint`` dict, built locally (no collective;
+        :meth:`sharded_checkpoint` is the collective form that agrees on a failure): the module's and
+        optimizers' shards, the rest common state."""
         model_ssd = self._model_ssd()
         tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         tree["state_dict"] = model_ssd
