@@ -97,7 +97,9 @@ def listing(root: str) -> Dict[str, List[str]]:
 
 
 def lose(trainer_strategy_barrier: Any, root: str, nodes: List[str], rank: int) -> None:
-    """Delete the local directories of ``nodes`` (rank 0), with every rank waiting for it."""
+    """Delete the local directories of ``nodes`` (rank 0), with every rank waiting for it; and every
+    rank done with what came before (e.g. listing those directories) before they go."""
+    trainer_strategy_barrier()
     if rank == 0:
         for node in nodes:
             shutil.rmtree(os.path.join(root, "local", node), ignore_errors=True)
