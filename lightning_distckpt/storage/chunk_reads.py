@@ -15,7 +15,7 @@ import contextlib
 import os
 import struct
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -25,10 +25,24 @@ import torch
 from ..core.errors import FormatError
 from .chunk_checksums import crc32c
 from .paths import open_regular
+from .workers import KeptWorkers
 
 _CRC_TRAILER = struct.Struct("<I")
 _PIECE_BYTES = 1 << 20  # read and checksum a chunk this much at a time
 _ADVISE_BYTES = 4 << 20  # asked of the kernel's readahead per call
+_POOLS: Dict[int, KeptWorkers] = {}  # reader threads by count, kept between loads (see _pool)
+_POOLS_LOCK = threading.Lock()
+_PREFETCH = KeptWorkers("ldc-prefetch", 1)  # advise_willneed's thread, kept too
+
+
+def _pool(threads: int) -> KeptWorkers:
+    """The kept reader threads of this size: a load used to start its own, and on a loaded machine
+    each start waits for the new thread to be scheduled (tens of ms a load with a few ranks per core)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(threads)
+        if pool is None:
+            pool = _POOLS[threads] = KeptWorkers(f"ldc-direct-read-{threads}", threads)
+        return pool
 
 
 class ChunkLocation(NamedTuple):
@@ -81,7 +95,7 @@ class ReadSession:
         self.fds: Dict[str, int] = {}
         self.futures: List["Future[Any]"] = []
         self.errors: List[str] = []
-        self.pool = ThreadPoolExecutor(reader.threads, thread_name_prefix="ldc-direct-read")
+        self.pool = _pool(reader.threads)
 
     def submit(self, tasks: Iterable[ChunkTask]) -> None:
         """Start reading ``tasks`` (a data file that cannot be opened is an error of its tasks)."""
@@ -93,12 +107,19 @@ class ReadSession:
                 except (OSError, FormatError) as e:
                     self.errors.append(f"{t.where}: cannot open a data file: {e}")
                     continue
-            self.futures.append(self.pool.submit(self.reader.run_task, t, fd, self.verify))
+            future = self.pool.submit(self.reader.run_task, t, fd, self.verify)
+            if future is None:  # interpreter shutdown: read it here
+                future = Future()
+                try:
+                    future.set_result(self.reader.run_task(t, fd, self.verify))
+                except BaseException as e:  # raised by finish(), as from a thread
+                    future.set_exception(e)
+            self.futures.append(future)
 
     def finish(self) -> Tuple[int, List[str]]:
         """(bytes delivered, an error message per failed chunk), once every read has ended."""
         try:
-            self.pool.shutdown(wait=True)
+            wait(self.futures)
         finally:
             for fd in self.fds.values():
                 os.close(fd)
@@ -208,7 +229,7 @@ def advise_willneed(ranges: Sequence[ChunkLocation]) -> None:
     cannot be opened (or a platform without ``posix_fadvise``) is skipped; the reads themselves
     report what is wrong."""
     if ranges and hasattr(os, "posix_fadvise"):
-        threading.Thread(target=_advise, args=(list(ranges),), name="ldc-prefetch", daemon=True).start()
+        _PREFETCH.submit(_advise, list(ranges))  # None at interpreter shutdown: no hint then
 
 
 def _advise(ranges: List[ChunkLocation]) -> None:

@@ -5,6 +5,7 @@ split, and refuse damage with an error naming the chunk and the file."""
 import json
 import os
 import shutil
+import threading
 
 import pytest
 import tensorstore as ts
@@ -245,3 +246,31 @@ def test_prefetch_asks_for_each_arrays_zarr_json_first_then_its_chunks_up_to_the
     assert asked[:2] == [locations["t/w/0/zarr.json"], locations["t/b/0/zarr.json"]]
     assert set(asked[2:]) <= {loc for key, loc in locations.items() if key.startswith("t/w/0/c/")}
     assert len(asked[2:]) == 3  # the limit: 3 chunks of 'w', none of 'b'
+
+
+def test_loads_read_on_kept_threads_and_start_none_of_their_own(saved):
+    """A load's chunk reads (and its readahead hints) run on threads kept between loads
+    (storage/chunk_reads.py): the second and third loads start none, the reads still land exactly, and the kept threads are
+    daemons with a stop() (Lightning's convention for threads a test leaves behind)."""
+    started = []
+    real_start = threading.Thread.start
+
+    def counting_start(self):
+        started.append(self.name)
+        return real_start(self)
+
+    def load_whole():
+        sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros_like(W)),
+              "b": ldc.ShardedTensor.from_rank_offsets("b", torch.zeros_like(B))}
+        out = ldc.load(sd, saved["ocdbt"])
+        assert torch.equal(out["w"], W) and torch.equal(out["b"], B)
+
+    load_whole()  # the threads exist after a first load
+    readers = [t for t in threading.enumerate() if t.name.startswith("ldc-direct-read")]
+    assert readers and all(t.daemon and callable(getattr(t, "stop", None)) for t in readers)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(threading.Thread, "start", counting_start)
+        load_whole()
+        load_whole()
+    assert not [n for n in started if n.startswith(("ldc-direct-read", "ldc-prefetch"))], started
+    assert {t.ident for t in readers} <= {t.ident for t in threading.enumerate()}
