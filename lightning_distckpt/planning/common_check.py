@@ -4,18 +4,29 @@ Only one copy of the common state is saved (rank 0's), so a value that differs o
 would be dropped without a word: a per-stage counter under pipeline parallelism, a rank-dependent
 setting. Ranks exchange digests, never the state itself: one digest of the whole state on every
 save, and per-leaf digests only when the whole digests disagree. Pure functions, no collectives.
+
+A digest is of the state pickled as it is in memory, each plain tensor by its type, dtype, shape,
+``requires_grad`` and a hash of its bytes (:func:`common_digest`), not of ``torch.save``'s archive:
+that writes a record per tensor (a Lightning checkpoint's common state holds an optimizer ``step``
+tensor per parameter: ~3.5 ms for 147 of them, against ~0.8 ms), and only rank 0's archive is
+saved, so the other ranks call no ``torch.save`` at all (Lightning's own tests count its calls per
+rank). A value pickle cannot serialize fails the digest on every rank alike.
 """
 
 from __future__ import annotations
 
+import copyreg
 import hashlib
+import io
+import pickle
 from typing import Any, Dict, List, Sequence, Tuple
 
+import torch
+
 from ..core.state_dict import iter_leaves
-from ..storage.safe_pickle import dumps
 
 
-def digest(data: bytes) -> str:
+def digest(data: Any) -> str:
     """A short content digest (not a security hash: it only compares ranks' own bytes)."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -25,9 +36,39 @@ def leaf_path(path: Sequence[Any]) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
 
+def _tensor_value(*fields: Any) -> Tuple[Any, ...]:
+    """What a plain tensor pickles as in a digest (never unpickled: digests compare bytes)."""
+    return fields
+
+
+def _reduce_tensor(t: torch.Tensor) -> Any:
+    if t.layout != torch.strided or t.is_meta or t.is_quantized:  # no plain bytes: as pickle does
+        return t.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+    if t.numel() == 1 and t.device.type == "cpu":  # an optimizer's step: its value (exact), no bytes to hash
+        value: Any = t.item()
+    else:
+        data = t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().cpu()
+        value = hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"", digest_size=16).digest()
+    return _tensor_value, (type(t).__name__, str(t.dtype), tuple(t.shape), t.requires_grad, value)
+
+
+_DISPATCH = dict(copyreg.dispatch_table)
+_DISPATCH.update({torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor})
+
+
+def common_digest(value: Any) -> str:
+    """A digest of ``value`` that ranks holding equal values agree on (see the module docstring);
+    raises what pickle raises for a value it cannot serialize."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL)
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(value)
+    return digest(buf.getbuffer())
+
+
 def leaf_digests(common: Any) -> Dict[str, str]:
     """Digest of every leaf of the common state, by dotted path."""
-    return {leaf_path(path): digest(dumps(leaf)) for path, leaf in iter_leaves(common)}
+    return {leaf_path(path): common_digest(leaf) for path, leaf in iter_leaves(common)}
 
 
 def common_differences(per_rank: Sequence[Dict[str, str]], limit: int = 10) -> List[str]:

@@ -16,7 +16,7 @@ from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
 from ..core.tree_paths import steps_to_json
 from ..core.state_dict import apply_factories, collect, split_common
-from ..planning.common_check import common_differences, digest, leaf_digests, rank_differences
+from ..planning.common_check import common_differences, common_digest, leaf_digests, rank_differences
 from ..planning.even import mark_even
 from ..planning.groups import RankRecords, layout_digest
 from ..planning.metadata import ObjectRecord, ShardRecord
@@ -54,7 +54,7 @@ class Handshake(NamedTuple):
     layout: str  # digest of this rank's records (planning/groups.py): equal for replicas
     plan_token: Optional[str]  # the cached plan's token, when this rank's records match it
     staging: Optional[str]  # rank 0's: the staging directory every rank writes into
-    common_digest: Optional[str]  # of the serialized common state, where it is checked
+    common_digest: Optional[str]  # of the common state (planning/common_check.py), where it is checked
     planning: PlanningOptions
 
 
@@ -162,10 +162,9 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm
     planning = PlanningOptions(balance_writes, options.pack_max_bytes)
     error: Optional[Exception] = None
     try:
-        # Every rank serializes the common state when it is checked for consistency (only rank
-        # 0's copy is written), so an unpicklable value fails on every rank.
-        local = _describe(sharded_state_dict, store, comm,
-                          serialize_common=comm.rank == 0 or (validate_access_integrity and comm.distributed))
+        # Every rank digests the common state when it is checked for consistency (only rank 0's
+        # copy is serialized and written), so an unpicklable value fails on every rank.
+        local = _describe(sharded_state_dict, store, comm, check_common=validate_access_integrity and comm.distributed)
     except Exception as e:  # agreed below, so no rank is left waiting in the exchange
         local, error = LocalState(), e
     cache_key = (local.records, _group_ranks(comm), validate_access_integrity, planning)
@@ -201,7 +200,7 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm
 
 
 def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: Comm,
-              serialize_common: bool) -> LocalState:
+              check_common: bool) -> LocalState:
     """Split this rank's state dict into sharded entries and common state, and describe them."""
     expanded: List[Tuple[Any, Any]] = []
     sharded, common = split_common(apply_factories(sharded_state_dict, expanded))
@@ -218,16 +217,16 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
     target = store.location
     if comm.rank == 0:
         store.check_target()
-    if serialize_common:
-        # Serialized before the exchange, so an unpicklable value is an error agreed by every
-        # rank rather than rank 0's alone.
-        try:
+    # Before the exchange, so an unpicklable value is an error agreed by every rank, not rank 0's alone
+    try:
+        if comm.rank == 0:
             local.common_bytes = dumps(common)
-        except Exception as e:
-            raise CheckpointingError(
-                f"checkpoint {target}: the common (non-sharded) state cannot be serialized: {type(e).__name__}: {e}"
-            ) from e
-        local.common_digest = digest(local.common_bytes)
+        if check_common:
+            local.common_digest = common_digest(common)
+    except Exception as e:
+        raise CheckpointingError(
+            f"checkpoint {target}: the common (non-sharded) state cannot be serialized: {type(e).__name__}: {e}"
+        ) from e
     return local
 
 

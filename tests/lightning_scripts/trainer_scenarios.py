@@ -371,8 +371,9 @@ def exact_resume_yaml(args: argparse.Namespace, res: Dict[str, Any]) -> None:
 
 
 class CountingBarriers(Callback):
-    """At step 1, ``trainer.save_checkpoint`` with ``torch.distributed.barrier`` counted; records the
-    barriers it made and whether the checkpoint was committed (or pending) when it returned."""
+    """At step 1, ``trainer.save_checkpoint`` with ``torch.distributed.barrier`` and ``torch.save``
+    counted; records the barriers and ``torch.save`` calls it made and whether the checkpoint was
+    committed (or pending) when it returned."""
 
     def __init__(self, path: str, results: Dict[str, Any]) -> None:
         self.path, self.results = path, results
@@ -381,21 +382,26 @@ class CountingBarriers(Callback):
         if trainer_.global_step != 1:
             return
         real, calls = torch.distributed.barrier, []
+        real_save, saves = torch.save, []
 
         def counted(*a: Any, **k: Any) -> Any:
             calls.append(1)
             return real(*a, **k)
 
-        torch.distributed.barrier = counted
+        def counted_save(*a: Any, **k: Any) -> Any:
+            saves.append(1)
+            return real_save(*a, **k)
+
+        torch.distributed.barrier, torch.save = counted, counted_save
         try:
             trainer_.save_checkpoint(self.path)
-            self.results["barriers"] = len(calls)
+            self.results["barriers"], self.results["torch_saves"] = len(calls), len(saves)
             self.results["committed_on_return"] = committed(self.path)
             self.results["pending"] = trainer_.strategy.checkpoint_io.pending is not None
             trainer_.strategy.barrier("Trainer.save_checkpoint")  # not right after a save: a barrier
             self.results["barriers_after"] = len(calls)
         finally:
-            torch.distributed.barrier = real
+            torch.distributed.barrier, torch.save = real, real_save
 
 
 def save_barrier(args: argparse.Namespace, res: Dict[str, Any]) -> None:

@@ -191,3 +191,35 @@ def test_common_differences_names_paths_and_ranks():
     many = [{f"k{i}": "a" for i in range(15)}, {f"k{i}": "b" for i in range(15)}]
     lines = common_differences(many, limit=10)
     assert len(lines) == 11 and lines[-1] == "... and 5 more"
+
+
+def test_common_digest_compares_values_not_objects_and_calls_no_torch_save(monkeypatch):
+    """planning/common_check.common_digest: equal common states digest alike whatever their tensors'
+    memory (separate copies, strides); any change of a tensor's values, dtype, shape, type or
+    requires_grad, or of another leaf, changes it; torch.save is never called (only rank 0's
+    archive is written); what pickle cannot serialize raises."""
+    import pytest
+
+    from lightning_distckpt.planning.common_check import common_digest
+
+    def state(step=3.0, moments=None):
+        return {"optimizer_states": [{"state": {f"p{i}": {"step": torch.tensor(step)} for i in range(4)},
+                                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999)}]}],
+                "loops": {"epoch": 2}, "buf": torch.arange(12.0).reshape(3, 4) if moments is None else moments}
+
+    saves = []
+    monkeypatch.setattr(torch, "save", lambda *a, **k: saves.append(1))
+    ref = common_digest(state())
+    assert common_digest(state()) == ref  # other tensor objects, same values
+    assert common_digest(state(moments=torch.arange(12.0).reshape(4, 3).t().contiguous().t().reshape(3, 4))) == ref
+    changed = [state(step=4.0), state(moments=torch.arange(12.0).reshape(3, 4).double()),
+               state(moments=torch.arange(12.0).reshape(4, 3)),
+               state(moments=torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))),
+               state(moments=torch.arange(12.0).reshape(3, 4).requires_grad_()), {**state(), "loops": {"epoch": 3}}]
+    assert len({ref, *map(common_digest, changed)}) == len(changed) + 1
+    odd = {"bf16": torch.ones(5, dtype=torch.bfloat16), "empty": torch.empty(0, 3), "bool": torch.tensor([True]),
+           "meta": torch.empty(2, device="meta"), "c": torch.tensor([1 + 2j]).conj()}
+    assert common_digest(odd) == common_digest({k: v.clone() if not v.is_meta else v for k, v in odd.items()})
+    assert not saves
+    with pytest.raises(Exception):
+        common_digest({"hook": lambda x: x})
