@@ -250,8 +250,9 @@ def test_prefetch_asks_for_each_arrays_zarr_json_first_then_its_chunks_up_to_the
 
 def test_loads_read_on_kept_threads_and_start_none_of_their_own(saved):
     """A load's chunk reads (and its readahead hints) run on threads kept between loads
-    (storage/chunk_reads.py): the second and third loads start none, the reads still land exactly, and the kept threads are
-    daemons with a stop() (Lightning's convention for threads a test leaves behind)."""
+    (storage/chunk_reads.py): the second and third loads start none, the reads still land exactly,
+    and the kept threads are daemons with a stop() (Lightning's convention for threads a test leaves
+    behind)."""
     started = []
     real_start = threading.Thread.start
 
