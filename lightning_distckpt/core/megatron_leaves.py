@@ -11,6 +11,7 @@ megatron-core is never imported here, and a tree without its leaves is returned 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
@@ -28,6 +29,10 @@ def from_megatron_leaves(tree: Any) -> Any:
     """``tree`` with each Megatron-Core leaf replaced by ours. Containers on the way to one are
     copied (dicts as dicts of the same keys, lists as lists, tuples as tuples); a tree without
     Megatron-Core leaves is returned as it is."""
+    if _MEGATRON_MODULE not in sys.modules:
+        # No leaf can be of its types: importing any of its modules (unpickling one too) imports the
+        # package first. Spares every save and load a walk of the tree (~0.5 ms for Lightning's).
+        return tree
     return fold(tree, _leaf, keep_or_copy)  # bounded, each container once (core/tree_walk.py)
 
 

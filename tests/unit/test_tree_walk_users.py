@@ -86,3 +86,34 @@ def test_a_manifest_round_trips_and_forged_ones_are_format_errors():
     with pytest.raises(FormatError, match=r"manifest path \[\['d', 'a'\], \['d', 'b'\]\] of 'y' does not fit"):
         template_from_manifest(forged([([("d", "a")], "x"), ([("d", "a"), ("d", "b")], "y")]), two, "ck")
     assert manifest_paths(forged([([("d", "a"), ("l", 2)], "k")]), "ck") == {"k": (("d", "a"), ("l", 2))}
+
+
+class _FakeMegatronLeaf:
+    """Stands for megatron-core's LocalNonpersistentObject: leaves are told by their type's module."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
+_FakeMegatronLeaf.__module__ = "megatron.core.dist_checkpointing.mapping"
+_FakeMegatronLeaf.__name__ = "LocalNonpersistentObject"
+
+
+def test_megatron_leaves_are_looked_for_only_once_megatron_core_is_imported(monkeypatch):
+    import sys
+    import types
+
+    from lightning_distckpt.core.mapping import LocalNonpersistentObject
+    from lightning_distckpt.core.megatron_leaves import from_megatron_leaves
+    from lightning_distckpt.core.plain_tensors import shard_tensors
+
+    package = "megatron.core.dist_checkpointing"
+    tree = {"a": [_FakeMegatronLeaf(5)], "w": torch.ones(2)}
+    monkeypatch.delitem(sys.modules, package, raising=False)
+    assert from_megatron_leaves(tree) is tree  # not walked: no object can be of its types
+    with pytest.raises(FormatError, match=r"contains itself"):  # the save's next walk still bounds the tree
+        shard_tensors(from_megatron_leaves(_cyclic()), 0)
+    monkeypatch.setitem(sys.modules, package, types.ModuleType(package))
+    out = from_megatron_leaves(tree)
+    assert type(out["a"][0]) is LocalNonpersistentObject and out["a"][0].obj == 5
+    assert out["w"] is tree["w"] and type(tree["a"][0]) is _FakeMegatronLeaf  # the input is left as it was
