@@ -49,13 +49,13 @@ from .checkpoint_io import fabric_writer, foreign_writer
 from .async_warmup import AsyncWarmupMixin, Held, staged_share
 from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
-from .sharded import build_on_all_ranks, describe_source
+from .sharded import build_on_all_ranks, describe_source, tree_or_failing
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
                     rekey_template, restore_param_keys)
 from .strategy import warn_async_link_last
 from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import load_model_parallel_recovery
-from .tp_strategy import AsyncCommitHooksMixin
+from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ def put_value(tree: Any, path: Path, value: Any) -> None:
     value_at(tree, path[:-1])[path[-1]] = value
 
 
-class DistCheckpointModelParallelStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, ModelParallelStrategy):
+class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, AsyncCommitHooksMixin,
+                                          ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format.
 
     ``Trainer(strategy=DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
@@ -163,22 +164,29 @@ class DistCheckpointModelParallelStrategy(AsyncWarmupMixin, AsyncCommitHooksMixi
     # -- save and load ---------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank saves its shards of the model and optimizer state; the rest of
-        ``checkpoint`` is common state."""
+        ``checkpoint`` is common state. The path is rank 0's (as Lightning's ModelParallelStrategy
+        broadcasts it); a rank that cannot build its tree fails the save's handshake
+        (:func:`~.sharded.failing_tree`)."""
+        self.saving_together()
         path = os.fspath(self.broadcast(checkpoint_location(filepath, "filepath")))
-        tree = self.sharded_checkpoint(checkpoint, f"save to {path}")
+        tree = tree_or_failing(lambda: self.checkpoint_tree(checkpoint))
         self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
+        self.saved_together()
 
     def sharded_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> Dict[str, Any]:
-        """Collective: the tree :meth:`save_checkpoint` saves for Lightning's ``checkpoint`` dict."""
-        def build() -> Dict[str, Any]:
-            tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            for entry in ("state_dict", "optimizer_states"):
-                if entry in checkpoint:
-                    tree[entry] = shard_tree(checkpoint[entry], (entry,), self.global_rank, {})
-            tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL)
-            return tree
+        """Collective: the tree :meth:`save_checkpoint` saves for Lightning's ``checkpoint`` dict (a
+        failure on any rank raised on every rank; ``what`` names the save in errors)."""
+        return build_on_all_ranks(what, lambda: self.checkpoint_tree(checkpoint))
 
-        return build_on_all_ranks(what, build)
+    def checkpoint_tree(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's tree for Lightning's ``checkpoint`` dict, built locally (no collective): the
+        module's and optimizers' DTensor shards, the rest common state."""
+        tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        for entry in ("state_dict", "optimizer_states"):
+            if entry in checkpoint:
+                tree[entry] = shard_tree(checkpoint[entry], (entry,), self.global_rank, {})
+        tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL)
+        return tree
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence, TypeVar
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from ..comm import Comm, get_comm
 from ..core.errors import CheckpointingError
-from ..core.mapping import ShardedTensor
+from ..core.mapping import ShardedTensor, ShardedTensorFactory
 from ..core.megatron_leaves import from_megatron_leaves
 from ..core.state_dict import iter_leaves
 from ..reading.checkpoint import CheckpointSource
@@ -100,3 +101,24 @@ def build_on_all_ranks(what: str, build: Callable[[], T], comm: Optional[Comm] =
         error = e
     comm.agree(f"{what} failed before any I/O", error)
     return result  # type: ignore[return-value]
+
+
+def tree_or_failing(build: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+    """``build()``, or where it raises, :func:`failing_tree` of its error: for a tree built locally
+    before a collective save, whose handshake then agrees on the failure."""
+    try:
+        return build()
+    except Exception as e:  # agreed by the save's handshake, not by a collective of its own
+        return failing_tree(e)
+
+
+def failing_tree(error: Exception) -> Dict[str, Any]:
+    """A state dict whose description raises ``error``: its one entry is a factory that re-raises it.
+    The save's handshake agrees on every rank's failure to describe its state
+    (``saving/save_prepare.prepare_save``), so every rank raises ``error`` (its type kept, this rank
+    named) before anything is written, as it would for a failure inside ``sharded_state_dict``: one
+    collective round fewer than :func:`build_on_all_ranks` before the save."""
+    def fail(*_: Any) -> Any:
+        raise error
+
+    return {"failed": ShardedTensorFactory("failed", torch.empty(0), fail, fail)}

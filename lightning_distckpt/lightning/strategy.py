@@ -21,12 +21,12 @@ from torch.optim import Optimizer
 
 from ..comm import get_comm
 from ..core.errors import CheckpointingError
-from ..core.mapping import ShardedTensorFactory
 from ..storage.paths import checkpoint_location
 from .async_warmup import AsyncWarmupMixin, staged_share
 from .parallel import STRATEGY_NAME, ParallelState
-from .sharded import build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer
-from .tp_strategy import AsyncCommitHooksMixin, TensorParallelStrategyMixin
+from .sharded import (build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer,
+                      tree_or_failing)
+from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin, TensorParallelStrategyMixin
 from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import DeferredTierOptimizerStates, load_recovery_point
 from .trainer_restore import DeferredOptimizerStates, load_before_setup, restore_after_setup
@@ -51,7 +51,8 @@ def optimizer_prefix(index: int) -> str:
     return f"optimizer_states.{index}"
 
 
-class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorParallelStrategyMixin, DDPStrategy):
+class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, AsyncCommitHooksMixin, TensorParallelStrategyMixin,
+                             DDPStrategy):
     """DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
 
     ``Trainer(strategy=DistCheckpointStrategy(tensor_parallel_size=2), devices=4)`` runs TP 2 x DP 2;
@@ -147,29 +148,16 @@ class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorPara
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Collective: every rank saves its shards of the model and optimizer state; the rest of
         ``checkpoint`` (loops, callbacks, schedulers, hyper-parameters) is common state. A rank that cannot
-        build its tree fails the save's handshake (:func:`failing_tree`): every rank raises its error, in
-        one collective round fewer than an agreement of its own before the save."""
-        self._save_agreed = False
+        build its tree fails the save's handshake (:func:`~.sharded.failing_tree`): every rank raises its
+        error, in one collective round fewer than an agreement of its own before the save."""
+        self.saving_together()
         checkpoint_location(filepath, "filepath")  # a bad path is refused alike on every rank, before anything
-        try:
-            tree = self.checkpoint_tree(checkpoint)
-        except Exception as e:  # agreed by the save's handshake, not by a collective of its own
-            tree = failing_tree(e)
+        tree = tree_or_failing(lambda: self.checkpoint_tree(checkpoint))
         if self._parallel_state is None:
             # Before the first run, as after a teardown: no later hook would commit a background save.
             self.checkpoint_io.background_saves = False
         self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
-        # A save made here and now (none left pending in the background) ended with every rank of the world
-        # agreeing on its commit (saving/save_commit.finalize_save): every rank is past it, as after a barrier
-        self._save_agreed = self.checkpoint_io.pending is None
-
-    def barrier(self, name: Optional[str] = None) -> None:
-        """Lightning's barrier, except the one ``Trainer.save_checkpoint`` makes right after a synchronous
-        save of :meth:`save_checkpoint`: that save's last step was an agreement of every rank already
-        (one collective round less per checkpoint; a background save keeps the barrier)."""
-        if name == "Trainer.save_checkpoint" and self.__dict__.pop("_save_agreed", False):
-            return
-        super().barrier(name)
+        self.saved_together()
 
     def sharded_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> Dict[str, Any]:
         """Collective: the tree :meth:`save_checkpoint` saves for Lightning's ``checkpoint`` dict (the
@@ -221,17 +209,6 @@ class DistCheckpointStrategy(AsyncWarmupMixin, AsyncCommitHooksMixin, TensorPara
             raise CheckpointingError(f"the checkpoint has {len(states)} optimizer states, the module has {len(optimizers)} optimizers")
         for opt, state in zip(optimizers, states):
             restore_optimizer(opt, state)
-
-
-def failing_tree(error: Exception) -> Dict[str, Any]:
-    """A state dict whose description raises ``error``: its one entry is a factory that re-raises it.
-    The save's handshake agrees on every rank's failure to describe its state
-    (``saving/save_prepare.prepare_save``), so every rank raises ``error`` (its type kept, this rank
-    named) before anything is written, as it would for a failure inside ``sharded_state_dict``."""
-    def fail(*_: Any) -> Any:
-        raise error
-
-    return {"failed": ShardedTensorFactory("failed", torch.empty(0), fail, fail)}
 
 
 DistCheckpointStrategy.register_strategies(StrategyRegistry)

@@ -34,6 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from ..core.errors import ArgumentTypeError, CheckpointingError
 from ..tiers import LocalTier, TierOptions
 from .model_checkpoint import DistModelCheckpoint
+from .sharded import tree_or_failing
 
 log = logging.getLogger(__name__)
 
@@ -166,20 +167,17 @@ class TierCheckpoint(DistModelCheckpoint):
 
     def local_tree(self, trainer: Any, step: int) -> Dict[str, Any]:
         """Lightning's checkpoint dict (``dump_checkpoint``) in the sharded form the strategy saves. Where
-        the strategy builds it locally (``DistCheckpointStrategy``), a rank that cannot gets a tree whose
-        description re-raises its error (:func:`failing_tree`): the local save's handshake raises it on
-        every rank, one collective round fewer than an agreement of its own; elsewhere collective."""
+        the strategy builds it locally (``checkpoint_tree``: both of ours), a rank that cannot gets a tree
+        whose description re-raises its error (:func:`~.sharded.failing_tree`): the local save's handshake
+        raises it on every rank, one collective round fewer than an agreement of its own; elsewhere
+        collective."""
         strategy = trainer.strategy
         build = getattr(strategy, "checkpoint_tree", None)
         if not callable(build):
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             return strategy.sharded_checkpoint(checkpoint, f"local tier step {step}")
-        try:
-            return build(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
-        except Exception as e:  # agreed by LocalTier.save's handshake, before anything is written
-            from .strategy import failing_tree  # (strategy imports this module)
-
-            return failing_tree(e)
+        # a failure is agreed by LocalTier.save's handshake, before anything is written
+        return tree_or_failing(lambda: build(trainer._checkpoint_connector.dump_checkpoint(weights_only=False)))
 
     # -- ckpt_path="last" ----------------------------------------------------------------------
     def marker_path(self, trainer: Any) -> Optional[str]:

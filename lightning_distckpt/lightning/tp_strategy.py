@@ -67,6 +67,31 @@ class DistCheckpointIOMixin:
         return strict
 
 
+class SavedTogetherMixin:
+    """Leaves out the barrier ``Trainer.save_checkpoint`` makes right after a strategy's collective save
+    (mixed in before Lightning's strategy class, whose ``barrier`` it wraps). Every rank met every other
+    in the save already: a synchronous save ended with all of them agreeing on its commit
+    (``saving/save_commit.finalize_save``), a background one began with all of them agreeing on its plan,
+    and the ranks agree on the rest of it (writes, commit) in the background. The barrier would only
+    wait for the slowest rank's snapshot, as the next step's collectives do: one collective round less
+    per checkpoint, and the caller of an async save waits for its own snapshot only."""
+
+    _SAVE_BARRIER = "Trainer.save_checkpoint"  # the name Lightning's Trainer gives that barrier
+
+    def saving_together(self) -> None:
+        """Called as a collective save begins: until :meth:`saved_together`, barriers are barriers."""
+        self.__dict__.pop("_saved_together", None)
+
+    def saved_together(self) -> None:
+        """Called when a collective save returned on this rank: the next save barrier is left out."""
+        self._saved_together = True
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if name == self._SAVE_BARRIER and self.__dict__.pop("_saved_together", False):
+            return
+        super().barrier(name)  # type: ignore[misc]
+
+
 class AsyncCommitHooksMixin(DistCheckpointIOMixin):
     """The Trainer hooks that commit background saves (``async_save``) of a Trainer strategy saving
     with :class:`DistCheckpointIO` (mixed in before Lightning's strategy class): a finished save is

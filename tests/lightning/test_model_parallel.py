@@ -23,7 +23,7 @@ def ckpt_dir(tmp_path_factory):
 def dp2_runs(ckpt_dir):
     """DP 2: reference, interrupted + resumed (sync and async); then the step-3 checkpoint under DP 1 x TP 2."""
     return run_script("model_parallel_scenarios.py", ["train_dp2", "resume_split", "to_stock_ddp", "from_stock_ddp",
-                                                      "to_tp_strategy", "refuse_plugin_dir", "--tp", "2",
+                                                      "to_tp_strategy", "refuse_plugin_dir", "save_barrier", "--tp", "2",
                                                       "--dir", str(ckpt_dir), "--devices", "2"],
                       str(ckpt_dir / "dp2"), world_size=2, timeout=420)
 
@@ -128,3 +128,17 @@ def test_registered_and_refuses_a_foreign_checkpoint_io():
     strategy.checkpoint_io = TorchCheckpointIO()
     with pytest.raises(ArgumentTypeError, match="needs a DistCheckpointIO"):
         strategy.checkpoint_io
+
+
+def test_no_barrier_after_a_save_and_a_failing_tree_fails_every_rank(dp2_runs):
+    """As DistCheckpointStrategy: Trainer.save_checkpoint's barrier after a save (sync or async) is left
+    out, the save's own agreements having met every rank; a rank that cannot build its tree fails the
+    save's handshake, so every rank raises its error (rank 1 named) and nothing is written."""
+    for res in dp2_runs:
+        assert res["barrier_sync"] == {"barriers": 0, "committed_on_return": True, "pending": False,
+                                       "barriers_after": 1}
+        assert res["barrier_async"] == {"barriers": 0, "committed_on_return": False, "pending": True,
+                                        "barriers_after": 1}
+        assert res["barrier_sync_committed_after_fit"] and res["barrier_async_committed_after_fit"]
+        assert "rank 1" in res["tree_fails"] and "contains itself" in res["tree_fails"], res["tree_fails"]
+        assert res["tree_fails_written"] == []

@@ -33,6 +33,7 @@ from lightning_distckpt.lightning import (DistCheckpointIO, DistCheckpointModelP
 from border_trainer import expected_shard  # noqa: E402
 from lightning_helpers import TPMLP  # noqa: E402
 from lightning_helpers import StepBatches, StepCounter  # noqa: E402
+from trainer_scenarios import CountingBarriers, committed  # noqa: E402
 
 TIMEOUT = timedelta(seconds=90)  # a hang fails the test instead of blocking it
 
@@ -269,8 +270,49 @@ def refuse_plugin_dir(args: argparse.Namespace, res: Dict[str, Any]) -> None:
             res[tag] = f"{type(e).__name__}: {e}"
 
 
+class FailsTreeOnRank1(Callback):
+    """At step 1, ``trainer.save_checkpoint`` with rank 1's state dict holding itself (its tree cannot be
+    built): records the error every rank raised and whether anything was written."""
+
+    def __init__(self, path: str, res: Dict[str, Any]) -> None:
+        self.path, self.res, self.armed = path, res, False
+
+    def on_save_checkpoint(self, trainer_: Trainer, module: Any, checkpoint: Dict[str, Any]) -> None:
+        if self.armed and trainer_.global_rank == 1:
+            cycle: List[Any] = []
+            cycle.append(cycle)
+            checkpoint["state_dict"]["cycle"] = cycle
+
+    def on_train_batch_end(self, trainer_: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer_.global_step != 1:
+            return
+        self.armed = True
+        try:
+            trainer_.save_checkpoint(self.path)
+            self.res["tree_fails"] = "no error"
+        except CheckpointingError as e:
+            self.res["tree_fails"] = f"{type(e).__name__}: {e}"
+        finally:
+            self.armed = False
+        self.res["tree_fails_written"] = sorted(os.listdir(os.path.dirname(self.path)))
+
+
+def save_barrier(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """Trainer.save_checkpoint's barrier after a save is left out, sync and async; a rank failing to
+    build its tree fails the save on every rank (agreed by the save's handshake), nothing written."""
+    for name, cfg in (("sync", {}), ("async", {"checkpoint": {"async_save": True}})):
+        seen: Dict[str, Any] = {}
+        path = os.path.join(args.dir, "barrier", name)
+        trainer(args, 2, [CountingBarriers(path, seen)], **cfg).fit(MPModel(total_steps=2))
+        res[f"barrier_{name}"] = {k: v for k, v in seen.items() if k != "torch_saves"}
+        res[f"barrier_{name}_committed_after_fit"] = committed(path)
+    os.makedirs(os.path.join(args.dir, "treefail"), exist_ok=True)
+    trainer(args, 2, [FailsTreeOnRank1(os.path.join(args.dir, "treefail", "ckpt"), res)]).fit(MPModel(total_steps=2))
+
+
 SCENARIOS = {"train_dp2": train_dp2, "to_stock_ddp": to_stock_ddp, "from_stock_ddp": from_stock_ddp,
-             "to_tp_strategy": to_tp_strategy, "resume_split": resume_split, "refuse_plugin_dir": refuse_plugin_dir}
+             "to_tp_strategy": to_tp_strategy, "resume_split": resume_split, "refuse_plugin_dir": refuse_plugin_dir,
+             "save_barrier": save_barrier}
 
 
 if __name__ == "__main__":

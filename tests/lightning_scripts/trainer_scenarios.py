@@ -405,8 +405,8 @@ class CountingBarriers(Callback):
 
 
 def save_barrier(args: argparse.Namespace, res: Dict[str, Any]) -> None:
-    """Trainer.save_checkpoint's barrier after a synchronous save is left out (the save's commit was
-    agreed by every rank: each sees it committed when it returns); after a background save it stays."""
+    """Trainer.save_checkpoint's barrier after a save is left out: a synchronous save's commit was agreed
+    by every rank (each sees it committed when it returns), a background save's plan was."""
     for name, cfg in (("sync", {}), ("async", {"async_save": True})):
         seen: Dict[str, Any] = {}
         path = os.path.join(args.dir, "barrier", name)
