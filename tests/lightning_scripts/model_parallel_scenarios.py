@@ -120,7 +120,7 @@ def trainer(args: argparse.Namespace, max_steps: int, callbacks: List[Any] = (),
                                                    **strategy_kw)
     return Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=max_steps, max_epochs=-1,
                    callbacks=list(callbacks), logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0)
+                   num_sanity_val_steps=0, default_root_dir=args.dir)  # its default checkpoints/: not in the cwd
 
 
 class Restored(Callback):
