@@ -50,6 +50,9 @@ part = %d // world
 w = ldc.ShardedTensor.from_rank_offsets("w", torch.full((part,), value), (0, rank, world))
 ldc.save({"w": w, "step": int(value)}, target)
 print("saved", flush=True)
+if world > 1:  # a gloo group left to interpreter exit can abort it (pytorch#179291): leave together, destroy it
+    dist.barrier()
+    dist.destroy_process_group()
 """ % N
 
 
