@@ -76,6 +76,7 @@ class DcpSource:
         self.index = CheckpointIndex()
         self._chunks: Dict[str, List[_StoredChunk]] = {}
         self._build_index(meta, key_map)
+        self._check_empty_chunks(meta)
         logger.debug("DCP checkpoint %s: %d tensors, %d objects in %d files", path, len(self.index.tensors),
                      len(self._objects), len(self._files))
 
@@ -96,6 +97,21 @@ class DcpSource:
                       for i, c in enumerate(tensor.chunks)]
             self.index.tensors[key] = TensorEntry(tensor.shape, stored_dtype, shards)
             self._chunks[key] = [_StoredChunk(fqn, c) for c in tensor.chunks]
+
+    def _check_empty_chunks(self, meta: DcpMetadata) -> None:
+        """A chunk of no elements is never read (nothing to copy): what its stored item holds is
+        checked here instead (its zip directory and ``data.pkl``, a few hundred bytes), so that metadata
+        shrinking a stored chunk to nothing is refused, not loaded as an empty tensor."""
+        reader = DcpReader(self)
+        for fqn, tensor in meta.tensors.items():
+            for chunk in tensor.stored_empty:
+                what = f"{self._full_paths[chunk.item.file]}: tensor {fqn!r} chunk at {list(chunk.offset)}"
+                with self.open_file(self._full_paths[chunk.item.file]) as f:
+                    layout = chunk_layout(f, chunk.item.offset, chunk.item.length, what)
+                    if layout is None:
+                        reader._load_whole(f, _StoredChunk(fqn, chunk), what)  # raises on another shape
+                    elif layout.shape != chunk.shape:
+                        raise FormatError(f"{what}: holds a tensor of shape {layout.shape}, expected {chunk.shape}")
 
     def _checked_file(self, rel: str) -> str:
         """The full path of ``rel``: named inside the directory, a regular file (through links only

@@ -87,6 +87,9 @@ class DcpTensor:
     shape: Tuple[int, ...]
     dtype: torch.dtype
     chunks: List[DcpChunk] = field(default_factory=list)
+    # chunks of no elements that name a stored item: never read by a load, so checked apart (a lie
+    # that shrinks a stored chunk to nothing would otherwise load as an empty tensor)
+    stored_empty: List[DcpChunk] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -208,8 +211,10 @@ def _tensor(entry: Any, fqn: str, items: Dict[_ItemKey, DcpItem], path: str) -> 
                 any(o + s > n for o, s, n in zip(offset, sizes, shape)):
             raise FormatError(f"{path}: {fqn!r} chunk at {list(offset)} of shape {list(sizes)} "
                               f"lies outside the tensor's shape {list(shape)}")
-        if math.prod(sizes) == 0:
-            continue  # an empty shard (a rank holding no rows): nothing stored to read
+        if math.prod(sizes) == 0:  # an empty shard (a rank holding no rows): nothing to read
+            if (fqn, offset) in items:
+                out.stored_empty.append(DcpChunk(offset, sizes, items[(fqn, offset)]))
+            continue
         item = _item(items, fqn, offset, path)
         # A chunk is a torch.save'd tensor of its own (its storage cloned to its numel): its item holds
         # at least its elements' bytes. A claim beyond the item's bytes would size a reader's buffers
