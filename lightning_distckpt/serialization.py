@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import get_comm
-from .core.errors import ArgumentError
+from .core.errors import ArgumentError, ArgumentTypeError
 from .core.arguments import require, require_bool, require_globals, require_key_map, require_state_dict
 from .core.plain_tensors import shard_tensors
 from .core.megatron_leaves import from_megatron_leaves
@@ -34,6 +34,7 @@ from .reading.reads import read_tensors
 from .storage.paths import checkpoint_location
 from .storage.tensorstore_io import StorageOptions
 from .saving.async_save import AsyncSaver, AsyncSaveRequest
+from .saving.background_snapshot import Selector
 from .saving.stats import log_throughput
 from .saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 
@@ -50,6 +51,7 @@ def save(
     storage: Optional[StorageOptions] = None,
     async_save: Union[bool, AsyncSaver] = False,
     plan_cache: Optional[SavePlanCache] = None,
+    background_snapshot: Selector = False,
 ) -> Optional[AsyncSaveRequest]:
     """Save a sharded state dict to ``checkpoint_dir`` (collective over ``process_group``).
 
@@ -77,6 +79,10 @@ def save(
         plan_cache: a :class:`SavePlanCache` kept across the synchronous saves of a run: when no
             rank's shard metadata changed, validation and planning are skipped (an AsyncSaver
             keeps its own).
+        background_snapshot: with ``async_save``, ``True`` or a test of a shard's source tensor:
+            those shards are copied into host memory by the background thread, not before ``save``
+            returns; the caller must not change them until the request's ``wait_snapshot()``
+            returns (e.g. before its next optimizer step). See :meth:`AsyncSaver.save`.
 
     Raises:
         ValidationError, SaveFailedError, CheckpointingError: on every rank alike; an argument of the
@@ -85,6 +91,10 @@ def save(
     checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")  # bytes decoded, as load does
     _check_save_arguments(sharded_state_dict, validate_access_integrity, balance_writes, storage, async_save,
                           plan_cache)
+    if background_snapshot is not False and (not async_save or not (background_snapshot is True
+                                                                     or callable(background_snapshot))):
+        raise ArgumentTypeError("background_snapshot must be False, True or a function of a tensor, and needs async_save "
+                                f"(got background_snapshot={background_snapshot!r}, async_save={async_save!r})")
     # Megatron-Core's leaves become ours; DTensor and plain tensor leaves sharded tensors keyed by tree path
     comm = get_comm(process_group)
     sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
@@ -92,7 +102,7 @@ def save(
         saver = async_save if isinstance(async_save, AsyncSaver) else AsyncSaver()
         return saver.save(sharded_state_dict, checkpoint_dir, process_group=process_group,
                           validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
-                          storage=storage)
+                          storage=storage, background_snapshot=background_snapshot)
     prep = prepare_save(
         sharded_state_dict,
         checkpoint_dir,

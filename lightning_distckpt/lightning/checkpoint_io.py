@@ -42,6 +42,7 @@ from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
 from ..saving.async_pending import finish_saves_to
 from ..saving.async_save import AsyncSaver, AsyncSaveRequest
+from ..saving.background_snapshot import Selector
 from ..saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
 from .restore_source import RestoreSource
@@ -189,8 +190,10 @@ class DistCheckpointIO(CheckpointIO):
 
     # -- the collective API (every rank calls) ---------------------------------------------
     def save_sharded(self, sharded_state_dict: Dict[str, Any], path: Any, process_group: Optional[dist.ProcessGroup] = None,
-                     storage_options: Optional[Any] = None) -> None:
-        """Collective save of a sharded state dict (each rank its own shards) to ``path``."""
+                     storage_options: Optional[Any] = None, background_snapshot: Selector = False) -> None:
+        """Collective save of a sharded state dict (each rank its own shards) to ``path``.
+        ``background_snapshot``: for a background save, which shards its thread copies (the caller
+        then calls ``pending.wait_snapshot()`` before changing them; :meth:`AsyncSaver.save`)."""
         self.wait()
         kwargs: Dict[str, Any] = dict(
             process_group=process_group,
@@ -201,7 +204,8 @@ class DistCheckpointIO(CheckpointIO):
         if self._in_background():
             # The core returns a request; finalize() (collective) runs before the next save/load/teardown,
             # so every rank reaches it at the same point of the training.
-            self._pending = dist_save(sharded_state_dict, path, async_save=self._async_saver(), **kwargs)
+            self._pending = dist_save(sharded_state_dict, path, async_save=self._async_saver(),
+                                      background_snapshot=background_snapshot, **kwargs)
         else:
             dist_save(sharded_state_dict, path, plan_cache=self._plan_cache, **kwargs)
 

@@ -67,6 +67,11 @@ class DistCheckpointConfig:
             a background save may take (``AsyncSaver(max_staging_bytes=...)``); a larger state is
             saved in waves and the save blocks until all but the last wave are written. ``null``:
             no limit (the whole state is staged).
+        background_snapshot: with ``async_save``, the snapshot of the parameters and optimizer state
+            is copied by the save's background thread while training goes on, and the strategy waits
+            for it before the next optimizer step (and before anything else that may change them:
+            the end of the epoch, validation, the end of training). A save then blocks for its
+            planning only. Off: the copy is made before the save returns. See docs/loaders.md.
         safe_globals: further trusted types that common state and ShardedObjects may hold, by
             import path (``["io.BytesIO", "argparse.Namespace"]``), added to the plugin's
             ``extra_safe_globals`` (loading never unpickles anything else).
@@ -89,6 +94,7 @@ class DistCheckpointConfig:
     loader: Optional[str] = None
     async_save: bool = False
     max_staging_bytes: Optional[int] = None
+    background_snapshot: bool = False
     safe_globals: List[str] = field(default_factory=list)
     cast: str = SAME_KIND
     allow_shape_mismatch: bool = False
@@ -105,6 +111,8 @@ class DistCheckpointConfig:
             raise ConfigError(f"unknown loader {self.loader!r}; choose one of {list(LOADER_NAMES)} or null (the default)")
         if self.max_staging_bytes is not None and self.max_staging_bytes < 0:
             raise ConfigError(f"max_staging_bytes must be null or >= 0 bytes, got {self.max_staging_bytes}")
+        if self.background_snapshot and not self.async_save:
+            raise ConfigError("background_snapshot: true needs async_save: true (a synchronous save has no background)")
         if self.cast not in CAST_RULES:
             raise ConfigError(f"cast must be one of {list(CAST_RULES)}, got {self.cast!r}")
         if isinstance(self.tiers, Mapping):  # built in Python with a dict for the section

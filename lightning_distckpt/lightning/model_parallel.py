@@ -55,6 +55,7 @@ from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree
 from .strategy import warn_async_link_last
 from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import load_model_parallel_recovery
+from .snapshot_fence import BackgroundSnapshotMixin
 from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest
 
@@ -94,8 +95,8 @@ def put_value(tree: Any, path: Path, value: Any) -> None:
     value_at(tree, path[:-1])[path[-1]] = value
 
 
-class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, AsyncCommitHooksMixin,
-                                          ModelParallelStrategy):
+class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSnapshotMixin,
+                                          AsyncCommitHooksMixin, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format.
 
     ``Trainer(strategy=DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
@@ -170,7 +171,8 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
         self.saving_together()
         path = os.fspath(self.broadcast(checkpoint_location(filepath, "filepath")))
         tree = tree_or_failing(lambda: self.checkpoint_tree(checkpoint))
-        self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
+        self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options,
+                                        background_snapshot=self.snapshot_selector())
         self.saved_together()
 
     def sharded_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> Dict[str, Any]:

@@ -26,6 +26,7 @@ from .async_warmup import AsyncWarmupMixin, staged_share
 from .parallel import STRATEGY_NAME, ParallelState
 from .sharded import (build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer,
                       tree_or_failing)
+from .snapshot_fence import BackgroundSnapshotMixin
 from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin, TensorParallelStrategyMixin
 from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import DeferredTierOptimizerStates, load_recovery_point
@@ -51,8 +52,8 @@ def optimizer_prefix(index: int) -> str:
     return f"optimizer_states.{index}"
 
 
-class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, AsyncCommitHooksMixin, TensorParallelStrategyMixin,
-                             DDPStrategy):
+class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSnapshotMixin, AsyncCommitHooksMixin,
+                             TensorParallelStrategyMixin, DDPStrategy):
     """DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
 
     ``Trainer(strategy=DistCheckpointStrategy(tensor_parallel_size=2), devices=4)`` runs TP 2 x DP 2;
@@ -156,7 +157,8 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, AsyncCommitHo
         if self._parallel_state is None:
             # Before the first run, as after a teardown: no later hook would commit a background save.
             self.checkpoint_io.background_saves = False
-        self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options)
+        self.checkpoint_io.save_sharded(tree, filepath, storage_options=storage_options,
+                                        background_snapshot=self.snapshot_selector())
         self.saved_together()
 
     def sharded_checkpoint(self, checkpoint: Dict[str, Any], what: str) -> Dict[str, Any]:

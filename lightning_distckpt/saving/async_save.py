@@ -26,14 +26,15 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm, get_comm
-from ..core.errors import SaveFailedError
-from ..core.errors import ArgumentError
+from ..core.errors import ArgumentError, SaveFailedError
 from ..storage.paths import checkpoint_location
 from ..storage.tensorstore_io import StorageOptions
 from . import async_pending
+from .async_staging import BufferKey, StagingPlan, StagingPool, copy_in, describe, plan_staging
+from .background_snapshot import BackgroundSnapshot, Selector, split_snapshot
 from .priority import yielding_cpu
-from .async_staging import BufferKey, StagingPlan, StagingPool, describe, plan_staging
 from .save import LocalWrite, PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
+from .stats import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class AsyncSaveRequest:
     def __init__(self, prep: PreparedSave, blocking_s: float, staged_bytes: int,
                  failure: Optional[BaseException] = None, snapshot_s: float = 0.0, reserved: bool = False,
                  written: Optional[LocalWrite] = None, waves: int = 1, nice: int = 0,
-                 commit_comm: Optional[Comm] = None) -> None:
+                 commit_comm: Optional[Comm] = None, snapshot: Optional[BackgroundSnapshot] = None) -> None:
         self.checkpoint_dir = prep.target
         self.collective = prep.comm.distributed  # its commit needs every rank: never finalized at exit
         self._commit_comm = commit_comm  # the background thread commits over this group; None: finalize commits
@@ -80,23 +81,36 @@ class AsyncSaveRequest:
         self._thread: Optional[threading.Thread] = None
         self._polls = 0  # calls of poll(): the same count on every rank
         self._nice = nice
+        self._snapshot = snapshot  # the shards the background thread copies before writing (background_snapshot)
         if failure is None or commit_comm is not None:  # a background commit reports the failure collectively
             self._thread = threading.Thread(target=self._write, name="distckpt-async-save", daemon=False)
             self._thread.start()
         async_pending.track(self)
 
     def _write(self) -> None:
-        with yielding_cpu(self._nice):
-            if self._result is None:  # else the snapshot failed: nothing to write, the commit says so everywhere
-                try:
-                    result = write_local(self._prep)
-                    before = self._written
-                    self._result = result if before is None else LocalWrite(result.nbytes + before.nbytes,
-                                                                            result.seconds + before.seconds)
+        try:
+            if self._snapshot is not None and self._result is None:
+                try:  # at the caller's priority, not nice: the caller waits for it before its next update
+                    self._snapshot.take()
                 except BaseException as e:  # reported on every rank by the commit
                     self._result = e
-            if self._commit_comm is not None:
-                self._commit(replace(self._prep, comm=self._commit_comm))
+            with yielding_cpu(self._nice):
+                self._write_and_commit()
+        finally:
+            if self._snapshot is not None:
+                self._snapshot.release()  # wait_snapshot() never outlives the thread
+
+    def _write_and_commit(self) -> None:
+        if self._result is None:  # else the snapshot failed: nothing to write, the commit says so everywhere
+            try:
+                result = write_local(self._prep)
+                before = self._written
+                self._result = result if before is None else LocalWrite(result.nbytes + before.nbytes,
+                                                                        result.seconds + before.seconds)
+            except BaseException as e:  # reported on every rank by the commit
+                self._result = e
+        if self._commit_comm is not None:
+            self._commit(replace(self._prep, comm=self._commit_comm))
 
     def _commit(self, prep: PreparedSave) -> None:
         """Agree on every rank's writes and commit (collective over ``prep.comm``); keeps the error."""
@@ -110,6 +124,26 @@ class AsyncSaveRequest:
             if self._reserved:  # a failed save's placeholder goes (only an empty directory is ever removed)
                 async_pending.release_target(self.checkpoint_dir)
             self._prep = replace(self._prep, tensors=[], objects=[], common=None)  # drop references to buffers
+
+    @property
+    def background_snapshot_s(self) -> float:
+        """Seconds the background thread spent copying what ``background_snapshot`` left to it."""
+        return 0.0 if self._snapshot is None else self._snapshot.seconds
+
+    def snapshot_done(self) -> bool:
+        """Whether the caller may change the saved tensors (non-blocking, local): always, unless
+        ``background_snapshot`` left some of the copy to the background thread and it is not done."""
+        return self._snapshot is None or self._snapshot.done() or not self._running()
+
+    def wait_snapshot(self) -> None:
+        """Block until the caller may change the saved tensors (local): the background thread has
+        copied what ``background_snapshot`` left to it (or the save failed first). A change before
+        then fails the save where torch's version counters see it (:mod:`.background_snapshot`)."""
+        if self._snapshot is not None and self._running():
+            self._snapshot.wait()
+
+    def _running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def done(self) -> bool:
         """Whether this rank's background writes (and, with ``commits_in_background``, the commit)
@@ -264,13 +298,19 @@ class AsyncSaver:
         balance_writes: bool = True,
         storage: Optional[StorageOptions] = None,
         comm: Optional[Comm] = None,
+        background_snapshot: Selector = False,
     ) -> AsyncSaveRequest:
         """Start saving (collective); returns once the state is snapshotted (and, under a staging
         budget smaller than the state, the rest written). Same arguments as
         :func:`lightning_distckpt.save`. Raises the previous save's error if it failed.
 
         ``comm`` replaces ``process_group`` where the caller has its own: ``Comm(None, 0, 1)`` saves
-        from this process alone, entering no collective (e.g. a rank-0-only Lightning save)."""
+        from this process alone, entering no collective (e.g. a rank-0-only Lightning save).
+
+        ``background_snapshot``: ``True`` (every shard), or a test of a shard's source tensor (e.g.
+        "is a parameter or optimizer state"): those shards of the staged wave are copied by the
+        background thread, not before ``save`` returns, and the caller must not change them until
+        the request's ``wait_snapshot()`` returns (:mod:`.background_snapshot`)."""
         self.finalize()
         t0, c0 = time.perf_counter(), time.thread_time()
         comm = comm if comm is not None else get_comm(process_group)
@@ -284,13 +324,18 @@ class AsyncSaver:
         )
         failure: Optional[BaseException] = None
         written: Optional[LocalWrite] = None
+        snapshot: Optional[BackgroundSnapshot] = None
         plan = StagingPlan([], [], prep.tensors)
         t1, c1 = time.perf_counter(), time.thread_time()
         try:  # any failure (out of host memory, a full disk) is raised on every rank by finalize, not here
             plan = plan_staging(prep.tensors, self.max_staging_bytes)
             self._pool.prepare(plan)
             written = self._write_before_return(prep, plan)
-            prep = replace(prep, tensors=self._pool.stage(plan.staged))
+            placed = self._pool.place(plan.staged)
+            now, later = split_snapshot(placed, background_snapshot)
+            copy_in(now)
+            snapshot = BackgroundSnapshot(later, prep.target) if later else None
+            prep = replace(prep, tensors=[w for w, _ in placed])
         except Exception as e:
             failure = e
         t2, c2 = time.perf_counter(), time.thread_time()
@@ -299,10 +344,12 @@ class AsyncSaver:
         staged_bytes = sum(w.data.numel() * w.data.element_size() for w in plan.staged)
         self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1, reserved=reserved,
                                          written=written, waves=plan.waves, nice=self.nice,
-                                         commit_comm=self._background_comm(comm))
+                                         commit_comm=self._background_comm(comm), snapshot=snapshot)
         self._pending.blocking_cpu_s, self._pending.snapshot_cpu_s = c2 - c0, c2 - c1
-        logger.info("async save %s started: %s in %.3fs, caller blocked %.3fs (plan %s)", prep.target,
-                    describe(plan, self.max_staging_bytes), t2 - t1, t2 - t0, "reused" if prep.plan_reused else "made")
+        logger.info("async save %s started: %s in %.3fs%s, caller blocked %.3fs (plan %s)", prep.target,
+                    describe(plan, self.max_staging_bytes), t2 - t1,
+                    "" if snapshot is None else f" ({format_bytes(snapshot.nbytes)} left to the background copy)",
+                    t2 - t0, "reused" if prep.plan_reused else "made")
         return self._pending
 
     def make_commit_group(self, comm: Comm) -> None:

@@ -23,7 +23,7 @@ call, so they move together, as one unit.
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -182,29 +182,66 @@ class StagingPool:
             self._pool = _page_aligned_empty(nbytes, pin)
             self.peak_bytes = max(self.peak_bytes, nbytes)
 
-    @torch.no_grad()  # a parameter's copy must not join its autograd graph (a node per shard, the pool held)
-    def stage(self, tensors: Sequence[ShardWrite]) -> List[ShardWrite]:
-        """Copy ``tensors`` (one wave of the plan :meth:`prepare` sized the pool for) into the pool;
-        returns them pointing at their copies. Device copies are synchronized before it returns
-        (the caller may change the state right after)."""
+    def place(self, tensors: Sequence[ShardWrite]) -> List[Tuple[ShardWrite, torch.Tensor]]:
+        """Lay ``tensors`` (one wave of the plan :meth:`prepare` sized the pool for) out in the pool,
+        copying nothing: each as it will be written (pointing at its buffer) with its source."""
         pool = self._pool
-        staged, views, devices, off = [], {}, set(), 0
+        placed, views, off = [], {}, 0
         for w in tensors:
             data, n = w.data, _nbytes(w)
             off = -(-off // PAGE) * PAGE if n >= PAGE_ALIGNED_FROM else off
             assert pool is not None and off + n <= pool.numel(), "StagingPool.prepare sized the pool for the plan"
             buf = pool[off:off + n].view(data.dtype).view(data.shape)
-            on_device = data.device.type != "cpu"
-            buf.copy_(data, non_blocking=on_device and buf.is_pinned())
-            if on_device:
-                devices.add(data.device)
             views[(w.key, w.index, tuple(data.shape), data.dtype)] = buf
-            staged.append(w._replace(data=buf))
+            placed.append((w._replace(data=buf), data))
             off += -(-n // ALIGN) * ALIGN
-        for device in devices:  # the copies must have landed before the caller may change the state
-            torch.accelerator.synchronize(device)
         self.views = views
-        return staged
+        return placed
+
+    def stage(self, tensors: Sequence[ShardWrite]) -> List[ShardWrite]:
+        """Copy ``tensors`` (one wave of the plan) into the pool; returns them pointing at their
+        copies. Device copies are synchronized before it returns (the caller may change the state
+        right after)."""
+        placed = self.place(tensors)
+        copy_in(placed)
+        return [w for w, _ in placed]
+
+
+def ready_events(sources: Sequence[torch.Tensor]) -> Dict[torch.device, Any]:
+    """On the thread that computes the state: a CUDA event per device of ``sources``, recorded on
+    that thread's current stream, after which a copy on another stream sees the values as of now."""
+    events = {}
+    for device in {t.device for t in sources if t.device.type == "cuda"}:
+        events[device] = torch.cuda.current_stream(device).record_event()
+    return events
+
+
+@torch.no_grad()  # a parameter's copy must not join its autograd graph (a node per shard, the pool held)
+def copy_in(placed: Sequence[Tuple[ShardWrite, torch.Tensor]], ready: Optional[Dict[torch.device, Any]] = None) -> None:
+    """Copy each source into its buffer (:meth:`StagingPool.place`); device copies have landed
+    when it returns. With ``ready`` (:func:`ready_events`, from a background snapshot's caller),
+    CUDA copies go on a stream of their own that first waits for that event, so they overlap the
+    computation the caller queues meanwhile instead of waiting behind it."""
+    streams: Dict[torch.device, Any] = {}
+    devices = set()
+    for w, data in placed:
+        device = data.device
+        on_device = device.type != "cpu"
+        if ready is not None and device in ready and device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+            streams[device].wait_event(ready[device])
+        if device in streams:
+            with torch.cuda.stream(streams[device]):
+                w.data.copy_(data, non_blocking=w.data.is_pinned())
+        else:
+            w.data.copy_(data, non_blocking=on_device and w.data.is_pinned())
+        if on_device:
+            devices.add(device)
+    for device in devices:  # the copies must have landed before the caller may change the state
+        if device in streams:
+            streams[device].synchronize()
+        else:
+            torch.accelerator.synchronize(device)
 
 
 def describe(plan: StagingPlan, budget: Optional[int]) -> str:
