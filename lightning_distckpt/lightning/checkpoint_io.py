@@ -29,8 +29,7 @@ from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, 
 from ..core.megatron_leaves import from_megatron_leaves
 from ..core.state_dict import merge, split_common
 from ..core.strict import StrictHandling
-from ..serialization import load as dist_load
-from ..serialization import save as dist_save
+from ..serialization import load as dist_load, save as dist_save
 from ..reading.checkpoint import CheckpointSource, open_checkpoint
 from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, Loader, TwoStageDataParallelLoader, resolve_loader
 from ..logs import attach_to_lightning
@@ -122,6 +121,7 @@ class DistCheckpointIO(CheckpointIO):
         tree = plain_to_sharded(checkpoint)
         tree[MANIFEST_KEY] = manifest(tree, KIND_PLAIN)
         if self._in_background():
+            self._snapshot_not_in_background()
             self._pending = self._async_saver().save(
                 tree, target, validate_access_integrity=self.config.validate_access_integrity, balance_writes=False,
                 storage=storage, comm=LOCAL)
@@ -191,9 +191,8 @@ class DistCheckpointIO(CheckpointIO):
     # -- the collective API (every rank calls) ---------------------------------------------
     def save_sharded(self, sharded_state_dict: Dict[str, Any], path: Any, process_group: Optional[dist.ProcessGroup] = None,
                      storage_options: Optional[Any] = None, background_snapshot: Selector = False) -> None:
-        """Collective save of a sharded state dict (each rank its own shards) to ``path``.
-        ``background_snapshot``: for a background save, which shards its thread copies (the caller
-        then calls ``pending.wait_snapshot()`` before changing them; :meth:`AsyncSaver.save`)."""
+        """Collective save of a sharded state dict (each rank its own shards) to ``path``. ``background_snapshot``:
+        what a background save's thread copies (:meth:`AsyncSaver.save`; the caller waits on ``pending``)."""
         self.wait()
         kwargs: Dict[str, Any] = dict(
             process_group=process_group,
@@ -202,8 +201,9 @@ class DistCheckpointIO(CheckpointIO):
             storage=self._storage(storage_options),
         )
         if self._in_background():
-            # The core returns a request; finalize() (collective) runs before the next save/load/teardown,
-            # so every rank reaches it at the same point of the training.
+            if background_snapshot is False:  # the caller waits at no step
+                self._snapshot_not_in_background()
+            # finalize() (collective) runs before the next save/load/teardown: on every rank at the same point
             self._pending = dist_save(sharded_state_dict, path, async_save=self._async_saver(),
                                       background_snapshot=background_snapshot, **kwargs)
         else:
@@ -279,6 +279,13 @@ class DistCheckpointIO(CheckpointIO):
         pages faulted in on a thread of its own (ahead of the first save, which otherwise pays them)."""
         if self._in_background():
             self._async_saver().reserve_staging(nbytes, on_accelerator)
+
+    def _snapshot_not_in_background(self) -> None:
+        """``background_snapshot`` asked of a save whose caller waits at no step (a stock strategy, Fabric): said once."""
+        if self.config.background_snapshot and not self.__dict__.get("_told_snapshot"):
+            self._told_snapshot = True
+            logger.warning("background_snapshot: only our Trainer strategies copy in the background (they wait "
+                           "before the optimizer step); this save copies before returning")
 
     def _in_background(self) -> bool:
         return self.config.async_save and self.background_saves

@@ -25,6 +25,7 @@ such changes and fail that save on every rank, nothing committed (:mod:`..saving
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable, Optional, Set
 
 import torch
@@ -55,15 +56,24 @@ def _calls_closure_first(optimizer: Optimizer) -> bool:
     return type(optimizer).__module__.startswith("torch.optim")
 
 
+def wait_for_snapshot(strategy: Any) -> None:
+    """Wait for the pending save's background copy, if any; the seconds waited add up in the
+    strategy's ``snapshot_wait_s`` (what the training thread paid for the copy after all)."""
+    pending: Optional[AsyncSaveRequest] = getattr(strategy.checkpoint_io, "pending", None)
+    if pending is None or pending.snapshot_done():
+        return
+    t0 = time.perf_counter()
+    pending.wait_snapshot()
+    strategy.snapshot_wait_s = getattr(strategy, "snapshot_wait_s", 0.0) + time.perf_counter() - t0
+
+
 class SnapshotFence(Callback):
     """Waits for a background snapshot at each hook outside the training steps (see the module
     docstring). Kept first in the Trainer's callbacks by the strategy; holds no state."""
 
     @staticmethod
     def _wait(trainer: Any) -> None:
-        pending: Optional[AsyncSaveRequest] = getattr(trainer.strategy.checkpoint_io, "pending", None)
-        if pending is not None:
-            pending.wait_snapshot()
+        wait_for_snapshot(trainer.strategy)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._wait(trainer)
@@ -92,6 +102,8 @@ class BackgroundSnapshotMixin:
     save leaves to its thread, and the waits. The strategy provides ``checkpoint_io`` (a
     ``DistCheckpointIO``), ``lightning_module`` and ``_raw_optimizers()``."""
 
+    snapshot_wait_s = 0.0  # seconds the training thread waited for background copies (this process)
+
     def snapshot_selector(self) -> Selector:
         """What the next save may copy in the background: False unless ``background_snapshot`` is on."""
         io = self.checkpoint_io  # type: ignore[attr-defined]
@@ -119,7 +131,7 @@ class BackgroundSnapshotMixin:
                 try:
                     return closure()
                 finally:
-                    pending.wait_snapshot()
+                    wait_for_snapshot(self)
             return super().optimizer_step(optimizer, fenced, model, **kwargs)  # type: ignore[misc]
-        pending.wait_snapshot()
+        wait_for_snapshot(self)
         return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]

@@ -231,6 +231,7 @@ def copy_in(placed: Sequence[Tuple[ShardWrite, torch.Tensor]], ready: Optional[D
             streams[device] = torch.cuda.Stream(device)
             streams[device].wait_event(ready[device])
         if device in streams:
+            data.record_stream(streams[device])  # its memory is not reused before this stream is done with it
             with torch.cuda.stream(streams[device]):
                 w.data.copy_(data, non_blocking=w.data.is_pinned())
         else:

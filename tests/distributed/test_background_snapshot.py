@@ -120,3 +120,20 @@ def test_one_rank_breaking_the_promise_fails_the_save_on_every_rank(tmp_path):
     errors = run_distributed(_one_rank_breaks_the_promise, 2, str(tmp_path))
     assert all(e is not None and "rank 1" in e and "'w'" in e for e in errors), errors
     assert not is_committed(str(tmp_path / "ck"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_shards_are_copied_on_a_stream_of_their_own(tmp_path):
+    """The copy waits for what the caller's stream queued before save (the kernels writing the values)
+    and overlaps what it queues after; after wait_snapshot() the caller's changes are not saved."""
+    w = torch.zeros(1024, 1024, device="cuda")
+    w.add_(7.0)  # queued on the caller's stream before save: must be in the checkpoint
+    sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", w), "step": 1}
+    saver = ldc.AsyncSaver()
+    req = saver.save(sd, tmp_path / "ck", background_snapshot=True)
+    req.wait_snapshot()
+    w.mul_(0.0)
+    req.finalize()
+    assert saver.pin_memory is None and all(b.is_pinned() for b in saver.staging_buffers().values())
+    assert torch.equal(ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.empty(1024, 1024))},
+                                tmp_path / "ck")["w"], torch.full((1024, 1024), 7.0))

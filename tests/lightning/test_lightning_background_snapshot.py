@@ -88,6 +88,7 @@ def test_checkpoints_hold_the_state_as_of_their_save(tmp_path, isolated_process_
     assert isinstance(trainer.callbacks[0], SnapshotFence)
     assert gate.copies == len(expect.saved) == 4
     assert expect.pending_at_next_step == 4  # each copy was still to be taken as the next step began
+    assert strategy.snapshot_wait_s > 0  # the step waited for it (the copy went after the backward)
     for step, (params, moments) in expect.saved.items():
         loaded = strategy.checkpoint_io.load_checkpoint(tmp_path / f"step={step}.ckpt")
         for k, v in params.items():
@@ -163,3 +164,20 @@ def test_background_snapshot_needs_async_save():
     with pytest.raises(ConfigError, match="needs async_save"):
         DistCheckpointStrategy(checkpoint={"background_snapshot": True})
     assert ldc  # the package imports with the option
+
+
+def test_the_plugin_alone_says_it_copies_before_returning(tmp_path, caplog):
+    """A stock strategy has no step the plugin could wait at: the option is said to have no effect there,
+    once, and the checkpoints hold the state as of their save."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_distckpt.lightning import DistCheckpointIO
+
+    io = DistCheckpointIO(CONFIG)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = quiet_trainer(plugins=[io], max_steps=2, callbacks=[ckpt])
+    with caplog.at_level("WARNING", logger="lightning_distckpt"):
+        trainer.fit(BoringModel())
+    told = [m for m in caplog.messages if "background_snapshot" in m]
+    assert len(told) == 1 and "copies before returning" in told[0]
+    assert io.load_checkpoint(tmp_path / "step=2.ckpt")["global_step"] == 2

@@ -33,7 +33,7 @@ def _all_restored(got):
     assert got["global_step"] == 3 and got["sched"] and got["lr"] and got["callback_count"] == 3
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async_bg"])
 def test_interrupted_and_resumed_run_equals_uninterrupted(dp2_runs, mode):
     """ModelCheckpoint(save_last=True) every 3 steps, then ckpt_path="last": weights, AdamW moments and
     step, scheduler, loops and a stateful callback restored; the run ends bit-exact as the reference."""

@@ -152,14 +152,16 @@ def _tensors(state: Dict[str, torch.Tensor]) -> Dict[str, List[float]]:
 
 def train_dp2(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     """DP 2 (FSDP2): 6 steps uninterrupted; 3 steps with ModelCheckpoint (save_last) then resumed
-    from ``ckpt_path="last"``; the same with async saves. Both resumed runs must end bit-exact."""
+    from ``ckpt_path="last"``; the same with async saves, and with their snapshot copied in the
+    background (``background_snapshot``). Every resumed run must end bit-exact."""
     ref = MPModel()
     t = trainer(args, 6)
     t.fit(ref)
     res["ref_losses"] = ref.losses
     ref_state = full_state(ref, t)
     res["ref_state"] = _tensors(ref_state)
-    for tag, kw in (("sync", {}), ("async", {"checkpoint": {"async_save": True}})):
+    for tag, kw in (("sync", {}), ("async", {"checkpoint": {"async_save": True}}),
+                    ("async_bg", {"checkpoint": {"async_save": True, "background_snapshot": True}})):
         ck = os.path.join(args.dir, tag)
         cb = ModelCheckpoint(dirpath=ck, filename="{step}", every_n_train_steps=3, save_last=True, save_top_k=-1)
         trainer(args, 3, [cb, StepCounter()], **kw).fit(MPModel())
