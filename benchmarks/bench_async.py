@@ -6,6 +6,9 @@ of a GPT-like training state (see common.py). Measured, as the slowest rank's ti
 * sync: ``save(...)`` end to end (plan, write, fsync, commit);
 * async, first save: ``AsyncSaver.save`` returning (plan + snapshot into freshly allocated host
   staging buffers) - the caller's blocking time - then the wait left at ``finalize()``;
+* with ``--snapshot background`` (or ``both``), ``background_snapshot=True``: the save's thread copies
+  the state while the caller trains, and the caller's blocking is the save's return plus its
+  ``wait_snapshot()`` before it changes the state;
 * async, steady state: the next saves with the same saver (staging buffers reused, no
   allocation, the validated save plan reused: metadata unchanged), while the caller "trains" (matrix multiplies) for as long as a sync save takes,
   then ``finalize()``.
@@ -82,7 +85,7 @@ def _train(seconds: float) -> int:
     return steps
 
 
-def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int) -> Dict[str, Any]:
+def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int, bg: bool = False) -> Dict[str, Any]:
     torch.set_num_threads(1)
     tensors = local_state(total_bytes, rank, world, "tp")
     sd = _sharded(tensors, rank, world)
@@ -105,17 +108,21 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int) ->
         os.sync()
         _barrier()
         t0 = time.perf_counter()
-        req = saver.save(sd, f"{root}/async")
+        req = saver.save(sd, f"{root}/async", background_snapshot=bg)
         blocked = time.perf_counter() - t0
-        expected = {t.key: t.data.clone() for t in tensors[:8]}
-        steps = 0
+        expected = {t.key: t.data.clone() for t in tensors[:8]}  # with bg: as in the save (unchanged since)
+        steps, waited = 0, 0.0
         if phase != "first":
             steps = _train(out["sync_s"])
+            tw = time.perf_counter()
+            req.wait_snapshot()  # before changing the state (a no-op unless the copy is the thread's)
+            waited = time.perf_counter() - tw
             for t in tensors:  # training changes the state while the save is still being written
                 t.data.add_(1)
         t1 = time.perf_counter()
         req.finalize()
-        out[f"{phase}_blocked_s"] = _max(blocked)
+        out[f"{phase}_blocked_s"] = _max(blocked + waited)  # with bg: the save's return and the wait for the copy
+        out[f"{phase}_snapshot_wait_s"] = _max(waited)
         out[f"{phase}_snapshot_s"] = _max(req.snapshot_s)
         out[f"{phase}_finalize_s"] = _max(time.perf_counter() - t1)
         out[f"{phase}_total_s"] = _max(time.perf_counter() - t0)
@@ -123,7 +130,7 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int) ->
         out[f"{phase}_plan_reused"] = req.plan_reused
         out["staged_bytes"] = saver.staging_bytes
     steady = [f"steady{i}" for i in range(repeats)]
-    for what in ("blocked_s", "snapshot_s", "finalize_s", "total_s", "steps"):
+    for what in ("blocked_s", "snapshot_s", "snapshot_wait_s", "finalize_s", "total_s", "steps"):
         out[f"steady_{what}"] = statistics.median(out[f"{p}_{what}"] for p in steady)
     out["steady_blocked_all_s"] = [out[f"{p}_blocked_s"] for p in steady]
     out["steady_plan_reused"] = all(out[f"{p}_plan_reused"] for p in steady)
@@ -252,17 +259,18 @@ def run_overhead(world: int, total_bytes: int, repeats: int, train_s: float, con
     return fmt_table(["config (async:nice:io_concurrency[:bg])", "median s", "lost s (median of paired)", "all s"], rows)
 
 
-def run(world: int, total_bytes: int, repeats: int) -> Dict[str, Any]:
+def run(world: int, total_bytes: int, repeats: int, bg: bool = False) -> Dict[str, Any]:
     root = tempfile.mkdtemp(prefix=f"bench_async_{world}_", dir=os.environ.get("BENCH_DIR"))
     try:
         if world == 1:
-            per_rank = [_worker(0, 1, root, total_bytes, repeats)]
+            per_rank = [_worker(0, 1, root, total_bytes, repeats, bg)]
         else:
-            per_rank = run_distributed(_worker, world, root, total_bytes, repeats, timeout_s=600)
+            per_rank = run_distributed(_worker, world, root, total_bytes, repeats, bg, timeout_s=600)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     res = dict(per_rank[0])
     res["world"] = world
+    res["background_snapshot"] = bg
     res["state_bytes"] = sum(r["state_bytes"] for r in per_rank)
     res["ok"] = all(r["ok"] for r in per_rank)
     res["steady_plan_reused"] = all(r["steady_plan_reused"] for r in per_rank)
@@ -274,13 +282,17 @@ def report(results: List[Dict[str, Any]]) -> str:
     for r in results:
         s = r["sync_s"]
         fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
-        rows.append([r["world"], f"{r['state_bytes'] / 1e6:.0f}", f"{s:.3f} [{fmt(r['sync_all_s'])}]",
+        rows.append([r["world"], "thread" if r.get("background_snapshot") else "caller",
+                     f"{r['state_bytes'] / 1e6:.0f}", f"{s:.3f} [{fmt(r['sync_all_s'])}]",
                      f"{r['first_blocked_s']:.3f} ({100 * r['first_blocked_s'] / s:.1f}%)",
                      f"{r['steady_blocked_s']:.3f} ({100 * r['steady_blocked_s'] / s:.1f}%) [{fmt(r['steady_blocked_all_s'])}]",
-                     f"{r['steady_snapshot_s']:.3f}", f"{r['steady_finalize_s']:.3f}", f"{r['steady_total_s']:.3f}",
+                     f"{r['steady_snapshot_s']:.3f}", f"{r['steady_snapshot_wait_s']:.3f}",
+                     f"{r['steady_finalize_s']:.3f}", f"{r['steady_total_s']:.3f}",
                      r["steady_steps"], r["steady_plan_reused"], r["ok"]])
-    return fmt_table(["ranks", "state MB", "sync save s: median [all]", "async blocked s, 1st save (% of sync)",
-                      "async blocked s, reused buffers: median (% of sync) [all]", "of which snapshot s",
+    return fmt_table(["ranks", "snapshot by", "state MB", "sync save s: median [all]",
+                      "async blocked s, 1st save (% of sync)",
+                      "async blocked s, reused buffers: median (% of sync) [all]", "of which snapshot in save s",
+                      "of which wait for the thread's copy s",
                       "finalize wait s after training",
                       "async save to commit s", "training steps during save", "cached plan reused",
                       "loads back as snapshot"], rows)
@@ -298,6 +310,9 @@ def main() -> None:
                     help="overhead mode: configs 'sync' and 'async:NICE:IO_CONCURRENCY[:bg]' (0: the storage "
                          "default; bg: commit in the background)")
     ap.add_argument("--train-s", type=float, default=3.0, help="overhead mode: seconds of steps after each save")
+    ap.add_argument("--snapshot", choices=["caller", "background", "both"], default="caller",
+                    help="who copies the state: the caller before save returns, the save's thread "
+                         "(background_snapshot=True, the caller waiting for it after its training), or both in turn")
     args = ap.parse_args()
     t0 = time.perf_counter()
     if args.overhead:
@@ -315,7 +330,8 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"machine": machine_summary(), "memory": rows}, f, indent=1)
         return
-    results = [run(w, args.mb * 10**6, args.repeats) for w in args.worlds]
+    modes = {"caller": [False], "background": [True], "both": [False, True]}[args.snapshot]
+    results = [run(w, args.mb * 10**6, args.repeats, bg) for w in args.worlds for bg in modes]
     print(f"machine: {machine_summary()}")
     print(report(results))
     print(f"\n(total benchmark time {time.perf_counter() - t0:.0f}s)")
