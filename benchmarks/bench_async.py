@@ -331,13 +331,15 @@ def main() -> None:
                 json.dump({"machine": machine_summary(), "memory": rows}, f, indent=1)
         return
     modes = {"caller": [False], "background": [True], "both": [False, True]}[args.snapshot]
+    load_before = os.getloadavg()
     results = [run(w, args.mb * 10**6, args.repeats, bg) for w in args.worlds for bg in modes]
     print(f"machine: {machine_summary()}")
     print(report(results))
     print(f"\n(total benchmark time {time.perf_counter() - t0:.0f}s)")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": machine_summary(), "results": results}, f, indent=1)
+            json.dump({"machine": machine_summary(), "command": " ".join(["python", *sys.argv]),
+                       "load_before": load_before, "load_after": os.getloadavg(), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
