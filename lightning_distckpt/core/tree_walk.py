@@ -131,13 +131,15 @@ def fold(tree: Any, leaf: Callable[[Any], Any], build: Build, *, where: str = "t
     twice is built once and its result used at both places. Containers are instances of ``types``
     (subclasses too) that are not instances of ``leaves``.
 
-    Raises ``error`` (FormatError by default) naming ``where`` for a tree too deep, a cycle, or more
+    Raises ``error`` (FormatError by default) naming ``where`` for a tree too deep (at any of its
+    places: a shared sub-tree met again deeper down counts with its height there), a cycle, or more
     places than the rule in the module docstring allows. ``build`` may change ``container`` in place
     (its children are all read before it is called)."""
     walk = _Walk(where, types, leaves, limits, error)
     if not walk.is_container(tree):
         return leaf(tree)
-    memo: Dict[int, Tuple[Any, Any, int]] = {}  # id -> (the container, kept alive; result or _OPEN; places)
+    # id -> (the container, kept alive; result or _OPEN; places; height: containers on its deepest path)
+    memo: Dict[int, Tuple[Any, Any, int, int]] = {}
     keys_on_stack: List[Key] = []
     max_depth, quiet = limits.max_depth, min(limits.min_places, limits.max_nodes)
 
@@ -145,13 +147,14 @@ def fold(tree: Any, leaf: Callable[[Any], Any], build: Build, *, where: str = "t
     def down(node: Any, depth: int) -> Any:
         if depth > max_depth:
             walk.enter(depth, lambda: tuple(keys_on_stack))
-        memo[id(node)] = (node, _OPEN, 0)
+        memo[id(node)] = (node, _OPEN, 0, 0)
         start = walk.places
         n = len(node)
         walk.places += n  # each child is a place and a stored reference; a container child adds its own
         walk.stored += n
         results = []
         append = results.append
+        below = 0  # the height of the tallest container child
         for key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
             if not isinstance(child, types) or leaves and isinstance(child, leaves):
                 append(leaf(child))
@@ -161,15 +164,19 @@ def fold(tree: Any, leaf: Callable[[Any], Any], build: Build, *, where: str = "t
                 keys_on_stack.append(key)
                 append(down(child, depth + 1))
                 keys_on_stack.pop()
+                seen = memo[id(child)]
             elif seen[1] is _OPEN:
                 raise walk.cycle(tuple(keys_on_stack) + (key,))
-            else:
+            else:  # a shared sub-tree, built at its first place: as deep here as its height says
+                if depth + seen[3] > max_depth:
+                    walk.enter(depth + seen[3], lambda: tuple(keys_on_stack) + (key,))
                 walk.places += seen[2] - 1
                 append(seen[1])
+            below = max(below, seen[3])
         if walk.places > quiet or walk.stored > quiet:
             walk.check(lambda: tuple(keys_on_stack))
         result = build(node, list(node) if isinstance(node, dict) else None, results)
-        memo[id(node)] = (node, result, walk.places - start + 1)
+        memo[id(node)] = (node, result, walk.places - start + 1, below + 1)
         return result
 
     with gc_paused():  # a memo entry per container: collections during the walk would find nothing

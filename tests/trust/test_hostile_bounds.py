@@ -246,6 +246,10 @@ tree_cases = dict(program=programs(), reader=st.sampled_from(["torch_file", "com
 
 @SHORT
 @given(**tree_cases)
+# an empty list shared at depth 6 and, through 4 more lists, at depth 101: too deep at its second place
+@example(program=([("list", [])] * 4 + [("list", [("node", 0)]), ("list", [("node", 4)]), ("list", []),
+                   ("list", [("node", 5)]), ("list", []), ("list", [("node", 0), ("node", 7)])], MAX_DEPTH - 5,
+                  False, False), reader="common")
 def test_hostile_trees_short(saved, program, reader):
     _check_tree(program, reader, saved / "ck")
 
