@@ -410,6 +410,7 @@ def _check_sizes(saved, lie):
 @SHORT
 @given(lie=size_lies())
 @example(lie=("dcp", [(0, 0), (1, 0)], 0))  # 'w' and its chunk shrunk to nothing: its stored item is checked
+@example(lie=("dcp", [(1, 0), (3, 0)], 0))  # every chunk of the file emptied: the file is still checked as one
 def test_lying_sizes_short(saved, lie):
     _check_sizes(saved, lie)
 

@@ -62,7 +62,7 @@ class DcpSource:
         self.root = model_root(path)
         meta = read_metadata(os.path.join(path, METADATA_NAME), self.root)
         self._mcore_data = meta.mcore_data
-        self._files = sorted({c.item.file for t in meta.tensors.values() for c in t.chunks}
+        self._files = sorted({c.item.file for t in meta.tensors.values() for c in [*t.chunks, *t.stored_empty]}
                              | {item.file for item in meta.objects.values()})
         self._sizes: Dict[str, int] = {}
         self._full_paths = {rel: self._checked_file(rel) for rel in self._files}
@@ -141,7 +141,7 @@ class DcpSource:
         """Every item's byte range lies inside its file (a truncated file is found here, before reading)."""
         sizes = {rel: self._sizes[rel] for rel in self._full_paths}
         named = [(f"tensor {fqn!r} chunk at {list(c.offset)}", c.item) for fqn, t in meta.tensors.items()
-                 for c in t.chunks] + [(f"object {fqn!r}", item) for fqn, item in meta.objects.items()]
+                 for c in [*t.chunks, *t.stored_empty]] + [(f"object {fqn!r}", item) for fqn, item in meta.objects.items()]
         for what, item in named:
             if item.offset + item.length > sizes[item.file]:
                 raise FormatError(f"{self._full_paths[item.file]}: {what} is stored at bytes "
