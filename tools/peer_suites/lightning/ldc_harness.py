@@ -11,6 +11,8 @@ the test itself chose neither a checkpoint plugin nor a strategy of its own kind
   own plugin, the baseline of ``lightning_async`` (no lightning_distckpt in it).
 * ``strategy``: ``strategy=DistCheckpointStrategy()`` where the test runs the default / a DDP strategy.
 * ``strategy_async``: the same with ``checkpoint={"async_save": True}``.
+* ``strategy_async_bg``: the same with ``background_snapshot: true`` too (the Trainer's; Fabric's
+  strategy gets ``strategy_async``'s config: it copies before returning).
 
 ``LDC_PEER_READTHROUGH=1`` also routes ``torch.load`` / Lightning's ``pl_load`` of a checkpoint
 directory to ``DistCheckpointIO().load_checkpoint`` and makes ``os.path.isfile`` true for one: it
@@ -34,7 +36,8 @@ import pytest
 MODE = os.environ.get("LDC_PEER_MODE", "stock")
 READTHROUGH = os.environ.get("LDC_PEER_READTHROUGH", "0") == "1"
 RESULTS = os.environ.get("LDC_PEER_RESULTS")
-MODES = ("stock", "plugin", "async", "lightning_async", "stock_async", "strategy", "strategy_async")
+MODES = ("stock", "plugin", "async", "lightning_async", "stock_async", "strategy", "strategy_async",
+         "strategy_async_bg")
 PLUGIN_MODES = ("plugin", "async", "lightning_async", "stock_async")
 #: Strategies the ``strategy`` modes replace (by name): the default and DDP on CPU.
 DDP_NAMES = {None: None, "auto": None, "ddp": None, "ddp_spawn": "spawn", "ddp_fork": "fork",
@@ -113,7 +116,9 @@ def inject(kwargs: Dict[str, Any]) -> Dict[str, Any]:
             ddp_args["start_method"] = strategy._start_method
         elif DDP_NAMES.get(strategy):
             ddp_args["start_method"] = DDP_NAMES[strategy]
-        config = {"async_save": True} if MODE == "strategy_async" else None
+        config = {"async_save": True} if MODE.startswith("strategy_async") else None
+        if MODE == "strategy_async_bg":
+            config = {"async_save": True, "background_snapshot": True}
         out["strategy"] = DistCheckpointStrategy(checkpoint=config, **ddp_args)
         _injected.append("strategy")
     else:
@@ -151,7 +156,7 @@ def _patch_fabric() -> None:
         if MODE.startswith("strategy") and not args and str(strategy).startswith("ddp") and strategy in DDP_NAMES \
                 and kwargs.get("accelerator") in (None, "auto", "cpu") and not _own_checkpoint_io(kwargs):
             start = {"start_method": DDP_NAMES[strategy]} if DDP_NAMES[strategy] else {}
-            config = {"async_save": True} if MODE == "strategy_async" else None
+            config = {"async_save": True} if MODE.startswith("strategy_async") else None
             kwargs = dict(kwargs, strategy=FabricDistCheckpointStrategy(checkpoint=config, **start))
             _injected.append("strategy")
         original(self, *args, **kwargs)
