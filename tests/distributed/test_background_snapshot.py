@@ -83,6 +83,26 @@ def test_only_the_selected_shards_wait(tmp_path, monkeypatch):
     assert torch.equal(out["b"], torch.full((8,), 1.0)) and torch.equal(out["w"], torch.full((64, 8), 1.0))
 
 
+def test_under_a_staging_budget_only_the_staged_wave_waits(tmp_path, monkeypatch):
+    """What does not fit the budget is written before save returns (from the caller's memory); the
+    staged wave is copied by the thread: the caller may change the first at once, the second after
+    wait_snapshot()."""
+    gate = Gate(monkeypatch)
+    sd = state(1.0)  # w: 2 KiB, b: 32 B
+    saver = ldc.AsyncSaver(max_staging_bytes=1024)
+    req = saver.save(sd, tmp_path / "ck", background_snapshot=True,
+                     storage=ldc.StorageOptions(pack_max_bytes=0))  # w and b apart, not in one pack
+    assert req.waves == 2 and gate.reached.wait(60)
+    sd["w"].data.add_(100.0)  # written before save returned
+    gate.open.set()
+    req.wait_snapshot()
+    sd["b"].data.add_(100.0)
+    req.finalize()
+    out = read(tmp_path / "ck")
+    assert torch.equal(out["w"], torch.full((64, 8), 1.0)) and torch.equal(out["b"], torch.full((8,), 1.0))
+    assert saver.peak_staging_bytes <= 1024
+
+
 def test_arguments_are_checked(tmp_path):
     with pytest.raises(ArgumentTypeError, match="needs async_save"):
         ldc.save(state(1.0), tmp_path / "a", background_snapshot=True)
