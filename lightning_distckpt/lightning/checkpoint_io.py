@@ -281,11 +281,11 @@ class DistCheckpointIO(CheckpointIO):
             self._async_saver().reserve_staging(nbytes, on_accelerator)
 
     def _snapshot_not_in_background(self) -> None:
-        """``background_snapshot`` asked of a save whose caller waits at no step (a stock strategy, Fabric): said once."""
+        """``background_snapshot`` asked of a save whose caller waits at no step (a stock strategy): said once."""
         if self.config.background_snapshot and not self.__dict__.get("_told_snapshot"):
             self._told_snapshot = True
-            logger.warning("background_snapshot: only our Trainer strategies copy in the background (they wait "
-                           "before the optimizer step); this save copies before returning")
+            logger.warning("background_snapshot: only our strategies copy in the background (they wait before "
+                           "the optimizer step); this save copies before returning")
 
     def _in_background(self) -> bool:
         return self.config.async_save and self.background_saves

@@ -67,11 +67,12 @@ class DistCheckpointConfig:
             a background save may take (``AsyncSaver(max_staging_bytes=...)``); a larger state is
             saved in waves and the save blocks until all but the last wave are written. ``null``:
             no limit (the whole state is staged).
-        background_snapshot: with ``async_save``, the snapshot of the parameters and optimizer state
-            is copied by the save's background thread while training goes on, and the strategy waits
-            for it before the next optimizer step (and before anything else that may change them:
-            the end of the epoch, validation, the end of training). A save then blocks for its
-            planning only. Off: the copy is made before the save returns. See docs/loaders.md.
+        background_snapshot: with ``async_save``, under our strategies, the snapshot of the parameters
+            and optimizer state is copied by the save's background thread while training goes on, and
+            the strategy waits for it before the next optimizer step (the Trainer's also before the
+            other hooks that may change them: epoch ends, validation, the end of training). A save then
+            blocks for its planning only. Off: the copy is made before the save returns. See
+            docs/loaders.md.
         safe_globals: further trusted types that common state and ShardedObjects may hold, by
             import path (``["io.BytesIO", "argparse.Namespace"]``), added to the plugin's
             ``extra_safe_globals`` (loading never unpickles anything else).

@@ -29,6 +29,7 @@ from .checkpoint_io import foreign_writer
 from .restore_source import RestoreSource
 from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
                       restore_optimizer)
+from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import TensorParallelStrategyMixin
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys, tensors_metadata)
@@ -52,7 +53,7 @@ def _strip(prefix: str, tree: Mapping[str, Any]) -> Dict[str, Any]:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in tree.items()}
 
 
-class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
+class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallelStrategyMixin, DDPStrategy):
     """Fabric's DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
 
     ``fabric.save(path, state)`` / ``fabric.load(path, state)`` with modules (described by their
@@ -84,7 +85,8 @@ class FabricDistCheckpointStrategy(TensorParallelStrategyMixin, DDPStrategy):
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """Collective save of ``state``: modules and optimizers sharded, the rest common state."""
         tree = self.sharded_state(state, filter, f"save to {checkpoint_location(path, 'path')}")
-        self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options)
+        self.checkpoint_io.save_sharded(tree, path, storage_options=storage_options,
+                                        background_snapshot=self.snapshot_selector_for(state))
 
     def sharded_state(self, state: Dict[str, Any], filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
                       what: str = "save") -> Dict[str, Any]:

@@ -39,6 +39,7 @@ from .config import DistCheckpointConfig, load_checkpoint_config
 from .model_parallel import Path, is_lightning_dcp, put_value, refusal, shard_tree, value_at
 from .sharded import build_on_all_ranks, describe_source
 from .stock import tensors_metadata
+from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import DistCheckpointIOMixin
 from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest, template_from_manifest
 
@@ -55,7 +56,8 @@ def _owner(optimizer: Optimizer, state: Mapping[str, Any]) -> Module:
                              "save and load the module with its optimizer ({'model': model, 'optimizer': optimizer})")
 
 
-class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelParallelStrategy):
+class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, DistCheckpointIOMixin,
+                                                ModelParallelStrategy):
     """Fabric's ``ModelParallelStrategy`` whose ``fabric.save`` / ``fabric.load`` write and read our
     distributed checkpoints (any world size or DP x TP mesh on load).
 
@@ -82,7 +84,8 @@ class FabricDistCheckpointModelParallelStrategy(DistCheckpointIOMixin, ModelPara
         """Collective save of ``state``: modules and optimizers sharded, the rest common state."""
         target = os.fspath(self.broadcast(checkpoint_location(path, "path")))
         tree = self.sharded_state(state, filter, f"save to {target}")
-        self.checkpoint_io.save_sharded(tree, target, storage_options=storage_options)
+        self.checkpoint_io.save_sharded(tree, target, storage_options=storage_options,
+                                        background_snapshot=self.snapshot_selector_for(state))
 
     def sharded_state(self, state: Dict[str, Any], filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
                       what: str = "save") -> Dict[str, Any]:

@@ -18,6 +18,9 @@ change what it copies:
   swapping them in for validation) finds the copy done;
 * the next save, load or teardown (they finalize the save).
 
+Fabric's strategies (:class:`FabricBackgroundSnapshotMixin`) wait before the next ``optimizer.step()``
+and at the next save, load or teardown; the rest of a Fabric loop is the caller's own code.
+
 Code of one's own that changes parameters or optimizer state in place between a save and the next
 optimizer step (in a batch hook or the forward) breaks the promise: the version counters catch most
 such changes and fail that save on every rank, nothing committed (:mod:`..saving.background_snapshot`).
@@ -26,7 +29,7 @@ such changes and fail that save on every rank, nothing committed (:mod:`..saving
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Optional, Set
+from typing import Any, Callable, Iterable, Mapping, Optional, Set
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -41,10 +44,10 @@ def _storage(t: torch.Tensor) -> int:
     return local.untyped_storage().data_ptr()
 
 
-def parameters_and_optimizer_state(module: torch.nn.Module, optimizers: Iterable[Optimizer]) -> Selector:
-    """A ``background_snapshot`` test: whether a shard's source lies in the memory of one of
-    ``module``'s parameters or of the optimizers' state tensors (the state a step changes)."""
-    storages: Set[int] = {_storage(p) for p in module.parameters()}
+def parameters_and_optimizer_state(modules: Iterable[torch.nn.Module], optimizers: Iterable[Optimizer]) -> Selector:
+    """A ``background_snapshot`` test: whether a shard's source lies in the memory of one of the
+    modules' parameters or of the optimizers' state tensors (the state a step changes)."""
+    storages: Set[int] = {_storage(p) for m in modules for p in m.parameters()}
     storages |= {_storage(v) for o in optimizers for st in o.state.values() for v in st.values()
                  if isinstance(v, torch.Tensor)}
     storages.discard(0)  # empty tensors share no memory
@@ -110,7 +113,7 @@ class BackgroundSnapshotMixin:
         module = self.lightning_module  # type: ignore[attr-defined]
         if not (io.config.background_snapshot and io.config.async_save and io.background_saves) or module is None:
             return False
-        return parameters_and_optimizer_state(module, self._raw_optimizers())  # type: ignore[attr-defined]
+        return parameters_and_optimizer_state([module], self._raw_optimizers())  # type: ignore[attr-defined]
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
@@ -135,3 +138,25 @@ class BackgroundSnapshotMixin:
             return super().optimizer_step(optimizer, fenced, model, **kwargs)  # type: ignore[misc]
         wait_for_snapshot(self)
         return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+
+
+class FabricBackgroundSnapshotMixin:
+    """The Fabric strategies' part (mixed in before Fabric's strategy class). Fabric's loop is the
+    caller's: the strategy waits for a background copy before the next ``optimizer.step()`` of an
+    optimizer set up by Fabric (the forward and backward before it overlap the copy), and the next
+    save, load or teardown waits as always. Anything else that changes the saved modules' parameters
+    or the optimizers' state in place before that step must call
+    ``fabric.strategy.checkpoint_io.pending.wait_snapshot()`` first."""
+
+    def snapshot_selector_for(self, state: Mapping[str, Any]) -> Selector:
+        """What a save of ``state`` may copy in the background: the memory of its modules'
+        parameters and optimizers' state; False unless ``background_snapshot`` is on."""
+        io = self.checkpoint_io  # type: ignore[attr-defined]
+        if not (io.config.background_snapshot and io.config.async_save):
+            return False
+        modules = [getattr(m, "module", m) for m in state.values() if isinstance(m, torch.nn.Module)]
+        return parameters_and_optimizer_state(modules, [o for o in state.values() if isinstance(o, Optimizer)])
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        wait_for_snapshot(self)
+        return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]

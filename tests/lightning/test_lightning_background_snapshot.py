@@ -181,3 +181,42 @@ def test_the_plugin_alone_says_it_copies_before_returning(tmp_path, caplog):
     told = [m for m in caplog.messages if "background_snapshot" in m]
     assert len(told) == 1 and "copies before returning" in told[0]
     assert io.load_checkpoint(tmp_path / "step=2.ckpt")["global_step"] == 2
+
+
+def test_fabric_waits_before_the_next_optimizer_step(tmp_path, isolated_process_group, monkeypatch):
+    """Fabric: the copy overlaps the caller's forward and backward; ``optimizer.step()`` waits for it;
+    the checkpoint holds the weights and moments as of ``fabric.save``."""
+    from lightning.fabric import Fabric
+
+    from lightning_distckpt.lightning import FabricDistCheckpointStrategy
+
+    gate = GateEveryCopy(monkeypatch)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricDistCheckpointStrategy(checkpoint=CONFIG))
+    fabric.launch()
+    model = fabric.setup(torch.nn.Linear(8, 4))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.1))
+    for _ in range(2):
+        fabric.backward(model(torch.randn(4, 8)).sum())
+        opt.step()
+    saved = ({k: v.detach().clone() for k, v in model.state_dict().items()},
+             opt.state[model.weight]["exp_avg"].clone())
+    fabric.save(tmp_path / "ck", {"model": model, "optimizer": opt, "step": 2})
+    pending = fabric.strategy.checkpoint_io.pending
+    assert gate.reached.wait(60) and not pending.snapshot_done()
+    fabric.backward(model(torch.randn(4, 8)).sum())  # overlaps the copy
+    wait = pending.wait_snapshot
+
+    def let_go_and_wait():  # the copy goes only once the strategy waits for it
+        gate.open.set()
+        wait()
+
+    pending.wait_snapshot = let_go_and_wait
+    opt.step()  # waits for the copy first
+    gate.open.set()  # (without that wait, the copy would now see the stepped weights and fail the save)
+    assert pending.snapshot_done()
+    model2 = fabric.setup(torch.nn.Linear(8, 4))
+    opt2 = fabric.setup_optimizers(torch.optim.AdamW(model2.parameters(), lr=0.1))
+    state = {"model": model2, "optimizer": opt2, "step": 0}
+    fabric.load(tmp_path / "ck", state)  # finalizes the save first
+    assert state["step"] == 2 and all(torch.equal(model2.state_dict()[k], v) for k, v in saved[0].items())
+    assert torch.equal(opt2.state[model2.weight]["exp_avg"], saved[1])
