@@ -111,7 +111,9 @@ class BackgroundSnapshotMixin:
         """What the next save may copy in the background: False unless ``background_snapshot`` is on."""
         io = self.checkpoint_io  # type: ignore[attr-defined]
         module = self.lightning_module  # type: ignore[attr-defined]
-        if not (io.config.background_snapshot and io.config.async_save and io.background_saves) or module is None:
+        # (the config refuses background_snapshot without async_save; background_saves: a save made now
+        # commits before returning, and its copy is made before it does)
+        if not (io.config.background_snapshot and io.background_saves) or module is None:
             return False
         return parameters_and_optimizer_state([module], self._raw_optimizers())  # type: ignore[attr-defined]
 
@@ -152,7 +154,7 @@ class FabricBackgroundSnapshotMixin:
         """What a save of ``state`` may copy in the background: the memory of its modules'
         parameters and optimizers' state; False unless ``background_snapshot`` is on."""
         io = self.checkpoint_io  # type: ignore[attr-defined]
-        if not (io.config.background_snapshot and io.config.async_save):
+        if not (io.config.background_snapshot and io.background_saves):
             return False
         modules = [getattr(m, "module", m) for m in state.values() if isinstance(m, torch.nn.Module)]
         return parameters_and_optimizer_state(modules, [o for o in state.values() if isinstance(o, Optimizer)])

@@ -107,11 +107,7 @@ class DcpSource:
             for chunk in tensor.stored_empty:
                 what = f"{self._full_paths[chunk.item.file]}: tensor {fqn!r} chunk at {list(chunk.offset)}"
                 with self.open_file(self._full_paths[chunk.item.file]) as f:
-                    layout = chunk_layout(f, chunk.item.offset, chunk.item.length, what)
-                    if layout is None:
-                        reader._load_whole(f, _StoredChunk(fqn, chunk), what)  # raises on another shape
-                    elif layout.shape != chunk.shape:
-                        raise FormatError(f"{what}: holds a tensor of shape {layout.shape}, expected {chunk.shape}")
+                    reader.check_stored(f, _StoredChunk(fqn, chunk), what)
 
     def _checked_file(self, rel: str) -> str:
         """The full path of ``rel``: named inside the directory, a regular file (through links only
@@ -141,7 +137,8 @@ class DcpSource:
         """Every item's byte range lies inside its file (a truncated file is found here, before reading)."""
         sizes = {rel: self._sizes[rel] for rel in self._full_paths}
         named = [(f"tensor {fqn!r} chunk at {list(c.offset)}", c.item) for fqn, t in meta.tensors.items()
-                 for c in [*t.chunks, *t.stored_empty]] + [(f"object {fqn!r}", item) for fqn, item in meta.objects.items()]
+                 for c in [*t.chunks, *t.stored_empty]]
+        named += [(f"object {fqn!r}", item) for fqn, item in meta.objects.items()]
         for what, item in named:
             if item.offset + item.length > sizes[item.file]:
                 raise FormatError(f"{self._full_paths[item.file]}: {what} is stored at bytes "
@@ -216,10 +213,7 @@ class DcpReader:
         chunk = stored.chunk
         what = f"{self._source.full_path(chunk.item.file)}: tensor {stored.fqn!r} chunk at {list(chunk.offset)}"
         if (key, index) not in self._layouts:
-            layout = chunk_layout(f, chunk.item.offset, chunk.item.length, what)
-            if layout is not None and layout.shape != chunk.shape:
-                raise FormatError(f"{what}: holds a tensor of shape {layout.shape}, expected {chunk.shape}")
-            self._layouts[(key, index)] = layout
+            self._layouts[(key, index)] = self.checked_layout(f, stored, what)
         layout = self._layouts[(key, index)]
         try:
             if layout is not None:
@@ -230,6 +224,21 @@ class DcpReader:
                     r.dest.copy_(tensor[r.src])
         except RuntimeError as e:  # a destination that cannot take the values
             raise CheckpointingError(f"{what}: copying into the destination failed: {e}") from None
+
+    @staticmethod
+    def checked_layout(f: BinaryIO, stored: _StoredChunk, what: str) -> Optional[ChunkLayout]:
+        """The chunk's layout as stored (None: read it whole), refused when its shape is not the chunk's."""
+        chunk = stored.chunk
+        layout = chunk_layout(f, chunk.item.offset, chunk.item.length, what)
+        if layout is not None and layout.shape != chunk.shape:
+            raise FormatError(f"{what}: holds a tensor of shape {layout.shape}, expected {chunk.shape}")
+        return layout
+
+    def check_stored(self, f: BinaryIO, stored: _StoredChunk, what: str) -> None:
+        """Refuse a chunk whose stored item holds a tensor of another shape, reading no tensor bytes
+        where its layout allows (else the item whole)."""
+        if self.checked_layout(f, stored, what) is None:
+            self._load_whole(f, stored, what)  # checks the shape too
 
     def _load_whole(self, f: BinaryIO, stored: _StoredChunk, what: str) -> torch.Tensor:
         blob = self._source.read_item(f, stored.chunk.item)
