@@ -53,7 +53,7 @@ class GateEveryCopy:
 
 class Expect(Callback):
     """Records each checkpoint's tensors as Lightning builds the dict (the values the save must hold);
-    at the next step's start, sees the copy still pending; lets it go after that step's backward."""
+    at the next step's start, sees the copy still pending; lets it go when the strategy waits for it."""
 
     def __init__(self, gate):
         self.gate, self.saved, self.pending_at_next_step = gate, {}, 0
@@ -70,11 +70,17 @@ class Expect(Callback):
             self.pending_at_next_step += 1
 
     def on_after_backward(self, trainer, pl_module):
-        """The copy goes only now, after the forward and backward: the optimizer step right after
-        must wait for it (else it would change what is being copied)."""
+        """After the forward and backward, the copy is let go only once the strategy waits for it
+        (before the optimizer step, which would change what is being copied)."""
         pending = trainer.strategy.checkpoint_io.pending
         if pending is not None and not pending.snapshot_done():
-            self.gate.open.set()
+            wait, gate = pending.wait_snapshot, self.gate
+
+            def let_go_and_wait():
+                gate.open.set()
+                wait()
+
+            pending.wait_snapshot = let_go_and_wait
 
 
 
@@ -88,7 +94,7 @@ def test_checkpoints_hold_the_state_as_of_their_save(tmp_path, isolated_process_
     assert isinstance(trainer.callbacks[0], SnapshotFence)
     assert gate.copies == len(expect.saved) == 4
     assert expect.pending_at_next_step == 4  # each copy was still to be taken as the next step began
-    assert strategy.snapshot_wait_s > 0  # the step waited for it (the copy went after the backward)
+    assert strategy.snapshot_wait_s > 0  # the step waited for it (the copy went only once it did)
     for step, (params, moments) in expect.saved.items():
         loaded = strategy.checkpoint_io.load_checkpoint(tmp_path / f"step={step}.ckpt")
         for k, v in params.items():
