@@ -70,34 +70,25 @@ def wait_for_snapshot(strategy: Any) -> None:
     strategy.snapshot_wait_s = getattr(strategy, "snapshot_wait_s", 0.0) + time.perf_counter() - t0
 
 
-class SnapshotFence(Callback):
-    """Waits for a background snapshot at each hook outside the training steps (see the module
-    docstring). Kept first in the Trainer's callbacks by the strategy; holds no state."""
+#: The Trainer hooks outside the span of the training steps, where a callback may change weights.
+FENCED_HOOKS = ("on_train_epoch_start", "on_train_epoch_end", "on_validation_start", "on_test_start",
+                "on_predict_start", "on_train_end", "on_exception")
 
-    @staticmethod
-    def _wait(trainer: Any) -> None:
+
+def _fence(name: str) -> Callable[..., None]:
+    def hook(self: Callback, trainer: Any, *args: Any) -> None:  # (pl_module[, exception])
         wait_for_snapshot(trainer.strategy)
+    hook.__name__ = hook.__qualname__ = name
+    return hook
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self._wait(trainer)
 
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._wait(trainer)
+class SnapshotFence(Callback):
+    """Waits for a background snapshot at each of :data:`FENCED_HOOKS` (see the module docstring).
+    Kept first in the Trainer's callbacks by the strategy; holds no state."""
 
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self._wait(trainer)
 
-    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
-        self._wait(trainer)
-
-    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
-        self._wait(trainer)
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._wait(trainer)
-
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._wait(trainer)
+for _name in FENCED_HOOKS:
+    setattr(SnapshotFence, _name, _fence(_name))
 
 
 class BackgroundSnapshotMixin:
