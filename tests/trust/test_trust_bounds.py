@@ -317,6 +317,16 @@ def test_dcp_metadata_claiming_a_trillion_elements_is_refused(tmp_path):
     assert torch.equal(out["w"], torch.arange(16.0))  # a template reads the stored part
 
 
+def test_a_dcp_metadata_memo_index_of_a_billion_allocates_nothing(tmp_path):
+    """Nine bytes: ``None``, memoised at index 2**30, as the whole pickle. Python's C unpickler grows
+    its memo array to twice the index (16 GiB, cleared); the file was found by the damage fuzz (one
+    flipped byte of a real .metadata turned a string opcode into LONG_BINPUT)."""
+    path = _dcp(tmp_path, "memo")
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(b"\x80\x02N" + b"r" + struct.pack("<I", 2**30) + b".")
+    _refused("plain", path, ".metadata", "not a DCP Metadata record")
+
+
 # -------------------------------------------------------------------------------------- JSON
 
 def test_a_deep_safetensors_header_is_a_format_error(tmp_path):

@@ -101,8 +101,14 @@ class DcpMetadata:
     mcore_data: Dict[str, Any] = field(default_factory=dict)  # Megatron-Core's per-tensor notes, if any
 
 
-class _AllowListUnpickler(pickle.Unpickler):
-    """Resolves only the DCP metadata classes and torch values; refuses every other global."""
+class _AllowListUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """Resolves only the DCP metadata classes and torch values; refuses every other global.
+
+    Python's own unpickler, not the C one: the C unpickler keeps its memo in an array and grows it to
+    twice any index a ``BINPUT`` / ``LONG_BINPUT`` names, so a few bytes of a 1 KB file
+    (``LONG_BINPUT 2**31``) had it allocate and clear many GB (18 s here, an out-of-memory kill on a
+    smaller host). This one keeps the memo in a dict; it unpickles about half as fast (a 20 MB
+    ``.metadata`` of 128,000 chunks: 4.4 s against 2.1 s)."""
 
     def __init__(self, file: Any, where: str) -> None:
         super().__init__(file)
