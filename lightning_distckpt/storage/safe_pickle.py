@@ -23,6 +23,7 @@ from ..core.errors import FormatError, UnsafeContentError
 from ..core.tree_walk import check_tree
 from .file_kind import not_a_torch_file
 from .paths import ANYWHERE, check_regular
+from .zip_records import check_records
 
 
 def default_safe_globals(omegaconf: bool = True) -> List[Any]:
@@ -75,7 +76,10 @@ def load_file(path: str, extra_safe_globals: Sequence[Any] = (), root: Optional[
 
 def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omegaconf: bool, mmap: bool = False) -> Any:
     """torch.load with weights_only. A refused type (the weights-only unpickler raises
-    UnpicklingError) is an UnsafeContentError; anything else that fails is a damaged archive."""
+    UnpicklingError) is an UnsafeContentError; anything else that fails is a damaged archive. A zip
+    archive's records are checked first (:mod:`.zip_records`): torch reads damaged ones as values."""
+    if mmap or _is_zip_buffer(source):
+        check_records(source, where)
     try:
         with _allowed(default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)):
             payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap or None)
@@ -92,6 +96,14 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
 
 
 _LOADED_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _is_zip_buffer(source: Any) -> bool:
+    if not isinstance(source, io.BytesIO):
+        return False
+    head = source.read(4)
+    source.seek(0)
+    return head == b"PK\x03\x04"
 
 _ALLOW_LOCK = threading.Lock()
 #: type -> how many of our loads hold it in torch's allow-list now; only types the list lacked when the

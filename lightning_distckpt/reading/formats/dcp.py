@@ -28,6 +28,7 @@ from ...planning.metadata import CheckpointIndex, StoredShard, TensorEntry, dtyp
 from ...storage.base import ShardRead
 from ...storage.paths import model_root
 from ...storage.safe_pickle import load_file, loads, torch_message
+from ...storage.zip_records import check_records
 from .dcp_chunks import ChunkLayout, chunk_layout, read_pieces
 from .dcp_metadata import METADATA_NAME, DcpChunk, DcpItem, DcpMetadata, read_metadata
 from .model_files import check_model_file, open_model_file
@@ -242,6 +243,7 @@ class DcpReader:
 
     def _load_whole(self, f: BinaryIO, stored: _StoredChunk, what: str) -> torch.Tensor:
         blob = self._source.read_item(f, stored.chunk.item)
+        check_records(io.BytesIO(blob), what)  # torch.load reads a damaged record as values
         try:
             tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         except Exception as e:  # damaged bytes, or not a torch.save'd tensor

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import io
 import math
-import struct
 import warnings
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO, List, Optional, Sequence, Tuple
 
@@ -23,9 +23,9 @@ import torch
 
 from ...core.errors import FormatError
 from ...storage.base import ShardRead
+from ...storage.checksums import verification_enabled
+from ...storage.zip_records import data_start, following
 
-_LOCAL_HEADER = struct.Struct("<4s22sHH")  # signature, fixed fields, name length, extra length
-_LOCAL_SIGNATURE = b"PK\x03\x04"
 
 
 class RangeFile(io.RawIOBase):
@@ -67,6 +67,7 @@ class ChunkLayout:
     dtype: torch.dtype
     shape: Tuple[int, ...]
     storage_offset: int
+    crc32: int = 0  # the record's CRC-32 as the zip directory gives it (0: not recorded)
 
 
 def chunk_layout(f: BinaryIO, start: int, length: int, where: str) -> Optional[ChunkLayout]:
@@ -81,18 +82,19 @@ def chunk_layout(f: BinaryIO, start: int, length: int, where: str) -> Optional[C
                 (byteorder and archive.read(byteorder[0]) != b"little"):
             return None
         record = records[0]
-        view.seek(record.header_offset)
-        signature, _, name_len, extra_len = _LOCAL_HEADER.unpack(view.read(_LOCAL_HEADER.size))
+        data_offset = data_start(view, record, following(archive, record), length, where)
+    except FormatError:
+        raise
     except Exception as e:  # zipfile.BadZipFile, struct.error, ...
         raise FormatError(f"{where}: not a torch.save'd tensor ({type(e).__name__}: {e})") from None
-    data_offset = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    if signature != _LOCAL_SIGNATURE or data_offset + record.file_size > length:
+    if data_offset + record.file_size > length:
         raise FormatError(f"{where}: damaged zip record {record.filename!r}")
     meta = _tensor_without_data(view)
     if meta is None or not meta.is_contiguous() or \
             (meta.storage_offset() + meta.numel()) * meta.element_size() > record.file_size:
         return None
-    return ChunkLayout(start + data_offset, record.file_size, meta.dtype, tuple(meta.shape), meta.storage_offset())
+    return ChunkLayout(start + data_offset, record.file_size, meta.dtype, tuple(meta.shape), meta.storage_offset(),
+                       record.CRC)
 
 
 def _tensor_without_data(view: RangeFile) -> Optional[torch.Tensor]:
@@ -130,6 +132,10 @@ def read_pieces(f: BinaryIO, layout: ChunkLayout, pieces: List[ShardRead], where
     f.seek(layout.data_start + lo * isz)
     if f.readinto(buf.numpy()) != buf.numel():
         raise FormatError(f"{where}: the file ends inside the chunk's data (truncated?)")
+    # the whole record read (as a load at the saved split does): its CRC-32 is checked as well
+    if lo == 0 and buf.numel() == layout.nbytes and layout.crc32 and verification_enabled() and \
+            zlib.crc32(buf.numpy()) != layout.crc32:
+        raise FormatError(f"{where}: the chunk's data is damaged: its bytes do not match the CRC-32 of its zip record")
     values = buf.view(layout.dtype)
     strides = tuple(math.prod(layout.shape[i + 1:]) for i in range(len(layout.shape)))
     for r, (first, _) in wanted:

@@ -1,0 +1,133 @@
+"""Checking a ``torch.save`` zip archive's records before torch reads them.
+
+torch's archive reader takes each record's data offset from the record's local header (its name and
+extra-field lengths) and reads it without checking the header's signature or the record's CRC-32
+(with ``mmap=True`` it only slices the mapped file). A few damaged bytes in a local header therefore
+shift a tensor's data and ``torch.load`` returns other bytes as its values. :func:`check_records` finds
+every record through the zip directory as Python's :mod:`zipfile` parses it, checks its local header
+(signature, the same name, the data inside the archive) and the CRC-32 of its bytes at the offset
+torch will read them from. ``torch.save`` writes each record's CRC-32 unless told not to
+(``torch.serialization.set_crc32_options(False)``: a CRC of 0, then only the header is checked).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import struct
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+from ..core.errors import FormatError
+from .checksums import verification_enabled
+
+_LOCAL_HEADER = struct.Struct("<4s22sHH")  # signature, fixed fields, name length, extra length
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+_UTF8_FLAG = 0x800
+_DESCRIPTOR_FLAG = 0x8
+_DESCRIPTOR_SIZES = (12, 16, 20, 24)  # CRC and sizes (32- or 64-bit), with or without a signature
+#: above this many bytes of records the CRCs run on threads (zlib releases the GIL), one record each
+_PARALLEL_BYTES = 64 << 20
+
+
+def check_records(source: Any, where: str) -> None:
+    """Raise a FormatError naming the record unless every record of the zip archive ``source`` (a
+    path, or a seekable binary file object such as ``io.BytesIO``) is intact where torch reads it:
+    its local header (always) and its CRC-32 (unless ``LIGHTNING_DISTCKPT_VERIFY=0``)."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            _check_file(f, where)
+    else:
+        position = source.tell()
+        try:
+            _check_file(source, where)
+        finally:
+            source.seek(position)
+
+
+def _check_file(f: BinaryIO, where: str) -> None:
+    try:
+        archive = zipfile.ZipFile(f)
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise FormatError(f"{where}: not a readable zip archive: {e}") from None
+    infos = archive.infolist()
+    names = [i.filename for i in infos]
+    if len(set(names)) != len(names):  # readers disagree on which of two records of a name counts
+        raise FormatError(f"{where}: the zip archive names a record twice")
+    size = f.seek(0, io.SEEK_END)
+    starts = [data_start(f, info, following(archive, info), size, where) for info in infos]
+    if not verification_enabled():
+        return
+    stored = [(info, start) for info, start in zip(infos, starts) if info.compress_type == zipfile.ZIP_STORED]
+    with _buffer(f) as buf:
+        jobs = [(info, buf[start:start + info.file_size]) for info, start in stored if info.CRC or not info.file_size]
+        total = sum(len(view) for _, view in jobs)
+        if total > _PARALLEL_BYTES and len(jobs) > 1:
+            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+                crcs = list(pool.map(lambda job: zlib.crc32(job[1]), jobs))
+        else:
+            crcs = [zlib.crc32(view) for _, view in jobs]
+        bad = [info.filename for (info, _), crc in zip(jobs, crcs) if crc != info.CRC]
+        del jobs  # the views, before the mapping closes
+    if bad:
+        raise FormatError(f"{where}: zip record {bad[0]!r} is damaged: its bytes do not match its CRC-32")
+    for info in infos:  # compressed records (torch writes none): zipfile inflates and checks them
+        if info.compress_type != zipfile.ZIP_STORED:
+            try:
+                archive.read(info)
+            except (zipfile.BadZipFile, NotImplementedError, ValueError, OSError, EOFError, zlib.error) as e:
+                raise FormatError(f"{where}: zip record {info.filename!r} is damaged: {e}") from None
+
+
+def following(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> int:
+    """Where what follows ``info``'s record begins: the next record's local header, or the zip directory."""
+    return min([i.header_offset for i in archive.infolist() if i.header_offset > info.header_offset]
+               + [archive.start_dir])
+
+
+def data_start(f: BinaryIO, info: zipfile.ZipInfo, next_offset: int, size: int, where: str) -> int:
+    """The offset of the record's data, from its local header as torch reads it, once the header is
+    checked: its signature, the directory's name, and its data ending where what follows begins
+    (after a data descriptor where its flags say so, as ``torch.save`` writes them), so that a
+    damaged name or extra-field length cannot shift the data, even where no CRC is checked."""
+    f.seek(info.header_offset)
+    head = f.read(_LOCAL_HEADER.size)
+    if len(head) != _LOCAL_HEADER.size:
+        raise FormatError(f"{where}: zip record {info.filename!r}: its local header lies past the end")
+    signature, _, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+    raw_name = f.read(name_len)
+    encoding = "utf-8" if info.flag_bits & _UTF8_FLAG else "cp437"
+    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    gap = next_offset - (start + info.compress_size)
+    if signature != _LOCAL_SIGNATURE or raw_name.decode(encoding, "replace") != info.orig_filename or \
+            gap not in (_DESCRIPTOR_SIZES if info.flag_bits & _DESCRIPTOR_FLAG else (0,)):
+        raise FormatError(f"{where}: zip record {info.filename!r}: damaged local header")
+    if start + info.compress_size > size:
+        raise FormatError(f"{where}: zip record {info.filename!r} runs past the end of the archive")
+    return start
+
+
+class _buffer:
+    """The file's bytes as one buffer: a BytesIO's own, else a read-only mapping of the file."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._map: Any = None
+        self._view = memoryview(b"")
+
+    def __enter__(self) -> memoryview:
+        if isinstance(self._f, io.BytesIO):
+            self._view = self._f.getbuffer()
+        elif self._f.seek(0, io.SEEK_END):
+            self._map = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._view = memoryview(self._map)
+        return self._view
+
+    def __exit__(self, *exc: Any) -> None:
+        self._view.release()  # (the slices taken of it are gone: a mapping with exports cannot close)
+        if self._map is not None:
+            self._map.close()
+
