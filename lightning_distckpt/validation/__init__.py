@@ -2,7 +2,7 @@
 
 :func:`validate` checks our own checkpoints (:mod:`.checks`: metadata, index, every chunk's CRC-32C,
 objects, the common state) and PyTorch DCP / Megatron-Core ``torch_dist`` directories
-(:mod:`.foreign`: index and every record read, no checksums to verify). It returns a
+(:mod:`.foreign`: index and every record read, checked by its zip record's CRC-32). It returns a
 :class:`ValidationReport`; ``lightning-distckpt validate`` prints one.
 """
 

@@ -5,8 +5,8 @@
 The index is checked (each tensor tiled exactly once by its chunks), every stored chunk is read
 whole (a truncated or damaged ``.distcp`` record is a problem naming the tensor and the file), every
 object and the common state are unpickled safely (a type that needs ``extra_safe_globals`` is a
-warning). DCP stores no checksums: damage that leaves a record readable goes unseen, which is said
-as a warning.
+warning). DCP stores no checksums of its own: each record read whole is checked against the CRC-32
+of its zip record (:mod:`~lightning_distckpt.storage.zip_records`), which is said as a warning.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def validate_foreign(source: CheckpointSource, on_key: Optional[Callable[[str], 
     t0 = time.perf_counter()
     report = ValidationReport(source.path, progress=progress)
     set_total(progress, sum(e.nbytes for e in source.index.tensors.values()))
-    report.warnings.append(f"{format_name(source)}: the format stores no checksums; damage that leaves a record "
-                           "readable goes undetected")
+    report.warnings.append(f"{format_name(source)}: the format stores no checksums of its own; each record is "
+                           "checked against the CRC-32 torch.save gave it (not where it recorded none)")
     check_index(source, report)
     reader = source.reader()
     for key, entry in source.index.tensors.items():

@@ -49,12 +49,18 @@ def test_a_flipped_byte_is_a_problem_naming_the_key(saved):
     assert any("'w'" in p for p in report.problems), report.problems
 
 
-def test_a_dcp_directory_is_validated_without_checksums(tmp_path):
+def test_a_dcp_directory_is_validated_by_its_zip_records_crcs(tmp_path):
     path = str(tmp_path / "dcp")
-    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=path, no_dist=True)
+    dcp.save({"w": torch.arange(1024.0)}, checkpoint_id=path, no_dist=True)
     report = ldc.validate(path)
     assert report.ok and report.shards == 1
-    assert any("no checksums" in w for w in report.warnings)
+    assert any("no checksums of its own" in w and "CRC-32" in w for w in report.warnings)
+    data_file = tmp_path / "dcp" / "__0_0.distcp"
+    data = bytearray(data_file.read_bytes())
+    data[data.index(torch.arange(1024.0).numpy().tobytes()) + 2048] ^= 0x01  # w[512]
+    data_file.write_bytes(data)
+    report = ldc.validate(path)
+    assert not report.ok and any("'w'" in p and "CRC-32" in p for p in report.problems), report.problems
 
 
 def test_bad_arguments_and_missing_checkpoints_are_checkpointing_errors(saved, tmp_path):
