@@ -144,3 +144,15 @@ def test_a_dcp_chunk_whose_local_header_is_damaged_is_refused_even_in_part(tmp_p
     for rows in (64, 32):
         with pytest.raises(FormatError, match="local header"):
             _load_dcp(tmp_path, rows)
+
+
+def test_the_crc32_used_is_zlibs_polynomial():
+    import zlib
+
+    import numpy as np
+
+    from lightning_distckpt.storage.zip_records import crc32
+
+    data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    for view in (data.tobytes(), memoryview(data)[3:], data[: (1 << 20) - 5], b""):
+        assert crc32(view) == zlib.crc32(view)

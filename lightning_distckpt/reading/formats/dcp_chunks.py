@@ -15,7 +15,6 @@ import io
 import math
 import warnings
 import zipfile
-import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO, List, Optional, Sequence, Tuple
 
@@ -24,7 +23,7 @@ import torch
 from ...core.errors import FormatError
 from ...storage.base import ShardRead
 from ...storage.checksums import verification_enabled
-from ...storage.zip_records import data_start, following
+from ...storage.zip_records import crc32, data_start, following
 
 
 
@@ -134,7 +133,7 @@ def read_pieces(f: BinaryIO, layout: ChunkLayout, pieces: List[ShardRead], where
         raise FormatError(f"{where}: the file ends inside the chunk's data (truncated?)")
     # the whole record read (as a load at the saved split does): its CRC-32 is checked as well
     if lo == 0 and buf.numel() == layout.nbytes and layout.crc32 and verification_enabled() and \
-            zlib.crc32(buf.numpy()) != layout.crc32:
+            crc32(buf.numpy()) != layout.crc32:
         raise FormatError(f"{where}: the chunk's data is damaged: its bytes do not match the CRC-32 of its zip record")
     values = buf.view(layout.dtype)
     strides = tuple(math.prod(layout.shape[i + 1:]) for i in range(len(layout.shape)))
