@@ -42,15 +42,18 @@ def check_records(source: Any, where: str) -> None:
     """Raise a FormatError naming the record unless every record of the zip archive ``source`` (a
     path, or a seekable binary file object such as ``io.BytesIO``) is intact where torch reads it:
     its local header (always) and its CRC-32 (unless ``LIGHTNING_DISTCKPT_VERIFY=0``)."""
-    if isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as f:
-            _check_file(f, where)
-    else:
-        position = source.tell()
-        try:
-            _check_file(source, where)
-        finally:
-            source.seek(position)
+    try:
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as f:
+                _check_file(f, where)
+        else:
+            position = source.tell()
+            try:
+                _check_file(source, where)
+            finally:
+                source.seek(position)
+    except (OSError, ValueError, OverflowError) as e:  # what a lying directory makes seek / mmap raise
+        raise FormatError(f"{where}: not a readable zip archive: {type(e).__name__}: {e}") from None
 
 
 def _check_file(f: BinaryIO, where: str) -> None:
@@ -98,6 +101,8 @@ def data_start(f: BinaryIO, info: zipfile.ZipInfo, next_offset: int, size: int, 
     checked: its signature, the directory's name, and its data ending where what follows begins
     (after a data descriptor where its flags say so, as ``torch.save`` writes them), so that a
     damaged name or extra-field length cannot shift the data, even where no CRC is checked."""
+    if not 0 <= info.header_offset < size:  # zipfile shifts offsets by bytes it finds before the archive
+        raise FormatError(f"{where}: zip record {info.filename!r}: its local header lies outside the archive")
     f.seek(info.header_offset)
     head = f.read(_LOCAL_HEADER.size)
     if len(head) != _LOCAL_HEADER.size:

@@ -133,10 +133,6 @@ class _AllowListUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
 def read_metadata(path: str, root: str = ANYWHERE) -> DcpMetadata:
     """Parse and check the DCP ``.metadata`` file at ``path`` (a regular file; a link only into
     ``root``, see :mod:`.model_files`)."""
-    # imported here: only a DCP checkpoint needs torch.distributed.checkpoint
-    from torch.distributed.checkpoint import metadata as m
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
     data = read_model_file(path, "DCP .metadata", root)
     try:
         raw = _AllowListUnpickler(io.BytesIO(data), path).load()
@@ -144,8 +140,22 @@ def read_metadata(path: str, root: str = ANYWHERE) -> DcpMetadata:
         raise
     except Exception as e:  # truncated or corrupted pickle
         raise FormatError(f"{path}: not a readable DCP .metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(raw, m.Metadata) or not isinstance(raw.state_dict_metadata, dict) \
-            or not isinstance(raw.storage_data, dict):
+    try:
+        return _checked(raw, path)
+    except FormatError:
+        raise
+    except Exception as e:  # a record the pickle left without a field its class has, or of odd values
+        raise FormatError(f"{path}: malformed DCP .metadata ({type(e).__name__}: {e})") from None
+
+
+def _checked(raw: Any, path: str) -> DcpMetadata:
+    """The unpickled ``Metadata``, checked field by field into our records."""
+    # imported here: only a DCP checkpoint needs torch.distributed.checkpoint
+    from torch.distributed.checkpoint import metadata as m
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    if not isinstance(raw, m.Metadata) or not isinstance(getattr(raw, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(raw, "storage_data", None), dict):
         raise FormatError(f"{path}: not a DCP Metadata record written by FileSystemWriter "
                           f"(got {type(raw).__name__})")
     items = _storage_items(raw.storage_data, m.MetadataIndex, _StorageInfo, path)
@@ -153,7 +163,7 @@ def read_metadata(path: str, root: str = ANYWHERE) -> DcpMetadata:
     objects: Dict[str, DcpItem] = {}
     for fqn, entry in raw.state_dict_metadata.items():
         if not isinstance(fqn, str):
-            raise FormatError(f"{path}: state_dict_metadata key {fqn!r} is not a string")
+            raise FormatError(f"{path}: state_dict_metadata key {_show(fqn)} is not a string")
         if isinstance(entry, m.BytesStorageMetadata):
             objects[fqn] = _item(items, fqn, None, path)
         elif isinstance(entry, m.TensorStorageMetadata):
@@ -169,9 +179,19 @@ def read_metadata(path: str, root: str = ANYWHERE) -> DcpMetadata:
 _ItemKey = Tuple[str, Optional[Tuple[int, ...]]]
 
 
+def _show(value: Any) -> str:
+    """``repr(value)`` for a message, short; a record the pickle built without the fields its class's
+    repr reads is named by its type."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - hostile: any repr may fail
+        return f"<{type(value).__name__} with missing fields>"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def _ints(value: Any, what: str, path: str) -> Tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(i) is int and i >= 0 for i in value):
-        raise FormatError(f"{path}: {what} must be a sequence of non-negative ints, got {value!r}")
+        raise FormatError(f"{path}: {what} must be a sequence of non-negative ints, got {_show(value)}")
     return tuple(value)
 
 
@@ -180,16 +200,17 @@ def _storage_items(storage_data: Dict[Any, Any], index_cls: type, info_cls: type
     out: Dict[_ItemKey, DcpItem] = {}
     for index, info in storage_data.items():
         if not isinstance(index, index_cls) or not isinstance(index.fqn, str) or not isinstance(info, info_cls):
-            raise FormatError(f"{path}: storage_data entry {index!r} -> {info!r} is not MetadataIndex -> _StorageInfo")
+            raise FormatError(f"{path}: storage_data entry {_show(index)} -> {_show(info)} is not MetadataIndex -> "
+                              "_StorageInfo")
         offset = None if index.offset is None else _ints(index.offset, f"{index.fqn!r} offset", path)
         where = f"{path}: {index.fqn!r}" + ("" if offset is None else f" chunk at {list(offset)}")
         if getattr(info, "transform_descriptors", None):
-            raise FormatError(f"{where} is stored through transforms {info.transform_descriptors!r} "
+            raise FormatError(f"{where} is stored through transforms {_show(info.transform_descriptors)} "
                               "(DCP extensions such as compression), which lightning_distckpt cannot read")
         rel, start, length = getattr(info, "relative_path", None), getattr(info, "offset", None), \
             getattr(info, "length", None)
         if not isinstance(rel, str) or type(start) is not int or type(length) is not int or start < 0 or length < 0:
-            raise FormatError(f"{where}: malformed storage record {info!r}")
+            raise FormatError(f"{where}: malformed storage record {_show(info)}")
         out[(index.fqn, offset)] = DcpItem(rel, start, length)
     return out
 
