@@ -19,7 +19,7 @@ import struct
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Dict
 
 from ..core.errors import FormatError
 from .checksums import verification_enabled
@@ -66,7 +66,8 @@ def _check_file(f: BinaryIO, where: str) -> None:
     if len(set(names)) != len(names):  # readers disagree on which of two records of a name counts
         raise FormatError(f"{where}: the zip archive names a record twice")
     size = f.seek(0, io.SEEK_END)
-    starts = [data_start(f, info, following(archive, info), size, where) for info in infos]
+    after = following(archive)
+    starts = [data_start(f, info, after[info.header_offset], size, where) for info in infos]
     if not verification_enabled():
         return
     stored = [(info, start) for info, start in zip(infos, starts) if info.compress_type == zipfile.ZIP_STORED]
@@ -90,10 +91,11 @@ def _check_file(f: BinaryIO, where: str) -> None:
                 raise FormatError(f"{where}: zip record {info.filename!r} is damaged: {e}") from None
 
 
-def following(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> int:
-    """Where what follows ``info``'s record begins: the next record's local header, or the zip directory."""
-    return min([i.header_offset for i in archive.infolist() if i.header_offset > info.header_offset]
-               + [archive.start_dir])
+def following(archive: zipfile.ZipFile) -> Dict[int, int]:
+    """For each record's local header offset, where what follows its record begins: the next
+    record's local header, or the zip directory."""
+    offsets = sorted({i.header_offset for i in archive.infolist()})
+    return dict(zip(offsets, offsets[1:] + [archive.start_dir]))
 
 
 def data_start(f: BinaryIO, info: zipfile.ZipInfo, next_offset: int, size: int, where: str) -> int:

@@ -81,7 +81,7 @@ def chunk_layout(f: BinaryIO, start: int, length: int, where: str) -> Optional[C
                 (byteorder and archive.read(byteorder[0]) != b"little"):
             return None
         record = records[0]
-        data_offset = data_start(view, record, following(archive, record), length, where)
+        data_offset = data_start(view, record, following(archive)[record.header_offset], length, where)
     except FormatError:
         raise
     except Exception as e:  # zipfile.BadZipFile, struct.error, ...
