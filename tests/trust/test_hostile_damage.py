@@ -13,7 +13,8 @@ and the output changed:
 * the other formats: a ``torch.save`` archive's records carry CRC-32s, but safetensors data and a
   piece of a DCP chunk carry none: where bytes changed in place inside a tensor's data, a read may
   return what the bytes now hold for that tensor, and nothing else (the other tensors exact; a read
-  without a template may find them under other names when an unchecked index changed); any
+  without a template, ``load_plain_tensors`` or the ingest, may find them under other names when an
+  unchecked index changed); any
   other damage (a header, an index, a pickle, lengths changed) gives the saved values or a
   CheckpointingError; ``convert`` writes nothing else. A Megatron checkpoint's objects and common
   state: after an in-place change to the files holding them they may differ, never the tensors.
@@ -112,7 +113,7 @@ def _expected(fmt, ck, regions, victim, how) -> Tuple[Dict[str, torch.Tensor], b
 
 
 def _tensors_ok(case, out, want, renamable):
-    """Each tensor as ``want`` has it. ``renamable``: a key-agnostic read (no template) of a foreign
+    """Each tensor as ``want`` has it. ``renamable``: a read without a template of a foreign
     format whose index was changed in place: nothing checks the names there (DCP's ``.metadata``, a
     safetensors header, a Hugging Face index), so the same values may come under other keys."""
     if renamable and set(out) != set(want):
@@ -186,7 +187,7 @@ def _check(built, fmt, pick, how, at, span, mask, extra, command="load"):
             assert status in (0, 1, 2), (case, status)
             if out is None:
                 return
-        _tensors_ok(case, out, want, command != "load" and fmt not in OURS and how in IN_PLACE)
+        _tensors_ok(case, out, want, command in ("plain", "ingest") and fmt not in OURS and how in IN_PLACE)
         if command == "load" and fmt in ("ocdbt", "zarr", "megatron") and objects_exact:
             assert out.get("o") == OBJECT and out.get("epoch") == EPOCH, (case, out.get("o"), out.get("epoch"))
     finally:
@@ -213,6 +214,7 @@ cases = dict(fmt=st.sampled_from(FORMATS), pick=st.integers(0, 1 << 16), how=st.
 @example(fmt="torch", pick=0, how="delete", at=0, span=1, mask=1, extra=b"\0", command="plain")
 @example(fmt="dcp", pick=0, how="flip", at=43121, span=1, mask=1, extra=b"\0", command="plain")
 @example(fmt="dcp", pick=0, how="flip", at=97, span=1, mask=1, extra=b"\0", command="plain")  # 'w' named 'v'
+@example(fmt="safetensors", pick=0, how="flip", at=128, span=1, mask=1, extra=b"\0", command="convert")
 def test_hostile_damage_short(built, fmt, pick, how, at, span, mask, extra, command):
     _check(built, fmt, pick, how, at, span, mask, extra, command)
 
