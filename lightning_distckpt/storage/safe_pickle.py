@@ -69,7 +69,7 @@ def load_file(path: str, extra_safe_globals: Sequence[Any] = (), root: Optional[
     except OSError as e:
         raise FormatError(f"torch.save file {path} cannot be read: {e.strerror or e}") from None
     try:
-        return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=zipfile.is_zipfile(path))
+        return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=_is_zip_file(path))
     except FormatError as e:  # UnsafeContentError included: say what the file is when it is no torch.save file
         raise (not_a_torch_file(path, root) or e) from None
 
@@ -96,6 +96,16 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
 
 
 _LOADED_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _is_zip_file(path: str) -> bool:
+    """Whether the file ends with a zip directory; one that is there but damaged counts (the record
+    check then says what is wrong): ``zipfile.is_zipfile`` raises BadZipFile for some (a zip64 end
+    record naming several disks) instead of answering."""
+    try:
+        return zipfile.is_zipfile(path)
+    except zipfile.BadZipFile:
+        return True
 
 
 def _is_zip_buffer(source: Any) -> bool:
