@@ -180,6 +180,25 @@ def test_bad_files_are_format_errors(tmp_path):
         ldc.load_tensors_metadata(str(hf))
 
 
+@pytest.mark.parametrize("safe", [True, False])
+def test_an_index_that_lost_a_shard_files_entries_is_refused(tmp_path, safe):
+    """The index of a sharded Hugging Face directory gives one of its numbered files no tensor (its
+    entries cut out): a read without a template would silently miss that file's tensors."""
+    state, path = _tiny_llama(tmp_path, safe)
+    index = os.path.join(path, "model.safetensors.index.json" if safe else "pytorch_model.bin.index.json")
+    with open(index) as f:
+        meta = json.load(f)
+    dropped = sorted(set(meta["weight_map"].values()))[-1]
+    meta["weight_map"] = {k: v for k, v in meta["weight_map"].items() if v != dropped}
+    with open(index, "w") as f:
+        json.dump(meta, f)
+    for read in (ldc.load_plain_tensors, ldc.load_tensors_metadata):
+        with pytest.raises(FormatError, match=f"{dropped}.*gives it no tensor"):
+            read(path)
+    os.remove(os.path.join(path, dropped))  # the file gone as well: the index is all there is
+    assert set(ldc.load_plain_tensors(path)) == set(meta["weight_map"])
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, ("echo pwned > /dev/null",))

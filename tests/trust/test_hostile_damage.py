@@ -217,6 +217,8 @@ cases = dict(fmt=st.sampled_from(FORMATS), pick=st.integers(0, 1 << 16), how=st.
 @example(fmt="safetensors", pick=0, how="flip", at=128, span=1, mask=1, extra=b"\0", command="convert")
 # zipfile.is_zipfile raised BadZipFile (a zip64 end record naming several disks) instead of answering
 @example(fmt="megatron", pick=7540, how="flip", at=7540, span=1, mask=2, extra=b"\0", command="validate")
+# a Hugging Face index that lost the entry of its second file (a read of every tensor missed "b")
+@example(fmt="hf_index", pick=20, how="delete", at=64, span=41, mask=1, extra=b"\0", command="plain")
 def test_hostile_damage_short(built, fmt, pick, how, at, span, mask, extra, command):
     _check(built, fmt, pick, how, at, span, mask, extra, command)
 

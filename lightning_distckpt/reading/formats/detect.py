@@ -5,7 +5,8 @@ checkpoint directory."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Union
+import re
+from typing import Any, Dict, List, Optional, Sequence, Set, Union
 
 from ...core.errors import FormatError
 from ...storage.layout import parse_json
@@ -96,4 +97,21 @@ def _index_files(directory: str, index_name: str, root: str) -> Dict[str, List[s
         if not os.path.lexists(full):
             raise FormatError(f"{index_path}: tensor {key!r}: shard file {name!r} is missing")
         out.setdefault(full, []).append(key)
+    _check_all_shards_named(directory, index_path, {os.path.basename(f) for f in out})
     return out
+
+
+_NUMBERED = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?P<ext>\.\w+)")
+
+
+def _check_all_shards_named(directory: str, index_path: str, named: Set[str]) -> None:
+    """A file of a numbered set the index uses (``model-00002-of-00003.safetensors``) that lies in the
+    directory but is given no tensor by the index: the index lost entries (damaged, or left from another
+    save), and a read of it would silently miss that file's tensors. Hugging Face's sharding writes a
+    file only for tensors it holds."""
+    sets = {(m["stem"], m["n"], m["ext"]) for m in map(_NUMBERED.fullmatch, named) if m is not None}
+    for name in sorted(os.listdir(directory)) if sets else ():
+        m = _NUMBERED.fullmatch(name)
+        if m is not None and (m["stem"], m["n"], m["ext"]) in sets and name not in named:
+            raise FormatError(f"{index_path}: shard file {name!r} is in the directory, but the index gives it no "
+                              "tensor: the index is damaged or from another save")
