@@ -84,7 +84,7 @@ def not_a_torch_file(path: str, root: Optional[str] = ANYWHERE) -> Optional[Form
         return None
     if not head:
         return FormatError(f"{path} is not a checkpoint: it is an empty file")
-    if head[:1] == b"\x80" and 2 <= head[1] <= 5:
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return FormatError(
             f"{path} is not a checkpoint: it is a Python pickle (pickle.dump), {NOT_A_CHECKPOINT}. Loading runs no "
             f"code, so a plain pickle is not read (unpickling it could run any code it names): {_RESAVE}")
