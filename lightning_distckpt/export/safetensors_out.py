@@ -35,6 +35,7 @@ from ..convert import ConvertReport
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from ..reading.formats import KeyMap
 from ..storage.commit import fsync_dir
+from ..storage.safetensors_crcs import crc_metadata
 from ..progress import Progress, advance, set_total
 from .hf_owned import CONFIG_FILE, FILE_METADATA, INDEX_FILE, SHARD_NAME, SINGLE_FILE, index_json, plan_replace, \
     read_config
@@ -184,7 +185,7 @@ def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile], progress
             advance(progress, sum(t.nbytes for t in batch))
         try:
             _write_atomic(os.path.join(out_dir, f.name),
-                          functools.partial(save_file, tensors, metadata=FILE_METADATA))
+                          functools.partial(save_file, tensors, metadata={**FILE_METADATA, **crc_metadata(tensors)}))
         except OSError as e:
             raise CheckpointingError(f"{os.path.join(out_dir, f.name)}: cannot write ({e})") from e
         logger.debug("wrote %s: %d tensor(s), %d bytes", f.name, len(f.tensors), f.nbytes)

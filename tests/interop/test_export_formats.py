@@ -287,3 +287,31 @@ def test_dcp_export_failure_is_a_checkpointing_error_and_leaves_nothing(tmp_path
     with pytest.raises(ldc.CheckpointingError, match="is damaged"):
         ldc.export.to_dcp(tmp_path / "ckpt", tmp_path / "dcp")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no output, no staging directory left
+
+
+def test_safetensors_we_write_carry_crcs_checked_when_read_back(tmp_path, monkeypatch):
+    """safetensors holds no checksum; our exports record each tensor's CRC-32C in __metadata__ (other
+    readers ignore it) and a whole-tensor read checks it: a flipped data byte is named, not returned."""
+    from safetensors import safe_open
+
+    from lightning_distckpt.storage.safetensors_crcs import CRC_KEY
+
+    tensors = _small_checkpoint(str(tmp_path / "ckpt"))
+    out = tmp_path / "hf"
+    ldc.export.to_safetensors(tmp_path / "ckpt", out)
+    with safe_open(str(out / SINGLE_FILE), framework="pt") as f:
+        assert CRC_KEY in f.metadata() and torch.equal(f.get_tensor("a.weight"), tensors["a.weight"])
+    assert all(torch.equal(v, tensors[k]) for k, v in ldc.load_plain_tensors(str(out)).items())
+    data = bytearray((out / SINGLE_FILE).read_bytes())
+    data[data.index(tensors["d.scale"].numpy().tobytes()) + 5] ^= 0x08
+    (out / SINGLE_FILE).write_bytes(data)
+    with pytest.raises(ldc.CheckpointingError, match="'d.scale' is damaged.*CRC-32C"):
+        ldc.load_plain_tensors(str(out))
+    template = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in tensors.items()}
+    with pytest.raises(ldc.CheckpointingError, match="'d.scale' is damaged"):
+        ldc.load(template, str(out))
+    # a slice of a tensor (rows 0:1 of 3): no checksum covers it alone; the others still read
+    part = {"d.scale": ldc.ShardedTensor.from_rank_offsets("d.scale", torch.zeros(1, 3), (0, 0, 3))}
+    assert ldc.load(part, str(out))["d.scale"].shape == (1, 3)
+    monkeypatch.setenv("LIGHTNING_DISTCKPT_VERIFY", "0")  # salvage
+    assert not torch.equal(ldc.load_plain_tensors(str(out))["d.scale"], tensors["d.scale"])

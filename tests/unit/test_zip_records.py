@@ -156,3 +156,13 @@ def test_the_crc32_used_is_zlibs_polynomial():
     data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
     for view in (data.tobytes(), memoryview(data)[3:], data[: (1 << 20) - 5], b""):
         assert crc32(view) == zlib.crc32(view)
+
+
+@pytest.mark.parametrize("raw", ["[1, 2]", '{"w": -1}', '{"w": 4294967296}', '{"w": "12"}', "{", "x" * 10])
+def test_malformed_safetensors_crcs_are_format_errors(raw):
+    from lightning_distckpt.storage.safetensors_crcs import CRC_KEY, recorded_crcs
+
+    with pytest.raises(FormatError, match="malformed"):
+        recorded_crcs({CRC_KEY: raw}, "f.safetensors")
+    assert recorded_crcs({"format": "pt"}, "f.safetensors") == {}  # a file someone else wrote
+    assert recorded_crcs(None, "f.safetensors") == {}

@@ -13,6 +13,7 @@ import torch
 
 from ...core.errors import FormatError
 from ...core.tree_walk import fold, walk_paths
+from ...storage.safetensors_crcs import check_tensor, recorded_crcs
 from ...storage.paths import ANYWHERE
 from ...storage.safe_pickle import load_file
 from .safetensors_header import read_header
@@ -33,8 +34,10 @@ class SafetensorsFile:
         self._entries = {e.name: e for e in sorted(read_header(path, root), key=lambda e: e.begin)}
         try:
             self._file = safe_open(path, framework="pt", device="cpu")
+            metadata = self._file.metadata()
         except Exception as e:  # SafetensorError (and Rust panics surfacing as exceptions)
             raise FormatError(f"{path}: cannot be read as safetensors: {type(e).__name__}: {e}") from None
+        self._crcs = recorded_crcs(metadata, path)  # a file we wrote: each tensor's CRC-32C
 
     def names(self) -> List[str]:
         return list(self._entries)  # file order: reading them in turn reads the map front to back
@@ -44,9 +47,12 @@ class SafetensorsFile:
         return entry.shape, entry.dtype
 
     def read(self, name: str, src: Tuple[slice, ...]) -> torch.Tensor:
-        if not src:
-            return self._file.get_tensor(name)
-        return self._file.get_slice(name)[src]
+        shape = self._entries[name].shape
+        if src and not all(s.indices(n)[:2] == (0, n) for s, n in zip(src, shape)):
+            return self._file.get_slice(name)[src]  # a slice: no checksum covers it alone
+        tensor = self._file.get_tensor(name)
+        check_tensor(name, tensor, self._crcs, self.path)
+        return tensor if not src else tensor[src]
 
 
 class TorchFile:
