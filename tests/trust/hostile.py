@@ -52,3 +52,22 @@ def snapshot(root: str, skip: Sequence[str] = ()) -> Dict[str, Tuple[int, int]]:
             st = os.lstat(os.path.join(d, f))
             found[os.path.join(d, f)] = (st.st_size, st.st_mtime_ns)
     return found
+
+
+#: how ``damage_bytes`` changes a file
+DAMAGE = ["flip", "zero", "cut", "insert", "delete"]
+
+
+def damage_bytes(data: bytes, how: str, at: int, span: int, mask: int, extra: bytes) -> bytes:
+    """``data`` with a byte flipped (xor ``mask``), ``span`` bytes zeroed or deleted, cut short, or
+    ``extra`` inserted, at ``at`` (taken modulo the length)."""
+    at = at % (len(data) + 1) if how in ("insert", "cut") else at % max(len(data), 1)
+    if how == "flip":
+        return data[:at] + bytes([data[at] ^ mask]) + data[at + 1:] if data else data
+    if how == "zero":
+        return data[:at] + bytes(len(data[at:at + span])) + data[at + span:]
+    if how == "cut":
+        return data[:at]
+    if how == "insert":
+        return data[:at] + extra + data[at:]
+    return data[:at] + data[at + span:]  # delete

@@ -38,7 +38,7 @@ from lightning_distckpt.core.errors import CheckpointingError
 from lightning_distckpt.ingest.files import load_state_dict
 from dist_utils import run_distributed
 from special_files import CHUNK_BYTES, EPOCH, OBJECT, build, full, template
-from trust.hostile import LONG, SHORT, run_bounded, snapshot
+from trust.hostile import DAMAGE, LONG, SHORT, damage_bytes, run_bounded, snapshot
 
 FORMATS = ["ocdbt", "zarr", "torch", "torch_legacy", "safetensors", "hf", "hf_index", "hf_bin", "dcp", "megatron",
            "ocdbt2", "dcp2", "hf_ours"]
@@ -46,7 +46,6 @@ TWO_RANKS = ("ocdbt2", "dcp2")  # saved by 2 gloo processes, each half of w's ro
 OURS = ("ocdbt", "zarr", "ocdbt2")
 #: every tensor read whole is checked: ours, and safetensors we exported (CRC-32C in __metadata__)
 CHECKED = OURS + ("hf_ours",)
-DAMAGE = ["flip", "zero", "cut", "insert", "delete"]
 COMMANDS = ["load", "plain", "ingest", "validate", "convert"]
 #: the formats each command reads (elsewhere the case runs ``load``)
 APPLIES = {"load": FORMATS, "plain": FORMATS,
@@ -128,19 +127,6 @@ def _regions(path: str) -> List[Tuple[str, str, int, int, int]]:
     return found
 
 
-def _damage(data: bytes, how: str, at: int, span: int, mask: int, extra: bytes) -> bytes:
-    at = at % (len(data) + 1) if how in ("insert", "cut") else at % max(len(data), 1)
-    if how == "flip":
-        return data[:at] + bytes([data[at] ^ mask]) + data[at + 1:] if data else data
-    if how == "zero":
-        return data[:at] + bytes(len(data[at:at + span])) + data[at + span:]
-    if how == "cut":
-        return data[:at]
-    if how == "insert":
-        return data[:at] + extra + data[at:]
-    return data[:at] + data[at + span:]  # delete
-
-
 def _expected(fmt, ck, regions, victim, how) -> Tuple[Dict[str, torch.Tensor], bool]:
     """What a load that returns must give: each tensor's values (what its bytes now hold where they
     changed in place), and whether the objects must be exact."""
@@ -209,7 +195,7 @@ def _check(built, fmt, pick, how, at, span, mask, extra, command="load"):
         with open(victim, "rb") as f:
             data = f.read()
         with open(victim, "wb") as f:
-            f.write(_damage(data, how, at, span, mask, extra))
+            f.write(damage_bytes(data, how, at, span, mask, extra))
         want, objects_exact = _expected(fmt, ck, regions, victim, how)
         ours = (os.path.join(root, "in"), os.path.join(root, "out"))
         before, inside = snapshot(root, ours), snapshot(ours[0])
