@@ -17,8 +17,11 @@ and the output changed:
   return what the bytes now hold for that tensor, and nothing else (the other tensors exact; a read
   without a template, ``load_plain_tensors`` or the ingest, may find them under other names when an
   unchecked index changed); any other damage (a header, an index, a pickle, lengths changed) gives
-  the saved values or a CheckpointingError; ``convert`` writes nothing else. A Megatron checkpoint's objects and common
-  state: after an in-place change to the files holding them they may differ, never the tensors.
+  the saved values or a CheckpointingError; ``convert`` writes nothing else. A Megatron checkpoint's
+  objects and common state: after an in-place change to the files holding them they may differ,
+  never the tensors. torch's pre-1.6 format has no checksum at all: after an in-place change (a
+  tensor's size in its pickle: 300 rows read as 44) only the rules on errors, time, code and files
+  apply.
 """
 
 import contextlib
@@ -46,6 +49,8 @@ TWO_RANKS = ("ocdbt2", "dcp2")  # saved by 2 gloo processes, each half of w's ro
 OURS = ("ocdbt", "zarr", "ocdbt2")
 #: every tensor read whole is checked: ours, and safetensors we exported (CRC-32C in __metadata__)
 CHECKED = OURS + ("hf_ours",)
+#: no checksum covers any byte: torch's pre-1.6 format (one pickle stream, storages inline)
+UNCHECKED = ("torch_legacy",)
 COMMANDS = ["load", "plain", "ingest", "validate", "convert"]
 #: the formats each command reads (elsewhere the case runs ``load``)
 APPLIES = {"load": FORMATS, "plain": FORMATS,
@@ -218,6 +223,8 @@ def _check(built, fmt, pick, how, at, span, mask, extra, command="load"):
             assert status in (0, 1, 2), (case, status)
             if out is None:
                 return
+        if fmt in UNCHECKED and how in IN_PLACE:
+            return  # nothing covers its bytes: a changed size or offset in the pickle is a valid other tensor
         _tensors_ok(case, out, want, command in ("plain", "ingest") and fmt not in CHECKED and how in IN_PLACE)
         if command == "load" and fmt in OURS + ("megatron",) and objects_exact:
             assert out.get("o") == OBJECT and out.get("epoch") == EPOCH, (case, out.get("o"), out.get("epoch"))
@@ -254,6 +261,7 @@ cases = dict(fmt=st.sampled_from(FUZZED), pick=st.integers(0, 1 << 16), how=st.s
 @example(fmt="hf_index", pick=20, how="delete", at=64, span=41, mask=1, extra=b"\0", command="plain")
 # a file of one byte, 0x80 (the pickle protocol opcode): the check naming what the file is read a second byte
 @example(fmt="torch_legacy", pick=0, how="cut", at=1, span=1, mask=1, extra=b"\0", command="plain")
+@example(fmt="torch_legacy", pick=0, how="flip", at=269, span=1, mask=1, extra=b"\0", command="plain")  # oracle
 def test_hostile_damage_short(built, fmt, pick, how, at, span, mask, extra, command):
     _check(built, fmt, pick, how, at, span, mask, extra, command)
 
