@@ -123,7 +123,7 @@ def data_start(f: BinaryIO, info: zipfile.ZipInfo, next_offset: int, size: int, 
 
 
 class _buffer:
-    """The file's bytes as one buffer: a BytesIO's own, else a read-only mapping of the file."""
+    """The file's bytes as one buffer: a BytesIO's value, else a read-only mapping of the file."""
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
@@ -132,7 +132,7 @@ class _buffer:
 
     def __enter__(self) -> memoryview:
         if isinstance(self._f, io.BytesIO):
-            self._view = self._f.getbuffer()
+            self._view = memoryview(self._f.getvalue())  # shares a BytesIO's bytes; getbuffer() would copy them
         elif self._f.seek(0, io.SEEK_END):
             self._map = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
             self._view = memoryview(self._map)
