@@ -4,13 +4,15 @@ directories with and without an index, as ``pytorch_model.bin`` and as we export
 Megatron-Core ``torch_dist``; ours and DCP also as saved by two ranks, each half of a tensor's rows,
 read here by one) with bytes flipped or zeroed, cut short, or bytes inserted or deleted anywhere;
 then ``load``, ``load_plain_tensors``, the rank-0 ingest's ``load_state_dict`` (torch and Hugging
-Face files), ``validate`` (the formats it reads) or ``convert`` (its output read back).
+Face files), ``validate`` or ``inspect`` (the formats they read), ``convert`` (its output read back)
+or ``clean`` of the folder holding it (which must leave it as it is).
 
 The oracle, each case within 30 s and with no code from a pickle run, nothing outside the checkpoint
 and the output changed:
 
 * ours: every byte is checksummed, so exactly the saved values or a CheckpointingError, and
-  ``validate`` passes exactly when ``load`` gives them; the same for the tensors of safetensors files
+  ``validate`` passes exactly when ``load`` gives them, and ``inspect`` either refuses or describes
+  the saved tensors and objects; the same for the tensors of safetensors files
   we exported (each tensor's CRC-32C recorded, checked when it is read whole);
 * the other formats: a ``torch.save`` archive's records carry CRC-32s, but safetensors data and a
   piece of a DCP chunk carry none: where bytes changed in place inside a tensor's data, a read may
@@ -26,6 +28,7 @@ and the output changed:
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -51,11 +54,12 @@ OURS = ("ocdbt", "zarr", "ocdbt2")
 CHECKED = OURS + ("hf_ours",)
 #: no checksum covers any byte: torch's pre-1.6 format (one pickle stream, storages inline)
 UNCHECKED = ("torch_legacy",)
-COMMANDS = ["load", "plain", "ingest", "validate", "convert"]
+COMMANDS = ["load", "plain", "ingest", "validate", "convert", "inspect", "clean"]
 #: the formats each command reads (elsewhere the case runs ``load``)
 APPLIES = {"load": FORMATS, "plain": FORMATS,
            "ingest": ("torch", "torch_legacy", "safetensors", "hf", "hf_index", "hf_bin", "hf_ours"),
-           "validate": ("ocdbt", "zarr", "dcp", "megatron", "ocdbt2", "dcp2"), "convert": FORMATS}
+           "validate": ("ocdbt", "zarr", "dcp", "megatron", "ocdbt2", "dcp2"), "convert": FORMATS,
+           "inspect": ("ocdbt", "zarr", "dcp", "megatron", "ocdbt2", "dcp2"), "clean": FORMATS}
 CONVERT_TO = {"ocdbt": "torch", "zarr": "torch", "dcp": "safetensors", "megatron": "torch", "torch": "distckpt",
               "torch_legacy": "safetensors", "ocdbt2": "torch", "dcp2": "safetensors", "hf_ours": "distckpt",
               "safetensors": "distckpt", "hf": "dcp", "hf_index": "dcp", "hf_bin": "distckpt"}
@@ -104,6 +108,7 @@ def built(tmp_path_factory):
         else:
             build(fmt, path)
         out[fmt] = (path, _regions(path))
+    out["_inspect"] = {fmt: _inspect(out[fmt][0])[1] for fmt in OURS}  # as saved
     return out
 
 
@@ -162,11 +167,22 @@ def _tensors_ok(case, out, want, renamable):
         assert out[key].contiguous().numpy().tobytes() == value.numpy().tobytes(), (case, key, "wrong values")
 
 
-def _cli(argv):
+def _cli(argv, out=None):
     from lightning_distckpt.cli.main import main
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with contextlib.redirect_stdout(out or io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return main(argv)
+
+
+def _inspect(ck):
+    """``inspect --json``: its exit status and, when 0, what it says each tensor and object is."""
+    out = io.StringIO()
+    status = _cli(["inspect", "--json", ck], out)
+    if status != 0:
+        return status, None
+    summary = json.loads(out.getvalue())
+    return status, ([(t["key"], t["shape"], t["dtype"]) for t in summary["tensors"]],
+                    [(o["key"], o["shape"]) for o in summary["objects"]])
 
 
 def _run(fmt, ck, command, out_dir):
@@ -178,6 +194,10 @@ def _run(fmt, ck, command, out_dir):
         return load_state_dict(ck)
     if command == "validate":
         return _cli(["validate", ck])
+    if command == "inspect":
+        return _inspect(ck)
+    if command == "clean":  # of the folder holding the checkpoint, nothing spared for its age
+        return _cli(["clean", "--older-than", "0", os.path.dirname(ck)])
     if command == "convert":
         to = CONVERT_TO[fmt]
         out = os.path.join(out_dir, "out")
@@ -218,6 +238,15 @@ def _check(built, fmt, pick, how, at, span, mask, extra, command="load"):
                 exact = run_bounded(lambda: _run(fmt, ck, "load", ours[1]))
                 assert (out == 0) == ("value" in exact), (case, out, exact)
             return
+        if command == "clean":  # a damaged checkpoint is no leftover: the snapshots above found it unchanged
+            assert out in (0, 2), (case, out)
+            return
+        if command == "inspect":  # ours: metadata.json is checksummed, so what it says is the saved index
+            status, described = out
+            assert status in (0, 1, 2), (case, status)
+            if fmt in OURS and described is not None:
+                assert described == built["_inspect"][fmt], (case, described)
+            return
         if command == "convert":
             status, out = out
             assert status in (0, 1, 2), (case, status)
@@ -234,9 +263,11 @@ def _check(built, fmt, pick, how, at, span, mask, extra, command="load"):
 
 #: ``LDC_DAMAGE_FORMATS=dcp,torch_legacy`` focuses a long run on some formats
 FUZZED = [f for f in os.environ.get("LDC_DAMAGE_FORMATS", ",".join(FORMATS)).split(",") if f in FORMATS]
+#: ``LDC_DAMAGE_COMMANDS=inspect,validate`` focuses it on some commands
+RUN = [c for c in os.environ.get("LDC_DAMAGE_COMMANDS", ",".join(COMMANDS)).split(",") if c in COMMANDS]
 cases = dict(fmt=st.sampled_from(FUZZED), pick=st.integers(0, 1 << 16), how=st.sampled_from(DAMAGE),
              at=st.integers(0, 1 << 20), span=st.integers(1, 64), mask=st.integers(1, 255),
-             extra=st.binary(min_size=1, max_size=16), command=st.sampled_from(COMMANDS))
+             extra=st.binary(min_size=1, max_size=16), command=st.sampled_from(RUN))
 
 
 @settings(SHORT, max_examples=max(SHORT.max_examples, 150))  # a case takes milliseconds
