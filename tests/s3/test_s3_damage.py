@@ -2,13 +2,15 @@
 object of a committed checkpoint (the commit marker, ``metadata.json``, ``common.pt``, OCDBT's
 manifest and data files, or zarr's chunks and ``zarr.json``) with a byte flipped, bytes zeroed,
 cut short, inserted or deleted, or the object removed; then ``load`` (a resharding template),
-``load_plain_tensors`` or ``load_common_state_dict``.
+``load_plain_tensors``, ``load_common_state_dict``, or the ``validate`` or ``inspect`` command.
 
 Every byte of ours is checksummed, so each case, within 30 s: exactly the saved values or a
-CheckpointingError (never another exception type, e.g. one of the S3 client's); no other object of
-the bucket changes.
+CheckpointingError (never another exception type, e.g. one of the S3 client's), ``validate`` passing
+exactly when ``load`` gives the values; no other object of the bucket changes.
 """
 
+import contextlib
+import io
 import itertools
 
 import pytest
@@ -22,7 +24,7 @@ from s3_helpers import check, client, full_values, state, template
 from trust.hostile import DAMAGE, LONG, SHORT, damage_bytes, run_bounded
 
 LAYOUTS = ["ocdbt", "zarr"]
-COMMANDS = ["load", "plain", "common"]
+COMMANDS = ["load", "plain", "common", "validate", "inspect"]
 _cases = itertools.count()
 
 
@@ -41,7 +43,16 @@ def _all(s3, bucket):
     return {o["Key"]: o["ETag"] for o in listed}
 
 
+def _cli(argv):
+    from lightning_distckpt.cli.main import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return main(argv)
+
+
 def _run(url, command):
+    if command in ("validate", "inspect"):
+        return _cli([command, url])
     if command == "plain":
         return ldc.load_plain_tensors(url)
     if command == "common":
@@ -67,6 +78,11 @@ def _case(endpoint, bucket, layout, pick, how, at, span, mask, extra, command):
     what = (layout, victim, how, at, span, mask, extra, command)
     if "error" in got:
         assert isinstance(got["error"], CheckpointingError), (what, repr(got["error"]))
+    elif command in ("validate", "inspect"):  # an exit status; validate passes exactly when load is exact
+        assert got["value"] in (0, 1, 2), (what, got["value"])
+        if command == "validate":
+            loaded = run_bounded(lambda: _run(f"s3://{bucket}/{case}", "load"))
+            assert (got["value"] == 0) == ("value" in loaded), (what, got["value"], loaded)
     elif command == "load":
         check(got["value"], 4)
     elif command == "plain":

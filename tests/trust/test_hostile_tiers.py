@@ -3,10 +3,13 @@ local steps, then any of its files truncated, flipped, emptied, deleted, replace
 out of the root or by a pickle that would run code; hostile held-notes; fake step directories.
 
 Each case, within 30 s: ``recoverable`` then ``load`` (one process, no collectives) give exactly the
-state of the step they name, or None, or a CheckpointingError; no code runs (the canary a malicious
-pickle would create never appears); nothing outside the root changes.
+state of the step they name, or None, or a CheckpointingError; then ``inspect`` and ``clean`` of the
+root answer with an exit status; no code runs (the canary a malicious pickle would create never
+appears); nothing outside the root changes.
 """
 
+import contextlib
+import io
 import os
 import pickle
 import shutil
@@ -119,15 +122,29 @@ def _case(pristine, tmp, case):
     assert snapshot(outside) == before
     if "error" in out:
         assert isinstance(out["error"], CheckpointingError), repr(out["error"])
-        return
+        return _cli_case(root, outside, canary, before)
     point, state = out["value"]
     if point is None:
-        return
+        return _cli_case(root, outside, canary, before)
     assert point.source == "local" and point.step in STEPS
     expected = _state(point.step)
     assert torch.equal(state["w"], expected["w"].data) and state["step"] == point.step
     assert state["obj"] == {"step": point.step}
+    _cli_case(root, outside, canary, before)
     shutil.rmtree(case_dir)
+
+
+def _cli_case(root, outside, canary, before):
+    """``inspect`` (text and JSON) and ``clean`` of the damaged node root: an exit status, never an
+    exception of another kind, no code run, nothing outside the root changed."""
+    from lightning_distckpt.cli.main import main
+
+    for argv in (["inspect", root], ["inspect", "--json", root], ["clean", "--older-than", "0", root]):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            out = run_bounded(lambda: main(argv))
+        assert out.get("value") in (0, 1, 2), (argv, out)
+        assert not os.path.exists(canary), "inspecting ran code"
+        assert snapshot(outside) == before, argv
 
 
 @SHORT
