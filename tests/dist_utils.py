@@ -40,6 +40,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     os.environ.clear()
     os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[_RESULTS_ENV] = out_dir  # where die_now leaves its result
     try:
         dist.init_process_group(
             "gloo",
@@ -63,6 +64,20 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+_RESULTS_ENV = "LDC_TEST_RESULTS_DIR"
+
+
+def die_now(rank: int, result: Any = "died") -> None:
+    """End this worker at once, as a killed rank would (its sockets closed, no process group torn
+    down, nothing after this runs), leaving ``result`` as its outcome for :func:`run_distributed`."""
+    out_dir = os.environ[_RESULTS_ENV]
+    torch.save(("ok", result), os.path.join(out_dir, f".rank{rank}.pt"))
+    os.replace(os.path.join(out_dir, f".rank{rank}.pt"), os.path.join(out_dir, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # 0: start_processes would stop the other ranks on another code
 
 
 # Workers start from a fork server that imported torch, tensorstore and the package once (a spawned
