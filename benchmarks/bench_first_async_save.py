@@ -16,7 +16,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List

@@ -52,7 +52,7 @@ from .validation import validate  # noqa: E402
 from .storage.tensorstore_io import StorageOptions  # noqa: E402
 from .saving.async_save import AsyncSaver  # noqa: E402
 from .reading.loaders import EveryRankLoader, FullyParallelLoader, TwoStageDataParallelLoader  # noqa: E402
-from .version import __version__  # noqa: E402
+from .version import __version__  # noqa: E402, F401 (public)
 from .registration import register_names as _register_names  # noqa: E402
 from .deprecated import DEPRECATED as _DEPRECATED  # noqa: E402
 from .deprecated import resolve as _resolve_deprecated  # noqa: E402

@@ -69,16 +69,42 @@ def load_file(path: str, extra_safe_globals: Sequence[Any] = (), root: Optional[
     except OSError as e:
         raise FormatError(f"torch.save file {path} cannot be read: {e.strerror or e}") from None
     try:
-        return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=_is_zip_file(path))
+        if _is_zip_file(path):
+            return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=True)
+        return _load_legacy(path, extra_safe_globals)
     except FormatError as e:  # UnsafeContentError included: say what the file is when it is no torch.save file
         raise (not_a_torch_file(path, root) or e) from None
+
+
+def _load_legacy(path: str, extra_safe_globals: Sequence[Any]) -> Any:
+    """A file that is no zip archive (torch's pre-1.6 format), read from an open file so that
+    :func:`_safe_load` can see where its data ends."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise FormatError(f"torch.save file {path} cannot be read: {e.strerror or e}") from None
+    with f:
+        return _safe_load(f, path, extra_safe_globals, omegaconf=True)
+
+
+def _check_legacy_end(source: Any, where: str) -> None:
+    """torch's pre-1.6 format is pickles, then each storage's size and bytes, nothing after. No
+    checksum covers it, but torch reads the storages one after another, so bytes inserted into or
+    dropped from the data show as a stream that does not end where the last storage does (torch
+    ignores what follows it: a tensor shifted by one byte loaded as its values)."""
+    end = source.tell()
+    size = source.seek(0, io.SEEK_END)
+    if end != size:
+        raise FormatError(f"{where}: a torch.save file in the pre-1.6 format whose last tensor's data ends at byte "
+                          f"{end} of {size}: bytes were inserted, dropped or appended; refused")
 
 
 def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omegaconf: bool, mmap: bool = False) -> Any:
     """torch.load with weights_only. A refused type (the weights-only unpickler raises
     UnpicklingError) is an UnsafeContentError; anything else that fails is a damaged archive. A zip
     archive's records are checked first (:mod:`.zip_records`): torch reads damaged ones as values."""
-    if mmap or _is_zip_buffer(source):
+    zipped = mmap or _is_zip_buffer(source)
+    if zipped:
         check_records(source, where)
     try:
         with _allowed(default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)):
@@ -89,6 +115,8 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
         raise UnsafeContentError(f"{where}: {_refusal(e)}") from None
     except Exception as e:  # torch raises RuntimeError / EOFError / ... for damaged archives
         raise FormatError(f"{where}: not a readable torch.save archive: {type(e).__name__}: {_first_line(e)}") from None
+    if not zipped and hasattr(source, "tell"):  # an open file or a buffer in the pre-1.6 format
+        _check_legacy_end(source, where)
     # What a few bytes can describe (shared references 40 deep, cycles, deep nesting) is refused
     # here, once for every reader, before anything walks it (core/tree_walk.py).
     check_tree(payload, where, types=_LOADED_CONTAINERS)
@@ -109,7 +137,7 @@ def _is_zip_file(path: str) -> bool:
 
 
 def _is_zip_buffer(source: Any) -> bool:
-    if not isinstance(source, io.BytesIO):
+    if not hasattr(source, "read"):  # a path: mmap says whether it is a zip
         return False
     head = source.read(4)
     source.seek(0)

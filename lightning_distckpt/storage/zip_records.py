@@ -60,7 +60,8 @@ def _check_file(f: BinaryIO, where: str) -> None:
     try:
         archive = zipfile.ZipFile(f)
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
-        raise FormatError(f"{where}: not a readable zip archive: {e}") from None
+        raise FormatError(f"{where}: not a readable torch.save archive: its zip directory cannot be read (cut "
+                          f"short or damaged): {e}") from None
     infos = archive.infolist()
     names = [i.filename for i in infos]
     if len(set(names)) != len(names):  # readers disagree on which of two records of a name counts

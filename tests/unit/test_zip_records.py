@@ -166,3 +166,4 @@ def test_malformed_safetensors_crcs_are_format_errors(raw):
         recorded_crcs({CRC_KEY: raw}, "f.safetensors")
     assert recorded_crcs({"format": "pt"}, "f.safetensors") == {}  # a file someone else wrote
     assert recorded_crcs(None, "f.safetensors") == {}
+
