@@ -3,8 +3,9 @@
 The safetensors format holds no checksum: a changed byte inside a tensor's data reads back as a
 value. Files written by :mod:`lightning_distckpt.export` record each tensor's CRC-32C in the header's
 ``__metadata__`` (a string map: one JSON object under :data:`CRC_KEY`); other readers ignore it. Our
-reader checks a tensor read whole against it (a slice cannot be checked without reading the whole
-tensor); ``LIGHTNING_DISTCKPT_VERIFY=0`` skips the check.
+reader checks every tensor it reads against it, reading a tensor whole where a load asks for a slice
+(a slice cannot be checked alone); ``LIGHTNING_DISTCKPT_VERIFY=0`` skips the check (and slices read
+only their bytes).
 """
 
 from __future__ import annotations

@@ -291,7 +291,8 @@ def test_dcp_export_failure_is_a_checkpointing_error_and_leaves_nothing(tmp_path
 
 def test_safetensors_we_write_carry_crcs_checked_when_read_back(tmp_path, monkeypatch):
     """safetensors holds no checksum; our exports record each tensor's CRC-32C in __metadata__ (other
-    readers ignore it) and a whole-tensor read checks it: a flipped data byte is named, not returned."""
+    readers ignore it) and every read checks it (a slice by reading its tensor whole): a flipped data
+    byte is named, not returned."""
     from safetensors import safe_open
 
     from lightning_distckpt.storage.safetensors_crcs import CRC_KEY
@@ -310,8 +311,10 @@ def test_safetensors_we_write_carry_crcs_checked_when_read_back(tmp_path, monkey
     template = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in tensors.items()}
     with pytest.raises(ldc.CheckpointingError, match="'d.scale' is damaged"):
         ldc.load(template, str(out))
-    # a slice of a tensor (rows 0:1 of 3): no checksum covers it alone; the others still read
+    # a slice of a tensor (rows 0:1 of 3, the flipped byte in row 0): the tensor is read whole and checked
     part = {"d.scale": ldc.ShardedTensor.from_rank_offsets("d.scale", torch.zeros(1, 3), (0, 0, 3))}
+    with pytest.raises(ldc.CheckpointingError, match="'d.scale' is damaged"):
+        ldc.load(part, str(out))
+    monkeypatch.setenv("LIGHTNING_DISTCKPT_VERIFY", "0")  # salvage: slices read only their bytes
     assert ldc.load(part, str(out))["d.scale"].shape == (1, 3)
-    monkeypatch.setenv("LIGHTNING_DISTCKPT_VERIFY", "0")  # salvage
     assert not torch.equal(ldc.load_plain_tensors(str(out))["d.scale"], tensors["d.scale"])

@@ -147,12 +147,27 @@ def _bytes_read_by_process():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes read through /proc/self/io")
-def test_reads_only_the_rows_it_needs(tmp_path):
-    """A template shard of 1/16 of a 4 MiB chunk's rows reads about that much of the .distcp file."""
+def test_a_piece_of_a_chunk_is_read_with_the_whole_record_and_checked(tmp_path, monkeypatch):
+    """A template shard of 1/16 of a 4 MiB chunk's rows: the chunk's zip record is read whole (as DCP's
+    own reader does) so that its CRC-32 is checked, and a flipped byte in rows the template does not
+    ask for is found. With verification off, only about the rows asked for are read."""
     path = str(tmp_path / "big")
     full = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))
     dcp.save({"w": full}, checkpoint_id=path, no_dist=True)
     template = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(64, 1024), (0, 5, 16))}
+    before = _bytes_read_by_process()
+    out = ldc.load(template, path, loader="every_rank")
+    read = _bytes_read_by_process() - before
+    assert torch.equal(out["w"], full[5 * 64:6 * 64])
+    assert 1024 * 1024 * 4 <= read < 2 * 1024 * 1024 * 4, f"read {read} bytes of a 4 MiB chunk"
+    (data,) = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp")]
+    raw = bytearray(open(data, "rb").read())
+    at = bytes(raw).index(full[900].numpy().tobytes())  # row 900: not among the rows read
+    raw[at] ^= 0x10
+    open(data, "wb").write(bytes(raw))
+    with pytest.raises(ldc.CheckpointingError, match="CRC-32"):
+        ldc.load(template, path, loader="every_rank")
+    monkeypatch.setenv("LIGHTNING_DISTCKPT_VERIFY", "0")  # unverified: only the span that holds the rows
     before = _bytes_read_by_process()
     out = ldc.load(template, path, loader="every_rank")
     read = _bytes_read_by_process() - before

@@ -185,10 +185,11 @@ class DcpSource:
 
 
 class DcpReader:
-    """Reads requested pieces of a DCP checkpoint's chunks. For each chunk it reads only the span of
-    the chunk's tensor data that holds the pieces asked for in one call (one seek, one read; the
-    layout comes from the chunk's zip directory and ``data.pkl``, cached per reader). A chunk whose
-    layout that does not cover is read whole and loaded with ``weights_only=True``."""
+    """Reads requested pieces of a DCP checkpoint's chunks. For each chunk it reads the chunk's tensor
+    data record with one seek and one read and checks its CRC-32 before copying out the pieces asked
+    for in one call (with verification off: only the span that holds them); the layout comes from the
+    chunk's zip directory and ``data.pkl``, cached per reader. A chunk whose layout that does not
+    cover is read whole and loaded with ``weights_only=True``."""
 
     def __init__(self, source: DcpSource) -> None:
         self._source = source

@@ -1,11 +1,13 @@
-"""Reading parts of one DCP chunk without reading the whole chunk.
+"""Reading parts of one DCP chunk without loading the whole chunk through ``torch.load``.
 
 DCP's ``FileSystemWriter`` stores each chunk as a ``torch.save`` zip archive at a byte range of a
 ``.distcp`` file. Its tensor data is one uncompressed zip record. :func:`chunk_layout` finds that
 record (the zip directory, a few hundred bytes) and the tensor's layout (``torch.load`` with
 ``weights_only=True`` under ``torch.serialization.skip_data``, which reads ``data.pkl`` and no
-tensor bytes). :func:`read_pieces` then reads, with one seek and one read, only the span of the
-record that holds the requested pieces. A chunk this does not cover (a non-contiguous stored
+tensor bytes). :func:`read_pieces` then reads the record with one seek and one read and copies the
+requested pieces out: the whole record, whose CRC-32 is then checked (a piece of it alone cannot be),
+or, with verification off (``LIGHTNING_DISTCKPT_VERIFY=0``) or no CRC recorded, only the span that
+holds the pieces. A chunk this does not cover (a non-contiguous stored
 tensor, several storages, big-endian data) has no layout; the reader loads it whole.
 """
 
@@ -121,21 +123,25 @@ def _span(layout: ChunkLayout, src: Sequence[slice]) -> Tuple[int, int]:
 
 
 def read_pieces(f: BinaryIO, layout: ChunkLayout, pieces: List[ShardRead], where: str) -> None:
-    """Copy ``chunk[r.src]`` into ``r.dest`` for every piece, reading only the span that holds them."""
+    """Copy ``chunk[r.src]`` into ``r.dest`` for every piece, from the whole record checked against its
+    CRC-32 (or, unverified, from the span that holds them)."""
     wanted = [(r, _span(layout, _full_slices(r.src, layout.shape))) for r in pieces if r.dest.numel()]
     if not wanted:
         return
-    lo, hi = min(s[0] for _, s in wanted), max(s[1] for _, s in wanted)
     isz = layout.dtype.itemsize
-    buf = torch.empty((hi - lo) * isz, dtype=torch.uint8)
+    whole = bool(layout.crc32) and verification_enabled()
+    if whole:  # the record's CRC-32 covers it only whole: read it all, as DCP's own reader does
+        lo, nbytes = 0, layout.nbytes
+    else:
+        lo, hi = min(s[0] for _, s in wanted), max(s[1] for _, s in wanted)
+        nbytes = (hi - lo) * isz
+    buf = torch.empty(nbytes, dtype=torch.uint8)
     f.seek(layout.data_start + lo * isz)
     if f.readinto(buf.numpy()) != buf.numel():
         raise FormatError(f"{where}: the file ends inside the chunk's data (truncated?)")
-    # the whole record read (as a load at the saved split does): its CRC-32 is checked as well
-    if lo == 0 and buf.numel() == layout.nbytes and layout.crc32 and verification_enabled() and \
-            crc32(buf.numpy()) != layout.crc32:
+    if whole and crc32(buf.numpy()) != layout.crc32:
         raise FormatError(f"{where}: the chunk's data is damaged: its bytes do not match the CRC-32 of its zip record")
-    values = buf.view(layout.dtype)
+    values = buf[:nbytes - nbytes % isz].view(layout.dtype)
     strides = tuple(math.prod(layout.shape[i + 1:]) for i in range(len(layout.shape)))
     for r, (first, _) in wanted:
         src = _full_slices(r.src, layout.shape)

@@ -13,6 +13,7 @@ import torch
 
 from ...core.errors import FormatError
 from ...core.tree_walk import fold, walk_paths
+from ...storage.checksums import verification_enabled
 from ...storage.safetensors_crcs import check_tensor, recorded_crcs
 from ...storage.paths import ANYWHERE
 from ...storage.safe_pickle import load_file
@@ -23,7 +24,8 @@ class SafetensorsFile:
     """A ``.safetensors`` file: its header is checked against the file's size first
     (:func:`~lightning_distckpt.reading.formats.safetensors_header.read_header`: truncation, offsets
     past the end or overlapping, unknown dtypes are FormatErrors naming the tensor); then the
-    library reads: tensors are views of its memory map, slices read only their bytes."""
+    library reads: tensors are views of its memory map, slices read only their bytes, except where
+    the file records the tensor's CRC-32C (we wrote it): then the tensor is read whole and checked."""
 
     def __init__(self, path: str, root: str = ANYWHERE) -> None:
         from safetensors import safe_open
@@ -48,9 +50,10 @@ class SafetensorsFile:
 
     def read(self, name: str, src: Tuple[slice, ...]) -> torch.Tensor:
         shape = self._entries[name].shape
-        if src and not all(s.indices(n)[:2] == (0, n) for s, n in zip(src, shape)):
-            return self._file.get_slice(name)[src]  # a slice: no checksum covers it alone
-        tensor = self._file.get_tensor(name)
+        whole = not src or all(s.indices(n)[:2] == (0, n) for s, n in zip(src, shape))
+        if not whole and (name not in self._crcs or not verification_enabled()):
+            return self._file.get_slice(name)[src]  # only its bytes: nothing to check them against
+        tensor = self._file.get_tensor(name)  # a slice of a tensor whose CRC is recorded: read whole, checked
         check_tensor(name, tensor, self._crcs, self.path)
         return tensor if not src else tensor[src]
 
