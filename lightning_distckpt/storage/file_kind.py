@@ -18,7 +18,7 @@ from typing import Optional
 from ..core.errors import FormatError
 from .paths import ANYWHERE, open_regular
 
-_HEAD_BYTES = 64
+HEAD_BYTES = 64
 # The first object a legacy torch.save file pickles (torch.serialization's MAGIC_NUMBER).
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 NOT_A_CHECKPOINT = "neither a lightning_distckpt directory nor a torch / safetensors file"
@@ -37,7 +37,7 @@ _KNOWN = (
 )
 
 
-def _starts_with_legacy_magic(head: bytes) -> bool:
+def starts_with_legacy_magic(head: bytes) -> bool:
     """The pickle opcodes at the start of ``head`` push the legacy torch.save magic number first
     (read with :mod:`pickletools`, which parses opcodes and runs nothing)."""
     try:
@@ -75,12 +75,12 @@ def not_a_torch_file(path: str, root: Optional[str] = ANYWHERE) -> Optional[Form
     try:
         fd = open_regular(path, "torch.save file", root)
         with os.fdopen(fd, "rb") as f:
-            head = f.read(_HEAD_BYTES)
+            head = f.read(HEAD_BYTES)
         if head.startswith(b"PK\x03\x04") and not _is_other_zip(path, root):
             return None  # a torch.save archive (maybe damaged): torch's error says what is wrong
     except (OSError, FormatError):  # vanished or special meanwhile: torch's error stands
         return None
-    if _starts_with_legacy_magic(head):
+    if starts_with_legacy_magic(head):
         return None
     if not head:
         return FormatError(f"{path} is not a checkpoint: it is an empty file")

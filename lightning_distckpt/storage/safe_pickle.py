@@ -21,7 +21,7 @@ import torch
 
 from ..core.errors import FormatError, UnsafeContentError
 from ..core.tree_walk import check_tree
-from .file_kind import not_a_torch_file
+from .file_kind import HEAD_BYTES, not_a_torch_file, starts_with_legacy_magic
 from .paths import ANYWHERE, check_regular
 from .zip_records import check_records
 
@@ -77,14 +77,18 @@ def load_file(path: str, extra_safe_globals: Sequence[Any] = (), root: Optional[
 
 
 def _load_legacy(path: str, extra_safe_globals: Sequence[Any]) -> Any:
-    """A file that is no zip archive (torch's pre-1.6 format), read from an open file so that
-    :func:`_safe_load` can see where its data ends."""
+    """A file that is no zip archive: in torch's pre-1.6 format, read from an open file so that
+    :func:`_safe_load` can see where its data ends; anything else by name, as torch.load decides
+    (torch reads a safetensors file named by its path, and says what is wrong with other files)."""
     try:
         f = open(path, "rb")
     except OSError as e:
         raise FormatError(f"torch.save file {path} cannot be read: {e.strerror or e}") from None
     with f:
-        return _safe_load(f, path, extra_safe_globals, omegaconf=True)
+        if starts_with_legacy_magic(f.read(HEAD_BYTES)):
+            f.seek(0)
+            return _safe_load(f, path, extra_safe_globals, omegaconf=True)
+    return _safe_load(path, path, extra_safe_globals, omegaconf=True)
 
 
 def _check_legacy_end(source: Any, where: str) -> None:

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import lightning_distckpt as ldc
@@ -135,6 +135,9 @@ cases = dict(fmt=st.sampled_from(FORMATS), pick=st.integers(0, 1 << 16), kind=st
 
 @SHORT
 @given(**cases)
+# a safetensors file named through a link, converted: torch.load reads a safetensors file only by its
+# name (not from an open file), which a change to the reading of torch's pre-1.6 format had lost
+@example(fmt="safetensors", pick=0, kind="link-out", command="convert")
 def test_hostile_special_files_short(built, fmt, pick, kind, command):
     _check(built, fmt, pick, kind, command)
 

@@ -46,3 +46,15 @@ def test_a_legacy_file_that_does_not_end_with_its_last_storage_is_refused(tmp_pa
         loads(damaged, "blob")
     with pytest.raises(ldc.CheckpointingError, match="bad.pt"):
         ldc.load_plain_tensors(str(tmp_path / "bad.pt"))
+
+
+def test_a_file_in_no_torch_format_is_still_given_to_torch_by_its_name(tmp_path):
+    """Only a file that starts as the pre-1.6 format is read from an open file: torch.load reads a
+    safetensors file when named by its path (not from an open file), and convert relies on it."""
+    from safetensors.torch import save_file
+
+    save_file({"w": W}, str(tmp_path / "m.safetensors"))
+    assert torch.equal(load_file(str(tmp_path / "m.safetensors"))["w"], W)
+    (tmp_path / "junk.pt").write_bytes(b"\x00" * 64)
+    with pytest.raises(FormatError, match="junk.pt is not a checkpoint"):
+        load_file(str(tmp_path / "junk.pt"))
