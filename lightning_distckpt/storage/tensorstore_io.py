@@ -6,8 +6,8 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
 
 * writes hand tensorstore the tensor's memory (``can_reference_source_data_indefinitely``): no
   staging copy; with the cache pool at 0 bytes nothing is retained after the write returns;
-* every chunk is stored, zeros included (``store_data_equal_to_fill_value``): tensorstore skips
-  its compare-with-fill-value scan, and a missing chunk can be told from a zero one;
+* every chunk is stored, zeros included (``store_data_equal_to_fill_value``): no compare-with-fill
+  scan, and a missing chunk can be told from a zero one;
 * reads refuse missing chunks (``fill_missing_data_reads=False``) instead of returning zeros;
 * arrays are created and opened concurrently (one future each): one by one cost ~0.3 ms each;
 * small shards (norms, biases: at most ``pack_max_bytes``) are packed into one 1-D array per
@@ -16,8 +16,7 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
   OCDBT does by default, was slower and far more variable than bounded files written concurrently;
 * chunk checksums are computed by us, each array's just before tensorstore takes it, and go
   into each array's zarr.json (:mod:`.chunk_checksums`); not by the ``crc32c`` codec;
-* the write path (:mod:`.tensorstore_write`) puts everything of one call in one transaction: one
-  OCDBT commit per rank store, not one per batch of writes that happened to arrive together.
+* the write path (:mod:`.tensorstore_write`): one transaction, one OCDBT commit per store and call.
 """
 
 from __future__ import annotations
@@ -358,8 +357,11 @@ class TensorStoreIO(TensorStoreWrites):
             if handle in self._arrays:
                 continue
             where = f"checkpoint {self.root}: {what}"
-            opens[handle] = (where, ts.open(open_spec(self.array_spec(*handle), self._metadata[handle]), open=True,
-                                            read=True, assume_metadata=True, context=self.context))
+            try:  # a spec tensorstore refuses at once (a pack's zarr.json naming 2**62 elements) raises here
+                opens[handle] = (where, ts.open(open_spec(self.array_spec(*handle), self._metadata[handle]),
+                                                open=True, read=True, assume_metadata=True, context=self.context))
+            except Exception as e:
+                raise self._read_error(f"{where} is missing or unreadable: {e}") from e
         out = {}
         for handle, (where, fut) in opens.items():
             try:

@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import lightning_distckpt as ldc
@@ -126,6 +126,9 @@ zarr_json_cases = dict(layout=st.sampled_from(["ocdbt", "zarr"]), direct=st.samp
 
 @SHORT
 @given(**zarr_json_cases)
+# a pack's zarr.json naming 2**62 + 1 elements: tensorstore refused the spec as it was opened (a ValueError
+# raised by ts.open itself, not by its future), which escaped as such
+@example(layout="ocdbt", direct="1", target="p/float32", changes=[("nested", ("shape", 0), 4_611_686_018_427_387_905)])
 def test_hostile_zarr_json_short(saved, layout, direct, target, changes):
     _check_zarr_json_edit(saved, layout, direct, target, changes)
 
