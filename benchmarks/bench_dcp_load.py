@@ -5,12 +5,19 @@ Setup: ``dcp.save`` of GPT-like float32 weights (``bench_export.full_state``) as
 on 2 fresh gloo processes into DTensors ``Shard(1)`` (columns: every rank needs a piece of every
 stored chunk):
 
-* ``ldc``: ``ldc.load(template, dcp_dir)`` (DTensor leaves; default loader);
+* ``ldc``: ``ldc.load(template, dcp_dir)`` (DTensor leaves; default loader), each chunk's record
+  read whole and checked against its CRC-32;
+* ``ldc_unverified``: the same with ``LIGHTNING_DISTCKPT_VERIFY=0``: only the span of a chunk that
+  holds the pieces is read, unchecked;
 * ``dcp``: ``torch.distributed.checkpoint.load(template, checkpoint_id=dcp_dir)``.
 
     .venv/bin/python benchmarks/bench_dcp_load.py --size-mib 256 --repeats 3
 
-Runs are interleaved (each repeat runs both). Time: the slowest rank's load call, from a barrier
+``--saved whole --load-dim 0``: saved as plain tensors (one chunk each), loaded as row halves
+(``Shard(0)``): each rank needs a contiguous half of every chunk, where reading only the span
+halves the bytes read.
+
+Runs are interleaved (each repeat runs every contestant, the order rotated). Time: the slowest rank's load call, from a barrier
 to its return. Memory: the largest rank's peak RSS (``VmHWM``) growth over its RSS after the
 template was allocated (and zeroed). The first run of each contestant checks its result bit-exact. The files
 are in the page cache (warm).
@@ -36,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_export import HIDDEN, full_state  # noqa: E402
 
-METHODS = ("ldc", "dcp")
+METHODS = ("ldc", "ldc_unverified", "dcp")
 WORLD = 2
 
 
@@ -51,18 +58,22 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _save_rank(rank: int, port: int, size_mib: int, path: str) -> None:
+def _save_rank(rank: int, port: int, size_mib: int, path: str, saved: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
-    dcp.save({k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in full_state(size_mib).items()}, checkpoint_id=path)
+    state = full_state(size_mib)
+    if saved == "shard0":
+        state = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in state.items()}
+    dcp.save(state, checkpoint_id=path)  # plain tensors: one chunk each (DCP writes a replica once)
     dist.destroy_process_group()
 
 
-def _load_rank(rank: int, port: int, method: str, size_mib: int, path: str, out: str, check: bool) -> None:
+def _load_rank(rank: int, port: int, method: str, size_mib: int, path: str, out: str, check: bool,
+               dim: int) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor, Shard, init_device_mesh
@@ -73,13 +84,15 @@ def _load_rank(rank: int, port: int, method: str, size_mib: int, path: str, out:
     mesh = init_device_mesh("cpu", (WORLD,))
     specs = _specs(size_mib)  # shapes only: full_state here would raise this process's peak RSS
     # zeroed: its pages are resident before ``base``, so the growth is the loader's own memory
-    template = {k: DTensor.from_local(torch.zeros(_local_shape(s, rank)), mesh, [Shard(len(s) - 1)],
+    template = {k: DTensor.from_local(torch.zeros(_local_shape(s, rank, _dim(s, dim))), mesh, [Shard(_dim(s, dim))],
                                       run_check=False, shape=torch.Size(s), stride=_stride(s))
                 for k, s in specs.items()}
     base = _rss_mib("VmRSS")
     dist.barrier()
     t0 = time.perf_counter()
-    if method == "ldc":
+    if method == "ldc_unverified":
+        os.environ["LIGHTNING_DISTCKPT_VERIFY"] = "0"
+    if method.startswith("ldc"):
         ldc.load(template, path)
     else:
         dcp.load(template, checkpoint_id=path)
@@ -88,7 +101,7 @@ def _load_rank(rank: int, port: int, method: str, size_mib: int, path: str, out:
     ok = None
     if check:
         full = full_state(size_mib)
-        ok = all(torch.equal(template[k].to_local(), full[k].chunk(WORLD, len(full[k].shape) - 1)[rank])
+        ok = all(torch.equal(template[k].to_local(), full[k].chunk(WORLD, _dim(full[k].shape, dim))[rank])
                  for k in full)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"seconds": seconds, "grown_mib": grown, "ok": ok}, f)
@@ -107,10 +120,15 @@ def _specs(size_mib: int) -> Dict[str, tuple]:
     return specs
 
 
-def _local_shape(shape: tuple, rank: int) -> tuple:
-    n = shape[-1]
+def _dim(shape: tuple, dim: int) -> int:
+    """The axis a rank's piece splits: ``dim``, or the last one (1 of a 1-D norm: 0)."""
+    return min(dim, len(shape) - 1)
+
+
+def _local_shape(shape: tuple, rank: int, dim: int) -> tuple:
+    n = shape[dim]
     size = (n + WORLD - 1) // WORLD
-    return (*shape[:-1], max(0, min(size, n - rank * size)))
+    return (*shape[:dim], max(0, min(size, n - rank * size)), *shape[dim + 1:])
 
 
 def _stride(shape: tuple) -> tuple:
@@ -131,10 +149,10 @@ def _spawn(fn, *args) -> None:
                 raise
 
 
-def run_once(method: str, size_mib: int, path: str, check: bool) -> Dict[str, float]:
+def run_once(method: str, size_mib: int, path: str, check: bool, dim: int) -> Dict[str, float]:
     out = tempfile.mkdtemp(prefix="bench_dcp_load_")
     try:
-        _spawn(_load_rank, method, size_mib, path, out, check)
+        _spawn(_load_rank, method, size_mib, path, out, check, dim)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(WORLD)]
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -147,22 +165,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--saved", choices=["shard0", "whole"], default="shard0",
+                        help="how the checkpoint is saved: DTensors Shard(0), or plain tensors (one chunk each)")
+    parser.add_argument("--load-dim", type=int, choices=[0, 1], default=1, help="the axis each rank's piece splits")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench_dcp_load_")
     try:
         path = os.path.join(root, "dcp")
-        _spawn(_save_rank, args.size_mib, path)
+        _spawn(_save_rank, args.size_mib, path, args.saved)
         full = full_state(args.size_mib)
         assert {k: tuple(t.shape) for k, t in full.items()} == _specs(args.size_mib)
         nbytes = sum(t.numel() * 4 for t in full.values())
         del full
-        print(f"state: {nbytes / 2**20:.0f} MiB float32, DCP Shard(0) on {WORLD} ranks -> Shard(1); "
+        print(f"state: {nbytes / 2**20:.0f} MiB float32, DCP {args.saved} on {WORLD} ranks -> Shard({args.load_dim}); "
               f"load average {os.getloadavg()}", flush=True)
         runs: Dict[str, List[Dict[str, float]]] = {m: [] for m in METHODS}
         for i in range(args.repeats):
-            for m in METHODS:
-                runs[m].append(run_once(m, args.size_mib, path, check=i == 0))
+            for m in METHODS[i % len(METHODS):] + METHODS[:i % len(METHODS)]:  # the order rotated
+                runs[m].append(run_once(m, args.size_mib, path, check=i == 0, dim=args.load_dim))
                 print(f"repeat {i} {m}: {runs[m][-1]}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -172,7 +193,8 @@ def main() -> None:
     for m in METHODS:
         s = summary[m]
         print(f"| {m} | {s['median_s']:.2f} | {nbytes / s['median_s'] / 1e9:.2f} | {s['max_grown_mib']:.0f} |")
-    result = {"bytes": nbytes, "world": WORLD, "repeats": args.repeats, "load_average_end": os.getloadavg(),
+    result = {"command": "python " + " ".join(sys.argv), "saved": args.saved, "load_dim": args.load_dim,
+              "bytes": nbytes, "world": WORLD, "repeats": args.repeats, "load_average_end": os.getloadavg(),
               "results": summary}
     if args.json:
         with open(args.json, "w") as f:
