@@ -2,8 +2,6 @@
 CollectiveError naming the operation and the group, and an agreed error carries each failing
 rank's traceback (the first other rank's in its message, the rest as raise sites)."""
 
-import datetime
-import multiprocessing as mp
 import os
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 import lightning_distckpt as ldc
 from lightning_distckpt.comm import _agreed_error, get_comm
 from lightning_distckpt.core.errors import TRACEBACK_LIMIT, TRACEBACK_SECTION, CollectiveError, RankFailure
-from dist_utils import free_port, run_distributed
+from dist_utils import die_now, run_distributed
 
 HERE = os.path.basename(__file__)
 
@@ -87,32 +85,23 @@ def test_single_process_tensor_broadcast_is_a_no_op():
     assert t.tolist() == [0, 1, 2]
 
 
-def _dies(rank, port, queue):
+def _dies(rank, world):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
     comm = get_comm(dist.new_group([0, 1]))
     comm.barrier()
     if rank == 1:
-        os._exit(3)  # gone before sending
+        die_now(rank)  # gone before sending
     try:
         comm.irecv(torch.zeros(4), 1, tag=3).wait()
-        queue.put("no error")
+        return "no error"
     except Exception as e:
-        queue.put(f"{type(e).__name__}: {e}")
+        return f"{type(e).__name__}: {e}"
 
 
 def test_a_dead_peer_is_one_collective_error_naming_the_operation_and_group():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_dies, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    msg = queue.get(timeout=90)
-    for p in procs:
-        p.join(timeout=30)
+    msg, dead = run_distributed(_dies, 2)
+    assert dead == "died"
     assert msg.startswith("CollectiveError: rank 0: receive of 16 bytes from rank 1 (tag 3) over a group of 2 "
                           "ranks (global ranks 0-1) failed (a rank may have died"), msg
 

@@ -1,4 +1,4 @@
-"""A rank that dies at other points of a collective save or load: after the plan (while its own
+"""A rank that dies during a collective save or load: before the save, after the plan (while its own
 writes are prepared), during a load, and right after an async save returned (its background writes
 in flight, committed by the caller's ``finalize`` or by the background thread). Every surviving rank
 gets a CheckpointingError saying a rank may have died (no hang: the group's timeout is far away),
@@ -34,7 +34,11 @@ def _state(rank, value, obj=None):
 def _scenario(rank, world, point, path):
     ldc.save(_state(rank, 1.0), path + "_good")
     try:
-        if point == "after_plan":
+        if point == "before_save":  # the survivor waits in the save's first exchange
+            if rank == 1:
+                die_now(rank)
+            ldc.save(_state(rank, 2.0), path)
+        elif point == "after_plan":
             ldc.save(_state(rank, 2.0, _DiesWhenPickled(rank) if rank == 1 else None), path)
         elif point == "load":
             if rank == 1:
@@ -54,7 +58,7 @@ def _scenario(rank, world, point, path):
         return f"other {type(e).__name__}: {e}"
 
 
-@pytest.mark.parametrize("point", ["after_plan", "load", "async_caller_commit", "async_background_commit"])
+@pytest.mark.parametrize("point", ["before_save", "after_plan", "load", "async_caller_commit", "async_background_commit"])
 def test_rank_dies(tmp_path, point):
     path = str(tmp_path / "ck")
     survivor, dead = run_distributed(_scenario, 2, point, path, timeout_s=600)
@@ -65,5 +69,5 @@ def test_rank_dies(tmp_path, point):
     assert torch.equal(good["w"], torch.full((4,), 1.0)) and good["o"] == {"rank": 0} and good["step"] == 1.0
     # what the failed save left is a hidden staging directory that clean removes (no save runs now)
     removed = [a for a in clean(str(tmp_path), 0, False) if a.action == "removed"]
-    assert len(removed) == (0 if point == "load" else 1), removed
+    assert len(removed) == (0 if point in ("load", "before_save") else 1), removed
     assert sorted(os.listdir(tmp_path)) == ["ck_good"]
