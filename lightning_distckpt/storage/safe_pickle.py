@@ -71,12 +71,12 @@ def load_file(path: str, extra_safe_globals: Sequence[Any] = (), root: Optional[
     try:
         if _is_zip_file(path):
             return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=True)
-        return _load_legacy(path, extra_safe_globals)
+        return _load_not_zip(path, extra_safe_globals)
     except FormatError as e:  # UnsafeContentError included: say what the file is when it is no torch.save file
         raise (not_a_torch_file(path, root) or e) from None
 
 
-def _load_legacy(path: str, extra_safe_globals: Sequence[Any]) -> Any:
+def _load_not_zip(path: str, extra_safe_globals: Sequence[Any]) -> Any:
     """A file that is no zip archive: in torch's pre-1.6 format, read from an open file so that
     :func:`_safe_load` can see where its data ends; anything else by name, as torch.load decides
     (torch reads a safetensors file named by its path, and says what is wrong with other files)."""
