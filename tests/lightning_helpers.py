@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -22,6 +20,7 @@ from torch.nn import functional as F
 
 from lightning_distckpt.lightning.parallel import module_sharded_state_dict, parallel_state_of
 from example_layers import ColumnParallelLinear, RowParallelLinear  # examples/tp_layers.py
+from script_ranks import run_ranks
 
 
 class StepBatches:
@@ -202,24 +201,25 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_sc
 
 
 def run_script(script: str, args: List[str], out: str, world_size: int, timeout: float = 300) -> List[Dict[str, Any]]:
-    """Run ``python tests/lightning_scripts/<script> ARGS --out OUT`` (Lightning launches the other
-    ranks itself) and return each rank's ``OUT.rank<r>.json``. Fails with the output's tail."""
+    """Run ``tests/lightning_scripts/<script> ARGS --out OUT`` on ``world_size`` ranks (``script_ranks``:
+    forked, as torchrun would start them) and return each rank's ``OUT.rank<r>.json``. Fails with
+    the output's tail."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK"):
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK",
+                "LOCAL_WORLD_SIZE"):
         env.pop(var, None)  # never inherit a launcher's environment
     env["MASTER_PORT"] = str(_free_port())
-    cmd = [sys.executable, os.path.join(SCRIPTS, script), *args, "--out", out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    code, output = run_ranks(os.path.join(SCRIPTS, script), [*args, "--out", out], env, world_size, timeout)
     results = []
     for rank in range(world_size):
         path = f"{out}.rank{rank}.json"
         if not os.path.isfile(path):
-            raise AssertionError(f"rank {rank} wrote no results (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+            raise AssertionError(f"rank {rank} wrote no results (exit {code}):\n{output[-12000:]}")
         with open(path) as f:
             results.append(json.load(f))
     errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
-    if proc.returncode != 0 or errors:
-        raise AssertionError(f"exit {proc.returncode}\n" + "\n".join(errors) + f"\n{proc.stderr[-8000:]}")
+    if code != 0 or errors:
+        raise AssertionError(f"exit {code}\n" + "\n".join(errors) + f"\n{output[-12000:]}")
     return results
 
 

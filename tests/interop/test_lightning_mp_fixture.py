@@ -6,15 +6,14 @@ bit-exactly whole and on 2 gloo ranks under a column split, and lightning_distck
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import lightning_distckpt as ldc
-from dist_utils import free_port, run_distributed
+from dist_utils import run_distributed
 from lightning_distckpt.cli import main as cli_main
+from script_ranks import run_ranks
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "lightning_model_parallel")
 CKPT = os.path.join(HERE, "ckpt")
@@ -73,10 +72,10 @@ def test_model_parallel_strategy_resumes_it_under_tensor_parallel(tmp_path):
     """``fit(ckpt_path=...)`` under DistCheckpointModelParallelStrategy (TP 2, DP 1) on 2 CPU processes:
     at train start every weight and Adam state equals the writer's, the step is restored, training goes on."""
     result = tmp_path / "result.pt"
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, os.path.join(HERE, "model.py"), "resume", CKPT, str(result)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # a bound on a hang
-    assert done.returncode == 0, done.stderr[-3000:]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code, output = run_ranks(os.path.join(HERE, "model.py"), ["resume", CKPT, str(result)], env, 2, timeout=600,
+                             cwd=str(tmp_path))  # forked, as torchrun starts ranks; the timeout bounds a hang
+    assert code == 0, output[-6000:]
     got = torch.load(result, weights_only=True)
     assert (got["step"], got["final_step"]) == (2, 3)
     expected = _expected()

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import yaml
@@ -20,6 +21,7 @@ from lightning_distckpt.lightning import (
     load_strategy_config,
 )
 from lightning_distckpt.storage.layout import read_metadata
+from script_ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -90,12 +92,20 @@ def test_errors_name_the_file(tmp_path):
         load_checkpoint_config(tmp_path / "missing.yaml")
 
 
-def _cli(args, tmp_path, timeout=300):
+class _Run(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str  # the ranks' stdout and stderr are one log each: both fields hold all of it
+
+
+def _cli(args, tmp_path, devices=1, timeout=300):
+    """``python examples/cli_gpt.py fit ARGS`` on ``devices`` ranks, started as torchrun would
+    (``script_ranks``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK"):
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         env.pop(var, None)
-    return subprocess.run([sys.executable, str(ROOT / "examples" / "cli_gpt.py"), "fit", *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    code, output = run_ranks(str(ROOT / "examples" / "cli_gpt.py"), ["fit", *args], env, devices, timeout, cwd=str(ROOT))
+    return _Run(code, output, output)
 
 
 @pytest.mark.slow
@@ -105,7 +115,7 @@ def test_lightning_cli_yaml_run_and_resume(tmp_path):
     checkpoint (ckpt_path=last) on 1 process (TP 1, overridden on the command line)."""
     root = tmp_path / "run"
     first = _cli(["--config", str(CONFIGS / "cli_gpt_tp.yaml"), "--trainer.default_root_dir", str(root),
-                  "--trainer.max_steps", "4"], tmp_path)
+                  "--trainer.max_steps", "4"], tmp_path, devices=2)
     assert first.returncode == 0, first.stderr[-6000:]
     ckdir = root / "checkpoints"
     assert sorted(os.listdir(ckdir)) == ["last.ckpt", "step=4.ckpt"]

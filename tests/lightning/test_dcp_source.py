@@ -9,16 +9,15 @@ checkpoints are refused."""
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import lightning_distckpt as ldc
-from dist_utils import free_port, run_distributed
+from dist_utils import run_distributed
 from lightning_distckpt.core.errors import FormatError, UnsafeContentError
+from script_ranks import run_ranks
 
 
 def full_tensors():
@@ -240,10 +239,9 @@ def lightning_ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("lightning")
     script = root / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(script), str(root)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code, output = run_ranks(str(script), [str(root)], env, 2, timeout=600)  # forked, as torchrun starts ranks
+    assert code == 0, output[-6000:]
     return str(root / "ckpt"), torch.load(root / "full.pt", weights_only=True)
 
 

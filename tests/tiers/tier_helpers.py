@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from typing import Dict, List, Optional
+import tempfile
+from typing import Dict, Optional
 
 import torch
 
 import lightning_distckpt as ldc
 from dist_utils import free_port
+from script_ranks import read_log, start_script
 from lightning_distckpt.tiers import TierOptions
 
 ROWS, COLS = 16, 6
@@ -65,19 +65,19 @@ def run_killed(world: int, scenario: str, tmp: str, victim: int, env: Dict[str, 
     never a timer), then kills the other ranks, as when a whole job is lost. Fails when the victim
     ends any other way."""
     port = free_port()
-    procs: List[subprocess.Popen] = []
-    base = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    for rank in range(world):
-        e = dict(base, **(env if rank == victim else {}))
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(rank), str(world), str(port), scenario, tmp],
-                                      env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        code: Optional[int] = procs[victim].wait(timeout=timeout_s)  # a failure bound, not a schedule
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-        for p in procs:
-            p.wait()
-    out = procs[victim].stdout.read().decode(errors="replace") if procs[victim].stdout else ""
+    base = dict(os.environ, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory(prefix="run_killed_") as logs:
+        procs = [start_script(WORKER, [str(rank), str(world), str(port), scenario, tmp],
+                              dict(base, **(env if rank == victim else {})), os.path.join(logs, f"rank{rank}.log"))
+                 for rank in range(world)]
+        try:
+            procs[victim].join(timeout=timeout_s)  # a failure bound, not a schedule
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.join()
+        code: Optional[int] = procs[victim].exitcode
+        out = read_log(os.path.join(logs, f"rank{victim}.log"))
     assert code == -signal.SIGKILL, f"rank {victim} ended with {code}, not killed at its point:\n{out[-3000:]}"
