@@ -25,7 +25,7 @@ while the caller trains; reported per rank: the peak RSS above the RSS with the 
 time (the budget trades it for memory) and the save to commit.
 
 Run: ``.venv/bin/python benchmarks/bench_async.py [--mb 512] [--worlds 1 2] [--repeats 3] [--out results.json]``
-or ``... --worlds 2 --budgets none 0.5 0.25 0``
+or ``... --worlds 2 --budgets none 0.5 0.25 0`` (``0.5:0``: that budget with ``writer_bytes=0``)
 """
 
 from __future__ import annotations
@@ -143,15 +143,17 @@ def _worker(rank: int, world: int, root: str, total_bytes: int, repeats: int, bg
     return out
 
 
-def _memory_worker(rank: int, world: int, root: str, total_bytes: int, fraction: Any) -> Dict[str, Any]:
-    """Two async saves under ``fraction`` x this rank's state of staging budget (None: no budget)."""
+def _memory_worker(rank: int, world: int, root: str, total_bytes: int, spec: Any) -> Dict[str, Any]:
+    """Two async saves under ``fraction`` x this rank's state of staging budget (None: no budget);
+    ``spec`` is the fraction or (fraction, writer_bytes)."""
+    fraction, writer = spec if isinstance(spec, tuple) else (spec, None)
     torch.set_num_threads(1)
     tensors = local_state(total_bytes, rank, world, "tp")
     sd = _sharded(tensors, rank, world)
     nbytes = state_bytes(tensors)
     budget = None if fraction is None else int(fraction * nbytes)
     ldc.save({k: v for k, v in list(sd.items())[:2]}, f"{root}/warmup")  # imports, tensorstore, out of the peak
-    saver = ldc.AsyncSaver(max_staging_bytes=budget)
+    saver = ldc.AsyncSaver(max_staging_bytes=budget, **({} if writer is None else {"writer_bytes": writer}))
     _train(0.1)  # the training's own first-use memory (its kernels' code paged in) is not the save's
     before = reset_peak()
     blocked, total, peaks = [], [], []
@@ -180,12 +182,21 @@ def run_memory(world: int, total_bytes: int, fractions: List[Any]) -> List[Dict[
     return rows
 
 
+def _budget_spec(text: str) -> Any:
+    """``none``, a fraction, or ``FRACTION:WRITER_BYTES`` (e.g. ``0.5:0``: the whole budget to the snapshot)."""
+    fraction, _, writer = text.partition(":")
+    value = None if fraction == "none" else float(fraction)
+    return value if not writer else (value, int(writer))
+
+
 def report_memory(rows: List[Dict[str, Any]]) -> str:
     out = []
     for r in rows:
         p = r["per_rank"]
         mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
-        out.append([r["world"], "none" if r["fraction"] is None else f"{r['fraction']:g}",
+        spec = r["fraction"] if isinstance(r["fraction"], (tuple, list)) else (r["fraction"], None)
+        label = "none" if spec[0] is None else f"{spec[0]:g}" + ("" if spec[1] is None else f", writer_bytes={spec[1]}")
+        out.append([r["world"], label,
                     mib(max(x["state_bytes"] for x in p)),
                     "-" if p[0]["budget"] is None else mib(max(x["budget"] for x in p)),
                     mib(max(x["peak_staging"] for x in p)),
@@ -322,7 +333,7 @@ def main() -> None:
         print(f"load average after {os.getloadavg()[0]:.1f}")
         return
     if args.budgets:
-        fractions = [None if b == "none" else float(b) for b in args.budgets]
+        fractions = [_budget_spec(b) for b in args.budgets]
         rows = [r for w in args.worlds for r in run_memory(w, args.mb * 10**6, fractions)]
         print(f"machine: {machine_summary()}, load average {os.getloadavg()[0]:.1f}")
         print(report_memory(rows))

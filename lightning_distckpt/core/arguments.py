@@ -6,9 +6,9 @@ call starts (not a TypeError or AttributeError from deep inside). Path arguments
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Tuple, Type, Union
+from typing import Any, Optional, Tuple, Type, Union
 
-from .errors import ArgumentTypeError
+from .errors import ArgumentError, ArgumentTypeError
 
 Types = Union[Type[Any], Tuple[Type[Any], ...]]
 
@@ -38,3 +38,13 @@ def require_key_map(value: Any, what: str = "key_map") -> None:
     """``value`` is None, a mapping of names or a callable returning a name or None."""
     if value is not None and not isinstance(value, Mapping) and not callable(value):
         raise ArgumentTypeError(f"{what} must be None, a dict of names or a callable, got {type(value).__name__}")
+
+
+def require_int_in(what: str, value: Any, low: int, high: Optional[int] = None, none_ok: bool = False) -> None:
+    """``value`` is an int (not a bool) from ``low`` to ``high`` (None: no upper end), or None where
+    ``none_ok``; else ArgumentError naming ``what``."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        within = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ArgumentError(f"{what} must be {'None or ' if none_ok else ''}an int {within}, got {value!r}")

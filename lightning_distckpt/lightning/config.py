@@ -63,10 +63,11 @@ class DistCheckpointConfig:
             data-parallel group and broadcast within it; the strategies pass their DP group), or
             ``null`` for the library's default.
         async_save: save in the background; the next save (or the end of training) waits for it.
-        max_staging_bytes: with ``async_save``, the most host memory (bytes per rank) the snapshot of
-            a background save may take (``AsyncSaver(max_staging_bytes=...)``); a larger state is
-            saved in waves and the save blocks until all but the last wave are written. ``null``:
-            no limit (the whole state is staged).
+        max_staging_bytes: with ``async_save``, the most host memory (bytes per rank) a background
+            save may add, 32 MiB of it left to the writer's buffers and the rest to the snapshot
+            (``AsyncSaver(max_staging_bytes=...)``); a larger state is saved in waves and the save
+            blocks until all but the last wave are written. ``null``: no limit (the whole state is
+            staged).
         background_snapshot: with ``async_save``, under our strategies, the snapshot of the parameters
             and optimizer state is copied by the save's background thread while training goes on, and
             the strategy waits for it before the next optimizer step (the Trainer's also before the

@@ -14,8 +14,13 @@ returns, so everything that is not in the last (staged, background) wave must be
 * accelerator shards left over: copied to the host pool one wave (at most the budget) at a time,
   each wave written before the next reuses the pool.
 
-A shard is written whole by one write, so one larger than the budget cannot be staged: on a CPU
-it is written in place; on an accelerator it is refused (:class:`ArgumentError`, naming it).
+The budget bounds all the host memory the save adds, not only the pool: ``writer_bytes`` of it
+(:data:`WRITER_BYTES` by default) are left to the writer's own buffers, which a synchronous save
+takes too (tensorstore's and the packs' buffers, the writing threads' malloc arenas: 6 to 17 MiB
+measured on a 2-vCPU VM, ``benchmarks/bench_async.py --budgets``); the pool gets the rest.
+
+A shard is written whole by one write, so one larger than the pool's share cannot be staged: on a
+CPU it is written in place; on an accelerator it is refused (:class:`ArgumentError`, naming it).
 Small shards packed into one array per dtype (``ShardWrite.packed``) are written by one write
 call, so they move together, as one unit.
 """
@@ -38,6 +43,8 @@ ALIGN = 64  # each staged shard starts on a cache line (and on its dtype's align
 PAGE, PAGE_ALIGNED_FROM = direct_write.ALIGN, direct_write.MIN_DIRECT_BYTES
 
 BufferKey = Tuple[str, int, Tuple[int, ...], torch.dtype]
+
+WRITER_BYTES = 32 << 20  # of a staging budget, what is left to the writer's buffers (module docstring)
 
 
 class StagingPlan(NamedTuple):
@@ -94,9 +101,18 @@ def _on_device(unit: Sequence[ShardWrite]) -> bool:
     return any(w.data.device.type != "cpu" for w in unit)
 
 
-def plan_staging(tensors: Sequence[ShardWrite], budget: Optional[int]) -> StagingPlan:
-    """Split a rank's shards into waves under ``budget`` bytes of staging (None: no limit)."""
+def pool_share(budget: Optional[int], writer_bytes: int) -> Optional[int]:
+    """What the staging pool may take of ``budget`` (None: no limit) when ``writer_bytes`` of it
+    are left to the writer."""
+    return None if budget is None else max(0, budget - writer_bytes)
+
+
+def plan_staging(tensors: Sequence[ShardWrite], max_staging_bytes: Optional[int],
+                 writer_bytes: int = 0) -> StagingPlan:
+    """Split a rank's shards into waves under ``max_staging_bytes`` (None: no limit), of which
+    ``writer_bytes`` are not the pool's."""
     units = _units(tensors)
+    budget = pool_share(max_staging_bytes, writer_bytes)
     if budget is None or sum(_unit_bytes(u) for u in units) <= budget:
         return StagingPlan([], [], list(tensors))
     staged: List[ShardWrite] = []
@@ -118,8 +134,10 @@ def plan_staging(tensors: Sequence[ShardWrite], budget: Optional[int]) -> Stagin
             what = f"shard {w.key!r} (stored index {w.index}) on {w.data.device} is {_nbytes(w)} bytes" \
                 if w.packed is None else f"the {len(unit)} small shards packed with {w.key!r} on {w.data.device} " \
                 f"are {sum(_nbytes(x) for x in unit)} bytes"
-            raise ArgumentError(f"max_staging_bytes={budget}: {what}, more than the budget allows (a shard is written "
-                                f"whole, in one wave); raise max_staging_bytes to at least {size}")
+            left_out = f", {writer_bytes} of them left to the writer" if writer_bytes else ""
+            raise ArgumentError(f"max_staging_bytes={max_staging_bytes}{left_out}: {what}, more than the budget allows "
+                                f"(a shard is written whole, in one wave); raise max_staging_bytes to at least "
+                                f"{size + writer_bytes}")
         slot = next((i for i, r in enumerate(rooms) if r >= size), None)
         if slot is None:
             waves.append([])

@@ -37,8 +37,8 @@ class TierOptions:
     partner copies of each rank's shards are kept on other nodes. ``node`` overrides the node name
     (default: the host name, split by the launcher's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` where one host
     name runs several launched nodes, :mod:`.nodes`); ``ranks_per_node`` simulates nodes
-    (``node = f"node{rank // ranks_per_node}"``). ``max_staging_bytes`` bounds the host memory of the
-    snapshot.
+    (``node = f"node{rank // ranks_per_node}"``). ``max_staging_bytes`` bounds the host memory a local
+    save adds (``AsyncSaver(max_staging_bytes=...)``: the snapshot and the writer's buffers).
     """
 
     local_dir: str

@@ -1,7 +1,8 @@
 """Async saves under a host staging budget (``AsyncSaver(max_staging_bytes=...)``): a budget smaller
 than a rank's state saves in waves (the largest shards that fit staged for the background, the
 rest written before ``save`` returns), the checkpoint holds the state as it was when ``save``
-was called, and the staging pool never holds more than the budget. Real gloo group of 2."""
+was called, and the staging pool never holds more than the budget less the writer's share. Real
+gloo group of 2."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.core.errors import ArgumentError
-from lightning_distckpt.saving.async_staging import plan_staging
+from lightning_distckpt.saving.async_staging import WRITER_BYTES, plan_staging
 from lightning_distckpt.storage.base import ShardWrite
 
 
@@ -52,7 +53,7 @@ def _exact(got, want):
 def _budgets(rank, world, root):
     out = {}
     for budget in (None, 400_000, 100_000, 0):
-        saver = ldc.AsyncSaver(max_staging_bytes=budget)
+        saver = ldc.AsyncSaver(max_staging_bytes=budget, writer_bytes=0)
         for n, value in enumerate((1.0, 2.0)):  # the second save reuses the pool
             sd = state(rank, world, value)
             path = f"{root}/b{budget}_{n}"
@@ -83,7 +84,7 @@ def test_waves_under_a_budget_save_the_snapshot_exactly(tmp_path):
 
 
 def test_single_process_budget_logs_waves(tmp_path, caplog):
-    saver = ldc.AsyncSaver(max_staging_bytes=5_000)
+    saver = ldc.AsyncSaver(max_staging_bytes=5_000, writer_bytes=0)
     sd = {f"w{i}": ldc.ShardedTensor.from_rank_offsets(f"w{i}", torch.full((1000,), float(i))) for i in range(3)}
     with caplog.at_level("INFO", logger="lightning_distckpt"):
         req = saver.save(sd, tmp_path / "a", storage=ldc.StorageOptions(pack_max_bytes=0))
@@ -101,6 +102,31 @@ def test_single_process_budget_logs_waves(tmp_path, caplog):
 def test_budget_must_be_bytes(bad):
     with pytest.raises(ArgumentError, match="max_staging_bytes"):
         ldc.AsyncSaver(max_staging_bytes=bad)
+    with pytest.raises(ArgumentError, match="writer_bytes"):
+        ldc.AsyncSaver(max_staging_bytes=1 << 30, writer_bytes=bad)
+
+
+def test_the_writer_share_of_a_budget_is_not_staged(tmp_path):
+    """By default WRITER_BYTES of the budget are left to the writer: a budget of WRITER_BYTES + 5 KB
+    stages what 5 KB with no writer share does, and a budget below WRITER_BYTES stages nothing
+    (everything is written before save returns, as a synchronous save)."""
+    sd = {f"w{i}": ldc.ShardedTensor.from_rank_offsets(f"w{i}", torch.full((1000,), float(i))) for i in range(3)}
+    shards = [ShardWrite(k, 0, v.data) for k, v in sd.items()]
+    with_share, without = plan_staging(shards, WRITER_BYTES + 5_000, WRITER_BYTES), plan_staging(shards, 5_000)
+    assert [w.key for w in with_share.staged] == [w.key for w in without.staged] and len(without.staged) == 1
+    for budget, staged in ((WRITER_BYTES + 5_000, 4_000), (WRITER_BYTES, 0)):
+        saver = ldc.AsyncSaver(max_staging_bytes=budget)
+        req = saver.save(sd, tmp_path / str(budget), storage=ldc.StorageOptions(pack_max_bytes=0))
+        for v in sd.values():
+            v.data.add_(100.0)  # after save returned: not in the checkpoint
+        req.finalize()
+        assert req.staged_bytes == staged and saver.peak_staging_bytes <= budget - WRITER_BYTES
+        out = ldc.load({k: ldc.ShardedTensor.from_rank_offsets(k, torch.empty(1000)) for k in sd}, tmp_path / str(budget))
+        assert all(torch.equal(out[k], v.data - 100.0) for k, v in sd.items())
+        for v in sd.values():
+            v.data.sub_(100.0)
+    with pytest.raises(ArgumentError, match=rf"left to the writer.*at least {4032 + WRITER_BYTES}"):  # aligned
+        plan_staging([ShardWrite("big", 0, torch.empty(1000, device="meta"))], WRITER_BYTES + 1000, WRITER_BYTES)
 
 
 def test_accelerator_shard_larger_than_budget_is_refused_by_name():

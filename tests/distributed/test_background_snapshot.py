@@ -89,7 +89,7 @@ def test_under_a_staging_budget_only_the_staged_wave_waits(tmp_path, monkeypatch
     wait_snapshot()."""
     gate = Gate(monkeypatch)
     sd = state(1.0)  # w: 2 KiB, b: 32 B
-    saver = ldc.AsyncSaver(max_staging_bytes=1024)
+    saver = ldc.AsyncSaver(max_staging_bytes=1024, writer_bytes=0)
     req = saver.save(sd, tmp_path / "ck", background_snapshot=True,
                      storage=ldc.StorageOptions(pack_max_bytes=0))  # w and b apart, not in one pack
     assert req.waves == 2 and gate.reached.wait(60)
