@@ -6,12 +6,10 @@ commits, or, with ``commit_in_background``, the background thread agrees and com
 over a process group of the saver's own.
 
 The background thread makes no collective call on the caller's group, so it never races the
-training's collectives. Staging buffers (views of one host pool) are kept by the
-:class:`AsyncSaver` and reused by the next save of the same layout instead of being reallocated
-(pinned memory when the state lives on an accelerator, so device-to-host copies are asynchronous
-DMA). The thread runs at a lower scheduling priority (``nice``): where the training uses every
-core, the writes take what it leaves.
-"""
+training's collectives. Staging buffers (views of one host pool, pinned when the state is on an
+accelerator: device-to-host copies are then asynchronous DMA) are kept by the :class:`AsyncSaver`
+and reused by the next save of the same layout. The thread runs at a lower scheduling priority
+(``nice``): the writes take the CPU the training leaves."""
 
 from __future__ import annotations
 
@@ -31,8 +29,10 @@ from ..core.errors import SaveFailedError
 from ..storage.paths import checkpoint_location
 from ..storage.tensorstore_io import StorageOptions
 from . import async_pending
-from .async_staging import WRITER_BYTES, BufferKey, StagingPlan, StagingPool, copy_in, describe, plan_staging, pool_share
+from .async_staging import (WRITER_BYTES, BufferKey, StagingPlan, StagingPool, copy_in, describe, plan_staging,
+                            pool_share)
 from .background_snapshot import BackgroundSnapshot, Selector, split_snapshot
+from .heap import release_free_heap
 from .priority import yielding_cpu
 from .save import LocalWrite, PreparedSave, SavePlanCache, finalize_save, prepare_save, write_local
 from .stats import format_bytes
@@ -61,7 +61,8 @@ class AsyncSaveRequest:
     def __init__(self, prep: PreparedSave, blocking_s: float, staged_bytes: int,
                  failure: Optional[BaseException] = None, snapshot_s: float = 0.0, reserved: bool = False,
                  written: Optional[LocalWrite] = None, waves: int = 1, nice: int = 0,
-                 commit_comm: Optional[Comm] = None, snapshot: Optional[BackgroundSnapshot] = None) -> None:
+                 commit_comm: Optional[Comm] = None, snapshot: Optional[BackgroundSnapshot] = None,
+                 release_heap: bool = False) -> None:
         self.checkpoint_dir = prep.target
         self.collective = prep.comm.distributed  # its commit needs every rank: never finalized at exit
         self._commit_comm = commit_comm  # the background thread commits over this group; None: finalize commits
@@ -83,6 +84,7 @@ class AsyncSaveRequest:
         self._polls = 0  # calls of poll(): the same count on every rank
         self._nice = nice
         self._snapshot = snapshot  # the shards the background thread copies before writing (background_snapshot)
+        self._release_heap = release_heap  # under a memory budget: freed heap back to the OS when done (.heap)
         if failure is None or commit_comm is not None:  # a background commit reports the failure collectively
             self._thread = threading.Thread(target=self._write, name="distckpt-async-save", daemon=False)
             self._thread.start()
@@ -97,6 +99,8 @@ class AsyncSaveRequest:
                     self._result = e
             with yielding_cpu(self._nice):
                 self._write_and_commit()
+            if self._release_heap:
+                release_free_heap()
         finally:
             if self._snapshot is not None:
                 self._snapshot.release()  # wait_snapshot() never outlives the thread
@@ -158,16 +162,15 @@ class AsyncSaveRequest:
 
     def all_done(self) -> bool:
         """Collective: whether every rank's writes have finished (to finalize without blocking)."""
-        flags = self._prep.comm.all_gather_object(self.done())
-        return all(flags)
+        return all(self._prep.comm.all_gather_object(self.done()))
 
     def poll(self) -> bool:
         """Collective, for a caller asking at every training step: :meth:`all_done`, but the ranks
         are asked only on the 1st, 2nd, 4th, 8th and then every 16th call (the others return False
         without communicating; every rank must call it equally often). Each ask is a round trip
-        that waits for the slowest rank: asked at every step of a fast training loop, they cost
-        more than the save itself (docs/benchmarks.md, "Training overhead"). A finished save is
-        then committed a few steps later: at most twice the calls its writes took, or 15 more."""
+        waiting for the slowest rank; at every step of a fast loop they cost more than the save
+        (docs/benchmarks.md). A finished save is committed at most twice the calls its writes took,
+        or 15 more, later."""
         self._polls += 1
         n = self._polls
         return (n & (n - 1) == 0 or n % 16 == 0) and self.all_done()
@@ -211,19 +214,17 @@ class AsyncSaver:
         reserve_targets: while a save is in flight, hold its (local) target's name with an empty
             directory, so that whoever picks free names by asking what exists (Lightning's
             ``ModelCheckpoint``) does not pick it again (:mod:`.async_pending`).
-        max_staging_bytes: the most host memory (bytes, per rank) the save may add; None: as much
-            as the rank's state, staged whole. ``writer_bytes`` of it are left to the writer's
-            own buffers, the rest is the snapshot's. When the state is larger, the save goes in waves
-            (:mod:`.async_staging`): the largest shards that fit are snapshotted and written in the
-            background; the rest is written before ``save`` returns (CPU shards straight from their
-            memory, accelerator shards through the staging pool one budget-sized wave at a time),
-            because the caller may change its tensors as soon as ``save`` returns. A smaller budget
-            means less memory and a longer wait in ``save``. An accelerator shard larger than the
-            snapshot's share raises :class:`ArgumentError` (a shard is written whole).
-        writer_bytes: of ``max_staging_bytes``, the bytes not given to the snapshot: the writer's
-            buffers and threads take some host memory in any save, synchronous too (6 to 17 MiB
-            measured on a 2-vCPU VM), and a budget is meant to bound the whole
-            (:data:`~.async_staging.WRITER_BYTES`, 32 MiB, by default; 0 gives the snapshot all of it).
+        max_staging_bytes: the most host memory (bytes, per rank) a save may add; None: no limit,
+            the rank's state staged whole. ``writer_bytes`` of it are the writer's buffers', the
+            rest the snapshot's; a larger state goes in waves (:mod:`.async_staging`): the largest
+            shards that fit are snapshotted and written in the background, the rest before ``save``
+            returns (the caller may change its tensors then: CPU shards from their own memory,
+            accelerator shards through the pool a wave at a time), and an accelerator shard larger
+            than the snapshot's share raises :class:`ArgumentError`. Less memory, a longer wait in
+            ``save``. The save's thread gives its freed heap back when done (:mod:`.heap`).
+        writer_bytes: of ``max_staging_bytes``, the bytes left to the writer's buffers and threads,
+            which any save takes, synchronous too (6 to 17 MiB measured on a 2-vCPU VM)
+            (:data:`~.async_staging.WRITER_BYTES`, 32 MiB, by default; 0: all to the snapshot).
         nice: the background writes' scheduling priority (Linux ``nice`` of the writing thread, 0 to
             19; 0 keeps the caller's): they yield the CPU to the training where it uses every core.
         io_concurrency: at most this many tensorstore threads copy and write in the background
@@ -261,9 +262,8 @@ class AsyncSaver:
     def __getstate__(self) -> Dict[str, Any]:
         """A copy (pickle, ``deepcopy``) starts afresh: the save in flight (a thread, its process
         group), the staging pool and the cached plan stay with this saver."""
-        return {"pin_memory": self.pin_memory, "reserve_targets": self.reserve_targets,
-                "max_staging_bytes": self.max_staging_bytes, "nice": self.nice, "io_concurrency": self.io_concurrency,
-                "commit_in_background": self.commit_in_background, "writer_bytes": self.writer_bytes}
+        return {name: getattr(self, name) for name in ("pin_memory", "reserve_targets", "max_staging_bytes", "nice",
+                                                       "io_concurrency", "commit_in_background", "writer_bytes")}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -349,7 +349,8 @@ class AsyncSaver:
         staged_bytes = sum(w.data.numel() * w.data.element_size() for w in plan.staged)
         self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1, reserved=reserved,
                                          written=written, waves=plan.waves, nice=self.nice,
-                                         commit_comm=self._background_comm(comm), snapshot=snapshot)
+                                         commit_comm=self._background_comm(comm), snapshot=snapshot,
+                                         release_heap=self.max_staging_bytes is not None)
         self._pending.blocking_cpu_s, self._pending.snapshot_cpu_s = c2 - c0, c2 - c1
         logger.info("async save %s started: %s in %.3fs%s, caller blocked %.3fs (plan %s)", prep.target,
                     describe(plan, self.max_staging_bytes), t2 - t1,
@@ -367,8 +368,7 @@ class AsyncSaver:
         the snapshot's share of ``max_staging_bytes``) and fault its pages in on a thread of its own, ahead of the first
         save (see :meth:`StagingPool.reserve`); a save of another size reallocates as before."""
         share = pool_share(self.max_staging_bytes, self.writer_bytes)
-        if share is not None:
-            nbytes = min(nbytes, share)
+        nbytes = nbytes if share is None else min(nbytes, share)
         self._pool.reserve(nbytes, on_accelerator and (self.pin_memory if self.pin_memory is not None else True))
 
     def _background_comm(self, comm: Comm) -> Optional[Comm]:
