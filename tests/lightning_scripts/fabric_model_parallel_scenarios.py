@@ -1,6 +1,7 @@
 """Fabric runs of ``FabricDistCheckpointModelParallelStrategy`` (FSDP2 / tensor parallel, CPU gloo) for
 tests/lightning/test_model_parallel_fabric.py: ``python fabric_model_parallel_scenarios.py SCENARIO --dir D --out O``.
-Fabric's launcher re-runs this script for the other ranks; every rank writes ``OUT.rank<r>.json``."""
+The tests start every rank (``tests/script_ranks.py``); by hand, Fabric's launcher re-runs it. Every rank
+writes ``OUT.rank<r>.json``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Real Fabric runs for tests/lightning/test_fabric.py: a custom training loop with fabric.save / fabric.load.
 
-``python fabric_scenarios.py SCENARIO... --dir D --out OUT --devices N --tp T``; Fabric's launcher
-re-runs this script for the other ranks. Every rank writes ``OUT.rank<r>.json``.
+``python fabric_scenarios.py SCENARIO... --dir D --out OUT --devices N --tp T``; the tests start
+every rank (``tests/script_ranks.py``), by hand Fabric's launcher re-runs it for the other ranks. Every rank writes ``OUT.rank<r>.json``.
 """
 
 from __future__ import annotations

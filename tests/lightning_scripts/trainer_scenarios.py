@@ -1,6 +1,7 @@
 """Real Trainer runs for tests/test_lightning_*.py, launched as ``python trainer_scenarios.py SCENARIO ...``.
 
-With ``--devices N > 1`` Lightning's own launcher re-runs this script for ranks 1..N-1. Several
+The tests start one process per rank (``tests/script_ranks.py``, as torchrun would); run by hand
+with ``--devices N > 1``, Lightning's own launcher re-runs it for ranks 1..N-1. Several
 Trainers run one after another in the same processes. Every rank writes what it saw to
 ``OUT.rank<r>.json``; the tests assert on those files.
 """

@@ -1,5 +1,6 @@
 """The tiny model of the checked-in Lightning ModelParallelStrategy checkpoint, and its two programs
-(each run as ``python model.py ...``; a Trainer on 2 CPU devices re-runs the script for rank 1):
+(each run as ``python model.py ...``, where a Trainer on 2 CPU devices re-runs the script for rank 1;
+the test starts both ranks itself, ``tests/script_ranks.py``):
 
 ``build OUT``: how ``ckpt/`` and ``expected.pt`` were made (by hand, never by CI): 2 training steps
 under Lightning's own ``ModelParallelStrategy`` (FSDP2 over a data-parallel mesh of 2, gloo), then
