@@ -35,6 +35,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import ShardingError
 from .mapping import ReplicaId, ShardedTensor, ShardedTensorFactory
+from .plain_tensors import same_memory
 from .tree_paths import Steps, in_tuple, join_path, key_by_path, path_key
 
 
@@ -156,9 +157,3 @@ def restore_dtensor(template: DTensor, loaded: Any) -> DTensor:
         with torch.no_grad():
             local.copy_(loaded)
     return template
-
-
-def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same view of the same memory (a read went straight into it)."""
-    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
-            and a.stride() == b.stride() and a.dtype == b.dtype)

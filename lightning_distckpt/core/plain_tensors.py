@@ -24,13 +24,12 @@ back), or a key that cannot name a stored array (``"."``, ``".."``).
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from .dtensors import dtensor_factory, same_memory
 from .errors import ShardingError
 from .mapping import ReplicaId, ShardedTensor, ShardedTensorFactory
 from .tree_paths import JSON_KEYS, Steps, key_by_path, path_key
@@ -52,9 +51,12 @@ def shard_tensors(tree: Any, rank: int) -> Any:
     ranks (``replica_id=rank``). Containers on the way are copied (dicts as plain dicts); a tree with
     neither is returned as it is. Two leaves whose paths give one key: ShardingError naming both."""
     replica = max(int(rank), 0)
+    dtensor = _dtensor_class()
 
     def convert(steps: Steps, node: Any) -> Optional[ShardedTensorFactory]:
-        if isinstance(node, DTensor):
+        if dtensor is not None and isinstance(node, dtensor):
+            from .dtensors import dtensor_factory
+
             return dtensor_factory(steps, node)
         key = storable_key(steps, node) if type(node) in _PLAIN_TYPES else None
         if key is None:
@@ -63,6 +65,14 @@ def shard_tensors(tree: Any, rank: int) -> Any:
                                   replica_id=replica, steps=steps)
 
     return key_by_path(tree, convert)
+
+
+def _dtensor_class() -> Optional[type]:
+    """torch's ``DTensor``, if ``torch.distributed.tensor`` was imported: no DTensor can exist before.
+    Importing it costs about 0.7 s (sympy, the op registrations), which the command line and a
+    process that never made a DTensor need not pay."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def storable_key(steps: Steps, tensor: torch.Tensor) -> Optional[str]:
@@ -98,3 +108,9 @@ def restore_plain(template: torch.Tensor, loaded: Any) -> torch.Tensor:
         with torch.no_grad():
             target.copy_(loaded)
     return template
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same view of the same memory (a read went straight into it)."""
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)

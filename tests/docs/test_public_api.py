@@ -49,6 +49,25 @@ def test_import_does_not_import_lightning_nor_the_layers_above():
     assert loaded == []
 
 
+def test_the_command_line_and_plain_saves_do_not_import_dtensor(tmp_path):
+    """torch.distributed.tensor (DTensor; ~0.7 s of sympy and op registrations at every start) is
+    imported only where a DTensor can exist: not by the command line, nor by a save and load of
+    plain and sharded tensors, whose results are exact."""
+    code = f"""
+import json, sys, torch, lightning_distckpt as ldc
+from lightning_distckpt.cli.main import main
+w = ldc.ShardedTensor.from_rank_offsets("w", torch.arange(6.0))
+ldc.save({{"w": w, "plain": torch.ones(3), "step": 4}}, {str(tmp_path / "ck")!r})
+out = ldc.load({{"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(6)), "plain": torch.zeros(3)}},
+               {str(tmp_path / "ck")!r})
+assert torch.equal(out["w"], torch.arange(6.0)) and torch.equal(out["plain"], torch.ones(3)) and out["step"] == 4
+codes = [main(["inspect", {str(tmp_path / "ck")!r}]), main(["validate", {str(tmp_path / "ck")!r}])]
+print(json.dumps([codes, [m for m in ("torch.distributed.tensor", "sympy") if m in sys.modules]]))
+"""
+    codes, loaded = json.loads(_fresh(code).splitlines()[-1])
+    assert codes == [0, 0] and loaded == []
+
+
 def test_each_subpackage_imports_first_without_a_cycle():
     """Each package imported first, with none of ours loaded (a module-level import cycle through it
     fails here). One interpreter: our modules are dropped from ``sys.modules`` between packages,
