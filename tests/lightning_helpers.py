@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -20,7 +19,7 @@ from torch.nn import functional as F
 
 from lightning_distckpt.lightning.parallel import module_sharded_state_dict, parallel_state_of
 from example_layers import ColumnParallelLinear, RowParallelLinear  # examples/tp_layers.py
-from script_ranks import run_ranks
+from script_ranks import run_ranks, script_env
 
 
 class StepBatches:
@@ -204,12 +203,7 @@ def run_script(script: str, args: List[str], out: str, world_size: int, timeout:
     """Run ``tests/lightning_scripts/<script> ARGS --out OUT`` on ``world_size`` ranks (``script_ranks``:
     forked, as torchrun would start them) and return each rank's ``OUT.rank<r>.json``. Fails with
     the output's tail."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOBAL_RANK",
-                "LOCAL_WORLD_SIZE"):
-        env.pop(var, None)  # never inherit a launcher's environment
-    env["MASTER_PORT"] = str(_free_port())
-    code, output = run_ranks(os.path.join(SCRIPTS, script), [*args, "--out", out], env, world_size, timeout)
+    code, output = run_ranks(os.path.join(SCRIPTS, script), [*args, "--out", out], script_env(), world_size, timeout)
     results = []
     for rank in range(world_size):
         path = f"{out}.rank{rank}.json"
@@ -221,9 +215,3 @@ def run_script(script: str, args: List[str], out: str, world_size: int, timeout:
     if code != 0 or errors:
         raise AssertionError(f"exit {code}\n" + "\n".join(errors) + f"\n{output[-12000:]}")
     return results
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -13,7 +13,6 @@ with its own ``sys.argv`` and ``sys.path[0]``; its stdout and stderr go to a log
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.connection
 import os
 import runpy
 import shutil
@@ -29,6 +28,17 @@ from typing import Dict, List, Optional, Tuple
 from dist_utils import free_port, fork_server_context
 
 LAUNCH_ENV = "LDC_TEST_SCRIPT_LAUNCH"
+LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "LOCAL_WORLD_SIZE")
+
+
+def script_env() -> Dict[str, str]:
+    """This process's environment for a script's ranks: one thread each, Python's warnings off, and
+    no launcher variables inherited (run_ranks sets its own)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for var in LAUNCHER_VARS:
+        env.pop(var, None)
+    return env
 
 
 def _rank_main(script: str, argv: List[str], environ: Dict[str, str], cwd: str, log: str) -> None:
@@ -68,6 +78,15 @@ def start_script(script: str, argv: List[str], environ: Dict[str, str], log: str
     return p
 
 
+def stop_all(procs: List[multiprocessing.process.BaseProcess]) -> None:
+    """SIGKILL those of ``procs`` still running (a hang, or the rest of a job that lost a rank), reap all."""
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.join()
+
+
 def read_log(path: str) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -89,21 +108,13 @@ def run_ranks(script: str, argv: List[str], environ: Dict[str, str], world_size:
            "WORLD_SIZE": str(world_size), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world_size)}
     logdir = tempfile.mkdtemp(prefix="script_ranks_")
     logs = [os.path.join(logdir, f"rank{r}.log") for r in range(world_size)]
-    procs = [start_script(script, argv, {**env, "LOCAL_RANK": str(rank)}, logs[rank], cwd) for rank in range(world_size)]
+    procs = [start_script(script, argv, {**env, "LOCAL_RANK": str(r)}, logs[r], cwd) for r in range(world_size)]
     deadline = time.monotonic() + timeout
     try:
-        pending = list(procs)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for sentinel in multiprocessing.connection.wait([p.sentinel for p in pending], timeout=left):
-                pending = [p for p in pending if p.sentinel != sentinel]
-    finally:
         for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-            p.join()
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        stop_all(procs)
     codes = [p.exitcode for p in procs]
     code = next((c for c in codes if c != 0), 0)
     output = "\n".join(f"--- rank {r} (exit {c}) ---\n{read_log(logs[r])}" for r, c in enumerate(codes))

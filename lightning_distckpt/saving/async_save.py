@@ -364,9 +364,9 @@ class AsyncSaver:
         self._background_comm(comm)
 
     def reserve_staging(self, nbytes: int, on_accelerator: bool) -> None:
-        """Allocate the staging pool for an expected ``nbytes`` largest wave (capped at
-        the snapshot's share of ``max_staging_bytes``) and fault its pages in on a thread of its own, ahead of the first
-        save (see :meth:`StagingPool.reserve`); a save of another size reallocates as before."""
+        """Allocate the staging pool for an expected ``nbytes`` largest wave (capped at the snapshot's
+        share of ``max_staging_bytes``) and fault its pages in on a thread of its own, ahead of the
+        first save (see :meth:`StagingPool.reserve`); a save of another size reallocates as before."""
         share = pool_share(self.max_staging_bytes, self.writer_bytes)
         nbytes = nbytes if share is None else min(nbytes, share)
         self._pool.reserve(nbytes, on_accelerator and (self.pin_memory if self.pin_memory is not None else True))

@@ -10,32 +10,34 @@ thread once its writes are done, and took 1 to 20 ms there. Elsewhere (musl, mac
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import time
 from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
-_trim: Optional[Any] = None
-_looked_up = False
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim() -> Optional[Any]:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:  # no C library to open (not expected on Linux)
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def release_free_heap() -> bool:
     """Return the allocator's free memory to the OS where the C library can (glibc's
     ``malloc_trim(0)``); whether it could."""
-    global _trim, _looked_up
-    if not _looked_up:
-        _looked_up = True
-        try:
-            _trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-        except OSError:  # no C library to open (not expected on Linux)
-            _trim = None
-        if _trim is not None:
-            _trim.argtypes, _trim.restype = [ctypes.c_size_t], ctypes.c_int
-    if _trim is None:
+    trim = _malloc_trim()
+    if trim is None:
         return False
     t0 = time.perf_counter()
-    released = _trim(0)
+    released = trim(0)
     logger.debug("freed heap handed back to the OS (malloc_trim: %s) in %.4fs", "some" if released else "none",
                  time.perf_counter() - t0)
     return True

@@ -21,7 +21,7 @@ from lightning_distckpt.lightning import (
     load_strategy_config,
 )
 from lightning_distckpt.storage.layout import read_metadata
-from script_ranks import run_ranks
+from script_ranks import run_ranks, script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -101,10 +101,8 @@ class _Run(NamedTuple):
 def _cli(args, tmp_path, devices=1, timeout=300):
     """``python examples/cli_gpt.py fit ARGS`` on ``devices`` ranks, started as torchrun would
     (``script_ranks``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(var, None)
-    code, output = run_ranks(str(ROOT / "examples" / "cli_gpt.py"), ["fit", *args], env, devices, timeout, cwd=str(ROOT))
+    code, output = run_ranks(str(ROOT / "examples" / "cli_gpt.py"), ["fit", *args], script_env(), devices, timeout,
+                             cwd=str(ROOT))
     return _Run(code, output, output)
 
 
@@ -188,10 +186,7 @@ def test_lightning_cli_strategy_by_class_path_needs_no_import(tmp_path):
                        "strategy": {"class_path": "lightning_distckpt.lightning.DistCheckpointStrategy",
                                     "init_args": {"tensor_parallel_size": 1, "checkpoint": {"storage": {"layout": "zarr"}}}}}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK"):
-        env.pop(var, None)
-    out = subprocess.run([sys.executable, str(script), "fit", "--config", str(tmp_path / "cfg.yaml")], env=env,
+    out = subprocess.run([sys.executable, str(script), "fit", "--config", str(tmp_path / "cfg.yaml")], env=script_env(),
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-6000:]
     (ckpt,) = (tmp_path / "run" / "checkpoints").iterdir()

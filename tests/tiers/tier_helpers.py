@@ -13,7 +13,7 @@ import torch
 
 import lightning_distckpt as ldc
 from dist_utils import free_port
-from script_ranks import read_log, start_script
+from script_ranks import read_log, start_script, stop_all
 from lightning_distckpt.tiers import TierOptions
 
 ROWS, COLS = 16, 6
@@ -73,11 +73,7 @@ def run_killed(world: int, scenario: str, tmp: str, victim: int, env: Dict[str, 
         try:
             procs[victim].join(timeout=timeout_s)  # a failure bound, not a schedule
         finally:
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
-            for p in procs:
-                p.join()
+            stop_all(procs)  # the other ranks: the whole job is lost
         code: Optional[int] = procs[victim].exitcode
         out = read_log(os.path.join(logs, f"rank{victim}.log"))
     assert code == -signal.SIGKILL, f"rank {victim} ended with {code}, not killed at its point:\n{out[-3000:]}"
