@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -30,6 +29,7 @@ from lightning_distckpt.tiers.holdings import StepInfo
 from lightning_distckpt.tiers.local_save import finish_local_save, make_room
 from lightning_distckpt.tiers.nodes import gather_nodes
 from lightning_distckpt.tiers.options import RecoveryPoint, TierOptions
+from lightning_distckpt.tiers.private_root import ensure_private_root
 from lightning_distckpt.tiers.recover import ReadyCopy, load_local, recoverable
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,12 @@ class LocalTier:
         self._superseded = False
         comm = _tier_comm(process_group, self)
         nodes, root = gather_nodes(options, comm)
-        os.makedirs(root, exist_ok=True)
+        error: Optional[Exception] = None
+        try:
+            ensure_private_root(root)
+        except Exception as e:  # agreed: every rank raises it, none waits in a later collective
+            error = e
+        comm.agree("local tier: preparing the node-local directories", error)
         self._ctx = TierContext(options, comm, nodes, root)
         self._saver = _saver(options)
         self._ready: Dict[int, ReadyCopy] = {}  # steps an earlier load completed here (forgotten at a save)
