@@ -17,6 +17,7 @@ from lightning_distckpt.storage.staging import find_leftovers
 from lightning_distckpt.tiers.context import TMP_PREFIX
 from lightning_distckpt.tiers.holdings import missing_stores, scan_node, by_save
 from lightning_distckpt.tiers.node_store import committed_steps, is_ours, step_of, uncommitted_dirs
+from lightning_distckpt.tiers.private_root import unsafe_reason
 
 
 def is_tier_root(path: str) -> bool:
@@ -57,9 +58,17 @@ def tier_summary(path: str) -> Optional[Dict[str, Any]]:
                           "usable": sorted(info.held) if info else [],
                           "writers": sorted(info.writers) if info else None})
         leftovers = uncommitted_dirs(root) + _tmp_dirs(root)
-        nodes.append({"root": root, "steps": steps, "leftovers": leftovers})
+        nodes.append({"root": root, "steps": steps, "leftovers": leftovers, "not_private": _not_private(root)})
     recoverable = sorted({s for (s, _), group in by_save(infos).items() if not missing_stores(group)})
     return {"path": os.path.abspath(path), "nodes": nodes, "recoverable_steps": recoverable}
+
+
+def _not_private(root: str) -> Optional[str]:
+    """Why a tier would refuse ``root`` (:mod:`.private_root`), or None."""
+    try:
+        return unsafe_reason(root) if hasattr(os, "geteuid") else None
+    except OSError as e:
+        return f"cannot check its owner and mode: {e}"
 
 
 def _tmp_dirs(root: str) -> List[str]:
@@ -79,6 +88,8 @@ def render_tier(s: Dict[str, Any]) -> str:
     for n in s["nodes"]:
         lines.append("")
         lines.append(f"node root    {n['root']}")
+        if n.get("not_private"):
+            lines.append(f"  NOT PRIVATE: {n['not_private']}; a tier refuses this root (docs/tiers.md)")
         for st in n["steps"]:
             state = "verified" if st["verified"] else "NOT USABLE (failed its checks)"
             lines.append(f"  step {st['step']:>9}  own stores {ranks_text(st['own']) or '-'}; partner copies "

@@ -42,6 +42,11 @@ def test_inspect_shows_steps_stores_and_copies(tmp_path, capsys):
     assert main(["inspect", tmp]) == 0
     text = capsys.readouterr().out
     assert "recoverable  step 10, step 20" in text and "partner copies 2-3" in text
+    assert "NOT PRIVATE" not in text and node0["not_private"] is None
+    os.chmod(os.path.join(tmp, "node1"), 0o777)  # what a tier would refuse, inspect says
+    assert _inspect(tmp, capsys)["nodes"][1]["not_private"] == "others can write it (mode 777)"
+    assert main(["inspect", tmp]) == 0
+    assert "NOT PRIVATE: others can write it (mode 777); a tier refuses this root" in capsys.readouterr().out
 
 
 def test_clean_removes_a_killed_local_save_only(tmp_path, capsys):
