@@ -33,8 +33,12 @@ def ensure_private_root(path: str) -> None:
     path = os.path.abspath(path)
     if not hasattr(os, "geteuid"):
         return
-    _make(path)
-    problem = unsafe_reason(path)
+    try:
+        _make(path)
+        problem = unsafe_reason(path)
+    except OSError as e:  # a component that cannot be made, a dangling link, a directory we may not enter
+        raise ArgumentError(f"TierOptions.local_dir: the node-local directory {path} cannot be made or "
+                            f"examined: {e}") from e
     if problem is not None:
         raise ArgumentError(f"TierOptions.local_dir: the node-local directory {path} is not private: {problem}; "
                                    f"another user could plant checkpoints there that a recovery would restore, "

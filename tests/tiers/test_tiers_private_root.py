@@ -91,6 +91,15 @@ def test_a_link_of_ours_to_a_private_directory_is_followed(tmp_path):
         ensure_private_root(str(tmp_path / "ckpt"))
 
 
+def test_a_dangling_link_or_a_component_that_is_a_file_is_an_argument_error(tmp_path):
+    os.symlink(tmp_path / "gone", tmp_path / "ckpt")
+    with pytest.raises(ArgumentError, match="cannot be made or examined"):
+        ensure_private_root(str(tmp_path / "ckpt"))
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(ArgumentError, match="cannot be made or examined"):
+        ensure_private_root(str(tmp_path / "f" / "node0"))
+
+
 @needs_root
 def test_a_root_another_user_made_is_refused(tmp_path):
     """The attack: another user made /dev/shm/ckpt before the job (mode 0700, theirs), so every file
