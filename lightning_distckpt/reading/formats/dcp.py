@@ -51,6 +51,7 @@ class _StoredChunk:
 
     fqn: str
     chunk: DcpChunk
+    dtype: torch.dtype  # the tensor's, as .metadata declares it: what the stored chunk must hold
 
 
 class DcpSource:
@@ -97,7 +98,7 @@ class DcpSource:
             shards = [StoredShard(c.offset, c.shape, None, file_number[c.item.file], i)
                       for i, c in enumerate(tensor.chunks)]
             self.index.tensors[key] = TensorEntry(tensor.shape, stored_dtype, shards)
-            self._chunks[key] = [_StoredChunk(fqn, c) for c in tensor.chunks]
+            self._chunks[key] = [_StoredChunk(fqn, c, tensor.dtype) for c in tensor.chunks]
 
     def _check_empty_chunks(self, meta: DcpMetadata) -> None:
         """A chunk of no elements is never read (nothing to copy): what its stored item holds is
@@ -108,7 +109,7 @@ class DcpSource:
             for chunk in tensor.stored_empty:
                 what = f"{self._full_paths[chunk.item.file]}: tensor {fqn!r} chunk at {list(chunk.offset)}"
                 with self.open_file(self._full_paths[chunk.item.file]) as f:
-                    reader.check_stored(f, _StoredChunk(fqn, chunk), what)
+                    reader.check_stored(f, _StoredChunk(fqn, chunk, tensor.dtype), what)
 
     def _checked_file(self, rel: str) -> str:
         """The full path of ``rel``: named inside the directory, a regular file (through links only
@@ -135,16 +136,29 @@ class DcpSource:
         return open_model_file(full, "DCP data file", self.root)
 
     def _check_ranges(self, meta: DcpMetadata) -> None:
-        """Every item's byte range lies inside its file (a truncated file is found here, before reading)."""
+        """Every item's byte range lies inside its file (a truncated file is found here, before reading),
+        and no two items share a byte: DCP writes each item once, so chunks naming the same bytes are
+        a forgery that would load one stored chunk as many (rows repeated, or a small file declaring a
+        tensor of many times its size). This bounds what the metadata declares by the bytes stored."""
         sizes = {rel: self._sizes[rel] for rel in self._full_paths}
         named = [(f"tensor {fqn!r} chunk at {list(c.offset)}", c.item) for fqn, t in meta.tensors.items()
                  for c in [*t.chunks, *t.stored_empty]]
         named += [(f"object {fqn!r}", item) for fqn, item in meta.objects.items()]
+        by_file: Dict[str, List[Tuple[int, int, str]]] = defaultdict(list)
         for what, item in named:
             if item.offset + item.length > sizes[item.file]:
                 raise FormatError(f"{self._full_paths[item.file]}: {what} is stored at bytes "
                                   f"[{item.offset}, {item.offset + item.length}) but the file has "
                                   f"{sizes[item.file]} bytes (truncated?)")
+            by_file[item.file].append((item.offset, item.offset + item.length, what))
+        for rel, ranges in by_file.items():
+            ranges.sort()
+            # sorted by start, ranges are disjoint when each pair of neighbours is
+            for (start0, end0, what0), (start1, end1, what1) in zip(ranges, ranges[1:]):
+                if start1 < end0 or (start1, end1) == (start0, end0):
+                    raise FormatError(f"{self._full_paths[rel]}: {what1} is stored at bytes [{start1}, {end1}), "
+                                      f"which overlap those of {what0} at [{start0}, {end0}): in a DCP checkpoint "
+                                      "each stored item has bytes of its own (.metadata forged or damaged)")
 
     def reader(self) -> "DcpReader":
         return DcpReader(self)
@@ -234,6 +248,8 @@ class DcpReader:
         layout = chunk_layout(f, chunk.item.offset, chunk.item.length, what)
         if layout is not None and layout.shape != chunk.shape:
             raise FormatError(f"{what}: holds a tensor of shape {layout.shape}, expected {chunk.shape}")
+        if layout is not None and layout.dtype != stored.dtype:  # the bytes would be read as another type
+            raise FormatError(f"{what}: holds a tensor of dtype {layout.dtype}, but .metadata declares {stored.dtype}")
         return layout
 
     def check_stored(self, f: BinaryIO, stored: _StoredChunk, what: str) -> None:
@@ -252,6 +268,13 @@ class DcpReader:
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != stored.chunk.shape:
             got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise FormatError(f"{what}: holds {got}, expected a tensor of shape {stored.chunk.shape}")
+        # copied out as it is: another dtype would be converted (complex to its real parts, float64 narrowed)
+        if tensor.dtype != stored.dtype:
+            raise FormatError(f"{what}: holds a tensor of dtype {tensor.dtype}, but .metadata declares {stored.dtype}")
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided \
+                or tensor.is_quantized or tensor.is_conj() or tensor.is_neg():
+            raise FormatError(f"{what}: holds a {type(tensor).__name__} of layout {tensor.layout}, not the plain "
+                              "dense tensor DCP stores")
         return tensor
 
     def read_object(self, writer: int, key: str, index: int) -> bytes:

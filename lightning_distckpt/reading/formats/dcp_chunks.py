@@ -91,9 +91,10 @@ def chunk_layout(f: BinaryIO, start: int, length: int, where: str) -> Optional[C
     if data_offset + record.file_size > length:
         raise FormatError(f"{where}: damaged zip record {record.filename!r}")
     meta = _tensor_without_data(view)
-    if meta is None or not meta.is_contiguous() or \
+    if meta is None or meta.layout != torch.strided or meta.is_quantized or meta.is_conj() or meta.is_neg() or \
+            not meta.is_contiguous() or \
             (meta.storage_offset() + meta.numel()) * meta.element_size() > record.file_size:
-        return None
+        return None  # read whole: that load refuses what is not a plain dense tensor, naming it
     return ChunkLayout(start + data_offset, record.file_size, meta.dtype, tuple(meta.shape), meta.storage_offset(),
                        record.CRC)
 

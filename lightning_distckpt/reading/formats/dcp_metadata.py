@@ -15,6 +15,7 @@ checked field by field into the typed records below, since a pickle can put anyt
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import pickle
@@ -108,11 +109,20 @@ class _AllowListUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     twice any index a ``BINPUT`` / ``LONG_BINPUT`` names, so a few bytes of a 1 KB file
     (``LONG_BINPUT 2**31``) had it allocate and clear many GB (18 s here, an out-of-memory kill on a
     smaller host). This one keeps the memo in a dict; it unpickles about half as fast (a 20 MB
-    ``.metadata`` of 128,000 chunks: 4.4 s against 2.1 s)."""
+    ``.metadata`` of 128,000 chunks: 4.4 s against 2.1 s).
+
+    The opcodes that change an object already on the stack (``BUILD``, ``SETITEM(S)``,
+    ``APPEND(S)``, ``ADDITEMS``) act only on objects this unpickling made, of the kinds that opcode
+    fills in (see :meth:`_check_target`): ``BUILD`` on a class ``find_class`` returned would set its
+    attributes for the whole process (``PurePosixPath._str``: every path the process makes)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
     def __init__(self, file: Any, where: str) -> None:
         super().__init__(file)
         self._where = where
+        # what this unpickling made, by id; kept alive, so no other object can take one of these ids
+        self._made: Dict[int, Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         if module == _MCORE_MODULE and name in ("MCoreMetadata", "MCoreSavePlan"):
@@ -128,6 +138,85 @@ class _AllowListUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeContentError(f"{self._where}: unexpected persistent id in a DCP .metadata pickle")
+
+    def _check_target(self, opcode: str, target: Any, kinds: Tuple[type, ...]) -> None:
+        """Refuse ``opcode`` changing ``target`` unless this unpickling made it and it is of ``kinds``
+        (exactly: an enum class called returns its existing member, which must stay unchanged too)."""
+        if self._made.get(id(target)) is not target or type(target) not in kinds:
+            raise UnsafeContentError(f"{self._where}: the DCP .metadata pickle's {opcode} would change "
+                                     f"{_show_target(target)}, which the pickle did not create as a record or "
+                                     "container of its own (a pickle may only fill in what it builds)")
+
+
+def _show_target(target: Any) -> str:
+    if isinstance(target, type):
+        return f"class {target.__module__}.{target.__qualname__}"
+    return f"an object of type {type(target).__module__}.{type(target).__qualname__}"
+
+
+def _making(load: Any) -> Any:
+    """``load`` (an opcode that pushes a new object), recording what it pushed as made here."""
+    def handler(self: _AllowListUnpickler) -> None:
+        load(self)
+        self._made[id(self.stack[-1])] = self.stack[-1]
+    return handler
+
+
+def _changing(load: Any, opcode: str, depth: int, marked: bool, kinds: Any) -> Any:
+    """``load`` (an opcode that changes the object ``depth`` below the top of the stack, or just
+    below the MARK when ``marked``), run only on what :meth:`_AllowListUnpickler._check_target`
+    allows; ``kinds``: a function of no arguments giving the types it may change."""
+    def handler(self: _AllowListUnpickler) -> None:
+        stack = (self.metastack[-1] if self.metastack else []) if marked else self.stack
+        if len(stack) >= depth:  # else the opcode itself fails on the short stack (a damaged file)
+            self._check_target(opcode, stack[-depth], kinds())
+            if opcode == "BUILD":
+                _check_state(self, self.stack[-1])
+        load(self)
+    return handler
+
+
+def _check_state(unpickler: _AllowListUnpickler, state: Any) -> None:
+    """A ``BUILD`` state names only plain fields (no ``__class__``, ``__dict__``, ...)."""
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    for part in parts:
+        if isinstance(part, dict) and not all(type(k) is str and not k.startswith("__") for k in part):
+            raise UnsafeContentError(f"{unpickler._where}: the DCP .metadata pickle's BUILD sets attributes "
+                                     f"{_show(list(part)[:8])}, which are not record fields")
+
+
+@functools.lru_cache(maxsize=None)
+def _record_types() -> Tuple[type, ...]:
+    """The classes whose instances a ``BUILD`` may fill in: DCP's records (not its enums) and ours."""
+    import enum
+    import importlib
+
+    out: List[type] = [_InertRecord]
+    for module, names in _DCP_CLASSES.items():
+        if module.startswith("torch.distributed.checkpoint"):
+            found = (getattr(importlib.import_module(module), name) for name in names)
+            out += [c for c in found if isinstance(c, type) and not issubclass(c, enum.Enum)]
+    return tuple(out)
+
+
+def _setup_dispatch() -> None:
+    from collections import OrderedDict
+
+    op, table, base = pickle, _AllowListUnpickler.dispatch, pickle._Unpickler  # type: ignore[attr-defined]
+    for code, name in ((op.REDUCE, "load_reduce"), (op.NEWOBJ, "load_newobj"), (op.NEWOBJ_EX, "load_newobj_ex"),
+                       (op.OBJ, "load_obj"), (op.INST, "load_inst"), (op.EMPTY_DICT, "load_empty_dictionary"),
+                       (op.DICT, "load_dict"), (op.EMPTY_LIST, "load_empty_list"), (op.LIST, "load_list"),
+                       (op.EMPTY_SET, "load_empty_set")):
+        table[code[0]] = _making(getattr(base, name))
+    dicts, lists, sets = (lambda: (dict, OrderedDict)), (lambda: (list,)), (lambda: (set,))
+    for code, name, depth, marked, kinds in (
+            (op.BUILD, "load_build", 2, False, _record_types), (op.SETITEM, "load_setitem", 3, False, dicts),
+            (op.SETITEMS, "load_setitems", 1, True, dicts), (op.APPEND, "load_append", 2, False, lists),
+            (op.APPENDS, "load_appends", 1, True, lists), (op.ADDITEMS, "load_additems", 1, True, sets)):
+        table[code[0]] = _changing(getattr(base, name), name[5:].upper(), depth, marked, kinds)
+
+
+_setup_dispatch()
 
 
 def read_metadata(path: str, root: str = ANYWHERE) -> DcpMetadata:
@@ -225,6 +314,10 @@ def _item(items: Dict[_ItemKey, DcpItem], fqn: str, offset: Optional[Tuple[int, 
 
 def _tensor(entry: Any, fqn: str, items: Dict[_ItemKey, DcpItem], path: str) -> DcpTensor:
     shape = _ints(entry.size, f"{fqn!r} size", path)
+    # torch's strides are int64: a shape beyond them (even of no elements, [0, 2**64]) is no tensor
+    if math.prod(max(n, 1) for n in shape) >= 2**63:
+        raise FormatError(f"{path}: {fqn!r} has size {list(shape)}, beyond what a tensor can be (the product of "
+                          "its dimensions, a 0 counted as 1, must stay below 2**63)")
     dtype = getattr(entry.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         raise FormatError(f"{path}: {fqn!r} has no dtype in its properties")
