@@ -44,11 +44,13 @@ class StorageOptions:
     direct_reads: a reader's choice, never recorded: read whole chunks of local checkpoints
         straight into their destinations (``storage/direct_read.py``); False sends every read
         through tensorstore (as ``LIGHTNING_DISTCKPT_DIRECT_READS=0`` does process-wide).
-    direct_writes: a writer's choice, never recorded: in the ``"zarr"`` layout on a local file
-        system that allows it, write the chunk files of arrays of 128 KiB+ with ``O_DIRECT``, not
-        through the page cache (``storage/direct_write.py``: the same bytes, a fraction of the
-        CPU); False, or ``LIGHTNING_DISTCKPT_DIRECT_WRITES=0`` process-wide, leaves them to
-        tensorstore's buffered writes.
+    direct_writes: a writer's choice, never recorded: keep a save's bytes out of the page cache
+        on a local file system that has one (not tmpfs). In the ``"zarr"`` layout the chunk files of
+        arrays of 128 KiB+ are written with ``O_DIRECT`` (``storage/direct_write.py``: the same
+        bytes, a fraction of the CPU); in ``"ocdbt"`` a rank's arrays are committed in parts of
+        32 MiB, each part's files dropped from the cache once durable (``storage/page_cache.py``:
+        the next part reuses the freed pages). False, or ``LIGHTNING_DISTCKPT_DIRECT_WRITES=0``
+        process-wide, leaves everything to tensorstore's buffered writes, one commit per write.
     """
 
     layout: str = "ocdbt"
