@@ -18,6 +18,7 @@ from ...storage.safetensors_crcs import check_tensor, recorded_crcs
 from ...storage.paths import ANYWHERE
 from ...storage.safe_pickle import load_file
 from .safetensors_header import read_header
+from .tensor_files import check_shape
 
 
 class SafetensorsFile:
@@ -95,7 +96,7 @@ class TorchFile:
 
 
 _DROP = object()
-VIEW_BUDGET_FLOOR = 1 << 30  # bytes of views any torch file may expand to (see _check_views)
+VIEW_BUDGET_FLOOR = 1 << 30  # bytes any torch file may expand to past what it stores (see _check_views)
 VIEW_BUDGET_FACTOR = 4
 
 
@@ -104,18 +105,30 @@ def _split_tensors(payload: Any, path: str, out: Dict[str, torch.Tensor]) -> Any
     tensor under two paths, tied weights, under both); return what is left (containers left empty
     are dropped, except at the top). Bounded walks (:mod:`~lightning_distckpt.core.tree_walk`): a
     tree too deep, cyclic or shared beyond what the file stores is a FormatError naming ``path``."""
-    where = f"{path}: torch.save payload"
-    kept = fold(payload, _kept_leaf, _kept_node, where=where)
-    for steps, leaf in walk_paths(payload, where=where):
+    kept = fold(payload, _kept_leaf, _kept_node, where=f"{path}: torch.save payload")
+    out.update(check_torch_payload(path, payload))
+    if kept is _DROP:
+        return {} if isinstance(payload, dict) else None
+    return kept
+
+
+def check_torch_payload(path: str, payload: Any) -> Dict[str, torch.Tensor]:
+    """The tensor leaves of ``payload``, unpickled from the ``torch.save`` file ``path``, each named
+    by its path, once they pass the checks every reader of such a file needs (FormatErrors naming
+    ``path`` and the tensor): a tree within the walk's bounds, dense CPU tensors with data
+    (:func:`_check_kind`), shapes torch can allocate, and no more bytes to copy out than the
+    budget allows (:func:`_check_views`). Call it on any payload read by ``load_file`` before
+    copying, converting or handing out its tensors."""
+    out: Dict[str, torch.Tensor] = {}
+    for steps, leaf in walk_paths(payload, where=f"{path}: torch.save payload"):
         if isinstance(leaf, torch.Tensor):
             name = "/".join(map(str, steps))
             if name in out:
                 raise FormatError(f"{path}: two tensors of the file are both named {name!r}")
+            _check_kind(path, name, leaf)
             out[name] = leaf
     _check_views(path, out)
-    if kept is _DROP:
-        return {} if isinstance(payload, dict) else None
-    return kept
+    return out
 
 
 def _kept_leaf(leaf: Any) -> Any:
@@ -133,29 +146,68 @@ def _kept_node(node: Any, keys: Optional[List[Any]], parts: List[Any]) -> Any:
     return type(node)(rest) if isinstance(node, tuple) else rest
 
 
-def _check_views(path: str, tensors: Dict[str, torch.Tensor]) -> None:
-    """Refuse tensors that claim more elements than their storage holds beyond a budget.
+def _check_kind(path: str, name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor that is not dense data on the CPU, before anything touches its storage: a
+    sparse, nested or other non-strided tensor has no storage of its shape (reading it raised
+    torch's NotImplementedError), and a meta tensor has a shape and no data at all (a tiny file
+    claiming 2**40 elements; copying it out raises, loading it would allocate the claim)."""
+    where = f"{path}: tensor {name!r}"
+    if t.layout is not torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+        raise FormatError(f"{where} is a {kind} tensor; lightning_distckpt reads dense (strided) tensors only "
+                          "(save it with .to_dense())")
+    if t.device.type != "cpu":  # map_location="cpu" moved every tensor with data: this one has none
+        raise FormatError(f"{where} of shape {tuple(t.shape)} is on the {t.device.type} device: the file holds "
+                          "no data for it")
+    check_shape(where, tuple(t.shape), t.element_size())
 
-    A view with zero or overlapping strides (``torch.zeros(1).expand(10**12)``) is a few bytes in
-    the file and ``numel x itemsize`` bytes once a reader copies it into a tensor of its shape.
-    Such views are materialised only within a budget scaled to the file: all of them together at
-    most ``max(VIEW_BUDGET_FACTOR x the file's bytes, VIEW_BUDGET_FLOOR)`` bytes (an ``expand`` of a
-    size-1 dim, a model's ``position_ids`` buffer, costs what it stores and is always fine); past it
-    a FormatError names the tensor, what it claims and the bytes stored behind it."""
+
+def _check_views(path: str, tensors: Dict[str, torch.Tensor]) -> None:
+    """Refuse a file whose tensors, copied out, would take more bytes than it stores beyond a budget.
+
+    A reader (``load_plain_tensors``, ``convert``) materialises every name as its own tensor of
+    ``numel x itemsize`` bytes. Two ways cost more than the file stores: a view with zero or
+    overlapping strides (``torch.zeros(1).expand(10**12)``: a few bytes in the file), which costs
+    all it claims; and one storage under many names (``{f"k{i}": t for i in range(4000)}``), where
+    the storage's bytes are free once and every byte its tensors claim past them costs. All of it
+    together may be at most ``max(VIEW_BUDGET_FACTOR x the file's bytes, VIEW_BUDGET_FLOOR)``: far
+    more than legitimate sharing needs (tied weights, as Hugging Face models save tied embeddings,
+    cost one extra copy of one tensor, less than the file; views of a flat buffer cost the buffer
+    once more), while 4000 names of a 1 MiB storage (4 GiB from a 1 MB file) are refused. An
+    ``expand`` of a size-1 dim (a ``position_ids`` buffer) costs what it stores and is always
+    fine. Past the budget a FormatError names the tensor, what it claims and the bytes stored."""
     try:
         size = os.path.getsize(path)
     except OSError:
         size = 0
     budget = max(VIEW_BUDGET_FACTOR * size, VIEW_BUDGET_FLOOR)
+    sharing: Dict[int, List[str]] = {}  # storage (by address) -> the names within it
+    for name, t in tensors.items():
+        sharing.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+    free = {ptr: tensors[names[0]].untyped_storage().nbytes() for ptr, names in sharing.items()}
     spent = 0
     for name, t in tensors.items():
         claimed = t.numel() * t.element_size()
-        stored = t.untyped_storage().nbytes()
-        if claimed <= stored:
-            continue
-        spent += claimed
+        storage = t.untyped_storage()
+        ptr, stored = storage.data_ptr(), storage.nbytes()
+        if claimed > stored:  # a view past its storage: all of it is materialised from nothing
+            spent += claimed
+        else:  # within its storage: the storage's bytes once, shared by all its names, then it costs
+            spent += max(0, claimed - free[ptr])
+            free[ptr] = max(0, free[ptr] - claimed)
         if spent > budget:
-            raise FormatError(
-                f"{path}: tensor {name!r} is a view of shape {tuple(t.shape)} (strides {t.stride()}): it claims "
-                f"{claimed} bytes over {stored} bytes stored, past the {budget} bytes this file's views may expand "
-                f"to (max({VIEW_BUDGET_FACTOR} x the file's {size} bytes, {VIEW_BUDGET_FLOOR}))")
+            raise FormatError(f"{path}: {_claim(name, t, stored, sharing[ptr], tensors)}, past the {budget} bytes "
+                              f"this file's tensors may take beyond what it stores (max({VIEW_BUDGET_FACTOR} x "
+                              f"the file's {size} bytes, {VIEW_BUDGET_FLOOR}))")
+
+
+def _claim(name: str, t: torch.Tensor, stored: int, names: List[str], tensors: Dict[str, torch.Tensor]) -> str:
+    """What tensor ``name`` claims, for the message refusing it (``names``: all within its storage)."""
+    claimed = t.numel() * t.element_size()
+    if claimed > stored:
+        return (f"tensor {name!r} is a view of shape {tuple(t.shape)} (strides {t.stride()}): it claims "
+                f"{claimed} bytes over {stored} bytes stored")
+    together = sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+    shown = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"tensor {name!r} shares one storage of {stored} bytes with {len(names) - 1} other names ({shown}), "
+            f"each copied out whole: together they claim {together} bytes over {stored} bytes stored")

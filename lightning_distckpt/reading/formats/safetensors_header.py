@@ -21,6 +21,7 @@ from ...core.errors import FormatError
 from ...storage.layout import parse_json
 from ...storage.paths import ANYWHERE
 from .model_files import open_model_file
+from .tensor_files import check_shape
 
 # The dtypes of the safetensors format that torch has.
 DTYPES: Dict[str, torch.dtype] = {
@@ -84,6 +85,7 @@ def _entry(path: str, name: str, info: Any, data_bytes: int) -> HeaderEntry:
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
         raise FormatError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r:.100}")
+    check_shape(where, shape, dtype.itemsize)
     begin, end = offsets
     expected = math.prod(shape) * dtype.itemsize
     if end - begin != expected:

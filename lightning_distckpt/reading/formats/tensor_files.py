@@ -48,6 +48,26 @@ class _Location:
     name: str  # the key in the file (before key_map)
 
 
+# Sizes, strides and byte counts are int64 in torch and numpy (the writers of convert): a shape whose
+# extent in bytes reaches this cannot be allocated nor written, even with a 0 among its dims (the
+# stride of a dim is the product of the dims after it, zeros or not; numpy multiplies the non-zero
+# dims by the item size).
+MAX_EXTENT = 1 << 63
+
+
+def check_shape(where: str, shape: Sequence[int], itemsize: int) -> None:
+    """Refuse a stored shape that cannot be allocated: the product of its dims, each counted as at
+    least 1, times ``itemsize`` reaches 2**63 (``[0, 2**63]``: no bytes stored, no element claimed,
+    yet ``torch.empty`` raises a raw TypeError or "Stride calculation overflowed" and numpy "array
+    is too big"). No real tensor comes near it. ``where`` names the file and the tensor."""
+    extent = itemsize
+    for n in shape:
+        extent *= max(n, 1)
+        if extent >= MAX_EXTENT:  # stop early: a corrupt header may hold many huge dims
+            raise FormatError(f"{where}: shape {list(shape)!r:.200} is too large (the product of its dims, 0 "
+                              f"counted as 1, times {itemsize} bytes per element reaches 2**63); the file is corrupt")
+
+
 def map_key(key_map: KeyMap, name: str) -> Optional[str]:
     """The template key of file key ``name`` (None: not offered to the template)."""
     if key_map is None:
