@@ -16,7 +16,8 @@ Lightning's own checkpoint dict and import any ``torch.save``'d dict) and
 Single process, no process group. Everything is read before anything is written, except in
 :func:`relayout_checkpoint`, which streams shard by shard. Outputs appear atomically (staging directory or
 temporary file, then a rename), and an existing output is replaced only after the new one is
-complete. Files are read with ``weights_only=True``: no code from them runs.
+complete, and only if it is a checkpoint (a file output: a ``torch.save`` file). Files are read with
+``weights_only=True``: no code from them runs.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ from .storage import commit as commit_mod
 from .core.format_versions import FORMAT_VERSION
 from .storage.layout import COMMON_FILE
 from .storage.outputs import check_output
+from .storage.output_files import check_torch_file_target, open_new, write_file_atomic
 from .storage.paths import checkpoint_location, local_path
 from .storage.stores import open_store
+from .reading.formats.files import check_torch_payload
 from .storage.safe_pickle import load_file, loads
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
@@ -196,28 +199,25 @@ def _read_objects(ckpt: OpenedCheckpoint, extra_safe_globals: Sequence[Any]) -> 
 
 
 def save_file_atomic(payload: Any, destination: str, progress: Optional[Progress] = None) -> int:
-    """torch.save into a temporary file beside ``destination``, fsync, then rename over it.
+    """torch.save into a new temporary file beside ``destination`` (:func:`~.storage.output_files.write_file_atomic`:
+    never a planted link), fsync, then rename over it: only nothing or a ``torch.save`` file is replaced
+    (:func:`~.storage.output_files.check_torch_file_target`, checked again right before the rename).
     ``progress``: its total is set to the payload's tensor bytes, and the bytes are counted as written."""
     destination = os.path.abspath(local_path(destination, "output file"))
-    if os.path.isdir(destination):
-        raise CheckpointingError(f"{destination}: is a directory; give a file name for the torch.save output")
-    tmp = os.path.join(os.path.dirname(destination), f".{os.path.basename(destination)}.tmp-{os.getpid()}")
-    try:
-        os.makedirs(os.path.dirname(destination), exist_ok=True)  # as the directory outputs do
-        with open(tmp, "wb") as f:
+    check_torch_file_target(destination)
+
+    def write(tmp: str) -> None:
+        with open_new(tmp) as f:
             if progress is not None:
                 set_total(progress, tensor_bytes(payload))
             torch.save(payload, f if progress is None else _CountingFile(f, progress))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, destination)
+
+    try:
+        os.makedirs(os.path.dirname(destination), exist_ok=True)  # as the directory outputs do
+        write_file_atomic(destination, write, check_torch_file_target)
         commit_mod.fsync_dir(os.path.dirname(destination))
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError):  # no such directory, a file in the way, permissions, a full disk
-            raise CheckpointingError(f"{destination}: cannot write the torch.save output: {e.strerror or e}") from e
-        raise
+    except OSError as e:  # no such directory, a file in the way, permissions, a full disk
+        raise CheckpointingError(f"{destination}: cannot write the torch.save output: {e.strerror or e}") from e
     return os.path.getsize(destination)
 
 
@@ -269,15 +269,19 @@ def import_torch_file(source: str, destination: str, storage: StorageOptions = S
     t0 = time.perf_counter()
     source, destination = check_import(source, destination, storage, extra_safe_globals)
     payload = load_file(source, extra_safe_globals)
+    check_torch_payload(source, payload)  # as every reader: dense CPU tensors, shapes, copy-out budget
     return import_export_payload(payload, source, destination, storage, t0)
 
 
 def check_export(source: Any, destination: Any, extra_safe_globals: Any) -> Tuple[str, str]:
     """The arguments of an export of the checkpoint ``source`` to the file ``destination`` checked
-    (types; no output over the input: ArgumentTypeError / ArgumentError); returns both as absolute paths."""
+    (types; no output over the input; an existing destination only a ``torch.save`` file: ArgumentTypeError /
+    ArgumentError); returns both as absolute paths."""
     require_globals(extra_safe_globals)
     check_output(destination, [("source", source)], "destination")
-    return checkpoint_location(source, "source"), os.path.abspath(local_path(destination, "destination"))
+    destination = os.path.abspath(local_path(destination, "destination"))
+    check_torch_file_target(destination)  # before anything is read; again before the rename
+    return checkpoint_location(source, "source"), destination
 
 
 def check_import(source: Any, destination: Any, storage: Any, extra_safe_globals: Any) -> Tuple[str, str]:

@@ -11,8 +11,9 @@ Entries: every tensor under its stored key (a Lightning Trainer checkpoint's mod
 ``state_dict.<module key>``, as Lightning's own DCP checkpoints name them); the common state's
 entries (a dict's items, Lightning's manifest left out) as DCP bytes entries, except 0-d tensors,
 which DCP stores as tensors. ShardedObjects are not exported (logged). The directory appears
-atomically: DCP writes a staging directory beside ``out_dir``, renamed into place when complete; an
-existing ``out_dir`` is replaced only if it is empty or a DCP checkpoint.
+atomically: DCP writes a staging directory beside ``out_dir`` (a fresh random name), renamed into place
+when complete; an existing ``out_dir`` is replaced only if it is empty or a DCP (or Megatron-Core
+``torch_dist``) checkpoint, checked by what it holds (:func:`_check_target`), not by a file's name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import time
 import warnings
 from typing import Any, Dict, Mapping, Optional, Sequence
@@ -28,10 +30,13 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..convert import ConvertReport, directory_bytes
-from ..core.errors import CheckpointingError
+from ..core.errors import ArgumentError, CheckpointingError
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats import KeyMap
+from ..reading.formats.dcp_metadata import read_metadata
+from ..reading.formats.megatron import COMMON_NAME, CONFIG_NAME, megatron_config
 from ..progress import Progress, advance, set_total
+from ..storage.output_files import temp_name
 from ..storage.safe_pickle import write_file_durable
 from .select import selection
 from .tensors import (LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, add_meta_placeholders, export_arguments,
@@ -40,6 +45,8 @@ from .tensors import (LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, add_me
 logger = logging.getLogger(__name__)
 
 DCP_METADATA = ".metadata"
+# what a DCP checkpoint holds besides its *.distcp files (with Megatron-Core's two files of a torch_dist one)
+_CHECKPOINT_FILES = (DCP_METADATA, COMMON_NAME, CONFIG_NAME)
 
 
 def _lazy_planner(source: CheckpointSource, by_id: Dict[int, ExportTensor], flatten: bool,
@@ -72,24 +79,72 @@ def _common_entries(source: CheckpointSource, extra_safe_globals: Sequence[Any])
     return {} if common is None else {"common": common}
 
 
-def _check_target(out: str) -> None:
-    """Refuse to replace anything but an empty directory or a DCP checkpoint."""
-    if not os.path.lexists(out):
+def _check_target(out: str, shown: Optional[str] = None) -> None:
+    """Refuse (ArgumentError) to replace anything but nothing, an empty directory, or a DCP or
+    Megatron-Core ``torch_dist`` checkpoint: a directory (not a link) holding only regular files of
+    such a checkpoint's names (``.metadata``, ``*.distcp``; ``common.pt`` and ``metadata.json``,
+    Megatron's), whose ``.metadata`` parses as DCP metadata and whose ``metadata.json``, if any, is
+    Megatron's config. A file merely named ``.metadata`` proves nothing: whatever else is there
+    may be a user's files, which a replacement would delete. ``shown``: the name to give ``out`` by."""
+    shown = shown or out
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
         return
-    if os.path.islink(out) or not os.path.isdir(out):
-        raise CheckpointingError(f"{out}: exists and is not a directory; refusing to replace it")
-    if os.listdir(out) and not os.path.isfile(os.path.join(out, DCP_METADATA)):
-        raise CheckpointingError(f"{out}: directory exists, is not empty and is not a DCP checkpoint; "
-                                 "refusing to replace it")
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise ArgumentError(f"{shown}: exists and is {what}; refusing to replace it")
+    try:
+        with os.scandir(out) as entries:
+            found = {e.name: e.is_file(follow_symlinks=False) for e in entries}
+    except OSError as e:
+        raise ArgumentError(f"{shown}: cannot list what the directory holds ({e.strerror or e}); "
+                            "refusing to replace it") from None
+    if not found:
+        return
+    odd = sorted(f"{n} (not a regular file)" if _checkpoint_name(n) else n
+                 for n, regular in found.items() if not regular or not _checkpoint_name(n))
+    why = (f"it holds {', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''}, which a DCP checkpoint does not" if odd
+           else f"it has no {DCP_METADATA}" if DCP_METADATA not in found else _not_dcp(out))
+    if why:
+        raise ArgumentError(f"{shown}: directory exists, is not empty and is not a DCP checkpoint ({why}); "
+                            "refusing to replace it (move its contents away, or export elsewhere)")
+
+
+def _checkpoint_name(name: str) -> bool:
+    """A name a DCP (or Megatron-Core ``torch_dist``) checkpoint directory holds."""
+    return name in _CHECKPOINT_FILES or name.endswith(".distcp")
+
+
+def _not_dcp(out: str) -> str:
+    """Why the directory ``out`` of checkpoint names is not a DCP checkpoint, or "" when it is one."""
+    try:
+        read_metadata(os.path.join(out, DCP_METADATA), root=out)  # no code from it runs
+        if os.path.lexists(os.path.join(out, CONFIG_NAME)) and megatron_config(out) is None:
+            return f"its {CONFIG_NAME} is not Megatron-Core's config"
+    except CheckpointingError as e:  # FormatError, UnsafeContentError: what is wrong with it
+        return str(e)
+    return ""
 
 
 def _swap_in(staging: str, out: str) -> None:
-    _check_target(out)  # again: something may have appeared meanwhile
+    """Rename ``staging`` to ``out``; an existing ``out`` (checked before anything was written) is
+    renamed aside first, checked again there (the directory removed is the one checked), then removed."""
     old = None
     if os.path.lexists(out):
-        old = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(staging, out)
+        old = temp_name(out, "old")
+        os.rename(out, old)
+        try:
+            _check_target(old, shown=out)  # what is there now, not what was there before the export
+        except CheckpointingError:
+            os.rename(old, out)
+            raise
+    try:
+        os.rename(staging, out)
+    except OSError:
+        if old is not None and not os.path.lexists(out):
+            os.rename(old, out)  # something appeared meanwhile: the old checkpoint goes back
+        raise
     if old is not None:
         shutil.rmtree(old)
 
@@ -116,8 +171,13 @@ def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[i
 
     _check_target(out)
     set_total(progress, sum(t.nbytes for t in by_id.values()))
-    staging = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    staging, made = temp_name(out), False
     try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        # made here, empty, under a random name (mkdir fails on anything already there, a link included):
+        # DCP's writer never writes through a link or into a directory someone planted at a guessable name
+        os.mkdir(staging)
+        made = True
         writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, sync_files=True, thread_count=1)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
@@ -133,7 +193,7 @@ def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[i
     except Exception as e:  # OSError
         raise CheckpointingError(f"{out}: writing the DCP checkpoint failed: {type(e).__name__}: {e}") from e
     finally:
-        if os.path.exists(staging):
+        if made and os.path.isdir(staging) and not os.path.islink(staging):  # ours, not yet swapped in
             shutil.rmtree(staging)
 
 

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import stat
 import time
 from decimal import Decimal
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from ..convert import ConvertReport
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from ..reading.formats import KeyMap
 from ..storage.commit import fsync_dir
+from ..storage.output_files import open_new, write_file_atomic
 from ..storage.safetensors_crcs import crc_metadata
 from ..progress import Progress, advance, set_total
 from .hf_owned import CONFIG_FILE, FILE_METADATA, INDEX_FILE, SHARD_NAME, SINGLE_FILE, index_json, plan_replace, \
@@ -123,40 +123,13 @@ def _plan_digest(files: Sequence[ShardFile]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _write_atomic(path: str, write: Any) -> None:
-    """``write(tmp)`` then fsync and rename to ``path``; the temporary file is removed on failure.
-    The file gets the mode a new file gets here (``0o666`` less the umask, as ``save_pretrained``'s
-    files): safetensors writes ``0600`` files, so the mode of the temporary file as created is put back."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        if os.path.lexists(tmp):  # ours: left by a killed export of a process with the same pid
-            os.remove(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
-        try:
-            mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 & ~umask (and any default ACL)
-        finally:
-            os.close(fd)
-        write(tmp)
-        os.chmod(tmp, mode)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open_new(path) as f:
+        f.write(text.encode("utf-8"))
 
 
 def _write_bytes(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
+    with open_new(path) as f:
         f.write(data)
 
 
@@ -184,8 +157,8 @@ def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile], progress
             tensors.update(read_whole(source, batch, reader))
             advance(progress, sum(t.nbytes for t in batch))
         try:
-            _write_atomic(os.path.join(out_dir, f.name),
-                          functools.partial(save_file, tensors, metadata={**FILE_METADATA, **crc_metadata(tensors)}))
+            write_file_atomic(os.path.join(out_dir, f.name),
+                              functools.partial(save_file, tensors, metadata={**FILE_METADATA, **crc_metadata(tensors)}))
         except OSError as e:
             raise CheckpointingError(f"{os.path.join(out_dir, f.name)}: cannot write ({e})") from e
         logger.debug("wrote %s: %d tensor(s), %d bytes", f.name, len(f.tensors), f.nbytes)
@@ -201,7 +174,7 @@ def _write_index(out_dir: str, files: Sequence[ShardFile], stale: Sequence[str])
     earlier export removed (:func:`~.hf_owned.plan_replace` found them before anything was written)."""
     if len(files) > 1:
         text = index_json(sum(f.nbytes for f in files), {t.name: f.name for f in files for t in f.tensors})
-        _write_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: _write_text(tmp, text))
+        write_file_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: _write_text(tmp, text))
     for n in sorted(stale, key=lambda n: n != INDEX_FILE):  # an old index first: it names old files
         os.remove(os.path.join(out_dir, n))
         logger.info("%s: removed %s of an earlier export", out_dir, n)
@@ -265,7 +238,7 @@ def to_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str
         try:
             _write_index(out, files, stale)
             if config_text is not None:
-                _write_atomic(os.path.join(out, CONFIG_FILE), lambda tmp: _write_bytes(tmp, config_text))
+                write_file_atomic(os.path.join(out, CONFIG_FILE), lambda tmp: _write_bytes(tmp, config_text))
         except OSError as e:
             error = CheckpointingError(f"{out}: cannot write {INDEX_FILE} or {CONFIG_FILE} ({e})")
     comm.agree(f"export_safetensors to {out}: writing the index", error)

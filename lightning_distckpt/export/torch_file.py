@@ -21,6 +21,7 @@ from .. import convert
 from ..convert import ConvertReport
 from ..progress import Progress
 from ..serialization import load_common_state_dict
+from ..reading.formats.files import check_torch_payload
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
 from .tensors import LIGHTNING_MANIFEST_KEY
@@ -66,6 +67,7 @@ def from_torch_file(source: Any, destination: Any, storage: StorageOptions = Sto
     t0 = time.perf_counter()
     source, destination = convert.check_import(source, destination, storage, extra_safe_globals)
     payload = load_file(source, extra_safe_globals)
+    check_torch_payload(source, payload)  # as every reader: dense CPU tensors, shapes, copy-out budget
     if not isinstance(payload, dict) or convert.is_export_payload(payload):
         return convert.import_export_payload(payload, source, destination, storage, t0)
     from ..lightning.export import import_tree  # saved as DistCheckpointIO saves a Lightning checkpoint

@@ -37,6 +37,7 @@ from ..planning.load_plan import allowing_shape_mismatch
 from ..reading.pipeline import with_cast
 from ..storage.paths import checkpoint_location
 from ..storage.stores import open_store
+from ..reading.formats.files import check_torch_payload
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
 from ..saving.async_pending import finish_saves_to
@@ -138,6 +139,7 @@ class DistCheckpointIO(CheckpointIO):
         kind: Optional[str] = None
         if os.path.isfile(target):  # a stock Lightning / Fabric torch.save file, read safely
             state = load_file(target, self.extra_safe_globals)
+            check_torch_payload(target, state)  # no meta / sparse tensor handed out as data
         else:
             state, kind = self._load_directory(target)
         if map_location is not None:

@@ -152,3 +152,24 @@ def test_zero_element_tensors_of_ordinary_shapes_still_load(tmp_path):
         loaded = ldc.load_plain_tensors(path)
         assert {k: tuple(v.shape) for k, v in loaded.items()} == {k: tuple(v.shape) for k, v in tensors.items()}
         assert torch.equal(loaded["d"], torch.ones(3))
+
+
+@pytest.mark.parametrize("case", ["meta", "expand", "names", "zero_huge"])
+def test_convert_and_the_plugin_refuse_what_every_reader_refuses(tmp_path, case):
+    """``convert X.pt OUT`` (export.from_torch_file) and ``DistCheckpointIO.load_checkpoint`` of a
+    stock file read the payload themselves: the same checks, exit status 2, nothing written."""
+    t = torch.ones(256, 1024)
+    payload = {"meta": lambda: {"w": torch.empty(2**40, device="meta")},
+               "expand": lambda: {"w": torch.zeros(1).expand(10**12)},
+               "names": lambda: {f"k{i}": t for i in range(2000)},
+               "zero_huge": lambda: {"w": torch.empty(0).as_strided((0, 2**62, 2**62), (1, 1, 1))}}[case]()
+    path = tmp_path / "x.pt"
+    torch.save(payload, path)
+    out = tmp_path / "out"
+    code, err = _convert(path, out)
+    assert code == 2 and str(path) in err and "Traceback" not in err, err
+    assert not out.exists()
+    from lightning_distckpt.lightning import DistCheckpointIO
+
+    with pytest.raises(FormatError, match=str(path)):
+        DistCheckpointIO().load_checkpoint(str(path))

@@ -12,7 +12,10 @@ entries of the index (keys, offsets and global shapes from their names); the com
 ``argparse.Namespace``: pass ``extra_safe_globals=[argparse.Namespace]`` if the checkpoint is
 trusted; importing megatron-core allows it in torch itself). Refused with a :class:`FormatError`
 naming what and why: other backends (``zarr``), and tensors Megatron-Core <= 0.15 stored in the N-D reformulated flattened form of the distributed
-optimizer (``nd_reformulated_orig_global_shape``): only the fully reshardable form is read.
+optimizer (``nd_reformulated_orig_global_shape``): only the fully reshardable form is read. A
+``metadata.json`` beside DCP files that is not Megatron's config (over 1 MiB, not JSON, without
+``sharded_backend``) and an object name whose numbers are not ASCII digits (at most 18) are
+FormatErrors too: never a read as plain DCP, never a number Python cannot convert.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from ...planning.metadata import ObjectEntry, StoredObject
 from ...storage.layout import parse_json
 from ...storage.paths import model_root
 from ...storage.safe_pickle import dumps, load_file, loads
-from .dcp import DcpReader, DcpSource
-from .dcp_metadata import DcpItem
+from .dcp import DcpReader, DcpSource, is_dcp_dir
+from .dcp_metadata import METADATA_NAME, DcpItem
 from .model_files import read_model_file
 from .tensor_files import KeyMap, map_key
 
@@ -37,7 +40,14 @@ COMMON_NAME = "common.pt"
 TORCH_DIST = "torch_dist"
 _MAX_CONFIG_BYTES = 1 << 20
 # Megatron-Core's ShardedObject.unique_key: <key>/shard_<offset, dot-separated>_<global shape>
-_UNIQUE_KEY = re.compile(r"^(?P<key>.+)/shard_(?P<offset>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
+# Numbers of ASCII digits, at most _MAX_DIGITS each (int(): no ValueError past 4300 digits, no other
+# scripts' digits); the whole name matched (fullmatch: "$" also matches before a final newline).
+_MAX_DIGITS = 18
+_NUMBER = rf"[0-9]{{1,{_MAX_DIGITS}}}"
+_NUMBERS = rf"{_NUMBER}(?:\.{_NUMBER})*"
+_UNIQUE_KEY = re.compile(rf"(?P<key>.+)/shard_(?P<offset>{_NUMBERS})_(?P<shape>{_NUMBERS})")
+_CONFIG_FIELDS = {"sharded_backend": str, "sharded_backend_version": int, "common_backend": str,
+                  "common_backend_version": int}
 
 
 @dataclass(frozen=True)
@@ -51,12 +61,30 @@ class MegatronConfig:
 
 
 def megatron_config(path: str) -> Optional[MegatronConfig]:
-    """The Megatron-Core config of directory ``path``; None when its ``metadata.json`` is missing or
-    not Megatron's (ours is also named ``metadata.json``: Megatron's has ``sharded_backend``)."""
+    """The Megatron-Core config of directory ``path``; None when its ``metadata.json`` is missing or,
+    in a directory without DCP's ``.metadata``, not Megatron's (ours is also named ``metadata.json``:
+    Megatron's has ``sharded_backend``). Beside DCP files, a ``metadata.json`` can only be Megatron's:
+    one that is too large, unreadable or not its config is a FormatError naming it, never a read of
+    the directory as plain DCP (which would silently drop ``common.pt``, the common state)."""
     config = os.path.join(path, CONFIG_NAME)
-    if not os.path.isdir(path) or not os.path.lexists(config) or (
-            os.path.isfile(config) and os.path.getsize(config) > _MAX_CONFIG_BYTES):
+    if not os.path.isdir(path) or not os.path.lexists(config):
         return None
+    if not is_dcp_dir(path):
+        return _config_beside_ours(path, config)
+    what = "Megatron-Core config"  # beside DCP files: a special file, a link out, too many bytes are refused
+    raw = parse_json(read_model_file(config, what, model_root(path), _MAX_CONFIG_BYTES), config)
+    if not isinstance(raw, dict) or "sharded_backend" not in raw:
+        raise FormatError(f"{what} {config}: not Megatron-Core's config (a JSON object with 'sharded_backend'), "
+                          f"beside DCP's {METADATA_NAME}: damaged, or another tool's file; the directory is not "
+                          "read as plain DCP, which would drop Megatron's common state")
+    return _config_fields(raw, config)
+
+
+def _config_beside_ours(path: str, config: str) -> Optional[MegatronConfig]:
+    """``metadata.json`` of a directory without DCP files: Megatron's config (then the DCP reader
+    says what is missing), or None for anything else (ours: our own reader says what is wrong with it)."""
+    if os.path.isfile(config) and os.path.getsize(config) > _MAX_CONFIG_BYTES:
+        return None  # ours may be large: never read twice
     # A special file or a link out of the directory is a FormatError naming it (never a wait). Ours is
     # also named metadata.json: a link to a file inside the directory is read here, and refused by
     # our own reader if the directory is ours.
@@ -71,16 +99,35 @@ def megatron_config(path: str) -> Optional[MegatronConfig]:
         return None  # not Megatron's config: our own reader says what is wrong with it
     if not isinstance(raw, dict) or "sharded_backend" not in raw:
         return None
-    fields = {k: raw[k] for k in ("sharded_backend", "sharded_backend_version", "common_backend",
-                                  "common_backend_version") if k in raw}
-    if not isinstance(fields["sharded_backend"], str):
-        raise FormatError(f"{config}: sharded_backend must be a string, got {fields['sharded_backend']!r}")
+    return _config_fields(raw, config)
+
+
+def _config_fields(raw: Dict[str, Any], config: str) -> MegatronConfig:
+    """Megatron's ``CheckpointingConfig`` fields, each of its type (other keys are left alone)."""
+    fields = {}
+    for name, kind in _CONFIG_FIELDS.items():
+        if name not in raw:
+            continue
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise FormatError(f"{config}: {name} must be {'a string' if kind is str else 'an integer'}, "
+                              f"got {_short(value)}")
+        fields[name] = value
     return MegatronConfig(**fields)
 
 
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters: a hostile name may be megabytes long."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def parse_unique_key(name: str) -> Optional[Tuple[str, Tuple[int, ...], Tuple[int, ...]]]:
-    """(key, offset, global shape) of a ShardedObject's unique key; None if ``name`` is not one."""
-    m = _UNIQUE_KEY.match(name)
+    """(key, offset, global shape) of a ShardedObject's unique key; None if ``name`` is not one:
+    numbers of ASCII digits only (``int`` would also take other scripts' digits), at most
+    :data:`_MAX_DIGITS` each (a longer one is no size any checkpoint has, and ``int`` refuses
+    more than 4300 digits with a ValueError)."""
+    m = _UNIQUE_KEY.fullmatch(name)
     if m is None:
         return None
     offset = tuple(int(i) for i in m["offset"].split("."))
@@ -151,8 +198,9 @@ class MegatronSource(DcpSource):
         for fqn, (_, item) in sorted(entries.items()):
             parsed = parse_unique_key(fqn)
             if parsed is None:
-                raise FormatError(f"{self.path}: DCP bytes entry {fqn!r} is not a Megatron-Core ShardedObject "
-                                  "(<key>/shard_<offset>_<shape>)")
+                raise FormatError(f"{self.path}: DCP bytes entry {_short(fqn)} is not a Megatron-Core ShardedObject "
+                                  f"(<key>/shard_<offset>_<shape>, numbers of at most {_MAX_DIGITS} ASCII digits, "
+                                  "each offset below its size)")
             raw_key, offset, shape = parsed
             key = map_key(key_map, raw_key)
             if key is None:
