@@ -25,6 +25,9 @@ Contestants (each run is a fresh pair of processes, Lightning's launcher startin
   are copied by the save's thread while the next step's forward and backward run (not run unless named).
 * ``ours_zarr`` / ``ours_zarr_async`` - the same with ``storage: {layout: zarr}`` (chunk files of
   128 KiB+ written with ``O_DIRECT``, not through the page cache; not run unless named).
+* ``ours_buffered`` / ``ours_buffered_async`` - ``ours`` / ``ours_async`` with ``storage: {direct_writes:
+  false}``: each rank's OCDBT store in one commit through the page cache, the write before the page
+  cache was kept out (``storage/page_cache.py``; not run unless named).
 
 Measured on each rank: ``fit s``, from ``on_train_start`` (after setup, DDP's broadcast) until
 ``fit`` returns (an async save still in flight at the end is waited for there: a user pays for
@@ -67,7 +70,7 @@ from benchmarks.rss import status_kib  # noqa: E402
 BASELINE = {"none": "none", "stock": "none", "stock_async": "none", "mp_none": "mp_none", "stock_dcp": "mp_none",
             "ours_mp": "mp_none", "ours_io": "none", "ours_io_async": "none", "ours": "none", "ours_async": "none",
             "ours_async_bg": "none",
-            "ours_zarr": "none", "ours_zarr_async": "none"}
+            "ours_zarr": "none", "ours_zarr_async": "none", "ours_buffered": "none", "ours_buffered_async": "none"}
 DEFAULT = ("none", "stock", "stock_async", "mp_none", "stock_dcp", "ours_io", "ours_io_async", "ours", "ours_async")
 #: size -> (layers, width)
 SIZES = {"small": (8, 128), "large": (8, 2048)}
@@ -121,6 +124,7 @@ def _strategy(name: str) -> Tuple[Any, List[Any]]:
 
     async_cfg = {"async_save": True}
     zarr_cfg = {"storage": {"layout": "zarr"}}  # plain zarr arrays: large chunks written with O_DIRECT
+    buffered_cfg = {"storage": {"direct_writes": False}}  # OCDBT in one commit through the page cache
     return {
         "none": lambda: (DDPStrategy(process_group_backend="gloo"), []),
         "stock": lambda: (DDPStrategy(process_group_backend="gloo"), []),
@@ -137,6 +141,9 @@ def _strategy(name: str) -> Tuple[Any, List[Any]]:
         "ours_zarr": lambda: (DistCheckpointStrategy(process_group_backend="gloo", checkpoint=zarr_cfg), []),
         "ours_zarr_async": lambda: (DistCheckpointStrategy(process_group_backend="gloo",
                                                            checkpoint={**zarr_cfg, **async_cfg}), []),
+        "ours_buffered": lambda: (DistCheckpointStrategy(process_group_backend="gloo", checkpoint=buffered_cfg), []),
+        "ours_buffered_async": lambda: (DistCheckpointStrategy(process_group_backend="gloo",
+                                                               checkpoint={**buffered_cfg, **async_cfg}), []),
     }[name]()
 
 
