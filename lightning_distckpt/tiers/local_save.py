@@ -21,8 +21,8 @@ from lightning_distckpt.saving.async_save import AsyncSaveRequest
 from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, rank_dir
 from lightning_distckpt.storage.staging import discard, is_staging_dir, live_owner_pids, target_of
 from lightning_distckpt.tiers.context import TMP_PREFIX, TierContext, test_point
-from lightning_distckpt.tiers.node_store import (NodeLocalStore, committed_steps, remove_step, uncommitted_dirs,
-                                                  write_note)
+from lightning_distckpt.tiers.node_store import (NodeLocalStore, committed_steps, remove_step, tier_tmp_dirs,
+                                                  uncommitted_dirs, write_note)
 from lightning_distckpt.tiers.transfer import Incoming, Outgoing, exchange
 
 logger = logging.getLogger(__name__)
@@ -159,9 +159,8 @@ def prune(ctx: TierContext, step: int, keep: int) -> None:
             continue
         if not live_owner_pids(path):
             shutil.rmtree(path, ignore_errors=True)
-    for name in os.listdir(ctx.root):
-        if name.startswith(TMP_PREFIX):
-            shutil.rmtree(os.path.join(ctx.root, name), ignore_errors=True)
+    for path in tier_tmp_dirs(ctx.root, TMP_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
     if drop:
         logger.debug("local tier: node %s removed steps %s", ctx.node, [s.step for s in drop])
 

@@ -130,6 +130,22 @@ def uncommitted_dirs(root: str) -> List[str]:
     return out
 
 
+def tier_tmp_dirs(root: str, prefix: str) -> List[str]:
+    """The tier's temporary directories under ``root`` (names starting with ``prefix``): directories
+    only, never a link, a file or a FIFO of that name (``shutil.rmtree`` opens its argument: a FIFO
+    there would block it for ever, and a link is not ours to follow)."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        path = os.path.join(root, name)
+        if name.startswith(prefix) and os.path.isdir(path) and not os.path.islink(path):
+            out.append(path)
+    return out
+
+
 def remove_step(path: str) -> None:
     """Remove a step directory of ours (the marker first, so a half-removed one is never taken as committed)."""
     if not is_ours(path):

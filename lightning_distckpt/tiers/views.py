@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from lightning_distckpt.storage.staging import find_leftovers
 from lightning_distckpt.tiers.context import TMP_PREFIX
 from lightning_distckpt.tiers.holdings import missing_stores, scan_node, by_save
-from lightning_distckpt.tiers.node_store import committed_steps, is_ours, step_of, uncommitted_dirs
+from lightning_distckpt.tiers.node_store import committed_steps, is_ours, step_of, tier_tmp_dirs, uncommitted_dirs
 from lightning_distckpt.tiers.private_root import unsafe_reason
 
 
@@ -72,10 +72,7 @@ def _not_private(root: str) -> Optional[str]:
 
 
 def _tmp_dirs(root: str) -> List[str]:
-    try:
-        return [os.path.join(root, n) for n in sorted(os.listdir(root)) if n.startswith(TMP_PREFIX)]
-    except OSError:
-        return []
+    return tier_tmp_dirs(root, TMP_PREFIX)
 
 
 def render_tier(s: Dict[str, Any]) -> str:
