@@ -359,7 +359,10 @@ TRAINER_ENTRIES = frozenset({"state_dict", "loops", "pytorch-lightning_version"}
 
 
 def fabric_writer(kind: Optional[str]) -> str:
-    """Who wrote a checkpoint with no Trainer entries, from its manifest's kind (None: not ours)."""
+    """Who wrote a checkpoint with no Trainer entries, from its manifest's kind (None: not ours). The
+    kind is read from the checkpoint: anything but a string is no kind we wrote."""
+    if kind is not None and not isinstance(kind, str):
+        return "by fabric.save or another tool (its manifest's kind is not one we write)"
     return {None: "by fabric.save or another tool (no Lightning state_dict / loops entries)",
             KIND_PLAIN: "by fabric.save with DistCheckpointIO under a rank-0 strategy (stock DDP / single device)",
             KIND_SHARDED: "by fabric.save under FabricDistCheckpointStrategy"}.get(

@@ -203,6 +203,8 @@ def _load(schema: type, cfg: Any, what: str) -> Any:
         raise ConfigError(f"invalid {what} config {source}: {e}") from None
     except ValueError as e:  # a choice refused by a dataclass __post_init__ (StorageOptions' included)
         raise ConfigError(f"invalid {what} config {source}: {e}") from None
+    except TypeError as e:  # a YAML whose top level is no mapping (a list): omegaconf cannot merge it
+        raise ConfigError(f"invalid {what} config {source}: {e}; the config must be a mapping of keys") from None
 
 
 def load_checkpoint_config(cfg: ConfigLike = None) -> DistCheckpointConfig:

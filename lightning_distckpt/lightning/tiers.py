@@ -242,9 +242,9 @@ def _touch_marker(marker: str) -> bool:
     of one object are harmless), and fsspec's cached listing of the folder is dropped, so the
     connector's ``modified`` asks S3 again."""
     if not is_s3(marker):
-        if not os.path.isfile(marker):
+        if os.path.islink(marker) or not os.path.isfile(marker):  # a link's target is not ours to touch
             return False
-        os.utime(marker)
+        os.utime(marker, follow_symlinks=False)
         return True
     folder = _marker_folder(marker)
     data = folder.read(MARKER_NAME)

@@ -126,6 +126,7 @@ def _torch_layout(node: Any, keys: Optional[List[Any]], results: List[Any]) -> A
 def _keyed_optimizer_state(node: Dict[str, Any]) -> bool:
     groups = node.get("param_groups")
     return (isinstance(groups, list) and bool(groups) and all(isinstance(g, dict) for g in groups)
+            and all(isinstance(g.get("params", []), list) for g in groups)  # read from the checkpoint
             and all(isinstance(p, str) for g in groups for p in g.get("params", []))
             and isinstance(node.get("state", {}), dict))
 

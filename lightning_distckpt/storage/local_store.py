@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import tensorstore as ts
 
-from ..core.errors import CheckpointingError, not_found
+from ..core.errors import ArgumentError, CheckpointingError, not_found
 from ..progress import Progress, advance
 from . import commit as commit_mod
 from . import staging
@@ -22,11 +22,25 @@ from .integrity import check_writer_store, store_bytes
 from .layout import (COMMON_FILE, DATA_DIR, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed, open_metadata,
                      rank_dir)
 from .options import StorageOptions
+from .output_files import is_torch_archive
 from .paths import TreeStats, local_location, read_inside, scan_tree
 from .safe_pickle import write_file_durable
 from .store import CheckpointStore, StorageFacts, WriterStore
 
 logger = logging.getLogger(__name__)
+
+
+def _removable(path: str) -> bool:
+    """A checkpoint directory of ours or an empty directory, or a regular file that ``torch.save``
+    wrote (or an empty one)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            return is_checkpoint_dir(path) or not os.listdir(path)
+        if os.path.isfile(path) and not os.path.islink(path):
+            return os.path.getsize(path) == 0 or is_torch_archive(path)
+    except OSError:
+        return False
+    return False
 
 
 class LocalStore(CheckpointStore):
@@ -169,14 +183,27 @@ class LocalStore(CheckpointStore):
         return is_committed(self.location)
 
     def remove(self) -> bool:
-        """The directory, or the link ``save_last="link"`` made (not what it points at)."""
+        """The checkpoint at this location, if it is one: a directory of ours (or an empty one), a
+        ``torch.save`` file (a stock Lightning checkpoint), or a link (``save_last="link"`` made it:
+        the link only, never what it points at) to one of those or to nothing. Anything else (a
+        user's directory or file at a path ``ModelCheckpoint`` tracks) is an ArgumentError naming
+        it, and nothing is removed. False when nothing is there."""
         target = self.location
-        if os.path.islink(target) or os.path.isfile(target):
+        if not os.path.lexists(target):
+            return False
+        if os.path.islink(target):
+            dest = os.path.realpath(target)
+            if os.path.lexists(dest) and not _removable(dest):
+                raise ArgumentError(f"remove {target}: a link to {dest}, which is not a checkpoint; "
+                                    "leaving both as they are")
             os.remove(target)
+        elif not _removable(target):
+            raise ArgumentError(f"remove {target}: not a checkpoint of ours nor a torch.save file (what is there "
+                                "would be lost); leaving it as it is")
         elif os.path.isdir(target):
             shutil.rmtree(target)
         else:
-            return False
+            os.remove(target)
         return True
 
     def _scope(self) -> Tuple[str, Optional[str]]:

@@ -85,14 +85,14 @@ def check_torch_file_target(path: str) -> None:
         raise ArgumentError(f"{path}: exists and is a symbolic link; refusing to replace it (a torch.save output "
                             "replaces only a torch.save file): give the link's target or another name")
     what = None if stat.S_ISREG(st.st_mode) else "not a regular file"
-    if what is None and st.st_size and not _is_torch_archive(path):  # empty: nothing to lose (a mkstemp name)
+    if what is None and st.st_size and not is_torch_archive(path):  # empty: nothing to lose (a mkstemp name)
         what = "not a torch.save file"
     if what is not None:
         raise ArgumentError(f"{path}: exists and is {what}; refusing to replace it (a torch.save output replaces "
                             "only a torch.save file): move it away or give another name")
 
 
-def _is_torch_archive(path: str) -> bool:
+def is_torch_archive(path: str) -> bool:
     """A zip archive as ``torch.save`` writes one: every record under one folder, ``<folder>/data.pkl``
     among them. Only the zip directory is read (a file of any size is checked in milliseconds)."""
     try:

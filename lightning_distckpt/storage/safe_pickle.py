@@ -72,6 +72,8 @@ def load_file(path: str, extra_safe_globals: Sequence[Any] = (), root: Optional[
         if _is_zip_file(path):
             return _safe_load(path, path, extra_safe_globals, omegaconf=True, mmap=True)
         return _load_not_zip(path, extra_safe_globals)
+    except OSError as e:  # EIO from the device, or a file that refuses reads (/proc/self/mem)
+        raise FormatError(f"torch.save file {path} cannot be read: {e.strerror or e}") from None
     except FormatError as e:  # UnsafeContentError included: say what the file is when it is no torch.save file
         raise (not_a_torch_file(path, root) or e) from None
 

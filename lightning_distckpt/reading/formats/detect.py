@@ -66,7 +66,10 @@ def is_safetensors(path: str, root: str = ANYWHERE) -> bool:
     if path.endswith(".safetensors"):
         return True
     with open_model_file(path, "model file", root) as f:
-        head = f.read(9)
+        try:
+            head = f.read(9)
+        except OSError as e:  # EIO from the device, or a file that refuses reads (/proc/self/mem)
+            raise FormatError(f"model file {path} cannot be read: {e.strerror or e}") from None
         size = os.fstat(f.fileno()).st_size
     return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
 
