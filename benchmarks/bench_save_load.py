@@ -64,7 +64,7 @@ CONTESTANTS = ("ours", "torch", "dcp", "raw")
 
 # -- contestants -----------------------------------------------------------------------------
 def _ours(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: int, world: int,
-          loader: Optional[str] = None, checksums: str = "on", layout: str = "ocdbt"):
+          loader: Optional[str] = None, checksums: str = "on", layout: str = "ocdbt", direct_writes: bool = True):
     import lightning_distckpt as ldc
 
     def sharded(tensors: List[torch.Tensor]) -> Dict[str, Any]:
@@ -80,7 +80,8 @@ def _ours(state: List[LocalTensor], dest: List[torch.Tensor], path: str, rank: i
 
     def save() -> None:
         with mode():
-            ldc.save(sharded([t.data for t in state]), path, storage=ldc.StorageOptions(layout=layout))
+            ldc.save(sharded([t.data for t in state]), path,
+                     storage=ldc.StorageOptions(layout=layout, direct_writes=direct_writes))
 
     def load() -> None:
         with mode():
@@ -195,10 +196,13 @@ def factory(name: str) -> Callable:
     """``ours`` (the library's default loader), ``ours:<loader>`` (e.g. ``ours:every_rank``),
     ``ours:nocrc`` (saved without chunk checksums: the off side of the checksum A/B),
     ``ours:codec`` (chunk checksums by the zarr ``crc32c`` codec, as formats 3-4 saved),
-    ``ours:zarr`` (the zarr layout: chunk files of 128 KiB+ written with ``O_DIRECT``), or one of
-    the other contestants."""
+    ``ours:zarr`` (the zarr layout: chunk files of 128 KiB+ written with ``O_DIRECT``),
+    ``ours:buffered`` (``direct_writes=False``: each rank's OCDBT store in one commit through the page
+    cache, as before ``storage/page_cache.py``), or one of the other contestants."""
     if name == "ours:zarr":  # plain zarr arrays, chunks of 128 KiB+ written with O_DIRECT
         return lambda *a: _ours(*a, layout="zarr")
+    if name == "ours:buffered":
+        return lambda *a: _ours(*a, direct_writes=False)
     if name in ("ours:nocrc", "ours:codec"):
         return lambda *a: _ours(*a, checksums="off" if name == "ours:nocrc" else "codec")
     if name.startswith("ours:"):
