@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, FrozenSet, List, Optional
+from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Tuple
 
 from lightning_distckpt.core.errors import ArgumentError
 from lightning_distckpt.storage.layout import COMMIT_MARKER, is_committed
@@ -113,37 +113,28 @@ def committed_steps(root: str) -> List[LocalStep]:
     return sorted(out, key=lambda s: s.step)
 
 
+def _subdirs(root: str) -> List[Tuple[str, str]]:
+    """(name, path) of the directories in ``root``, by name: never a link, a file or a FIFO
+    (``shutil.rmtree`` opens its argument: a FIFO would block it for ever, and a link is not ours to
+    follow)."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    paths = [(name, os.path.join(root, name)) for name in names]
+    return [(name, path) for name, path in paths if os.path.isdir(path) and not os.path.islink(path)]
+
+
 def uncommitted_dirs(root: str) -> List[str]:
     """Directories under ``root`` that local saves or fetches left unfinished: staging directories,
     and step directories of ours without a commit marker."""
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        path = os.path.join(root, name)
-        if os.path.islink(path) or not os.path.isdir(path):
-            continue
-        if is_staging_dir(path) or (step_of(name) is not None and is_ours(path) and not is_committed(path)):
-            out.append(path)
-    return out
+    return [path for name, path in _subdirs(root) if is_staging_dir(path) or (
+        step_of(name) is not None and is_ours(path) and not is_committed(path))]
 
 
 def tier_tmp_dirs(root: str, prefix: str) -> List[str]:
-    """The tier's temporary directories under ``root`` (names starting with ``prefix``): directories
-    only, never a link, a file or a FIFO of that name (``shutil.rmtree`` opens its argument: a FIFO
-    there would block it for ever, and a link is not ours to follow)."""
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        path = os.path.join(root, name)
-        if name.startswith(prefix) and os.path.isdir(path) and not os.path.islink(path):
-            out.append(path)
-    return out
+    """The tier's temporary directories under ``root`` (names starting with ``prefix``): directories only."""
+    return [path for name, path in _subdirs(root) if name.startswith(prefix)]
 
 
 def remove_step(path: str) -> None:

@@ -71,3 +71,15 @@ def damage_bytes(data: bytes, how: str, at: int, span: int, mask: int, extra: by
     if how == "insert":
         return data[:at] + extra + data[at:]
     return data[:at] + data[at + span:]  # delete
+
+
+def edit_dcp_metadata(path: str, edit: Callable[[Any], None]) -> None:
+    """Apply ``edit`` to the DCP checkpoint ``path``'s ``.metadata`` (a test's own file, unpickled here)."""
+    import pickle
+
+    meta_path = os.path.join(path, ".metadata")
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    edit(meta)
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)

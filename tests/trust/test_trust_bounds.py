@@ -22,7 +22,6 @@ import hashlib
 import io
 import json
 import os
-import pickle
 import struct
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.core.errors import CheckpointingError, FormatError
-from trust.hostile import run_bounded
+from trust.hostile import edit_dcp_metadata, run_bounded
 
 BOUND_S = 60
 MODEST_MB = 1500  # python, torch and the library take about 400 MB; terabyte claims must not add to it
@@ -299,14 +298,6 @@ def _dcp(tmp_path, name):
     return path
 
 
-def _edit_dcp(path, edit):
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        meta = pickle.load(f)  # the test's own file
-    edit(meta)
-    with open(os.path.join(path, ".metadata"), "wb") as f:
-        pickle.dump(meta, f)
-
-
 def test_dcp_metadata_claiming_a_trillion_elements_is_refused(tmp_path):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -318,10 +309,10 @@ def test_dcp_metadata_claiming_a_trillion_elements_is_refused(tmp_path):
     def size_only(meta):  # the tensor claims 10**12, its chunk stays 16 elements
         meta.state_dict_metadata["w"].size = torch.Size([10**12])
     path = _dcp(tmp_path, "chunk")
-    _edit_dcp(path, both)
+    edit_dcp_metadata(path, both)
     _refused("plain", path, "claims 4000000000000 bytes", "holds")
     path = _dcp(tmp_path, "size")
-    _edit_dcp(path, size_only)
+    edit_dcp_metadata(path, size_only)
     _refused("plain", path, "rows [16, 1000000000000) are not stored")
     out = ldc.load({"w": ldc.ShardedTensor.from_offsets("w", torch.zeros(16), (10**12,), (0,))}, path)
     assert torch.equal(out["w"], torch.arange(16.0))  # a template reads the stored part

@@ -28,20 +28,13 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 
 import lightning_distckpt as ldc
 from lightning_distckpt.core.errors import FormatError, UnsafeContentError
+from trust.hostile import edit_dcp_metadata
 
 
 def _save(tmp_path, name, state):
     path = str(tmp_path / name)
     dcp.save(state, checkpoint_id=path, no_dist=True)
     return path
-
-
-def _edit(path, edit):
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        meta = pickle.load(f)  # the test's own file
-    edit(meta)
-    with open(os.path.join(path, ".metadata"), "wb") as f:
-        pickle.dump(meta, f)
 
 
 def _s(text):
@@ -147,7 +140,7 @@ def test_a_chunk_of_another_dtype_than_declared_is_refused(tmp_path, case):
 
     def lie(meta):
         meta.state_dict_metadata["x"].properties.dtype = declared
-    _edit(path, lie)
+    edit_dcp_metadata(path, lie)
     needles = ("'x'", os.path.join(path, "__0_0.distcp"), f"dtype {stored.dtype}", f"declares {declared}")
     with pytest.raises(FormatError) as err:
         ldc.load_plain_tensors(path)
@@ -197,7 +190,7 @@ SHARED = {"repeated rows": (_repeated_rows, torch.arange(16.0).reshape(4, 4)),
 def test_chunks_sharing_stored_bytes_are_refused_when_opened(tmp_path, case):
     edit, w = SHARED[case]
     path = _save(tmp_path, "ck", {"w": w, "v": torch.arange(4.0)})
-    _edit(path, edit)
+    edit_dcp_metadata(path, edit)
     for read in (ldc.load_tensors_metadata, ldc.load_plain_tensors, ldc.validate):
         with pytest.raises(FormatError) as err:
             read(path)
@@ -223,7 +216,7 @@ def test_a_size_beyond_torch_strides_is_refused_from_the_metadata(tmp_path, size
         meta.state_dict_metadata["w"].size = torch.Size(size)
         meta.state_dict_metadata["w"].chunks[0].offsets = torch.Size([0] * len(size))
         meta.state_dict_metadata["w"].chunks[0].sizes = torch.Size([0] * len(size))
-    _edit(path, huge)
+    edit_dcp_metadata(path, huge)
     for read in (ldc.load_tensors_metadata, ldc.load_plain_tensors):
         with pytest.raises(FormatError) as err:
             read(path)
@@ -237,7 +230,7 @@ def test_a_size_just_within_torch_strides_loads(tmp_path):
 
     def big(meta):
         meta.state_dict_metadata["w"].size = torch.Size([0, 2**62])
-    _edit(path, big)
+    edit_dcp_metadata(path, big)
     assert ldc.load_tensors_metadata(path)["w"].global_shape == (0, 2**62)
     out = ldc.load_plain_tensors(path)
     assert out["w"].shape == (0, 2**62) and out["w"].dtype == torch.float32
