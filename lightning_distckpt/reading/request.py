@@ -7,7 +7,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
+import torch
+
 from ..comm import Comm
+from ..core.errors import ShardingError
 from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
 from ..core.state_dict import apply_factories, collect, merge, merge_factories, replace_leaves, split_common
@@ -63,6 +66,7 @@ def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
 
     def slot(leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
+            _check_writable(leaf)
             tensors.append(leaf)
             if id(leaf) in plain_at:
                 plain[len(tensors) - 1] = plain_at[id(leaf)]
@@ -73,6 +77,17 @@ def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
         return leaf
 
     return LoadRequest(replace_leaves(sharded, slot), tensors, objects, plain)
+
+
+def _check_writable(st: ShardedTensor) -> None:
+    """A template tensor a load can write into: none of its elements shares memory with another
+    (``torch.empty(1, 4).expand(3, 4)``), which torch's copy refuses with a RuntimeError mid-load.
+    The check is torch's own (``MemOverlap::Yes``); ShardingError names the key before anything is read."""
+    data = st.data
+    if isinstance(data, torch.Tensor) and data.numel() > 1 and torch._debug_has_internal_overlap(data) == 1:
+        raise ShardingError(f"load template: {st.key!r} is a tensor whose elements share memory (strides "
+                            f"{tuple(data.stride())} for shape {tuple(data.shape)}: an expand() or as_strided view), "
+                            "which a load cannot write into; pass a tensor of its own (.clone(), torch.empty)")
 
 
 class KeyMatch(NamedTuple):

@@ -14,6 +14,7 @@ its dirty pages anyway.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Set
 
 
@@ -35,11 +36,13 @@ class Dropped:
                 if path in self.seen:
                     continue
                 self.seen.add(path)
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:  # never blocks: O_NONBLOCK (a FIFO put there opens at once), and only regular files advised
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
                 except OSError:
                     continue
                 try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        continue
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     count += 1
                 except OSError:
