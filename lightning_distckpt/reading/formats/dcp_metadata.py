@@ -27,6 +27,7 @@ import torch
 from ...core.errors import FormatError, UnsafeContentError
 from ...storage.paths import ANYWHERE
 from .model_files import read_model_file
+from .tensor_files import check_shape
 
 METADATA_NAME = ".metadata"
 
@@ -314,10 +315,9 @@ def _item(items: Dict[_ItemKey, DcpItem], fqn: str, offset: Optional[Tuple[int, 
 
 def _tensor(entry: Any, fqn: str, items: Dict[_ItemKey, DcpItem], path: str) -> DcpTensor:
     shape = _ints(entry.size, f"{fqn!r} size", path)
-    # torch's strides are int64: a shape beyond them (even of no elements, [0, 2**64]) is no tensor
-    if math.prod(max(n, 1) for n in shape) >= 2**63:
-        raise FormatError(f"{path}: {fqn!r} has size {list(shape)}, beyond what a tensor can be (the product of "
-                          "its dimensions, a 0 counted as 1, must stay below 2**63)")
+    # torch's strides are int64: a shape beyond them (even of no elements, [0, 2**64]) is no tensor.
+    # Counted in elements, not bytes: torch makes an empty [0, 2**62] float32 tensor, which loads.
+    check_shape(f"{path}: {fqn!r}", shape, 1)
     dtype = getattr(entry.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         raise FormatError(f"{path}: {fqn!r} has no dtype in its properties")
