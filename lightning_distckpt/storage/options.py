@@ -29,7 +29,8 @@ class StorageOptions:
     io_concurrency: tensorstore's file I/O and copy concurrency (not recorded: a reader's choice).
     data_file_bytes: ``"ocdbt"`` only: target size of each OCDBT data file. Bounded files are
         written concurrently and each in moderate ``writev`` calls; a rank writes about
-        ``bytes / data_file_bytes`` + a few files. Not recorded: readers do not need it.
+        ``bytes / data_file_bytes`` + a few files (with ``direct_writes`` on a local disk, one or more
+        per 32 MiB part of the write). Not recorded: readers do not need it.
     pack_max_bytes: shards of at most this many bytes (not flattened) are packed into one array
         per writing rank and dtype instead of an array each; 0 packs nothing. Where each shard
         went is recorded per shard in ``metadata.json``.
