@@ -211,9 +211,10 @@ def run_one(cmd: Dict[str, Any]) -> Dict[str, Any]:
             return {"ok": True}
         from lightning_distckpt.cli.main import main
 
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = main(cmd["argv"])
-        return {"ok": rc == 0, "rc": rc, "message": err.getvalue()[-2000:]}
+        return {"ok": rc == 0, "rc": rc, "message": err.getvalue()[-2000:], "stdout": out.getvalue()[-4000:]}
     except ldc.CheckpointingError as e:
         return {"ok": False, "error": type(e).__name__, "checkpointing_error": True, "message": str(e)[:2000]}
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it

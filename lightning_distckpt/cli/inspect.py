@@ -63,7 +63,7 @@ def summarize(ckpt: OpenedCheckpoint, progress: Optional[Progress] = None) -> Di
         objects.append({"key": key, "shape": list(o.global_shape), "elements": len(o.shards),
                         "writers": sorted({s.writer for s in o.shards})})
     marker = ckpt.marker
-    data_files, data_bytes, common_bytes, leftovers = ckpt.storage_facts()  # as its store knows them
+    facts = ckpt.storage_facts()  # as its store knows them
     return {
         "path": ckpt.path,
         "committed": True,  # OpenedCheckpoint.open refuses anything else
@@ -73,12 +73,12 @@ def summarize(ckpt: OpenedCheckpoint, progress: Optional[Progress] = None) -> Di
         "world_size": meta.get("world_size"), "created_unix": meta.get("created_unix"),
         "committed_unix": marker.get("committed_unix"), "storage": meta.get("storage", {}),
         "tensor_bytes": sum(t["stored_bytes"] for t in tensors),
-        "common_bytes": common_bytes, "data_files": data_files, "data_file_bytes": data_bytes,
+        "common_bytes": facts.common_bytes, "data_files": facts.data_files, "data_file_bytes": facts.data_bytes,
         "stored_arrays": sum(t["shards"] - t["packed"] for t in tensors) + len(
             {(s.writer, e.dtype) for e in ckpt.index.tensors.values() for s in e.shards if s.packed is not None}),
         "packed_shards": sum(t["packed"] for t in tensors),
         "tensors": tensors, "objects": objects,
-        "leftovers": leftovers,
+        "leftovers": facts.leftovers, "foreign": list(facts.foreign),
     }
 
 
@@ -125,6 +125,8 @@ def render(s: Dict[str, Any]) -> str:
             f"({human_bytes(sum(lo['bytes'] or 0 for lo in s['leftovers']))}): lightning-distckpt clean "
             f"{os.path.dirname(s['path'])}"
         )
+    for entry in s["foreign"]:
+        lines.append(f"foreign      {entry}: not written by a save (a load never reads it; left alone)")
     lines.append("")
     rows = []
     for t in s["tensors"]:

@@ -95,6 +95,11 @@ def is_committed(checkpoint_dir: str) -> bool:
 _RANK_DIR = re.compile(r"rank_\d{5,}")
 
 
+def is_rank_dir_name(name: str) -> bool:
+    """Whether ``name`` (an entry of ``data/``) is named as a rank's store: ``rank_NNNNN``."""
+    return _RANK_DIR.fullmatch(name) is not None
+
+
 def is_checkpoint_dir(path: str) -> bool:
     """A directory that this library wrote (committed or not), by our own markers only: the commit
     marker, a ``metadata.json`` naming our format, or a ``data/rank_NNNNN/`` tree. A folder that

@@ -10,20 +10,21 @@ import logging
 import math
 import os
 import shutil
+import stat
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import tensorstore as ts
 
-from ..core.errors import ArgumentError, CheckpointingError, not_found
+from ..core.errors import ArgumentError, CheckpointingError, FormatError, not_found
 from ..progress import Progress, advance
 from . import commit as commit_mod
 from . import staging
 from .integrity import check_writer_store, store_bytes
-from .layout import (COMMON_FILE, DATA_DIR, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed, open_metadata,
-                     rank_dir)
+from .layout import (COMMON_FILE, DATA_DIR, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed,
+                     is_rank_dir_name, open_metadata, rank_dir)
 from .options import StorageOptions
 from .output_files import is_torch_archive
-from .paths import TreeStats, local_location, read_inside, scan_tree
+from .paths import TreeStats, kind_of, local_location, read_inside, refuse_link, scan_tree
 from .safe_pickle import write_file_durable
 from .store import CheckpointStore, StorageFacts, WriterStore
 
@@ -146,15 +147,12 @@ class LocalStore(CheckpointStore):
         check_writer_store(path, writer, claimed_bytes)
 
     def facts(self, path: str) -> StorageFacts:
-        try:
-            data = scan_tree(os.path.join(path, DATA_DIR), "data directory")
-        except FileNotFoundError:
-            data = TreeStats(0, 0)
+        data, foreign = _scan_data(os.path.join(path, DATA_DIR))
         common = os.path.join(path, COMMON_FILE)
         leftovers = [{"path": lo.path, "bytes": lo.nbytes, "idle_s": round(lo.idle_s, 1),
                       "in_progress": bool(lo.live_owner_pids)} for lo in staging.find_leftovers(*os.path.split(path))]
         common_bytes = os.lstat(common).st_size if os.path.isfile(common) and not os.path.islink(common) else None
-        return StorageFacts(data.files, data.nbytes, common_bytes, leftovers)
+        return StorageFacts(data.files, data.nbytes, common_bytes, leftovers, foreign)
 
     # -- tensorstore ----------------------------------------------------------------------
     def kvstore_spec(self, path: str) -> Dict[str, Any]:
@@ -254,3 +252,28 @@ class LocalStore(CheckpointStore):
         for target in sorted(t for t in targets if matches.match(os.path.basename(t)) and not os.path.lexists(t)):
             commit_mod.recover_interrupted_commit(target)
         return None
+
+
+def _scan_data(data_dir: str) -> Tuple[TreeStats, Tuple[str, ...]]:
+    """The rank stores' files and bytes under ``data_dir`` (each walked by :func:`scan_tree`, which
+    refuses a link or special file inside a store, as a load would), and the entries beside them that
+    no save writes, described (``"data/x: a FIFO (named pipe)"``): a load never opens those, so they
+    are reported, not refused, and never touched."""
+    try:
+        st = refuse_link(data_dir, "data directory")
+    except FileNotFoundError:
+        return TreeStats(0, 0), ()
+    if not stat.S_ISDIR(st.st_mode):
+        raise FormatError(f"data directory {data_dir} is {kind_of(st.st_mode)}, not a directory")
+    files = nbytes = 0
+    foreign: List[str] = []
+    names = sorted(os.listdir(data_dir))
+    for name in names:
+        entry = os.path.join(data_dir, name)
+        st = os.lstat(entry)
+        if is_rank_dir_name(name) and stat.S_ISDIR(st.st_mode):
+            store = scan_tree(entry, "data directory")
+            files, nbytes = files + store.files, nbytes + store.nbytes
+        else:
+            foreign.append(f"{DATA_DIR}/{name}: {kind_of(st.st_mode)}")
+    return TreeStats(files, nbytes), tuple(foreign)

@@ -50,6 +50,9 @@ class StorageFacts(NamedTuple):
     data_bytes: Optional[int]
     common_bytes: Optional[int]
     leftovers: List[Dict[str, Any]]
+    #: entries under ``data/`` that no save writes (not a rank store), e.g. ``"data/x: a FIFO (named pipe)"``:
+    #: never read by a load, reported by ``inspect`` and ``validate`` and left alone
+    foreign: Tuple[str, ...] = ()
 
 
 class CheckpointStore(ABC):

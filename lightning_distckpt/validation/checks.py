@@ -56,6 +56,7 @@ def validate_checkpoint(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20
             f"undetected")
     if writers is None:
         check_index(ckpt, report)
+        _note_foreign_entries(ckpt, report)
     tio = ckpt.reader(check_sizes=False)  # damage named shard by shard
     dead = _check_writer_stores(ckpt, report, writers)
     todo = [(key, shard) for key in sorted(ckpt.index.tensors) for shard in ckpt.index.tensors[key].shards
@@ -240,6 +241,16 @@ def _check_objects(ckpt: OpenedCheckpoint, tio: TensorStoreIO, dead: set, report
             add_total(report.progress, len(blob))
             report.count(len(blob))
             _check_blob(blob, where, report)
+
+
+def _note_foreign_entries(ckpt: OpenedCheckpoint, report: ValidationReport) -> None:
+    """A warning for each entry of ``data/`` that no save writes (as ``inspect`` lists them): a load
+    never reads it, so it is no damage. A store's own faults are reported store by store below."""
+    try:
+        foreign = ckpt.storage_facts().foreign
+    except (CheckpointingError, OSError):
+        return
+    report.warnings.extend(f"{entry}: not written by a save (a load never reads it; left alone)" for entry in foreign)
 
 
 def _check_common(ckpt: OpenedCheckpoint, report: ValidationReport) -> None:

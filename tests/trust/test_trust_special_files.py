@@ -214,3 +214,29 @@ def test_owner_notes_that_are_no_notes_are_no_evidence(tmp_path):
     (notes / "rank_00003.json").write_text(f'{{"host": "{socket.gethostname()}", "pid": -1}}')
     (notes / "rank_00004.json").write_text("[1, 2]")
     assert _bounded(lambda: _live_owners(str(tmp_path / "s")), str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "file"])
+def test_an_entry_beside_the_rank_stores_is_reported_alike_by_inspect_and_validate(runner, tmp_path, kind):
+    """Something no save writes, put in ``data/`` beside the rank stores, is never opened by a load:
+    ``inspect`` and ``validate`` both succeed and both name it (``inspect`` used to refuse a FIFO
+    there while ``validate`` said OK), and it is left in place."""
+    ck = save_ours(str(tmp_path / "ck"))
+    planted = os.path.join(ck, "data", "planted")
+    if kind == "file":
+        with open(planted, "wb") as f:
+            f.write(b"not ours")
+    else:
+        make_special(planted, kind)
+    try:
+        outcomes = runner.run([{"op": "cli", "argv": ["inspect", ck]}, {"op": "cli", "argv": ["validate", ck]},
+                               {"op": "load", "fmt": "ocdbt", "path": ck}])
+    finally:
+        unblock_fifos(str(tmp_path))
+    inspect, validate, load = outcomes
+    assert inspect["ok"] and validate["ok"] and load["ok"] and load["exact"], outcomes
+    word = {"fifo": "FIFO", "socket": "socket", "file": "regular file"}[kind]
+    for o in (inspect, validate):
+        assert f"data/planted: a {word}" in o["stdout"], o
+        assert "not written by a save" in o["stdout"], o
+    assert os.path.lexists(planted)
