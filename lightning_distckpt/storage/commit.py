@@ -19,7 +19,7 @@ import shutil
 import signal
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import AbstractSet, Any, Callable, List, NamedTuple, Optional, Tuple
 
 from ..core.errors import CheckpointingError
 from .checksums import sha256_hex
@@ -113,17 +113,20 @@ def in_background(fn: Callable[[], Any]) -> "Optional[Future[Any]]":
     return _SYNC_POOL.submit(fn)
 
 
-def fsync_tree(root: str) -> None:
-    """fsync every file and every directory under ``root`` (``root`` included), all at once
-    (:func:`fsync_all`). The directories go with the files, not after them: each fsync makes
-    durable what is there when it runs (a directory its entries, a file its data), the files and
-    their entries all exist before this is called, and nothing after it relies on an order among
-    them, only on all being done when it returns (before the commit marker; :func:`commit`)."""
-    paths: List[str] = []
+def fsync_tree(root: str, skip: AbstractSet[str] = frozenset()) -> List[str]:
+    """fsync every file (but those in ``skip``, durable and unchanged since) and every directory
+    under ``root`` (``root`` included), all at once (:func:`fsync_all`); returns the files synced.
+    The directories go with the files, not after them: each fsync makes durable what is there when
+    it runs (a directory its entries, a file its data), the files and their entries all exist
+    before this is called, and nothing after it relies on an order among them, only on all being
+    done when it returns (before the commit marker; :func:`commit`)."""
+    dirs: List[str] = []
+    files: List[str] = []
     for dirpath, _, filenames in os.walk(root):
-        paths.append(dirpath)
-        paths += [os.path.join(dirpath, name) for name in filenames]
-    fsync_all(paths)
+        dirs.append(dirpath)
+        files += [path for path in (os.path.join(dirpath, name) for name in filenames) if path not in skip]
+    fsync_all(dirs + files)
+    return files
 
 
 def fsync_all(paths: List[str]) -> None:

@@ -11,7 +11,7 @@ import math
 import os
 import shutil
 import stat
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Dict, List, Optional, Set, Tuple
 
 import tensorstore as ts
 
@@ -171,10 +171,11 @@ class LocalStore(CheckpointStore):
         spec["file_io_sync"] = False
         return ts.Context(spec)
 
-    def make_durable(self, store_dir: str, options: StorageOptions) -> None:
-        """After a write into the rank store ``store_dir`` committed: its files and directories
-        durable (``storage/commit.fsync_tree``), where :meth:`ts_context` left them unsynced."""
-        commit_mod.fsync_tree(store_dir)
+    def make_durable(self, store_dir: str, options: StorageOptions,
+                     known_durable: AbstractSet[str] = frozenset()) -> List[str]:
+        """After a write into the rank store ``store_dir`` committed: its files (but ``known_durable``)
+        and directories durable (``storage/commit.fsync_tree``), where :meth:`ts_context` left them unsynced."""
+        return commit_mod.fsync_tree(store_dir, known_durable)
 
     # -- versions ---------------------------------------------------------------------------
     def exists(self) -> bool:

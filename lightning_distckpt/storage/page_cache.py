@@ -15,38 +15,27 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Set
+from typing import Iterable
 
 
-class Dropped:
-    """The files of one save already dropped, so each later part drops only what is new."""
-
-    def __init__(self) -> None:
-        self.seen: Set[str] = set()
-
-    def drop_new(self, directory: str) -> int:
-        """Drop every regular file under ``directory`` not dropped before (each already durable);
-        returns how many. Best effort: a file that cannot be opened or advised is left cached."""
-        if not hasattr(os, "posix_fadvise"):
-            return 0
-        count = 0
-        for dirpath, _, names in os.walk(directory):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                if path in self.seen:
-                    continue
-                self.seen.add(path)
-                try:  # never blocks: O_NONBLOCK (a FIFO put there opens at once), and only regular files advised
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-                except OSError:
-                    continue
-                try:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
-                        continue
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    count += 1
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
-        return count
+def drop(paths: Iterable[str]) -> int:
+    """Drop each of ``paths`` (files a save wrote and made durable) from the page cache; returns how
+    many were advised. Best effort: a file that cannot be opened or advised stays cached; anything
+    but a regular file is left alone."""
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    count = 0
+    for path in paths:
+        try:  # never blocks: O_NONBLOCK (a FIFO put there opens at once), and only regular files advised
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                count += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return count

@@ -21,7 +21,7 @@ store's key-value store (:meth:`~CheckpointStore.kvstore_spec`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Any, ClassVar, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorstore as ts
 
@@ -103,9 +103,14 @@ class CheckpointStore(ABC):
     def write_blob(self, staging: str, name: str, data: bytes) -> None:
         """Write one whole blob (``common.pt``) into ``staging``, durable when it returns."""
 
-    def make_durable(self, store_dir: str, options: StorageOptions) -> None:
+    def make_durable(self, store_dir: str, options: StorageOptions,
+                     known_durable: AbstractSet[str] = frozenset()) -> List[str]:
         """After a write into one rank's store committed: make what it wrote durable, where the
-        store's :meth:`ts_context` leaves that to the writer (nothing by default)."""
+        store's :meth:`ts_context` leaves that to the writer (nothing by default). ``known_durable``:
+        files made durable by an earlier call of the same save that nothing has changed since (an
+        OCDBT store's data files are written once): no need to sync them again. Returns the files
+        it made durable."""
+        return []
 
     @abstractmethod
     def commit(self, staging: str, metadata_json: str, marker: Dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ the page cache (red-team findings).
 * A template tensor whose elements share memory (``torch.empty(1, 4).expand(3, 4)``) was a raw
   RuntimeError from torch's copy mid-load; it is a ShardingError naming the key, before anything is
   read, the same on every rank when one rank's template is the odd one.
-* ``page_cache.Dropped`` opens every file a save wrote to drop it from the cache: a FIFO among them
+* ``page_cache.drop`` opens every file a save wrote to drop it from the cache: a FIFO among them
   (put there while the save ran) would have blocked that open for ever; it is skipped.
 """
 
@@ -16,7 +16,7 @@ import torch
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.core.errors import ShardingError
-from lightning_distckpt.storage.page_cache import Dropped
+from lightning_distckpt.storage.page_cache import drop
 from trust.hostile import run_bounded
 
 
@@ -58,6 +58,7 @@ def test_dropping_written_files_skips_a_fifo(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "data").write_bytes(b"x" * 8192)
     os.mkfifo(tmp_path / "d" / "fifo")
-    out = run_bounded(lambda: Dropped().drop_new(str(tmp_path)), 30,
+    paths = [str(tmp_path / "d" / name) for name in ("data", "fifo")]
+    out = run_bounded(lambda: drop(paths), 30,
                       on_timeout=lambda: os.close(os.open(tmp_path / "d" / "fifo", os.O_WRONLY | os.O_NONBLOCK)))
     assert out == {"value": 1}  # the regular file only

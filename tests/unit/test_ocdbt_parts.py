@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lightning_distckpt as ldc
-from lightning_distckpt.storage import direct_write
+from lightning_distckpt.storage import commit, direct_write
 from lightning_distckpt.storage.tensorstore_write import PART_BYTES
 
 needs_linux = pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not hasattr(os, "O_DIRECT"),
@@ -85,3 +85,24 @@ def test_a_large_store_is_written_in_parts_and_leaves_the_cache(tmp_path, monkey
         assert sum(cached.values()) * mmap.PAGESIZE <= 64 * 1024, cached
     else:
         assert _versions(ckpt) == 1  # one commit, as before
+
+
+@needs_linux
+def test_each_part_syncs_only_what_it_wrote(tmp_path, monkeypatch):
+    """A part's commit adds a data file no later commit changes: each data file is fsync'd once, by
+    its own part, not again at every later part (n parts took n * n / 2 fsyncs); the manifest and
+    the directories, which each commit changes, at every part."""
+    if not direct_write.supported(str(tmp_path)):
+        pytest.skip(f"{tmp_path}'s file system has no page cache to skip (tmpfs)")
+    monkeypatch.setenv(direct_write.DIRECT_WRITES_ENV, "1")
+    synced = []
+    real = commit.fsync_all
+    monkeypatch.setattr(commit, "fsync_all", lambda paths: (synced.extend(paths), real(paths))[1])
+    ckpt = str(tmp_path / "ckpt")
+    ldc.save(_state(), ckpt)
+    data = [p for p in synced if os.sep + "d" + os.sep in p and "rank_00000" in p]
+    assert _versions(ckpt) == 3 and len(data) == len(set(data)) == 3, data  # one data file per part, once each
+    manifests = [p for p in synced if p.endswith("manifest.ocdbt")]
+    assert len(manifests) == 3, manifests
+    out = ldc.load(_state(template=True), ckpt)
+    assert torch.equal(out["big0"], _state()["big0"].data)
