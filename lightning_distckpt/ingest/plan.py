@@ -166,16 +166,26 @@ def _check(state_dict: Mapping[str, Any], key: str, tensor: Any, needs: Sequence
         raise FormatError(f"{where} is a {type(tensor).__name__}, not a tensor")
     if tensor.device.type == "meta":
         raise FormatError(f"{where} is on the meta device: rank 0's state dict must hold the data")
+    if tensor.is_quantized:
+        raise FormatError(f"{where} is a quantized tensor ({str(tensor.dtype).replace('torch.', '')}); dequantize it "
+                          "first: quantized tensors are not sharded here")
     for n in needs:
         if tuple(tensor.shape) != n.global_shape:
             raise ShardingError(
                 f"{where} has shape {tuple(tensor.shape)} but rank {n.rank}'s entry {n.name!r} describes a global "
                 f"shape {n.global_shape} (a shape mismatch is not padded or truncated here)")
-        if dtype_kind(n.dtype) != dtype_kind(tensor.dtype):
+        if _kind(n.dtype) != _kind(tensor.dtype):
             raise ShardingError(
                 f"{where} is stored as {str(tensor.dtype).replace('torch.', '')} but rank {n.rank}'s entry {n.name!r} "
                 f"is {str(n.dtype).replace('torch.', '')}; floating dtypes convert to floating ones and integer "
                 f"dtypes to integer ones only")
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """:func:`dtype_kind`, with complex dtypes a kind of their own: ``copy_`` of a complex tensor into
+    an integer or floating one keeps only the real parts (a file's complex tensor loaded into an int
+    buffer would silently lose its imaginary parts)."""
+    return "complex" if dtype.is_complex else dtype_kind(dtype)
 
 
 def _bounding_box(needs: Sequence[Need]) -> Optional[Box]:

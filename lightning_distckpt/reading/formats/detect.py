@@ -54,7 +54,8 @@ def open_tensor_files(path: str, extra_safe_globals: Sequence[Any] = ()) -> Opti
     for name in HF_INDEXES:
         if os.path.lexists(os.path.join(path, name)):
             index = _index_files(path, name, root)
-            return [IndexedFile(open_file(f, extra_safe_globals, root), keys) for f, keys in index.items()]
+            opened = [IndexedFile(open_file(f, extra_safe_globals, root), keys) for f, keys in index.items()]
+            return _with_unlisted_tensors(os.path.join(path, name), opened)
     for name in HF_SINGLE_FILES:
         if os.path.lexists(os.path.join(path, name)):
             return [IndexedFile(open_file(os.path.join(path, name), extra_safe_globals, root), None)]
@@ -92,6 +93,8 @@ def _index_files(directory: str, index_name: str, root: str) -> Dict[str, List[s
         raise FormatError(f"{index_path}: not a Hugging Face index (JSON with a 'weight_map')")
     if not isinstance(weight_map, dict):
         raise FormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
+    if not weight_map:  # Hugging Face writes an index only for tensors; read, this one would give none
+        raise FormatError(f"{index_path}: 'weight_map' is empty: the index names no tensor (damaged?)")
     out: Dict[str, List[str]] = {}
     for key, name in weight_map.items():
         if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
@@ -101,6 +104,27 @@ def _index_files(directory: str, index_name: str, root: str) -> Dict[str, List[s
             raise FormatError(f"{index_path}: tensor {key!r}: shard file {name!r} is missing")
         out.setdefault(full, []).append(key)
     _check_all_shards_named(directory, index_path, {os.path.basename(f) for f in out})
+    return out
+
+
+def _with_unlisted_tensors(index_path: str, files: List[IndexedFile]) -> List[IndexedFile]:
+    """``files`` with each tensor a shard file holds but the index does not list added to that
+    file's keys: transformers loads every tensor of the files an index names, so do we. A tensor the
+    index gives to another file is refused (FormatError): two different tensors under one name,
+    where Hugging Face writes each once, in the file its index names (a damaged index, or shard
+    files from two saves)."""
+    assigned = {key: f.path for f, keys in files for key in keys or ()}
+    out = []
+    for f, keys in files:
+        listed = set(keys or ())
+        unlisted = [name for name in f.names() if name not in listed]
+        for name in unlisted:
+            other = assigned.get(name)
+            if other is not None:
+                raise FormatError(f"{index_path}: shard file {os.path.basename(f.path)!r} holds tensor {name!r}, but "
+                                  f"the index gives it to {os.path.basename(other)!r}: the index is damaged or the "
+                                  "shard files are from two saves")
+        out.append(IndexedFile(f, list(keys or ()) + unlisted) if unlisted else IndexedFile(f, keys))
     return out
 
 
