@@ -27,7 +27,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Set, Tuple
 from urllib.parse import quote
 
 import numpy as np
@@ -253,17 +253,36 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def parse_json(raw: bytes, where: str) -> Any:
+def parse_json(raw: bytes, where: str, unique_keys: bool = False) -> Any:
     """JSON from disk, its nesting checked first: our files nest a few levels, and a hostile one
-    must not drive the parser (or later code) into deep recursion."""
+    must not drive the parser (or later code) into deep recursion. ``unique_keys``: an object
+    naming a key twice is a FormatError (a format other readers parse too, where one may take the
+    first and another the last: a safetensors header)."""
     depth = _max_depth(raw)
     if depth > MAX_JSON_DEPTH:
         raise FormatError(f"{where}: nested {depth} levels deep (at most {MAX_JSON_DEPTH}); not written by us")
     try:
         with gc_paused():  # a large index is millions of small objects; collections during parsing find nothing
-            return json.loads(raw)
+            return json.loads(raw, object_pairs_hook=_unique_pairs) if unique_keys else json.loads(raw)
+    except _DuplicateKey as e:
+        raise FormatError(f"{where}: names {str(e)[:200]} twice in one object (which one is meant?)") from None
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_pairs(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: Set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(repr(key))
+            seen.add(key)
+    return out
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')

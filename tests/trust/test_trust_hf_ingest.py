@@ -111,3 +111,20 @@ def test_a_quantized_tensor_is_refused_before_the_transfer(tmp_path):
     with pytest.raises(FormatError, match=f"{path}: 'w' is a quantized tensor \\(quint8\\); dequantize it"):
         module.load_state_dict(load_state_dict(path))
     assert torch.equal(module.module.w, torch.zeros(3, dtype=torch.int64))
+
+
+def test_a_safetensors_header_naming_a_tensor_twice_is_refused(tmp_path):
+    """Two header entries under one name: Python's json and safetensors' serde keep the last, another
+    reader may take the first; which tensor is meant cannot be known."""
+    path = str(tmp_path / "dup.safetensors")
+    save_file({"w": torch.arange(4.0), "v": torch.ones(4)}, path)
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + n].decode()
+    twice = header.replace('"v":', '"w":', 1)
+    assert twice != header and len(twice) == len(header)
+    with open(path, "wb") as f:
+        f.write(raw[:8] + twice.encode() + raw[8 + n:])
+    for read in (ldc.load_tensors_metadata, ldc.load_plain_tensors, load_state_dict):
+        with pytest.raises(FormatError, match="names 'w' twice"):
+            read(path)

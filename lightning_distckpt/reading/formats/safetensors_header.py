@@ -63,7 +63,7 @@ def read_header(path: str, root: str = ANYWHERE) -> List[HeaderEntry]:
         raw = f.read(n)
     # nesting checked before parsing (a header nests 3 levels; a deep one must not drive json into
     # deep recursion): a FormatError naming the file, like any header that is not JSON
-    header = parse_json(raw, f"{path}: safetensors header")
+    header = parse_json(raw, f"{path}: safetensors header", unique_keys=True)
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
     data_bytes = size - 8 - n
