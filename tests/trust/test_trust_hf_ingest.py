@@ -128,3 +128,19 @@ def test_a_safetensors_header_naming_a_tensor_twice_is_refused(tmp_path):
     for read in (ldc.load_tensors_metadata, ldc.load_plain_tensors, load_state_dict):
         with pytest.raises(FormatError, match="names 'w' twice"):
             read(path)
+
+
+def test_a_tensor_named_by_the_empty_string_is_named_in_the_error_and_can_be_mapped(tmp_path):
+    """safetensors takes ``""`` as a name, no key of ours is empty: each reader names the file and
+    says how to load it (was a bare ShardingError about a ShardedTensor key, naming no file)."""
+    path = str(tmp_path / "empty.safetensors")
+    save_file({"": torch.ones(2), "w": torch.arange(2.0)}, path)
+    for read in (ldc.load_tensors_metadata, ldc.load_plain_tensors,
+                 lambda p: ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, p)):
+        with pytest.raises(FormatError, match=f"{path}: tensor '' would be loaded under key ''.*key_map"):
+            read(path)
+    out = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2)),
+                    "e": ldc.ShardedTensor.from_rank_offsets("e", torch.zeros(2))}, path, key_map={"": "e"})
+    assert torch.equal(out["e"], torch.ones(2)) and torch.equal(out["w"], torch.arange(2.0))
+    out = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, path, key_map={"": None})
+    assert torch.equal(out["w"], torch.arange(2.0))

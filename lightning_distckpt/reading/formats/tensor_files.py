@@ -99,6 +99,10 @@ class TensorFileSource:
 
     def _add(self, file: int, name: str, key: str) -> None:
         f = self._files[file]
+        if not isinstance(key, str) or not key:  # a file's own name, or what a key_map made of it
+            raise FormatError(f"{f.path}: tensor {name!r} would be loaded under key {key!r}, not a non-empty string"
+                              + ("" if key != name else f"; name it, or leave it out, with ldc.load's key_map "
+                                 f"({{{name!r}: 'a_name'}} or {{{name!r}: None}})"))
         if key in self._where:
             prev = self._where[key]
             raise FormatError(f"{self.path}: key {key!r} comes from both {self._files[prev.file].path} "
