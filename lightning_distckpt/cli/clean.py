@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..core.errors import ArgumentError, ArgumentTypeError
 from ..progress import Progress, set_total
+from ..storage.store import LeftoverChanged
 from ..storage.stores import open_store
 
 
@@ -34,7 +35,10 @@ def _act(lo: Any, remove: bool, reason: str, dry_run: bool, remover: Callable[[]
         return CleanAction(lo, "kept", reason)
     if dry_run:
         return CleanAction(lo, "would remove", reason)
-    remover()
+    try:
+        remover()
+    except LeftoverChanged as e:  # checked again just before removal: kept, the others still cleaned
+        return CleanAction(lo, "kept", str(e))
     return CleanAction(lo, "removed", reason)
 
 

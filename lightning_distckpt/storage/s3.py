@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 VERSION_PREFIX = "v-"
 _VERSION = re.compile(r"^v-[0-9a-f]{12}$")
+# Everything a save writes inside its version (layout.py: metadata, common state, per-rank stores).
+_OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_\d{5}/.+)$")
 
 
 class ObjectStore:
@@ -95,6 +97,21 @@ class ObjectStore:
             self._kv.delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
         except Exception as e:
             raise self._error(f"deleting {name}", e) from None
+
+    def delete_keys(self, names: List[str]) -> None:
+        """Delete exactly the objects ``names`` (all requests issued, then each awaited): an object
+        put under the same prefix since they were listed stays."""
+        pending = []
+        for name in names:
+            try:
+                pending.append((name, self._kv.delete_range(ts.KvStore.KeyRange(name, name + "\0"))))
+            except Exception as e:
+                raise self._error(f"deleting {name}", e) from None
+        for name, future in pending:
+            try:
+                future.result()
+            except Exception as e:
+                raise self._error(f"deleting {name}", e) from None
 
     def delete_prefix(self, name: str) -> None:
         """Delete every object under ``name/``."""
@@ -175,9 +192,22 @@ def commit(version_url: str, metadata_json: str, marker_json: str, options: Stor
     store.write(COMMIT_MARKER, json.dumps(marker).encode())
     if previous is not None and previous["version"] != name:
         try:
-            store.delete_prefix(previous["version"])
+            odd = delete_version(store, previous["version"])
+            if odd is not None:
+                logger.warning("%s/%s: the previous version is left in place (holds %r, which no save of ours "
+                               "writes)", store.url, previous["version"], odd)
         except CheckpointingError as e:
             logger.warning("%s (the previous version is left behind; `clean` removes it)", e)
+
+
+def delete_version(store: ObjectStore, name: str) -> Optional[str]:
+    """Delete the objects of version ``name`` at ``store``'s location, as listed now, when each is
+    a name a save writes; else nothing, and the first other name (an object not ours stays)."""
+    inner = [k[len(name) + 1:] for k in store.list_keys(name + "/")]
+    odd = next((k for k in inner if not _OUR_KEY.match(k)), None)
+    if odd is None:
+        store.delete_keys([f"{name}/{k}" for k in inner])  # what was checked, not what came since
+    return odd
 
 
 def discard(version_url: str, options: StorageOptions) -> None:

@@ -96,5 +96,5 @@ class S3Store(CheckpointStore):
     def last_checkpoints(self, first: str, matches: "re.Pattern[str]") -> Optional[List[str]]:
         """As the URLs of their commit markers: the one object of a checkpoint with a modification
         time, which Lightning's ``ckpt_path="last"`` compares (``lightning/model_checkpoint.py``)."""
-        return [f"{url}/{COMMIT_MARKER}" for url in s3_versions.committed_children(self.location, first)
+        return [f"{url}/{COMMIT_MARKER}" for url in s3_versions.committed_children(self.location, first, self.options)
                 if matches.match(url.rsplit("/", 1)[1])]

@@ -12,7 +12,6 @@ a save still running on another node.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -20,13 +19,11 @@ from typing import Dict, List, Optional
 from ..core.errors import FormatError
 from .layout import COMMIT_MARKER
 from .options import StorageOptions
-from .s3 import _VERSION, ObjectStore, checkpoint_url, read_marker, version_started
+from .s3 import _OUR_KEY, _VERSION, ObjectStore, checkpoint_url, delete_version, read_marker, version_started
 from .s3_url import parse_s3_url
+from .store import LeftoverChanged
 
 logger = logging.getLogger(__name__)
-
-# Everything a save writes inside its version (layout.py: metadata, common state, per-rank stores).
-_OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_\d{5}/.+)$")
 
 
 @dataclass(frozen=True)
@@ -64,11 +61,16 @@ class S3Leftover:
 
 def _group(keys: List[str]) -> Dict[str, Dict[str, List[str]]]:
     """``{location: {version: [names inside it]}}`` for keys ``[loc/]v-<token>/name``; the leftmost
-    version-like component decides (a version's own names hold none before it)."""
+    version-like component decides (a version's own names hold none before it). A key with an
+    empty, ``.`` or ``..`` component before its version (``a//v-.../x``) is at no location a save
+    writes to (URLs collapse ``/`` runs and refuse ``.``/``..``): it is left out, never offered for
+    removal, since the collapsed location's version of that name may be another one (not ours)."""
     found: Dict[str, Dict[str, List[str]]] = {}
     for key in keys:
         parts = key.split("/")
         for i, part in enumerate(parts[:-1]):
+            if part in ("", ".", ".."):
+                break
             if _VERSION.match(part):
                 found.setdefault("/".join(parts[:i]), {}).setdefault(part, []).append("/".join(parts[i + 1:]))
                 break
@@ -106,9 +108,22 @@ def find_s3_leftovers(url: str, options: StorageOptions = StorageOptions()) -> L
 
 
 def remove_version(leftover: S3Leftover, options: StorageOptions = StorageOptions()) -> None:
-    """Delete every object of an uncommitted version (after :meth:`S3Leftover.verdict` said so)."""
+    """Delete the objects of an uncommitted version (after :meth:`S3Leftover.verdict` said so),
+    checked again first, since the listing it was found in may be minutes old: LeftoverChanged,
+    nothing deleted, when a marker now names it (a save older than ``--older-than`` committed it)
+    or it now holds an object no save writes; only the objects listed then are deleted."""
     target, _, name = leftover.path.rpartition("/")
-    ObjectStore(target, options).delete_prefix(name)
+    store = ObjectStore(target, options)
+    try:
+        marker = read_marker(store)
+    except FormatError as e:
+        raise LeftoverChanged(f"{e}; {leftover.path} not removed") from None
+    if marker is not None and marker["version"] == name:
+        raise LeftoverChanged(f"{leftover.path}: committed meanwhile by a save that was still running "
+                              f"(its {COMMIT_MARKER} now names it); not removed")
+    odd = delete_version(store, name)
+    if odd is not None:
+        raise LeftoverChanged(f"{leftover.path}: now holds {odd!r}, which no save of ours writes; not removed")
 
 
 def remove_checkpoint(url: str, options: StorageOptions = StorageOptions()) -> bool:
@@ -121,19 +136,17 @@ def remove_checkpoint(url: str, options: StorageOptions = StorageOptions()) -> b
     if read_marker(store) is None:
         return False
     store.delete(COMMIT_MARKER)
-    for name, inner in sorted(_group(store.list_keys()).get("", {}).items()):
-        odd = next((k for k in inner if not _OUR_KEY.match(k)), None)
-        if odd is None:
-            store.delete_prefix(name)
-        else:
+    for name in sorted(_group(store.list_keys()).get("", {})):
+        odd = delete_version(store, name)
+        if odd is not None:
             logger.warning("%s/%s: left in place (holds %r, which no save of ours writes)", root, name, odd)
     return True
 
 
-def committed_children(url: str, first: str = "") -> List[str]:
+def committed_children(url: str, first: str = "", options: StorageOptions = StorageOptions()) -> List[str]:
     """The URLs of the committed checkpoints directly under ``url`` whose names start with
     ``first`` (one listing of the objects under ``url/first``)."""
     root = parse_s3_url(url).url
-    names = {k.split("/", 1)[0] for k in ObjectStore(root, options=StorageOptions()).list_keys(first)
+    names = {k.split("/", 1)[0] for k in ObjectStore(root, options).list_keys(first)
              if k.count("/") == 1 and k.endswith("/" + COMMIT_MARKER)}
     return [f"{root}/{name}" for name in sorted(names)]

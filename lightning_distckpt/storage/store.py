@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, AbstractSet, Any, ClassVar, Dict, List, NamedT
 
 import tensorstore as ts
 
+from ..core.errors import CheckpointingError
 from .layout import MetadataFile
 from .options import StorageOptions
 
@@ -41,6 +42,11 @@ class WriterStore(NamedTuple):
     exists: bool
     nbytes: Optional[int]
     missing: str = ""  # e.g. "data directory CKPT/data/rank_00001 is missing"
+
+
+class LeftoverChanged(CheckpointingError):
+    """A leftover changed between its listing and its removal (committed by a save still running,
+    or holding something no save writes): kept, and ``clean`` says why."""
 
 
 class StorageFacts(NamedTuple):
@@ -193,7 +199,9 @@ class CheckpointStore(ABC):
 
     @abstractmethod
     def remove_leftover(self, leftover: Any, progress: Optional["Progress"] = None) -> None:
-        """Remove one leftover :meth:`find_leftovers` found (after its verdict said so)."""
+        """Remove one leftover :meth:`find_leftovers` found (after its verdict said so);
+        :class:`LeftoverChanged`, nothing removed, where it is no longer what was found (a store
+        that can check again just before removing: committed since, or holding something else)."""
 
     def recover_leftovers(self) -> List[Tuple[Any, str, str]]:
         """Finish commits interrupted before their checkpoint was in place: ``(leftover, action,
