@@ -44,10 +44,13 @@ class S3Location(NamedTuple):
 
 def parse_s3_url(url: str) -> S3Location:
     """The location of ``s3://bucket/a/b`` (``/`` runs and a trailing ``/`` collapsed); an
-    ArgumentError naming the URL for an invalid bucket name or a ``.``/``..`` component."""
+    ArgumentError naming the URL for an invalid bucket name, a ``.``/``..`` component or a control
+    character."""
     bucket, _, rest = url[len(S3_SCHEME):].partition("/")
     if not _BUCKET.match(bucket):
         raise ArgumentError(f"checkpoint {url}: {bucket!r} is not a valid S3 bucket name")
+    if any(ord(c) < 0x20 or c == "\x7f" for c in rest):  # a newline would reach requests and the server's answer
+        raise ArgumentError(f"checkpoint {url!r}: control characters are not allowed in an S3 key prefix")
     parts = [p for p in rest.split("/") if p]
     if any(p in (".", "..") for p in parts):
         raise ArgumentError(f"checkpoint {url}: '.' and '..' are not allowed in an S3 key prefix")

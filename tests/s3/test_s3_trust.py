@@ -121,3 +121,15 @@ def test_clean_goes_on_past_a_leftover_that_changed_since_its_listing(bucket, en
     assert code == 0, out
     assert keys(endpoint, bucket) == [f"root/a/{OLD}/metadata.json", f"root/a/{OLD}/notes.txt"]
     assert "kept" in out and "notes.txt" in out and "removed" in out, out
+
+
+@pytest.mark.parametrize("bad", ["ck\nx", "ck\tx", "a/b\x7f"])  # NUL: refused by every path check
+def test_a_control_character_in_an_s3_url_is_refused_before_any_request(bucket, endpoint, bad):
+    """A newline in a key went into the requests, and the server's raw answer into the error."""
+    from lightning_distckpt.core.errors import ArgumentError
+
+    url = f"s3://{bucket}/{bad}"
+    for call in (lambda: ldc.save(state(1), url), lambda: ldc.load(template(), url)):
+        with pytest.raises(ArgumentError, match="control characters are not allowed"):
+            call()
+    assert keys(endpoint, bucket) == []
