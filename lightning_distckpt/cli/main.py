@@ -71,8 +71,30 @@ def _checkpoint_path(path: str) -> str:
     local_path(path)  # a URL is refused as such, not as a missing directory
     _require_existing(path)
     if not os.path.isdir(path):
-        raise UsageError(f"{path}: is a file, not a checkpoint directory")
+        raise UsageError(f"{path}: is a file, not a checkpoint directory (a torch.save or .safetensors file: "
+                         f"`lightning-distckpt convert {path} DIR` makes a checkpoint of it)")
     return path
+
+
+def _hint(args: argparse.Namespace, error: CheckpointingError) -> str:
+    """For a local directory refused as no checkpoint: what it is instead, and what to pass."""
+    from ..core.errors import CheckpointNotFoundError, IncompleteCheckpointError
+    from ..reading.formats.detect import is_hf_model_directory
+    from ..storage.layout import is_checkpoint_dir
+    from ..storage.staging import committed_siblings
+
+    path = getattr(args, "checkpoint", None) or getattr(args, "source", None)
+    if (not isinstance(error, IncompleteCheckpointError) or isinstance(error, CheckpointNotFoundError)
+            or not path or not os.path.isdir(path) or is_checkpoint_dir(path)):
+        return ""
+    inside = committed_siblings(path)
+    if inside:
+        return (f"; it is a directory holding checkpoints (newest first: {', '.join(inside)}): "
+                f"pass one of them, e.g. {os.path.join(path, inside[0])}")
+    if is_hf_model_directory(path):
+        return ("; it is a Hugging Face model directory: convert takes one of its .safetensors files, and "
+                "lightning_distckpt.load(template, DIR, key_map=...) reads the whole directory (docs/ingest.md)")
+    return ""
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -260,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with command_logging(args):
             return args.handler(args)
     except CheckpointingError as e:  # UsageError included; damage found by validate is its report, not an error
-        print(f"lightning-distckpt {args.command}: error: {e}", file=sys.stderr)
+        print(f"lightning-distckpt {args.command}: error: {e}{_hint(args, e)}", file=sys.stderr)
         return EXIT_UNUSABLE
     except KeyboardInterrupt:
         return 130

@@ -25,7 +25,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from ..comm import Comm, get_comm
 from ..core.dtensors import shard_dtensors
-from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, FormatError
+from ..core.errors import (ArgumentError, ArgumentTypeError, CheckpointingError, CheckpointNotFoundError, FormatError,
+                           IncompleteCheckpointError)
 from ..core.megatron_leaves import from_megatron_leaves
 from ..core.state_dict import merge, split_common
 from ..core.strict import StrictHandling
@@ -45,6 +46,7 @@ from ..saving.async_save import AsyncSaver, AsyncSaveRequest
 from ..saving.background_snapshot import Selector
 from ..saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
+from .foreign import WEIGHTS_ADVICE, WEIGHTS_ONLY, checkpoints_inside, fabric_writer, foreign_advice, foreign_writer
 from .restore_source import RestoreSource
 from .stock import open_torch_file, tensors_metadata
 from .tree import (KIND_MODEL_PARALLEL, KIND_PLAIN, KIND_SHARDED, MANIFEST_KEY, manifest, plain_to_sharded,
@@ -155,7 +157,7 @@ class DistCheckpointIO(CheckpointIO):
         man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
         if man is None:
             raise FormatError(f"checkpoint {target} was written {foreign_writer(target)}: not a Lightning "
-                              f"checkpoint (no {MANIFEST_KEY} manifest). {FOREIGN_ADVICE}")
+                              f"checkpoint (no {MANIFEST_KEY} manifest). {foreign_advice(target)}")
         template = template_from_manifest(man, tensors_metadata(source), target)
         state, _, _ = EveryRankLoader().load(template, source, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
                                              self.extra_safe_globals)
@@ -173,7 +175,13 @@ class DistCheckpointIO(CheckpointIO):
         opened = open_torch_file(target, self.extra_safe_globals)
         if opened is not None:  # the tensors' typed paths, which a re-keyed template needs, come with it
             return RestoreSource(*opened)
-        return RestoreSource(open_checkpoint(target, extra_safe_globals=self.extra_safe_globals))
+        try:
+            return RestoreSource(open_checkpoint(target, extra_safe_globals=self.extra_safe_globals))
+        except IncompleteCheckpointError as e:
+            hint = checkpoints_inside(target)
+            if not hint or isinstance(e, CheckpointNotFoundError):
+                raise
+            raise IncompleteCheckpointError(f"{e}; {hint}") from None
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target); an
@@ -338,35 +346,9 @@ def load_from_source(template: Dict[str, Any], source: CheckpointSource, process
     return state
 
 
-# -- who wrote a checkpoint that is not what the reader expects --------------------------------------
-#: What to do with a checkpoint none of ours wrote.
-FOREIGN_ADVICE = ("Resume it with the strategy that wrote it, or load its weights into your module with "
-                  "lightning_distckpt.load(template, path, key_map=...) (its tensors: "
-                  "lightning_distckpt.load_plain_tensors(path))")
-
-
-def foreign_writer(path: str) -> str:
-    """Who wrote a checkpoint directory with no manifest of ours (a torch.distributed.checkpoint one, or other)."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return ("by torch.distributed.checkpoint (DCP: Lightning's own ModelParallelStrategy / FSDPStrategy, "
-                "or torch's dcp.save), not by lightning_distckpt")
-    return "without the Lightning integration's manifest (by lightning_distckpt.save, or another tool)"
-
-
 # -- a checkpoint fabric.save wrote, read whole by a Trainer -------------------------------------
 #: Entries only a Trainer's checkpoint has (Lightning reads "pytorch-lightning_version" first).
 TRAINER_ENTRIES = frozenset({"state_dict", "loops", "pytorch-lightning_version"})
-
-
-def fabric_writer(kind: Optional[str]) -> str:
-    """Who wrote a checkpoint with no Trainer entries, from its manifest's kind (None: not ours). The
-    kind is read from the checkpoint: anything but a string is no kind we wrote."""
-    if kind is not None and not isinstance(kind, str):
-        return "by fabric.save or another tool (its manifest's kind is not one we write)"
-    return {None: "by fabric.save or another tool (no Lightning state_dict / loops entries)",
-            KIND_PLAIN: "by fabric.save with DistCheckpointIO under a rank-0 strategy (stock DDP / single device)",
-            KIND_SHARDED: "by fabric.save under FabricDistCheckpointStrategy"}.get(
-                kind, "by fabric.save under FabricDistCheckpointModelParallelStrategy")
 
 
 class NotATrainerCheckpointError(CheckpointingError, KeyError):
@@ -385,9 +367,14 @@ class FabricCheckpoint(Dict[str, Any]):
     writer: str = ""
 
     def __missing__(self, key: Any) -> Any:
+        names = sorted(map(str, self))
+        entries = names if len(names) <= 8 else [*names[:8], f"... {len(names)} in all"]
+        if self and all(isinstance(v, torch.Tensor) for v in self.values()):  # weights alone: a state dict
+            raise NotATrainerCheckpointError(f"checkpoint {self.path} {WEIGHTS_ONLY}: it has no {key!r} entry "
+                                             f"(entries {entries}). {WEIGHTS_ADVICE}")
         raise NotATrainerCheckpointError(
             f"checkpoint {self.path} was written {self.writer}, not by a Trainer: it has no {key!r} entry "
-            f"(entries {sorted(map(str, self))}). Load it with fabric.load(path, state) under the Fabric setup "
+            f"(entries {entries}). Load it with fabric.load(path, state) under the Fabric setup "
             "that wrote it; or load its module's weights with lightning_distckpt.lightning.load_module_weights(module, path, "
             "entry=\"model\") and call trainer.fit without ckpt_path; or read it whole with "
             "DistCheckpointIO().load_checkpoint(path) (python -m lightning_distckpt convert: one file)")

@@ -8,13 +8,16 @@ strictness) are checked when the merged config is turned into the dataclass.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 import os
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, List, Mapping, Optional, Tuple, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from ..core.errors import CheckpointingError, ConfigError
 from ..core.strict import StrictHandling
@@ -181,7 +184,9 @@ def _user_config(schema: type, cfg: Any, what: str) -> Any:
     if isinstance(cfg, (str, os.PathLike)):
         source = os.fspath(cfg)
         if not os.path.isfile(source):
-            raise ConfigError(f"{what} config file {source} does not exist")
+            example = "{'tensor_parallel_size': 2}" if schema.__name__ == "StrategyConfig" else "{'async_save': True}"
+            raise ConfigError(f"{what} config file {source} does not exist (a str or path names a YAML file; give "
+                              f"settings as a mapping, e.g. {example}, or a {schema.__name__})")
         try:
             return OmegaConf.load(source)
         except Exception as e:  # YAML syntax, unreadable file: say which file
@@ -200,11 +205,50 @@ def _load(schema: type, cfg: Any, what: str) -> Any:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), user))
     except OmegaConfBaseException as e:
         # omegaconf's message names the key ("Key 'foo' not in 'DistCheckpointConfig'", with full_key).
-        raise ConfigError(f"invalid {what} config {source}: {e}") from None
+        raise ConfigError(f"invalid {what} config {source}: {_with_key_hint(schema, e)}") from None
     except ValueError as e:  # a choice refused by a dataclass __post_init__ (StorageOptions' included)
         raise ConfigError(f"invalid {what} config {source}: {e}") from None
     except TypeError as e:  # a YAML whose top level is no mapping (a list): omegaconf cannot merge it
         raise ConfigError(f"invalid {what} config {source}: {e}; the config must be a mapping of keys") from None
+
+
+def _config_keys(schema: type, prefix: str = "") -> List[str]:
+    """Every key of ``schema`` as a dotted path (``storage.layout``), its sections' keys included."""
+    keys = []
+    for name, hint in typing.get_type_hints(schema).items():
+        if name.startswith("_"):
+            continue
+        keys.append(prefix + name)
+        inner = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]  # Optional[X] -> X
+        if dataclasses.is_dataclass(inner[0]):
+            keys += _config_keys(inner[0], f"{prefix}{name}.")
+    return keys
+
+
+def _with_key_hint(schema: type, error: Exception) -> str:
+    """omegaconf's message, with the key meant when it names an unknown key and suggests none: the
+    same name in another section (``layout`` -> ``storage.layout``), a close one, else the section's keys."""
+    text, full_key = str(error), getattr(error, "full_key", None)
+    if not isinstance(error, ConfigKeyError) or not full_key or "Did you mean" in text:
+        return text
+    section, _, name = str(full_key).rpartition(".")
+    keys = _config_keys(schema)
+    moved = [k for k in keys if k.rpartition(".")[2] == name and k != full_key]
+    close = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in keys], 1, 0.6)
+    if name == "checkpoint" and not section and schema is DistCheckpointConfig:  # a strategy config's layout
+        hint = ("A checkpoint config has its keys at the top level (only a strategy config, for "
+                "DistCheckpointStrategy.from_config, nests them under checkpoint:).")
+    elif moved:
+        where = moved[0].rpartition(".")[0]
+        hint = f"Did you mean: {moved[0]!r}? (that key belongs {f'under {where}:' if where else 'at the top level'})"
+    elif close:
+        hint = f"Did you mean: {next(k for k in keys if k.rpartition('.')[2] == close[0])!r}?"
+    else:
+        level = [k[len(section) + 1:] if section else k for k in keys
+                 if k.rpartition(".")[0] == section]
+        hint = f"The keys {('of ' + section) if section else 'at the top level'} are: {', '.join(level)}."
+    first, _, rest = text.partition("\n")
+    return f"{first}. {hint}" + (f"\n{rest}" if rest else "")
 
 
 def load_checkpoint_config(cfg: ConfigLike = None) -> DistCheckpointConfig:

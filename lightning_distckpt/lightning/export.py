@@ -18,7 +18,8 @@ from ..core.errors import FormatError
 from ..export.torch_file import from_torch_file, to_torch_file
 from ..progress import Progress
 from ..storage.tensorstore_io import StorageOptions
-from .checkpoint_io import FOREIGN_ADVICE, DistCheckpointIO, foreign_writer
+from .checkpoint_io import DistCheckpointIO
+from .foreign import foreign_advice, foreign_writer
 from .tree import iter_tensor_leaves
 
 # The names of release 0.2 (one function per direction now, in lightning_distckpt.export).
@@ -40,7 +41,7 @@ def export_lightning_checkpoint(source: str, destination: str, extra_safe_global
 
 def refuse_foreign(source: str) -> None:
     """Raise the FormatError for a checkpoint another tool wrote (a DCP directory): not ours to export."""
-    raise FormatError(f"checkpoint {source} was written {foreign_writer(source)}. {FOREIGN_ADVICE}")
+    raise FormatError(f"checkpoint {source} was written {foreign_writer(source)}. {foreign_advice(source)}")
 
 
 def import_tree(payload: Dict[str, Any], source: str, destination: str, storage: StorageOptions,

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..storage.paths import checkpoint_location
-from .checkpoint_io import foreign_writer
+from .foreign import foreign_writer
 from .restore_source import RestoreSource
 from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
                       restore_optimizer)
@@ -125,8 +125,11 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         if not state:
             return self.checkpoint_io.load_checkpoint(target)
         if isinstance(state, (Module, Optimizer)):
-            raise ArgumentTypeError("FabricDistCheckpointStrategy.load_checkpoint: pass a dict such as {'model': model}, "
-                            "not a bare module or optimizer")
+            raise ArgumentTypeError(
+                "FabricDistCheckpointStrategy loads into a state dict, not a bare module or optimizer (as "
+                "fabric.load_raw(path, obj) passes): call fabric.load(path, {'model': model}) with the keys the "
+                "checkpoint was saved under, or, for a module's weights in one process, "
+                "lightning_distckpt.lightning.load_module_weights(module, path, entry='model')")
         handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
         # Opened once: the checks and the template read the metadata and common state the load reuses.
         source, layout = build_on_all_ranks(f"load from {target}", lambda: self._load_template(target, state))

@@ -45,7 +45,7 @@ from ..core.mapping import ShardedTensor
 from ..core.tree_walk import copy_containers, map_paths
 from ..registration import is_placeholder
 from ..storage.paths import checkpoint_location
-from .checkpoint_io import fabric_writer, foreign_writer
+from .foreign import fabric_writer, foreign_writer
 from .async_warmup import AsyncWarmupMixin, Held, staged_share
 from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config

@@ -176,7 +176,42 @@ def check_strategy_args(owner: str, tensor_parallel_size: Any, ddp_kwargs: Dict[
     for owned in ("process_group", "device_mesh"):
         if ddp_kwargs.pop(owned, None) is not None:
             raise ArgumentError(f"{owned} is set by {owner} (the data-parallel group); do not pass it")
+    unknown = sorted(set(ddp_kwargs) - _ddp_parameters())
+    if unknown:  # refused now, not by DistributedDataParallel(**kwargs) once the processes are launched
+        raise ArgumentError(_unknown_argument(owner, unknown[0], ddp_kwargs[unknown[0]]))
     return int(tensor_parallel_size)
+
+
+def _ddp_parameters() -> "set[str]":
+    """The keyword arguments a DDP strategy takes: Lightning's and Fabric's ``DDPStrategy``, and
+    ``DistributedDataParallel``'s, to which they pass the rest."""
+    import inspect
+
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    return {name for fn in (DDPStrategy.__init__, FabricDDPStrategy.__init__, DistributedDataParallel.__init__)
+            for name in inspect.signature(fn).parameters}
+
+
+def _unknown_argument(owner: str, key: str, value: Any) -> str:
+    """What is wrong with ``key=value`` given to a TP strategy, and what to write instead."""
+    import difflib
+    from dataclasses import fields
+
+    from .config import DistCheckpointConfig
+
+    settings = [f.name for f in fields(DistCheckpointConfig)]
+    if key in settings:
+        return (f"{owner}({key}={value!r}): {key!r} is a checkpoint setting, not a strategy argument; pass it as "
+                f"{owner}(checkpoint={{{key!r}: {value!r}}}) (or in the YAML file given as checkpoint=...)")
+    close = (difflib.get_close_matches(key, ["tensor_parallel_size", "checkpoint", *settings], 1)
+             or difflib.get_close_matches(key, sorted(_ddp_parameters()), 1))
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return (f"{owner} got an unexpected argument {key!r}{hint} It takes tensor_parallel_size, checkpoint (checkpoint "
+            "settings: a DistCheckpointConfig, a mapping or a YAML path) and the arguments of Lightning's DDPStrategy "
+            "and of DistributedDataParallel")
 
 
 STRATEGY_NAME = "ddp_distckpt"

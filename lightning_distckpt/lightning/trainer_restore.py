@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from ..core.errors import CheckpointingError, MissingKeysError
-from .checkpoint_io import FOREIGN_ADVICE, fabric_writer, foreign_writer
+from .foreign import WEIGHTS_ADVICE, WEIGHTS_ONLY, fabric_writer, foreign_advice, foreign_writer
 from .restore_source import RestoreSource
 from .sharded import build_on_all_ranks, describe_source, restore_optimizer
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
@@ -95,7 +96,9 @@ def check_writer(path: str, saved: SavedCheckpoint) -> bool:
     if saved.kind != KIND_SHARDED and not by_path:
         writer = foreign_writer(path) if saved.kind is None else f"by a writer of kind {saved.kind!r}"
         raise CheckpointingError(f"checkpoint {path} was written {writer}, not by DistCheckpointStrategy, "
-                                 f"DistCheckpointIO or torch.save. {FOREIGN_ADVICE}")
+                                 f"DistCheckpointIO or torch.save. {foreign_advice(path)}")
+    if saved.kind is None and not saved.entries and os.path.isfile(path):  # tensors alone: a state dict's file
+        raise CheckpointingError(f"checkpoint {path} {WEIGHTS_ONLY}. {WEIGHTS_ADVICE}")
     if not saved.by_trainer and (saved.kind is not None or "pytorch-lightning_version" not in saved.entries):
         raise CheckpointingError(
             f"checkpoint {path} was written {fabric_writer(saved.kind)} (entries {sorted(saved.entries)}), "

@@ -333,7 +333,7 @@ def warn_about_leftovers(target: str, own_staging: str) -> None:
     )
 
 
-def _committed_siblings(parent: str, limit: int = 3) -> List[str]:
+def committed_siblings(parent: str, limit: int = 3) -> List[str]:
     """Names of the newest committed checkpoints in ``parent`` (newest first)."""
     try:
         names = [n for n in os.listdir(parent) if not n.startswith(".")]
@@ -370,7 +370,7 @@ def describe_missing(path: str) -> str:
                      f"({stranded[0].path}): try again when it returns")
     elif stranded:
         hints.append(f"a committed copy is stranded at {stranded[0].path}: rename it to {stranded[0].target}")
-    siblings = _committed_siblings(parent)
+    siblings = committed_siblings(parent)
     if siblings:
         hints.append(f"committed checkpoints in {parent}, newest first: {', '.join(siblings)}")
     return "; ".join([what, *hints])

@@ -40,6 +40,17 @@ def detect(path: str, key_map: KeyMap = None,
     return TensorFileSource(path, files, key_map, common=common)
 
 
+def is_hf_model_directory(path: str) -> bool:
+    """A directory as Hugging Face's ``save_pretrained`` leaves it: ``config.json`` beside
+    ``.safetensors`` or ``pytorch_model*.bin`` weights (for messages: what a path is instead)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return "config.json" in names and any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
+                                          for n in names)
+
+
 def open_tensor_files(path: str, extra_safe_globals: Sequence[Any] = ()) -> Optional[List[IndexedFile]]:
     """The tensor files of a file path or of a Hugging Face directory (with the names its index
     assigns to each); None for anything else. A file path given may be a link (the user chose it);

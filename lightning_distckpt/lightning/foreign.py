@@ -1,0 +1,65 @@
+"""Who wrote a checkpoint that is not what its reader expects (torch DCP, Hugging Face, fabric.save,
+another tool), and what to do with it instead: the words of the errors that refuse it."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..reading.formats.detect import is_hf_model_directory
+from ..storage.layout import is_checkpoint_dir
+from ..storage.staging import committed_siblings
+from .tree import KIND_PLAIN, KIND_SHARDED
+
+#: What to do with a checkpoint none of ours wrote.
+FOREIGN_ADVICE = ("Resume it with the strategy that wrote it, or load its weights into your module with "
+                  "lightning_distckpt.load(template, path, key_map=...) (its tensors: "
+                  "lightning_distckpt.load_plain_tensors(path))")
+
+
+def foreign_writer(path: str) -> str:
+    """Who wrote a checkpoint directory with no manifest of ours (a torch.distributed.checkpoint one,
+    a Hugging Face model directory, or other)."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return ("by torch.distributed.checkpoint (DCP: Lightning's own ModelParallelStrategy / FSDPStrategy, "
+                "or torch's dcp.save), not by lightning_distckpt")
+    if is_hf_model_directory(path):
+        return ("by Hugging Face save_pretrained (a model directory: config.json and weights, no training state), "
+                "not by lightning_distckpt")
+    return "without the Lightning integration's manifest (by lightning_distckpt.save, or another tool)"
+
+
+WEIGHTS_ONLY = ("holds model weights only (a state dict of tensors: torch.save(model.state_dict()), a .safetensors "
+                "or pytorch_model.bin file), not a Trainer's checkpoint")
+WEIGHTS_ADVICE = ("To start from these weights, load them into your module with "
+                  "lightning_distckpt.lightning.load_module_weights(module, path, key_map=...) in configure_model and "
+                  "call trainer.fit without ckpt_path (docs/lightning.md, section 5)")
+
+
+def foreign_advice(path: str) -> str:
+    """What to do with a checkpoint directory another tool wrote (see :func:`foreign_writer`)."""
+    return WEIGHTS_ADVICE if is_hf_model_directory(path) else FOREIGN_ADVICE
+
+
+def checkpoints_inside(path: str) -> str:
+    """For a local directory that is no checkpoint but holds committed ones (``ModelCheckpoint``'s
+    ``dirpath``, say): which they are and what to pass instead; "" otherwise."""
+    if not os.path.isdir(path) or is_checkpoint_dir(path):
+        return ""
+    inside = committed_siblings(path)
+    if not inside:
+        return ""
+    return (f"it is a directory holding checkpoints (newest first: {', '.join(inside)}): pass one of them, "
+            f"e.g. {os.path.join(path, inside[0])} (a Trainer: ckpt_path=\"last\" resumes from the newest in "
+            "ModelCheckpoint's dirpath)")
+
+
+def fabric_writer(kind: Optional[str]) -> str:
+    """Who wrote a checkpoint with no Trainer entries, from its manifest's kind (None: not ours). The
+    kind is read from the checkpoint: anything but a string is no kind we wrote."""
+    if kind is not None and not isinstance(kind, str):
+        return "by fabric.save or another tool (its manifest's kind is not one we write)"
+    return {None: "by fabric.save or another tool (no Lightning state_dict / loops entries)",
+            KIND_PLAIN: "by fabric.save with DistCheckpointIO under a rank-0 strategy (stock DDP / single device)",
+            KIND_SHARDED: "by fabric.save under FabricDistCheckpointStrategy"}.get(
+                kind, "by fabric.save under FabricDistCheckpointModelParallelStrategy")
