@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 from enum import Enum
-from typing import AbstractSet, Iterable, Set, Tuple
+from typing import AbstractSet, Collection, Iterable, Set, Tuple
 
 from .errors import ArgumentError, MissingKeysError
 
@@ -98,12 +99,12 @@ def mismatch_message(missing: AbstractSet[str], unexpected: AbstractSet[str], un
 
 
 def check_keys(strict: StrictHandling, checkpoint_dir: str, missing: Iterable[str], unexpected_any_rank: Iterable[str],
-               unexpected_mine: Iterable[str]) -> Tuple[Set[str], Set[str]]:
+               unexpected_mine: Iterable[str], stored: Collection[str] = ()) -> Tuple[Set[str], Set[str]]:
     """Apply ``strict`` to a load's key mismatch: raise (the same on every rank: every rank passes
     the same ``missing`` and ``unexpected_any_rank``) or log (this rank's own) as the mode says.
     Returns ``(missing, unexpected_mine)`` as ``load`` returns them: empty where the mode does not
     report a set (``missing`` outside ``LOG_ALL`` / ``RAISE_ALL`` / ``RETURN_ALL``, both under
-    ``IGNORE_ALL``)."""
+    ``IGNORE_ALL``). ``stored``: the checkpoint's keys, for the close ones an error suggests."""
     missing = set(missing) if strict.needs_missing else set()
     every, mine = set(unexpected_any_rank), set(unexpected_mine)
     where = f"checkpoint {checkpoint_dir}"
@@ -113,8 +114,19 @@ def check_keys(strict: StrictHandling, checkpoint_dir: str, missing: Iterable[st
         shown = missing if strict is StrictHandling.RAISE_ALL else set()
         hint = "" if not every else " (StrictHandling.LOG_UNEXPECTED / LOG_ALL / RETURN_ALL / IGNORE_ALL skip them)"
         raise MissingKeysError(f"{where}: {mismatch_message(shown, every, 'of all ranks')} "
-                               f"[strict={strict.value}]{hint}")
+                               f"[strict={strict.value}]{hint}{_close_keys(every, stored)}")
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and (missing or mine):
         kept = " (skipped: their template values are kept)" if mine else ""
         logger.warning("%s: %s%s", where, mismatch_message(missing, mine, "for this rank"), kept)
     return missing, mine
+
+
+def _close_keys(unexpected: AbstractSet[str], stored: Collection[str], shown: int = 5) -> str:
+    """The checkpoint's keys close to the first unexpected ones (a misspelled or renamed template
+    key): `` Did you mean: 'a.weight' for 'a.wieght'?``; "" when none is close."""
+    pairs = []
+    for key in sorted(unexpected)[:shown]:
+        close = difflib.get_close_matches(key, stored, 1, 0.8) if stored else []
+        if close:
+            pairs.append(f"{close[0]!r} for {key!r}")
+    return f" Did you mean: {', '.join(pairs)}? (checkpoint keys)" if pairs else ""

@@ -46,6 +46,7 @@ from ..saving.async_save import AsyncSaver, AsyncSaveRequest
 from ..saving.background_snapshot import Selector
 from ..saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
+from .parallel import unknown_argument
 from .foreign import WEIGHTS_ADVICE, WEIGHTS_ONLY, checkpoints_inside, fabric_writer, foreign_advice, foreign_writer
 from .restore_source import RestoreSource
 from .stock import open_torch_file, tensors_metadata
@@ -74,7 +75,10 @@ class DistCheckpointIO(CheckpointIO):
     CheckpointIO signature, and ``False`` does not widen what may be unpickled.
     """
 
-    def __init__(self, config: ConfigLike = None, extra_safe_globals: Sequence[Any] = ()) -> None:
+    def __init__(self, config: ConfigLike = None, extra_safe_globals: Sequence[Any] = (), **unknown: Any) -> None:
+        if unknown:  # DistCheckpointIO(async_save=True): say where a setting goes, not Python's TypeError
+            raise ArgumentError(unknown_argument("DistCheckpointIO", *next(iter(unknown.items())),
+                                                 ["config", "extra_safe_globals"], "({{{key!r}: {value!r}}})"))
         super().__init__()
         self.config: DistCheckpointConfig = load_checkpoint_config(config)
         self.extra_safe_globals = tuple(extra_safe_globals) + self.config.safe_global_types

@@ -133,7 +133,8 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
             received = comm.gather_from(senders, sorted(asked) if comm.rank in senders else None)
             found = sorted(stored.difference(*received.values())) if comm.rank == 0 else None
             missing = set(comm.broadcast_object(found))
-    missing, unexpected = check_keys(strict, source.path, missing, every, mine)
+    missing, unexpected = check_keys(strict, source.path, missing, every, mine,
+                                     stored=list(source.index.tensors) + list(source.index.objects) if every else ())
     return KeyMatch(absent, missing, unexpected)
 
 

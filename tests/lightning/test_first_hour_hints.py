@@ -211,3 +211,25 @@ def test_command_line_on_a_directory_of_checkpoints_a_hf_directory_and_a_file(tm
     assert "is a file, not a checkpoint directory" in err
     assert f"`lightning-distckpt convert {hf / 'model.safetensors'} DIR` makes a checkpoint of it" in err
     assert not (tmp_path / "o.pt").exists() and not (tmp_path / "o2").exists()
+
+
+def test_a_misspelled_template_key_names_the_checkpoint_key_it_resembles(tmp_path):
+    """An unexpected template key close to a stored one (a typo, a renamed layer): the error says
+    which checkpoint key was likely meant; a key like none of them gets no guess."""
+    path = str(tmp_path / "ck")
+    ldc.save({k: ldc.ShardedTensor.from_rank_offsets(k, torch.ones(3)) for k in ("layer.weight", "layer.bias")}, path)
+    template = {k: ldc.ShardedTensor.from_rank_offsets(k, torch.zeros(3)) for k in ("layer.wieght", "zzz")}
+    with pytest.raises(ldc.MissingKeysError) as e:
+        ldc.load(template, path)
+    text = str(e.value)
+    assert "Did you mean: 'layer.weight' for 'layer.wieght'? (checkpoint keys)" in text, text
+    assert "for 'zzz'" not in text
+
+
+def test_a_checkpoint_setting_given_to_the_plugin_says_where_it_goes():
+    from lightning_distckpt.lightning import DistCheckpointIO
+
+    with pytest.raises(ArgumentError, match=r"DistCheckpointIO\(\{'async_save': True\}\)"):
+        DistCheckpointIO(async_save=True)
+    with pytest.raises(ArgumentError, match="did you mean 'extra_safe_globals'"):
+        DistCheckpointIO(extra_safe_global=())
