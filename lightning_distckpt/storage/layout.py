@@ -168,7 +168,7 @@ def open_metadata(checkpoint_dir: str, verify: bool = True) -> MetadataFile:
             if is_checkpoint_dir(path)
             # "is not a distributed checkpoint": Megatron-Core's words, for scrapers of its logs
             else f"not a lightning_distckpt checkpoint (no metadata.json / commit marker): {given} is not a "
-                 "distributed checkpoint"
+                 f"distributed checkpoint ({_what_is_there(path)})"
         )
         raise IncompleteCheckpointError(f"checkpoint {given}: {what}")
     raw = {}
@@ -180,6 +180,18 @@ def open_metadata(checkpoint_dir: str, verify: bool = True) -> MetadataFile:
     marker = parse_marker(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
     meta = check_metadata(raw[METADATA_FILE], marker, path, verify)
     return MetadataFile(path, meta, marker)
+
+
+def _what_is_there(path: str) -> str:
+    """A directory's content in a few words, for a refusal: empty, or its first entries."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return "it cannot be listed"
+    if not names:
+        return "an empty directory"
+    shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+    return f"it holds {shown}"
 
 
 def read_metadata(checkpoint_dir: str) -> Dict[str, Any]:

@@ -233,3 +233,16 @@ def test_a_checkpoint_setting_given_to_the_plugin_says_where_it_goes():
         DistCheckpointIO(async_save=True)
     with pytest.raises(ArgumentError, match="did you mean 'extra_safe_globals'"):
         DistCheckpointIO(extra_safe_global=())
+
+
+def test_a_directory_that_is_no_checkpoint_says_what_it_holds(tmp_path):
+    empty, other = tmp_path / "empty", tmp_path / "other"
+    empty.mkdir()
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    template = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(3))}
+    for path, what in ((empty, "(an empty directory)"), (other, "(it holds notes.txt)")):
+        with pytest.raises(ldc.IncompleteCheckpointError) as e:
+            ldc.load(template, str(path))
+        assert f"{path} is not a distributed checkpoint {what}" in str(e.value), e.value
+    assert (other / "notes.txt").read_text() == "mine"
