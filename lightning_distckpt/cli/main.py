@@ -92,8 +92,8 @@ def _hint(args: argparse.Namespace, error: CheckpointingError) -> str:
         return (f"; it is a directory holding checkpoints (newest first: {', '.join(inside)}): "
                 f"pass one of them, e.g. {os.path.join(path, inside[0])}")
     if is_hf_model_directory(path):
-        return ("; it is a Hugging Face model directory: convert takes one of its .safetensors files, and "
-                "lightning_distckpt.load(template, DIR, key_map=...) reads the whole directory (docs/ingest.md)")
+        return ("; it is a Hugging Face model directory: `lightning-distckpt convert DIR OUT` makes a checkpoint of "
+                "it, and lightning_distckpt.load(template, DIR, key_map=...) reads it as it is (docs/ingest.md)")
     return ""
 
 
@@ -145,13 +145,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ..export import from_torch_file, relayout, to_torch_file  # Lightning checkpoints: Lightning's dict
+    from ..reading.formats.detect import is_hf_model_directory
     from ..storage.tensorstore_io import StorageOptions
 
     remote = not open_store(args.source, what="source").file_system  # opening it says what is wrong
     if not remote:
         _require_existing(local_path(args.source, "source"), file_ok=True)
     open_store(args.destination, what="destination")  # a URL no store serves is refused now
-    to = args.to or ("torch" if remote or os.path.isdir(args.source) else "distckpt")
+    hf_dir = not remote and os.path.isdir(args.source) and is_hf_model_directory(args.source)
+    to = args.to or ("torch" if (remote or os.path.isdir(args.source)) and not hf_dir else "distckpt")
     _check_export_options(args, to)
     chunk_bytes = None if args.chunk_mib is None else int(args.chunk_mib * 2**20)  # finite, in range: parsed so
     overrides = {k: v for k, v in (("layout", args.layout), ("chunk_bytes", chunk_bytes)) if v is not None}
@@ -170,7 +172,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             if overrides:
                 raise UsageError("--layout / --chunk-mib apply to checkpoint outputs, not to --to torch")
             report = to_torch_file(args.source, args.destination, progress=progress)
-        elif remote or os.path.isdir(args.source):
+        elif (remote or os.path.isdir(args.source)) and not hf_dir:
             report = relayout(args.source, args.destination, storage, progress)
         else:
             report = from_torch_file(args.source, args.destination, storage)

@@ -20,7 +20,8 @@ from typing import Any, Optional, Sequence
 from .. import convert
 from ..convert import ConvertReport
 from ..progress import Progress
-from ..serialization import load_common_state_dict
+from ..reading.formats.detect import is_hf_model_directory
+from ..serialization import load_common_state_dict, load_plain_tensors
 from ..reading.formats.files import check_torch_payload
 from ..storage.safe_pickle import load_file
 from ..storage.tensorstore_io import StorageOptions
@@ -55,7 +56,8 @@ def to_torch_file(source: Any, destination: Any, extra_safe_globals: Sequence[An
 
 def from_torch_file(source: Any, destination: Any, storage: StorageOptions = StorageOptions(),
                     extra_safe_globals: Sequence[Any] = ()) -> ConvertReport:
-    """Save the ``torch.save`` file ``source`` as the checkpoint directory ``destination``.
+    """Save the ``torch.save`` file ``source`` (or a ``.safetensors`` file, or a Hugging Face model
+    directory: its tensors, as ``load_plain_tensors`` reads them) as the checkpoint directory ``destination``.
 
     A file that :func:`to_torch_file` wrote from a checkpoint other than Lightning's gets its keys,
     objects and common state back (report kind ``"tensors"``). Any other dict (a Lightning
@@ -66,8 +68,11 @@ def from_torch_file(source: Any, destination: Any, storage: StorageOptions = Sto
     """
     t0 = time.perf_counter()
     source, destination = convert.check_import(source, destination, storage, extra_safe_globals)
-    payload = load_file(source, extra_safe_globals)
-    check_torch_payload(source, payload)  # as every reader: dense CPU tensors, shapes, copy-out budget
+    if os.path.isdir(source) and is_hf_model_directory(source):  # each tensor checked as its file is read
+        payload: Any = load_plain_tensors(source)
+    else:
+        payload = load_file(source, extra_safe_globals)
+        check_torch_payload(source, payload)  # as every reader: dense CPU tensors, shapes, copy-out budget
     if not isinstance(payload, dict) or convert.is_export_payload(payload):
         return convert.import_export_payload(payload, source, destination, storage, t0)
     from ..lightning.export import import_tree  # saved as DistCheckpointIO saves a Lightning checkpoint

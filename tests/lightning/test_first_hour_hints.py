@@ -202,15 +202,37 @@ def test_command_line_on_a_directory_of_checkpoints_a_hf_directory_and_a_file(tm
         err = capsys.readouterr().err
         assert "it is a directory holding checkpoints (newest first: last.ckpt, epoch=0-step=2.ckpt)" in err, err
         assert f"pass one of them, e.g. {ckpts / 'last.ckpt'}" in err
-    for argv in (["inspect", str(hf)], ["convert", str(hf), str(tmp_path / "o2")]):
-        assert cli_main(argv) == 2
-        err = capsys.readouterr().err
-        assert "it is a Hugging Face model directory: convert takes one of its .safetensors files" in err, err
+    assert cli_main(["inspect", str(hf)]) == 2
+    err = capsys.readouterr().err
+    assert "it is a Hugging Face model directory: `lightning-distckpt convert DIR OUT` makes a checkpoint" in err, err
     assert cli_main(["inspect", str(hf / "model.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "is a file, not a checkpoint directory" in err
     assert f"`lightning-distckpt convert {hf / 'model.safetensors'} DIR` makes a checkpoint of it" in err
-    assert not (tmp_path / "o.pt").exists() and not (tmp_path / "o2").exists()
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_convert_makes_a_checkpoint_of_a_hugging_face_directory(tmp_path):
+    """``convert HF_DIR OUT`` (was refused: only a single .safetensors file converted): the
+    directory's tensors, read through its index, saved as a checkpoint; the source untouched."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "gpt2"}\n')
+    g = torch.Generator().manual_seed(0)
+    parts = {"model-00001-of-00002.safetensors": {"a.weight": torch.randn(4, 4, generator=g)},
+             "model-00002-of-00002.safetensors": {"b.bias": torch.randn(3, generator=g)}}
+    for name, tensors in parts.items():
+        save_file(tensors, str(hf / name))
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, tensors in parts.items() for k in tensors}}))
+    before = {p.name: p.read_bytes() for p in hf.iterdir()}
+    assert cli_main(["convert", str(hf), str(tmp_path / "out")]) == 0
+    loaded = ldc.load_plain_tensors(str(tmp_path / "out"))
+    assert set(loaded) == {"a.weight", "b.bias"}
+    for tensors in parts.values():
+        for k, v in tensors.items():
+            assert torch.equal(loaded[k], v), k
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
 
 
 def test_a_misspelled_template_key_names_the_checkpoint_key_it_resembles(tmp_path):
