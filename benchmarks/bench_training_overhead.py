@@ -43,6 +43,15 @@ every size and contestant once, the order rotated each round); medians over roun
 bootstrap interval (rounds resampled, fixed seed); ``s lost per ckpt`` = (fit s - its baseline's
 fit s) / checkpoints, the interval from resampling rounds in pairs. ``--py-spy DIR`` records each
 run's ranks (collapsed stacks, thread ids, idle frames, GIL held marked) for profiling.
+
+``training thread page faults`` are the training thread's minor faults over the fit (slowest rank),
+``state copy s`` the time one rank takes to copy its parameters and optimizer state once into
+memory already touched (the reference of issue 29's async target). On this VM a page fault costs
+about 3 CPU-s per GB, and glibc's allocator, with its defaults, hands a step's large buffers back
+and faults them in again the next step, more or less often as its thresholds move with each large
+free (a save's included): 1 to 2.7 million faults in a 40-step fit of the large size. ``--malloc
+steady`` runs every contestant with those thresholds fixed high (:data:`STEADY_MALLOC`): about
+150,000 faults, the state's first touch, and a baseline that no longer moves by seconds.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -74,6 +84,10 @@ BASELINE = {"none": "none", "stock": "none", "stock_async": "none", "mp_none": "
 DEFAULT = ("none", "stock", "stock_async", "mp_none", "stock_dcp", "ours_io", "ours_io_async", "ours", "ours_async")
 #: size -> (layers, width)
 SIZES = {"small": (8, 128), "large": (8, 2048)}
+#: ``--malloc steady``: glibc's allocator keeps what a step freed (no mmap per large tensor, no trim),
+#: so no run's steps fault their buffers in afresh; with its defaults the thresholds move with every
+#: large free (a save's included), and the fit's own page faults vary by more than a checkpoint costs.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 
 
 # -- the training script (run by the orchestrator below, re-run by Lightning for rank 1) ----------
@@ -159,6 +173,7 @@ def _recorder() -> Any:
             self.rss_start_mib = 0.0
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.faults0 = _thread_faults()
             save = trainer.save_checkpoint
 
             def timed(*a: Any, **k: Any) -> Any:
@@ -175,8 +190,37 @@ def _recorder() -> Any:
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.loop_s = time.perf_counter() - self.t0  # before the strategy waits for an async save
+            self.faults = _thread_faults() - self.faults0
 
     return Record()
+
+
+def _thread_faults() -> int:
+    """Minor page faults of the calling thread so far (Linux; 0 elsewhere): the training thread's
+    faults show how often the allocator hands memory back and takes it again."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _copy_seconds(trainer: Any) -> float:
+    """Seconds to copy this rank's parameters and optimizer state once into memory already touched
+    (the second of two copies): the reference of the async target."""
+    import torch
+
+    tensors = [p.detach() for p in trainer.lightning_module.parameters()]
+    for opt in trainer.optimizers:
+        tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+    dest = [torch.empty_like(t) for t in tensors]
+    best = float("inf")
+    for _ in range(2):
+        t = time.perf_counter()
+        for d, s in zip(dest, tensors):
+            d.copy_(s)
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def _script(args: argparse.Namespace) -> None:
@@ -202,6 +246,7 @@ def _script(args: argparse.Namespace) -> None:
     out = {"fit_s": fit_s, "loop_s": record.loop_s, "train_cpu_s": train_cpu_s, "proc_cpu_s": proc_cpu_s, "saves_s": record.saves, "rss_start_mib": record.rss_start_mib,
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "global_step": trainer.global_step, "snapshot_wait_s": getattr(trainer.strategy, "snapshot_wait_s", 0.0),
+           "train_faults": record.faults, "copy_s": _copy_seconds(trainer),
            "checkpoints": len(os.listdir(args.ckpt_dir)) if rank == 0 and os.path.isdir(args.ckpt_dir) else None}
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump(out, f)
@@ -224,7 +269,8 @@ def _launch(args: argparse.Namespace, name: str, size: str, work: str, rnd: int)
         gil = ["--gil"] if args.py_spy_gil else []
         cmd = ["py-spy", "record", "--subprocesses", "--idle", "--threads", *gil, "-r", "50", "-f", "raw",
                "-o", os.path.join(args.py_spy, run_id + ".txt"), "--", *cmd]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               **(STEADY_MALLOC if args.malloc == "steady" else {}))
     try:
         subprocess.run(cmd, env=env, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL,
                        stderr=None if args.verbose else subprocess.DEVNULL)
@@ -240,7 +286,8 @@ def _launch(args: argparse.Namespace, name: str, size: str, work: str, rnd: int)
             "snapshot_wait_s": max(r.get("snapshot_wait_s", 0.0) for r in ranks), "checkpoints": ranks[0]["checkpoints"],
             "train_cpu_s": max(r.get("train_cpu_s", 0.0) for r in ranks),
             "proc_cpu_s": max(r.get("proc_cpu_s", 0.0) for r in ranks),
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks), "steps": ranks[0]["global_step"]}
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks), "steps": ranks[0]["global_step"],
+            "train_faults": max(r.get("train_faults", 0) for r in ranks), "copy_s": max(r.get("copy_s", 0.0) for r in ranks)}
 
 
 def bootstrap(samples: Sequence[Any], stat: Callable[[Sequence[Any]], float], resamples: int = 2000,
@@ -264,7 +311,9 @@ def summarize(results: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
                                  "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in runs),
                                  "blocked_s": statistics.median(r["blocked_s"] for r in runs),
                                  "train_cpu_s": statistics.median(r.get("train_cpu_s", 0.0) for r in runs),
-                                 "proc_cpu_s": statistics.median(r.get("proc_cpu_s", 0.0) for r in runs)}
+                                 "proc_cpu_s": statistics.median(r.get("proc_cpu_s", 0.0) for r in runs),
+                                 "train_faults": statistics.median(r.get("train_faults", 0) for r in runs),
+                                 "copy_s": statistics.median(r.get("copy_s", 0.0) for r in runs)}
             base = BASELINE[name]
             pairs = [(r["fit_s"], by[(base, r["round"])]["fit_s"]) for r in runs if (base, r["round"]) in by]
             n = s["checkpoints"]
@@ -291,10 +340,12 @@ def table(summary: Dict[str, Dict[str, Any]]) -> str:
                      s["checkpoints"], lost, f"{s['blocked_s'] / s['checkpoints']:.3f}" if s["checkpoints"] else "-",
                      f"{s['peak_rss_mib']:.0f}" + (f" ({s['peak_rss_mib'] - s['base_rss_mib']:+.0f})"
                                                    if "base_rss_mib" in s else ""),
-                     f"{s['train_cpu_s']:.2f} / {s['proc_cpu_s']:.2f}"])
+                     f"{s['train_cpu_s']:.2f} / {s['proc_cpu_s']:.2f}",
+                     f"{s.get('train_faults', 0) / 1000:.0f}k", f"{s.get('copy_s', 0.0):.3f}"])
     return fmt_table(["size", "contestant", "fit s [90%]", "runs", "vs no ckpt", "ckpts", "s lost per ckpt [90%]",
                       "blocked s per ckpt", "peak RSS MiB (vs no ckpt)",
-                      "CPU s: training thread / process (slowest rank)"], rows)
+                      "CPU s: training thread / process (slowest rank)", "training thread page faults",
+                      "state copy s"], rows)
 
 
 def _args(argv: List[str] | None) -> argparse.Namespace:
@@ -313,6 +364,9 @@ def _args(argv: List[str] | None) -> argparse.Namespace:
     p.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: only samples holding the GIL")
     p.add_argument("--timeout", type=float, default=900, help="seconds one fit may take")
     p.add_argument("--verbose", action="store_true", help="show the runs' stderr")
+    p.add_argument("--malloc", choices=("default", "steady"), default="default",
+                   help="steady: every run with glibc's mmap and trim thresholds fixed high (STEADY_MALLOC), so "
+                        "the training's own buffers are reused, not handed back and faulted in again each step")
     # the training script's own arguments (set by the orchestrator)
     p.add_argument("--contestant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
