@@ -1,6 +1,7 @@
 """``inspect`` (and ``validate``) of checkpoints in other formats: a PyTorch DCP directory or a
 Megatron-Core ``torch_dist`` directory (both read through their
-:class:`~lightning_distckpt.reading.checkpoint.CheckpointSource`).
+:class:`~lightning_distckpt.reading.checkpoint.CheckpointSource`); ``inspect`` also of a
+``torch.save`` or ``.safetensors`` file and of a Hugging Face model directory (their tensors).
 
 ``inspect`` shows what the format's metadata says (tensors, their stored chunks and the files
 holding them, objects, common state). ``validate``: :mod:`lightning_distckpt.validation.foreign`.
@@ -15,6 +16,9 @@ from typing import Any, Dict, List, Optional
 from ..planning.metadata import element_size
 from ..progress import Progress, advance, set_total
 from ..reading.formats.dcp import DcpSource
+from ..reading.formats.detect import detect, is_hf_model_directory
+from ..reading.formats.files import SafetensorsFile
+from ..reading.formats.tensor_files import TensorFileSource
 from ..validation.foreign import format_name, open_foreign, validate_foreign
 from .inspect import _table, human_bytes, ranks_text, shard_grid
 
@@ -55,4 +59,52 @@ def render_foreign(s: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__: List[str] = ["open_foreign", "render_foreign", "summarize_foreign", "validate_foreign"]
+def open_tensor_files(path: str) -> Optional[TensorFileSource]:
+    """The tensors of a ``torch.save`` / ``.safetensors`` file or a Hugging Face model directory
+    (read without running code, as ``load`` reads them); None for anything else."""
+    if not os.path.exists(path) or (os.path.isdir(path) and not is_hf_model_directory(path)):
+        return None
+    source = detect(path)
+    return source if isinstance(source, TensorFileSource) else None
+
+
+def summarize_tensor_files(source: TensorFileSource, progress: Optional[Progress] = None) -> Dict[str, Any]:
+    """A JSON-able description of :func:`open_tensor_files`' source: its files, each tensor (key,
+    shape, dtype, bytes, file) and, for a ``torch.save`` file, the names of its other entries."""
+    directory = os.path.isdir(source.path)
+    first = getattr(source, "_files")[0] if not directory else None
+    kind = ("Hugging Face model directory" if directory else
+            "safetensors file" if isinstance(first, SafetensorsFile) else "torch.save file")
+    set_total(progress, len(source.index.tensors))
+    tensors = []
+    for key in sorted(source.index.tensors):
+        e = source.index.tensors[key]
+        advance(progress, 1)
+        tensors.append({"key": key, "shape": list(e.global_shape), "dtype": e.dtype,
+                        "bytes": math.prod(e.global_shape) * element_size(e.dtype),
+                        "file": os.path.basename(source.file_of(key))})
+    common = source.load_common()
+    return {"path": source.path, "format": kind, "files": [os.path.basename(f) for f in source.file_paths],
+            "file_bytes": sum(os.path.getsize(f) for f in source.file_paths),
+            "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors,
+            "other_entries": sorted(map(str, common)) if isinstance(common, dict) else []}
+
+
+def render_tensor_files(s: Dict[str, Any]) -> str:
+    lines = [f"path         {s['path']}",
+             f"format       {s['format']} (read by lightning_distckpt without running code; no checksums)",
+             f"files        {len(s['files'])}, {human_bytes(s['file_bytes'])}",
+             f"contents     {len(s['tensors'])} tensor(s), {human_bytes(s['tensor_bytes'])}"
+             + (f"; other entries: {', '.join(s['other_entries'][:12])}"
+                + (f", ... ({len(s['other_entries'])})" if len(s["other_entries"]) > 12 else "")
+                if s["other_entries"] else ""), ""]
+    by_file = len(s["files"]) > 1
+    rows = [[t["key"], str(tuple(t["shape"])), t["dtype"], human_bytes(t["bytes"])] + ([t["file"]] if by_file else [])
+            for t in s["tensors"]]
+    if rows:
+        lines.append(_table(["key", "shape", "dtype", "bytes"] + (["file"] if by_file else []), rows))
+    return "\n".join(lines)
+
+
+__all__: List[str] = ["open_foreign", "open_tensor_files", "render_foreign", "render_tensor_files", "summarize_foreign",
+                      "summarize_tensor_files", "validate_foreign"]

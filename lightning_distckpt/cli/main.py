@@ -99,10 +99,21 @@ def _hint(args: argparse.Namespace, error: CheckpointingError) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..reading.checkpoint import OpenedCheckpoint
-    from .foreign import open_foreign, render_foreign, summarize_foreign
+    from .foreign import (open_foreign, open_tensor_files, render_foreign, render_tensor_files, summarize_foreign,
+                          summarize_tensor_files)
     from ..tiers.views import render_tier, tier_summary
     from .inspect import render, summarize
 
+    try:
+        local: Optional[str] = local_path(args.checkpoint)
+    except CheckpointingError:  # a URL: said below, where a store opens it
+        local = None
+    files = open_tensor_files(local) if local else None
+    if files is not None:  # a torch.save / safetensors file, a Hugging Face directory: its tensors
+        with bar(args, "inspect", unit="key", quick=True) as progress:
+            summary = summarize_tensor_files(files, progress)
+        print(json.dumps(summary, indent=1) if args.json else render_tensor_files(summary))
+        return EXIT_OK
     path = _checkpoint_path(args.checkpoint)
     with bar(args, "inspect", unit="key", quick=True) as progress:  # keys described, any format
         foreign = open_foreign(path)  # a DCP or Megatron-Core directory

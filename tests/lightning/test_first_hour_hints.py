@@ -202,10 +202,10 @@ def test_command_line_on_a_directory_of_checkpoints_a_hf_directory_and_a_file(tm
         err = capsys.readouterr().err
         assert "it is a directory holding checkpoints (newest first: last.ckpt, epoch=0-step=2.ckpt)" in err, err
         assert f"pass one of them, e.g. {ckpts / 'last.ckpt'}" in err
-    assert cli_main(["inspect", str(hf)]) == 2
+    assert cli_main(["validate", str(hf)]) == 2
     err = capsys.readouterr().err
     assert "it is a Hugging Face model directory: `lightning-distckpt convert DIR OUT` makes a checkpoint" in err, err
-    assert cli_main(["inspect", str(hf / "model.safetensors")]) == 2
+    assert cli_main(["validate", str(hf / "model.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "is a file, not a checkpoint directory" in err
     assert f"`lightning-distckpt convert {hf / 'model.safetensors'} DIR` makes a checkpoint of it" in err
@@ -268,3 +268,22 @@ def test_a_directory_that_is_no_checkpoint_says_what_it_holds(tmp_path):
             ldc.load(template, str(path))
         assert f"{path} is not a distributed checkpoint {what}" in str(e.value), e.value
     assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_inspect_shows_the_tensors_of_files_and_hugging_face_directories(tmp_path, capsys):
+    """``inspect`` of a .safetensors file, a torch.save file (a Lightning-like dict: its tensors by
+    path, its other entries named) and a Hugging Face directory (each tensor's file); was refused."""
+    hf = _hf_dir(tmp_path)
+    ckpt = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {"layer.weight": torch.zeros(2, 3)}, "epoch": 1, "global_step": 8}, str(ckpt))
+    assert cli_main(["inspect", str(hf / "model.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "safetensors file" in out and "lm_head.weight" in out and "(8, 4)" in out
+    assert cli_main(["inspect", str(ckpt), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["format"] == "torch.save file"
+    assert [(t["key"], t["shape"]) for t in summary["tensors"]] == [("state_dict/layer.weight", [2, 3])]
+    assert {"epoch", "global_step"} <= set(summary["other_entries"])
+    assert cli_main(["inspect", str(hf)]) == 0
+    out = capsys.readouterr().out
+    assert "Hugging Face model directory" in out and "transformer.wte.weight" in out

@@ -119,6 +119,15 @@ class TensorFileSource:
     def reader(self) -> "TensorFileSource":
         return self
 
+    @property
+    def file_paths(self) -> List[str]:
+        """The files read, in the index's order."""
+        return [f.path for f in self._files]
+
+    def file_of(self, key: str) -> str:
+        """The file holding the tensor loaded as ``key``."""
+        return self._files[self._where[key].file].path
+
     def load_common(self, extra_safe_globals: Sequence[Any] = ()) -> Any:
         return self._common
 
