@@ -232,7 +232,11 @@ def commit(staging: str, target: str, metadata_json: str, marker_json: str, entr
         # processes are gone), never a committed one with notes; the rename waits for both.
         remove_owner_notes(staging)
         os.fsync(f.fileno())
-    fsync_dir(staging)
+    try:
+        fsync_dir(staging)
+    except FileNotFoundError:  # a missing target's recovery (clean, a loading rank) renamed it into place already
+        if not _holds_marker(target, marker_bytes):
+            raise
     _step("after_notes_removed")
     _swap_in(staging, target, marker_bytes)
     fsync_dir(os.path.dirname(os.path.abspath(target)))

@@ -26,7 +26,7 @@ from .options import StorageOptions
 from .output_files import is_torch_archive
 from .paths import TreeStats, kind_of, local_location, read_inside, refuse_link, scan_tree
 from .safe_pickle import write_file_durable
-from .store import CheckpointStore, StorageFacts, WriterStore
+from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +68,13 @@ class LocalStore(CheckpointStore):
 
     def begin(self, staging_dir: str, rank: int) -> None:
         """The staging directory and its ``data/`` (made before any blob: see :meth:`write_blob`),
-        and this rank's owner note."""
-        os.makedirs(os.path.join(staging_dir, DATA_DIR), exist_ok=True)
-        staging.write_owner_note(staging_dir, rank)
+        and this rank's owner note, made under the parent's shared lock (``staging.parent_lock``): a
+        ``clean`` running meanwhile sees the directory with its note, or not at all."""
+        parent = os.path.dirname(os.path.abspath(staging_dir))
+        os.makedirs(parent, exist_ok=True)
+        with staging.parent_lock(parent, exclusive=False):
+            os.makedirs(os.path.join(staging_dir, DATA_DIR), exist_ok=True)
+            staging.write_owner_note(staging_dir, rank)
 
     def write_blob(self, staging_dir: str, name: str, data: bytes) -> None:
         """The file, durable. After ``metadata.json``, the last of a save's blobs (``saving/save_commit.py``
@@ -102,10 +106,13 @@ class LocalStore(CheckpointStore):
 
     def reserve(self) -> bool:
         """An empty directory at the target (``saving/async_pending.py``): the commit replaces it
-        like a missing target. Nothing when something is there already."""
+        like a missing target. Nothing when something is there already. Its folder is made first, as
+        a synchronous save makes it before returning (``ModelCheckpoint(save_last="link")`` links
+        ``last.ckpt`` to the target as soon as the save returns)."""
         if os.path.lexists(self.location):
             return False
         try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.location)), exist_ok=True)
             os.mkdir(self.location)
         except OSError:  # made meanwhile by someone else, or a parent we cannot write: the commit will say
             return False
@@ -217,11 +224,23 @@ class LocalStore(CheckpointStore):
         return staging.find_leftovers(*self._scope())
 
     def remove_leftover(self, leftover: Any, progress: Optional[Progress] = None) -> None:
-        """Gone already (its commit renamed it into place, or another clean) is fine."""
-        try:
-            shutil.rmtree(leftover.path)
-        except FileNotFoundError:
-            pass
+        """Gone already (its commit renamed it into place, or another clean) is fine. A staging
+        directory is checked again under its parent's exclusive lock (``staging.parent_lock``), the
+        listing it was found in being unlocked: LeftoverChanged, nothing removed, where a save on
+        this host now writes into it (one that was making it when listed) or it is now committed."""
+        with staging.parent_lock(os.path.dirname(os.path.abspath(leftover.path)), exclusive=True):
+            if isinstance(leftover, staging.Leftover) and leftover.link_to is None:
+                owners = staging.live_owner_pids(leftover.path)
+                if owners:
+                    raise LeftoverChanged(f"{leftover.path}: a save on this host (pid {owners[0]}) is writing into it; "
+                                          "not removed")
+                if is_committed(leftover.path) and not leftover.committed:
+                    raise LeftoverChanged(f"{leftover.path}: committed meanwhile by a save that was still running; "
+                                          "not removed")
+            try:
+                shutil.rmtree(leftover.path)
+            except FileNotFoundError:
+                pass
         advance(progress, leftover.nbytes or 0)
 
     def recover_leftovers(self) -> List[Tuple[Any, str, str]]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -33,7 +35,7 @@ import stat
 import time
 import uuid
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Iterator, List, Optional, Sequence, Set, Tuple
 
 from ..core.errors import CheckpointingError, FormatError
 from .layout import COMMIT_MARKER, is_committed, parse_json
@@ -110,6 +112,29 @@ def discard(staging: Optional[str]) -> None:
     if staging and is_staging_dir(staging):
         _OWN_STAGING.discard(os.path.abspath(staging))
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def parent_lock(parent: str, exclusive: bool) -> Iterator[None]:
+    """``flock`` on the directory ``parent`` (shared: a save making its staging directory and owner
+    note in it; exclusive: ``clean`` checking a staging directory again and removing it), so that
+    ``clean`` never sees a staging directory of a save on this host without its note: it is made and
+    its note written (not atomically: an empty note reads as no owner) in one shared hold. Released
+    when the process dies. Where the file system has no ``flock`` (or ``parent`` cannot be opened),
+    nothing is locked, as before."""
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        except OSError as e:
+            logger.debug("%s: no flock (%s); staging directories not locked against clean", parent, e)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def write_owner_note(staging: str, rank: int) -> None:
