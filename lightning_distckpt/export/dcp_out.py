@@ -91,6 +91,8 @@ def _check_target(out: str, shown: Optional[str] = None) -> None:
         st = os.lstat(out)
     except FileNotFoundError:
         return
+    except NotADirectoryError:  # a component on the way is a file (plain.pt/x)
+        raise ArgumentError(f"{shown}: a component of the path is a file, not a directory") from None
     if not stat.S_ISDIR(st.st_mode):
         what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
         raise ArgumentError(f"{shown}: exists and is {what}; refusing to replace it")

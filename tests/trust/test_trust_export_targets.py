@@ -212,3 +212,13 @@ def test_a_new_output_gets_its_parents_and_the_mode_of_a_new_directory(ck, tmp_p
     os.mkdir(tmp_path / "reference")  # made as any new directory is here
     assert stat.S_IMODE(os.stat(out).st_mode) == stat.S_IMODE(os.stat(tmp_path / "reference").st_mode)
     shutil.rmtree(tmp_path / "a")
+
+
+@pytest.mark.parametrize("export", ["to_dcp", "to_megatron"])
+def test_an_output_below_a_file_is_an_argument_error(ck, tmp_path, export):
+    """``plain.pt/x``: a component of the output path is a file (a raw NotADirectoryError from the
+    target check; found by the long path-argument fuzzer). Nothing is written, the file unchanged."""
+    plain = write(str(tmp_path / "plain.pt"), b"mine")
+    with pytest.raises(ArgumentError, match="a component of the path is a file"):
+        getattr(ldc.export, export)(ck, os.path.join(plain, "x"))
+    assert open(plain, "rb").read() == b"mine"
