@@ -71,10 +71,9 @@ def open_tensor_files(path: str) -> Optional[TensorFileSource]:
 def summarize_tensor_files(source: TensorFileSource, progress: Optional[Progress] = None) -> Dict[str, Any]:
     """A JSON-able description of :func:`open_tensor_files`' source: its files, each tensor (key,
     shape, dtype, bytes, file) and, for a ``torch.save`` file, the names of its other entries."""
-    directory = os.path.isdir(source.path)
-    first = getattr(source, "_files")[0] if not directory else None
-    kind = ("Hugging Face model directory" if directory else
-            "safetensors file" if isinstance(first, SafetensorsFile) else "torch.save file")
+    kind = ("Hugging Face model directory" if os.path.isdir(source.path) else
+            "safetensors file" if isinstance(source.files[0], SafetensorsFile) else "torch.save file")
+    paths = [f.path for f in source.files]
     set_total(progress, len(source.index.tensors))
     tensors = []
     for key in sorted(source.index.tensors):
@@ -84,8 +83,8 @@ def summarize_tensor_files(source: TensorFileSource, progress: Optional[Progress
                         "bytes": math.prod(e.global_shape) * element_size(e.dtype),
                         "file": os.path.basename(source.file_of(key))})
     common = source.load_common()
-    return {"path": source.path, "format": kind, "files": [os.path.basename(f) for f in source.file_paths],
-            "file_bytes": sum(os.path.getsize(f) for f in source.file_paths),
+    return {"path": source.path, "format": kind, "files": [os.path.basename(f) for f in paths],
+            "file_bytes": sum(os.path.getsize(f) for f in paths),
             "tensor_bytes": sum(t["bytes"] for t in tensors), "tensors": tensors,
             "other_entries": sorted(map(str, common)) if isinstance(common, dict) else []}
 

@@ -81,13 +81,13 @@ def _hint(args: argparse.Namespace, error: CheckpointingError) -> str:
     from ..core.errors import CheckpointNotFoundError, IncompleteCheckpointError
     from ..reading.formats.detect import is_hf_model_directory
     from ..storage.layout import is_checkpoint_dir
-    from ..storage.staging import committed_siblings
+    from ..storage.staging import committed_inside
 
     path = getattr(args, "checkpoint", None) or getattr(args, "source", None)
     if (not isinstance(error, IncompleteCheckpointError) or isinstance(error, CheckpointNotFoundError)
             or not path or not os.path.isdir(path) or is_checkpoint_dir(path)):
         return ""
-    inside = committed_siblings(path)
+    inside = committed_inside(path)
     if inside:
         return (f"; it is a directory holding checkpoints (newest first: {', '.join(inside)}): "
                 f"pass one of them, e.g. {os.path.join(path, inside[0])}")

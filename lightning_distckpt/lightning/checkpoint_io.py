@@ -45,8 +45,7 @@ from ..saving.async_pending import finish_saves_to
 from ..saving.async_save import AsyncSaver, AsyncSaveRequest
 from ..saving.background_snapshot import Selector
 from ..saving.save import SavePlanCache, finalize_save, prepare_save, write_local
-from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config
-from .parallel import unknown_argument
+from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, unknown_argument
 from .foreign import WEIGHTS_ADVICE, WEIGHTS_ONLY, checkpoints_inside, fabric_writer, foreign_advice, foreign_writer
 from .restore_source import RestoreSource
 from .stock import open_torch_file, tensors_metadata

@@ -14,7 +14,7 @@ import importlib
 import os
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, List, Mapping, Optional, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -249,6 +249,20 @@ def _with_key_hint(schema: type, error: Exception) -> str:
         hint = f"The keys {('of ' + section) if section else 'at the top level'} are: {', '.join(level)}."
     first, _, rest = text.partition("\n")
     return f"{first}. {hint}" + (f"\n{rest}" if rest else "")
+
+
+def unknown_argument(owner: str, key: str, value: Any, own: List[str], setting_form: str,
+                     others: Sequence[str] = (), takes: str = "") -> str:
+    """What is wrong with ``key=value`` given to ``owner`` (whose arguments are ``own`` and
+    ``others``), and what to write instead: a checkpoint setting goes in ``owner`` + ``setting_form``
+    (formatted with ``key`` and ``value``), anything else gets the closest argument name."""
+    settings = [f.name for f in fields(DistCheckpointConfig)]
+    if key in settings:
+        return (f"{owner}({key}={value!r}): {key!r} is a checkpoint setting, not an argument; pass it as "
+                f"{owner}{setting_form.format(key=key, value=value)} (or in a YAML file given instead)")
+    close = difflib.get_close_matches(key, [*own, *settings], 1) or difflib.get_close_matches(key, list(others), 1)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return f"{owner} got an unexpected argument {key!r}{hint} " + (takes or f"It takes {', '.join(own)}.")
 
 
 def load_checkpoint_config(cfg: ConfigLike = None) -> DistCheckpointConfig:

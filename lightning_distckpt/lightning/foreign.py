@@ -7,8 +7,7 @@ import os
 from typing import Optional
 
 from ..reading.formats.detect import is_hf_model_directory
-from ..storage.layout import is_checkpoint_dir
-from ..storage.staging import committed_siblings
+from ..storage.staging import committed_inside
 from .tree import KIND_PLAIN, KIND_SHARDED
 
 #: What to do with a checkpoint none of ours wrote.
@@ -44,9 +43,7 @@ def foreign_advice(path: str) -> str:
 def checkpoints_inside(path: str) -> str:
     """For a local directory that is no checkpoint but holds committed ones (``ModelCheckpoint``'s
     ``dirpath``, say): which they are and what to pass instead; "" otherwise."""
-    if not os.path.isdir(path) or is_checkpoint_dir(path):
-        return ""
-    inside = committed_siblings(path)
+    inside = committed_inside(path)
     if not inside:
         return ""
     return (f"it is a directory holding checkpoints (newest first: {', '.join(inside)}): pass one of them, "

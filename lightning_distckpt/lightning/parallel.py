@@ -9,7 +9,7 @@ the ``tp`` ranks of one model replica, its DP group the ranks holding the same s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -197,30 +197,13 @@ def _ddp_parameters() -> "set[str]":
 
 def _unknown_argument(owner: str, key: str, value: Any) -> str:
     """What is wrong with ``key=value`` given to a TP strategy, and what to write instead."""
+    from .config import unknown_argument
+
     return unknown_argument(owner, key, value, ["tensor_parallel_size", "checkpoint"], "(checkpoint={{{key!r}: {value!r}}})",
                             sorted(_ddp_parameters()),
                             "It takes tensor_parallel_size, checkpoint (checkpoint settings: a DistCheckpointConfig, a "
                             "mapping or a YAML path) and the arguments of Lightning's DDPStrategy and of "
                             "DistributedDataParallel")
-
-
-def unknown_argument(owner: str, key: str, value: Any, own: List[str], setting_form: str,
-                     others: Sequence[str] = (), takes: str = "") -> str:
-    """What is wrong with ``key=value`` given to ``owner`` (whose arguments are ``own`` and
-    ``others``), and what to write instead: a checkpoint setting goes in ``owner`` + ``setting_form``
-    (formatted with ``key`` and ``value``), anything else gets the closest argument name."""
-    import difflib
-    from dataclasses import fields
-
-    from .config import DistCheckpointConfig
-
-    settings = [f.name for f in fields(DistCheckpointConfig)]
-    if key in settings:
-        return (f"{owner}({key}={value!r}): {key!r} is a checkpoint setting, not an argument; pass it as "
-                f"{owner}{setting_form.format(key=key, value=value)} (or in a YAML file given instead)")
-    close = difflib.get_close_matches(key, [*own, *settings], 1) or difflib.get_close_matches(key, list(others), 1)
-    hint = f"; did you mean {close[0]!r}?" if close else "."
-    return f"{owner} got an unexpected argument {key!r}{hint} " + (takes or f"It takes {', '.join(own)}.")
 
 
 STRATEGY_NAME = "ddp_distckpt"

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Set, Tuple
 
 from ..core.errors import CheckpointingError, FormatError
-from .layout import COMMIT_MARKER, is_committed, parse_json
+from .layout import COMMIT_MARKER, is_checkpoint_dir, is_committed, parse_json
 from .paths import read_inside
 
 logger = logging.getLogger(__name__)
@@ -370,6 +370,14 @@ def committed_siblings(parent: str, limit: int = 3) -> List[str]:
         if not os.path.islink(path) and os.path.isdir(path) and is_committed(path):
             found.append((os.path.getmtime(path), n))
     return [n for _, n in sorted(found, reverse=True)[:limit]]
+
+
+def committed_inside(path: str) -> List[str]:
+    """The newest committed checkpoints in the directory ``path`` when it is no checkpoint itself
+    (``ModelCheckpoint``'s ``dirpath`` passed for one of its checkpoints); [] otherwise."""
+    if not os.path.isdir(path) or is_checkpoint_dir(path):
+        return []
+    return committed_siblings(path)
 
 
 def describe_missing(path: str) -> str:

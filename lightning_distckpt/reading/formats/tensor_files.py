@@ -120,9 +120,9 @@ class TensorFileSource:
         return self
 
     @property
-    def file_paths(self) -> List[str]:
+    def files(self) -> List["TensorFile"]:
         """The files read, in the index's order."""
-        return [f.path for f in self._files]
+        return list(self._files)
 
     def file_of(self, key: str) -> str:
         """The file holding the tensor loaded as ``key``."""
