@@ -8,9 +8,10 @@ An error agreed over ranks (:meth:`lightning_distckpt.comm.Comm.agree`) carries 
 
 from __future__ import annotations
 
+import contextlib
 import traceback as _traceback
 from dataclasses import dataclass
-from typing import Dict, Optional, Type
+from typing import Dict, Iterator, Optional, Type
 
 #: The most characters of a rank's formatted traceback a :class:`RankFailure` keeps (the end:
 #: the innermost frames and the error line), so an agreement's all-gather stays small.
@@ -100,6 +101,18 @@ class IncompleteCheckpointError(CheckpointingError):
 class CheckpointNotFoundError(IncompleteCheckpointError, FileNotFoundError):
     """Nothing is at the checkpoint path: the directory does not exist. A FileNotFoundError too, as
     Lightning's CheckpointIO contract has it; the message says "does not exist", Megatron-Core's words."""
+
+
+@contextlib.contextmanager
+def naming_file(path: str) -> Iterator[None]:
+    """An OSError raised in the block that names no file gets ``path``: a full disk met by a write
+    or an fsync on a descriptor says nothing of the file, and a failed save must say which it was."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # str(e) names the file only with an errno
+            e.filename = path
+        raise
 
 
 def not_found(path: str, detail: str = "no such directory") -> CheckpointNotFoundError:

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future
 from typing import AbstractSet, Any, Callable, List, NamedTuple, Optional, Tuple
 
-from ..core.errors import CheckpointingError
+from ..core.errors import CheckpointingError, naming_file
 from .checksums import sha256_hex
 from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, is_our_committed_checkpoint
 from .paths import read_inside
@@ -85,7 +85,8 @@ def fsync_dir(path: str) -> None:
     """fsync ``path``: a directory (its entries) or a file (its data)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with naming_file(path):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -221,7 +222,8 @@ def commit(staging: str, target: str, metadata_json: str, marker_json: str, entr
     marker["metadata_sha256"] = sha256_hex(metadata)
     marker["common_sha256"] = _file_sha256(os.path.join(staging, COMMON_FILE))
     marker_bytes = json.dumps(marker).encode()
-    with open(os.path.join(staging, COMMIT_MARKER), "wb") as f:
+    marker_path = os.path.join(staging, COMMIT_MARKER)
+    with naming_file(marker_path), open(marker_path, "wb") as f:
         f.write(marker_bytes)
         f.flush()
         _step("after_marker")

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..core.errors import naming_file
 from .workers import KeptWorkers
 
 DIRECT_WRITES_ENV = "LIGHTNING_DISTCKPT_DIRECT_WRITES"
@@ -102,7 +103,13 @@ def _write_all(fd: int, data: memoryview, path: str) -> None:
 
 def write_chunk_file(path: str, src: np.ndarray, size: int) -> None:
     """Write ``src`` (a C-contiguous byte array) to the new file ``path`` with ``O_DIRECT``, followed by
-    zeros up to ``size`` bytes (zarr's edge chunk); fsync it. The file must not exist."""
+    zeros up to ``size`` bytes (zarr's edge chunk); fsync it. The file must not exist. An OSError
+    names the file (a full disk at a write or the fsync would not)."""
+    with naming_file(path):
+        _write_chunk_file(path, src, size)
+
+
+def _write_chunk_file(path: str, src: np.ndarray, size: int) -> None:
     nbytes = src.nbytes
     base = src.ctypes.data
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT | os.O_CLOEXEC, 0o644)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from ..core.errors import FormatError, UnsafeContentError
+from ..core.errors import FormatError, UnsafeContentError, naming_file
 from ..core.tree_walk import check_tree
 from .file_kind import HEAD_BYTES, not_a_torch_file, starts_with_legacy_magic
 from .paths import ANYWHERE, check_regular
@@ -230,7 +230,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def write_file_durable(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
+    with naming_file(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

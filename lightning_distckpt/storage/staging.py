@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Set, Tuple
 
-from ..core.errors import CheckpointingError, FormatError
+from ..core.errors import CheckpointingError, FormatError, naming_file
 from .layout import COMMIT_MARKER, is_checkpoint_dir, is_committed, parse_json
 from .paths import read_inside
 
@@ -145,7 +145,8 @@ def write_owner_note(staging: str, rank: int) -> None:
     notes = os.path.join(staging, OWNERS_DIR)
     os.makedirs(notes, exist_ok=True)
     note = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "started_unix": time.time()}
-    with open(os.path.join(notes, f"rank_{rank:05d}.json"), "w") as f:
+    path = os.path.join(notes, f"rank_{rank:05d}.json")
+    with naming_file(path), open(path, "w") as f:
         json.dump(note, f)
 
 
