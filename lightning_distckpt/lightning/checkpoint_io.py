@@ -46,6 +46,7 @@ from ..saving.async_save import AsyncSaver, AsyncSaveRequest
 from ..saving.background_snapshot import Selector
 from ..saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, unknown_argument
+from .last_link import repoint_last_links
 from .foreign import WEIGHTS_ADVICE, WEIGHTS_ONLY, checkpoints_inside, fabric_writer, foreign_advice, foreign_writer
 from .restore_source import RestoreSource
 from .stock import open_torch_file, tensors_metadata
@@ -277,7 +278,12 @@ class DistCheckpointIO(CheckpointIO):
         removals, self._deferred_removals = self._deferred_removals, []
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.finalize()  # raises on failure: the deferred removals are dropped
+            try:
+                pending.finalize()  # raises on failure: the deferred removals are dropped
+            except CheckpointingError:
+                if pending.checkpoint_dir and (not dist.is_initialized() or dist.get_rank() == 0):
+                    repoint_last_links(pending.checkpoint_dir)  # save_last="link" linked it when it was issued
+                raise
         for target in removals:
             self.remove_checkpoint(target)
 
