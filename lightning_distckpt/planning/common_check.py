@@ -19,7 +19,7 @@ import copyreg
 import hashlib
 import io
 import pickle
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Sequence, Tuple
 
 import torch
 
@@ -66,11 +66,6 @@ def common_digest(value: Any) -> str:
     return digest(buf.getbuffer())
 
 
-def leaf_digests(common: Any) -> Dict[str, str]:
-    """Digest of every leaf of the common state, by dotted path."""
-    return {leaf_path(path): common_digest(leaf) for path, leaf in iter_leaves(common)}
-
-
 def common_differences(per_rank: Sequence[Dict[str, str]], limit: int = 10) -> List[str]:
     """Where ranks' leaf digests disagree with rank 0's (whose copy is the one saved).
 
@@ -96,9 +91,43 @@ def common_differences(per_rank: Sequence[Dict[str, str]], limit: int = 10) -> L
     return lines
 
 
-def rank_differences(per_rank: Sequence[Dict[str, str]], rank: int) -> Tuple[List[str], List[str], List[str]]:
-    """Megatron-Core's three lists for ``rank`` against rank 0: the paths only rank 0 has, those
-    only ``rank`` has, and those both have with different values."""
+class Leaf(NamedTuple):
+    """What ranks exchange of one common-state leaf when their states differ: its digest, each key
+    of its path as Python writes it (``("'optimizer'", "'param_groups'", "0", "'lr'")``) and its type."""
+
+    digest: str
+    keys: Tuple[str, ...]
+    type: str
+
+
+def leaf_records(common: Any) -> Dict[str, Leaf]:
+    """:class:`Leaf` of every leaf of the common state, by dotted path."""
+    return {leaf_path(path): Leaf(common_digest(leaf), tuple(repr(k) for k in path), repr(type(leaf)))
+            for path, leaf in iter_leaves(common)}
+
+
+def _written(keys: Tuple[str, ...]) -> str:
+    """The tuple of keys as Python writes it: ``('rank',)``, ``('a', 0)``."""
+    return f"({keys[0]},)" if len(keys) == 1 else f"({', '.join(keys)})"
+
+
+def _first_missing(keys: Iterable[Tuple[str, ...]], present: Iterable[Tuple[str, ...]]) -> str:
+    """Each of ``keys`` cut at its first prefix that no path of ``present`` has (Megatron-Core names
+    the missing sub-tree, not each of its leaves), as Megatron-Core's log line writes the list."""
+    prefixes = {path[:i] for path in present for i in range(1, len(path) + 1)}
+    cut = {next((key[:i] for i in range(1, len(key) + 1) if key[:i] not in prefixes), key) for key in keys}
+    return f"[{', '.join(_written(k) for k in sorted(cut))}]"
+
+
+def rank_differences(per_rank: Sequence[Dict[str, Leaf]], rank: int) -> Tuple[str, str, str]:
+    """Megatron-Core's three lists for ``rank`` against rank 0, as its log line writes them: the keys
+    only rank 0 has, those only ``rank`` has, and ``(keys, rank 0's type, this rank's type)`` of the
+    leaves both have with different values. All three empty (``"[]"``) when the states agree."""
     reference, mine = per_rank[0], per_rank[rank]
-    return (sorted(set(reference) - set(mine)), sorted(set(mine) - set(reference)),
-            sorted(p for p in set(mine) & set(reference) if mine[p] != reference[p]))
+    only_rank0 = _first_missing((reference[p].keys for p in set(reference) - set(mine)),
+                                (leaf.keys for leaf in mine.values()))
+    only_mine = _first_missing((mine[p].keys for p in set(mine) - set(reference)),
+                               (leaf.keys for leaf in reference.values()))
+    mismatched = [f"({_written(reference[p].keys)}, {reference[p].type}, {mine[p].type})"
+                  for p in sorted(set(mine) & set(reference)) if mine[p].digest != reference[p].digest]
+    return only_rank0, only_mine, f"[{', '.join(mismatched)}]"

@@ -16,7 +16,7 @@ from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
 from ..core.tree_paths import steps_to_json
 from ..core.state_dict import apply_factories, collect, split_common
-from ..planning.common_check import common_differences, common_digest, leaf_digests, rank_differences
+from ..planning.common_check import common_differences, common_digest, leaf_records, rank_differences
 from ..planning.even import mark_even
 from ..planning.groups import RankRecords, layout_digest
 from ..planning.metadata import ObjectRecord, ShardRecord
@@ -254,17 +254,18 @@ def _warn_common_differs(common: Any, comm: Comm, target: str) -> None:
     """Collective (entered by every rank: all saw the same digests): find and log, on rank 0, the
     common-state leaves that differ between ranks, and on each rank that differs from rank 0 its own
     line (Megatron-Core logs per rank). Not an error: the save goes on with rank 0's."""
-    per_rank = comm.all_gather_object(leaf_digests(common))
-    only_rank0, only_mine, mismatched = rank_differences(per_rank, comm.rank)
-    if only_rank0 or only_mine or mismatched:  # each differing rank's own line, in Megatron-Core's words
+    per_rank = comm.all_gather_object(leaf_records(common))
+    differences = rank_differences(per_rank, comm.rank)
+    if differences != ("[]", "[]", "[]"):  # each differing rank's own line, Megatron-Core's to the letter
+        rank = comm.global_rank(comm.rank) if comm.distributed else 0
         logger.warning("Rank %d common state dict differs from rank 0 common state dict. Keys only on rank 0: %s, "
-                       "Keys only on %d: %s, Mismatched keys: %s (save to %s: only rank 0's copy is saved)",
-                       comm.rank, only_rank0, comm.rank, only_mine, mismatched, target)
-    if comm.rank == 0:
+                       "Keys only on %d: %s, Mismatched keys: %s", rank, differences[0], rank, *differences[1:])
+    if comm.rank == 0:  # rank 0's line says where and what is lost
+        digests = [{path: leaf.digest for path, leaf in leaves.items()} for leaves in per_rank]
         logger.warning(
             "save to %s: the common (non-sharded) state differs between ranks; only rank 0's copy is saved, "
             "so other ranks' values are lost (make rank-dependent state a ShardedObject, or identical on all "
-            "ranks):\n  %s", target, "\n  ".join(common_differences(per_rank)),
+            "ranks):\n  %s", target, "\n  ".join(common_differences(digests)),
         )
 
 

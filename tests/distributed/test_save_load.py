@@ -339,8 +339,8 @@ def test_common_state_differing_between_ranks_is_reported(tmp_path):
     results = run_distributed(_diverging_common_save, 2, str(tmp_path / "ck"))
     (warn0, step0, w0, extra0), (warn1, step1, w1, extra1) = results
     assert len(warn0) == 1 and len(warn1) == 1  # the summary by rank 0; each differing rank its own line
-    assert warn1[0].startswith("Rank 1 common state dict differs from rank 0 common state dict. Keys only on "
-                               "rank 0: [], Keys only on 1: ['stage_only'], Mismatched keys: ['step']")
+    assert warn1[0] == ("Rank 1 common state dict differs from rank 0 common state dict. Keys only on rank 0: [], "
+                        "Keys only on 1: [('stage_only',)], Mismatched keys: [(('step',), <class 'int'>, <class 'int'>)]")
     assert "'step': differs from rank 0's value on ranks [1]" in warn0[0]
     assert "'stage_only': not on rank 0, only on ranks [1]" in warn0[0]
     assert "'lr'" not in warn0[0]

@@ -175,7 +175,10 @@ def test_index_json_round_trip_and_rejects_bad_types():
 
 
 def test_common_differences_names_paths_and_ranks():
-    from lightning_distckpt.planning.common_check import common_differences, leaf_digests
+    from lightning_distckpt.planning.common_check import common_differences, leaf_records
+
+    def leaf_digests(common):
+        return {path: leaf.digest for path, leaf in leaf_records(common).items()}
 
     same = {"opt": {"param_groups": [{"lr": 0.1}]}, "step": 3}
     ranks = [leaf_digests(same), leaf_digests(same), leaf_digests({**same, "step": 4}),
@@ -191,6 +194,20 @@ def test_common_differences_names_paths_and_ranks():
     many = [{f"k{i}": "a" for i in range(15)}, {f"k{i}": "b" for i in range(15)}]
     lines = common_differences(many, limit=10)
     assert len(lines) == 11 and lines[-1] == "... and 5 more"
+
+
+def test_rank_differences_are_written_as_megatron_core_writes_them():
+    """planning/common_check.rank_differences: Megatron-Core's diff() lists, as its log line writes
+    them (its own tests compare the whole line): a missing sub-tree is named once, where it is missing."""
+    from lightning_distckpt.planning.common_check import leaf_records, rank_differences
+
+    zero = {"opt": {"groups": [{"lr": 0.1}], "kind": "adam"}, "step": 3, "rank": 0}
+    one = {"opt": {"kind": "adam"}, "step": 4.0, "rank": 1, "extra": {"a": 1, "b": [2]}}
+    per_rank = [leaf_records(zero), leaf_records(one)]
+    assert rank_differences(per_rank, 1) == (
+        "[('opt', 'groups')]", "[('extra',)]",
+        "[(('rank',), <class 'int'>, <class 'int'>), (('step',), <class 'int'>, <class 'float'>)]")
+    assert rank_differences([leaf_records(zero)] * 2, 1) == ("[]", "[]", "[]")
 
 
 def test_common_digest_compares_values_not_objects_and_calls_no_torch_save(monkeypatch):
