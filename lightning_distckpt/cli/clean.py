@@ -16,7 +16,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from ..core.errors import ArgumentError, ArgumentTypeError
+from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
+from ..core.shown import MESSAGE_LIMIT, shown
 from ..progress import Progress, set_total
 from ..storage.store import LeftoverChanged
 from ..storage.stores import open_store
@@ -25,7 +26,7 @@ from ..storage.stores import open_store
 @dataclass(frozen=True)
 class CleanAction:
     leftover: Any  # what the store found: storage.staging.Leftover, storage.s3_versions.S3Leftover, ...
-    action: str  # "removed", "would remove", "recovered", "would recover" or "kept"
+    action: str  # "removed", "would remove", "recovered", "would recover", "kept" or "failed"
     reason: str
 
 
@@ -39,6 +40,9 @@ def _act(lo: Any, remove: bool, reason: str, dry_run: bool, remover: Callable[[]
         remover()
     except LeftoverChanged as e:  # checked again just before removal: kept, the others still cleaned
         return CleanAction(lo, "kept", str(e))
+    except (OSError, CheckpointingError) as e:  # one that cannot go (a busy mount, an immutable file, a
+        # denied delete) must not keep the others: each is reported, the exit status says some failed
+        return CleanAction(lo, "failed", f"{reason}; removing it failed: {e}")
     return CleanAction(lo, "removed", reason)
 
 
@@ -90,17 +94,20 @@ def as_json(actions: List[CleanAction]) -> List[Dict[str, Any]]:
 
 def render(actions: List[CleanAction], path: str) -> str:
     if not actions:
-        return f"{path}: no leftover staging directories"
+        return f"{shown(path, None)}: no leftover staging directories"
     lines = []
     for a in actions:
         size = f"{a.leftover.nbytes / 1e9:.3f} GB" if a.leftover.nbytes is not None else \
             f"{getattr(a.leftover, 'objects', 0)} object(s)"  # object sizes are not listed
-        lines.append(f"{a.action:12s} {a.leftover.path} ({size}): {a.reason}")
-    gone = [a.leftover for a in actions if a.action != "kept"]
+        # names under DIR are anyone's: shown, as the reasons naming them
+        lines.append(f"{a.action:12s} {shown(a.leftover.path, None)} ({size}): {shown(a.reason, MESSAGE_LIMIT)}")
+    gone = [a.leftover for a in actions if a.action not in ("kept", "failed")]
     verb = "would free" if any(a.action == "would remove" for a in actions) else "freed"
     if all(lo.nbytes is not None for lo in gone):
         amount = f"{sum(lo.nbytes or 0 for lo in gone) / 1e9:.3f} GB"
     else:
         amount = f"{sum(getattr(lo, 'objects', 0) for lo in gone)} object(s)"
-    lines.append(f"{verb} {amount}; kept {sum(a.action == 'kept' for a in actions)}")
+    failed = sum(a.action == "failed" for a in actions)
+    lines.append(f"{verb} {amount}; kept {sum(a.action == 'kept' for a in actions)}"
+                 + (f"; {failed} could not be removed (above)" if failed else ""))
     return "\n".join(lines)

@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any, Dict, List, Optional
 
+from ..core.shown import shown
 from ..planning.metadata import element_size
 from ..progress import Progress, advance, set_total
 from ..reading.formats.dcp import DcpSource
@@ -43,18 +44,18 @@ def summarize_foreign(source: DcpSource, progress: Optional[Progress] = None) ->
 
 
 def render_foreign(s: Dict[str, Any]) -> str:
-    lines = [f"checkpoint   {s['path']}",
-             f"format       {s['format']} (read by lightning_distckpt; no commit marker, no checksums)",
+    lines = [f"checkpoint   {shown(s['path'], None)}",
+             f"format       {shown(s['format'])} (read by lightning_distckpt; no commit marker, no checksums)",
              f"storage      {len(s['data_files'])} data file(s), {human_bytes(s['data_file_bytes'])}",
              f"contents     {len(s['tensors'])} tensor(s), {human_bytes(s['tensor_bytes'])}; "
              f"{len(s['objects'])} object(s)", ""]
-    rows = [[t["key"], str(tuple(t["shape"])), t["dtype"], human_bytes(t["bytes"]), str(t["shards"]),
+    rows = [[shown(t["key"]), str(tuple(t["shape"])), shown(t["dtype"]), human_bytes(t["bytes"]), str(t["shards"]),
              "x".join(map(str, t["grid"])) or "scalar", ranks_text(t["writers"])] for t in s["tensors"]]
     if rows:
         lines.append(_table(["key", "global shape", "dtype", "bytes", "chunks", "grid", "files"], rows))
     if s["objects"]:
         lines += ["", _table(["object key", "shape", "elements", "files"],
-                             [[o["key"], str(tuple(o["shape"])), str(o["elements"]), ranks_text(o["writers"])]
+                             [[shown(o["key"]), str(tuple(o["shape"])), str(o["elements"]), ranks_text(o["writers"])]
                               for o in s["objects"]])]
     return "\n".join(lines)
 
@@ -90,15 +91,16 @@ def summarize_tensor_files(source: TensorFileSource, progress: Optional[Progress
 
 
 def render_tensor_files(s: Dict[str, Any]) -> str:
-    lines = [f"path         {s['path']}",
-             f"format       {s['format']} (read by lightning_distckpt without running code; no checksums)",
+    lines = [f"path         {shown(s['path'], None)}",
+             f"format       {shown(s['format'])} (read by lightning_distckpt without running code; no checksums)",
              f"files        {len(s['files'])}, {human_bytes(s['file_bytes'])}",
              f"contents     {len(s['tensors'])} tensor(s), {human_bytes(s['tensor_bytes'])}"
-             + (f"; other entries: {', '.join(s['other_entries'][:12])}"
+             + (f"; other entries: {', '.join(map(shown, s['other_entries'][:12]))}"
                 + (f", ... ({len(s['other_entries'])})" if len(s["other_entries"]) > 12 else "")
                 if s["other_entries"] else ""), ""]
     by_file = len(s["files"]) > 1
-    rows = [[t["key"], str(tuple(t["shape"])), t["dtype"], human_bytes(t["bytes"])] + ([t["file"]] if by_file else [])
+    rows = [[shown(t["key"]), str(tuple(t["shape"])), shown(t["dtype"]), human_bytes(t["bytes"])]
+            + ([shown(t["file"])] if by_file else [])
             for t in s["tensors"]]
     if rows:
         lines.append(_table(["key", "shape", "dtype", "bytes"] + (["file"] if by_file else []), rows))

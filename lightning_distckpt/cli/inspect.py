@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from ..core.shown import shown
 from ..planning.metadata import TensorEntry, element_size
 from ..reading.checkpoint import OpenedCheckpoint
 from ..progress import Progress, advance, set_total
@@ -97,20 +98,24 @@ def _table(headers: Sequence[str], rows: List[Sequence[str]]) -> str:
 
 
 def _when(t: Any) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
+    try:  # a marker's time is any finite number: one past the platform's time_t shows as itself
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
+    except (OverflowError, OSError, ValueError):
+        return f"unix time {t:g}"
 
 
 def render(s: Dict[str, Any]) -> str:
-    """The summary as text: a header and one row per tensor / object."""
+    """The summary as text: a header and one row per tensor / object; every text from the
+    checkpoint (keys, versions, file names) :func:`shown`."""
     st = s["storage"]
     lines = [
-        f"checkpoint   {s['path']}",
+        f"checkpoint   {shown(s['path'], None)}",
         f"status       committed (complete) at {_when(s['committed_unix'])}",
-        f"format       {s['format']} v{s['format_version']}, written by lightning_distckpt {s['library_version']} "
-        f"(torch {s['torch_version']}) on {s['world_size']} rank(s); "
+        f"format       {shown(s['format'])} v{s['format_version']}, written by lightning_distckpt "
+        f"{shown(s['library_version'])} (torch {shown(s['torch_version'])}) on {s['world_size']} rank(s); "
         + ("checksums on every chunk, object, common.pt and metadata.json" if s["checksums"] else
            "NO checksums (written before format 3)"),
-        f"storage      {st.get('backend', '?')} / {st.get('layout', '?')}, "
+        f"storage      {shown(st.get('backend', '?'))} / {shown(st.get('layout', '?'))}, "
         f"chunks <= {human_bytes(st.get('chunk_bytes', 0))}; "
         f"{s['data_files']} data file(s), "
         f"{human_bytes(s['data_file_bytes']) if s['data_file_bytes'] is not None else 'sizes not listed'}; "
@@ -123,17 +128,17 @@ def render(s: Dict[str, Any]) -> str:
         lines.append(
             f"leftovers    {len(s['leftovers'])} staging director(ies) of saves to this name that did not commit "
             f"({human_bytes(sum(lo['bytes'] or 0 for lo in s['leftovers']))}): lightning-distckpt clean "
-            f"{os.path.dirname(s['path'])}"
+            f"{shown(os.path.dirname(s['path']), None)}"
         )
     for entry in s["foreign"]:
-        lines.append(f"foreign      {entry}: not written by a save (a load never reads it; left alone)")
+        lines.append(f"foreign      {shown(entry)}: not written by a save (a load never reads it; left alone)")
     lines.append("")
     rows = []
     for t in s["tensors"]:
         split = "; ".join(f"axis {a} at {_offsets(o)}" for a, o in t["split_axes"].items())
         if t["flat_pieces"]:
             split = (split + "; " if split else "") + f"{t['flat_pieces']} flattened piece(s)"
-        rows.append([t["key"], str(tuple(t["shape"])), t["dtype"], human_bytes(t["bytes"]),
+        rows.append([shown(t["key"]), str(tuple(t["shape"])), shown(t["dtype"]), human_bytes(t["bytes"]),
                      str(t["shards"]), "x".join(map(str, t["grid"])) or "scalar", ranks_text(t["writers"]),
                      split or "whole"])
     if rows:
@@ -141,7 +146,7 @@ def render(s: Dict[str, Any]) -> str:
     if s["objects"]:
         lines.append("")
         lines.append(_table(["object key", "shape", "elements", "writers"],
-                            [[o["key"], str(tuple(o["shape"])), str(o["elements"]),
+                            [[shown(o["key"]), str(tuple(o["shape"])), str(o["elements"]),
                               ranks_text(o["writers"])] for o in s["objects"]]))
     return "\n".join(lines)
 

@@ -28,6 +28,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, List, Optional
 
 from ..core.errors import ArgumentError, CheckpointingError
+from ..core.shown import MESSAGE_LIMIT, shown
 from ..storage.paths import local_path
 from ..storage.stores import open_store
 from ..version import __version__
@@ -89,8 +90,8 @@ def _hint(args: argparse.Namespace, error: CheckpointingError) -> str:
         return ""
     inside = committed_inside(path)
     if inside:
-        return (f"; it is a directory holding checkpoints (newest first: {', '.join(inside)}): "
-                f"pass one of them, e.g. {os.path.join(path, inside[0])}")
+        return (f"; it is a directory holding checkpoints (newest first: {', '.join(map(shown, inside))}): "
+                f"pass one of them, e.g. {shown(os.path.join(path, inside[0]), None)}")
     if is_hf_model_directory(path):
         return ("; it is a Hugging Face model directory: `lightning-distckpt convert DIR OUT` makes a checkpoint of "
                 "it, and lightning_distckpt.load(template, DIR, key_map=...) reads it as it is (docs/ingest.md)")
@@ -134,7 +135,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from .validate import as_json, render
 
     with bar(args, "validate") as progress:
-        on_key = None if args.json or not verbosity(args) else (lambda key: note(progress, f"checked {key}"))
+        on_key = None if args.json or not verbosity(args) else (lambda key: note(progress, f"checked {shown(key)}"))
         report = validate(_checkpoint_path(args.checkpoint), max_inflight_bytes=args.max_inflight_mib << 20,
                           on_key=on_key, require_checksums=args.require_checksums, progress=progress)
     print(json.dumps(as_json(report), indent=1) if args.json else render(report))
@@ -149,7 +150,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     with bar(args, "clean", quick=True) as progress:
         actions = clean(args.directory, args.older_than, args.dry_run, progress)
     print(json.dumps(as_json(actions), indent=1) if args.json else render(actions, args.directory))
-    return EXIT_OK
+    return EXIT_DAMAGED if any(a.action == "failed" for a in actions) else EXIT_OK
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -187,7 +188,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             report = relayout(args.source, args.destination, storage, progress)
         else:
             report = from_torch_file(args.source, args.destination, storage)
-    print(json.dumps(asdict(report), indent=1) if args.json else report.describe())
+    print(json.dumps(asdict(report), indent=1) if args.json else shown(report.describe(), MESSAGE_LIMIT))
     return EXIT_OK
 
 
@@ -231,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-distckpt",
         description="Inspect, validate, convert and clean up after lightning_distckpt (sharded) checkpoints.",
-        epilog="exit status: 0 ok, 1 damaged checkpoint (validate), 2 not a (complete) checkpoint or bad usage",
+        epilog="exit status: 0 ok, 1 damaged checkpoint (validate) or a leftover clean could not remove, "
+               "2 not a (complete) checkpoint or bad usage",
         parents=[output_options()],
     )
     parser.add_argument("--version", action="version", version=f"lightning_distckpt {__version__}")
@@ -295,7 +297,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         with command_logging(args):
             return args.handler(args)
     except CheckpointingError as e:  # UsageError included; damage found by validate is its report, not an error
-        print(f"lightning-distckpt {args.command}: error: {e}{_hint(args, e)}", file=sys.stderr)
+        # one line, whatever names of the checkpoint's the message holds (a forged line, escape sequences)
+        print(f"lightning-distckpt {args.command}: error: {shown(f'{e}{_hint(args, e)}', MESSAGE_LIMIT)}",
+              file=sys.stderr)
         return EXIT_UNUSABLE
     except KeyboardInterrupt:
         return 130

@@ -9,17 +9,22 @@ command takes (before or after the command name):
   stderr is a terminal (never into a pipe or a file).
 
 The records of the ``lightning_distckpt`` logger go to stderr through a handler this module adds
-for the command's duration (the package logger is otherwise silent: a ``NullHandler``).
+for the command's duration (the package logger is otherwise silent: a ``NullHandler``). What
+names a checkpoint holds reaches the terminal through :func:`shown` (every text output, every
+record's message): its escape sequences, line breaks and bidi controls escaped, over-long names cut.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import logging
+import numbers
 import sys
-from typing import Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
+from ..core.shown import MESSAGE_LIMIT, shown
 from ..progress import Progress, bar_wanted, progress_bar
 from .numbers import int_in
 
@@ -73,13 +78,41 @@ def quiet_of(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "quiet", False))
 
 
+class ShownFormatter(logging.Formatter):
+    """Records with their arguments :func:`shown`: the library logs names a checkpoint holds (keys,
+    files) as arguments, and a forged line or an escape sequence in a log reads like the library's
+    own; the format string is the library's, its line breaks kept. A record without arguments is
+    shown whole."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record = copy.copy(record)  # other handlers (an application's, pytest's) see the record as it was
+        try:
+            record.message = str(record.msg) % _shown_args(record.args) if record.args else None
+        except (TypeError, ValueError):  # an argument a conversion needs unchanged (%d of a tensor, say)
+            record.message = None
+        if record.message is None:
+            record.message = shown(record.getMessage(), MESSAGE_LIMIT)
+        return super().formatMessage(record)
+
+
+def _shown_args(args: Any) -> Any:
+    """A record's arguments with every text (anything but a number) :func:`shown`."""
+    if isinstance(args, Mapping):  # logger.info("%(key)s", {"key": ...})
+        return {k: _shown_arg(v) for k, v in args.items()}
+    return tuple(_shown_arg(a) for a in args)
+
+
+def _shown_arg(value: Any) -> Any:
+    return value if value is None or isinstance(value, numbers.Number) else shown(str(value), MESSAGE_LIMIT)
+
+
 @contextlib.contextmanager
 def command_logging(args: argparse.Namespace) -> Iterator[None]:
     """The package logger printed to stderr at the options' level while a command runs; its level
     and handlers are put back afterwards (``main()`` may be called in a running program)."""
     logger = logging.getLogger("lightning_distckpt")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(ShownFormatter("%(levelname)s %(name)s: %(message)s"))
     old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(level_of(args))

@@ -9,6 +9,7 @@ from enum import Enum
 from typing import AbstractSet, Collection, Iterable, Set, Tuple
 
 from .errors import ArgumentError, MissingKeysError
+from .shown import quoted
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +88,20 @@ class StrictHandling(Enum):
 
 def mismatch_message(missing: AbstractSet[str], unexpected: AbstractSet[str], unexpected_whose: str) -> str:
     """Megatron-Core's wording of a key mismatch (log scrapers look for "Missing keys" /
-    "Unexpected keys"), each set sorted."""
+    "Unexpected keys"), each set sorted; a checkpoint's keys are anyone's: each is :func:`quoted`."""
     titles, bodies = [], []
     if missing:
         titles.append("Some keys found in the checkpoint are missing in the provided sharded state dict.")
-        bodies.append(f"Missing keys (for all ranks): {sorted(missing)}.")
+        bodies.append(f"Missing keys (for all ranks): {_listed(missing)}.")
     if unexpected:
         titles.append("Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict.")
-        bodies.append(f"Unexpected keys ({unexpected_whose}): {sorted(unexpected)}.")
+        bodies.append(f"Unexpected keys ({unexpected_whose}): {_listed(unexpected)}.")
     return " ".join(titles) + "\n" + " ".join(bodies)
+
+
+def _listed(keys: AbstractSet[str]) -> str:
+    """``str(sorted(keys))``, each key :func:`quoted`: escaped as ``repr`` does, a long one cut short."""
+    return f"[{', '.join(quoted(k) for k in sorted(keys))}]"
 
 
 def check_keys(strict: StrictHandling, checkpoint_dir: str, missing: Iterable[str], unexpected_any_rank: Iterable[str],
@@ -128,5 +134,5 @@ def _close_keys(unexpected: AbstractSet[str], stored: Collection[str], shown: in
     for key in sorted(unexpected)[:shown]:
         close = difflib.get_close_matches(key, stored, 1, 0.8) if stored else []
         if close:
-            pairs.append(f"{close[0]!r} for {key!r}")
+            pairs.append(f"{quoted(close[0])} for {quoted(key)}")
     return f" Did you mean: {', '.join(pairs)}? (checkpoint keys)" if pairs else ""

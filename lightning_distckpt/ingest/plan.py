@@ -15,6 +15,7 @@ import torch
 
 from ..core.errors import ArgumentTypeError, CheckpointingError, FormatError, MissingKeysError, ShardingError
 from ..core.mapping import ShardedTensor
+from ..core.shown import quoted
 from ..planning.load_plan import dtype_kind
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offset, shape) in the global tensor's axes
@@ -138,7 +139,8 @@ def build_manifest(state_dict: Mapping[str, Any], needs: Sequence[Need], *, buck
         unexpected = tuple(k for k in state_dict if k not in by_key)
         if unexpected and not unexpected_ok:
             raise MissingKeysError(f"{source}: {len(unexpected)} key(s) of the state dict are asked for by no entry: "
-                                   f"{', '.join(map(repr, unexpected[:10]))}" + (" ..." if len(unexpected) > 10 else ""))
+                                   f"{', '.join(map(quoted, unexpected[:10]))}"
+                                   + (" ..." if len(unexpected) > 10 else ""))
         ordered = [k for k in state_dict if k in by_key]
         items: List[Tuple[str, torch.dtype, Box, int]] = []
         whole = 0
@@ -156,12 +158,14 @@ def build_manifest(state_dict: Mapping[str, Any], needs: Sequence[Need], *, buck
 
 
 def _names(keys: Sequence[str], by_key: Mapping[str, List[Need]], limit: int = 10) -> str:
-    shown = ", ".join(f"{k!r} (for {by_key[k][0].name!r})" if by_key[k][0].name != k else repr(k) for k in keys[:limit])
+    # a file's keys are anyone's: quoted (escaped, a long one cut short)
+    shown = ", ".join(f"{quoted(k)} (for {quoted(by_key[k][0].name)})" if by_key[k][0].name != k else quoted(k)
+                      for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def _check(state_dict: Mapping[str, Any], key: str, tensor: Any, needs: Sequence[Need]) -> None:
-    where = f"{describe_source(state_dict, key)}: {key!r}"
+    where = f"{describe_source(state_dict, key)}: {quoted(key)}"
     if not isinstance(tensor, torch.Tensor):
         raise FormatError(f"{where} is a {type(tensor).__name__}, not a tensor")
     if tensor.device.type == "meta":

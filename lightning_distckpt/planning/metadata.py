@@ -16,6 +16,7 @@ from ..core.format_versions import CHECKSUMS_SINCE, EVEN_SINCE
 from ..core.errors import FormatError, ShardingError
 from ..core.gc_pause import gc_paused
 from ..core.mapping import ShardedObject, ShardedTensor
+from ..core.shown import quoted
 from .even_index import EvenSplit, chunks_count, parse_even, replay_packs
 from .index_fast import fast_tensor_entries, refuse_colliding_keys
 
@@ -282,7 +283,7 @@ class CheckpointIndex:
             if type(key) is str and key in fast:
                 index.tensors[key] = fast[key]
                 continue
-            name = f"tensors[{key!r}]"
+            name = f"tensors[{quoted(key)}]"  # a key of megabytes names its field cut short
             e = f.obj(e, name)
             dtype = e.get("dtype")
             if not isinstance(dtype, str) or dtype not in _DTYPES:
@@ -303,7 +304,7 @@ class CheckpointIndex:
             index.tensors[f.key(key, "tensors")] = entry
         replay_packs(index.tensors, where)
         for key, e in f.obj(data.get("objects"), "objects").items():
-            name = f"objects[{key!r}]"
+            name = f"objects[{quoted(key)}]"
             e = f.obj(e, name)
             gshape = f.shape(e.get("global_shape"), f"{name}.global_shape")
             entry_o, stored = ObjectEntry(gshape), set()

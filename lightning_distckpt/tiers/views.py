@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from lightning_distckpt.core.shown import MESSAGE_LIMIT, shown  # roots are directory names: anyone's
 from lightning_distckpt.storage.staging import find_leftovers
 from lightning_distckpt.tiers.context import TMP_PREFIX
 from lightning_distckpt.tiers.holdings import missing_stores, scan_node, by_save
@@ -79,21 +80,22 @@ def render_tier(s: Dict[str, Any]) -> str:
     """The summary as text: one block per node root, one line per step."""
     from lightning_distckpt.cli.inspect import ranks_text
 
-    lines = [f"local tiers  {s['path']} ({len(s['nodes'])} node root(s))",
+    lines = [f"local tiers  {shown(s['path'], None)} ({len(s['nodes'])} node root(s))",
              "recoverable  " + (", ".join(f"step {x}" for x in s["recoverable_steps"]) or
                                 "nothing (some rank's store is held by no root shown)")]
     for n in s["nodes"]:
         lines.append("")
-        lines.append(f"node root    {n['root']}")
+        lines.append(f"node root    {shown(n['root'], None)}")
         if n.get("not_private"):
-            lines.append(f"  NOT PRIVATE: {n['not_private']}; a tier refuses this root (docs/tiers.md)")
+            lines.append(f"  NOT PRIVATE: {shown(n['not_private'], MESSAGE_LIMIT)}; a tier refuses this root "
+                         "(docs/tiers.md)")
         for st in n["steps"]:
             state = "verified" if st["verified"] else "NOT USABLE (failed its checks)"
             lines.append(f"  step {st['step']:>9}  own stores {ranks_text(st['own']) or '-'}; partner copies "
                          f"{ranks_text(st['copies']) or '-'}; {state}")
         if n["leftovers"]:
             lines.append(f"  {len(n['leftovers'])} unfinished local save(s) or transfer(s): lightning-distckpt clean "
-                         f"{n['root']}")
+                         f"{shown(n['root'], None)}")
     return "\n".join(lines)
 
 
