@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..convert import ConvertReport, directory_bytes
+from ..core.shown import shown as shown_name  # a directory's names are anyone's
 from ..core.errors import ArgumentError, CheckpointingError
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats import KeyMap
@@ -106,7 +107,8 @@ def _check_target(out: str, shown: Optional[str] = None) -> None:
         return
     odd = sorted(f"{n} (not a regular file)" if _checkpoint_name(n) else n
                  for n, regular in found.items() if not regular or not _checkpoint_name(n))
-    why = (f"it holds {', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''}, which a DCP checkpoint does not" if odd
+    listed = ", ".join(map(shown_name, odd[:5])) + (" ..." if len(odd) > 5 else "")
+    why = (f"it holds {listed}, which a DCP checkpoint does not" if odd
            else f"it has no {DCP_METADATA}" if DCP_METADATA not in found else _not_dcp(out))
     if why:
         raise ArgumentError(f"{shown}: directory exists, is not empty and is not a DCP checkpoint ({why}); "

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from ...core.shown import shown
 from ...core.errors import CheckpointingError, FormatError, ShardingError
 from ...planning.metadata import CheckpointIndex, StoredShard, TensorEntry, dtype_name
 from ...storage.base import ShardRead
@@ -147,7 +148,7 @@ class DcpSource:
         by_file: Dict[str, List[Tuple[int, int, str]]] = defaultdict(list)
         for what, item in named:
             if item.offset + item.length > sizes[item.file]:
-                raise FormatError(f"{self._full_paths[item.file]}: {what} is stored at bytes "
+                raise FormatError(f"{shown(self._full_paths[item.file])}: {what} is stored at bytes "
                                   f"[{item.offset}, {item.offset + item.length}) but the file has "
                                   f"{sizes[item.file]} bytes (truncated?)")
             by_file[item.file].append((item.offset, item.offset + item.length, what))
@@ -156,7 +157,7 @@ class DcpSource:
             # sorted by start, ranges are disjoint when each pair of neighbours is
             for (start0, end0, what0), (start1, end1, what1) in zip(ranges, ranges[1:]):
                 if start1 < end0 or (start1, end1) == (start0, end0):
-                    raise FormatError(f"{self._full_paths[rel]}: {what1} is stored at bytes [{start1}, {end1}), "
+                    raise FormatError(f"{shown(self._full_paths[rel])}: {what1} is stored at bytes [{start1}, {end1}), "
                                       f"which overlap those of {what0} at [{start0}, {end0}): in a DCP checkpoint "
                                       "each stored item has bytes of its own (.metadata forged or damaged)")
 
@@ -167,7 +168,7 @@ class DcpSource:
         f.seek(item.offset)
         data = f.read(item.length)
         if len(data) != item.length:
-            raise FormatError(f"{self._full_paths[item.file]}: expected {item.length} bytes at {item.offset}, "
+            raise FormatError(f"{shown(self._full_paths[item.file])}: expected {item.length} bytes at {item.offset}, "
                               f"got {len(data)} (truncated?)")
         return data
 
@@ -184,7 +185,7 @@ class DcpSource:
         for key, (fqn, item) in self._objects.items():
             with self.open_file(self._full_paths[item.file]) as f:
                 blob = self.read_item(f, item)
-            out[key] = loads(blob, f"{self._full_paths[item.file]}: object {fqn!r}", extra_safe_globals)
+            out[key] = loads(blob, f"{shown(self._full_paths[item.file])}: object {fqn!r}", extra_safe_globals)
         return out
 
     def stored_chunk(self, key: str, index: int) -> _StoredChunk:
