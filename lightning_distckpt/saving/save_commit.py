@@ -5,6 +5,7 @@ every rank's writes, commit on rank 0, agree on the commit)."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
@@ -14,10 +15,13 @@ from ..core.errors import CheckpointingError, SaveFailedError
 from ..core.format_versions import FORMAT_NAME, FORMAT_VERSION
 from ..storage.commit import in_background
 from ..storage.layout import COMMON_FILE, METADATA_FILE
+from ..storage.paths import PICKLE_CAP
 from ..version import __version__
 from ..core.gc_pause import gc_paused
 from .save_prepare import PreparedSave
 from .stats import log_throughput
+
+logger = logging.getLogger(__name__)
 
 
 class LocalWrite(NamedTuple):
@@ -77,6 +81,10 @@ def _rank0_files(prep: PreparedSave) -> List[Tuple[str, bytes]]:
     if prep.common is None:
         return []
     files = [(COMMON_FILE, prep.common)]
+    if len(prep.common) > PICKLE_CAP.limit():  # said now, not first when a load refuses it
+        logger.warning("save to %s: its common (non-sharded) state pickles to %d bytes, more than the %d a load "
+                       "reads unless %s is raised; make large tensors ShardedTensors", prep.target,
+                       len(prep.common), PICKLE_CAP.limit(), PICKLE_CAP.env)
     if prep.comm.rank == 0 and prep.store.file_system:
         prep.metadata_text = json.dumps(_metadata(prep))
         files.append((METADATA_FILE, prep.metadata_text.encode()))

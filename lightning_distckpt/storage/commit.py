@@ -24,7 +24,7 @@ from typing import AbstractSet, Any, Callable, List, NamedTuple, Optional, Tuple
 from ..core.errors import CheckpointingError, naming_file
 from .checksums import sha256_hex
 from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, is_our_committed_checkpoint
-from .paths import read_inside
+from .paths import MARKER_CAP, read_inside
 from .safe_pickle import write_file_durable
 from .workers import KeptWorkers
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes,
@@ -315,7 +315,7 @@ def _put_back(olds: List[str], target: str) -> None:
 def _holds_marker(path: str, marker: bytes) -> bool:
     """``path`` holds the commit marker ``marker`` (our commit is in place)."""
     try:
-        return read_inside(os.path.join(path, COMMIT_MARKER), "commit marker") == marker
+        return read_inside(os.path.join(path, COMMIT_MARKER), "commit marker", max_bytes=MARKER_CAP) == marker
     except (OSError, CheckpointingError):
         return False
 

@@ -7,12 +7,12 @@ hold (:func:`check_writer_store`, asked by :class:`~.local_store.LocalStore`).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
 
 from ..core.errors import CheckpointingError, FormatError
 from .checksums import check_sha256
 from .layout import COMMON_FILE, DATA_DIR, rank_dir
-from .paths import refuse_link, scan_tree
+from .paths import CHUNK_FILE_SLACK, PICKLE_CAP, STORE_INDEX_CAP, SizeCap, refuse_link, scan_tree
 from .safe_pickle import loads
 
 if TYPE_CHECKING:
@@ -43,24 +43,48 @@ def read_common_bytes(store: "CheckpointStore", checkpoint_dir: str, marker: Dic
     return blob
 
 
-def store_bytes(checkpoint_dir: str, writer: int) -> Optional[int]:
+def store_bytes(checkpoint_dir: str, writer: int, claimed_bytes: Optional[int] = None) -> Optional[int]:
     """Bytes of the files in ``writer``'s store (None when it is missing), refusing ``data/``, the
-    store or anything in it that is a symbolic link (FormatError naming it)."""
+    store or anything in it that is a symbolic link (FormatError naming it). Given the tensor bytes
+    the index claims for it, also every file too large for what tensorstore reads whole
+    (:func:`_file_size_check`)."""
     what = f"checkpoint {checkpoint_dir}: store of rank {writer}"
+    store = rank_dir(checkpoint_dir, writer)
+    check = None if claimed_bytes is None else _file_size_check(store, what, claimed_bytes)
     try:
         refuse_link(os.path.join(checkpoint_dir, DATA_DIR), f"checkpoint {checkpoint_dir}: data directory")
-        return scan_tree(rank_dir(checkpoint_dir, writer), what).nbytes
+        return scan_tree(store, what, check).nbytes
     except FileNotFoundError:
         return None
     except OSError as e:
         raise CheckpointingError(f"{what} cannot be listed: {e}") from e
 
 
+def _file_size_check(store: str, what: str, claimed_bytes: int) -> Callable[[str, int], None]:
+    """The check :func:`scan_tree` makes of each file of a store whose tensors the index sizes at
+    ``claimed_bytes``: tensorstore reads an OCDBT manifest, a zarr.json, a chunk file and an object
+    file whole (a sparse file of 100 GB would take every byte of memory), OCDBT data files only in
+    the ranges its index names. No chunk holds more than the store's tensors (plus slack for an
+    edge chunk stored whole), and objects are pickled state."""
+    chunk_cap = SizeCap("chunk file", claimed_bytes + CHUNK_FILE_SLACK)
+
+    def check(path: str, size: int) -> None:
+        rel = os.path.relpath(path, store).replace(os.sep, "/")
+        if rel == "manifest.ocdbt" or rel.endswith("/zarr.json") or rel == "zarr.json":
+            STORE_INDEX_CAP.check(size, path, f"{what}: file")
+        elif rel.startswith(("t/", "p/")):
+            chunk_cap.check(size, path, f"{what} (whose tensors metadata.json sizes at {claimed_bytes} bytes): file")
+        elif rel.startswith("o/"):
+            PICKLE_CAP.check(size, path, f"{what}: object file")
+    return check
+
+
 def check_writer_store(checkpoint_dir: str, writer: int, claimed_bytes: int) -> None:
-    """Before reading ``writer``'s store: no links (see :func:`store_bytes`), and no more tensor
-    bytes claimed by the index than its files hold (a claim that would size buffers by damaged
-    metadata). A missing store is left to the read, which names what is missing."""
-    stored = store_bytes(checkpoint_dir, writer)
+    """Before reading ``writer``'s store: no links (see :func:`store_bytes`), no file larger than a
+    reader may read whole, and no more tensor bytes claimed by the index than its files hold (a
+    claim that would size buffers by damaged metadata). A missing store is left to the read, which
+    names what is missing."""
+    stored = store_bytes(checkpoint_dir, writer, claimed_bytes)
     if stored is not None and stored < claimed_bytes:
         raise FormatError(f"checkpoint {checkpoint_dir}: store of rank {writer}: metadata.json claims "
                           f"{claimed_bytes} bytes of tensor data in it, but its files hold only {stored} bytes "

@@ -20,11 +20,11 @@ from ..progress import Progress, advance
 from . import commit as commit_mod
 from . import staging
 from .integrity import check_writer_store, store_bytes
-from .layout import (COMMON_FILE, DATA_DIR, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed,
+from .layout import (COMMON_FILE, DATA_DIR, FILE_CAPS, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed,
                      is_rank_dir_name, open_metadata, rank_dir)
 from .options import StorageOptions
 from .output_files import is_torch_archive
-from .paths import TreeStats, kind_of, local_location, read_inside, refuse_link, scan_tree
+from .paths import MARKER_CAP, TreeStats, kind_of, local_location, read_inside, refuse_link, scan_tree
 from .safe_pickle import write_file_durable
 from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 
@@ -140,7 +140,8 @@ class LocalStore(CheckpointStore):
 
     def read_blob(self, path: str, name: str) -> Optional[bytes]:
         try:
-            return read_inside(os.path.join(path, name), f"checkpoint {path}:")
+            cap = FILE_CAPS.get(name, MARKER_CAP)
+            return read_inside(os.path.join(path, name), f"checkpoint {path}:", max_bytes=cap)
         except FileNotFoundError:
             return None
         except OSError as e:

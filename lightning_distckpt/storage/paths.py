@@ -23,6 +23,10 @@
   parent, the ``last.ckpt`` link of Lightning's ``save_last="link"``): readers resolve it once, to
   its real path.
 
+* Sizes. A file read whole (or handed to tensorstore, which reads it whole) is refused before it
+  is read when it is larger than its :class:`SizeCap` (all of them below :func:`read_inside`): a
+  sparse file of 100 GB costs a hostile checkpoint nothing.
+
 File-system queries only; no collectives. The checks are made before reading and do not guard
 against a link or file swapped in while a load runs (whoever can do that can also rewrite the data).
 """
@@ -32,7 +36,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from typing import BinaryIO, NamedTuple, Optional, Union
+from typing import BinaryIO, Callable, NamedTuple, Optional, Union
 
 from ..core.errors import ArgumentError, ArgumentTypeError, FormatError
 
@@ -205,20 +209,92 @@ def open_inside(path: str, what: str, root: Optional[str] = None) -> BinaryIO:
     return os.fdopen(open_regular(path, what, root), "rb")
 
 
-def read_inside(path: str, what: str, root: Optional[str] = None, max_bytes: Optional[int] = None) -> bytes:
+class SizeCap(NamedTuple):
+    """The most bytes a file that a reader reads whole (or hands to tensorstore, which does) may hold.
+    A hostile checkpoint may hold a sparse file of 100 GB that costs its maker nothing; read whole
+    it would take all the memory. Checked against the file's size before anything is read.
+    ``env`` names the environment variable that raises the cap ("" for caps no real file nears)."""
+
+    kind: str  # what such a file is, for errors
+    default: int
+    env: str = ""
+
+    def limit(self) -> int:
+        """The cap: ``default``, or the value of ``env`` when set (bytes; ArgumentError when it is
+        not a positive integer, so that a typo does not silently keep the default)."""
+        text = os.environ.get(self.env, "").strip() if self.env else ""
+        if not text:
+            return self.default
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise ArgumentError(f"{self.env}={text!r}: give the most bytes a {self.kind} may hold, a positive integer")
+        return value
+
+    def check(self, size: int, path: str, what: str) -> None:
+        """FormatError naming ``path``, ``size`` and the cap when ``size`` exceeds it."""
+        limit = self.limit()
+        if size > limit:
+            raise self.refusal(f"{what} {path}", size, limit)
+
+    def refusal(self, where: str, size: Optional[int], limit: int) -> FormatError:
+        """The FormatError refusing the file ``where`` of ``size`` bytes (None: not known, only that
+        it is more) past the cap ``limit``."""
+        held = f"{size} bytes, more than the {limit}" if size is not None else f"more than the {limit} bytes"
+        hint = f"; if the file is real, set {self.env} to a larger number of bytes" if self.env else ""
+        return FormatError(f"{where} holds {held} a {self.kind} may hold; refused before reading it "
+                           f"(damaged or hostile{hint})")
+
+
+# Every cap on a file read whole, in one place (docs/format.md, "Trust boundary", lists them).
+#: COMMITTED holds a few hundred bytes; tiers-last.json and other small notes as much.
+MARKER_CAP = SizeCap("commit marker", 1 << 20)
+#: metadata.json (2.4 MB for 4,096 Megatron-like ranks; hundreds of MB at 16k ranks and many
+#: tensors) and another format's index (a DCP ``.metadata`` pickle).
+METADATA_CAP = SizeCap("checkpoint index (metadata.json, DCP .metadata)", 1 << 30,
+                       "LIGHTNING_DISTCKPT_MAX_METADATA_BYTES")
+#: Pickled state read whole: common.pt (options, loops, RNG states: kB to MB; format 5 kept plain
+#: tensors there too) and a ShardedObject element stored as a file of its own.
+PICKLE_CAP = SizeCap("pickled state file (common.pt, a ShardedObject)", 4 << 30, "LIGHTNING_DISTCKPT_MAX_COMMON_BYTES")
+#: What tensorstore reads whole before a rank's arrays: each zarr.json (kB; chunk CRC lists of
+#: thousands of chunks in tens of kB) and an OCDBT ``manifest.ocdbt`` (kB).
+STORE_INDEX_CAP = SizeCap("store index file (zarr.json, manifest.ocdbt)", 64 << 20)
+#: Other formats' small files read whole: Megatron-Core's ``metadata.json`` (~100 bytes), a Hugging
+#: Face ``*.index.json`` (a weight map: ~100 kB at hundreds of shards), a safetensors header (one
+#: entry per tensor: a few MB at tens of thousands of tensors).
+MEGATRON_CONFIG_CAP = SizeCap("Megatron-Core metadata.json", 1 << 20)
+HF_INDEX_CAP = SizeCap("Hugging Face index", 64 << 20)
+SAFETENSORS_HEADER_BYTES = 100 << 20
+#: A torch file's compressed zip records (torch writes none) may inflate to at most this many times
+#: the archive's bytes, or the floor, in all (the budget its tensors' views get: reading/formats/files.py).
+INFLATED_FACTOR, INFLATED_FLOOR = 4, 1 << 30
+#: Beyond a writer's claimed tensor bytes, what one chunk file of a plain-zarr store may hold more
+#: (an older writer's edge chunk padded to a whole chunk; the CRC codec's 4 bytes).
+CHUNK_FILE_SLACK = 256 << 20
+
+
+def read_inside(path: str, what: str, root: Optional[str] = None,
+                max_bytes: Union[int, SizeCap, None] = None) -> bytes:
     """The bytes of the regular file ``path`` (see :func:`open_regular`; by default never through a
-    link: the files of our checkpoints). More than ``max_bytes`` is a FormatError. A link or
-    special file is a FormatError; a missing or unreadable file raises OSError (callers name it)."""
+    link: the files of our checkpoints). A file larger than ``max_bytes`` (bytes, or a
+    :class:`SizeCap`) is a FormatError, raised before anything is read (and again should it grow
+    past the cap while read). A link or special file is a FormatError; a missing or unreadable file
+    raises OSError (callers name it)."""
+    cap = max_bytes if isinstance(max_bytes, SizeCap) or max_bytes is None else SizeCap("file read here", max_bytes)
     fd = open_regular(path, what, root)
     try:
-        size = os.fstat(fd).st_size
-        if max_bytes is not None and size > max_bytes:
-            raise FormatError(f"{what} {path} holds {size} bytes, more than the {max_bytes} such a file may")
-        chunks = []
+        if cap is not None:
+            cap.check(os.fstat(fd).st_size, path, what)
+        chunks, total = [], 0
         while True:
             chunk = os.read(fd, 1 << 24)
             if not chunk:
                 return b"".join(chunks)
+            total += len(chunk)
+            if cap is not None:
+                cap.check(total, path, what)
             chunks.append(chunk)
     finally:
         os.close(fd)
@@ -231,11 +307,12 @@ class TreeStats(NamedTuple):
     nbytes: int
 
 
-def scan_tree(root: str, what: str) -> TreeStats:
+def scan_tree(root: str, what: str, check: Optional[Callable[[str, int], None]] = None) -> TreeStats:
     """Count the regular files under the directory ``root`` and their bytes, refusing ``root`` or
     anything in it that is a symbolic link, or neither a regular file nor a directory (a FIFO, a
     socket, a device: FormatError naming it), so that tensorstore, which opens what it finds
-    without such checks, is never handed one. OSError when ``root`` is missing or unreadable."""
+    without such checks, is never handed one. ``check(path, size)`` is called for each regular
+    file (to refuse one too large to be read whole). OSError when ``root`` is missing or unreadable."""
     st = refuse_link(root, what)
     if not stat.S_ISDIR(st.st_mode):
         raise FormatError(f"{what} {root} is not a directory")
@@ -252,6 +329,8 @@ def scan_tree(root: str, what: str) -> TreeStats:
                 st = entry.stat(follow_symlinks=False)
                 if not stat.S_ISREG(st.st_mode):
                     raise _not_regular(entry.path, f"{what}: file", st.st_mode)
+                if check is not None:
+                    check(entry.path, st.st_size)
                 files += 1
                 nbytes += st.st_size
     return TreeStats(files, nbytes)

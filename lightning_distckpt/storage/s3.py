@@ -29,13 +29,16 @@ import tensorstore as ts
 
 from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError
 from .checksums import sha256_hex
-from .layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, MetadataFile, check_metadata, parse_marker
+from .layout import (COMMIT_MARKER, COMMON_FILE, FILE_CAPS, METADATA_FILE, MetadataFile, check_metadata,
+                     parse_marker)
 from .options import StorageOptions
+from .paths import MARKER_CAP, SizeCap
 from .s3_url import context_spec, explain, kvstore_spec, parse_s3_url
 
 logger = logging.getLogger(__name__)
 
 VERSION_PREFIX = "v-"
+_OWN_FILE = SizeCap("file this save wrote", 1 << 62)
 _VERSION = re.compile(r"^v-[0-9a-f]{12}$")
 # Everything a save writes inside its version (layout.py: metadata, common state, per-rank stores).
 _OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_\d{5}/.+)$")
@@ -57,13 +60,34 @@ class ObjectStore:
     def _error(self, what: str, e: BaseException) -> CheckpointingError:
         return CheckpointingError(f"checkpoint {self.url}: {what} failed: {explain(e, self.options)}")
 
-    def read(self, name: str) -> Optional[bytes]:
-        """The object ``name`` (relative to the location), None when missing."""
+    def read(self, name: str, cap: Optional[SizeCap] = None) -> Optional[bytes]:
+        """The object ``name`` (relative to the location), None when missing. An object larger than
+        ``cap`` (by default the one of a checkpoint file of that name, else a marker's) is a
+        FormatError naming it, and is not fetched (:meth:`_larger_than`)."""
+        cap = cap or FILE_CAPS.get(name.rpartition("/")[2], MARKER_CAP)
+        limit = cap.limit()
+        if self._larger_than(name, limit):
+            raise cap.refusal(f"object {self.url}/{name}", None, limit)
         try:
             res = self._kv.read(name).result()
         except Exception as e:
             raise self._error(f"reading {name}", e) from None
-        return bytes(res.value) if res.state == "value" else None
+        if res.state != "value":
+            return None
+        cap.check(len(res.value), f"{self.url}/{name}", "object")  # replaced by a larger one meanwhile
+        return bytes(res.value)
+
+    def _larger_than(self, name: str, limit: int) -> bool:
+        """Whether the object ``name`` holds more than ``limit`` bytes, asked without fetching it
+        (the kvstore lists no sizes): a read of its byte ``limit`` alone, which tensorstore answers
+        OUT_OF_RANGE when the object is shorter. False when it is missing."""
+        try:
+            res = self._kv.read(name, byte_range=slice(limit, limit + 1)).result()
+        except Exception as e:
+            if "OUT_OF_RANGE" in str(e):
+                return False
+            raise self._error(f"reading {name}", e) from None
+        return res.state == "value" and len(res.value) > 0
 
     def write(self, name: str, data: bytes) -> None:
         try:
@@ -182,7 +206,7 @@ def commit(version_url: str, metadata_json: str, marker_json: str, options: Stor
     version = ObjectStore(version_url, options)
     metadata = metadata_json.encode()
     version.write(METADATA_FILE, metadata)
-    common = version.read(COMMON_FILE)
+    common = version.read(COMMON_FILE, _OWN_FILE)  # this save's own: read whatever its size
     if common is None:
         raise CheckpointingError(f"checkpoint {version_url}: {COMMON_FILE} is missing; nothing was committed")
     store = ObjectStore(target, options)

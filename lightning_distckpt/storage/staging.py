@@ -38,14 +38,14 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Set, Tuple
 
 from ..core.errors import CheckpointingError, FormatError, naming_file
+from ..core.shown import shown
 from .layout import COMMIT_MARKER, is_checkpoint_dir, is_committed, parse_json
-from .paths import read_inside
+from .paths import MARKER_CAP, read_inside
 
 logger = logging.getLogger(__name__)
 
 STAGING_TAG = ".distckpt-staging-"
 OWNERS_DIR = ".writing"
-_MAX_MARKER_BYTES = 1 << 20  # a commit marker is a few hundred bytes
 # Staging directories this process writes into: its own notes name its own pid, which
 # _live_owners does not count (a pid reused by a later container), yet an async save in a
 # thread of this process is as live as any.
@@ -173,9 +173,9 @@ def commit_time(checkpoint_dir: str) -> Optional[float]:
     marker = os.path.join(checkpoint_dir, COMMIT_MARKER)
     try:
         st = os.lstat(marker)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MARKER_BYTES:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MARKER_CAP.limit():
             return None
-        data = parse_json(read_inside(marker, "commit marker"), marker)
+        data = parse_json(read_inside(marker, "commit marker", max_bytes=MARKER_CAP), marker)
     except (OSError, CheckpointingError):
         return None
     if not isinstance(data, dict):
@@ -403,8 +403,10 @@ def describe_missing(path: str) -> str:
         hints.append(f"a save on this host (pid {stranded[0].live_owner_pids[0]}) is committing it "
                      f"({stranded[0].path}): try again when it returns")
     elif stranded:
-        hints.append(f"a committed copy is stranded at {stranded[0].path}: rename it to {stranded[0].target}")
+        hints.append(f"a committed copy is stranded at {shown(stranded[0].path, None)}: rename it to "
+                     f"{stranded[0].target}")
     siblings = committed_siblings(parent)
     if siblings:
-        hints.append(f"committed checkpoints in {parent}, newest first: {', '.join(siblings)}")
+        # names beside the path are anyone's; this message reaches a terminal (a failed load, the CLI)
+        hints.append(f"committed checkpoints in {parent}, newest first: {', '.join(map(shown, siblings))}")
     return "; ".join([what, *hints])

@@ -19,10 +19,11 @@ import struct
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Dict
+from typing import Any, BinaryIO, Dict, List
 
 from ..core.errors import FormatError
 from .checksums import verification_enabled
+from .paths import INFLATED_FACTOR, INFLATED_FLOOR
 
 try:  # ISA-L's CRC-32 (the zip polynomial): about 6x zlib's here (12.7 against 2.2 GB/s), the GIL released
     from isal.isal_zlib import crc32
@@ -69,6 +70,8 @@ def _check_file(f: BinaryIO, where: str) -> None:
     size = f.seek(0, io.SEEK_END)
     after = following(archive)
     starts = [data_start(f, info, after[info.header_offset], size, where) for info in infos]
+    compressed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED]
+    _check_inflated_size(compressed, size, where)  # checks or not: torch would inflate them
     if not verification_enabled():
         return
     stored = [(info, start) for info, start in zip(infos, starts) if info.compress_type == zipfile.ZIP_STORED]
@@ -84,12 +87,25 @@ def _check_file(f: BinaryIO, where: str) -> None:
         del jobs  # the views, before the mapping closes
     if bad:
         raise FormatError(f"{where}: zip record {bad[0]!r} is damaged: its bytes do not match its CRC-32")
-    for info in infos:  # compressed records (torch writes none): zipfile inflates and checks them
-        if info.compress_type != zipfile.ZIP_STORED:
-            try:
-                archive.read(info)
-            except (zipfile.BadZipFile, NotImplementedError, ValueError, OSError, EOFError, zlib.error) as e:
-                raise FormatError(f"{where}: zip record {info.filename!r} is damaged: {e}") from None
+    for info in compressed:  # (torch writes none) zipfile inflates and checks them, a block at a time
+        try:
+            with archive.open(info) as record:
+                while record.read(1 << 24):
+                    pass
+        except (zipfile.BadZipFile, NotImplementedError, ValueError, OSError, EOFError, zlib.error) as e:
+            raise FormatError(f"{where}: zip record {info.filename!r} is damaged: {e}") from None
+
+
+def _check_inflated_size(compressed: List[zipfile.ZipInfo], size: int, where: str) -> None:
+    """The compressed records' inflated sizes, as the directory declares them (torch allocates that
+    much for each, zipfile stops there), at most :data:`INFLATED_FACTOR` x the archive's ``size`` or
+    :data:`INFLATED_FLOOR` in all: a few MB of deflated zeros would inflate to all the memory there is."""
+    budget = max(INFLATED_FACTOR * size, INFLATED_FLOOR)
+    declared = sum(i.file_size for i in compressed)
+    if declared > budget:
+        raise FormatError(f"{where}: its compressed zip records inflate to {declared} bytes, more than the {budget} "
+                          f"a torch file of {size} bytes may (max({INFLATED_FACTOR} x its size, {INFLATED_FLOOR})): "
+                          f"a decompression bomb, or damaged")
 
 
 def following(archive: zipfile.ZipFile) -> Dict[int, int]:

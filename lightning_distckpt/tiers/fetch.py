@@ -16,7 +16,7 @@ from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 from lightning_distckpt.core.errors import CheckpointingError, IncompleteCheckpointError
 from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, METADATA_FILE, parse_json, rank_dir
-from lightning_distckpt.storage.paths import read_inside
+from lightning_distckpt.storage.paths import METADATA_CAP, read_inside
 from lightning_distckpt.tiers.context import TierContext
 from lightning_distckpt.tiers.holdings import StepInfo, newest_complete
 from lightning_distckpt.tiers.local_save import place
@@ -83,7 +83,8 @@ def _needs(ctx: TierContext, step: int, has_dir: bool, template: Optional[Dict[s
     if template is not None:
         where = ctx.step_dir(step) if has_dir else ctx.tmp_dir(step, BASE_LABEL)
         try:
-            meta = parse_json(read_inside(os.path.join(where, METADATA_FILE), METADATA_FILE), where)
+            meta = parse_json(read_inside(os.path.join(where, METADATA_FILE), METADATA_FILE, max_bytes=METADATA_CAP),
+                              where)
             mine = needed_writers(template, meta, where, ctx.rank) if isinstance(meta, dict) else None
         except (OSError, CheckpointingError):
             mine = None

@@ -19,7 +19,7 @@ from lightning_distckpt.planning.metadata import CheckpointIndex
 from lightning_distckpt.storage.checksums import check_sha256
 from lightning_distckpt.storage.integrity import store_bytes
 from lightning_distckpt.storage.layout import COMMON_FILE, open_metadata
-from lightning_distckpt.storage.paths import read_inside
+from lightning_distckpt.storage.paths import PICKLE_CAP, read_inside
 from lightning_distckpt.tiers.node_store import LocalStep, committed_steps
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ def _check(local: LocalStep, node: str) -> StepInfo:
     """A committed step directory checked (see the module docstring); CheckpointingError when it fails."""
     mf = open_metadata(local.path, verify=True)
     where = f"local checkpoint {local.path}: {COMMON_FILE}"
-    check_sha256(read_inside(f"{local.path}/{COMMON_FILE}", where), mf.marker.get("common_sha256"), where)
+    common = read_inside(f"{local.path}/{COMMON_FILE}", where, max_bytes=PICKLE_CAP)
+    check_sha256(common, mf.marker.get("common_sha256"), where)
     index = CheckpointIndex.from_json(mf.meta, f"local checkpoint {local.path}: metadata.json")
     claimed = index.bytes_per_writer()
     writers = set(claimed) | {s.writer for e in index.objects.values() for s in e.shards}

@@ -22,10 +22,11 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Tuple
 
-from lightning_distckpt.core.errors import ArgumentError
+from lightning_distckpt.core.errors import ArgumentError, FormatError
 from lightning_distckpt.storage.layout import COMMIT_MARKER, is_committed
 from lightning_distckpt.storage.local_store import LocalStore
 from lightning_distckpt.storage.options import StorageOptions
+from lightning_distckpt.storage.paths import read_inside
 from lightning_distckpt.storage.safe_pickle import write_file_durable
 from lightning_distckpt.storage.staging import is_staging_dir
 from lightning_distckpt.storage.stores import register_store
@@ -71,9 +72,9 @@ def read_notes(directory: str) -> Dict[int, Dict[str, Any]]:
         if not m:
             continue
         try:
-            with open(os.path.join(notes, name), "rb") as f:
-                note = json.loads(f.read(4096))
-        except (OSError, ValueError):
+            # a note is ~100 bytes; read without waiting on a FIFO or following a link
+            note = json.loads(read_inside(os.path.join(notes, name), "local tier note", max_bytes=4096))
+        except (OSError, ValueError, RecursionError, FormatError):
             continue
         if isinstance(note, dict) and note.get("rank") == int(m.group(1)):
             out[int(m.group(1))] = note

@@ -31,7 +31,7 @@ from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Set, Tuple
 from lightning_distckpt.core.errors import ArgumentError, CheckpointingError, IncompleteCheckpointError
 from lightning_distckpt.reading.shared_source import SharedCopy
 from lightning_distckpt.storage.layout import METADATA_FILE, parse_json
-from lightning_distckpt.storage.paths import read_inside
+from lightning_distckpt.storage.paths import METADATA_CAP, read_inside
 from lightning_distckpt.storage.stores import open_store
 from lightning_distckpt.tiers.context import TierContext
 from lightning_distckpt.tiers.damage import Damage, find_damage
@@ -235,6 +235,6 @@ def _next_point(ctx: TierContext, point: RecoveryPoint, holdings: List[StepInfo]
 def _metadata(path: str) -> Any:
     """The parsed ``metadata.json`` of a local copy; None when it cannot be read (the load will say why)."""
     try:
-        return parse_json(read_inside(os.path.join(path, METADATA_FILE), METADATA_FILE), path)
+        return parse_json(read_inside(os.path.join(path, METADATA_FILE), METADATA_FILE, max_bytes=METADATA_CAP), path)
     except (OSError, CheckpointingError):
         return None

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ...core.errors import FormatError, UnsafeContentError
-from ...storage.paths import ANYWHERE
+from ...storage.paths import ANYWHERE, METADATA_CAP
 from .model_files import read_model_file
 from .tensor_files import check_shape
 
@@ -223,7 +223,7 @@ _setup_dispatch()
 def read_metadata(path: str, root: str = ANYWHERE) -> DcpMetadata:
     """Parse and check the DCP ``.metadata`` file at ``path`` (a regular file; a link only into
     ``root``, see :mod:`.model_files`)."""
-    data = read_model_file(path, "DCP .metadata", root)
+    data = read_model_file(path, "DCP .metadata", root, METADATA_CAP)
     try:
         raw = _AllowListUnpickler(io.BytesIO(data), path).load()
     except FormatError:

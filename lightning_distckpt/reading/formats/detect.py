@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Union
 
 from ...core.errors import FormatError
 from ...storage.layout import parse_json
-from ...storage.paths import ANYWHERE, model_root
+from ...storage.paths import ANYWHERE, HF_INDEX_CAP, model_root
 from .dcp import DcpSource, is_dcp_dir
 from .files import SafetensorsFile, TorchFile
 from .megatron import MegatronSource, megatron_config
@@ -19,7 +19,6 @@ from .tensor_files import IndexedFile, KeyMap, TensorFile, TensorFileSource
 
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
-_MAX_INDEX_BYTES = 64 << 20
 
 
 def detect(path: str, key_map: KeyMap = None,
@@ -97,7 +96,7 @@ def _index_files(directory: str, index_name: str, root: str) -> Dict[str, List[s
     """{file: the tensor names the index's ``weight_map`` assigns to it}; the files must be plain
     names inside ``directory`` (links to them are followed only inside ``root``)."""
     index_path = os.path.join(directory, index_name)
-    raw = read_model_file(index_path, "Hugging Face index", root, max_bytes=_MAX_INDEX_BYTES)
+    raw = read_model_file(index_path, "Hugging Face index", root, max_bytes=HF_INDEX_CAP)
     index = parse_json(raw, index_path)  # nesting checked before parsing: a deep file is a FormatError
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if weight_map is None:

@@ -15,7 +15,7 @@ from ...core.errors import FormatError
 from ...core.tree_walk import fold, walk_paths
 from ...storage.checksums import verification_enabled
 from ...storage.safetensors_crcs import check_tensor, recorded_crcs
-from ...storage.paths import ANYWHERE
+from ...storage.paths import ANYWHERE, INFLATED_FACTOR, INFLATED_FLOOR
 from ...storage.safe_pickle import load_file
 from .safetensors_header import read_header
 from .tensor_files import check_shape
@@ -96,8 +96,8 @@ class TorchFile:
 
 
 _DROP = object()
-VIEW_BUDGET_FLOOR = 1 << 30  # bytes any torch file may expand to past what it stores (see _check_views)
-VIEW_BUDGET_FACTOR = 4
+# bytes any torch file may expand to past what it stores (see _check_views): as much as its compressed records may
+VIEW_BUDGET_FLOOR, VIEW_BUDGET_FACTOR = INFLATED_FLOOR, INFLATED_FACTOR
 
 
 def _split_tensors(payload: Any, path: str, out: Dict[str, torch.Tensor]) -> Any:

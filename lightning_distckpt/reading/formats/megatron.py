@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from ...core.errors import FormatError
 from ...planning.metadata import ObjectEntry, StoredObject
 from ...storage.layout import parse_json
-from ...storage.paths import model_root
+from ...storage.paths import MEGATRON_CONFIG_CAP, model_root
 from ...storage.safe_pickle import dumps, load_file, loads
 from .dcp import DcpReader, DcpSource, is_dcp_dir
 from .dcp_metadata import METADATA_NAME, DcpItem
@@ -38,7 +38,6 @@ from .tensor_files import KeyMap, map_key
 CONFIG_NAME = "metadata.json"
 COMMON_NAME = "common.pt"
 TORCH_DIST = "torch_dist"
-_MAX_CONFIG_BYTES = 1 << 20
 # Megatron-Core's ShardedObject.unique_key: <key>/shard_<offset, dot-separated>_<global shape>
 # Numbers of ASCII digits, at most _MAX_DIGITS each (int(): no ValueError past 4300 digits, no other
 # scripts' digits); the whole name matched (fullmatch: "$" also matches before a final newline).
@@ -72,7 +71,7 @@ def megatron_config(path: str) -> Optional[MegatronConfig]:
     if not is_dcp_dir(path):
         return _config_beside_ours(path, config)
     what = "Megatron-Core config"  # beside DCP files: a special file, a link out, too many bytes are refused
-    raw = parse_json(read_model_file(config, what, model_root(path), _MAX_CONFIG_BYTES), config)
+    raw = parse_json(read_model_file(config, what, model_root(path), MEGATRON_CONFIG_CAP), config)
     if not isinstance(raw, dict) or "sharded_backend" not in raw:
         raise FormatError(f"{what} {config}: not Megatron-Core's config (a JSON object with 'sharded_backend'), "
                           f"beside DCP's {METADATA_NAME}: damaged, or another tool's file; the directory is not "
@@ -83,12 +82,12 @@ def megatron_config(path: str) -> Optional[MegatronConfig]:
 def _config_beside_ours(path: str, config: str) -> Optional[MegatronConfig]:
     """``metadata.json`` of a directory without DCP files: Megatron's config (then the DCP reader
     says what is missing), or None for anything else (ours: our own reader says what is wrong with it)."""
-    if os.path.isfile(config) and os.path.getsize(config) > _MAX_CONFIG_BYTES:
+    if os.path.isfile(config) and os.path.getsize(config) > MEGATRON_CONFIG_CAP.limit():
         return None  # ours may be large: never read twice
     # A special file or a link out of the directory is a FormatError naming it (never a wait). Ours is
     # also named metadata.json: a link to a file inside the directory is read here, and refused by
     # our own reader if the directory is ours.
-    text = read_model_file(config, CONFIG_NAME, model_root(path), _MAX_CONFIG_BYTES)
+    text = read_model_file(config, CONFIG_NAME, model_root(path), MEGATRON_CONFIG_CAP)
     if b"sharded_backend" not in text and b"\\u" not in text:
         return None  # not Megatron's (its key, unescaped, is not there): ours is parsed once, by our reader
     try:

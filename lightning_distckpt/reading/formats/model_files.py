@@ -9,10 +9,10 @@ a missing or unreadable file is a FormatError here too: each source names what i
 from __future__ import annotations
 
 import os
-from typing import BinaryIO, Optional
+from typing import BinaryIO, Union
 
 from ...core.errors import FormatError
-from ...storage.paths import check_regular, open_inside, read_inside
+from ...storage.paths import SizeCap, check_regular, open_inside, read_inside
 
 
 def _unreadable(path: str, what: str, e: OSError) -> FormatError:
@@ -27,7 +27,7 @@ def open_model_file(path: str, what: str, root: str) -> BinaryIO:
         raise _unreadable(path, what, e) from None
 
 
-def read_model_file(path: str, what: str, root: str, max_bytes: Optional[int] = None) -> bytes:
+def read_model_file(path: str, what: str, root: str, max_bytes: Union[int, SizeCap, None] = None) -> bytes:
     """The bytes of the regular file ``path`` of a model rooted at ``root`` (at most ``max_bytes``)."""
     try:
         return read_inside(path, what, root, max_bytes)

@@ -19,7 +19,7 @@ import torch
 
 from ...core.errors import FormatError
 from ...storage.layout import parse_json
-from ...storage.paths import ANYWHERE
+from ...storage.paths import ANYWHERE, SAFETENSORS_HEADER_BYTES
 from .model_files import open_model_file
 from .tensor_files import check_shape
 
@@ -31,8 +31,8 @@ DTYPES: Dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 # The header is JSON text; real ones are kilobytes to a few MB. Bigger is corruption, and reading
-# it would be the large allocation this check exists to prevent.
-MAX_HEADER_BYTES = 100 << 20
+# it would be the large allocation this check exists to prevent (the cap: storage/paths.py).
+MAX_HEADER_BYTES = SAFETENSORS_HEADER_BYTES
 
 
 @dataclass(frozen=True)
