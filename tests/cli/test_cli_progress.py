@@ -34,6 +34,7 @@ from lightning_distckpt.cli.main import main
 from lightning_distckpt.convert import relayout_checkpoint
 from lightning_distckpt.reading.checkpoint import OpenedCheckpoint
 from lightning_distckpt.storage.tensorstore_io import StorageOptions
+from terminal import drain, run_on_terminal
 
 BAR = re.compile(rb"\d+%\|.*B/s")  # tqdm's meter: percentage, bar, bytes per second
 KEY_BAR = re.compile(rb"\d+%\|.*key/s")  # inspect's: keys described
@@ -71,18 +72,6 @@ def foreign(ckpt, tmp_path_factory):
     return {"dcp": str(root / "dcp"), "megatron": str(root / "megatron")}
 
 
-def _drain(master, into):
-    """Collect what the terminal shows until its last writer closes it (EIO)."""
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            return
-        if not chunk:
-            return
-        into.append(chunk)
-
-
 def cli(args, terminal=True):
     """Run the CLI in this process with stderr on a pseudo-terminal (``terminal``) or on a file, as
     ``2> FILE`` would; returns (exit status, stdout, the bytes stderr received)."""
@@ -90,7 +79,7 @@ def cli(args, terminal=True):
     if terminal:
         master, slave = os.openpty()
         err = open(slave, "w", encoding="utf-8", buffering=1)
-        reader = threading.Thread(target=_drain, args=(master, seen), daemon=True)
+        reader = threading.Thread(target=drain, args=(master, seen), daemon=True)
         reader.start()
     else:
         err = tempfile.TemporaryFile("w+", encoding="utf-8")
@@ -141,22 +130,8 @@ def test_inspect_bar_is_the_same_for_every_format(ckpt, foreign, monkeypatch):
 
 def test_a_bar_through_the_console_entry_point(foreign):
     """``python -m lightning_distckpt validate DCP_DIR`` with stderr on a terminal (stdout a pipe)."""
-    master, slave = os.openpty()
-    proc = subprocess.Popen(CLI + ["validate", foreign["dcp"]], stdout=subprocess.PIPE, stderr=slave,
-                            stdin=subprocess.DEVNULL)
-    os.close(slave)
-    seen = []
-    reader = threading.Thread(target=_drain, args=(master, seen), daemon=True)
-    reader.start()
-    try:
-        out = proc.communicate(timeout=120)[0]  # a failure bound
-        reader.join(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
-    term = b"".join(seen)
-    assert proc.returncode == 0 and re.search(rb"^OK: ", out, re.M), (out, term)  # after the no-checksums warning
+    returncode, out, term = run_on_terminal(CLI + ["validate", foreign["dcp"]])
+    assert returncode == 0 and re.search(rb"^OK: ", out, re.M), (out, term)  # after the no-checksums warning
     assert BAR.search(term) and b"100%" in term, term
 
 

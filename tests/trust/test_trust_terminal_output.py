@@ -13,13 +13,13 @@ import os
 import re
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 
 import lightning_distckpt as ldc
 from lightning_distckpt.core.shown import quoted, shown
+from terminal import run_on_terminal
 
 # Clear screen, set the window title, an OSC 8 link, a carriage return and a newline forging an
 # "OK" line, a bidi override, NUL and the one-byte CSI of C1.
@@ -213,32 +213,7 @@ def test_a_file_name_that_is_no_utf8_is_shown_not_a_traceback(tmp_path):
 def _on_a_terminal(*args):
     """``python -m lightning_distckpt ARGS`` with stderr on a pseudo-terminal (a progress bar is
     drawn): exit status, stdout, and every byte the terminal received."""
-    master, slave = os.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_distckpt", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=slave, stdin=subprocess.DEVNULL)
-    os.close(slave)
-    seen = []
-
-    def drain():
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the last writer closed it
-                return
-            if not chunk:
-                return
-            seen.append(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    try:
-        out = proc.communicate(timeout=120)[0]  # a failure bound
-        reader.join(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
-    return proc.returncode, out, b"".join(seen)
+    return run_on_terminal([sys.executable, "-m", "lightning_distckpt", *args])
 
 
 def test_above_a_progress_bar_names_and_records_are_escaped(tmp_path, hostile):
