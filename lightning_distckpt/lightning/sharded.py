@@ -55,6 +55,20 @@ def _refuse_dtensor_parameters(module: nn.Module, ssd: Dict[str, Any]) -> None:
             )
 
 
+def all_whole(ssd: Dict[str, Any]) -> bool:
+    """Whether every tensor of a module's sharded state dict is held whole by this rank (TP 1, DP only)."""
+    leaves = [leaf for _, leaf in iter_leaves(ssd) if isinstance(leaf, (ShardedTensor, ShardedTensorFactory))]
+    return all(isinstance(leaf, ShardedTensor) and leaf.flattened_range is None
+               and leaf.local_shape == leaf.global_shape for leaf in leaves)
+
+
+def replicated_state_dict(given: Dict[str, Any], ps: ParallelState) -> Dict[str, Any]:
+    """A plain state dict (whole tensors, as every rank holds them) described for a save: each tensor
+    replicated, written once (``replica_id``); other values common state."""
+    return {key: ShardedTensor.from_rank_offsets(key, value.detach(), replica_id=ps.replicated_id)
+            if isinstance(value, torch.Tensor) else value for key, value in given.items()}
+
+
 def check_describable(module: nn.Module, ps: ParallelState) -> None:
     """Under tensor parallelism, something in the module tree must describe its shards: otherwise
     every tensor would be saved as a replica, one TP rank's shard as the whole tensor. Refuse."""

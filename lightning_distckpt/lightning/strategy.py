@@ -23,9 +23,10 @@ from ..comm import get_comm
 from ..core.errors import CheckpointingError
 from ..storage.paths import checkpoint_location
 from .async_warmup import AsyncWarmupMixin, staged_share
+from .checkpoint_io import lightning_not_found
 from .parallel import STRATEGY_NAME, ParallelState
-from .sharded import (build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state, restore_optimizer,
-                      tree_or_failing)
+from .sharded import (all_whole, build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state,
+                      replicated_state_dict, restore_optimizer, tree_or_failing)
 from .snapshot_fence import BackgroundSnapshotMixin
 from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin, TensorParallelStrategyMixin
 from .tiers import is_tier_marker, with_tier_callback
@@ -166,13 +167,34 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSna
         module's and optimizers' shards; the rest common state). ``what`` names the save in errors."""
         return build_on_all_ranks(what, lambda: self.checkpoint_tree(checkpoint))
 
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        # Lightning puts this dict under checkpoint["state_dict"] before the on_save_checkpoint hooks
+        # run; kept (until the save) to tell a hook's replacement of it from it (_state_dict_to_save).
+        self._handed_state_dict: Optional[Dict[str, Any]] = super().lightning_module_state_dict()
+        return self._handed_state_dict
+
+    def _state_dict_to_save(self, checkpoint: Dict[str, Any], model_ssd: Dict[str, Any]) -> Dict[str, Any]:
+        """The module's shards, unless a hook replaced ``checkpoint["state_dict"]`` (``WeightAveraging``
+        puts the average there, ``ModelPruning(make_pruning_permanent=True)`` the pruned weights): stock
+        saves that dict, so we do where its tensors are whole (TP 1). At TP > 1 its tensors are this rank's
+        pieces with no place in the global tensor: the module's shards are saved, with a warning."""
+        handed, self._handed_state_dict = getattr(self, "_handed_state_dict", None), None
+        given = checkpoint.get("state_dict")
+        if handed is None or given is handed or not isinstance(given, dict):
+            return model_ssd
+        if all_whole(model_ssd):
+            return replicated_state_dict(given, self._checkpoint_parallel_state())
+        log.warning("a hook replaced checkpoint['state_dict'] (e.g. WeightAveraging, ModelPruning); under tensor "
+                    "parallelism its tensors do not say where they sit, so the module's shards are saved instead")
+        return model_ssd
+
     def checkpoint_tree(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's tree for Lightning's ``checkpoint`` dict, built locally (no collective;
         :meth:`sharded_checkpoint` is the collective form that agrees on a failure): the module's and
         optimizers' shards, the rest common state."""
         model_ssd = self._model_ssd()
         tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        tree["state_dict"] = model_ssd
+        tree["state_dict"] = self._state_dict_to_save(checkpoint, model_ssd)
         if "optimizer_states" in checkpoint:
             tree["optimizer_states"] = self._optimizer_states(model_ssd)
         tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
@@ -194,7 +216,8 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSna
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if is_tier_marker(path):  # ckpt_path="last" with tiers: the newest recoverable step of any tier
             return load_recovery_point(self, path, fitting)
-        return load_before_setup(self, path, fitting)
+        with lightning_not_found(checkpoint_path):
+            return load_before_setup(self, path, fitting)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Collective: the optimizer state :meth:`load_checkpoint` left for after setup, in place.
