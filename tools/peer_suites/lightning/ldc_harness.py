@@ -13,6 +13,9 @@ the test itself chose neither a checkpoint plugin nor a strategy of its own kind
 * ``strategy_async``: the same with ``checkpoint={"async_save": True}``.
 * ``strategy_async_bg``: the same with ``background_snapshot: true`` too (the Trainer's; Fabric's
   strategy gets ``strategy_async``'s config: it copies before returning).
+* ``stock_ddp``: Lightning's own ``DDPStrategy`` where the strategy modes put ours (the Trainer's only;
+  no lightning_distckpt in it): the baseline of the strategy modes, which tells failures of a DDP
+  strategy on one process (where stock picks ``SingleDeviceStrategy``) from failures of ours.
 
 ``LDC_PEER_READTHROUGH=1`` also routes ``torch.load`` / Lightning's ``pl_load`` of a checkpoint
 directory to ``DistCheckpointIO().load_checkpoint`` and makes ``os.path.isfile`` true for one: it
@@ -37,7 +40,7 @@ MODE = os.environ.get("LDC_PEER_MODE", "stock")
 READTHROUGH = os.environ.get("LDC_PEER_READTHROUGH", "0") == "1"
 RESULTS = os.environ.get("LDC_PEER_RESULTS")
 MODES = ("stock", "plugin", "async", "lightning_async", "stock_async", "strategy", "strategy_async",
-         "strategy_async_bg")
+         "strategy_async_bg", "stock_ddp")
 PLUGIN_MODES = ("plugin", "async", "lightning_async", "stock_async")
 #: Strategies the ``strategy`` modes replace (by name): the default and DDP on CPU.
 DDP_NAMES = {None: None, "auto": None, "ddp": None, "ddp_spawn": "spawn", "ddp_fork": "fork",
@@ -98,6 +101,15 @@ def _replaceable(strategy: Any) -> bool:
     return type(strategy) in (DDPStrategy, SingleDeviceStrategy) and strategy._checkpoint_io is None
 
 
+def _start_method(strategy: Any) -> Dict[str, Any]:
+    """The launch the test's DDP strategy asked for (``ddp_spawn``, a ``DDPStrategy``'s), kept by the one put in."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if isinstance(strategy, DDPStrategy):
+        return {"start_method": strategy._start_method}
+    return {"start_method": DDP_NAMES[strategy]} if DDP_NAMES.get(strategy) else {}
+
+
 def inject(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """``kwargs`` of a ``Trainer(...)`` with this mode's plugin or strategy added."""
     if MODE == "stock" or _own_checkpoint_io(kwargs):
@@ -106,16 +118,15 @@ def inject(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if kwargs.get("accelerator") not in (None, "auto", "cpu") or not _replaceable(strategy):
         return kwargs
     out = dict(kwargs)
-    if MODE.startswith("strategy"):
+    if MODE == "stock_ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
+        out["strategy"] = DDPStrategy(**_start_method(strategy))
+        _injected.append("stock_ddp")
+    elif MODE.startswith("strategy"):
         from lightning_distckpt.lightning import DistCheckpointStrategy
 
-        ddp_args: Dict[str, Any] = {}
-        if isinstance(strategy, DDPStrategy):
-            ddp_args["start_method"] = strategy._start_method
-        elif DDP_NAMES.get(strategy):
-            ddp_args["start_method"] = DDP_NAMES[strategy]
+        ddp_args = _start_method(strategy)
         config = {"async_save": True} if MODE.startswith("strategy_async") else None
         if MODE == "strategy_async_bg":
             config = {"async_save": True, "background_snapshot": True}

@@ -3,6 +3,7 @@
 # ldc_harness.py), plus stock Lightning as the baseline, and count the results (summarize.py).
 #
 #   tools/peer_suites/lightning/run.sh [MODE ...]      # default: every mode
+#   SUITE=resume tools/peer_suites/lightning/run.sh stock plugin strategy   # the resume / restore tests
 #
 # PEER: Lightning's tests/ extracted from its repository at the tag matching the installed version
 #   (default /work/peer/lightning/tests; see RESULTS.md for how it was made), outside this repo.
@@ -22,10 +23,25 @@ OUT="${OUT:-$PEER/../results}"
 FABRIC_SAVE_LOAD="$(printf 'tests_fabric/test_fabric.py::%s ' test_save_wrapped_objects test_save_filter \
   test_load_wrapped_objects test_load_raw test_fabric_load_accepts_weights_only_false \
   test_fabric_load_forwards_weights_only_to_strategy test_fabric_load_raw_forwards_weights_only_to_strategy)"
+# SUITE=resume: Lightning's resume and restore tests instead (models/test_restore.py, the checkpoint
+# connector's, the callbacks' that save and resume, Fabric's utilities/test_load.py); their result files
+# are named resume_<mode>, beside the checkpointing suite's.
+CALLBACKS="$(printf 'tests_pytorch/callbacks/test_%s.py ' callbacks early_stopping finetuning_callback lambda_function \
+  model_checkpoint_additional_cases model_checkpoint_edge_cases model_checkpoint_manual_opt \
+  model_checkpoint_step_interval_val_metric pruning stochastic_weight_avg timer weight_averaging)"
+RESUME_TESTS="tests_pytorch/models/test_restore.py tests_pytorch/trainer/connectors/test_checkpoint_connector.py \
+$CALLBACKS tests_fabric/utilities/test_load.py"
+SUITE="${SUITE:-checkpointing}"
+case "$SUITE" in
+  checkpointing) PREFIX="" ;;
+  resume) PREFIX="resume_"; TESTS="${TESTS:-$RESUME_TESTS}" ;;
+  *) echo "SUITE=$SUITE: checkpointing or resume" >&2; exit 2 ;;
+esac
 TESTS="${TESTS:-tests_pytorch/checkpointing tests_pytorch/plugins/test_checkpoint_io_plugin.py tests_pytorch/plugins/test_async_checkpoint.py tests_fabric/strategies/test_strategy.py tests_fabric/strategies/test_single_device.py tests_fabric/strategies/test_ddp.py tests_fabric/strategies/test_ddp_integration.py $FABRIC_SAVE_LOAD}"
 MODES=("$@")
 [ ${#MODES[@]} -eq 0 ] && MODES=(stock plugin async lightning_async stock_async strategy strategy_async)
 mkdir -p "$OUT"
+RAN=()
 if [ -n "${LDC_REV:-}" ]; then
   REPO="$(cd "$HERE/../../.." && pwd)"
   SRC="$OUT/src"; rm -rf "$SRC"; mkdir -p "$SRC"
@@ -36,7 +52,7 @@ if [ -n "${LDC_REV:-}" ]; then
 fi
 cd "$PEER"
 for mode in "${MODES[@]}"; do
-  tag="$mode$([ "${READTHROUGH:-0}" = 1 ] && echo _readthrough || true)"
+  tag="$PREFIX$mode$([ "${READTHROUGH:-0}" = 1 ] && echo _readthrough || true)"
   echo "== $tag"
   # shellcheck disable=SC2086
   LDC_PEER_MODE="$mode" LDC_PEER_READTHROUGH="${READTHROUGH:-0}" LDC_PEER_RESULTS="$OUT/$tag.jsonl" \
@@ -44,5 +60,6 @@ for mode in "${MODES[@]}"; do
     python -m pytest -c "$HERE/pytest.ini" --rootdir "$PEER" -p ldc_harness -q --tb=line $TESTS \
     > "$OUT/$tag.log" 2>&1 || true
   tail -1 "$OUT/$tag.log"
+  RAN+=("$OUT/$tag.jsonl")
 done
-python "$HERE/summarize.py" "$OUT"/*.jsonl
+python "$HERE/summarize.py" "${RAN[@]}"  # this run's modes only
