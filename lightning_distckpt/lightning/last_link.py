@@ -52,13 +52,13 @@ def repoint_last_links(failed_target: str) -> List[str]:
     if "://" in failed_target:  # an object store has no links
         return []
     target = os.path.normpath(os.path.abspath(failed_target))
-    folder, failed_name = os.path.split(target)
+    folder = os.path.dirname(target)
     if os.path.isdir(target):  # something is there after all (another save's, or a recovery's): keep the links
         return []
     links = _links_to(folder, target)
     if not links:
         return []
-    newest = [n for n in committed_siblings(folder, limit=len(links) + 1) if n != failed_name and n not in links]
+    newest = committed_siblings(folder, limit=1)  # links are no siblings; the failed target is not there
     if not newest:
         logger.warning("the save to %s failed and no committed checkpoint is beside it: %s still link(s) to it",
                        failed_target, ", ".join(links))
