@@ -23,8 +23,8 @@ Contestants (each run is a fresh pair of processes, Lightning's launcher startin
 * ``ours`` / ``ours_async`` - ``DistCheckpointStrategy`` (every rank saves its part), sync / async.
 * ``ours_async_bg`` - ``ours_async`` with ``background_snapshot: true``: the parameters and Adam moments
   are copied by the save's thread while the next step's forward and backward run (not run unless named).
-* ``ours_zarr`` / ``ours_zarr_async`` - the same with ``storage: {layout: zarr}`` (chunk files of
-  128 KiB+ written with ``O_DIRECT``, not through the page cache; not run unless named).
+* ``ours_zarr`` / ``ours_zarr_async`` / ``ours_zarr_async_bg`` - the same with ``storage: {layout: zarr}``
+  (chunk files of 128 KiB+ written with ``O_DIRECT``, not through the page cache; not run unless named).
 * ``ours_buffered`` / ``ours_buffered_async`` - ``ours`` / ``ours_async`` with ``storage: {direct_writes:
   false}``: each rank's OCDBT store in one commit through the page cache, the write before the page
   cache was kept out (``storage/page_cache.py``; not run unless named).
@@ -80,7 +80,7 @@ from benchmarks.rss import status_kib  # noqa: E402
 BASELINE = {"none": "none", "stock": "none", "stock_async": "none", "mp_none": "mp_none", "stock_dcp": "mp_none",
             "ours_mp": "mp_none", "ours_io": "none", "ours_io_async": "none", "ours": "none", "ours_async": "none",
             "ours_async_bg": "none",
-            "ours_zarr": "none", "ours_zarr_async": "none", "ours_buffered": "none", "ours_buffered_async": "none"}
+            "ours_zarr": "none", "ours_zarr_async": "none", "ours_zarr_async_bg": "none", "ours_buffered": "none", "ours_buffered_async": "none"}
 DEFAULT = ("none", "stock", "stock_async", "mp_none", "stock_dcp", "ours_io", "ours_io_async", "ours", "ours_async")
 #: size -> (layers, width)
 SIZES = {"small": (8, 128), "large": (8, 2048)}
@@ -155,6 +155,8 @@ def _strategy(name: str) -> Tuple[Any, List[Any]]:
         "ours_zarr": lambda: (DistCheckpointStrategy(process_group_backend="gloo", checkpoint=zarr_cfg), []),
         "ours_zarr_async": lambda: (DistCheckpointStrategy(process_group_backend="gloo",
                                                            checkpoint={**zarr_cfg, **async_cfg}), []),
+        "ours_zarr_async_bg": lambda: (DistCheckpointStrategy(
+            process_group_backend="gloo", checkpoint={**zarr_cfg, **async_cfg, "background_snapshot": True}), []),
         "ours_buffered": lambda: (DistCheckpointStrategy(process_group_backend="gloo", checkpoint=buffered_cfg), []),
         "ours_buffered_async": lambda: (DistCheckpointStrategy(process_group_backend="gloo",
                                                                checkpoint={**buffered_cfg, **async_cfg}), []),
