@@ -12,7 +12,7 @@ from lightning_distckpt.lightning import load_lightning_module
 from lightning_helpers import TEST_STEP, TPMLP, run_script
 
 SCENARIOS = ["tp_layers", "exact_resume", "failures", "nonstrict", "topk_last", "link_last", "exact_resume_yaml",
-             "save_barrier"]
+             "save_barrier", "replaced_state_dict"]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,17 @@ def test_tensor_parallel_layers_and_groups(tp2):
         assert described["m.fc2.weight"] == [[3, 8], [0, 4 * rank], 0, True]
         assert described["m.fc2.bias"] == [[3], [0], [rank, 0], True]  # replicated: rank 0 writes it
         assert described["m.norm.weight"] == [[3], [0], [rank, 0], True]
+
+
+def test_a_hooks_state_dict_under_tensor_parallelism_warns_and_saves_the_modules_shards(tp2):
+    """A callback's replacement of checkpoint["state_dict"] (EMA, pruning) holds this rank's TP pieces,
+    which have no place in the global tensor: the module's own shards are saved (a resume restores the
+    trained weights, not the hook's values) and the WARNING says why."""
+    _, results = tp2
+    for res in results:
+        assert res["replaced_module_restored"] is True
+        assert len(res["replaced_warnings"]) == 1, res["replaced_warnings"]
+        assert "under tensor parallelism" in res["replaced_warnings"][0]
 
 
 def test_no_second_barrier_after_a_save(tp2):

@@ -417,8 +417,38 @@ def save_barrier(args: argparse.Namespace, res: Dict[str, Any]) -> None:
         res[f"barrier_{name}_committed_after_fit"] = committed(path)
 
 
+class ReplacesStateDict(Callback):
+    """Puts another dict under ``checkpoint["state_dict"]`` at each save, as ``EMAWeightAveraging`` and
+    ``ModelPruning`` do: this rank's pieces, each plus 1000 (values no save of the module holds)."""
+
+    def on_save_checkpoint(self, trainer_: Trainer, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+        checkpoint["state_dict"] = {k: v.detach() + 1000 for k, v in checkpoint["state_dict"].items()}
+
+
+def replaced_state_dict(args: argparse.Namespace, res: Dict[str, Any]) -> None:
+    """A hook's replacement of checkpoint["state_dict"] under tensor parallelism: its tensors are this
+    rank's pieces with no place in the global tensor, so the module's shards are saved, with a WARNING
+    naming why (at TP 1 the hook's dict is saved: tests/conformance/test_lightning_resume_cases.py)."""
+    logs = Records()
+    logging.getLogger("lightning_distckpt").addHandler(logs)
+    path = os.path.join(args.dir, "replaced", "step2.ckpt")
+    t = trainer(args, strategy_for(args), 2, [ReplacesStateDict()], enable_checkpointing=False)
+    model = TPMLP(total_steps=2)
+    t.fit(model)
+    t.save_checkpoint(path)
+    logging.getLogger("lightning_distckpt").removeHandler(logs)
+    res["replaced_warnings"] = [m for m in logs.messages if "replaced checkpoint['state_dict']" in m]
+    fresh = TPMLP(total_steps=2)
+    t2 = trainer(args, strategy_for(args), 2, [], enable_checkpointing=False)
+    t2.fit(fresh, ckpt_path=path)  # max_steps reached: restores, trains nothing
+    trained, restored = full_weights(model), full_weights(fresh)
+    res["replaced_module_restored"] = set(trained) == set(restored) and all(
+        torch.equal(trained[k], restored[k]) for k in trained)
+
+
 SCENARIOS = {"tp_layers": tp_layers, "exact_resume": exact_resume, "failures": failures, "nonstrict": nonstrict,
-             "resume_other_world": resume_other_world, "exact_resume_yaml": exact_resume_yaml, "topk_last": topk_last, "link_last": link_last, "save_barrier": save_barrier}
+             "resume_other_world": resume_other_world, "exact_resume_yaml": exact_resume_yaml, "topk_last": topk_last, "link_last": link_last, "save_barrier": save_barrier,
+             "replaced_state_dict": replaced_state_dict}
 
 
 if __name__ == "__main__":
