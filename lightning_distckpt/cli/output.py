@@ -24,7 +24,7 @@ import numbers
 import sys
 from typing import Any, Iterator, Mapping, Optional
 
-from ..core.shown import MESSAGE_LIMIT, shown
+from ..core.shown import MESSAGE_LIMIT, quoted, shown
 from ..progress import Progress, bar_wanted, progress_bar
 from .numbers import int_in
 
@@ -103,7 +103,21 @@ def _shown_args(args: Any) -> Any:
 
 
 def _shown_arg(value: Any) -> Any:
-    return value if value is None or isinstance(value, numbers.Number) else shown(str(value), MESSAGE_LIMIT)
+    return value if value is None or isinstance(value, numbers.Number) else _ShownArg(value)
+
+
+class _ShownArg(str):
+    """An argument's text :func:`shown` (what ``%s`` prints); ``%r`` prints the argument's own ``repr``
+    (which escapes unsafe characters itself), cut as :func:`quoted` cuts it, not the repr of the
+    escaped text (``'a\\\\nb'`` for ``'a\\nb'``)."""
+
+    def __new__(cls, value: Any) -> "_ShownArg":
+        self = super().__new__(cls, shown(str(value), MESSAGE_LIMIT))
+        self._repr = quoted(value, MESSAGE_LIMIT) if isinstance(value, str) else shown(repr(value), MESSAGE_LIMIT)
+        return self
+
+    def __repr__(self) -> str:
+        return self._repr
 
 
 @contextlib.contextmanager

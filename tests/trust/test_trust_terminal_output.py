@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import subprocess
@@ -231,3 +232,19 @@ def test_above_a_progress_bar_names_and_records_are_escaped(tmp_path, hostile):
     text = term.decode()
     assert f"checked w{ESCAPED}" in text and "WARNING lightning_distckpt" in text and f"staging-{ESCAPED}" in text
     assert "100%" in text  # the bar was drawn
+
+
+def test_a_log_records_percent_r_argument_is_its_own_repr_not_the_repr_of_its_escaped_text():
+    """``%r`` of a hostile name shows ``repr(name)`` (already escaped by Python), not the repr of the
+    escaped text with every backslash doubled; ``%s`` shows it escaped; a long one is cut either way."""
+    from lightning_distckpt.cli.output import ShownFormatter
+
+    def formatted(msg, *args):
+        return ShownFormatter("%(message)s").format(logging.LogRecord("t", logging.INFO, __file__, 1, msg, args, None))
+
+    assert formatted("key %r", "a\nb\x1b[2J") == "key 'a\\nb\\x1b[2J'"
+    assert formatted("key %s", "a\nb\x1b[2J") == "key a\\nb\\x1b[2J"
+    assert formatted("keys %r", ["a\nb"]) == "keys ['a\\nb']"
+    cut = formatted("key %r", LONG * 2)
+    assert cut.startswith("key 'LLL") and "(10000 characters)'" in cut and len(cut) < 5000
+    assert formatted("%d of %s", 3, "x\ry") == "3 of x\\ry"
