@@ -27,7 +27,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 from urllib.parse import quote
 
 import numpy as np
@@ -273,9 +273,10 @@ def parse_json(raw: bytes, where: str, unique_keys: bool = False) -> Any:
     must not drive the parser (or later code) into deep recursion. ``unique_keys``: an object
     naming a key twice is a FormatError (a format other readers parse too, where one may take the
     first and another the last: a safetensors header)."""
-    depth = _max_depth(raw)
-    if depth > MAX_JSON_DEPTH:
-        raise FormatError(f"{where}: nested {depth} levels deep (at most {MAX_JSON_DEPTH}); not written by us")
+    shape = _json_shape(raw)
+    if shape.depth > MAX_JSON_DEPTH:
+        raise FormatError(f"{where}: nested {shape.depth} levels deep (at most {MAX_JSON_DEPTH}); not written by us")
+    _check_parse_memory(shape, len(raw), where)
     try:
         with gc_paused():  # a large index is millions of small objects; collections during parsing find nothing
             return json.loads(raw, object_pairs_hook=_unique_pairs) if unique_keys else json.loads(raw)
@@ -300,29 +301,85 @@ def _unique_pairs(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-_SYNTAX = bytes(range(256)).translate(None, b'[]{}"')  # every byte but the brackets and quotes, to delete
+_SYNTAX = bytes(range(256)).translate(None, b'[]{}",')  # every byte but brackets, quotes, commas: deleted
 _DEPTH_BLOCK = 4 << 20  # marks scanned at once: the scan's arrays take ~10 bytes a mark of a block
+# What json.loads builds, in bytes, at most: a list or dict (with its slot in its parent) per bracket, a
+# pointer and a small object per value (a comma), a str object per pair of quotes. An index we write
+# parses into about 5x its size (estimated 6-8x); "[],[],..." into 22x, "[[0]],..." 31x.
+_CONTAINER_BYTES, _VALUE_BYTES, _STRING_BYTES = 72, 40, 28
+PARSE_RATIO = 16  # the most estimated bytes a byte of JSON may become, past PARSE_FLOOR
+PARSE_FLOOR = 64 << 20  # estimates below this are never refused: no file of ours nears the ratio
+
+
+class JsonShape(NamedTuple):
+    """What :func:`_json_shape` counts in a JSON text, outside its strings."""
+
+    depth: int  # the deepest nesting of arrays and objects
+    containers: int
+    commas: int
+    strings: int
+
+    def parse_bytes(self) -> int:
+        """About the most memory ``json.loads`` takes for such a text (an overestimate for ours)."""
+        return (_CONTAINER_BYTES * self.containers + _VALUE_BYTES * (self.commas + 1)
+                + _STRING_BYTES * self.strings)
+
+
+def _check_parse_memory(shape: JsonShape, size: int, where: str) -> None:
+    """FormatError before parsing a text that would take far more memory than its size (a file of
+    empty lists is ~22 bytes a byte: 22 GB for one under the 1 GiB cap) or more than is available."""
+    need = shape.parse_bytes()
+    if need <= PARSE_FLOOR:
+        return
+    if need > PARSE_RATIO * size:
+        raise FormatError(f"{where}: parsing it would take about {need >> 20} MiB of memory, {need // max(size, 1)}x "
+                          f"its {size} bytes ({shape.containers} arrays or objects; an index we write takes under "
+                          f"{PARSE_RATIO // 2}x); refused before parsing (damaged or hostile)")
+    available = _available_memory()
+    if available is not None and need > available:
+        raise FormatError(f"{where}: parsing it would take about {need >> 20} MiB of memory, more than the "
+                          f"{available >> 20} MiB available; refused before parsing")
+
+
+def _available_memory() -> Optional[int]:
+    """``MemAvailable`` of /proc/meminfo in bytes; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _max_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped), in
-    memory of about twice its size whatever it holds (a regex over its strings, or arrays over the
-    whole text, took ~20 bytes a byte: 20 GB for a 1 GiB index)."""
+    """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped)."""
+    return _json_shape(raw).depth
+
+
+def _json_shape(raw: bytes) -> JsonShape:
+    """The nesting and counts of the JSON text ``raw`` (strings skipped), in memory of about twice its
+    size whatever it holds (a regex over its strings, or arrays over the whole text, took ~20 bytes a
+    byte: 20 GB for a 1 GiB index)."""
     if b"\\" in raw:  # escapes paired as JSON pairs them, left to right: escaped backslashes, then quotes
         raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    # every quote left opens or closes a string: brackets after an odd number of quotes are inside one
+    # every quote left opens or closes a string: marks after an odd number of quotes are inside one
     marks = raw.translate(None, _SYNTAX)
-    deepest = depth = 0
+    deepest = depth = containers = commas = quotes = 0
     inside = False  # within a string where the block starts
     for at in range(0, len(marks), _DEPTH_BLOCK):
         block = np.frombuffer(marks, dtype=np.uint8, count=min(_DEPTH_BLOCK, len(marks) - at), offset=at)
-        quotes = block == ord('"')
-        outside = np.logical_xor.accumulate(quotes) == inside  # parity of the quotes so far, this one included
-        inside ^= bool(np.count_nonzero(quotes) & 1)
+        is_quote = block == ord('"')
+        outside = np.logical_xor.accumulate(is_quote) == inside  # parity of the quotes so far, this one included
+        inside ^= bool(np.count_nonzero(is_quote) & 1)
+        quotes += int(np.count_nonzero(is_quote))
         opens = ((block == ord("[")) | (block == ord("{"))).view(np.int8)
         closes = ((block == ord("]")) | (block == ord("}"))).view(np.int8)
         steps = (opens - closes)[outside]
+        containers += int(np.count_nonzero(opens.view(bool) & outside))
+        commas += int(np.count_nonzero((block == ord(",")) & outside))
         if steps.size:
             levels = np.cumsum(steps, dtype=np.int32)
             deepest, depth = max(deepest, depth + int(levels.max())), depth + int(levels[-1])
-    return deepest
+    return JsonShape(deepest, containers, commas, quotes // 2)

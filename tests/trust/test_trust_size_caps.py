@@ -247,3 +247,50 @@ def test_the_nesting_check_scans_in_bounded_memory():
     assert peak < 3 * len(raw), peak  # the whole-text arrays took ~20 bytes a byte
     escaped = json.dumps(["\\\"[[", ["\\"], {"k": "]]\""}]).encode()
     assert _max_depth(escaped) == 2
+
+
+# -- JSON that parses into far more memory than its size -----------------------------------------
+
+def _consistent_metadata(path, raw):
+    """``raw`` as the checkpoint's metadata.json, the marker's checksum of it recomputed (a consistent lie)."""
+    import hashlib
+
+    with open(os.path.join(path, "metadata.json"), "wb") as f:
+        f.write(raw)
+    with open(os.path.join(path, "COMMITTED")) as f:
+        marker = json.load(f)
+    marker["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
+    with open(os.path.join(path, "COMMITTED"), "w") as f:
+        json.dump(marker, f)
+
+
+@pytest.mark.parametrize("unit", [b"[],", b"{},", b"[[0]],"])
+def test_a_metadata_json_of_empty_containers_is_refused_before_parsing(tmp_path, unit):
+    """A few MB of ``[],[],...`` under a field parse into ~22-31 bytes a byte (a 1 GiB file under the cap:
+    ~30 GB): refused before parsing, by load, inspect and validate alike, naming the estimate."""
+    path = _save(tmp_path / "ck")
+    with open(os.path.join(path, "metadata.json"), "rb") as f:
+        meta = f.read()
+    pad = b'"pad": [' + unit * ((6 << 20) // len(unit)) + b"0], "
+    _consistent_metadata(path, meta.replace(b"{", b"{" + pad, 1))
+    with pytest.raises(ldc.FormatError, match=r"metadata\.json: parsing it would take about \d+ MiB of memory, "
+                                              r"\d+x its \d+ bytes .*refused before parsing"):
+        ldc.load_tensors_metadata(path)
+    for command in ("inspect", "validate"):
+        r = _run(["-m", "lightning_distckpt", command, path])
+        assert r.returncode in (1, 2) and "parsing it would take about" in r.stderr + r.stdout, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr
+
+
+def test_a_large_index_of_the_shape_we_write_is_parsed():
+    """The estimate keeps well under the ratio for what a save writes: a Megatron-like index of many
+    shards (the same shape as a 4,096-rank one, 20 MB) parses."""
+    from lightning_distckpt.storage.layout import PARSE_RATIO, _json_shape, parse_json
+
+    entry = {"dtype": "bfloat16", "global_shape": [8192, 8192], "shards": [
+        {"offsets": [r * 1024, 0], "shape": [1024, 8192], "writer": r, "index": 0, "replica": [0, r % 8],
+         "crc32c": [123456789, 987654321]} for r in range(64)]}
+    raw = json.dumps({"format": "lightning_distckpt", "tensors": {f"layer.{i}.w": entry for i in range(1200)}}).encode()
+    shape = _json_shape(raw)
+    assert shape.parse_bytes() < PARSE_RATIO // 2 * len(raw), (shape, len(raw))
+    assert len(parse_json(raw, "metadata.json")["tensors"]) == 1200
