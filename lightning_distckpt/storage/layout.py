@@ -136,8 +136,8 @@ def is_our_committed_checkpoint(path: str) -> bool:
     if not is_committed(path):
         return False
     try:
-        meta = json.loads(read_inside(os.path.join(path, METADATA_FILE), METADATA_FILE, max_bytes=METADATA_CAP))
-    except (OSError, ValueError, RecursionError, FormatError):
+        meta = parse_json(read_inside(os.path.join(path, METADATA_FILE), METADATA_FILE, max_bytes=METADATA_CAP), path)
+    except (OSError, FormatError):
         return False
     return isinstance(meta, dict) and meta.get("format") == FORMAT_NAME
 
