@@ -23,7 +23,7 @@ from ..core.errors import FormatError, UnsafeContentError, naming_file
 from ..core.tree_walk import check_tree
 from .file_kind import HEAD_BYTES, not_a_torch_file, starts_with_legacy_magic
 from .paths import ANYWHERE, check_regular
-from .zip_records import check_records
+from .zip_records import check_records, check_storage_sizes
 
 
 def default_safe_globals(omegaconf: bool = True) -> List[Any]:
@@ -114,7 +114,11 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
         check_records(source, where)
     try:
         with _allowed(default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)):
-            payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap or None)
+            # mapped, torch takes each storage's claimed bytes unchecked (unmapped, it checks them)
+            mapped = mmap and check_storage_sizes(source, where)
+            payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped or None)
+    except FormatError:
+        raise
     except RecursionError:
         raise FormatError(f"{where}: nested too deeply to deserialize; refused") from None
     except pickle.UnpicklingError as e:

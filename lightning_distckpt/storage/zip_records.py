@@ -15,11 +15,14 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import pickle
 import struct
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Dict, List
+
+import torch
 
 from ..core.errors import FormatError
 from .checksums import verification_enabled
@@ -137,6 +140,63 @@ def data_start(f: BinaryIO, info: zipfile.ZipInfo, next_offset: int, size: int, 
     if start + info.compress_size > size:
         raise FormatError(f"{where}: zip record {info.filename!r} runs past the end of the archive")
     return start
+
+
+def check_storage_sizes(path: str, where: str) -> bool:
+    """Refuse a ``torch.save`` archive whose ``data.pkl`` claims for a storage another size than
+    its record holds. torch's memory-mapped load (``mmap=True``, as ``load_file`` reads) takes the
+    claimed bytes from the record's start unchecked (its unmapped load checks: "record size does
+    not match"), so a claim past the record loaded the next records, local headers and zip directory
+    as the tensor's values. ``data.pkl`` is replayed with torch's weights-only unpickler, each
+    storage left on the meta device (no tensor data read); call it while the load's types are
+    allowed, after :func:`check_records`. False: the replay could not finish on the meta device (a
+    nested tensor has no meta form), so nothing is known: load the file unmapped, where torch checks."""
+    from torch._weights_only_unpickler import Unpickler  # what torch.load(weights_only=True) runs
+
+    with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+        infos = archive.infolist()
+        prefix = infos[0].filename.split("/")[0] if infos else ""  # torch's archive name: the first record's folder
+        sizes = {i.filename: i.file_size for i in infos}
+        if f"{prefix}/data.pkl" not in sizes:
+            return True  # torch.load says what is missing
+        pickled = _record_bytes(f, archive, archive.getinfo(f"{prefix}/data.pkl"), where)
+
+    def persistent_load(saved_id: Any) -> Any:  # torch's own, with a size check for the real load
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+            raise FormatError(f"{where}: data.pkl refers to a storage as {str(saved_id)[:100]}, not torch's "
+                              "('storage', type, key, location, numel)")
+        _, storage_type, key, _, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "dtype", None)
+        name = f"{prefix}/data/{key}"
+        if isinstance(dtype, torch.dtype) and type(numel) is int and name in sizes:
+            nbytes = numel * dtype.itemsize
+            if nbytes != sizes[name]:
+                raise FormatError(f"{where}: a tensor storage claims {numel} elements of {dtype} ({nbytes} bytes) but "
+                                  f"its zip record {name!r} holds {sizes[name]} bytes: damaged or forged")
+            storage = torch.UntypedStorage(nbytes, device="meta")
+            return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+        raise FormatError(f"{where}: data.pkl refers to storage {str(key)[:100]!r} of type {storage_type!r:.100} "
+                          f"and {str(numel)[:30]} elements, which the archive does not hold as torch.save writes it")
+
+    unpickler = Unpickler(io.BytesIO(pickled), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    try:
+        unpickler.load()
+    except (FormatError, pickle.UnpicklingError):  # a lying claim; a type the real load refuses too
+        raise
+    except Exception:  # noqa: BLE001 - a rebuild without a meta form: the caller loads it unmapped
+        return False
+    return True
+
+
+def _record_bytes(f: BinaryIO, archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> bytes:
+    """A record's bytes as torch reads them: a stored one from its data offset, its CRC not
+    checked (torch.save may write none: ``set_crc32_options(False)``; check_records checked the rest)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return archive.read(info)
+    size = f.seek(0, io.SEEK_END)
+    f.seek(data_start(f, info, following(archive)[info.header_offset], size, where))
+    return f.read(info.file_size)
 
 
 class _buffer:

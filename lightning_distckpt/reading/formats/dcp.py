@@ -74,6 +74,8 @@ class DcpSource:
         self._objects: Dict[str, Tuple[str, DcpItem]] = {}  # key -> (fqn, item)
         for fqn, item in meta.objects.items():
             key = map_key(key_map, fqn)
+            if key in self._objects:  # key_map joined two objects: one would silently replace the other
+                raise FormatError(f"{self.path}: two DCP entries map to key {key!r} (one is {fqn!r}); fix key_map")
             if key is not None:
                 self._objects[key] = (fqn, item)
         self.index = CheckpointIndex()

@@ -194,6 +194,9 @@ class MegatronSource(DcpSource):
         entries = dict(self._objects)
         self._objects = {}  # none of them is common state
         writer_of = {rel: i for i, rel in enumerate(self._files)}
+        # an element named twice (a number with leading zeros, or key_map joining two keys) would load
+        # one of two values silently; Megatron names each element once, exactly as unique_key writes it
+        named: Dict[Tuple[str, Tuple[int, ...]], str] = {}
         for fqn, (_, item) in sorted(entries.items()):
             parsed = parse_unique_key(fqn)
             if parsed is None:
@@ -206,6 +209,10 @@ class MegatronSource(DcpSource):
                 continue
             if key in self.index.tensors:
                 raise FormatError(f"{self.path}: {key!r} names both a tensor and a ShardedObject")
+            first = named.setdefault((key, offset), fqn)
+            if first != fqn:
+                raise FormatError(f"{self.path}: DCP bytes entries {_short(first)} and {_short(fqn)} are both element "
+                                  f"{list(offset)} of ShardedObject {key!r}: which one is meant?")
             entry = self.index.objects.setdefault(key, ObjectEntry(shape))
             if entry.global_shape != shape:
                 raise FormatError(f"{self.path}: ShardedObject {key!r} elements disagree on the global shape "
