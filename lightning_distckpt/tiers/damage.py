@@ -7,8 +7,10 @@ which), :func:`find_damage` reads back, with their checksums, the stores held by
 nodes (each store by one rank of its node), and every rank gets the same list of damaged stores. The
 node's lead then drops each damaged store's held-note (the store is no longer counted as held, by this
 recovery's next listing nor by a later job's; nothing else is removed) and logs a WARNING naming it.
-A damaged store this node had *fetched* from another node earlier in the recovery came damaged from
-there: that node's note of it goes too, so a retry never fetches the same damage again.
+A damaged store this node had *fetched* from another node (its note says so) may have come damaged from
+there: that node's copy is read back with its checksums too, and its note goes only when it fails them, so a
+retry never fetches the same damage again, and an intact source (the note may be from an earlier job's
+recovery, the damage done since) is never set aside with it.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def find_damage(ctx: TierContext, path: str, held: FrozenSet[int], failures: Dic
             error = e
     gathered = ctx.comm.agree("local tier: checking the local copies a failed load read failed", error, mine)
     damage = [d for part in gathered for d in part]
+    damage += _damaged_sources(ctx, damage)
     error = None
     if ctx.is_lead:
         try:
@@ -87,18 +90,34 @@ def find_damage(ctx: TierContext, path: str, held: FrozenSet[int], failures: Dic
     return damage
 
 
+def _damaged_sources(ctx: TierContext, damage: List[Damage]) -> List[Damage]:
+    """Collective: this node's copies of the stores that another node found damaged and had fetched from
+    here, read back with their checksums (dealt over the node's ranks); the damaged ones, on every rank."""
+    sent = sorted({(d.writer, os.path.basename(d.path)) for d in damage if d.fetched_from == ctx.node})
+    ranks = ctx.nodes.ranks_on(ctx.node)
+    mine: List[Damage] = []
+    error: Optional[Exception] = None
+    try:
+        for i, (w, name) in enumerate(sent):
+            own = os.path.join(ctx.root, name)
+            problem = verify_stores(own, [w]).get(w) if ranks[i % len(ranks)] == ctx.rank and w in read_notes(own) \
+                else None
+            if problem:
+                mine.append(Damage(ctx.node, w, own, f"arrived damaged elsewhere; here too: {problem}", None))
+    except Exception as e:  # agreed: every rank raises it
+        error = e
+    gathered = ctx.comm.agree("local tier: checking the copies damaged stores were fetched from failed", error, mine)
+    return [d for part in gathered for d in part]
+
+
 def _drop_notes(ctx: TierContext, damage: List[Damage]) -> None:
-    """This node's lead: the held-notes of its damaged stores (and of those it sent damaged) removed."""
+    """This node's lead: the held-notes of its damaged stores removed (those sent from here included,
+    once found damaged here too: :func:`_damaged_sources`)."""
     for d in damage:
         if d.node == ctx.node:
             logger.warning("local tier: node %s: the copy of rank %d's store in %s is damaged and is not used: %s",
                            d.node, d.writer, d.path, d.problem)
             _remove(note_path(d.path, d.writer))
-        elif d.fetched_from == ctx.node:
-            own = os.path.join(ctx.root, os.path.basename(d.path))
-            logger.warning("local tier: node %s: rank %d's store in %s arrived damaged on node %s: not used either",
-                           ctx.node, d.writer, own, d.node)
-            _remove(note_path(own, d.writer))
 
 
 def _remove(path: str) -> None:

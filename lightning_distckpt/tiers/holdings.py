@@ -20,7 +20,7 @@ from lightning_distckpt.storage.checksums import check_sha256
 from lightning_distckpt.storage.integrity import store_bytes
 from lightning_distckpt.storage.layout import COMMON_FILE, open_metadata
 from lightning_distckpt.storage.paths import PICKLE_CAP, read_inside
-from lightning_distckpt.tiers.node_store import LocalStep, committed_steps
+from lightning_distckpt.tiers.node_store import LocalStep, check_data_dir, committed_steps
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ def scan_node(root: str, node: str) -> List[StepInfo]:
 
 def _check(local: LocalStep, node: str) -> StepInfo:
     """A committed step directory checked (see the module docstring); CheckpointingError when it fails."""
+    check_data_dir(local.path)  # a recovery fetches the stores it lacks into it: never through a link
     mf = open_metadata(local.path, verify=True)
     where = f"local checkpoint {local.path}: {COMMON_FILE}"
     common = read_inside(f"{local.path}/{COMMON_FILE}", where, max_bytes=PICKLE_CAP)

@@ -21,8 +21,8 @@ from lightning_distckpt.saving.async_save import AsyncSaveRequest
 from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, rank_dir
 from lightning_distckpt.storage.staging import discard, is_staging_dir, live_owner_pids, target_of
 from lightning_distckpt.tiers.context import TMP_PREFIX, TierContext, test_point
-from lightning_distckpt.tiers.node_store import (NodeLocalStore, committed_steps, remove_step, tier_tmp_dirs,
-                                                  uncommitted_dirs, write_note)
+from lightning_distckpt.tiers.node_store import (NodeLocalStore, check_data_dir, committed_steps, remove_step,
+                                                  tier_tmp_dirs, uncommitted_dirs, write_note)
 from lightning_distckpt.tiers.transfer import Incoming, Outgoing, exchange
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,11 @@ def place(received: str, step_path: str, writer: int, copy_from: str, fetched: b
     target = rank_dir(step_path, writer)
     test_point("tier_before_place")
     if os.listdir(received):
+        check_data_dir(step_path)
         os.makedirs(os.path.join(step_path, DATA_DIR), exist_ok=True)
-        if os.path.isdir(target):
+        if os.path.islink(target) or (os.path.lexists(target) and not os.path.isdir(target)):
+            os.remove(target)  # an entry of our step directory in the store's place: replaced, never followed
+        elif os.path.isdir(target):
             shutil.rmtree(target)
         os.rename(received, target)
     else:

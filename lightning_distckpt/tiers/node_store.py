@@ -15,26 +15,29 @@ in its own node's root and every rank maps that name into its own node's root.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import stat
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Tuple
 
 from lightning_distckpt.core.errors import ArgumentError, FormatError
-from lightning_distckpt.storage.layout import COMMIT_MARKER, is_committed
+from lightning_distckpt.storage.layout import COMMIT_MARKER, DATA_DIR, is_committed
 from lightning_distckpt.storage.local_store import LocalStore
 from lightning_distckpt.storage.options import StorageOptions
-from lightning_distckpt.storage.paths import read_inside
+from lightning_distckpt.storage.paths import kind_of, read_inside, refuse_link
 from lightning_distckpt.storage.safe_pickle import write_file_durable
 from lightning_distckpt.storage.staging import is_staging_dir
 from lightning_distckpt.storage.stores import register_store
 
 SCHEME = "node-local://"
 TIER_DIR = "local_tier"  # the notes of what a step directory holds, and our mark
-_STEP = re.compile(r"step_(\d{9,})")
-_NOTE = re.compile(r"held_rank_(\d{5,})\.json")
+_STEP = re.compile(r"step_([0-9]{9,})")
+_NOTE = re.compile(r"held_rank_([0-9]{5,})\.json")
 
 
 def step_dir(root: str, step: int) -> str:
@@ -42,21 +45,49 @@ def step_dir(root: str, step: int) -> str:
 
 
 def step_of(name: str) -> Optional[int]:
-    """The step of a step directory's name, None for any other name."""
+    """The step of a step directory's name, None for any other name. Only the name :func:`step_dir`
+    gives: a load reads ``step_dir(step)``, so another spelling of a step (``step_0000000010``, other
+    digits than ASCII) would have a recovery check one directory and read another."""
     m = _STEP.fullmatch(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m and name == os.path.basename(step_dir("", int(m.group(1)))) else None
+
+
+def note_name(rank: int) -> str:
+    return f"held_rank_{rank:05d}.json"
 
 
 def note_path(directory: str, rank: int) -> str:
-    return os.path.join(directory, TIER_DIR, f"held_rank_{rank:05d}.json")
+    return os.path.join(directory, TIER_DIR, note_name(rank))
 
 
 def write_note(directory: str, rank: int, copy: bool, node: Optional[str] = None, fetched: bool = False) -> None:
     """Record that ``directory`` holds ``rank``'s store (its own, or a partner ``copy`` from ``node``;
-    ``fetched``: received during a recovery) completely."""
-    os.makedirs(os.path.join(directory, TIER_DIR), exist_ok=True)
+    ``fetched``: received during a recovery) completely. Written beside its name and renamed over it:
+    whatever has the name (a link, a FIFO: not counted as a note) is replaced, never opened or followed."""
+    folder = os.path.join(directory, TIER_DIR)
+    os.makedirs(folder, exist_ok=True)
     note = {"rank": rank, "copy": copy, "from": node, "fetched": fetched}
-    write_file_durable(note_path(directory, rank), json.dumps(note).encode())
+    fd, tmp = tempfile.mkstemp(prefix=".held-", dir=folder)  # O_EXCL: a fresh file of ours
+    os.close(fd)
+    try:
+        write_file_durable(tmp, json.dumps(note).encode())
+        os.replace(tmp, note_path(directory, rank))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def check_data_dir(step_path: str) -> None:
+    """FormatError when ``step_path``'s ``data/`` is there but is no directory of its own (a link, a file,
+    a FIFO): stores fetched into it would replace what is wherever it points."""
+    data = os.path.join(step_path, DATA_DIR)
+    try:
+        st = refuse_link(data, f"local checkpoint {step_path}: data directory")
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise FormatError(f"local checkpoint {step_path}: data directory {data} is {kind_of(st.st_mode)}; refused")
 
 
 def read_notes(directory: str) -> Dict[int, Dict[str, Any]]:
@@ -69,8 +100,8 @@ def read_notes(directory: str) -> Dict[int, Dict[str, Any]]:
         return out
     for name in names:
         m = _NOTE.fullmatch(name)
-        if not m:
-            continue
+        if not m or name != note_name(int(m.group(1))):  # another spelling would outlive the removal of a
+            continue  # damaged store's note (note_path), keeping the store counted as held
         try:
             # a note is ~100 bytes; read without waiting on a FIFO or following a link
             note = json.loads(read_inside(os.path.join(notes, name), "local tier note", max_bytes=4096))
@@ -139,8 +170,9 @@ def tier_tmp_dirs(root: str, prefix: str) -> List[str]:
 
 
 def remove_step(path: str) -> None:
-    """Remove a step directory of ours (the marker first, so a half-removed one is never taken as committed)."""
-    if not is_ours(path):
+    """Remove a step directory of ours (the marker first, so a half-removed one is never taken as committed);
+    never through a link (its target is not ours: the marker removed would be another checkpoint's)."""
+    if os.path.islink(path) or not is_ours(path):
         return
     try:
         os.remove(os.path.join(path, COMMIT_MARKER))
