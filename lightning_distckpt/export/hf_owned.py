@@ -31,7 +31,7 @@ CONFIG_FILE = "config.json"  # export_safetensors(config=...): the model's Huggi
 INDEX_FILE = "model.safetensors.index.json"
 MARK_KEY, MARK = "written_by", "lightning_distckpt"
 FILE_METADATA = {"format": "pt", MARK_KEY: MARK}
-SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+SHARD_NAME = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
 # Headers and indexes are read to find the mark only; larger ones are not ours (ours are small).
 _MAX_JSON_BYTES = 100 << 20
 

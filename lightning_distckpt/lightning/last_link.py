@@ -22,7 +22,7 @@ from ..storage.staging import committed_siblings
 
 logger = logging.getLogger(__name__)
 
-_LAST_NAME = re.compile(r"last(-v?\d+)?\.ckpt")  # ModelCheckpoint.CHECKPOINT_NAME_LAST, its versions
+_LAST_NAME = re.compile(r"last(-v?[0-9]+)?\.ckpt")  # ModelCheckpoint.CHECKPOINT_NAME_LAST, its versions
 
 
 def _links_to(folder: str, target: str) -> List[str]:

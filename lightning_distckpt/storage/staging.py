@@ -56,7 +56,7 @@ _MAX_NOTE_BYTES = 1 << 16  # a note is ~100 bytes: more is not one of ours
 _NAME_MAX = 255  # bytes in one file name (ext4, xfs, NFS, Lustre)
 _SUFFIX_ROOM = 8  # ".oldN": a commit moves the previous checkpoint aside under its staging name plus this
 # ".distckpt-staging-<base32 of the target's name>-<12 hex digits>", optionally ".old<N>" (moved aside)
-_ENCODED = re.compile(r"\.distckpt-staging-([a-z2-7]+)-[0-9a-f]{12}(?:\.old\d*)?\Z")
+_ENCODED = re.compile(r"\.distckpt-staging-([a-z2-7]+)-[0-9a-f]{12}(?:\.old[0-9]*)?\Z")
 
 
 def _encode_name(name: str) -> str:

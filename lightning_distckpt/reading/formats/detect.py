@@ -138,7 +138,7 @@ def _with_unlisted_tensors(index_path: str, files: List[IndexedFile]) -> List[In
     return out
 
 
-_NUMBERED = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?P<ext>\.\w+)")
+_NUMBERED = re.compile(r"(?P<stem>.+)-(?P<i>[0-9]{5})-of-(?P<n>[0-9]{5})(?P<ext>\.\w+)")
 
 
 def _check_all_shards_named(directory: str, index_path: str, named: Set[str]) -> None:
