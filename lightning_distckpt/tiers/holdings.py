@@ -67,8 +67,10 @@ def _check(local: LocalStep, node: str) -> StepInfo:
     held = set()
     for rank in local.held:
         try:
-            nbytes = store_bytes(local.path, rank)
-        except CheckpointingError:  # a link, an unlistable store: not held
+            # each file checked against what the index says the store holds, as a load checks it: a
+            # huge (sparse) file in a copy would otherwise be sent whole to a partner that lacks it
+            nbytes = store_bytes(local.path, rank, claimed.get(rank, 0))
+        except CheckpointingError:  # a link, an unlistable store, a file past its cap: not held
             continue
         if claimed.get(rank, 0) == 0 or (nbytes is not None and nbytes >= claimed[rank]):
             held.add(rank)

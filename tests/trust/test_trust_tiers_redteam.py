@@ -201,3 +201,25 @@ def test_a_second_note_by_another_spelling_does_not_keep_a_damaged_store(tmp_pat
     _flip(_largest_file(os.path.join(step20, "data", "rank_00000")))
     point, out = _recover_one(root)
     assert point == RecoveryPoint(10, "local") and torch.equal(out["w"], _one(10)["w"].data)
+
+
+def _recoverable(rank, world, tmp):
+    tier = LocalTier(options(tmp, ranks_per_node=1))
+    try:
+        return tier.recoverable()
+    finally:
+        tier.close()
+
+
+def test_a_partner_copy_holding_a_huge_sparse_file_is_not_counted_as_held(tmp_path):
+    """node0 is lost; node1's copy of rank 0's store holds a sparse 100 GB zarr.json (nothing on disk).
+    Counted as held, the recovery sent it whole over gloo to node0; now each file of a held store is
+    checked against what the index says the store holds (as a load checks it), so that copy is not
+    held, rank 0's store is held nowhere, and step 10 is not recoverable."""
+    tmp = str(tmp_path)
+    run_distributed(_save, 2, tmp)
+    shutil.rmtree(os.path.join(tmp, "node0"))
+    store = os.path.join(_step(tmp, "node1"), "data", "rank_00000")
+    with open(os.path.join(store, "zarr.json"), "wb") as f:
+        f.truncate(100 << 30)
+    assert run_distributed(_recoverable, 2, tmp) == [None, None]
