@@ -129,16 +129,26 @@ def tier_leftovers(path: str) -> List[Any]:
         if root != os.path.abspath(path):
             out += find_leftovers(root, None)
         for p in _tmp_dirs(root) + [d for d in uncommitted_dirs(root) if step_of(os.path.basename(d)) is not None]:
-            nbytes, idle = _size_and_idle(p)
-            out.append(TierLeftover(p, os.path.join(root, "step_*"), nbytes, idle))
+            sized = _size_and_idle(p)
+            if sized is not None:
+                out.append(TierLeftover(p, os.path.join(root, "step_*"), *sized))
     return out
 
 
-def _size_and_idle(path: str) -> Tuple[int, float]:
-    size, newest = 0, os.lstat(path).st_mtime
+def _size_and_idle(path: str) -> Optional[Tuple[int, float]]:
+    """Bytes under ``path`` and seconds since anything there changed; None when ``path`` is gone. A
+    running recovery renames its transfers into place and removes torn steps while ``clean`` walks:
+    an entry that vanishes meanwhile is skipped (not a traceback), and counts as a change just now."""
+    try:
+        size, newest = 0, os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return None
     for base, _, files in os.walk(path):
-        newest = max(newest, os.lstat(base).st_mtime)
-        for f in files:
-            st = os.lstat(os.path.join(base, f))
-            size, newest = size + st.st_size, max(newest, st.st_mtime)
+        for p in [base] + [os.path.join(base, f) for f in files]:
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                newest = time.time()
+                continue
+            size, newest = size + (st.st_size if p != base else 0), max(newest, st.st_mtime)
     return size, max(0.0, time.time() - newest)

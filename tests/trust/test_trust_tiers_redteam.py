@@ -223,3 +223,17 @@ def test_a_partner_copy_holding_a_huge_sparse_file_is_not_counted_as_held(tmp_pa
     with open(os.path.join(store, "zarr.json"), "wb") as f:
         f.truncate(100 << 30)
     assert run_distributed(_recoverable, 2, tmp) == [None, None]
+
+
+def test_clean_sizing_a_leftover_that_a_recovery_just_removed_skips_it(tmp_path):
+    """``clean`` lists a node root's leftovers, then sizes each; a recovery running beside it renames its
+    transfers into place and removes torn steps in between. A leftover gone by then is skipped (it was
+    a raw FileNotFoundError out of the command); one still there is sized as before."""
+    from lightning_distckpt.tiers.views import _size_and_idle
+
+    assert _size_and_idle(str(tmp_path / "gone")) is None
+    kept = tmp_path / "kept" / "sub"
+    kept.mkdir(parents=True)
+    (kept / "a").write_bytes(b"x" * 10)
+    nbytes, idle = _size_and_idle(str(tmp_path / "kept"))
+    assert nbytes == 10 and idle >= 0
