@@ -22,6 +22,7 @@ import torch
 
 from ..core.errors import CheckpointingError
 from ..core.mapping import LocalNonpersistentObject, ShardedTensor
+from ..optim.sharded_optimizer import stored_param_groups
 from ..core.state_dict import iter_leaves, map_leaves
 from ..planning.metadata import dtype_from_name
 from ..reading.checkpoint import CheckpointSource
@@ -228,7 +229,7 @@ def restore_param_keys(opt_state: Mapping[str, Any], param_keys: Sequence[str], 
     """A stored ``torch.optim`` state dict (state and param groups by parameter index), merged with
     what the template read, in the layout ``restore_optimizer_state`` takes (by parameter key)."""
     keys = list(param_keys)
-    groups = opt_state.get("param_groups", [])
+    groups = stored_param_groups(opt_state.get("param_groups", []), f"checkpoint {where}")
     n_stored = sum(len(g.get("params", [])) for g in groups)
     if n_stored != len(keys):
         raise CheckpointingError(
@@ -246,5 +247,10 @@ def restore_param_keys(opt_state: Mapping[str, Any], param_keys: Sequence[str], 
         if entry:
             by_key[pkey] = entry
     # Stored groups name parameters by index; a non-strict load's fallback groups name them by key.
+    bad = [p for g in groups for p in g.get("params", []) if isinstance(p, int) and not 0 <= p < len(keys)]
+    if bad:  # keys[p] would raise IndexError, or name another parameter for a negative p
+        raise CheckpointingError(f"checkpoint {where}: the stored optimizer's param_groups name parameter index "
+                                 f"{bad[0]!r}, outside 0..{len(keys) - 1}")
     new_groups = [{**g, "params": [keys[p] if isinstance(p, int) else p for p in g.get("params", [])]} for g in groups]
     return {"state": by_key, "param_groups": new_groups, "param_keys": keys}
+

@@ -17,6 +17,7 @@ Layout of the returned dict (``prefix="optimizer"``)::
 from __future__ import annotations
 
 from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
@@ -256,6 +257,7 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, loaded_optimizer_s
         raise CheckpointingError(
             f"optimizer {cls}: the loaded template names {len(keys)} parameters but the optimizer has {len(params)}"
         )
+    saved_groups = stored_param_groups(saved_groups, f"optimizer {cls}")
     if len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointingError(
             f"optimizer {cls}: the checkpoint has {len(saved_groups)} param groups, the optimizer "
@@ -287,3 +289,17 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, loaded_optimizer_s
             i += 1
         torch_groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")}, "params": ids})
     optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+
+
+def stored_param_groups(groups: Any, where: str) -> List[Mapping[str, Any]]:
+    """A stored optimizer's ``param_groups`` (common state: untrusted) as a list: dicts, each ``params`` a
+    list of indices or names; else a CheckpointingError naming ``where`` (not an AttributeError or
+    TypeError from deep in a restore)."""
+    if isinstance(groups, (list, tuple)) and all(
+            isinstance(g, Mapping) and isinstance(g.get("params", []), (list, tuple))
+            and all(isinstance(p, (int, str)) for p in g.get("params", [])) for g in groups):
+        return list(groups)
+    text = repr(groups)
+    raise CheckpointingError(f"{where}: the stored optimizer's param_groups are malformed "
+                             f"({text if len(text) <= 80 else text[:77] + '...'}): a list of dicts, each with a "
+                             "list of parameter indices or names, expected")

@@ -20,7 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from ..core.errors import FormatError, UnsafeContentError, naming_file
-from ..core.tree_walk import check_tree
+from ..core.tree_walk import check_tree, fold
+from .omegaconf_check import check_nodes, node_type
 from .file_kind import HEAD_BYTES, not_a_torch_file, starts_with_legacy_magic
 from .paths import ANYWHERE, check_regular
 from .zip_records import check_records, check_storage_sizes
@@ -128,9 +129,21 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
     if not zipped and hasattr(source, "tell"):  # an open file or a buffer in the pre-1.6 format
         _check_legacy_end(source, where)
     # What a few bytes can describe (shared references 40 deep, cycles, deep nesting) is refused
-    # here, once for every reader, before anything walks it (core/tree_walk.py).
-    check_tree(payload, where, types=_LOADED_CONTAINERS)
+    # here, once for every reader, before anything walks it (core/tree_walk.py). The same walk
+    # collects omegaconf nodes: their interpolations would run resolvers when read (omegaconf_check.py).
+    node = node_type()
+    nodes: List[Any] = []
+    if node is None:
+        check_tree(payload, where, types=_LOADED_CONTAINERS)
+    else:
+        fold(payload, lambda leaf: isinstance(leaf, node) and nodes.append(leaf), _ignore, where=where,
+             types=_LOADED_CONTAINERS)
+        check_nodes(nodes, where)
     return payload
+
+
+def _ignore(*_: Any) -> None:
+    return None
 
 
 _LOADED_CONTAINERS = (dict, list, tuple, set, frozenset)
