@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ..comm import Comm
-from ..core.errors import ArgumentError, CheckpointingError
+from ..core.errors import ArgumentError, CheckpointingError, UnsafeContentError
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
 from ..core.tree_paths import steps_to_json
@@ -23,7 +23,8 @@ from ..planning.metadata import ObjectRecord, ShardRecord
 from ..planning.save_plan import SavePlan
 from ..storage.base import ObjectWrite, ShardWrite, ShardWriter
 from ..storage.layout import encode_key
-from ..storage.safe_pickle import dumps
+from ..storage.omegaconf_check import ALLOW_RESOLVERS_ENV, resolvers_allowed
+from ..storage.safe_pickle import check_loaded_tree, dumps
 from ..storage.store import CheckpointStore
 from ..storage.stores import open_store
 from ..storage.tensorstore_io import StorageOptions
@@ -221,6 +222,7 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
     try:
         if comm.rank == 0:
             local.common_bytes = dumps(common)
+            _warn_unloadable_omegaconf(common, local.common_bytes, target)
         if check_common:
             local.common_digest = common_digest(common)
     except Exception as e:
@@ -228,6 +230,22 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
             f"checkpoint {target}: the common (non-sharded) state cannot be serialized: {type(e).__name__}: {e}"
         ) from e
     return local
+
+
+def _warn_unloadable_omegaconf(common: Any, pickled: bytes, target: str) -> None:
+    """A WARNING, now rather than first at the resume, when the common state holds an omegaconf value
+    that calls a resolver (a Hydra config's ``${oc.env:...}``): a load refuses it (loaded state runs
+    no code, ``storage/omegaconf_check.py``) unless resolvers are allowed."""
+    if b"omegaconf" not in pickled or resolvers_allowed():
+        return
+    try:
+        check_loaded_tree(common, f"save to {target}: common state")
+    except UnsafeContentError as e:
+        logger.warning("%s. A load will refuse it: resolve the config before saving it "
+                       "(OmegaConf.to_container(cfg, resolve=True)), or load with %s=1", str(e).split(" refused.")[0],
+                       ALLOW_RESOLVERS_ENV)
+    except CheckpointingError:  # what the load will say itself
+        pass
 
 
 @functools.lru_cache(maxsize=1 << 17)

@@ -131,15 +131,21 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
     # What a few bytes can describe (shared references 40 deep, cycles, deep nesting) is refused
     # here, once for every reader, before anything walks it (core/tree_walk.py). The same walk
     # collects omegaconf nodes: their interpolations would run resolvers when read (omegaconf_check.py).
+    check_loaded_tree(payload, where)
+    return payload
+
+
+def check_loaded_tree(tree: Any, where: str) -> None:
+    """:func:`~lightning_distckpt.core.tree_walk.check_tree` of loaded state, whose one walk also
+    collects the omegaconf nodes for :func:`.omegaconf_check.check_nodes`."""
     node = node_type()
     nodes: List[Any] = []
     if node is None:
-        check_tree(payload, where, types=_LOADED_CONTAINERS)
+        check_tree(tree, where, types=_LOADED_CONTAINERS)
     else:
-        fold(payload, lambda leaf: isinstance(leaf, node) and nodes.append(leaf), _ignore, where=where,
+        fold(tree, lambda leaf: isinstance(leaf, node) and nodes.append(leaf), _ignore, where=where,
              types=_LOADED_CONTAINERS)
         check_nodes(nodes, where)
-    return payload
 
 
 def _ignore(*_: Any) -> None:

@@ -200,3 +200,18 @@ def test_malformed_param_groups_are_a_checkpointing_error_on_resume(tmp_path, is
                             strategy=DistCheckpointStrategy())
     resumed.fit(TPMLP(total_steps=2), ckpt_path=good)  # the same checkpoint unedited resumes
     assert resumed.global_step == 2
+
+
+def test_a_save_whose_common_state_a_load_would_refuse_warns_at_save(tmp_path, resolver_calls, caplog):
+    """Said when saving (a Hydra config's ``${oc.env:...}`` kept unresolved in hparams), not first when a
+    resume refuses it; a config of node references saves without a word; nothing is resolved by the check."""
+    with caplog.at_level("WARNING", logger="lightning_distckpt"):
+        ldc.save({"cfg": OmegaConf.create(HOSTILE[1][1]), "step": 1}, str(tmp_path / "hydra"))
+    warned = [r.getMessage() for r in caplog.records if "A load will refuse it" in r.getMessage()]
+    assert len(warned) == 1 and "deep.x[1]" in warned[0] and "'redteam_run'" in warned[0], warned
+    assert "OmegaConf.to_container(cfg, resolve=True)" in warned[0] and ALLOW_RESOLVERS_ENV in warned[0]
+    assert resolver_calls == []
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning_distckpt"):
+        ldc.save({"cfg": OmegaConf.create({"lr": 0.1, "copy": "${lr}"}), "step": 1}, str(tmp_path / "plain"))
+    assert not [r for r in caplog.records if "A load will refuse it" in r.getMessage()]
