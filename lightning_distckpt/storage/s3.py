@@ -33,7 +33,7 @@ from .layout import (COMMIT_MARKER, COMMON_FILE, FILE_CAPS, METADATA_FILE, Metad
                      parse_marker)
 from .options import StorageOptions
 from .paths import MARKER_CAP, SizeCap
-from .s3_url import context_spec, explain, kvstore_spec, parse_s3_url
+from .s3_url import answer_timeout, context_spec, explain, kvstore_spec, no_answer, parse_s3_url
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,11 @@ VERSION_PREFIX = "v-"
 _OWN_FILE = SizeCap("file this save wrote", 1 << 62)
 _VERSION = re.compile(r"^v-[0-9a-f]{12}$")
 # Everything a save writes inside its version (layout.py: metadata, common state, per-rank stores).
-_OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_\d{5}/.+)$")
+_OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_[0-9]{5}/.+)$")
+# Requests moving at most this many bytes are waited on for at most answer_timeout() as a whole;
+# larger ones (metadata.json, common.pt) may rightly take longer, and are bounded by curl's stall
+# limit per attempt (docs/object_storage.md).
+_SMALL = 1 << 20
 
 
 class ObjectStore:
@@ -60,6 +64,21 @@ class ObjectStore:
     def _error(self, what: str, e: BaseException) -> CheckpointingError:
         return CheckpointingError(f"checkpoint {self.url}: {what} failed: {explain(e, self.options)}")
 
+    def _wait(self, future: Any, what: str, small: bool = True) -> Any:
+        """``future``'s result; for a ``small`` request, a CheckpointingError naming the endpoint
+        when no answer came within :func:`.s3_url.answer_timeout` (the request is then cancelled)."""
+        timeout = answer_timeout() if small else None
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError as e:
+            if future.done():  # tensorstore's own deadline: an error like any other
+                raise self._error(what, e) from None
+            future.cancel()
+            raise CheckpointingError(f"checkpoint {self.url}: {what} failed: "
+                                     f"{no_answer(self.options, timeout or 0.0)}") from None
+        except Exception as e:
+            raise self._error(what, e) from None
+
     def read(self, name: str, cap: Optional[SizeCap] = None) -> Optional[bytes]:
         """The object ``name`` (relative to the location), None when missing. An object larger than
         ``cap`` (by default the one of a checkpoint file of that name, else a marker's) is a
@@ -68,10 +87,7 @@ class ObjectStore:
         limit = cap.limit()
         if self._larger_than(name, limit):
             raise cap.refusal(f"object {self.url}/{name}", None, limit)
-        try:
-            res = self._kv.read(name).result()
-        except Exception as e:
-            raise self._error(f"reading {name}", e) from None
+        res = self._wait(self._kv.read(name), f"reading {name}", limit <= _SMALL)
         if res.state != "value":
             return None
         cap.check(len(res.value), f"{self.url}/{name}", "object")  # replaced by a larger one meanwhile
@@ -81,27 +97,22 @@ class ObjectStore:
         """Whether the object ``name`` holds more than ``limit`` bytes, asked without fetching it
         (the kvstore lists no sizes): a read of its byte ``limit`` alone, which tensorstore answers
         OUT_OF_RANGE when the object is shorter. False when it is missing."""
+        future = self._kv.read(name, byte_range=slice(limit, limit + 1))
         try:
-            res = self._kv.read(name, byte_range=slice(limit, limit + 1)).result()
-        except Exception as e:
-            if "OUT_OF_RANGE" in str(e):
+            res = self._wait(future, f"reading {name}")
+        except CheckpointingError:
+            if not future.cancelled() and "OUT_OF_RANGE" in str(future.exception()):
                 return False
-            raise self._error(f"reading {name}", e) from None
+            raise
         return res.state == "value" and len(res.value) > 0
 
     def write(self, name: str, data: bytes) -> None:
-        try:
-            self._kv.write(name, data).result()
-        except Exception as e:
-            raise self._error(f"writing {name}", e) from None
+        self._wait(self._kv.write(name, data), f"writing {name}", len(data) <= _SMALL)
 
     def check_bucket(self) -> None:
         """One listing request: raises when the bucket is missing, access is denied or the endpoint
         is unreachable (a read of a missing object in a missing bucket is just 'missing')."""
-        try:
-            self._kv.list(ts.KvStore.KeyRange(COMMIT_MARKER, COMMIT_MARKER + "\0")).result()
-        except Exception as e:
-            raise self._error("checking the bucket", e) from None
+        self._wait(self._kv.list(ts.KvStore.KeyRange(COMMIT_MARKER, COMMIT_MARKER + "\0")), "checking the bucket")
 
     def list_keys(self, prefix: str = "") -> List[str]:
         """The names of every object under ``prefix`` (relative to the location), sorted."""
@@ -117,10 +128,7 @@ class ObjectStore:
 
     def delete(self, name: str) -> None:
         """Delete the object ``name`` (nothing when it is missing)."""
-        try:
-            self._kv.delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
-        except Exception as e:
-            raise self._error(f"deleting {name}", e) from None
+        self._wait(self._kv.delete_range(ts.KvStore.KeyRange(name, name + "\0")), f"deleting {name}")
 
     def delete_keys(self, names: List[str]) -> None:
         """Delete exactly the objects ``names`` (all requests issued, then each awaited): an object

@@ -18,6 +18,12 @@ from ..core.errors import ArgumentError
 from .options import StorageOptions
 
 S3_SCHEME = "s3://"
+# A server that accepts the connection but never replies fails a request only after curl's stall
+# limit (60 s without 256 bytes/s, tensorstore's default) on every attempt: about 5 minutes with
+# s3_retries=4. The requests that open every operation (the bucket check, the marker, a 1-byte size
+# probe) move a few bytes, so waiting on them is bounded as a whole, retries included.
+S3_TIMEOUT_ENV = "LIGHTNING_DISTCKPT_S3_TIMEOUT"
+DEFAULT_S3_TIMEOUT_S = 60.0
 DEFAULT_REGION = "us-east-1"  # what S3-compatible servers (and tensorstore with an endpoint) expect
 # OCDBT over S3: reads of one data object less than 1 MiB apart are merged into one ranged GET of
 # at most 64 MiB (one default chunk). Every small shard, zarr.json and B-tree node is otherwise its
@@ -49,12 +55,23 @@ def parse_s3_url(url: str) -> S3Location:
     bucket, _, rest = url[len(S3_SCHEME):].partition("/")
     if not _BUCKET.match(bucket):
         raise ArgumentError(f"checkpoint {url}: {bucket!r} is not a valid S3 bucket name")
-    if any(ord(c) < 0x20 or c == "\x7f" for c in rest):  # a newline would reach requests and the server's answer
+    if _has_control(rest):  # a newline would reach requests and the server's answer
         raise ArgumentError(f"checkpoint {url!r}: control characters are not allowed in an S3 key prefix")
     parts = [p for p in rest.split("/") if p]
     if any(p in (".", "..") for p in parts):
         raise ArgumentError(f"checkpoint {url}: '.' and '..' are not allowed in an S3 key prefix")
     return S3Location(bucket, "/".join(parts))
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 0x20 or c == "\x7f" for c in text)
+
+
+def nameable(component: str) -> bool:
+    """Whether a URL can name a location whose key holds ``component`` (:func:`parse_s3_url`
+    collapses empty components and refuses ``.``, ``..`` and control characters): a key a hostile
+    writer put elsewhere is then at no location a save writes to, and is left alone."""
+    return component not in ("", ".", "..") and not _has_control(component)
 
 
 def endpoint(options: StorageOptions) -> Optional[str]:
@@ -106,6 +123,29 @@ def context_spec(options: StorageOptions) -> Dict[str, Any]:
         "data_copy_concurrency": {"limit": options.io_concurrency},
         "cache_pool": {"total_bytes_limit": 0},
     }
+
+
+def answer_timeout() -> float:
+    """Seconds a small S3 request may wait for its answer, retries included: the value of
+    ``LIGHTNING_DISTCKPT_S3_TIMEOUT``, else 60 (ArgumentError naming the variable when it is not a
+    positive number, so that a typo does not silently keep the default)."""
+    text = os.environ.get(S3_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_S3_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ArgumentError(f"{S3_TIMEOUT_ENV}={text!r}: give the seconds an S3 request may wait for its answer, "
+                            f"a positive number")
+    return value
+
+
+def no_answer(options: StorageOptions, seconds: float) -> str:
+    """Why a request that got no answer within ``seconds`` failed, in words."""
+    return (f"the endpoint {endpoint(options) or 'of AWS S3'} did not answer within {seconds:g} s (a stalled "
+            f"server, proxy or network; {S3_TIMEOUT_ENV} sets this bound)")
 
 
 def explain(error: BaseException, options: StorageOptions) -> str:

@@ -20,7 +20,7 @@ from ..core.errors import FormatError
 from .layout import COMMIT_MARKER
 from .options import StorageOptions
 from .s3 import _OUR_KEY, _VERSION, ObjectStore, checkpoint_url, delete_version, read_marker, version_started
-from .s3_url import parse_s3_url
+from .s3_url import nameable, parse_s3_url
 from .store import LeftoverChanged
 
 logger = logging.getLogger(__name__)
@@ -62,14 +62,15 @@ class S3Leftover:
 def _group(keys: List[str]) -> Dict[str, Dict[str, List[str]]]:
     """``{location: {version: [names inside it]}}`` for keys ``[loc/]v-<token>/name``; the leftmost
     version-like component decides (a version's own names hold none before it). A key with an
-    empty, ``.`` or ``..`` component before its version (``a//v-.../x``) is at no location a save
-    writes to (URLs collapse ``/`` runs and refuse ``.``/``..``): it is left out, never offered for
-    removal, since the collapsed location's version of that name may be another one (not ours)."""
+    empty, ``.`` or ``..`` component or a control character before its version (``a//v-.../x``) is
+    at no location a save writes to (:func:`.s3_url.nameable`): it is left out, never offered for
+    removal (the collapsed location's version of that name may be another one, not ours), and does
+    not stop the others' cleaning."""
     found: Dict[str, Dict[str, List[str]]] = {}
     for key in keys:
         parts = key.split("/")
         for i, part in enumerate(parts[:-1]):
-            if part in ("", ".", ".."):
+            if not nameable(part):
                 break
             if _VERSION.match(part):
                 found.setdefault("/".join(parts[:i]), {}).setdefault(part, []).append("/".join(parts[i + 1:]))
@@ -147,6 +148,8 @@ def committed_children(url: str, first: str = "", options: StorageOptions = Stor
     """The URLs of the committed checkpoints directly under ``url`` whose names start with
     ``first`` (one listing of the objects under ``url/first``)."""
     root = parse_s3_url(url).url
-    names = {k.split("/", 1)[0] for k in ObjectStore(root, options).list_keys(first)
+    store = ObjectStore(root, options)
+    store.check_bucket()  # bounded: a silent endpoint fails here, not after the listing's retries
+    names = {k.split("/", 1)[0] for k in store.list_keys(first)
              if k.count("/") == 1 and k.endswith("/" + COMMIT_MARKER)}
     return [f"{root}/{name}" for name in sorted(names)]
