@@ -46,7 +46,8 @@ class DistModelCheckpoint(ModelCheckpoint):
 
     def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
         dirpath = None if self.dirpath is None else str(self.dirpath)
-        last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
+        # \Z, not $ (which also matches before a final newline: "last.ckpt\n" is no name we save to)
+        last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-([0-9]+))?{re.escape(self.FILE_EXTENSION)}\Z")
         dirpath = dirpath if dirpath is not None else self._default_dir(trainer)
         # the store finishes interrupted commits of last*.ckpt, and lists what Lightning cannot (None: it can)
         found = None if dirpath is None else open_store(dirpath).last_checkpoints(self.CHECKPOINT_NAME_LAST, last)

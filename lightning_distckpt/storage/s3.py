@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 
 VERSION_PREFIX = "v-"
 _OWN_FILE = SizeCap("file this save wrote", 1 << 62)
-_VERSION = re.compile(r"^v-[0-9a-f]{12}$")
+_VERSION = re.compile(r"^v-[0-9a-f]{12}\Z")  # \Z: $ also matches before a final newline
 # Everything a save writes inside its version (layout.py: metadata, common state, per-rank stores).
-_OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_[0-9]{5}/.+)$")
+_OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_[0-9]{5}/.+)\Z")
 # Requests moving at most this many bytes are waited on for at most answer_timeout() as a whole;
 # larger ones (metadata.json, common.pt) may rightly take longer, and are bounded by curl's stall
 # limit per attempt (docs/object_storage.md).

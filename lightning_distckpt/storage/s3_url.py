@@ -34,7 +34,7 @@ S3_READ_COALESCING = {
     "experimental_read_coalescing_merged_bytes": 64 << 20,
     "experimental_read_coalescing_interval": "10ms",
 }
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]\Z")
 
 
 class S3Location(NamedTuple):

@@ -24,3 +24,20 @@ def test_other_names_we_own_take_ascii_digits_only():
     assert SHARD_NAME.fullmatch("model-00001-of-00002.safetensors")
     assert not SHARD_NAME.fullmatch(f"model-{ARABIC_ZEROS}-of-00002.safetensors")
     assert _LAST_NAME.fullmatch("last-v3.ckpt") and not _LAST_NAME.fullmatch("last-v\u0663.ckpt")
+
+
+def test_a_name_with_a_final_newline_is_not_one_of_ours(tmp_path):
+    """``$`` also matches before a final newline: ``last.ckpt\\n`` was offered as a last checkpoint, and an
+    S3 version ``v-<12 hex>\\n`` or key ``data/rank_00000/x\\n`` taken as ours (``\\Z`` now)."""
+    import torch
+
+    import lightning_distckpt as ldc
+    from lightning_distckpt.lightning import DistModelCheckpoint
+    from lightning_distckpt.storage.s3 import _OUR_KEY, _VERSION
+
+    assert _VERSION.match("v-0123456789ab") and not _VERSION.match("v-0123456789ab\n")
+    assert _OUR_KEY.match("data/rank_00000/x") and not _OUR_KEY.match("data/rank_00000/x\n")
+    for name in ("last.ckpt", "last.ckpt\n"):
+        ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, str(tmp_path / name))
+    found = DistModelCheckpoint(dirpath=str(tmp_path))._find_last_checkpoints(None)
+    assert {os.path.basename(p) for p in found} == {"last.ckpt"}
