@@ -60,3 +60,18 @@ def check(out, seed, rank=0, world=1):
     assert torch.equal(out["h"].view(torch.int16), full["h"].view(torch.int16))  # bit-exact bfloat16
     assert torch.equal(out["n"], full["n"])
     assert out["obj"] == {"rank": rank, "seed": seed} and out["step"] == seed
+
+
+def save_and_load_errors(rank, world, url):
+    """On each rank: the CheckpointingError texts of a save to ``url`` and of a load from it (for
+    endpoints or buckets where both must fail with one clear error on every rank)."""
+    import lightning_distckpt as ldc
+    from lightning_distckpt.core.errors import CheckpointingError
+
+    errors = []
+    for call in (lambda: ldc.save(state(1, rank, world), url), lambda: ldc.load(template(rank, world), url)):
+        try:
+            call()
+        except CheckpointingError as e:
+            errors.append(str(e))
+    return errors

@@ -18,7 +18,7 @@ from dist_utils import free_port, run_distributed
 pytest.importorskip("moto.server")
 
 from s3_helpers import check as _check, keys as _keys, marker as _marker  # noqa: E402
-from s3_helpers import state as _state, template as _template  # noqa: E402
+from s3_helpers import save_and_load_errors, state as _state, template as _template  # noqa: E402
 
 
 def test_save_and_load_one_process_bit_exact(bucket, endpoint):
@@ -85,19 +85,9 @@ def test_a_failed_save_removes_its_version_and_keeps_the_previous(bucket, endpoi
     _check(ldc.load(_template(), url), 1)
 
 
-def _missing_bucket(rank, world, url):
-    errors = []
-    for call in (lambda: ldc.save(_state(1, rank, world), url), lambda: ldc.load(_template(rank, world), url)):
-        try:
-            call()
-        except CheckpointingError as e:
-            errors.append(str(e))
-    return errors
-
-
 def test_a_missing_bucket_is_one_clear_error_on_every_rank(bucket):
     url = "s3://no-such-bucket-here/ck"
-    for errors in run_distributed(_missing_bucket, 2, url):
+    for errors in run_distributed(save_and_load_errors, 2, url):
         assert len(errors) == 2
         for text in errors:
             assert url in text and "the bucket does not exist" in text and "\n" not in text, text

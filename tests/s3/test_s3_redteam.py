@@ -16,7 +16,7 @@ from dist_utils import run_distributed
 from trust.hostile import run_bounded
 
 pytest.importorskip("moto.server")
-from s3_helpers import client, keys, state, template  # noqa: E402
+from s3_helpers import client, keys, save_and_load_errors, template  # noqa: E402
 
 _SAFETY_S = 120  # only a net under a hang: the bound asserted is the error itself
 
@@ -52,16 +52,6 @@ def silent_endpoint(monkeypatch):
         conn.close()
 
 
-def _silent_ranks(rank, world, url):
-    errors = []
-    for call in (lambda: ldc.save(state(1, rank, world), url), lambda: ldc.load(template(rank, world), url)):
-        try:
-            call()
-        except CheckpointingError as e:
-            errors.append(str(e))
-    return errors
-
-
 def _one_line(text, url, endpoint):
     assert url in text and f"the endpoint {endpoint} did not answer within 0.5 s" in text, text
     assert "LIGHTNING_DISTCKPT_S3_TIMEOUT" in text and "\n" not in text, text
@@ -71,7 +61,7 @@ def test_a_silent_endpoint_fails_save_and_load_on_every_rank_within_the_bound(si
     """A server that accepts and never answers held each request for curl's stall limit (60 s) on
     every attempt: about 5 minutes per save or load before an error."""
     url = "s3://bucket/ck"
-    got = run_bounded(lambda: run_distributed(_silent_ranks, 2, url), _SAFETY_S)
+    got = run_bounded(lambda: run_distributed(save_and_load_errors, 2, url), _SAFETY_S)
     assert "value" in got, got
     for errors in got["value"]:
         assert len(errors) == 2, errors
