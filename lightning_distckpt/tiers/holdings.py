@@ -19,7 +19,7 @@ from lightning_distckpt.planning.metadata import CheckpointIndex
 from lightning_distckpt.storage.checksums import check_sha256
 from lightning_distckpt.storage.integrity import store_bytes
 from lightning_distckpt.storage.layout import COMMON_FILE, open_metadata
-from lightning_distckpt.storage.paths import PICKLE_CAP, read_inside
+from lightning_distckpt.storage.paths import CHUNK_FILE_SLACK, PICKLE_CAP, read_inside
 from lightning_distckpt.tiers.node_store import LocalStep, check_data_dir, committed_steps
 
 logger = logging.getLogger(__name__)
@@ -72,11 +72,21 @@ def _check(local: LocalStep, node: str) -> StepInfo:
             nbytes = store_bytes(local.path, rank, claimed.get(rank, 0))
         except CheckpointingError:  # a link, an unlistable store, a file past its cap: not held
             continue
+        if nbytes is not None and nbytes > _most_store_bytes(index, rank, claimed.get(rank, 0)):
+            continue  # more than a save of this index writes (a sparse file in an OCDBT data file): not held
         if claimed.get(rank, 0) == 0 or (nbytes is not None and nbytes >= claimed[rank]):
             held.add(rank)
     committed = mf.marker.get("committed_unix", 0.0)
     return StepInfo(local.step, str(mf.marker["metadata_sha256"]), node, frozenset(held),
                     frozenset(local.copies & held), frozenset(writers), float(committed))
+
+
+def _most_store_bytes(index: CheckpointIndex, rank: int, claimed: int) -> int:
+    """The most bytes a save of ``index`` writes into ``rank``'s store: its tensors, each of its objects at
+    most a pickle's cap, and slack for indexes and edge chunks. A store copy above it would be sent
+    whole to a partner that lacks it (a transfer sends files, not the ranges a load reads)."""
+    objects = sum(1 for e in index.objects.values() for s in e.shards if s.writer == rank)
+    return claimed + objects * PICKLE_CAP.limit() + CHUNK_FILE_SLACK
 
 
 def by_save(infos: Iterable[StepInfo]) -> Dict[SaveId, List[StepInfo]]:

@@ -237,3 +237,16 @@ def test_clean_sizing_a_leftover_that_a_recovery_just_removed_skips_it(tmp_path)
     (kept / "a").write_bytes(b"x" * 10)
     nbytes, idle = _size_and_idle(str(tmp_path / "kept"))
     assert nbytes == 10 and idle >= 0
+
+
+def test_a_partner_copy_whose_data_file_is_a_huge_sparse_file_is_not_counted_as_held(tmp_path):
+    """The same with the bytes in a file no per-file cap covers (an OCDBT data file, read by a load only in
+    the ranges its index names, but sent whole by a transfer): a store holding more than a save of its
+    index writes (tensors, objects at their cap, slack) is not held."""
+    tmp = str(tmp_path)
+    run_distributed(_save, 2, tmp)
+    shutil.rmtree(os.path.join(tmp, "node0"))
+    store = os.path.join(_step(tmp, "node1"), "data", "rank_00000")
+    with open(os.path.join(store, "d", "padding"), "wb") as f:
+        f.truncate(100 << 30)
+    assert run_distributed(_recoverable, 2, tmp) == [None, None]
