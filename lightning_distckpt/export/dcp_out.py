@@ -75,9 +75,18 @@ def _lazy_planner(source: CheckpointSource, by_id: Dict[int, ExportTensor], flat
 
 def _common_entries(source: CheckpointSource, extra_safe_globals: Sequence[Any]) -> Dict[str, Any]:
     common = source.load_common(extra_safe_globals)
-    if isinstance(common, Mapping):
-        return {str(k): v for k, v in common.items() if k != LIGHTNING_MANIFEST_KEY}
-    return {} if common is None else {"common": common}
+    if not isinstance(common, Mapping):
+        return {} if common is None else {"common": common}
+    out: Dict[str, Any] = {}
+    keys: Dict[str, Any] = {}
+    for k, v in common.items():
+        if k == LIGHTNING_MANIFEST_KEY:
+            continue
+        if str(k) in out:  # DCP's keys are strings: 1 and "1" would be one entry, the other's value lost
+            raise CheckpointingError(f"checkpoint {source.path}: the common state's keys {keys[str(k)]!r} and {k!r} "
+                                     f"are both {str(k)!r} in DCP, which would keep only one; rename one of them")
+        out[str(k)], keys[str(k)] = v, k
+    return out
 
 
 def _check_target(out: str, shown: Optional[str] = None) -> None:

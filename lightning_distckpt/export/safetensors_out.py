@@ -11,7 +11,8 @@ written, and rank 0 writes the index last. Each file appears atomically (tempora
 rename). Only files this library wrote are replaced or removed (:mod:`.hf_owned`: our files and
 index carry a mark): another model's file in the way is an ArgumentError, before anything is
 written. Our files of an earlier export that the new one does not name are removed after the index
-is written; a reader during the export may see a mix of old and new files.
+is written; a reader during the export may see a mix of old and new files. An earlier index naming
+a file the export overwrites is removed first, so a failed export leaves no index over such a mix.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from ..storage.commit import fsync_dir
 from ..storage.output_files import open_new, write_file_atomic
 from ..storage.safetensors_crcs import crc_metadata
 from ..progress import Progress, advance, set_total
-from .hf_owned import CONFIG_FILE, FILE_METADATA, INDEX_FILE, SHARD_NAME, SINGLE_FILE, index_json, plan_replace, \
-    read_config
+from .hf_owned import CONFIG_FILE, FILE_METADATA, INDEX_FILE, SHARD_NAME, SINGLE_FILE, index_files, index_json, \
+    plan_replace, read_config
 from .select import selection
 from .tensors import ExportTensor, export_arguments, export_tensors, open_source, read_whole
 
@@ -147,6 +148,7 @@ def _read_batches(tensors: Sequence[ExportTensor]) -> List[List[ExportTensor]]:
 
 
 def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile], progress: Optional[Progress] = None) -> None:
+    from safetensors import SafetensorError  # its own I/O errors (a full disk) are no OSError
     from safetensors.torch import save_file
 
     reader = source.reader()
@@ -159,7 +161,7 @@ def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile], progress
         try:
             write_file_atomic(os.path.join(out_dir, f.name),
                               functools.partial(save_file, tensors, metadata={**FILE_METADATA, **crc_metadata(tensors)}))
-        except OSError as e:
+        except (OSError, SafetensorError) as e:
             raise CheckpointingError(f"{os.path.join(out_dir, f.name)}: cannot write ({e})") from e
         logger.debug("wrote %s: %d tensor(s), %d bytes", f.name, len(f.tensors), f.nbytes)
 
@@ -169,6 +171,19 @@ def _output_names(files: Sequence[ShardFile]) -> List[str]:
     return [f.name for f in files] + ([INDEX_FILE] if len(files) > 1 else [])
 
 
+def _drop_overwritten_index(out_dir: str, files: Sequence[ShardFile]) -> None:
+    """Rank 0, before any file is written: remove our index of an earlier export when this export
+    overwrites a file it lists. Left in place, an export failing midway (a full disk, a killed rank)
+    would leave that index naming a mix of new and old files, which transformers loads without a word;
+    without it the directory is visibly incomplete. (An index naming none of the new files stays: the
+    earlier export is still whole if this one fails.)"""
+    listed = index_files(out_dir)  # plan_replace refused an index that is not ours
+    if listed and listed & {f.name for f in files}:
+        os.remove(os.path.join(out_dir, INDEX_FILE))
+        fsync_dir(out_dir)
+        logger.info("%s: removed %s of an earlier export before overwriting its files", out_dir, INDEX_FILE)
+
+
 def _write_index(out_dir: str, files: Sequence[ShardFile], stale: Sequence[str]) -> None:
     """Rank 0, after every file is written: the index (when sharded), then our ``stale`` files of an
     earlier export removed (:func:`~.hf_owned.plan_replace` found them before anything was written)."""
@@ -176,6 +191,8 @@ def _write_index(out_dir: str, files: Sequence[ShardFile], stale: Sequence[str])
         text = index_json(sum(f.nbytes for f in files), {t.name: f.name for f in files for t in f.tensors})
         write_file_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: _write_text(tmp, text))
     for n in sorted(stale, key=lambda n: n != INDEX_FILE):  # an old index first: it names old files
+        if n == INDEX_FILE and not os.path.lexists(os.path.join(out_dir, n)):
+            continue  # removed already by _drop_overwritten_index
         os.remove(os.path.join(out_dir, n))
         logger.info("%s: removed %s of an earlier export", out_dir, n)
     fsync_dir(out_dir)
@@ -225,14 +242,23 @@ def to_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str
         digest = _plan_digest(files)
         stale = sorted(plan_replace(out, _output_names(files)))  # nothing but our own files replaced
         os.makedirs(out, exist_ok=True)
+        if comm.rank == 0:
+            _drop_overwritten_index(out, files)
+    except Exception as e:  # agreed below: every rank raises it, none waits
+        error = e
+    # agreed before any rank writes a file: the ranks' plans match, and an old index naming files
+    # about to be overwritten is gone (a rank writing first, rank 0 dying, would leave it over a mix)
+    digests = comm.agree(f"export_safetensors to {out}: planning the shard files", error, digest)
+    if len(set(digests)) > 1:
+        raise CheckpointingError(f"export_safetensors to {out}: the ranks planned different files "
+                                 f"(different checkpoints or key_map?)")
+    error = None
+    try:
         writers = assign_files(files, comm.size)
         _write_files(source, out, [f for f, w in zip(files, writers) if w == comm.rank], progress)
     except Exception as e:  # agreed below: every rank raises it, none waits
         error = e
-    digests = comm.agree(f"export_safetensors to {out}: writing the shard files", error, digest)
-    if len(set(digests)) > 1:
-        raise CheckpointingError(f"export_safetensors to {out}: the ranks planned different files "
-                                 f"(different checkpoints or key_map?)")
+    comm.agree(f"export_safetensors to {out}: writing the shard files", error)
     error = None
     if comm.rank == 0:
         try:
