@@ -19,7 +19,8 @@
   handler on ours hands each record to Lightning's handlers. When the root logger has handlers
   (the application configured logging, or pytest's capture) that handler stays silent: our
   records propagate to the root logger like any library's, so nothing is printed twice and
-  ``caplog`` sees them.
+  ``caplog`` sees them. The names a record carries (a checkpoint's keys and files) are escaped on
+  the way to Lightning's terminal (:func:`~lightning_distckpt.core.shown.shown_message`).
 
 Nothing here configures logging in plain Python, and an application's own settings of the
 ``lightning_distckpt`` logger (level, handlers) are kept.
@@ -27,9 +28,12 @@ Nothing here configures logging in plain Python, and an application's own settin
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 from typing import Any
+
+from .core.shown import shown_message
 
 PACKAGE_LOGGER = "lightning_distckpt"
 # Trainer's logger first: ``import lightning`` configures both the same way.
@@ -50,9 +54,11 @@ class _ToLightning(logging.Handler):
             return
         if record.levelno < logging.WARNING and getattr(self.rank_source, "rank", 0) != 0:
             return
+        shown = copy.copy(record)  # escaped for Lightning's terminal; the record stays as it was for others
+        shown.msg, shown.args = shown_message(record), None
         for handler in self.target.handlers:
             if record.levelno >= handler.level:
-                handler.handle(record)
+                handler.handle(shown)
 
 
 def attach_to_lightning() -> None:

@@ -20,11 +20,10 @@ import argparse
 import contextlib
 import copy
 import logging
-import numbers
 import sys
-from typing import Any, Iterator, Mapping, Optional
+from typing import Iterator, Optional
 
-from ..core.shown import MESSAGE_LIMIT, quoted, shown
+from ..core.shown import shown_message
 from ..progress import Progress, bar_wanted, progress_bar
 from .numbers import int_in
 
@@ -79,45 +78,14 @@ def quiet_of(args: argparse.Namespace) -> bool:
 
 
 class ShownFormatter(logging.Formatter):
-    """Records with their arguments :func:`shown`: the library logs names a checkpoint holds (keys,
-    files) as arguments, and a forged line or an escape sequence in a log reads like the library's
-    own; the format string is the library's, its line breaks kept. A record without arguments is
-    shown whole."""
+    """Records with their arguments :func:`shown` (:func:`~lightning_distckpt.core.shown.shown_message`):
+    the library logs names a checkpoint holds (keys, files) as arguments, and a forged line or an
+    escape sequence in a log reads like the library's own."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record = copy.copy(record)  # other handlers (an application's, pytest's) see the record as it was
-        try:
-            record.message = str(record.msg) % _shown_args(record.args) if record.args else None
-        except (TypeError, ValueError):  # an argument a conversion needs unchanged (%d of a tensor, say)
-            record.message = None
-        if record.message is None:
-            record.message = shown(record.getMessage(), MESSAGE_LIMIT)
+        record.message = shown_message(record)
         return super().formatMessage(record)
-
-
-def _shown_args(args: Any) -> Any:
-    """A record's arguments with every text (anything but a number) :func:`shown`."""
-    if isinstance(args, Mapping):  # logger.info("%(key)s", {"key": ...})
-        return {k: _shown_arg(v) for k, v in args.items()}
-    return tuple(_shown_arg(a) for a in args)
-
-
-def _shown_arg(value: Any) -> Any:
-    return value if value is None or isinstance(value, numbers.Number) else _ShownArg(value)
-
-
-class _ShownArg(str):
-    """An argument's text :func:`shown` (what ``%s`` prints); ``%r`` prints the argument's own ``repr``
-    (which escapes unsafe characters itself), cut as :func:`quoted` cuts it, not the repr of the
-    escaped text (``'a\\\\nb'`` for ``'a\\nb'``)."""
-
-    def __new__(cls, value: Any) -> "_ShownArg":
-        self = super().__new__(cls, shown(str(value), MESSAGE_LIMIT))
-        self._repr = quoted(value, MESSAGE_LIMIT) if isinstance(value, str) else shown(repr(value), MESSAGE_LIMIT)
-        return self
-
-    def __repr__(self) -> str:
-        return self._repr
 
 
 @contextlib.contextmanager

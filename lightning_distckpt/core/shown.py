@@ -13,7 +13,9 @@ punctuation, spaces, in any script) comes back unchanged. JSON output needs none
 
 from __future__ import annotations
 
+import numbers
 import unicodedata
+from collections.abc import Mapping
 from typing import Any, Optional
 
 #: The most characters of a name (a key, a file name) shown whole.
@@ -59,3 +61,39 @@ def quoted(name: Any, limit: int = NAME_LIMIT) -> str:
     if isinstance(name, str) and len(name) > limit:
         return f"'{shown(name, limit)}'"
     return repr(name)
+
+
+def shown_message(record: Any) -> str:
+    """A ``logging.LogRecord``'s message with its arguments :func:`shown` (``%r`` of one: its own
+    ``repr``, cut as :func:`quoted` cuts it): the format string is the library's, its line breaks
+    kept; the names a checkpoint holds arrive as arguments. A record without arguments (or whose
+    arguments a conversion needs unchanged: ``%d`` of a tensor) is shown whole."""
+    if record.args:
+        try:
+            return str(record.msg) % _shown_args(record.args)
+        except (TypeError, ValueError):
+            pass
+    return shown(record.getMessage(), MESSAGE_LIMIT)
+
+
+def _shown_args(args: Any) -> Any:
+    if isinstance(args, Mapping):  # logger.info("%(key)s", {"key": ...})
+        return {k: _shown_arg(v) for k, v in args.items()}
+    return tuple(_shown_arg(a) for a in args)
+
+
+def _shown_arg(value: Any) -> Any:
+    return value if value is None or isinstance(value, numbers.Number) else _ShownArg(value)
+
+
+class _ShownArg(str):
+    """An argument's text :func:`shown` (what ``%s`` prints); ``%r`` prints the argument's own ``repr``
+    (which escapes unsafe characters itself), not the repr of the escaped text (every backslash doubled)."""
+
+    def __new__(cls, value: Any) -> "_ShownArg":
+        self = super().__new__(cls, shown(str(value), MESSAGE_LIMIT))
+        self._repr = quoted(value, MESSAGE_LIMIT) if isinstance(value, str) else shown(repr(value), MESSAGE_LIMIT)
+        return self
+
+    def __repr__(self) -> str:
+        return self._repr

@@ -248,3 +248,21 @@ def test_a_log_records_percent_r_argument_is_its_own_repr_not_the_repr_of_its_es
     cut = formatted("key %r", LONG * 2)
     assert cut.startswith("key 'LLL") and "(10000 characters)'" in cut and len(cut) < 5000
     assert formatted("%d of %s", 3, "x\ry") == "3 of x\\ry"
+
+
+UNDER_LIGHTNING = """
+import sys, torch, lightning
+import lightning_distckpt as ldc
+ldc.lightning.DistCheckpointIO()  # what a Trainer / Fabric run has: our records go to Lightning's handler
+ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, sys.argv[1])
+"""
+
+
+def test_a_hostile_path_in_a_record_printed_under_lightning_is_escaped(tmp_path):
+    """Under a Trainer our INFO line ("save PATH: ... in ... s") goes to Lightning's handler on the
+    terminal: the path a user or a directory listing supplied arrives there escaped."""
+    target = tmp_path / ("ck" + FILE_SAFE.replace("\\", ""))  # a save refuses a backslash in its path
+    r = subprocess.run([sys.executable, "-c", UNDER_LIGHTNING, str(target)], capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_shown_safely(b"", r.stderr)
+    assert f"ck{ESCAPED}".encode() in r.stderr and b"save " in r.stderr, r.stderr[-2000:]
