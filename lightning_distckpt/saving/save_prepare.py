@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from ..comm import Comm
 from ..core.errors import ArgumentError, CheckpointingError, UnsafeContentError
@@ -232,6 +233,9 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
     return local
 
 
+_WARNED_OMEGACONF: Set[Tuple[str, str]] = set()  # a fit saving every N steps says it once
+
+
 def _warn_unloadable_omegaconf(common: Any, pickled: bytes, target: str) -> None:
     """A WARNING, now rather than first at the resume, when the common state holds an omegaconf value
     that calls a resolver (a Hydra config's ``${oc.env:...}``): a load refuses it (loaded state runs
@@ -241,9 +245,13 @@ def _warn_unloadable_omegaconf(common: Any, pickled: bytes, target: str) -> None
     try:
         check_loaded_tree(common, f"save to {target}: common state")
     except UnsafeContentError as e:
-        logger.warning("%s. A load will refuse it: resolve the config before saving it "
-                       "(OmegaConf.to_container(cfg, resolve=True)), or load with %s=1", str(e).split(" refused.")[0],
-                       ALLOW_RESOLVERS_ENV)
+        said = str(e).split(" refused.")[0]
+        # once per folder of checkpoints and value, not per save (the save's target changes every time)
+        key = (os.path.dirname(os.path.normpath(target)), said.split(": ", 1)[-1])
+        if key not in _WARNED_OMEGACONF:
+            _WARNED_OMEGACONF.add(key)
+            logger.warning("%s. A load will refuse it: resolve the config before saving it "
+                           "(OmegaConf.to_container(cfg, resolve=True)), or load with %s=1", said, ALLOW_RESOLVERS_ENV)
     except CheckpointingError:  # what the load will say itself
         pass
 

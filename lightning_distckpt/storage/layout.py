@@ -95,7 +95,7 @@ def is_committed(checkpoint_dir: str) -> bool:
         os.path.join(checkpoint_dir, METADATA_FILE))
 
 
-_RANK_DIR = re.compile(r"rank_[0-9]{5,}")  # ASCII digits: \d takes any script\'s
+_RANK_DIR = re.compile(r"rank_[0-9]{5,}")  # ASCII digits: \d matches the digits of every script
 
 
 def is_rank_dir_name(name: str) -> bool:

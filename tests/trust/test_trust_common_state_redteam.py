@@ -215,3 +215,11 @@ def test_a_save_whose_common_state_a_load_would_refuse_warns_at_save(tmp_path, r
     with caplog.at_level("WARNING", logger="lightning_distckpt"):
         ldc.save({"cfg": OmegaConf.create({"lr": 0.1, "copy": "${lr}"}), "step": 1}, str(tmp_path / "plain"))
     assert not [r for r in caplog.records if "A load will refuse it" in r.getMessage()]
+
+
+def test_saves_into_one_folder_warn_once(tmp_path, resolver_calls, caplog):
+    """A fit saving every N steps into its checkpoint folder says it once, not at every save."""
+    with caplog.at_level("WARNING", logger="lightning_distckpt"):
+        for step in range(3):
+            ldc.save({"cfg": OmegaConf.create(HOSTILE[0][1]), "step": step}, str(tmp_path / f"step{step}"))
+    assert len([r for r in caplog.records if "A load will refuse it" in r.getMessage()]) == 1
