@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
+
+from ..core.errors import FormatError
+from .tiling import overlapping_pairs
 
 Rows = Tuple[int, int]  # [start, stop) of dim 0
 
@@ -87,3 +90,36 @@ def describe_rows(ranges: List[Rows], limit: int = 3) -> str:
     shown = ", ".join(f"[{a}, {b})" for a, b in ranges[:limit])
     more = f" and {len(ranges) - limit} more range(s)" if len(ranges) > limit else ""
     return f"rows {shown}{more}"
+
+
+def check_disjoint(shards: Sequence[Any], key: str, checkpoint_dir: str) -> None:
+    """The stored shards a read plan takes elements from hold no element twice. The plans count the
+    elements the shards give and compare with what was asked for: shards that overlap (a
+    metadata.json that lies) would make up for a gap of the same size, leaving part of the
+    destination unread (the template's values, or uninitialized memory) with no error. FormatError
+    naming the key and two overlapping shards. Shards of one box (flattened pieces) overlap where
+    their flat ranges do; shards of different boxes where the boxes do (``tiling.overlapping_pairs``)."""
+    if len(shards) < 2:
+        return
+    boxes: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], List[Any]] = defaultdict(list)
+    for s in shards:
+        boxes[(tuple(s.offset), tuple(s.shape))].append(s)
+    for pieces in boxes.values():
+        ordered = sorted(pieces, key=lambda p: p.flat or (0, math.prod(p.shape)))
+        for a, b in zip(ordered, ordered[1:]):
+            if a.flat is None or b.flat is None or b.flat[0] < a.flat[1]:
+                _overlap(a, b, key, checkpoint_dir)
+    keys = list(boxes)
+    pairs = overlapping_pairs(keys)
+    if pairs:
+        i, j = pairs[0]
+        _overlap(boxes[keys[i]][0], boxes[keys[j]][0], key, checkpoint_dir)
+
+
+def _overlap(a: Any, b: Any, key: str, checkpoint_dir: str) -> None:
+    def shown(s: Any) -> str:
+        flat = f" flat {s.flat[0]}:{s.flat[1]}" if s.flat else ""
+        return f"offset {tuple(s.offset)} shape {tuple(s.shape)}{flat} (written by rank {s.writer})"
+
+    raise FormatError(f"checkpoint {checkpoint_dir}: metadata.json: {key!r}: stored shards overlap: {shown(a)} and "
+                      f"{shown(b)}; the checkpoint is corrupt (nothing was read for it)")

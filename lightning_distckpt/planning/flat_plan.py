@@ -33,6 +33,7 @@ import numpy as np
 from ..core.errors import CheckpointingError, ShardingError
 from ..core.mapping import ShardedTensor
 from .boxes import intersect
+from .coverage import check_disjoint
 from .metadata import StoredShard, TensorEntry
 
 Shape = Tuple[int, ...]
@@ -269,6 +270,7 @@ def plan_flat_read(
     fr = request.flattened_range
     c, d = (fr.start, fr.stop) if fr is not None else (0, math.prod(rbox[1]))
     items: List[FlatReadItem] = []
+    used: List[StoredShard] = []
     covered = 0
     for s in entry.shards_in_rows(rbox[0][0], rbox[0][0] + rbox[1][0]) if rbox[1] else entry.shards:
         sbox: BoxT = (tuple(s.offset), tuple(s.shape))
@@ -282,6 +284,7 @@ def plan_flat_read(
         hi = min(count_flat_below(xbox, sbox, b), count_flat_below(xbox, rbox, d))
         if lo >= hi:
             continue
+        used.append(s)
         covered += hi - lo
         first = flat_to_point(xbox, lo)
         last = flat_to_point(xbox, hi - 1)
@@ -324,4 +327,5 @@ def plan_flat_read(
             f"at offset {rbox[0]} shape {rbox[1]}" + (f" flat range {c}:{d}" if fr is not None else "")
             + "; the checkpoint is incomplete or corrupt"
         )
+    check_disjoint(used, key, checkpoint_dir)  # the count above holds when an overlap hides a gap
     return FlatReadPlan(key, tuple(items), zero_fill=wanted < d - c, numel=d - c)

@@ -142,6 +142,19 @@ def keeps_common(source: Any) -> bool:
     return bool(getattr(source, "keeps_common", True))
 
 
+def content_id(source: Any) -> Optional[str]:
+    """What identifies the checkpoint ``source`` holds, whatever path it was opened by: the SHA-256s
+    of its ``metadata.json`` and ``common.pt`` that its commit marker records (the same for every
+    copy of one checkpoint, a node-local one included). The exchange loaders send one rank's bytes
+    to the others, so ranks that opened different checkpoints (a ``last`` link moved by a save
+    between their opens) must be told apart before anything is read. None where unknown: another
+    format, or a checkpoint older than format 3 (its marker records no checksums)."""
+    marker = getattr(source, "marker", None)  # through any SourceView / shared opener
+    if not isinstance(marker, dict) or "metadata_sha256" not in marker:
+        return None
+    return f"{marker['metadata_sha256']}/{marker.get('common_sha256')}"
+
+
 def _rank_stores(path: str) -> Optional[int]:
     """How many entries the local checkpoint's ``data/`` holds (one listdir; None: none listed)."""
     try:

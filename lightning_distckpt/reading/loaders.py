@@ -13,6 +13,7 @@ one exchange engine (:mod:`lightning_distckpt.reading.exchange`) with a differen
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
@@ -29,7 +30,7 @@ from .exchange import ChunkExchange
 from ..core.gc_pause import gc_paused
 from .pipeline import LoadContext, Opener, Result, begin_load, combine_errors, finish_load
 from .reads import read_tensors
-from .request import Requester
+from .request import LoaderSetup, Requester
 from .stats import LoadStats, format_load_times
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class EveryRankLoader(_GCPausedLoader):
 
     def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
               extra_safe_globals: Sequence[Any]) -> Result:
-        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals)
+        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals,
+                         LoaderSetup("every_rank"))
         stats = LoadStats(rank=comm.rank)
         tensors: List[Optional[torch.Tensor]] = []
         if ctx.error is None:
@@ -126,7 +128,9 @@ class ExchangeLoader(_GCPausedLoader):
     def _load(self, sharded_state_dict: Dict[str, Any], checkpoint: Checkpoint, comm: Comm, strict: StrictHandling,
               extra_safe_globals: Sequence[Any]) -> Result:
         exchange_comm = get_comm(self.group) if self.group is not None else comm
-        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals)
+        # the plan's messages depend on bucket_bytes and the group: ranks must agree (the schedule may differ)
+        setup = LoaderSetup(f"exchange (bucket_bytes={self.bucket_bytes})", _group_token(exchange_comm))
+        ctx = begin_load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals, setup)
         local, empty = _group_requests(ctx)
         # (chunk, nbytes) pairs of plain tuples travel and are planned as they come (pickling a dataclass per
         # chunk cost ~4 µs: thousands of small tensors); a chunk as a plain tuple equals its ChunkId
@@ -181,6 +185,14 @@ class TwoStageDataParallelLoader(ExchangeLoader):
     @property
     def data_parallel_group(self) -> Optional[dist.ProcessGroup]:
         return self.group
+
+
+def _group_token(comm: Comm) -> Tuple[str, int]:
+    """``comm``'s group as a :class:`LoaderSetup` names it: a digest of its global ranks, its size."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ("", 0)
+    ranks = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
+    return hashlib.blake2b(repr(sorted(ranks)).encode(), digest_size=16).hexdigest(), comm.size
 
 
 def _group_requests(ctx: LoadContext) -> Tuple[Dict[ChunkId, List[Requester]], List[Requester]]:

@@ -25,7 +25,7 @@ from ..planning.load_plan import SAME_KIND, check_dtype_conversion, check_global
 from .checkpoint import CheckpointSource, SourceView, keeps_common, open_checkpoint
 from .reads import read_objects
 from .plain_tensors import fill_from_common, lacking_plain, request_stored, stored_places, with_filled
-from .request import LoadRequest, assemble, make_request, match_keys
+from .request import LoaderSetup, LoadRequest, assemble, make_request, match_keys
 from .stats import LoadStats, format_load_times
 from ..saving.stats import log_throughput
 
@@ -92,12 +92,14 @@ def check_dtypes(request: LoadRequest, source: CheckpointSource, absent: Set[str
 
 
 def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, CheckpointSource, Opener], comm: Comm,
-               strict: StrictHandling, extra_safe_globals: Sequence[Any] = ()) -> LoadContext:
+               strict: StrictHandling, extra_safe_globals: Sequence[Any] = (),
+               loader: Optional[LoaderSetup] = None) -> LoadContext:
     """Collective: open the source (a path, an opener, or a source already open), split the
     template (:func:`plan_request`), match keys (raising on every rank alike when ``strict`` says
     so). A source that cannot be opened on some rank fails the load on every rank here; a bad
     template is held as the context's error until :func:`finish_load`. ``extra_safe_globals``: as
-    :func:`finish_load` takes them, for a common state read here (:func:`plan_request`)."""
+    :func:`finish_load` takes them, for a common state read here (:func:`plan_request`). ``loader``:
+    what the loader's collectives depend on, which every rank must pass alike (checked with the keys)."""
     started = time.perf_counter()
     source: Optional[CheckpointSource] = None
     open_error: Optional[BaseException] = None
@@ -118,7 +120,7 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
         error = e
     request = read.request
     filled_keys = {request.tensors[p].key for p in read.filled}
-    keys = match_keys(source, request, comm, strict, open_error, filled_keys)
+    keys = match_keys(source, request, comm, strict, open_error, filled_keys, loader)
     assert source is not None  # match_keys raised on every rank otherwise
     if error is None:
         try:

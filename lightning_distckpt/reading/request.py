@@ -10,14 +10,14 @@ from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Sequence,
 import torch
 
 from ..comm import Comm
-from ..core.errors import ShardingError
+from ..core.errors import ArgumentError, ShardingError, ValidationError
 from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
 from ..core.state_dict import apply_factories, collect, merge, merge_factories, replace_leaves, split_common
 from ..core.strict import StrictHandling, check_keys
 from ..core.tree_paths import Steps
 from ..planning.groups import representatives
-from .checkpoint import CheckpointSource
+from .checkpoint import CheckpointSource, content_id
 
 
 # Not NamedTuples: the tree walkers treat tuples as containers.
@@ -90,6 +90,15 @@ def _check_writable(st: ShardedTensor) -> None:
                             "which a load cannot write into; pass a tensor of its own (.clone(), torch.empty)")
 
 
+class LoaderSetup(NamedTuple):
+    """What a loader's collectives depend on, which the ranks of a load must agree on (checked by
+    :func:`check_alike`): its kind with its plan's parameters, and the group it exchanges over as
+    ``(digest of its global ranks, its size)`` (``("", 0)``: none)."""
+
+    kind: str = ""
+    group: Tuple[str, int] = ("", 0)
+
+
 class KeyMatch(NamedTuple):
     """How a template's keys match a checkpoint's, in Megatron-Core's words (see
     :class:`~lightning_distckpt.core.strict.StrictHandling`)."""
@@ -100,7 +109,8 @@ class KeyMatch(NamedTuple):
 
 
 def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm, strict: StrictHandling,
-               open_error: Optional[BaseException] = None, filled: AbstractSet[str] = frozenset()) -> KeyMatch:
+               open_error: Optional[BaseException] = None, filled: AbstractSet[str] = frozenset(),
+               loader: Optional[LoaderSetup] = None) -> KeyMatch:
     """Collective: the keys asked for but absent from the checkpoint (Megatron-Core's "unexpected"
     keys: this rank's, and every rank's) and, where ``strict`` looks for them, the checkpoint's keys
     no rank asks for ("missing"); raises on every rank alike when ``strict`` says so, or when some
@@ -110,7 +120,10 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     Ranks exchange their absent keys (usually none) and, where ``strict`` looks for missing keys, a
     digest of the keys they ask for, not the keys: when all digests agree (data parallelism, FSDP),
     every rank finds the missing keys from its own; otherwise only the first rank of each distinct
-    digest sends its keys, to rank 0, which names the missing ones."""
+    digest sends its keys, to rank 0, which names the missing ones.
+
+    The same exchange checks that the ranks load alike (:func:`check_alike`): one checkpoint, one
+    ``strict`` mode, one ``loader`` protocol (what the loader's collectives depend on)."""
     asked = {t.key for t in req.tensors if t.key} | {o.key for o in req.objects}
     lacking: Set[str] = set()
     if source is not None:
@@ -119,8 +132,11 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     mine = lacking - filled
     where = source.path if source is not None else "the checkpoint"
     digest = _keys_digest(asked) if strict.needs_missing else None
-    gathered = comm.agree(f"load from {where} failed", open_error, (digest, sorted(mine)))
+    setup = None if source is None else (content_id(source), source.path, strict.value, *(loader or LoaderSetup()))
+    gathered = comm.agree(f"load from {where} failed", open_error, (digest, sorted(mine), setup))
     assert source is not None  # agree raised on every rank otherwise
+    check_alike([s for _, _, s in gathered])  # before any collective that depends on them
+    gathered = [(d, m) for d, m, _ in gathered]
     every = {k for _, m in gathered for k in m}
     absent = every | lacking  # skipped by the reads
     missing: Set[str] = set()
@@ -136,6 +152,49 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     missing, unexpected = check_keys(strict, source.path, missing, every, mine,
                                      stored=list(source.index.tensors) + list(source.index.objects) if every else ())
     return KeyMatch(absent, missing, unexpected)
+
+
+def check_alike(setups: Sequence[Tuple[Optional[str], str, str, str, Tuple[str, int]]]) -> None:
+    """Every rank's ``(checkpoint content id, path, strict, loader kind, exchange group)`` (the same
+    list on every rank, so every rank raises alike). Ranks in different strict modes or loaders, or
+    whose exchange groups do not partition the load's group, would enter different collectives (a
+    hang, a gloo abort on mismatched sizes, or one's message read as another's); ranks that opened
+    different checkpoints would mix one's bytes into the other's tensors through the exchange."""
+    def ranks_of(pick: Any) -> str:
+        groups: Dict[Any, List[int]] = {}
+        for rank, s in enumerate(setups):
+            groups.setdefault(pick(s), []).append(rank)
+        return "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
+
+    where = f"load from {setups[0][1]}"
+    if len({s[3] for s in setups}) > 1:
+        raise ArgumentError(f"{where}: the ranks passed different loaders ({ranks_of(lambda s: s[3])}); every rank "
+                            "of the load's group must pass the same kind of loader (every-rank or exchange) and "
+                            "bucket_bytes")
+    if len({s[2] for s in setups}) > 1:
+        raise ArgumentError(f"{where}: the ranks passed different strict modes ({ranks_of(lambda s: s[2])}); every "
+                            "rank of the load's group must pass the same strict")
+    _check_partition(where, [s[4] for s in setups])
+    if len({s[0] for s in setups}) > 1:
+        opened = ranks_of(lambda s: f"{s[1]} (metadata.json sha256 {str(s[0])[:16]}...)")
+        raise ValidationError(f"load: the ranks opened different checkpoints ({opened}): every rank of the load's "
+                              "group must load the same one (was the path replaced, or a link to it moved by a "
+                              "save, between the ranks' opens?); nothing was read")
+
+
+def _check_partition(where: str, groups: Sequence[Tuple[str, int]]) -> None:
+    """The exchange groups the ranks passed partition the load's group. Each rank is a member of its
+    own group (torch refuses a collective on a group it is not in), so the ranks naming one group
+    are a subset of it: they are all of it exactly when there are as many as its size."""
+    members: Dict[Tuple[str, int], List[int]] = {}
+    for rank, g in enumerate(groups):
+        members.setdefault(g, []).append(rank)
+    for (digest, size), ranks in members.items():
+        if size and len(ranks) != size:
+            shown = "; ".join(f"ranks {r}: a group of {n}" for (_, n), r in members.items())
+            raise ArgumentError(f"{where}: the exchange groups the ranks passed ({shown}) do not partition the load's "
+                                "group: each rank must pass its own data-parallel group, and every member of a group "
+                                "the same group")
 
 
 def _keys_digest(keys: Set[str]) -> str:
