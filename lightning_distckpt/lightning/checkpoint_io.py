@@ -280,7 +280,10 @@ class DistCheckpointIO(CheckpointIO):
         if self._pending is None:
             return True
         pending = self._pending
-        if not (pending.done() if pending.commits_in_background else pending.poll()):  # poll: sparse round trips
+        # A failed background commit is left to the next save, on_train_end or teardown (every rank at the
+        # same point): each rank's thread ends at its own moment, and raised here the failure would stop
+        # one rank at this step while the others wait for it in the step's collectives. poll: sparse round trips.
+        if not (pending.done() and not pending.failed() if pending.commits_in_background else pending.poll()):
             return False
         self.wait()
         self.step_boundary_commits += 1

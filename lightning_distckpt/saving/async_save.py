@@ -151,9 +151,12 @@ class AsyncSaveRequest:
         return self._thread is not None and self._thread.is_alive()
 
     def done(self) -> bool:
-        """Whether this rank's background writes (and, with ``commits_in_background``, the commit)
-        have finished (non-blocking, local)."""
-        return self._thread is None or not self._thread.is_alive()
+        """Whether this rank's background writes (with ``commits_in_background``: and commit) have ended (local)."""
+        return not self._running()
+
+    def failed(self) -> bool:
+        """Whether the background commit (``commits_in_background``) has ended in an error (local, raises nothing)."""
+        return self.done() and self._error is not None
 
     def wait(self) -> None:
         """Block until this rank's background writes have finished (local, no commit)."""
@@ -165,12 +168,11 @@ class AsyncSaveRequest:
         return all(self._prep.comm.all_gather_object(self.done()))
 
     def poll(self) -> bool:
-        """Collective, for a caller asking at every training step: :meth:`all_done`, but the ranks
-        are asked only on the 1st, 2nd, 4th, 8th and then every 16th call (the others return False
-        without communicating; every rank must call it equally often). Each ask is a round trip
-        waiting for the slowest rank; at every step of a fast loop they cost more than the save
-        (docs/benchmarks.md). A finished save is committed at most twice the calls its writes took,
-        or 15 more, later."""
+        """Collective, for a caller asking at every training step: :meth:`all_done`, but the ranks are
+        asked only on the 1st, 2nd, 4th, 8th and then every 16th call (the others return False without
+        communicating; every rank must call it equally often). Each ask is a round trip waiting for the
+        slowest rank; at every step of a fast loop they cost more than the save (docs/benchmarks.md).
+        A finished save is committed at most twice the calls its writes took, or 15 more, later."""
         self._polls += 1
         n = self._polls
         return (n & (n - 1) == 0 or n % 16 == 0) and self.all_done()
@@ -182,9 +184,7 @@ class AsyncSaveRequest:
     def finalize(self) -> None:
         """Collective: wait for the writes, then commit (or raise SaveFailedError everywhere).
         With ``commits_in_background``: wait for the background commit and raise its error (local).
-
-        Calling it again returns (or re-raises the same error) without communicating.
-        """
+        Calling it again returns (or re-raises the same error) without communicating."""
         if self._finalized:
             if self._error is not None:
                 raise self._error

@@ -24,7 +24,7 @@ from typing import AbstractSet, Any, Callable, List, NamedTuple, Optional, Tuple
 from ..core.errors import CheckpointingError, naming_file
 from .checksums import sha256_hex
 from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, is_our_committed_checkpoint
-from .paths import MARKER_CAP, read_inside
+from .paths import MARKER_CAP, holds_nothing, read_inside
 from .safe_pickle import write_file_durable
 from .workers import KeptWorkers
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes,
@@ -344,7 +344,8 @@ def _committed_copies(target: str) -> List[Tuple[float, str]]:
 def recover_interrupted_commit(target: str) -> Optional[Recovery]:
     """Finish a commit interrupted between its two renames (file systems without
     ``RENAME_EXCHANGE``, or a first save killed before its rename): when nothing is at ``target``
-    (or ``target`` is a link to nothing) and a staging directory beside it holds a committed
+    (or only an empty directory, an async save's placeholder: :func:`~.paths.holds_nothing`; or
+    ``target`` is a link to either) and a staging directory beside it holds a committed
     checkpoint of ours, the newest such copy (by its marker's ``committed_unix``) is renamed into
     place and the previous checkpoint that commit moved aside (``.old``) is removed; a WARNING says
     so. A copy a live process on this host is still committing is left to it.
@@ -356,7 +357,7 @@ def recover_interrupted_commit(target: str) -> Optional[Recovery]:
     if os.path.islink(path):
         path = os.path.realpath(path)  # a dangling link (save_last="link"): its checkpoint's copy
     for _ in range(_SWAP_TRIES):
-        if os.path.lexists(path):
+        if not holds_nothing(path):  # an empty directory: an async save's placeholder, killed before its swap
             return None
         copies = _committed_copies(path)
         if not copies or live_owner_pids(copies[0][1]):

@@ -36,7 +36,8 @@ from ..core.shown import shown
 from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError, not_found
 from ..core.gc_pause import gc_paused
 from .checksums import check_sha256, warn_no_checksums
-from .paths import MARKER_CAP, METADATA_CAP, PICKLE_CAP, SizeCap, local_path, read_inside, refuse_special
+from .paths import (MARKER_CAP, METADATA_CAP, PICKLE_CAP, SizeCap, holds_nothing, local_path, read_inside,
+                    refuse_special)
 
 # The format's name and versions live in core/format_versions.py; FORMAT_VERSION stays importable from
 # here for tests/data/formats/build.py, which runs against the old commits where it was defined here.
@@ -155,7 +156,7 @@ def open_metadata(checkpoint_dir: str, verify: bool = True) -> MetadataFile:
     """Read and check a committed checkpoint's metadata (never through a link inside it; its
     SHA-256 verified unless ``verify`` is off)."""
     given = os.path.abspath(local_path(checkpoint_dir))
-    if not os.path.isdir(given):
+    if not os.path.isdir(given) or holds_nothing(os.path.realpath(given)):  # missing, or an async save's placeholder
         from .commit import recover_interrupted_commit  # commit imports this module
 
         recover_interrupted_commit(given)  # a commit killed between its two renames: finish it

@@ -24,7 +24,7 @@ from .layout import (COMMON_FILE, DATA_DIR, FILE_CAPS, METADATA_FILE, MetadataFi
                      is_rank_dir_name, open_metadata, rank_dir)
 from .options import StorageOptions
 from .output_files import is_torch_archive
-from .paths import MARKER_CAP, TreeStats, kind_of, local_location, read_inside, refuse_link, scan_tree
+from .paths import MARKER_CAP, TreeStats, holds_nothing, kind_of, local_location, read_inside, refuse_link, scan_tree
 from .safe_pickle import write_file_durable
 from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 
@@ -132,7 +132,7 @@ class LocalStore(CheckpointStore):
         """A missing directory (or a dangling ``last.ckpt`` link) says where the newest committed
         checkpoints are; a commit killed between its two renames is finished first."""
         given = self.location
-        if not os.path.isdir(given):
+        if not os.path.isdir(given) or holds_nothing(os.path.realpath(given)):  # missing, or a placeholder
             commit_mod.recover_interrupted_commit(given)
         if not os.path.isdir(given):
             raise not_found(given, staging.describe_missing(given))
@@ -249,7 +249,7 @@ class LocalStore(CheckpointStore):
         checkpoint its commit moved aside removed (:func:`.commit.recover_interrupted_commit`)."""
         parent, name = self._scope()
         stranded = [lo for lo in staging.find_leftovers(parent, name)
-                    if lo.verdict(math.inf) == "recover" and not os.path.lexists(lo.target)]
+                    if lo.verdict(math.inf) == "recover" and holds_nothing(lo.target)]
         by_path = {lo.path: lo for lo in stranded}
         done_actions: List[Tuple[Any, str, str]] = []
         for target in sorted({lo.target for lo in stranded}):
@@ -270,7 +270,7 @@ class LocalStore(CheckpointStore):
             return None
         names = [n for n in os.listdir(self.location) if staging.is_staging_dir(n)]
         targets = {staging.target_of(os.path.join(self.location, n)) for n in names}
-        for target in sorted(t for t in targets if matches.match(os.path.basename(t)) and not os.path.lexists(t)):
+        for target in sorted(t for t in targets if matches.match(os.path.basename(t)) and holds_nothing(t)):
             commit_mod.recover_interrupted_commit(target)
         return None
 

@@ -107,6 +107,21 @@ def local_location(text: str, what: str = "checkpoint") -> str:
     return location
 
 
+def holds_nothing(path: str) -> bool:
+    """Nothing is at ``path``, or an empty directory (not a link): the name a background save holds
+    until its commit swaps the checkpoint in (``saving/async_pending.py``), left empty by a job killed
+    first. A committed copy is renamed into place over it as over nothing (a rename replaces an empty
+    directory atomically, and fails if anything appeared in it)."""
+    if not os.path.lexists(path):
+        return True
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    try:
+        return not os.listdir(path)
+    except OSError:
+        return False
+
+
 def kind_of(mode: int) -> str:
     """What a file of ``st_mode`` ``mode`` is, in words (for errors)."""
     for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),

@@ -40,7 +40,7 @@ from typing import Iterator, List, Optional, Sequence, Set, Tuple
 from ..core.errors import CheckpointingError, FormatError, naming_file
 from ..core.shown import shown
 from .layout import COMMIT_MARKER, is_checkpoint_dir, is_committed, parse_json
-from .paths import MARKER_CAP, read_inside
+from .paths import MARKER_CAP, holds_nothing, read_inside
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class Leftover:
         if verdict == "link":
             return f"refused: a symbolic link (to {self.link_to}); links are not followed and not removed"
         if verdict == "recover" and self.stranded:  # not recovered: dry run, or its commit still runs here
-            return (f"holds a committed checkpoint and {name} is missing: "
+            return (f"holds a committed checkpoint and {name} is missing (or an empty placeholder): "
                     + (f"a save on this host (pid {self.live_owner_pids[0]}) is renaming it into place"
                        if self.live_owner_pids else f"mv {shlex.quote(self.path)} {shlex.quote(self.target)}"))
         if verdict == "recover":
@@ -295,8 +295,9 @@ class Leftover:
 
     @property
     def stranded(self) -> bool:
-        """Nothing is at the target this committed copy was meant to become: it awaits recovery."""
-        return not os.path.lexists(self.target)
+        """Nothing (or an async save's empty placeholder) is at the target this committed copy was meant to
+        become: it awaits recovery."""
+        return holds_nothing(self.target)
 
 
 def _superseded(path: str, target: str) -> bool:
