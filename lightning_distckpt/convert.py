@@ -46,6 +46,7 @@ from .storage.layout import COMMON_FILE
 from .storage.outputs import check_output
 from .storage.output_files import check_torch_file_target, open_new, write_file_atomic
 from .storage.paths import checkpoint_location, local_path
+from .storage.save_token import TOKEN_FIELD
 from .storage.stores import open_store
 from .reading.formats.files import check_torch_payload
 from .storage.safe_pickle import load_file, loads
@@ -104,7 +105,7 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions,
         store.write_blob(staging, COMMON_FILE, common)
         # rewritten now, with checksums: the copy is of the current format whatever the source's
         meta = dict(ckpt.meta, format_version=FORMAT_VERSION, storage={"backend": dst.backend, **storage.to_json()},
-                    converted_unix=time.time())
+                    converted_unix=time.time(), **{TOKEN_FIELD: dst.token})  # the token its stores record
         marker = {k: v for k, v in ckpt.marker.items() if k != "version"}  # an s3:// source's version
         marker.update(committed_unix=time.time())
         store.commit(staging, json.dumps(meta), marker)

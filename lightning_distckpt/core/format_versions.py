@@ -7,9 +7,9 @@ version (docs/format.md, "Older versions"); every version listed here is still r
 FORMAT_NAME = "lightning_distckpt"
 
 #: The version this library writes.
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 #: Every version the readers accept (a real checkpoint of each: tests/data/formats/).
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 
 #: 2: small shards packed into one array per rank and dtype.
 PACKS_SINCE = 2
@@ -23,3 +23,6 @@ ZARR_JSON_CHECKSUMS_SINCE = 5
 #: 6: plain tensors of the state are stored as tensors, their places in the tree in ``plain_tensors``:
 #: an older reader would restore the common state without them.
 PLAIN_TENSORS_SINCE = 6
+#: 7: every rank store bound to its save (storage/save_token.py): a token in metadata.json, in each
+#: array's zarr.json and in each object's checksum; an older reader would refuse the arrays' attribute.
+SAVE_TOKEN_SINCE = 7

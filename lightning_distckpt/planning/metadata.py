@@ -12,11 +12,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..core.format_versions import CHECKSUMS_SINCE, EVEN_SINCE
+from ..core.format_versions import CHECKSUMS_SINCE, EVEN_SINCE, SAVE_TOKEN_SINCE
 from ..core.errors import FormatError, ShardingError
 from ..core.gc_pause import gc_paused
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.shown import quoted
+from ..storage.save_token import recorded_token
 from .even_index import EvenSplit, chunks_count, parse_even, replay_packs
 from .index_fast import fast_tensor_entries, refuse_colliding_keys
 
@@ -225,6 +226,8 @@ class CheckpointIndex:
     objects: Dict[str, ObjectEntry] = field(default_factory=dict)
     # Stored data carries checksums (format 3 on): readers then require them on objects.
     checksums: bool = field(default=True, compare=False)
+    # The save that wrote the stores (format 7, storage/save_token.py): every array and object must say the same.
+    save_token: Optional[str] = field(default=None, compare=False)
 
     def bytes_per_writer(self) -> Dict[int, int]:
         """writer rank -> bytes of the tensor data this index says its store holds."""
@@ -275,6 +278,8 @@ class CheckpointIndex:
         # with checksums and even splits, as every version since 4.
         version = data.get("format_version", EVEN_SINCE)
         index = cls(checksums=isinstance(version, int) and version >= CHECKSUMS_SINCE)
+        if isinstance(version, int) and version >= SAVE_TOKEN_SINCE:
+            index.save_token = recorded_token(data, where)
         tensors = f.obj(data.get("tensors"), "tensors")
         even_ok = isinstance(version, int) and version >= EVEN_SINCE
         # the common entries checked and built without naming their fields; the rest (and any fault) below

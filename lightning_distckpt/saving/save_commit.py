@@ -16,6 +16,7 @@ from ..core.format_versions import FORMAT_NAME, FORMAT_VERSION
 from ..storage.commit import in_background
 from ..storage.layout import COMMON_FILE, METADATA_FILE
 from ..storage.paths import PICKLE_CAP
+from ..storage.save_token import TOKEN_FIELD, save_token
 from ..version import __version__
 from ..core.gc_pause import gc_paused
 from .save_prepare import PreparedSave
@@ -144,6 +145,7 @@ def _metadata(prep: PreparedSave) -> dict:
         "storage": {"backend": prep.writer.backend, **prep.options.to_json()},
         "world_size": prep.comm.size,
         "created_unix": time.time(),
+        TOKEN_FIELD: save_token(prep.staging),  # what each rank store records too (storage/save_token.py)
         **prep.plan.index.to_json(),
         **({"plain_tensors": prep.plain_tensors} if prep.plain_tensors else {}),  # core/plain_tensors.py
     }

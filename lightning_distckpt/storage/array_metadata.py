@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequenc
 import torch
 
 from ..core.errors import FormatError
-from .chunk_checksums import attribute_crcs, chunk_count, crc_attributes
+from .chunk_checksums import ATTRIBUTE, attribute_crcs, chunk_count, crc_attributes
+from .save_token import TOKEN_ATTRIBUTE, is_token
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
@@ -89,6 +90,7 @@ class Recorded(NamedTuple):
     dtype: str
     shape: Tuple[int, ...]
     pack: bool = False
+    token: Optional[str] = None  # the save's (format 7, storage/save_token.py), which the array records
 
 
 class RecordedArrays:
@@ -98,6 +100,7 @@ class RecordedArrays:
 
     def __init__(self, index: Optional["CheckpointIndex"]) -> None:
         self.index = index
+        self.token = index.save_token if index is not None else None
         self._listed: Dict[str, Dict[Tuple[int, int], Tuple[int, ...]]] = {}
 
     def shard(self, writer: int, key: str, index: int, where: str) -> Recorded:
@@ -109,7 +112,7 @@ class RecordedArrays:
         if entry.even is not None:
             chunk = entry.even.chunks(entry.global_shape, index, index + 1) if writer == index else []
             if chunk:
-                return Recorded(entry.dtype, chunk[0][2])
+                return Recorded(entry.dtype, chunk[0][2], False, self.token)
         elif key not in self._listed:
             listed: Dict[Tuple[int, int], Tuple[int, ...]] = {}
             for s in entry.shards:  # one array each: a second record would read the first's data as its own
@@ -121,7 +124,7 @@ class RecordedArrays:
         shape = self._listed.get(key, {}).get((writer, index))
         if shape is None:
             raise FormatError(f"{where}: metadata.json records no shard {index} of {key!r} written by rank {writer}")
-        return Recorded(entry.dtype, shape)
+        return Recorded(entry.dtype, shape, False, self.token)
 
     def read_whole(self, writer: int, key: str, index: int, src: Sequence[slice]) -> bool:
         """Whether ``src`` covers the whole array stored for shard ``index`` of ``key`` by ``writer``
@@ -141,21 +144,22 @@ def bytes_codec(data_type: str) -> Dict[str, Any]:
 
 
 def canonical_metadata(shape: Sequence[int], data_type: str, chunks: Sequence[int], crc_codec: bool,
-                       crcs: Optional[Sequence[int]]) -> Dict[str, Any]:
+                       crcs: Optional[Sequence[int]], token: Optional[str] = None) -> Dict[str, Any]:
     """The zarr.json tensorstore writes for an array our writer creates (``create_metadata``)."""
     out = {"zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": data_type,
            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
            "chunk_key_encoding": {"name": "default"},
            "fill_value": False if data_type == "bool" else 0 if data_type.startswith(("int", "uint")) else 0.0,
            "codecs": [bytes_codec(data_type)] + ([_CRC_CODEC] if crc_codec else [])}
-    return {**out, "attributes": crc_attributes(crcs)} if crcs is not None else out
+    return {**out, "attributes": crc_attributes(crcs, token)} if crcs is not None or token is not None else out
 
 
 def create_metadata(shape: Sequence[int], data_type: str, chunks: Sequence[int],
-                    crcs: Optional[Sequence[int]]) -> Dict[str, Any]:
+                    crcs: Optional[Sequence[int]], token: Optional[str] = None) -> Dict[str, Any]:
     """The metadata our writer creates an array with: ``crcs`` kept in its attributes, or else the
-    ``crc32c`` codec checksums its chunks (tensorstore adds the other fields of :func:`canonical_metadata`)."""
-    full = canonical_metadata(shape, data_type, chunks, crcs is None, crcs)
+    ``crc32c`` codec checksums its chunks, and the save's ``token`` (tensorstore adds the other fields
+    of :func:`canonical_metadata`)."""
+    full = canonical_metadata(shape, data_type, chunks, crcs is None, crcs, token)
     return {k: full[k] for k in ("shape", "data_type", "chunk_grid", "codecs", "attributes") if k in full}
 
 
@@ -194,7 +198,7 @@ def check_metadata(metadata: Dict[str, Any], recorded: Recorded, where: str) -> 
             crcs = attribute_crcs(metadata, chunk_count(shape, chunks[0] if chunks else 1), where)
     except FormatError as e:  # raised in its turn: a changed shape or grid is named first
         bad = e
-    want = canonical_metadata(shape, recorded.dtype, chunks or [], crc_codec, crcs)
+    want = canonical_metadata(shape, recorded.dtype, chunks or [], crc_codec, crcs, recorded.token)
     if metadata == want and chunks is not None and type(metadata["zarr_format"]) is int and all(
             type(s) is int for s in metadata["shape"]) and type(metadata["fill_value"]) is type(want["fill_value"]):
         return  # as written (``==`` takes 1 for 1.0 or true: the numbers' types checked; CRCs and chunks were)
@@ -203,6 +207,8 @@ def check_metadata(metadata: Dict[str, Any], recorded: Recorded, where: str) -> 
         got = _MISSING if name == "attributes" and got == {} else got  # no attributes, as zarr reads it
         if name == "attributes" and bad is not None:
             raise bad
+        if name == "attributes" and recorded.token is not None and got != expected:
+            _attributes_changed(got, recorded.token, crc_codec, where)
         if name == "chunk_key_encoding" and got in _ENCODINGS or _same(got, expected) and (
                 name != "chunk_grid" or chunks is not None):
             continue
@@ -215,6 +221,19 @@ def check_metadata(metadata: Dict[str, Any], recorded: Recorded, where: str) -> 
         raise FormatError(f"{where}: its zarr.json field {name!r} is {_render(got)}, not {what} as written for the "
                           f"{recorded.dtype} array of shape {list(recorded.shape)} metadata.json records: not as "
                           f"our writer stores it (damaged or altered)")
+
+
+def _attributes_changed(attributes: Any, token: str, crc_codec: bool, where: str) -> None:
+    """FormatError saying what is wrong with the ``attributes`` of a format 7 array, where it is one of
+    two things: they record another save's token than ``token`` (metadata.json's), or no checksums."""
+    record = attributes.get(ATTRIBUTE) if isinstance(attributes, dict) else None
+    stored = record.get(TOKEN_ATTRIBUTE) if isinstance(record, dict) else None
+    if is_token(stored) and stored != token:
+        raise FormatError(f"{where} was written by another save (its zarr.json records save {stored}, metadata.json "
+                          f"save {token}): a rank store copied in from another checkpoint; nothing was read from it")
+    if not crc_codec and not (isinstance(record, dict) and "crc32c" in record):
+        raise FormatError(f"{where} is stored without checksums although the checkpoint records them (its zarr.json "
+                          f"was changed): damaged")
 
 
 def _chunk_shape(grid: Any, shape: Sequence[int]) -> Optional[List[int]]:

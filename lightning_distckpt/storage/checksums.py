@@ -6,7 +6,8 @@
   :mod:`~lightning_distckpt.storage.direct_read` for chunks read straight into their
   destinations, by ``chunk_checksums.VerifiedReads`` or tensorstore for the rest (a mismatch is a
   read error naming the chunk and, where known, the file);
-* ShardedObject elements: stored framed, ``MAGIC | crc32 | length | bytes``, verified on read;
+* ShardedObject elements: stored framed, ``MAGIC | crc32 | length | bytes`` (the CRC started from
+  the save's token, format 7: :mod:`.save_token`), verified on read;
 * ``common.pt`` and ``metadata.json``: their SHA-256 in the commit marker, verified on every open.
 
 ``StorageOptions(verify=False)`` (or ``LIGHTNING_DISTCKPT_VERIFY=0``, an override for the whole
@@ -23,9 +24,10 @@ import logging
 import os
 import struct
 import zlib
-from typing import Set
+from typing import Optional, Set
 
 from ..core.errors import FormatError
+from .save_token import object_crc_seed
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +56,16 @@ def check_sha256(data: bytes, expected: object, where: str, verify: bool = True)
                           f"records {expected[:16]}...): the file is damaged or was changed after the commit")
 
 
-def frame_object(blob: bytes) -> bytes:
-    """``blob`` as stored: a header with its CRC-32 and length, then the bytes."""
-    return _HEADER.pack(OBJECT_MAGIC, zlib.crc32(blob), len(blob)) + blob
+def frame_object(blob: bytes, token: Optional[str] = None) -> bytes:
+    """``blob`` as stored: a header with its CRC-32 (started from the save's ``token``, format 7:
+    :mod:`.save_token`) and length, then the bytes."""
+    return _HEADER.pack(OBJECT_MAGIC, zlib.crc32(blob, object_crc_seed(token)), len(blob)) + blob
 
 
-def unframe_object(stored: bytes, where: str, required: bool, verify: bool = True) -> bytes:
-    """The bytes of a stored object, its checksum verified. Objects of formats 1 and 2 are stored
-    unframed: accepted as they are unless ``required`` (format 3)."""
+def unframe_object(stored: bytes, where: str, required: bool, verify: bool = True,
+                   token: Optional[str] = None) -> bytes:
+    """The bytes of a stored object, its checksum (from the checkpoint's save ``token``) verified.
+    Objects of formats 1 and 2 are stored unframed: accepted as they are unless ``required`` (format 3)."""
     if not stored.startswith(OBJECT_MAGIC):
         if required:
             raise FormatError(f"{where}: stored without its checksum header (damaged)")
@@ -72,9 +76,10 @@ def unframe_object(stored: bytes, where: str, required: bool, verify: bool = Tru
     payload = stored[_HEADER.size:]
     if len(payload) != length:
         raise FormatError(f"{where}: {len(payload)} bytes stored, its header says {length} (truncated or damaged)")
-    if verification_enabled(verify) and zlib.crc32(payload) != crc:
-        raise FormatError(f"{where}: checksum mismatch (CRC-32 {zlib.crc32(payload):#010x}, stored {crc:#010x}): "
-                          f"damaged")
+    seed = object_crc_seed(token)
+    if verification_enabled(verify) and zlib.crc32(payload, seed) != crc:
+        raise FormatError(f"{where}: checksum mismatch (CRC-32 {zlib.crc32(payload, seed):#010x}, stored {crc:#010x}): "
+                          f"damaged, or written by another save (a rank store copied in from another checkpoint)")
     return payload
 
 

@@ -64,9 +64,10 @@ def chunk_crcs(arr: np.ndarray, chunk_rows: int) -> List[int]:
             for o in range(0, max(arr.nbytes, 1) if arr.shape[0] else 0, max(step, 1))]
 
 
-def crc_attributes(crcs: Sequence[int]) -> Dict[str, Any]:
-    """The ``attributes`` of an array's metadata recording ``crcs``."""
-    return {ATTRIBUTE: {"crc32c": [int(c) for c in crcs]}}
+def crc_attributes(crcs: Optional[Sequence[int]], token: Optional[str] = None) -> Dict[str, Any]:
+    """The ``attributes`` of an array's metadata recording ``crcs`` and the save's ``token`` (either may be None)."""
+    record: Dict[str, Any] = {} if crcs is None else {"crc32c": [int(c) for c in crcs]}
+    return {ATTRIBUTE: record if token is None else {**record, "save": token}}
 
 
 def attribute_crcs(metadata: Any, chunks: int, where: str) -> Optional[Tuple[int, ...]]:
@@ -76,6 +77,8 @@ def attribute_crcs(metadata: Any, chunks: int, where: str) -> Optional[Tuple[int
     if not isinstance(attrs, dict) or ATTRIBUTE not in attrs:
         return None
     record = attrs[ATTRIBUTE]
+    if isinstance(record, dict) and "crc32c" not in record and "save" in record:
+        return None  # the save's token alone (format 7: packs, object stores; storage/save_token.py)
     crcs = record.get("crc32c") if isinstance(record, dict) else None
     if not isinstance(crcs, list) or len(crcs) != chunks or \
             not all(type(c) is int and 0 <= c < 1 << 32 for c in crcs):

@@ -14,9 +14,8 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
   rank and dtype (``p/<dtype>``, :mod:`.packs`): creating an array costs ~0.15-0.2 ms each;
 * OCDBT data files are bounded (``data_file_bytes``, 64 MiB): one huge ``writev`` per batch, as
   OCDBT does by default, was slower and far more variable than bounded files written concurrently;
-* chunk checksums are computed by us, each array's just before tensorstore takes it, and go
-  into each array's zarr.json (:mod:`.chunk_checksums`); not by the ``crc32c`` codec;
-* the write path (:mod:`.tensorstore_write`): one transaction, one OCDBT commit per store and call.
+* chunk checksums are ours, in each array's zarr.json (:mod:`.chunk_checksums`); the write path
+  (:mod:`.tensorstore_write`): one transaction, one OCDBT commit per store and call.
 """
 
 from __future__ import annotations
@@ -316,7 +315,7 @@ class TensorStoreIO(TensorStoreWrites):
                 if handle in self._arrays:  # opened, its zarr.json checked, for other shards
                     raise FormatError(f"checkpoint {self.root}: {what} holds {self._arrays[handle].shape[0]} elements, "
                                       f"fewer than the {end} metadata.json packs in it: damaged")
-                pending[handle] = (what, Recorded(dtype, (end,), True))
+                pending[handle] = (what, Recorded(dtype, (end,), True, self._recorded.token))
         for handle, metadata in self._read_checked(pending).items():
             where = f"checkpoint {self.root}: {pending[handle][0]}"
             if metadata_checksums(metadata, where, self._index_checksums) is not None:
@@ -338,13 +337,15 @@ class TensorStoreIO(TensorStoreWrites):
             where = f"checkpoint {self.root}: {wanted[handle][0]}"
             try:
                 metadata = parse_metadata(fut.result(), where)
+                if metadata is not None:
+                    check_metadata(metadata, wanted[handle][1], where)  # before anything is read through it
             except FormatError:
+                self._check_not_replaced()  # another save's arrays: a save replaced the checkpoint at this path
                 raise
             except Exception as e:
                 raise self._read_error(f"{where} is missing or unreadable: {e}") from e
             if metadata is None:
                 raise self._read_error(f"{where} is missing or unreadable: no {metadata_key(handle[1])}")
-            check_metadata(metadata, wanted[handle][1], where)  # before anything is read through it
             out[handle] = metadata
         return out
 
@@ -379,12 +380,11 @@ class TensorStoreIO(TensorStoreWrites):
         except Exception as e:
             raise CheckpointingError(f"checkpoint {self.root}: reading object {key!r} #{index} failed: {e}") from e
         if res.state != "value":
-            raise self._read_error(
-                f"checkpoint {self.root}: object {key!r} #{index} (written by rank {writer}) is missing"
-            )
+            raise self._read_error(f"checkpoint {self.root}: object {key!r} #{index} (written by rank {writer}) "
+                                   "is missing")
         self._check_not_replaced()
         return unframe_object(bytes(res.value), f"checkpoint {self.root}: object {key!r} #{index} (written by rank "
-                              f"{writer})", required=self._index_checksums, verify=self.verify)
+                              f"{writer})", self._index_checksums, self.verify, self._recorded.token)
 
 
 def _shard_id(key: str, index: int) -> Tuple[str, int]:

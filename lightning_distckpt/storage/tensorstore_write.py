@@ -5,6 +5,7 @@ store's directories fsync'd, so a call returns with everything it wrote durable.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Tuple
@@ -17,6 +18,7 @@ from ..core.errors import CheckpointingError
 from .array_metadata import chunk_shape, create_metadata, ts_dtype
 from .base import ObjectWrite, ShardWrite
 from .checksums import frame_object
+from .save_token import save_token
 from .chunk_checksums import chunk_crcs
 from .commit import fsync_dir
 from . import direct_write, page_cache
@@ -43,6 +45,12 @@ class TensorStoreWrites:
     def kvstore_spec(self, writer: int) -> Dict[str, Any]:
         raise NotImplementedError
 
+    @functools.cached_property
+    def token(self) -> str:
+        """The token binding what this writer stores to its save (``storage/save_token.py``): ``root``
+        is the save's staging directory (or object-store version)."""
+        return save_token(self.root)
+
     def own_checksums(self, arr: np.ndarray, chunk_bytes: Optional[int] = None) -> bool:
         raise NotImplementedError
 
@@ -68,7 +76,7 @@ class TensorStoreWrites:
         chunks = chunk_shape(shape, dtype.itemsize, chunk_bytes or self.options.chunk_bytes)
         return {"driver": "zarr3", "kvstore": self.write_kvstore_spec(writer), "path": path + "/",
                 "store_data_equal_to_fill_value": True,
-                "metadata": create_metadata([int(s) for s in shape], ts_dtype(dtype), chunks, crcs)}
+                "metadata": create_metadata([int(s) for s in shape], ts_dtype(dtype), chunks, crcs, self.token)}
 
     # -- writing ------------------------------------------------------------------------
     def write(self, writer: int, tensors: Sequence[ShardWrite], objects: Sequence[ObjectWrite] = ()) -> int:
@@ -237,6 +245,6 @@ class TensorStoreWrites:
         if objects:
             kv = ts.KvStore.open(self.write_kvstore_spec(writer), context=self.context, transaction=txn).result()
             for key, index, blob in objects:
-                writes.append((repr(key), kv.write(object_path(key, index), frame_object(blob))))
+                writes.append((repr(key), kv.write(object_path(key, index), frame_object(blob, self.token))))
                 nbytes += len(blob)
         return nbytes, writes

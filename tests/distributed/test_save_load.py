@@ -10,6 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 import lightning_distckpt as ldc
+from lightning_distckpt.core.format_versions import FORMAT_VERSION
+from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
 from lightning_distckpt import StrictHandling
 from lightning_distckpt.saving.save import SavePlanCache
 from lightning_distckpt.storage.layout import COMMIT_MARKER, METADATA_FILE
@@ -158,12 +160,14 @@ class Evil:
         return (os.system, ("touch PWNED",))
 
 
-def test_format_1_checkpoints_without_packing_still_load(tmp_path):
+def test_format_1_checkpoints_without_packing_still_load(tmp_path, monkeypatch):
     """Format 2 packs small shards; a format 1 checkpoint (every shard its own array) still loads."""
     w, b = torch.randn(6, 5), torch.randn(5)
     sd = lambda w_, b_: {"w": ldc.ShardedTensor.from_rank_offsets("w", w_),  # noqa: E731
                          "b": ldc.ShardedTensor.from_rank_offsets("b", b_)}
-    ldc.save(sd(w, b), tmp_path / "v1", storage=ldc.StorageOptions(pack_max_bytes=0))
+    with monkeypatch.context() as mp:  # arrays as a writer before format 7 made them: no save token
+        mp.setattr(TensorStoreIO, "token", property(lambda self: None))
+        ldc.save(sd(w, b), tmp_path / "v1", storage=ldc.StorageOptions(pack_max_bytes=0))
     meta_path = tmp_path / "v1" / METADATA_FILE
     meta = json.loads(meta_path.read_text())
     assert all("packed" not in sh for e in meta["tensors"].values() for sh in e["shards"])
@@ -176,7 +180,7 @@ def test_format_1_checkpoints_without_packing_still_load(tmp_path):
     # the default packs both (they are small) into one float32 array, and loads them back
     ldc.save(sd(w, b), tmp_path / "v2")
     meta = json.loads((tmp_path / "v2" / METADATA_FILE).read_text())
-    assert meta["format_version"] == 6
+    assert meta["format_version"] == FORMAT_VERSION
     assert sorted(sh["packed"] for e in meta["tensors"].values() for sh in e["shards"]) == [0, 5]
     out = ldc.load(sd(torch.empty(6, 5), torch.empty(5)), tmp_path / "v2")
     assert torch.equal(out["w"], w) and torch.equal(out["b"], b)

