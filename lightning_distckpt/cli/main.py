@@ -56,7 +56,7 @@ def _require_existing(path: str, file_ok: bool = False) -> None:
     may be meant too (convert's source)."""
     if not os.path.exists(path):
         from ..storage.commit import recover_interrupted_commit
-        from ..storage.staging import describe_missing
+        from ..storage.committed import describe_missing
 
         recover_interrupted_commit(path)  # a commit killed between its two renames: finish it
         if not os.path.exists(path):
@@ -82,7 +82,7 @@ def _hint(args: argparse.Namespace, error: CheckpointingError) -> str:
     from ..core.errors import CheckpointNotFoundError, IncompleteCheckpointError
     from ..reading.formats.detect import is_hf_model_directory
     from ..storage.layout import is_checkpoint_dir
-    from ..storage.staging import committed_inside
+    from ..storage.committed import committed_inside
 
     path = getattr(args, "checkpoint", None) or getattr(args, "source", None)
     if (not isinstance(error, IncompleteCheckpointError) or isinstance(error, CheckpointNotFoundError)

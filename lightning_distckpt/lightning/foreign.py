@@ -7,7 +7,7 @@ import os
 from typing import Optional
 
 from ..reading.formats.detect import is_hf_model_directory
-from ..storage.staging import committed_inside
+from ..storage.committed import committed_inside
 from .tree import KIND_PLAIN, KIND_SHARDED
 
 #: What to do with a checkpoint none of ours wrote.

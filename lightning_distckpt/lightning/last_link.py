@@ -18,7 +18,7 @@ import re
 import secrets
 from typing import List
 
-from ..storage.staging import committed_siblings
+from ..storage.committed import committed_siblings
 
 logger = logging.getLogger(__name__)
 

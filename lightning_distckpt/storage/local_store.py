@@ -19,6 +19,7 @@ from ..core.errors import ArgumentError, CheckpointingError, FormatError, not_fo
 from ..progress import Progress, advance
 from . import commit as commit_mod
 from . import staging
+from .committed import describe_missing
 from .integrity import check_writer_store, store_bytes
 from .layout import (COMMON_FILE, DATA_DIR, FILE_CAPS, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed,
                      is_rank_dir_name, open_metadata, rank_dir)
@@ -135,7 +136,7 @@ class LocalStore(CheckpointStore):
         if not os.path.isdir(given) or holds_nothing(os.path.realpath(given)):  # missing, or a placeholder
             commit_mod.recover_interrupted_commit(given)
         if not os.path.isdir(given):
-            raise not_found(given, staging.describe_missing(given))
+            raise not_found(given, describe_missing(given))
         return open_metadata(given, self.options.verify)
 
     def read_blob(self, path: str, name: str) -> Optional[bytes]:
