@@ -133,9 +133,14 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     where = source.path if source is not None else "the checkpoint"
     digest = _keys_digest(asked) if strict.needs_missing else None
     setup = None if source is None else (content_id(source), source.path, strict.value, *(loader or LoaderSetup()))
-    gathered = comm.agree(f"load from {where} failed", open_error, (digest, sorted(mine), setup))
-    assert source is not None  # agree raised on every rank otherwise
-    check_alike([s for _, _, s in gathered])  # before any collective that depends on them
+    # a digest of what must be equal everywhere (not the path, which may differ for one checkpoint) and
+    # the exchange group travel; the details (paths are long, ranks many) only when a digest differs
+    alike = None if setup is None else (_keys_digest({repr((setup[0], *setup[2:4]))}), setup[4])
+    gathered = comm.agree(f"load from {where} failed", open_error, (digest, sorted(mine), alike))
+    assert source is not None and setup is not None  # agree raised on every rank otherwise
+    if len({a[0] for _, _, a in gathered}) > 1:
+        check_alike(comm.all_gather_object(setup))  # raises on every rank alike
+    _check_partition(f"load from {source.path}", [a[1] for _, _, a in gathered])  # before collectives using them
     gathered = [(d, m) for d, m, _ in gathered]
     every = {k for _, m in gathered for k in m}
     absent = every | lacking  # skipped by the reads
