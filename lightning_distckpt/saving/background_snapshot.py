@@ -11,8 +11,9 @@ contract of DCP's ``async_save`` with asynchronous staging.
 
 A promise broken is caught where torch can see it: each selected shard's version counter (bumped by
 every in-place operation on the tensor or a view of it, not by writes through ``.data`` or torch's
-fused optimizers) is compared after its copy, and a change fails the save on every rank
-(:class:`SaveFailedError`, naming the shards) instead of committing a torn snapshot.
+fused optimizers), memory and shape (replaced by ``t.data = other``) are compared after its copy, and
+a change fails the save on every rank (:class:`SaveFailedError`, naming the shards) instead of
+committing a torn snapshot.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def _can_wait(t: torch.Tensor) -> bool:
     return t.device.type in ("cpu", "cuda") and not t.is_inference()
 
 
+def _mark(t: torch.Tensor) -> Tuple[int, int, torch.Size]:
+    """What a change of ``t`` after ``save`` alters: its version counter (in-place operations), and its
+    memory and shape, which ``t.data = other`` replaces without counting a version: the copy would then
+    read the other tensor's values, broadcast into the buffer where its shape differs."""
+    return t._version, t.data_ptr(), t.shape
+
+
 def split_snapshot(placed: Sequence[Placed], selector: Selector) -> Tuple[List[Placed], List[Placed]]:
     """(copied before ``save`` returns, copied in the background): ``selector`` is ``True`` for every
     shard, ``False`` for none, or a test of a shard's source tensor."""
@@ -52,7 +60,7 @@ class BackgroundSnapshot:
 
     def __init__(self, placed: Sequence[Placed], target: str) -> None:
         self._placed = list(placed)
-        self._versions = [data._version for _, data in self._placed]
+        self._marks = [_mark(data) for _, data in self._placed]
         self._ready = ready_events([data for _, data in self._placed])  # CUDA: what is queued by now
         self._target = target
         self._done = threading.Event()
@@ -65,8 +73,8 @@ class BackgroundSnapshot:
         t0 = time.perf_counter()
         try:
             copy_in(self._placed, self._ready)
-            changed = [f"{w.key!r} (stored index {w.index})" for (w, data), v in zip(self._placed, self._versions)
-                       if data._version != v]
+            changed = [f"{w.key!r} (stored index {w.index})" for (w, data), m in zip(self._placed, self._marks)
+                       if _mark(data) != m]
             if changed:
                 raise SaveFailedError(
                     f"save to {self._target}: {len(changed)} tensor(s) changed in place while the background snapshot "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from ..comm import Comm
-from ..core.errors import ArgumentError, CheckpointingError, UnsafeContentError
+from ..core.errors import ArgumentError, CheckpointingError, ShardingError, UnsafeContentError
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
 from ..core.tree_paths import steps_to_json
@@ -212,6 +212,8 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
         local.plain_tensors = {f.key: steps_to_json(f.steps) for f, _ in expanded if isinstance(f, PlainTensorFactory)}
     for entry in local.tensors + local.objects:
         _storable(entry.key)  # refuse keys that cannot be stored before anyone writes
+    for t in local.tensors:
+        _check_data(t, comm.rank)
     local.records = mark_even(RankRecords(
         [ShardRecord.of(t, comm.rank) for t in local.tensors],
         [ObjectRecord.of(o, comm.rank) for o in local.objects],
@@ -231,6 +233,25 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
             f"checkpoint {target}: the common (non-sharded) state cannot be serialized: {type(e).__name__}: {e}"
         ) from e
     return local
+
+
+def _check_data(st: ShardedTensor, rank: int) -> None:
+    """Refuse, before the exchange, a shard whose data no longer is what it declares. The declaration
+    was checked when the ShardedTensor was made, but a state dict kept from save to save may hold a
+    tensor changed since (``.data = t.double()``, ``set_``, ``resize_``): its record (what is planned,
+    validated and cached) comes from the declaration, its bytes from the data, so they would be stored
+    under a dtype metadata.json does not say or reshaped into another layout; and found only after the
+    exchange, the failure would be this rank's alone, its peers left waiting."""
+    data = st.data
+    if data is None:
+        raise ShardingError(f"{st.key!r} on rank {rank}: a ShardedTensor without data cannot be saved")
+    fr = st.flattened_range
+    declared = st.local_shape if fr is None else (fr.stop - fr.start,)
+    if data.dtype != st.dtype or data.shape != declared:
+        raise ShardingError(
+            f"{st.key!r} on rank {rank}: its data is now {data.dtype} of shape {tuple(data.shape)}, but the "
+            f"ShardedTensor declares {st.dtype} of shape {declared}{' (flattened range)' if fr is not None else ''}: "
+            "the tensor was changed after the ShardedTensor was made; make the sharded state dict anew for each save")
 
 
 _WARNED_OMEGACONF: Set[Tuple[str, str]] = set()  # a fit saving every N steps says it once
