@@ -115,13 +115,23 @@ def module_renames(module_ssd: Any, entry: ModuleEntry) -> Dict[str, str]:
 def optimizer_renames(entry: OptimizerEntry, stored: Set[str]) -> Dict[str, str]:
     """template key -> stored name, for the optimizer's per-parameter state. A stored scalar state
     (Adam's ``step`` in a ``torch.save`` file) becomes a whole ShardedTensor of the template, read
-    into the optimizer's own scalar; the plugin keeps scalars in the common state instead."""
+    into the optimizer's own scalar; the plugin keeps scalars in the common state instead.
+
+    torch keeps no state for a parameter that never had a gradient (a checkpoint saved before the
+    first step, a frozen parameter): where none is stored for a parameter, its fresh template state
+    (zeros, step 0: what the first step starts from) is kept as it is, not asked of the checkpoint
+    (a strict load refused such a stock checkpoint, which stock Fabric loads)."""
     out = {}
     state = entry.sharded.get("state", {})
+    stored_params = {k.rsplit("/", 1)[0] for k in stored if k.startswith(f"{entry.file_prefix}/state/")}
     for j, pkey in enumerate(_param_keys(entry.sharded)):
+        param_prefix = f"{entry.file_prefix}/state/{pkey if entry.by_name else j}"
         for name, value in state.get(pkey, {}).items():
-            file_key = f"{entry.file_prefix}/state/{pkey if entry.by_name else j}/{name}"
-            if isinstance(value, ShardedTensor):
+            file_key = f"{param_prefix}/{name}"
+            if param_prefix not in stored_params:
+                fresh = value.data if isinstance(value, ShardedTensor) else value
+                state[pkey][name] = LocalNonpersistentObject(fresh)  # load puts it back as it is
+            elif isinstance(value, ShardedTensor):
                 out[value.key] = file_key
             elif isinstance(value, torch.Tensor) and file_key in stored:
                 state[pkey][name] = ShardedTensor.from_rank_offsets(file_key, value)

@@ -176,7 +176,7 @@ def _made_durable_elsewhere(staging: str) -> Callable[[str], bool]:
     return skipped.__contains__
 
 
-def _exchange(a: str, b: str) -> bool:
+def exchange_paths(a: str, b: str) -> bool:
     """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported (or
     turned off by ``LIGHTNING_DISTCKPT_NO_RENAME_EXCHANGE=1``)."""
     if os.environ.get(NO_EXCHANGE_ENV, "") not in ("", "0"):
@@ -291,7 +291,7 @@ def _swap_once(staging: str, target: str, attempt: int, olds: List[str]) -> None
         _step("after_rename_in")
         return
     check_target(target)  # re-check: something may have appeared while we wrote
-    if _exchange(staging, target):
+    if exchange_paths(staging, target):
         _step("after_exchange")
         shutil.rmtree(staging, ignore_errors=True)  # now holds the old checkpoint
         return
