@@ -7,15 +7,19 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
+
+import torch
 
 from ..comm import Comm
 from ..core.errors import ArgumentError, CheckpointingError, ShardingError, UnsafeContentError
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
-from ..core.tree_paths import steps_to_json
+from ..core.tree_paths import join_path, steps_to_json
+from ..core.tree_walk import walk_paths
 from ..core.state_dict import apply_factories, collect, split_common
 from ..planning.common_check import common_differences, common_digest, leaf_records, rank_differences
 from ..planning.even import mark_even
@@ -229,10 +233,28 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
         if check_common:
             local.common_digest = common_digest(common)
     except Exception as e:
+        at = _unpicklable_at(common)
         raise CheckpointingError(
-            f"checkpoint {target}: the common (non-sharded) state cannot be serialized: {type(e).__name__}: {e}"
+            f"checkpoint {target}: the common (non-sharded) state cannot be serialized"
+            f"{f' (the value at {at!r})' if at else ''}: {type(e).__name__}: {e}"
         ) from e
     return local
+
+
+def _unpicklable_at(common: Any) -> Optional[str]:
+    """The path of the first leaf of ``common`` that cannot be pickled alone (a lambda, a lock, an open
+    file), for the error: pickle names the object, not where it is in the state. Only on that failure."""
+    try:
+        for path, leaf in walk_paths(common, where="the common state"):
+            if isinstance(leaf, torch.Tensor):
+                continue
+            try:
+                pickle.dumps(leaf)
+            except Exception:  # noqa: BLE001 - whatever pickle raises marks the leaf
+                return join_path(path) if path else "the whole state"
+    except CheckpointingError:  # a tree past the walker's bounds: the error names the object only
+        return None
+    return None
 
 
 def _check_data(st: ShardedTensor, rank: int) -> None:

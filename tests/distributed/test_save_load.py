@@ -355,7 +355,7 @@ def test_common_state_differing_between_ranks_is_reported(tmp_path):
 def _unpicklable_common_save(rank, world, path):
     # Only rank 0 holds a value torch.save cannot serialize: every rank must fail, nobody waits.
     sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world)),
-          "hook": (lambda x: x) if rank == 0 else None}
+          "cfg": {"hooks": [None, (lambda x: x) if rank == 0 else None]}}
     try:
         ldc.save(sd, path)
     except ldc.CheckpointingError as e:
@@ -367,4 +367,5 @@ def test_unserializable_common_state_fails_on_every_rank(tmp_path):
     msgs = run_distributed(_unpicklable_common_save, 2, str(tmp_path / "ck"), timeout_s=60)
     for msg in msgs:
         assert msg is not None and "rank 0" in msg and "cannot be serialized" in msg
+        assert "(the value at 'cfg/hooks/1')" in msg  # where it is, not only what pickle says of it
     assert not (tmp_path / "ck").exists()
