@@ -12,6 +12,10 @@ from .errors import ArgumentError, MissingKeysError
 from .shown import quoted
 
 logger = logging.getLogger(__name__)
+# How each entry point skips keys its template asks for but the checkpoint lacks.
+SKIP_HINT = ("to skip them: load(..., strict=StrictHandling.LOG_UNEXPECTED / LOG_ALL / RETURN_ALL / IGNORE_ALL); "
+             "load_module_weights / fabric.load: strict=False; a Trainer under our strategies: "
+             "LightningModule.strict_loading = False, or the checkpoint config's strict: log_all")
 
 
 class StrictHandling(Enum):
@@ -118,9 +122,12 @@ def check_keys(strict: StrictHandling, checkpoint_dir: str, missing: Iterable[st
         return set(), set()
     if (every and not strict.skips_unexpected) or (missing and strict is StrictHandling.RAISE_ALL):
         shown = missing if strict is StrictHandling.RAISE_ALL else set()
-        hint = "" if not every else " (StrictHandling.LOG_UNEXPECTED / LOG_ALL / RETURN_ALL / IGNORE_ALL skip them)"
+        hint = "" if not every else f" ({SKIP_HINT})"
+        close = _close_keys(every, stored)
+        if every and stored and not close and not shown:  # a renamed layer: nothing to guess; where to look
+            close = f" The checkpoint's keys: python -m lightning_distckpt inspect {checkpoint_dir}"
         raise MissingKeysError(f"{where}: {mismatch_message(shown, every, 'of all ranks')} "
-                               f"[strict={strict.value}]{hint}{_close_keys(every, stored)}")
+                               f"[strict={strict.value}]{hint}{close}")
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and (missing or mine):
         kept = " (skipped: their template values are kept)" if mine else ""
         logger.warning("%s: %s%s", where, mismatch_message(missing, mine, "for this rank"), kept)

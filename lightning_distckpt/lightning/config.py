@@ -109,7 +109,11 @@ class DistCheckpointConfig:
         try:
             self.strict = StrictHandling.parse(self.strict).value
         except ValueError as e:
-            raise ConfigError(f"strict: {e}") from None
+            # YAML's `strict: false` arrives as 'False': Lightning's words, not a mode's
+            word = str(self.strict).strip()
+            lightning = {"false": "log_all", "true": "raise_all"}.get(word.lower())
+            hint = f" (Lightning's strict={word.capitalize()} is strict: {lightning})" if lightning else ""
+            raise ConfigError(f"strict: {e}{hint}") from None
         for name in self.safe_globals:  # an unknown name fails here, naming it
             _import_global(name)
         if self.loader is not None and self.loader not in LOADER_NAMES:

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from ..core.errors import CheckpointingError
+from ..core.errors import ArgumentTypeError, CheckpointingError
 from ..core.strict import StrictHandling
 from ..storage.paths import checkpoint_location
 from ..reading.formats import KeyMap, detect
@@ -50,10 +50,11 @@ def load_lightning_module(
     # Lightning's own load_from_checkpoint logic, fed with the checkpoint we read (hparams, hooks, strict).
     from lightning.pytorch.core.saving import _load_state
 
+    _check_module_class(cls)
     io = DistCheckpointIO(extra_safe_globals=extra_safe_globals)
     checkpoint = io.load_checkpoint(checkpoint_dir)
     if "state_dict" not in checkpoint:
-        raise CheckpointingError(f"checkpoint {os.fspath(checkpoint_dir)}: no 'state_dict' (not a Lightning checkpoint)")
+        raise CheckpointingError(_no_state_dict(checkpoint_location(checkpoint_dir, "checkpoint"), checkpoint))
     model = _load_state(cls, checkpoint, strict=strict, **init_overrides)
     if map_location is not None:
         model = model.to(map_location)
@@ -85,6 +86,10 @@ def load_module_weights(
     For our directories, ``entry`` names where the module's state sits: ``"state_dict"`` for Trainer
     checkpoints, the state key (e.g. ``"model"``) for ``fabric.save(path, {"model": model, ...})``.
     """
+    if not isinstance(module, nn.Module):
+        swapped = " (the arguments are swapped?)" if isinstance(checkpoint, nn.Module) else ""
+        raise ArgumentTypeError(f"load_module_weights(module, checkpoint): module must be an nn.Module instance, got "
+                                f"{_shown_value(module)}{swapped}; call load_module_weights(module, path)")
     path = checkpoint_location(checkpoint, "checkpoint")
     source = detect(path, key_map if key_map is not None else _entry_key_map(entry), extra_safe_globals)
     if source is not None:
@@ -92,13 +97,53 @@ def load_module_weights(
     io = DistCheckpointIO(extra_safe_globals=extra_safe_globals)
     loaded = io.load_checkpoint(path)
     if entry not in loaded:
-        raise CheckpointingError(f"checkpoint {path}: no entry {entry!r} (has {sorted(loaded)})")
+        raise CheckpointingError(f"checkpoint {path}: no entry {entry!r} (has {sorted(loaded)}); name the module's "
+                                 f"entry: load_module_weights(module, path, entry={_module_entry(loaded)})")
     state = loaded[entry]
     prefix = f"{entry}."
     if entry != "state_dict" and isinstance(state, dict):  # Fabric checkpoints written before the keys lost it
         state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
     module.load_state_dict(state, strict=strict)
     return module
+
+
+def _shown_value(value: Any) -> str:
+    """A value in an argument error: its type, and a short repr for a str or path."""
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    if isinstance(value, (str, os.PathLike)):
+        return f"{type(value).__name__} {os.fspath(value)!r:.80}"
+    return f"an instance of {type(value).__name__}"
+
+
+def _check_module_class(cls: Any) -> None:
+    """``load_lightning_module``'s first argument is the LightningModule class to build."""
+    if isinstance(cls, type) and issubclass(cls, LightningModule):
+        return
+    if isinstance(cls, LightningModule):
+        fix = (f"pass the class, load_lightning_module({type(cls).__name__}, path), or load the weights into this "
+               f"module with load_module_weights(module, path)")
+    elif isinstance(cls, nn.Module) or (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        fix = "for a plain nn.Module, build it and call load_module_weights(module, path)"
+    else:
+        fix = "the class comes first: load_lightning_module(MyModule, path)"
+    raise ArgumentTypeError(f"load_lightning_module(cls, path): cls must be a LightningModule class, got "
+                            f"{_shown_value(cls)}; {fix}")
+
+
+def _no_state_dict(path: str, checkpoint: Any) -> str:
+    """What a checkpoint without a Trainer's ``state_dict`` holds, and how to load its weights."""
+    names = sorted(map(str, checkpoint))
+    held = ", ".join(map(repr, names[:6])) + (f", ... ({len(names)} entries)" if len(names) > 6 else "")
+    return (f"checkpoint {path}: no 'state_dict' entry, so not a Trainer's checkpoint (it holds {held or 'nothing'}); "
+            f"build the module yourself and load its weights with load_module_weights(module, path) (a state dict), "
+            f"or load_module_weights(module, path, entry={_module_entry(checkpoint)}) for the module's entry of a "
+            f"fabric.save checkpoint")
+
+
+def _module_entry(checkpoint: Any) -> str:
+    """The first entry holding a mapping (where a fabric.save checkpoint keeps a module), as an argument."""
+    return next((repr(k) for k, v in checkpoint.items() if isinstance(v, dict)), "NAME")
 
 
 def _entry_key_map(entry: str) -> Callable[[str], Optional[str]]:

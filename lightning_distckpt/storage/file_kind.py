@@ -16,6 +16,7 @@ import zipfile
 from typing import Optional
 
 from ..core.errors import FormatError
+from .inside import inside_hint
 from .paths import ANYWHERE, open_regular
 
 HEAD_BYTES = 64
@@ -94,4 +95,4 @@ def not_a_torch_file(path: str, root: Optional[str] = ANYWHERE) -> Optional[Form
     for magic, what, how in _KNOWN:
         if head.startswith(magic):
             return FormatError(f"{path} is not a checkpoint: it is {what}, {NOT_A_CHECKPOINT}: {how}")
-    return FormatError(f"{path} is not a checkpoint: {NOT_A_CHECKPOINT} ({_preview(head)})")
+    return FormatError(f"{path} is not a checkpoint: {NOT_A_CHECKPOINT} ({_preview(head)}){inside_hint(path)}")

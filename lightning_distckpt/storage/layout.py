@@ -36,6 +36,7 @@ from ..core.shown import shown
 from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError, not_found
 from ..core.gc_pause import gc_paused
 from .checksums import check_sha256, warn_no_checksums
+from .inside import inside_hint
 from .paths import (MARKER_CAP, METADATA_CAP, PICKLE_CAP, SizeCap, holds_nothing, local_path, read_inside,
                     refuse_special)
 
@@ -172,7 +173,7 @@ def open_metadata(checkpoint_dir: str, verify: bool = True) -> MetadataFile:
             if is_checkpoint_dir(path)
             # "is not a distributed checkpoint": Megatron-Core's words, for scrapers of its logs
             else f"not a lightning_distckpt checkpoint (no metadata.json / commit marker): {given} is not a "
-                 f"distributed checkpoint ({_what_is_there(path)})"
+                 f"distributed checkpoint ({_what_is_there(path)}){inside_hint(given)}"
         )
         raise IncompleteCheckpointError(f"checkpoint {given}: {what}")
     raw = {}
