@@ -265,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the actions as JSON")
     p = add_command(sub, "convert", cmd_convert,
                     "convert a checkpoint directory to one torch.save file (Lightning checkpoints become Lightning's "
-                    "own checkpoint dict), a torch.save file to a checkpoint directory, or a checkpoint to another "
-                    "storage layout (--to distckpt with a directory source)")
+                    "own checkpoint dict), a torch.save file to a checkpoint directory, a checkpoint to another "
+                    "storage layout (--to distckpt with a directory source), or export one as a Hugging Face "
+                    "safetensors directory, a PyTorch DCP or a Megatron-Core torch_dist checkpoint (--to)")
     p.add_argument("source", help="checkpoint directory (or s3://bucket/prefix) or torch.save file")
     p.add_argument("destination", help="output file (--to torch) or checkpoint directory (or s3://bucket/prefix)")
     p.add_argument("--to", choices=["torch", "distckpt", "safetensors", "dcp", "megatron"],
@@ -292,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``lightning-distckpt`` console script; returns the exit status."""
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a first try: the commands, not argparse's one line
+        parser.print_help(sys.stderr)
+        return EXIT_UNUSABLE
     args = parser.parse_args(argv)
     try:
         with command_logging(args):

@@ -224,8 +224,9 @@ def test_console_script_and_usage(saved):
     assert os.path.exists(exe), "console script not installed: pip install -e ."
     r = cli("inspect", saved["ocdbt"], exe=exe)
     assert r.returncode == 0 and "layer.weight" in r.stdout
-    r = cli(exe=exe)
+    r = cli(exe=exe)  # no arguments: the whole help (each command and the exit statuses), not one usage line
     assert r.returncode == 2 and "inspect" in r.stderr and "validate" in r.stderr
+    assert "show keys, global shapes" in r.stderr and "exit status: 0 ok" in r.stderr
 
 
 def test_format_doc_snippet(saved):
