@@ -74,7 +74,8 @@ def load_module_weights(
     """Load a module's weights in this process alone (no collective: call it on every rank, e.g. in
     ``configure_model``, or on one).
 
-    ``checkpoint`` is one of our checkpoint directories (every tensor read whole), or an ordinary
+    ``checkpoint`` is a Trainer or Fabric checkpoint directory of ours (every tensor read whole; a plain
+    ``lightning_distckpt.save`` checkpoint: ``lightning_distckpt.load(template, path, key_map=...)``), or an ordinary
     file this rank reads its shards from: a ``torch.save`` file (a state dict, or a Lightning
     ``.ckpt`` whose weights sit under ``entry``), a ``.safetensors`` file, a Hugging Face model
     directory (sharded with an index or not). For those, the module's shards are described by its
