@@ -210,7 +210,8 @@ def _keys_digest(keys: Set[str]) -> str:
     return h.hexdigest()
 
 
-def assemble(req: LoadRequest, common: Any, tensors: Sequence[Optional[Any]], objects: Sequence[Optional[Any]]) -> Dict[str, Any]:
+def assemble(req: LoadRequest, common: Any, tensors: Sequence[Optional[Any]],
+             objects: Sequence[Optional[Any]]) -> Dict[str, Any]:
     """Put loaded values in the template's slots (a slot with nothing loaded, a key absent from the
     checkpoint, keeps the template's ``data``), fold factories, merge the common state."""
 

@@ -13,8 +13,8 @@
 ``StorageOptions(verify=False)`` (or ``LIGHTNING_DISTCKPT_VERIFY=0``, an override for the whole
 process) skips the checks of objects, ``common.pt``, ``metadata.json`` and the chunk checksums we
 compute (e.g. to salvage what still deserializes from a damaged checkpoint);
-chunks that tensorstore decodes through the ``crc32c`` codec are still checked by it. Checkpoints of formats 1 and 2 carry
-no checksums: they load with one warning per checkpoint and process.
+chunks that tensorstore decodes through the ``crc32c`` codec are still checked by it. Checkpoints of
+formats 1 and 2 carry no checksums: they load with one warning per checkpoint and process.
 """
 
 from __future__ import annotations

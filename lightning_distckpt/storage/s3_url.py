@@ -92,7 +92,8 @@ def credentials_spec(url: str, options: StorageOptions) -> Dict[str, Any]:
         else:
             raise ArgumentError(
                 f"checkpoint {url}: s3:// URLs are not supported without credentials, and none are configured: set "
-                f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass StorageOptions(s3_credentials=...)"
+                f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
+                f"StorageOptions(s3_credentials=...)"
             )
     if choice.startswith("profile:"):
         return {"type": "profile", "profile": choice[len("profile:"):]}

@@ -224,7 +224,8 @@ def _refusal(e: BaseException) -> str:
             f"extra_safe_globals=[{name}] argument of lightning_distckpt.load / load_common_state_dict / "
             f"DistCheckpointIO(...) (the plugin the Lightning / Fabric strategies use), or the checkpoint "
             f"config's safe_globals: ['{name}'] (YAML; a strategy's checkpoint: section), or for every "
-            f"load in the process, calls without that argument included, torch.serialization.add_safe_globals([{name}])")
+            f"load in the process, calls without that argument included, "
+            f"torch.serialization.add_safe_globals([{name}])")
 
 
 # torch's advice to load with weights_only=False (which runs whatever code the file names) and the
