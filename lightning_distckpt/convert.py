@@ -161,7 +161,8 @@ def _copy_objects(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO
     by_writer: Dict[int, List[ObjectWrite]] = {}
     for key, entry in ckpt.index.objects.items():
         for s in entry.shards:  # bytes as stored: nothing is unpickled
-            by_writer.setdefault(s.writer, []).append(ObjectWrite(key, s.index, src.read_object(s.writer, key, s.index)))
+            by_writer.setdefault(s.writer, []).append(ObjectWrite(key, s.index,
+                                                                  src.read_object(s.writer, key, s.index)))
     total = 0
     for writer, objects in sorted(by_writer.items()):
         nbytes = dst.write(writer, [], objects)

@@ -93,7 +93,8 @@ def save(
                           plan_cache)
     if background_snapshot is not False and (not async_save or not (background_snapshot is True
                                                                      or callable(background_snapshot))):
-        raise ArgumentTypeError("background_snapshot must be False, True or a function of a tensor, and needs async_save "
+        raise ArgumentTypeError("background_snapshot must be False, True or a function of a tensor, and needs "
+                                "async_save "
                                 f"(got background_snapshot={background_snapshot!r}, async_save={async_save!r})")
     # Megatron-Core's leaves become ours; DTensor and plain tensor leaves sharded tensors keyed by tree path
     comm = get_comm(process_group)
@@ -178,7 +179,8 @@ def load(
         raise ArgumentError("load: key_map and storage choose how a path is opened; not with a SharedCopy")
     require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
     require_state_dict(sharded_state_dict, "sharded_state_dict")
-    require(strict, (StrictHandling, Enum, str, bool), "strict", "a StrictHandling (ours or Megatron-Core's), its name or a bool")
+    require(strict, (StrictHandling, Enum, str, bool), "strict",
+            "a StrictHandling (ours or Megatron-Core's), its name or a bool")
     require_globals(extra_safe_globals)
     require_key_map(key_map)
     require_bool(common, "common")

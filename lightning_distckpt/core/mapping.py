@@ -138,10 +138,12 @@ class ShardedTensor:
                 )
             if self.data is not None and (self.data.ndim != 1 or self.data.numel() != fr.stop - fr.start):
                 raise ShardingError(
-                    f"{k!r}: flattened data must be 1-D with {fr.stop - fr.start} elements, got {tuple(self.data.shape)}"
+                    f"{k!r}: flattened data must be 1-D with {fr.stop - fr.start} elements, "
+                    f"got {tuple(self.data.shape)}"
                 )
         elif self.data is not None and tuple(self.data.shape) != self.local_shape:
-            raise ShardingError(f"{k!r}: data shape {tuple(self.data.shape)} disagrees with local_shape {self.local_shape}")
+            raise ShardingError(f"{k!r}: data shape {tuple(self.data.shape)} disagrees with "
+                                f"local_shape {self.local_shape}")
 
     # -- constructors -------------------------------------------------------------------
     @classmethod
@@ -259,11 +261,13 @@ class ShardedTensor:
         return is_main_replica(self.replica_id)
 
     def local_nbytes(self) -> int:
-        n = (self.flattened_range.stop - self.flattened_range.start) if self.flattened_range else math.prod(self.local_shape)
+        n = ((self.flattened_range.stop - self.flattened_range.start) if self.flattened_range
+             else math.prod(self.local_shape))
         return n * self.dtype.itemsize
 
     def __repr__(self) -> str:
-        flat = f", flattened_range={self.flattened_range.start}:{self.flattened_range.stop}" if self.flattened_range else ""
+        flat = (f", flattened_range={self.flattened_range.start}:{self.flattened_range.stop}" if self.flattened_range
+                else "")
         return (
             f"ShardedTensor(key={self.key!r}, dtype={self.dtype}, local_shape={self.local_shape}, "
             f"global_shape={self.global_shape}, global_offset={self.global_offset}, replica_id={self.replica_id}{flat})"
@@ -292,7 +296,8 @@ class ShardedObject:
         self.replica_id = _check_replica_id(self.key, self.replica_id)
         if len(self.global_shape) != len(self.global_offset):
             raise ShardingError(
-                f"{self.key!r}: global_shape {self.global_shape} and global_offset {self.global_offset} differ in length"
+                f"{self.key!r}: global_shape {self.global_shape} and global_offset {self.global_offset} "
+                "differ in length"
             )
         for ax, (off, size) in enumerate(zip(self.global_offset, self.global_shape)):
             if size < 1 or not 0 <= off < size:

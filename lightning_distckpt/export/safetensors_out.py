@@ -160,7 +160,8 @@ def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile], progress
             advance(progress, sum(t.nbytes for t in batch))
         try:
             write_file_atomic(os.path.join(out_dir, f.name),
-                              functools.partial(save_file, tensors, metadata={**FILE_METADATA, **crc_metadata(tensors)}))
+                              functools.partial(save_file, tensors,
+                                                metadata={**FILE_METADATA, **crc_metadata(tensors)}))
         except (OSError, SafetensorError) as e:
             raise CheckpointingError(f"{os.path.join(out_dir, f.name)}: cannot write ({e})") from e
         logger.debug("wrote %s: %d tensor(s), %d bytes", f.name, len(f.tensors), f.nbytes)

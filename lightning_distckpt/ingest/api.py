@@ -92,7 +92,8 @@ def broadcast_and_shard_state_dict(state_dict: Mapping[str, Any], meta_sharded_s
                      ShardOptions(max_inflight_bytes, bucket_bytes))
 
 
-def shard_broadcasted_state_dict(meta_sharded_state_dict: Mapping[str, Any], sharded_state_dict: MutableMapping[str, Any],
+def shard_broadcasted_state_dict(meta_sharded_state_dict: Mapping[str, Any],
+                                 sharded_state_dict: MutableMapping[str, Any],
                                  *, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
                                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
     """Every rank but 0: receive what rank 0 broadcasts and store this rank's shards in

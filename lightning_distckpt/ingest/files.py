@@ -35,7 +35,8 @@ class CheckpointStateDict(dict):
         self.files = files
 
 
-def load_state_dict(checkpoint_file: Union[str, os.PathLike], device_map: Optional[DeviceMap] = None) -> Dict[str, torch.Tensor]:
+def load_state_dict(checkpoint_file: Union[str, os.PathLike],
+                    device_map: Optional[DeviceMap] = None) -> Dict[str, torch.Tensor]:
     """On global rank 0 the state dict stored in ``checkpoint_file``; ``{}`` on every other rank.
 
     ``checkpoint_file`` is a ``torch.save`` file (read with ``weights_only=True``: a pickle that
@@ -77,12 +78,14 @@ def _read(path: str, device_map: Optional[DeviceMap]) -> CheckpointStateDict:
         raise FormatError(f"{path}: no such file or directory")
     opened = open_tensor_files(path)
     if opened is None:
-        raise FormatError(f"{path}: not a Hugging Face model directory (none of {', '.join(HF_INDEXES + HF_SINGLE_FILES)})")
+        raise FormatError(f"{path}: not a Hugging Face model directory "
+                          f"(none of {', '.join(HF_INDEXES + HF_SINGLE_FILES)})")
     files: Dict[str, str] = {}
     tensors: Dict[str, torch.Tensor] = {}
     for f, listed in opened:
         if isinstance(f, TorchFile) and not f.is_state_dict:
-            raise FormatError(f"{f.path}: holds a {f.payload_type}, not a flat state dict of name -> tensor (a training "
+            raise FormatError(f"{f.path}: holds a {f.payload_type}, not a flat state dict of name -> tensor "
+                              "(a training "
                               f"checkpoint keeps its weights under a key such as 'state_dict': ldc.load reads those)")
         present = set(f.names())
         for key in f.names() if listed is None else listed:

@@ -152,7 +152,8 @@ class DistCheckpointIO(CheckpointIO):
         else:
             self._save_local(tree, target, storage)
 
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Read a whole checkpoint in this process (any world size wrote it): every tensor whole,
         in its place; tensors land on the CPU unless ``map_location`` (a device or str) says otherwise.
         A ``torch.save`` file (a stock Lightning ``.ckpt``) is read as it is, safely (``weights_only``)."""
@@ -168,7 +169,8 @@ class DistCheckpointIO(CheckpointIO):
                 state, kind = self._load_directory(target)
         if map_location is not None:
             if not isinstance(map_location, (str, torch.device)):
-                raise ArgumentTypeError(f"map_location must be a device or a str for distributed checkpoints, got {map_location!r}")
+                raise ArgumentTypeError(f"map_location must be a device or a str for distributed checkpoints, "
+                                        f"got {map_location!r}")
             state = apply_to_collection(state, torch.Tensor, lambda t: t.to(map_location))
         return fabric_checkpoint(state, target, kind)
 
@@ -221,7 +223,8 @@ class DistCheckpointIO(CheckpointIO):
         self.wait()
 
     # -- the collective API (every rank calls) ---------------------------------------------
-    def save_sharded(self, sharded_state_dict: Dict[str, Any], path: Any, process_group: Optional[dist.ProcessGroup] = None,
+    def save_sharded(self, sharded_state_dict: Dict[str, Any], path: Any,
+                     process_group: Optional[dist.ProcessGroup] = None,
                      storage_options: Optional[Any] = None, background_snapshot: Selector = False) -> None:
         """Collective save of a sharded state dict (each rank its own shards) to ``path``. ``background_snapshot``:
         what a background save's thread copies (:meth:`AsyncSaver.save`; the caller waits on ``pending``)."""

@@ -117,7 +117,8 @@ class DistCheckpointConfig:
         for name in self.safe_globals:  # an unknown name fails here, naming it
             _import_global(name)
         if self.loader is not None and self.loader not in LOADER_NAMES:
-            raise ConfigError(f"unknown loader {self.loader!r}; choose one of {list(LOADER_NAMES)} or null (the default)")
+            raise ConfigError(f"unknown loader {self.loader!r}; choose one of {list(LOADER_NAMES)} "
+                              "or null (the default)")
         if self.max_staging_bytes is not None and self.max_staging_bytes < 0:
             raise ConfigError(f"max_staging_bytes must be null or >= 0 bytes, got {self.max_staging_bytes}")
         if self.background_snapshot and not self.async_save:

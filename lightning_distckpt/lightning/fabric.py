@@ -201,7 +201,8 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
                 f"one module (this state has {modules}); resume this one with trainer.fit(model, ckpt_path=...), or "
                 f"load a module's weights with load_module_weights(module, {target!r}) (its entry 'state_dict')")
         layout = rekey_template(source, template, {modules[0]: ModuleEntry("state_dict/", f"{modules[0]}.")},
-                                [OptimizerEntry(f"optimizer_states/{i}", template[n]) for i, n in enumerate(optimizers)],
+                                [OptimizerEntry(f"optimizer_states/{i}", template[n])
+                                 for i, n in enumerate(optimizers)],
                                 ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)
         layout.optimizer_sources.update({n: ("optimizer_states", i) for i, n in enumerate(optimizers)})
         return layout

@@ -38,7 +38,8 @@ class FabricCheckpoint(Dict[str, Any]):
         raise NotATrainerCheckpointError(
             f"checkpoint {self.path} was written {self.writer}, not by a Trainer: it has no {key!r} entry "
             f"(entries {entries}). Load it with fabric.load(path, state) under the Fabric setup "
-            "that wrote it; or load its module's weights with lightning_distckpt.lightning.load_module_weights(module, path, "
+            "that wrote it; or load its module's weights with "
+            "lightning_distckpt.lightning.load_module_weights(module, path, "
             "entry=\"model\") and call trainer.fit without ckpt_path; or read it whole with "
             "DistCheckpointIO().load_checkpoint(path) (python -m lightning_distckpt convert: one file)")
 

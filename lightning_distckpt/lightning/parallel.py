@@ -115,8 +115,8 @@ def module_sharded_state_dict(module: nn.Module, prefix: str = "", replica_id: R
     """A sharded state dict for ``module`` whose keys are ``module.state_dict()``'s (with ``prefix``).
 
     Submodules that define ``sharded_state_dict(prefix)`` describe their own tensors (e.g. the
-    column- and row-parallel layers of ``examples/tp_layers.py``); every other tensor is a whole tensor replicated on every rank,
-    with ``replica_id`` (pass :attr:`ParallelState.replicated_id`, so that exactly one rank writes it).
+    column- and row-parallel layers of ``examples/tp_layers.py``); every other tensor is a whole tensor replicated on
+    every rank, with ``replica_id`` (pass :attr:`ParallelState.replicated_id`, so that exactly one rank writes it).
     Non-tensor extra state is kept as common state. ``module``'s own ``sharded_state_dict`` is not
     called, so a module can implement its ``sharded_state_dict`` with this function.
     """
@@ -199,7 +199,8 @@ def _unknown_argument(owner: str, key: str, value: Any) -> str:
     """What is wrong with ``key=value`` given to a TP strategy, and what to write instead."""
     from .config import unknown_argument
 
-    return unknown_argument(owner, key, value, ["tensor_parallel_size", "checkpoint"], "(checkpoint={{{key!r}: {value!r}}})",
+    return unknown_argument(owner, key, value, ["tensor_parallel_size", "checkpoint"],
+                            "(checkpoint={{{key!r}: {value!r}}})",
                             sorted(_ddp_parameters()),
                             "It takes tensor_parallel_size, checkpoint (checkpoint settings: a DistCheckpointConfig, a "
                             "mapping or a YAML path) and the arguments of Lightning's DDPStrategy and of "

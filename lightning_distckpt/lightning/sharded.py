@@ -80,7 +80,8 @@ def check_describable(module: nn.Module, ps: ParallelState) -> None:
         )
 
 
-def optimizer_sharded_state(optimizer: Optimizer, model_ssd: Dict[str, Any], prefix: str, init_state: bool) -> Dict[str, Any]:
+def optimizer_sharded_state(optimizer: Optimizer, model_ssd: Dict[str, Any], prefix: str,
+                            init_state: bool) -> Dict[str, Any]:
     """The optimizer helpers' sharded optimizer state (imported here: they are optional machinery)."""
     from ..optim import optimizer_sharded_state_dict
 

@@ -231,7 +231,8 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSna
             return
         optimizers = self._raw_optimizers()
         if states and len(states) != len(optimizers):
-            raise CheckpointingError(f"the checkpoint has {len(states)} optimizer states, the module has {len(optimizers)} optimizers")
+            raise CheckpointingError(f"the checkpoint has {len(states)} optimizer states, "
+                                     f"the module has {len(optimizers)} optimizers")
         for opt, state in zip(optimizers, states):
             restore_optimizer(opt, state)
 

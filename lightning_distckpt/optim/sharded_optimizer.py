@@ -211,7 +211,8 @@ def optimizer_sharded_state_dict(
             i = len(param_keys)
             if entry is None:
                 raise CheckpointingError(
-                    f"optimizer {cls}: parameter #{i} (param group {g}, shape {tuple(p.shape)}, dtype {p.dtype}) is not "
+                    f"optimizer {cls}: parameter #{i} (param group {g}, shape {tuple(p.shape)}, dtype {p.dtype}) "
+                    "is not "
                     f"the data of any ShardedTensor or ShardedTensorFactory of the model's sharded state dict "
                     f"(build it from module.state_dict(keep_vars=True) so the parameters themselves are its data)"
                 )
@@ -224,7 +225,8 @@ def optimizer_sharded_state_dict(
             param_keys.append(entry.key)
             pstate = optimizer.state.get(p)
             if pstate:
-                state[entry.key] = {name: _state_entry(optimizer, name, v, p, entry, prefix) for name, v in pstate.items()}
+                state[entry.key] = {name: _state_entry(optimizer, name, v, p, entry, prefix)
+                                    for name, v in pstate.items()}
         groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": keys})
     return {"state": state, "param_groups": groups, "param_keys": LocalNonpersistentObject(param_keys)}
 

@@ -7,7 +7,8 @@ from typing import Optional, Sequence, Tuple
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
 
-def intersect(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], b_shape: Sequence[int]) -> Optional[Box]:
+def intersect(a_off: Sequence[int], a_shape: Sequence[int],
+              b_off: Sequence[int], b_shape: Sequence[int]) -> Optional[Box]:
     """Intersection of two boxes as (offset, shape), or None when empty."""
     lo = [max(a, b) for a, b in zip(a_off, b_off)]
     hi = [min(a + sa, b + sb) for a, sa, b, sb in zip(a_off, a_shape, b_off, b_shape)]

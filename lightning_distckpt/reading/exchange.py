@@ -70,7 +70,8 @@ class ChunkExchange:
         self.dest: Dict[ChunkId, torch.Tensor] = {}
         for c, requesters in local.items():
             st = requesters[0].tensor
-            shape = st.local_shape if st.flattened_range is None else (st.flattened_range.stop - st.flattened_range.start,)
+            shape = (st.local_shape if st.flattened_range is None
+                     else (st.flattened_range.stop - st.flattened_range.start,))
             # detach: parameters (keep_vars) are written in place, outside autograd
             self.dest[c] = st.data.detach() if st.data is not None else torch.empty(shape, dtype=st.dtype)
         self._costs: Dict[int, int] = {}  # id of an op of the plan -> its cost
@@ -128,7 +129,8 @@ class ChunkExchange:
         if op.src == me:
             for c in op.chunks:
                 d = self.dest[c]
-                slot.targets.append(d if self._cpu_direct(d) else self._alloc(slot, d.shape, d.dtype, torch.device("cpu")))
+                slot.targets.append(d if self._cpu_direct(d)
+                                    else self._alloc(slot, d.shape, d.dtype, torch.device("cpu")))
             if op.transport != LOCAL:
                 if len(op.chunks) > 1:
                     slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)

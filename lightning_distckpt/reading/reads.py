@@ -143,7 +143,8 @@ def read_objects(source: CheckpointSource, objects: Sequence[ShardedObject], ski
             continue
         stored = next((s for s in source.index.objects[so.key].shards if tuple(s.offset) == so.global_offset), None)
         if stored is None:
-            raise CheckpointingError(f"checkpoint {source.path}: object {so.key!r} has no element at {so.global_offset}")
+            raise CheckpointingError(f"checkpoint {source.path}: object {so.key!r} has no element at "
+                                     f"{so.global_offset}")
         blob = reader.read_object(stored.writer, so.key, stored.index)
         out[i] = loads(blob, f"checkpoint {source.path}: object {so.key!r}", extra_safe_globals)
     return out

@@ -78,8 +78,10 @@ class BackgroundSnapshot:
             if changed:
                 raise SaveFailedError(
                     f"save to {self._target}: {len(changed)} tensor(s) changed in place while the background snapshot "
-                    f"copied them: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}. With background_snapshot "
-                    "the state must not change until AsyncSaveRequest.wait_snapshot() returns (a Lightning strategy waits "
+                    f"copied them: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}. "
+                    "With background_snapshot "
+                    "the state must not change until AsyncSaveRequest.wait_snapshot() returns "
+                    "(a Lightning strategy waits "
                     "before the optimizer step: something else changed it earlier); nothing was committed")
         finally:
             self.seconds = time.perf_counter() - t0

@@ -164,7 +164,8 @@ class LocalTier:
         self._saver.reserve_staging(nbytes, on_accelerator)
 
     def _finish(self, request: Any, step: int) -> None:
-        lower_thread(threading.get_native_id(), getattr(self._saver, "nice", 0))  # like the saver's writing thread: the training comes first
+        # like the saver's writing thread: the training comes first
+        lower_thread(threading.get_native_id(), getattr(self._saver, "nice", 0))
         try:
             finish_local_save(self._ctx, request, step)
         except BaseException as e:  # raised on the caller's thread by wait() / the next save()

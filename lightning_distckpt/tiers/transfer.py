@@ -47,7 +47,8 @@ def manifest_of(directory: str, names: Optional[Tuple[str, ...]] = None) -> Mani
     out: Manifest = []
     if not os.path.isdir(directory):
         return out
-    tops = sorted(os.listdir(directory)) if names is None else [n for n in names if os.path.lexists(os.path.join(directory, n))]
+    tops = (sorted(os.listdir(directory)) if names is None
+            else [n for n in names if os.path.lexists(os.path.join(directory, n))])
     for top in tops:
         path = os.path.join(directory, top)
         if os.path.islink(path):

@@ -46,7 +46,8 @@ def is_hf_model_directory(path: str) -> bool:
         names = os.listdir(path)
     except OSError:
         return False
-    return "config.json" in names and any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
+    return "config.json" in names and any(n.endswith(".safetensors")
+                                          or (n.startswith("pytorch_model") and n.endswith(".bin"))
                                           for n in names)
 
 

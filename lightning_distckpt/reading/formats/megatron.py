@@ -11,7 +11,8 @@ entries of the index (keys, offsets and global shapes from their names); the com
 ``common.pt``, read with ``weights_only`` (Megatron-LM's own common state holds an
 ``argparse.Namespace``: pass ``extra_safe_globals=[argparse.Namespace]`` if the checkpoint is
 trusted; importing megatron-core allows it in torch itself). Refused with a :class:`FormatError`
-naming what and why: other backends (``zarr``), and tensors Megatron-Core <= 0.15 stored in the N-D reformulated flattened form of the distributed
+naming what and why: other backends (``zarr``), and tensors Megatron-Core <= 0.15 stored in the N-D reformulated
+flattened form of the distributed
 optimizer (``nd_reformulated_orig_global_shape``): only the fully reshardable form is read. A
 ``metadata.json`` beside DCP files that is not Megatron's config (over 1 MiB, not JSON, without
 ``sharded_backend``) and an object name whose numbers are not ASCII digits (at most 18) are

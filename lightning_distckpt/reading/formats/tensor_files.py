@@ -91,7 +91,8 @@ class TensorFileSource:
             if listed is not None:
                 absent = sorted(set(listed) - set(present))
                 if absent:
-                    raise FormatError(f"{f.path}: tensor {absent[0]!r}, listed in the index of {path}, is not in the file")
+                    raise FormatError(f"{f.path}: tensor {absent[0]!r}, listed in the index of {path}, "
+                                      "is not in the file")
             for name in present if listed is None else listed:
                 key = map_key(key_map, name)
                 if key is not None:
@@ -114,7 +115,8 @@ class TensorFileSource:
             raise FormatError(f"{f.path}: tensor {name!r} has dtype {dtype}, which lightning_distckpt "
                               "cannot load") from None
         self._where[key] = _Location(file, name)
-        self.index.tensors[key] = TensorEntry(shape, stored_dtype, [StoredShard((0,) * len(shape), shape, None, file, 0)])
+        self.index.tensors[key] = TensorEntry(shape, stored_dtype,
+                                              [StoredShard((0,) * len(shape), shape, None, file, 0)])
 
     def reader(self) -> "TensorFileSource":
         return self
