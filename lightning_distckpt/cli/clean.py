@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from ..core.shown import MESSAGE_LIMIT, shown
 from ..progress import Progress, set_total
+from ..storage.output_leftovers import OutputLeftover, find_output_leftovers
 from ..storage.store import LeftoverChanged
 from ..storage.stores import open_store
 
@@ -72,6 +73,7 @@ def clean(path: str, older_than_s: float, dry_run: bool, progress: Optional[Prog
         from ..tiers.views import tier_leftovers
 
         leftovers += tier_leftovers(path)
+        leftovers += find_output_leftovers(store.location)  # killed exports' temporaries
     found = [(lo, lo.verdict(older_than_s)) for lo in leftovers]
     if not dry_run:
         set_total(progress, sum(lo.nbytes or 0 for lo, verdict in found if verdict == "remove"))
@@ -80,8 +82,9 @@ def clean(path: str, older_than_s: float, dry_run: bool, progress: Optional[Prog
         if verdict == "recover" and lo.stranded:  # not recovered above: dry run, or its commit still runs here
             actions.append(CleanAction(lo, "would recover" if dry_run else "kept", reason))
             continue
-        actions.append(_act(lo, verdict == "remove", reason, dry_run,
-                            lambda lo=lo: store.remove_leftover(lo, progress)))
+        remover = ((lambda lo=lo: lo.remove(progress)) if isinstance(lo, OutputLeftover)
+                   else (lambda lo=lo: store.remove_leftover(lo, progress)))
+        actions.append(_act(lo, verdict == "remove", reason, dry_run, remover))
     return actions
 
 

@@ -185,7 +185,8 @@ def commit_time(checkpoint_dir: str) -> Optional[float]:
     return st.st_mtime
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -209,7 +210,7 @@ def _live_owners(staging: str) -> List[int]:
         try:
             note = json.loads(read_inside(os.path.join(notes, name), "owner note", max_bytes=_MAX_NOTE_BYTES))
             pid = int(note["pid"])
-            if note.get("host") == host and 0 < pid != os.getpid() and _pid_alive(pid):  # 0, -1: groups
+            if note.get("host") == host and 0 < pid != os.getpid() and pid_alive(pid):  # 0, -1: groups
                 pids.append(pid)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError,
                 FormatError):
@@ -217,7 +218,7 @@ def _live_owners(staging: str) -> List[int]:
     return sorted(pids)
 
 
-def _size_and_newest_mtime(path: str) -> Tuple[int, float]:
+def size_and_newest_mtime(path: str) -> Tuple[int, float]:
     size, newest = 0, os.lstat(path).st_mtime
     for dirpath, _, files in os.walk(path):
         try:
@@ -332,7 +333,7 @@ def find_leftovers(parent: str, target_name: Optional[str] = None, exclude: Sequ
         # is then seen with one or the other (or both), never with neither.
         owners, committed = live_owner_pids(path), is_committed(path)
         try:
-            nbytes, newest = _size_and_newest_mtime(path)
+            nbytes, newest = size_and_newest_mtime(path)
         except OSError:  # vanished: someone else cleaned or committed it
             continue
         found.append(Leftover(path, target, nbytes, max(0.0, now - newest), committed, owners,
