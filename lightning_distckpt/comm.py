@@ -11,14 +11,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 import torch
 import torch.distributed as dist
 
+from .core.tensor_bytes import byte_view  # noqa: F401 - where the readers take it from
 from .core.errors import (TRACEBACK_SECTION, ArgumentError, CheckpointingError, CollectiveError, RankFailure,
                           error_class)
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (no copy): the tensor collectives move bytes, so
-    any dtype goes over any backend."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 #: Pickled objects up to this size travel in :meth:`Comm.all_gather_object`'s first exchange.

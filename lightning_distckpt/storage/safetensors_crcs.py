@@ -15,6 +15,7 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from ..core.tensor_bytes import byte_view
 from ..core.errors import FormatError
 from .checksums import verification_enabled
 from .chunk_checksums import crc32c
@@ -24,7 +25,7 @@ CRC_KEY = "lightning_distckpt.crc32c"
 
 def tensor_crc(t: torch.Tensor) -> int:
     """CRC-32C of the tensor's bytes in row-major order (as safetensors stores them)."""
-    return crc32c(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return crc32c(byte_view(t.detach().contiguous()).numpy())  # byte_view: a one-element view may have any stride
 
 
 def crc_metadata(tensors: Mapping[str, torch.Tensor]) -> Dict[str, str]:
