@@ -127,3 +127,15 @@ def _run_subprocess(script: str, argv: List[str], environ: Dict[str, str], timeo
     proc = subprocess.run([sys.executable, script, *argv], env=environ, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
     return proc.returncode, f"{proc.stdout}\n{proc.stderr}"
+
+
+def script_results(script, *argv, cwd):
+    """Run ``python -c script argv...`` in ``cwd`` (one process) and return the JSON of each line it
+    prints as ``RESULT {...}``; fails showing its output when it printed none."""
+    import json
+
+    r = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True,
+                       timeout=300, env=script_env(), cwd=cwd)
+    results = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, r.stdout[-3000:] + r.stderr[-3000:]
+    return results

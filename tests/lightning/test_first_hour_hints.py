@@ -6,8 +6,6 @@ command line pointed at a directory of checkpoints, a Hugging Face directory or 
 Fabric run for real, one CPU process each."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,7 +16,7 @@ import lightning_distckpt as ldc
 from lightning_distckpt.cli.main import main as cli_main
 from lightning_distckpt.core.errors import ArgumentError, ConfigError
 
-from script_ranks import script_env
+from script_ranks import script_results
 
 FIT = textwrap.dedent("""
     import json, sys, warnings
@@ -60,12 +58,7 @@ FABRIC_LOAD_RAW = textwrap.dedent("""
 """)
 
 
-def _run(script, *argv, cwd):
-    r = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True,
-                       timeout=300, env=script_env(), cwd=cwd)
-    results = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert results, r.stdout[-3000:] + r.stderr[-3000:]
-    return results
+_run = script_results
 
 
 def _dir_of_checkpoints(tmp_path):

@@ -5,9 +5,6 @@ plain state-dict file; a layer renamed between save and resume under ``DistCheck
 ``strict: false`` in a checkpoint YAML; a path inside a checkpoint (its ``data/`` folder, its
 ``metadata.json``) instead of the checkpoint. Trainer and Fabric run for real, one CPU process each."""
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -17,7 +14,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 import lightning_distckpt as ldc
 from lightning_distckpt.core.errors import ArgumentTypeError, CheckpointingError, ConfigError
 
-from script_ranks import script_env
+from script_ranks import script_results
 
 RESUME_RENAMED = textwrap.dedent("""
     import json, sys, warnings
@@ -77,12 +74,7 @@ FABRIC_WEIGHTS = textwrap.dedent("""
 """)
 
 
-def _run(script, *argv, cwd):
-    r = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True,
-                       timeout=300, env=script_env(), cwd=cwd)
-    results = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert results, r.stdout[-3000:] + r.stderr[-3000:]
-    return results
+_run = script_results
 
 
 def _trainer_checkpoint(tmp_path):
