@@ -113,6 +113,8 @@ try:
 except BaseException as e:
     res["fit"] = f"{type(e).__name__}: {str(e)[:400]}"
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+mark(f"rank{rank}_fit_ended")  # the folder is listed once both ranks handled the failure (rank 0 removes
+wait_for(["rank0_fit_ended", "rank1_fit_ended"])  # the failed save's placeholder as it raises)
 res["files"] = sorted(os.listdir(os.path.join(folder, "ck")))
 if res["seen"] and {s[0] for s in res["seen"]} == {"SaveFailedError"}:  # else the ranks parted: no collective now
     resumed = trainer(3)
