@@ -11,7 +11,6 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from .core.tensor_bytes import byte_view  # noqa: F401 - where the readers take it from
 from .core.errors import (TRACEBACK_SECTION, ArgumentError, CheckpointingError, CollectiveError, RankFailure,
                           error_class)
 

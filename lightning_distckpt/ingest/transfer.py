@@ -20,7 +20,8 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from ..comm import Comm, Pending, byte_view
+from ..comm import Comm, Pending
+from ..core.tensor_bytes import byte_view
 from .plan import Manifest, Need, SendOp, cut
 
 

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..comm import byte_view
+from ..core.tensor_bytes import byte_view
 from ..storage.packs import to_numpy
 
 

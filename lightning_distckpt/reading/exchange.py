@@ -23,7 +23,8 @@ from typing import Deque, Dict, List, Optional, Sequence
 
 import torch
 
-from ..comm import Comm, Pending, byte_view
+from ..comm import Comm, Pending
+from ..core.tensor_bytes import byte_view
 from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ExchangeOp, ExchangePlan
 from .buckets import gather_bytes, scatter_bytes
 from .checkpoint import CheckpointSource

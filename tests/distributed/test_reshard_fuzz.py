@@ -390,7 +390,7 @@ def run_cases(cases: List[Case], root: str, timeout_s: float = 60.0) -> int:
 # -- regression cases (explicit) ----------------------------------------------------------------
 def _one_element_strided(loader: str, flat: bool) -> Case:
     """Two ranks of three want the same one element; one into a view with stride 2 (torch calls it
-    contiguous). The exchange's byte view of it (``comm.byte_view``) raised on that rank alone, outside
+    contiguous). The exchange's byte view of it (``core.tensor_bytes.byte_view``) raised on that rank alone, outside
     the exchange's error reporting, which left the others waiting. Fixed: byte_view no longer reshapes."""
     whole = {0: [Piece("s0", (0, 0), (3, 1))]}
     want = dict(offset=(0, 0), shape=(1, 1), flat=(0, 1) if flat else None)
@@ -414,7 +414,7 @@ REGRESSIONS: List[Case] = [_one_element_strided("parallel", True), _one_element_
 
 def test_byte_views_of_one_element_views():
     """torch calls a one-element view of stride 2 contiguous; its bytes are still its one element."""
-    from lightning_distckpt.comm import byte_view
+    from lightning_distckpt.core.tensor_bytes import byte_view
     from lightning_distckpt.storage.safetensors_crcs import tensor_crc
 
     t = torch.arange(6.0).reshape(2, 3)[0:1, 1]
