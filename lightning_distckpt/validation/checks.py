@@ -18,6 +18,7 @@ import io
 import math
 import os
 import time
+from collections import Counter
 import zipfile
 from typing import AbstractSet, Any, Callable, List, Optional, Tuple
 
@@ -105,8 +106,9 @@ def _check_writer_stores(ckpt: OpenedCheckpoint, report: ValidationReport,
     writers = writers if only is None else writers & set(only)
     dead = set()
     claimed = ckpt.index.bytes_per_writer()
+    counts = Counter(s.writer for e in ckpt.index.tensors.values() for s in e.shards)  # one pass, not one per rank
     for w in sorted(writers):
-        n = sum(1 for e in ckpt.index.tensors.values() for s in e.shards if s.writer == w)
+        n = counts[w]
         try:
             stored = ckpt.writer_store(w)  # as its store knows it: an object store lists no sizes
         except CheckpointingError as e:  # a link out of the checkpoint: nothing in it is read
