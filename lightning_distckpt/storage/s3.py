@@ -27,13 +27,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import tensorstore as ts
 
-from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError
+from ..core.errors import ArgumentError, CheckpointingError, FormatError, IncompleteCheckpointError
 from .checksums import sha256_hex
 from .layout import (COMMIT_MARKER, COMMON_FILE, FILE_CAPS, METADATA_FILE, MetadataFile, check_metadata,
                      parse_marker)
 from .options import StorageOptions
 from .paths import MARKER_CAP, SizeCap
-from .s3_url import answer_timeout, context_spec, explain, kvstore_spec, no_answer, parse_s3_url
+from .s3_url import answer_timeout, context_spec, explain, kvstore_spec, nameable, no_answer, parse_s3_url
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,26 @@ _OWN_FILE = SizeCap("file this save wrote", 1 << 62)
 _VERSION = re.compile(r"^v-[0-9a-f]{12}\Z")  # \Z: $ also matches before a final newline
 # Everything a save writes inside its version (layout.py: metadata, common state, per-rank stores).
 _OUR_KEY = re.compile(r"^(metadata\.json|common\.pt|data/rank_[0-9]{5}/.+)\Z")
+# Attempts at opening a checkpoint whose marker moved on between its read and the metadata's (an
+# overwrite commits, then deletes the version just read): each is a newer save, so a few suffice.
+_OPEN_ATTEMPTS = 3
 # Requests moving at most this many bytes are waited on for at most answer_timeout() as a whole;
 # larger ones (metadata.json, common.pt) may rightly take longer, and are bounded by curl's stall
 # limit per attempt (docs/object_storage.md).
 _SMALL = 1 << 20
+
+
+def addressable(name: str) -> bool:
+    """Whether a request for the key ``name`` reaches that object: the ``.`` and ``..`` components
+    of a request's URL path are resolved on the way (curl), so ``v-x/data/../../../x`` read, written
+    or deleted is the object ``x``, outside the location, and the listed object itself is never hit."""
+    return not any(part in (".", "..") for part in name.split("/"))
+
+
+def is_ours(inner: str) -> bool:
+    """Whether ``inner`` (a key inside a version) is a name a save writes: :data:`_OUR_KEY`, each
+    component nameable (no empty, ``.`` or ``..`` one, no control character: our writers make none)."""
+    return _OUR_KEY.match(inner) is not None and all(nameable(part) for part in inner.split("/"))
 
 
 class ObjectStore:
@@ -63,6 +79,13 @@ class ObjectStore:
 
     def _error(self, what: str, e: BaseException) -> CheckpointingError:
         return CheckpointingError(f"checkpoint {self.url}: {what} failed: {explain(e, self.options)}")
+
+    def _key(self, name: str) -> str:
+        """``name``, refused before any request when the request would reach another object (:func:`addressable`)."""
+        if not addressable(name):
+            raise CheckpointingError(f"checkpoint {self.url}: refusing the object name {name[:200]!r}: its '.' or "
+                                     f"'..' component would make the request reach another object")
+        return name
 
     def _wait(self, future: Any, what: str, small: bool = True) -> Any:
         """``future``'s result; for a ``small`` request, a CheckpointingError naming the endpoint
@@ -85,6 +108,7 @@ class ObjectStore:
         FormatError naming it, and is not fetched (:meth:`_larger_than`)."""
         cap = cap or FILE_CAPS.get(name.rpartition("/")[2], MARKER_CAP)
         limit = cap.limit()
+        self._key(name)
         if self._larger_than(name, limit):
             raise cap.refusal(f"object {self.url}/{name}", None, limit)
         res = self._wait(self._kv.read(name), f"reading {name}", limit <= _SMALL)
@@ -97,7 +121,7 @@ class ObjectStore:
         """Whether the object ``name`` holds more than ``limit`` bytes, asked without fetching it
         (the kvstore lists no sizes): a read of its byte ``limit`` alone, which tensorstore answers
         OUT_OF_RANGE when the object is shorter. False when it is missing."""
-        future = self._kv.read(name, byte_range=slice(limit, limit + 1))
+        future = self._kv.read(self._key(name), byte_range=slice(limit, limit + 1))
         try:
             res = self._wait(future, f"reading {name}")
         except CheckpointingError:
@@ -107,7 +131,7 @@ class ObjectStore:
         return res.state == "value" and len(res.value) > 0
 
     def write(self, name: str, data: bytes) -> None:
-        self._wait(self._kv.write(name, data), f"writing {name}", len(data) <= _SMALL)
+        self._wait(self._kv.write(self._key(name), data), f"writing {name}", len(data) <= _SMALL)
 
     def check_bucket(self) -> None:
         """One listing request: raises when the bucket is missing, access is denied or the endpoint
@@ -128,13 +152,15 @@ class ObjectStore:
 
     def delete(self, name: str) -> None:
         """Delete the object ``name`` (nothing when it is missing)."""
+        self._key(name)
         self._wait(self._kv.delete_range(ts.KvStore.KeyRange(name, name + "\0")), f"deleting {name}")
 
     def delete_keys(self, names: List[str]) -> None:
         """Delete exactly the objects ``names`` (all requests issued, then each awaited): an object
-        put under the same prefix since they were listed stays."""
+        put under the same prefix since they were listed stays. Each name is checked before any
+        request (:meth:`_key`): a listed key may be anyone's."""
         pending = []
-        for name in names:
+        for name in [self._key(n) for n in names]:
             try:
                 pending.append((name, self._kv.delete_range(ts.KvStore.KeyRange(name, name + "\0"))))
             except Exception as e:
@@ -144,14 +170,6 @@ class ObjectStore:
                 future.result()
             except Exception as e:
                 raise self._error(f"deleting {name}", e) from None
-
-    def delete_prefix(self, name: str) -> None:
-        """Delete every object under ``name/``."""
-        start = name.rstrip("/") + "/"
-        try:
-            self._kv.delete_range(ts.KvStore.KeyRange(start, start[:-1] + "0")).result()  # "0" follows "/"
-        except Exception as e:
-            raise self._error(f"deleting {start}", e) from None
 
 
 def new_version(target: str) -> str:
@@ -192,14 +210,31 @@ def read_marker(store: ObjectStore) -> Optional[Dict[str, Any]]:
 
 
 def check_target(target: str, options: StorageOptions) -> None:
-    """Before a save writes: the bucket answers, and the marker there (if any) is one of ours
-    (a save never replaces another tool's ``COMMITTED`` object)."""
+    """Before a save writes: the location is one a save may own (:func:`_check_location`), the
+    bucket answers, and the marker there (if any) is one of ours (a save never replaces another
+    tool's ``COMMITTED`` object)."""
+    _check_location(target)
     store = ObjectStore(target, options)
     store.check_bucket()
     try:
         read_marker(store)
     except FormatError as e:
         raise CheckpointingError(f"{e}; refusing to replace it (save elsewhere)") from None
+
+
+def _check_location(target: str) -> None:
+    """ArgumentError for a save target that readers take for another checkpoint, or that lies inside a
+    checkpoint's version (whose overwrite, removal or ``clean`` deletes what is there: a version's
+    ``data/rank_NNNNN/`` holds only what its save wrote)."""
+    loc = parse_s3_url(target)
+    parts = loc.prefix.split("/") if loc.prefix else []
+    if parts and parts[-1] == COMMIT_MARKER:
+        raise ArgumentError(f"checkpoint {loc.url}: a location named {COMMIT_MARKER} is read as the checkpoint whose "
+                            f"commit marker it is ({checkpoint_url(loc.url)}); save elsewhere")
+    version = next((p for p in parts if _VERSION.match(p)), None)
+    if version is not None:
+        raise ArgumentError(f"checkpoint {loc.url}: {version!r} is named as a checkpoint's version ('v-' and 12 hex "
+                            f"digits), whose objects are that checkpoint's to delete; save elsewhere")
 
 
 def write_object(version_url: str, name: str, data: bytes, options: StorageOptions) -> None:
@@ -236,19 +271,27 @@ def delete_version(store: ObjectStore, name: str) -> Optional[str]:
     """Delete the objects of version ``name`` at ``store``'s location, as listed now, when each is
     a name a save writes; else nothing, and the first other name (an object not ours stays)."""
     inner = [k[len(name) + 1:] for k in store.list_keys(name + "/")]
-    odd = next((k for k in inner if not _OUR_KEY.match(k)), None)
+    odd = next((k for k in inner if not is_ours(k)), None)
     if odd is None:
         store.delete_keys([f"{name}/{k}" for k in inner])  # what was checked, not what came since
     return odd
 
 
 def discard(version_url: str, options: StorageOptions) -> None:
-    """Remove an uncommitted version's objects (after a failed save); failures only logged."""
+    """Remove an uncommitted version's objects (after a failed save), those with a name a save
+    writes (:func:`is_ours`: one put there by anyone else stays); failures only logged."""
     target, name = _split(version_url)
     try:
-        ObjectStore(target, options).delete_prefix(name)
+        store = ObjectStore(target, options)
+        inner = [k[len(name) + 1:] for k in store.list_keys(name + "/")]
+        store.delete_keys([f"{name}/{k}" for k in inner if is_ours(k)])
     except CheckpointingError as e:
         logger.warning("%s (the uncommitted version is left behind; `clean` removes it)", e)
+        return
+    odd = [k for k in inner if not is_ours(k)]
+    if odd:
+        logger.warning("%s: %d object(s) left in place, which no save of ours writes (%r, ...)", version_url,
+                       len(odd), odd[0])
 
 
 def checkpoint_url(url: str) -> str:
@@ -261,19 +304,26 @@ def checkpoint_url(url: str) -> str:
 
 def open_metadata(url: str, options: StorageOptions) -> MetadataFile:
     """The checked metadata of the committed checkpoint at ``url`` (or the one whose marker ``url``
-    names); its ``path`` is the committed version's location (every later read goes there)."""
+    names); its ``path`` is the committed version's location (every later read goes there). An
+    overwrite committing between the marker's read and the metadata's deletes the version just named:
+    the newer one is opened then (a reader polling a training run's checkpoint meets this)."""
     store = ObjectStore(checkpoint_url(url), options)
-    marker = read_marker(store)
-    if marker is None:
-        store.check_bucket()  # a missing bucket is said as such, not as a missing checkpoint
-        raise IncompleteCheckpointError(f"checkpoint {store.url}: no commit marker ({COMMIT_MARKER}): not a "
-                                        f"checkpoint, or its first save never committed")
-    path = f"{store.url}/{marker['version']}"
-    raw = ObjectStore(path, options).read(METADATA_FILE)
-    if raw is None:
-        raise FormatError(f"checkpoint {store.url}: {COMMIT_MARKER} names version {marker['version']}, which has "
-                          f"no {METADATA_FILE} (deleted or damaged)")
-    return MetadataFile(path, check_metadata(raw, marker, path, options.verify), marker)
+    for _ in range(_OPEN_ATTEMPTS):
+        marker = read_marker(store)
+        if marker is None:
+            store.check_bucket()  # a missing bucket is said as such, not as a missing checkpoint
+            raise IncompleteCheckpointError(f"checkpoint {store.url}: no commit marker ({COMMIT_MARKER}): not a "
+                                            f"checkpoint, or its first save never committed")
+        path = f"{store.url}/{marker['version']}"
+        raw = ObjectStore(path, options).read(METADATA_FILE)
+        if raw is not None:
+            return MetadataFile(path, check_metadata(raw, marker, path, options.verify), marker)
+        now = read_marker(store)
+        if now is not None and now["version"] == marker["version"]:
+            raise FormatError(f"checkpoint {store.url}: {COMMIT_MARKER} names version {marker['version']}, which "
+                              f"has no {METADATA_FILE} (deleted or damaged)")
+    raise CheckpointingError(f"checkpoint {store.url}: replaced by {_OPEN_ATTEMPTS} newer saves while being opened "
+                             f"(each deleted the version just named); load it again")
 
 
 def is_committed_version(version_url: str, options: StorageOptions) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import tensorstore as ts
 
+from ..core.errors import CheckpointingError
 from ..progress import Progress
 from . import s3, s3_versions
 from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, MetadataFile, rank_dir
@@ -50,7 +51,13 @@ class S3Store(CheckpointStore):
         return s3.open_metadata(self.location, self.options)
 
     def read_blob(self, path: str, name: str) -> Optional[bytes]:
-        return s3.read_object(path, name, self.options)
+        """None when missing from the committed version; when an overwrite deleted it (the marker
+        names another version now), a CheckpointingError saying so, not that the object is missing."""
+        blob = s3.read_object(path, name, self.options)
+        if blob is None and not s3.is_committed_version(path, self.options):
+            raise CheckpointingError(f"checkpoint {path} was replaced while being read (a newer save committed to "
+                                     f"the same path and deleted its {name}); load it again")
+        return blob
 
     def writer_store(self, path: str, writer: int) -> WriterStore:
         """Whether any object is under the writer's prefix (an object store has no links, and its

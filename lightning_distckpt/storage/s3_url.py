@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from ..core.errors import ArgumentError
 from .options import StorageOptions
@@ -78,6 +78,36 @@ def endpoint(options: StorageOptions) -> Optional[str]:
     return options.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
 
+def _split_userinfo(ep: str) -> Tuple[str, str, str]:
+    """``(scheme://, user:password, host and path)`` of an endpoint (the scheme may be missing)."""
+    scheme, sep, rest = ep.partition("://")
+    if not sep:
+        scheme, rest = "", ep
+    host, slash, path = rest.partition("/")
+    userinfo, at, host = host.rpartition("@")
+    return scheme + sep, userinfo + at, host + slash + path
+
+
+def shown_endpoint(options: StorageOptions) -> str:
+    """The endpoint as errors show it: a ``user:password@`` in it replaced by ``***@`` (never printed)."""
+    ep = endpoint(options)
+    if not ep:
+        return "of AWS S3"
+    scheme, userinfo, rest = _split_userinfo(ep)
+    return f"{scheme}***@{rest}" if userinfo else ep
+
+
+def _check_endpoint(url: str, options: StorageOptions) -> Optional[str]:
+    """The endpoint; ArgumentError (the secret not shown) when it holds a user name or password, which
+    the S3 client never sends (it signs with the AWS credentials) and every error would print."""
+    ep = endpoint(options)
+    if ep and _split_userinfo(ep)[1]:
+        raise ArgumentError(f"checkpoint {url}: the S3 endpoint {shown_endpoint(options)} holds a user name or "
+                            f"password, which is never used: give the endpoint as http(s)://host:port and the "
+                            f"credentials as AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile")
+    return ep
+
+
 def credentials_spec(url: str, options: StorageOptions) -> Dict[str, Any]:
     """tensorstore's ``aws_credentials`` for ``options`` and the environment; ArgumentError when
     none are configured (nothing is then sent anywhere)."""
@@ -105,7 +135,7 @@ def kvstore_spec(url: str, options: StorageOptions) -> Dict[str, Any]:
     loc = parse_s3_url(url)
     spec: Dict[str, Any] = {"driver": "s3", "bucket": loc.bucket, "path": loc.prefix + "/" if loc.prefix else "",
                             "aws_credentials": credentials_spec(url, options)}
-    ep = endpoint(options)
+    ep = _check_endpoint(url, options)
     region = options.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if ep:
         spec["endpoint"] = ep
@@ -145,7 +175,7 @@ def answer_timeout() -> float:
 
 def no_answer(options: StorageOptions, seconds: float) -> str:
     """Why a request that got no answer within ``seconds`` failed, in words."""
-    return (f"the endpoint {endpoint(options) or 'of AWS S3'} did not answer within {seconds:g} s (a stalled "
+    return (f"the endpoint {shown_endpoint(options)} did not answer within {seconds:g} s (a stalled "
             f"server, proxy or network; {S3_TIMEOUT_ENV} sets this bound)")
 
 
@@ -160,5 +190,5 @@ def explain(error: BaseException, options: StorageOptions) -> str:
         return "access denied (check the AWS credentials)"
     if "CURL error" in text:
         detail = text.split("CURL error", 1)[1].split(" [", 1)[0].strip()[:120]
-        return f"the endpoint {endpoint(options) or 'of AWS S3'} is unreachable ({detail})"
+        return f"the endpoint {shown_endpoint(options)} is unreachable ({detail})"
     return text.split(" [http_response_body", 1)[0].splitlines()[0][:300] if text else type(error).__name__

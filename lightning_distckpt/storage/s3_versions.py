@@ -3,7 +3,8 @@
 
 Only what is provably ours is ever offered for removal: a ``v-<12 hex>`` prefix directly inside a
 location whose ``COMMITTED`` object is absent or a marker of ours, holding nothing but the names a
-save writes (``metadata.json``, ``common.pt``, ``data/rank_NNNNN/...``). An object listing through
+save writes (``metadata.json``, ``common.pt``, ``data/rank_NNNNN/...``, no component empty, ``.`` or
+``..``: a request for ``v-x/data/rank_00000/../../../y`` deletes ``y``). An object listing through
 tensorstore's kvstore carries no modification times, so a version's age is read from its token
 (the save's start time, :func:`.s3.new_version`): a version younger than the caller's bound may be
 a save still running on another node.
@@ -19,11 +20,14 @@ from typing import Dict, List, Optional
 from ..core.errors import FormatError
 from .layout import COMMIT_MARKER
 from .options import StorageOptions
-from .s3 import _OUR_KEY, _VERSION, ObjectStore, checkpoint_url, delete_version, read_marker, version_started
+from .s3 import _VERSION, ObjectStore, checkpoint_url, delete_version, is_ours, read_marker, version_started
 from .s3_url import nameable, parse_s3_url
 from .store import LeftoverChanged
 
 logger = logging.getLogger(__name__)
+#: A version younger than this (from its token) may be a save still writing it: ``clean``'s default
+#: ``--older-than``, and what a checkpoint's removal leaves in place.
+LIVE_SAVE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def find_s3_leftovers(url: str, options: StorageOptions = StorageOptions()) -> L
             if name == committed:
                 continue
             why = foreign
-            odd = next((k for k in inner if not _OUR_KEY.match(k)), None)
+            odd = next((k for k in inner if not is_ours(k)), None)
             if why is None and odd is not None:
                 why = f"holds {odd!r}, which no save of ours writes"
             started = version_started(name)
@@ -130,14 +134,24 @@ def remove_version(leftover: S3Leftover, options: StorageOptions = StorageOption
 def remove_checkpoint(url: str, options: StorageOptions = StorageOptions()) -> bool:
     """Delete the checkpoint at ``url``: its marker first (from then on it is no checkpoint), then
     its versions, committed or left behind, that hold only what a save writes. Other objects under
-    the location stay (logged). FormatError, nothing deleted, when the ``COMMITTED`` object there is
-    not a marker of ours; False when there was no checkpoint."""
+    the location stay (logged), and so does a version another save started less than
+    :data:`LIVE_SAVE_S` ago (a second job saving to the same name: its commit would name a version
+    whose objects were deleted; a directory's removal never touches the staging directory of a save
+    to it either). FormatError, nothing deleted, when the ``COMMITTED`` object there is not a marker
+    of ours; False when there was no checkpoint."""
     root = checkpoint_url(url)
     store = ObjectStore(root, options)
-    if read_marker(store) is None:
+    marker = read_marker(store)
+    if marker is None:
         return False
     store.delete(COMMIT_MARKER)
+    now = time.time()
     for name in sorted(_group(store.list_keys()).get("", {})):
+        started = version_started(name)
+        if name != marker["version"] and started is not None and now - started < LIVE_SAVE_S:
+            logger.warning("%s/%s: left in place (started %.0f s ago: a save may still be writing it; `clean` removes "
+                           "it once it is older than --older-than)", root, name, max(0.0, now - started))
+            continue
         odd = delete_version(store, name)
         if odd is not None:
             logger.warning("%s/%s: left in place (holds %r, which no save of ours writes)", root, name, odd)
