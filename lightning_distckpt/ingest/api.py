@@ -148,6 +148,7 @@ def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_s
     if manifest.error is not None:
         raise _manifest_error(manifest)
     transfer = Transfer(comm, manifest, needs, devices, device, options.max_inflight_bytes, source=state_dict)
+    comm.agree(f"sharding {manifest.source} from rank 0", _room_for(manifest, device))
     transfer.run()
     failed = CheckpointingError("; ".join(transfer.errors[:3])) if transfer.errors else None
     comm.agree(f"sharding {manifest.source} from rank 0", failed)
@@ -157,6 +158,21 @@ def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_s
                     manifest.source, comm.size, transfer.stats.ops, manifest.sent_bytes / 1e6,
                     manifest.whole_bytes / 1e6, transfer.stats.seconds)
     return ShardResult(manifest.missing, manifest.unexpected, manifest.sent_bytes, manifest.whole_bytes, transfer.stats)
+
+
+def _room_for(manifest: Manifest, device: torch.device) -> Optional[CheckpointingError]:
+    """The largest broadcast's buffer allocated and freed: a rank without room even for it fails every
+    rank here, before any broadcast (in the middle of them, the others would wait for it until the
+    group's timeout)."""
+    op = max(manifest.ops, key=lambda o: o.nbytes, default=None)
+    try:
+        if op is not None:
+            torch.empty(op.nbytes, dtype=torch.uint8, device=device)
+    except Exception as e:  # torch's OutOfMemoryError; a RuntimeError on the CPU ("can't allocate memory")
+        keys = ", ".join(repr(i.key) for i in op.items[:3]) + (" ..." if len(op.items) > 3 else "")
+        return CheckpointingError(f"allocating {op.nbytes / 2**20:.1f} MiB on {device} for the broadcast of {keys} "
+                                  f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+    return None
 
 
 def _rank0_manifest(state_dict: Mapping[str, Any], needs: list, options: ShardOptions, missing_ok: bool,

@@ -47,6 +47,7 @@ def scatter_bytes(buf: torch.Tensor, tensors: Sequence[torch.Tensor], sizes: Seq
             dst[:] = data[o:o + n]
         elif d.is_contiguous():
             byte_view(d).copy_(buf[o:o + n])
-        else:  # clone: a bucket offset need not be aligned for a view as d.dtype
-            d.copy_(buf[o:o + n].clone().view(d.dtype).view(d.shape))
+        else:  # a bucket offset need not be aligned for a view as d.dtype: then a clone (a chunk alone is at 0)
+            piece = buf[o:o + n] if o % d.element_size() == 0 else buf[o:o + n].clone()
+            d.copy_(piece.view(d.dtype).view(d.shape))
         o += n

@@ -14,12 +14,11 @@ destination tensor when that is a contiguous CPU tensor.
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -28,6 +27,7 @@ from ..core.tensor_bytes import byte_view
 from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ExchangeOp, ExchangePlan
 from .buckets import gather_bytes, scatter_bytes
 from .checkpoint import CheckpointSource
+from .exchange_guard import allocate, cpu_direct, on_comm_device, op_buffers, stage_error, start_thread
 from .reads import ReadOutcome, ReadTarget, read_shape, read_targets
 from .request import Requester
 from .stats import LoadStats
@@ -51,68 +51,45 @@ class _Slot:
 class ChunkExchange:
     """Executes this rank's part of an exchange plan into the local destination tensors.
 
-    ``local`` maps each chunk this rank asked for to its requesters. After a run, ``results``
-    maps each requester's position to the loaded tensor (its ``data`` when given) and ``errors``
-    lists read failures (reported collectively by the driver).
+    ``local`` maps each chunk this rank asked for to its requesters, ``dest`` each to its destination
+    (``exchange_guard.prepare``). After a run, ``results`` maps each requester's position to the loaded
+    tensor (its ``data`` when given) and ``errors`` lists this rank's failures, reads and copies
+    (reported collectively by the driver: a failing rank still takes part in every op, see
+    :mod:`.exchange_guard`).
     """
 
     def __init__(self, source: CheckpointSource, comm: Comm, plan: ExchangePlan,
-                 local: Dict[ChunkId, List[Requester]], device: torch.device) -> None:
+                 local: Dict[ChunkId, List[Requester]], device: torch.device,
+                 dest: Dict[ChunkId, torch.Tensor]) -> None:
         self.source, self.comm, self.plan, self.device = source, comm, plan, device
-        self.local = local
+        self.local, self.dest = local, dest
         self.stats = LoadStats(rank=comm.rank)
         self.errors: List[BaseException] = []
-        self.inflight = 0
-        self.extra = 0
+        self.inflight = self.extra = 0  # bytes of ops admitted, of buffers allocated
         self.results: Dict[int, torch.Tensor] = {}
-        self.io = source.reader()  # one reader: stores and arrays opened once
+        self.io: Any = None  # one reader: stores and arrays opened once (by the first read, whose error it is)
         self._pin = device.type != "cpu"
-        # One destination per chunk: the first requester's data, or a fresh CPU tensor.
-        self.dest: Dict[ChunkId, torch.Tensor] = {}
-        for c, requesters in local.items():
-            st = requesters[0].tensor
-            shape = (st.local_shape if st.flattened_range is None
-                     else (st.flattened_range.stop - st.flattened_range.start,))
-            # detach: parameters (keep_vars) are written in place, outside autograd
-            self.dest[c] = st.data.detach() if st.data is not None else torch.empty(shape, dtype=st.dtype)
         self._costs: Dict[int, int] = {}  # id of an op of the plan -> its cost
         indexed = [(i, op) for i, op in enumerate(plan.ops) if op.involves(comm.rank)]
         self.my_ops = [op for _, op in indexed]
         self.op_index = [i for i, _ in indexed]
 
     # -- memory planning -------------------------------------------------------------------
-    def _on_comm_device(self, t: torch.Tensor) -> bool:
-        return t.device == self.device and t.is_contiguous()
-
-    @staticmethod
-    def _cpu_direct(t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.is_contiguous()
-
-    def planned_extra(self, op: ExchangeOp) -> int:
-        """Bytes of buffers this rank allocates for ``op`` (see :meth:`admit`)."""
-        extra = 0
-        single = len(op.chunks) == 1
-        if op.src == self.comm.rank:
-            extra += sum(n for c, n in zip(op.chunks, op.sizes) if not self._cpu_direct(self.dest[c]))
-            if op.transport != LOCAL:
-                if not single:
-                    extra += op.nbytes
-                elif self.device.type != "cpu" and not self._on_comm_device(self.dest[op.chunks[0]]):
-                    extra += op.nbytes
-        elif not single or not self._on_comm_device(self.dest[op.chunks[0]]):
-            extra += op.nbytes
-        return extra
+    def _failed(self, what: str, chunks: Iterable[ChunkId], e: BaseException) -> None:
+        """Record this rank's failure (raised on every rank at the end); the exchange goes on. (A chunk of
+        the plan is a plain tuple, as gathered: its key first.)"""
+        self.errors.append(stage_error(what, (c[0] for c in chunks), e))
 
     def cost(self, op: ExchangeOp) -> int:
         """What an op counts against the in-flight bound: its bytes, or its buffers if more (kept:
         the schedule asks again, and a bucket of small chunks costs a look at each)."""
         known = self._costs.get(id(op))
         if known is None:
-            known = self._costs[id(op)] = max(op.nbytes, self.planned_extra(op))
+            known = self._costs[id(op)] = max(op.nbytes, op_buffers(op, self.comm.rank, self.dest, self.device))
         return known
 
     def _alloc(self, slot: _Slot, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        t = torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=self._pin and device.type == "cpu")
+        t = allocate(shape, dtype, device, self._pin and device.type == "cpu", slot.op.chunks[0][0])
         n = t.numel() * t.element_size()
         slot.extra += n
         self.extra += n
@@ -121,44 +98,59 @@ class ChunkExchange:
 
     # -- the stages ------------------------------------------------------------------------
     def admit(self, k: int) -> _Slot:
-        """Reserve budget for this rank's ``k``-th op and allocate its buffers (main thread)."""
+        """Reserve budget for this rank's ``k``-th op and allocate its buffers (main thread). A buffer that
+        cannot be allocated raises, with nothing of the op kept: the schedule admits it again later."""
         op = self.my_ops[k]
         slot = _Slot(op, self.op_index[k], self.cost(op))
         self.inflight += slot.cost
+        try:
+            self._buffers(slot)
+        except Exception:
+            self._release(slot)
+            raise
         self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.inflight)
-        me = self.comm.rank
+        return slot
+
+    def _release(self, slot: _Slot) -> None:
+        self.inflight -= slot.cost
+        self.extra -= slot.extra
+        slot.targets, slot.comm, slot.extra = [], None, 0
+
+    def _buffers(self, slot: _Slot) -> None:
+        op, me = slot.op, self.comm.rank
         if op.src == me:
             for c in op.chunks:
                 d = self.dest[c]
-                slot.targets.append(d if self._cpu_direct(d)
+                slot.targets.append(d if cpu_direct(d)
                                     else self._alloc(slot, d.shape, d.dtype, torch.device("cpu")))
             if op.transport != LOCAL:
                 if len(op.chunks) > 1:
                     slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
                 elif self.device.type == "cpu":
                     slot.comm = byte_view(slot.targets[0])
-                elif self._on_comm_device(self.dest[op.chunks[0]]):
+                elif on_comm_device(self.dest[op.chunks[0]], self.device):
                     slot.comm, slot.comm_is_dest = byte_view(self.dest[op.chunks[0]]), True
                 else:
                     slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
         else:
             d = self.dest[op.chunks[0]]
-            if len(op.chunks) == 1 and self._on_comm_device(d):
+            if len(op.chunks) == 1 and on_comm_device(d, self.device):
                 slot.comm, slot.comm_is_dest = byte_view(d), True
             else:
                 slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
-        return slot
 
     def read_job(self, slots: Sequence[_Slot]) -> ReadOutcome:
         """Read the chunks of ``slots`` (this rank is their src) into their CPU targets; no
         collectives, so it may run in a reader thread."""
         t0 = time.perf_counter()
-        targets = []
-        for s in slots:
-            for c, t in zip(s.op.chunks, s.targets):
-                st = self.local[c][0].tensor
-                targets.append(ReadTarget(st, t.view(read_shape(st))))
         try:
+            if self.io is None:
+                self.io = self.source.reader()
+            targets = []
+            for s in slots:
+                for c, t in zip(s.op.chunks, s.targets):
+                    st = self.local[c][0].tensor
+                    targets.append(ReadTarget(st, t.view(read_shape(st))))
             nbytes = read_targets(self.source, targets, self.io)
             return ReadOutcome(nbytes, time.perf_counter() - t0, None)
         except Exception as e:  # reported on every rank at the end; the sends still happen
@@ -181,12 +173,15 @@ class ChunkExchange:
             if slot.comm is None:
                 return
             t0 = time.perf_counter()
-            if len(op.chunks) > 1:
-                gather_bytes(slot.comm, slot.targets, op.sizes)
-            elif slot.comm_is_dest:
-                self.dest[op.chunks[0]].copy_(slot.targets[0])
-            elif slot.comm.device.type != "cpu":
-                slot.comm.copy_(byte_view(slot.targets[0]))
+            try:
+                if len(op.chunks) > 1:
+                    gather_bytes(slot.comm, slot.targets, op.sizes)
+                elif slot.comm_is_dest:
+                    self.dest[op.chunks[0]].copy_(slot.targets[0])
+                elif slot.comm.device.type != "cpu":
+                    slot.comm.copy_(byte_view(slot.targets[0]))
+            except Exception as e:  # the message still goes (its bytes wrong): the load fails on every rank
+                self._failed("copying into the message", op.chunks, e)
             self.stats.copy_s += time.perf_counter() - t0
             if op.transport == BROADCAST:
                 slot.works.append(comm.broadcast_tensor(slot.comm, op.src))
@@ -213,21 +208,20 @@ class ChunkExchange:
             w.wait()
         t1 = time.perf_counter()
         self.stats.comm_s += t1 - t0
-        if op.src == self.comm.rank:
-            for c, t in zip(op.chunks, slot.targets):
-                d = self.dest[c]
-                if t is not d and not slot.comm_is_dest:
-                    d.copy_(t)
-                self._deliver(c)
-        else:
-            if not slot.comm_is_dest:
+        try:
+            if op.src == self.comm.rank:
+                for c, t in zip(op.chunks, slot.targets):
+                    d = self.dest[c]
+                    if t is not d and not slot.comm_is_dest:
+                        d.copy_(t)
+            elif not slot.comm_is_dest:
                 scatter_bytes(slot.comm, [self.dest[c] for c in op.chunks], op.sizes)
-            for c in op.chunks:
-                self._deliver(c)
+        except Exception as e:  # reported on every rank at the end; the exchange goes on
+            self._failed("copying into the destination", op.chunks, e)
+        for c in op.chunks:
+            self._deliver(c)
         self.stats.copy_s += time.perf_counter() - t1
-        self.inflight -= slot.cost
-        self.extra -= slot.extra
-        slot.targets, slot.comm = [], None
+        self._release(slot)
 
     def _deliver(self, c: ChunkId) -> None:
         """Record the loaded tensor for every local request of chunk ``c``."""
@@ -235,7 +229,10 @@ class ChunkExchange:
         for i, (position, st) in enumerate(self.local[c]):
             if st.data is not None:
                 if i > 0:
-                    st.data.detach().copy_(d.reshape(st.data.shape))
+                    try:
+                        st.data.detach().copy_(d.reshape(st.data.shape))
+                    except Exception as e:  # reported on every rank at the end
+                        self._failed("copying into another request", [c], e)
                 self.results[position] = st.data
             else:
                 out = d if i == 0 else d.clone()
@@ -251,16 +248,17 @@ class ChunkExchange:
         # Chunks only this rank needs, landing in their CPU destinations, need no exchange: read them
         # all in one storage batch (the most I/O concurrency, as every-rank reads would), beside the
         # exchange of the shared ones, through a reader of their own (readers are not shared by threads).
-        side = threading.Thread(target=lambda: outcome.append(self._read_direct(direct)), name="distckpt-direct",
-                                daemon=True)
-        side.start()
+        side = start_thread(lambda: outcome.append(self._read_direct(direct)), "distckpt-direct")
+        if side is None:  # no thread to be had: read them first
+            outcome.append(self._read_direct(direct))
         try:
             if max_inflight is None:
-                self.run_batch()
+                self.run_batch(read_batch_bytes)
             else:
                 self.run_streaming(max_inflight, read_batch_bytes)
         finally:
-            side.join()
+            if side is not None:
+                side.join()
         self._account_read(outcome[0])
         for op in direct:
             for c in op.chunks:
@@ -270,7 +268,7 @@ class ChunkExchange:
         """Remove from this rank's schedule the local ops whose chunks all read straight into CPU
         destinations (no buffers: nothing to count against the in-flight bound); return them."""
         direct = [k for k, op in enumerate(self.my_ops)
-                  if op.transport == LOCAL and all(self._cpu_direct(self.dest[c]) for c in op.chunks)]
+                  if op.transport == LOCAL and all(cpu_direct(self.dest[c]) for c in op.chunks)]
         taken = [self.my_ops[k] for k in direct]
         keep = sorted(set(range(len(self.my_ops))) - set(direct))
         self.my_ops = [self.my_ops[k] for k in keep]
@@ -279,20 +277,29 @@ class ChunkExchange:
 
     def _read_direct(self, ops: Sequence[ExchangeOp]) -> ReadOutcome:
         t0 = time.perf_counter()
-        targets = []
-        for op in ops:
-            for c in op.chunks:
-                st = self.local[c][0].tensor
-                targets.append(ReadTarget(st, self.dest[c].view(read_shape(st))))
         try:
+            targets = []
+            for op in ops:
+                for c in op.chunks:
+                    st = self.local[c][0].tensor
+                    targets.append(ReadTarget(st, self.dest[c].view(read_shape(st))))
             return ReadOutcome(read_targets(self.source, targets, self.source.reader()) if targets else 0,
                                time.perf_counter() - t0, None)
         except Exception as e:  # reported on every rank at the end
             return ReadOutcome(0, time.perf_counter() - t0, e)
 
-    def run_batch(self) -> None:
-        """Read everything this rank reads in one batch, then exchange all ops (no bound)."""
-        slots = [self.admit(k) for k in range(len(self.my_ops))]
+    def run_batch(self, read_batch_bytes: int = 16 << 20) -> None:
+        """Read everything this rank reads in one batch, then exchange all ops (no bound). Without room
+        for every op's buffers at once: :meth:`run_streaming`, as many at once as there was room for."""
+        slots: List[_Slot] = []
+        try:
+            for k in range(len(self.my_ops)):
+                slots.append(self.admit(k))
+        except Exception:  # nothing is posted yet: any schedule posts the same ops in the same order
+            room = self.inflight
+            for s in slots:
+                self._release(s)
+            return self.run_streaming(max(room, 1), read_batch_bytes)
         mine = [s for s in slots if s.op.src == self.comm.rank]
         self._account_read(self.read_job(mine))
         fut: "Future[None]" = Future()
@@ -314,19 +321,27 @@ class ChunkExchange:
         pending: Deque[_Slot] = deque()
         to_read: "queue.SimpleQueue[Optional[_Slot]]" = queue.SimpleQueue()
         batches: List[ReadOutcome] = []
-        reader = threading.Thread(target=self._reader, args=(to_read, read_batch_bytes, batches),
-                                  name="distckpt-reader", daemon=True)
-        reader.start()
+        reader = start_thread(lambda: self._reader(to_read, read_batch_bytes, batches), "distckpt-reader")
         next_admit = 0
+        failure: Optional[BaseException] = None
 
-        def admit_next() -> None:
-            nonlocal next_admit
-            slot = self.admit(next_admit)
+        def admit_next() -> bool:
+            nonlocal next_admit, failure
+            try:
+                slot = self.admit(next_admit)
+            except Exception as e:  # no room now: admitted again once earlier ops are done
+                failure = e
+                return False
             if slot.op.src == self.comm.rank:
                 slot.read = Future()
-                to_read.put(slot)
+                if reader is not None:
+                    to_read.put(slot)
+                else:  # no reader thread: read here
+                    batches.append(self.read_job([slot]))
+                    slot.read.set_result(None)
             admitted[next_admit] = slot
             next_admit += 1
+            return True
 
         def fits(k: int) -> bool:
             return self.inflight == 0 or self.inflight + self.cost(self.my_ops[k]) <= max_inflight
@@ -334,12 +349,14 @@ class ChunkExchange:
         try:
             for j in range(n):
                 while next_admit <= j:
-                    if fits(next_admit):
-                        admit_next()
-                    else:  # ops before j are all posted, so one is pending: finish it to make room
-                        self.complete(pending.popleft())
-                while next_admit < n and fits(next_admit):
-                    admit_next()  # read ahead
+                    if fits(next_admit) and admit_next():
+                        continue
+                    if not pending:  # alone and no room: the exchange cannot go on (the others time out)
+                        assert failure is not None
+                        raise failure
+                    self.complete(pending.popleft())  # ops before j are all posted: finish one to make room
+                while next_admit < n and fits(next_admit) and admit_next():
+                    pass  # read ahead
                 slot = admitted.pop(j)
                 self.post(slot)
                 pending.append(slot)
@@ -348,8 +365,9 @@ class ChunkExchange:
             while pending:
                 self.complete(pending.popleft())
         finally:
-            to_read.put(None)
-            reader.join()
+            if reader is not None:
+                to_read.put(None)
+                reader.join()
         for outcome in batches:
             self._account_read(outcome)
 
@@ -372,8 +390,10 @@ class ChunkExchange:
                     break
                 batch.append(nxt)
                 size += nxt.op.nbytes
-            batches.append(self.read_job(batch))
-            for s in batch:
-                assert s.read is not None
-                s.read.set_result(None)
+            try:
+                batches.append(self.read_job(batch))
+            finally:  # the main thread waits for these
+                for s in batch:
+                    assert s.read is not None
+                    s.read.set_result(None)
 

@@ -27,6 +27,7 @@ from ..core.strict import StrictHandling
 from ..planning.exchange_plan import ChunkId, chunk_id, plan_exchange
 from .checkpoint import CheckpointSource
 from .exchange import ChunkExchange
+from .exchange_guard import prepare
 from ..core.gc_pause import gc_paused
 from .pipeline import LoadContext, Opener, Result, begin_load, combine_errors, finish_load
 from .reads import read_tensors
@@ -132,23 +133,34 @@ class ExchangeLoader(_GCPausedLoader):
         setup = LoaderSetup(f"exchange (bucket_bytes={self.bucket_bytes})", _group_token(exchange_comm))
         ctx = begin_load(sharded_state_dict, checkpoint, comm, strict, extra_safe_globals, setup)
         local, empty = _group_requests(ctx)
+        device = self.device or comm_device(exchange_comm.group)
+        # What can fail on this rank alone fails before the exchange (destinations, buffers: exchange_guard),
+        # told to the group with the requests: its ranks all skip the exchange, and finish_load fails them all
+        dest, unready = prepare(local, device, self.bucket_bytes)
+        if unready is not None:
+            ctx.fail(unready)
         # (chunk, nbytes) pairs of plain tuples travel and are planned as they come (pickling a dataclass per
         # chunk cost ~4 µs: thousands of small tensors); a chunk as a plain tuple equals its ChunkId
-        requests = exchange_comm.all_gather_object([(tuple(c), r[0].tensor.local_nbytes()) for c, r in local.items()])
-        plan = plan_exchange(requests, bucket_bytes=self.bucket_bytes)
-        engine = ChunkExchange(ctx.source, exchange_comm, plan, local, self.device or comm_device(exchange_comm.group))
-        engine.run(self.max_inflight_bytes, self.read_batch_bytes)
-        read_error = combine_errors(engine.errors)
-        if read_error is not None:
-            ctx.fail(read_error)
-        tensors: List[Optional[torch.Tensor]] = [engine.results.get(i) for i in range(len(ctx.request.tensors))]
+        gathered = exchange_comm.all_gather_object(
+            (unready is None, [(tuple(c), r[0].tensor.local_nbytes()) for c, r in local.items()]))
+        stats = LoadStats(rank=comm.rank)
+        results: Dict[int, torch.Tensor] = {}
+        if all(ready for ready, _ in gathered):
+            plan = plan_exchange([requests for _, requests in gathered], bucket_bytes=self.bucket_bytes)
+            engine = ChunkExchange(ctx.source, exchange_comm, plan, local, device, dest)
+            engine.run(self.max_inflight_bytes, self.read_batch_bytes)
+            read_error = combine_errors(engine.errors)
+            if read_error is not None:
+                ctx.fail(read_error)
+            stats, results = engine.stats, engine.results
+        tensors: List[Optional[torch.Tensor]] = [results.get(i) for i in range(len(ctx.request.tensors))]
         if ctx.error is None and empty:
             try:
                 for r, value in zip(empty, read_tensors(ctx.source, [r.tensor for r in empty], set())[0]):
                     tensors[r.position] = value
             except Exception as e:  # reported on every rank in finish_load
                 ctx.fail(e)
-        result, self.last_stats = finish_load(ctx, tensors, engine.stats, extra_safe_globals, self.op_name)
+        result, self.last_stats = finish_load(ctx, tensors, stats, extra_safe_globals, self.op_name)
         return result
 
     def summarize_load_times(self) -> str:

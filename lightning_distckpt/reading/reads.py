@@ -20,6 +20,7 @@ from ..planning.load_plan import plan_tensor_read
 from ..storage.base import ShardRead, ShardReader
 from ..storage.safe_pickle import loads
 from .checkpoint import CheckpointSource
+from .exchange_guard import allocate
 
 
 class ReadTarget(NamedTuple):
@@ -58,7 +59,7 @@ def destination(st: ShardedTensor) -> Tuple[torch.Tensor, torch.Tensor]:
     data = st.data.detach() if st.data is not None else None  # parameters (keep_vars) are written in place
     if data is not None and data.device.type == "cpu" and data.is_contiguous():
         return st.data, data.view(read_shape(st))
-    buf = torch.empty(read_shape(st), dtype=st.dtype)
+    buf = allocate(read_shape(st), st.dtype, torch.device("cpu"), False, st.key)  # names the key if it fails
     return buf, buf
 
 

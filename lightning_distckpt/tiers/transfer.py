@@ -209,24 +209,40 @@ class _Mapped:
 
 def _round(comm: Comm, pieces: List[Piece], sources: Dict[Tuple[int, str], str],
            targets: Dict[Tuple[int, str], str]) -> int:
-    """One round: this rank's receives and sends posted at once, each straight from or into its file's
-    mapped pages (:class:`_Mapped`), then waited for. A piece's tag is its place in the round (unique,
-    the same on both sides)."""
+    """Collective: one round. This rank maps each of its pieces' files first (:class:`_Mapped`: a piece goes
+    straight from or into its file's pages) and the ranks agree on that, so a rank that cannot (no address
+    space left, a file that shrank) fails every rank here instead of leaving its partners waiting for its
+    messages; then its receives and sends are posted at once and waited for. A piece's tag is its place in
+    the round (unique, the same on both sides)."""
     maps = _Mapped()
+    mine: List[Tuple[int, Piece, torch.Tensor]] = []
     pending: List[Pending] = []
     received = 0
     try:
-        for tag, p in enumerate(pieces):
+        error: Optional[Exception] = None
+        path = ""
+        try:
+            for tag, p in enumerate(pieces):
+                if p.dst == comm.rank:
+                    path = os.path.join(targets[(p.src, p.label)], _safe_relpath(p.rel))
+                    mine.append((tag, p, maps.view(path, p.offset, p.length, True)))
+                elif p.src == comm.rank:
+                    path = os.path.join(sources[(p.dst, p.label)], p.rel)
+                    mine.append((tag, p, maps.view(path, p.offset, p.length, False)))
+        except Exception as e:  # agreed below: raised on every rank, before any message of the round
+            error = e if isinstance(e, CheckpointingError) else CheckpointingError(
+                f"local tier: mapping {path} to transfer it failed: {type(e).__name__}: {e}")
+        comm.agree("local tier: transferring the local copies failed", error)
+        for tag, p, view in mine:
             if p.dst == comm.rank:
-                path = os.path.join(targets[(p.src, p.label)], _safe_relpath(p.rel))
-                pending.append(comm.irecv(maps.view(path, p.offset, p.length, True), p.src, tag=tag))
+                pending.append(comm.irecv(view, p.src, tag=tag))
                 received += p.length
-            elif p.src == comm.rank:
-                path = os.path.join(sources[(p.dst, p.label)], p.rel)
-                pending.append(comm.isend(maps.view(path, p.offset, p.length, False), p.dst, tag=tag))
+            else:
+                pending.append(comm.isend(view, p.dst, tag=tag))
         for work in pending:
             work.wait()
     finally:
+        mine.clear()
         pending.clear()  # the works hold the tensors over the maps: released before unmapping
         maps.close()
     return received
