@@ -3,6 +3,7 @@ and a tree of slots that :func:`assemble` fills with what was read; key matching
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
@@ -67,6 +68,10 @@ def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
     def slot(leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
             _check_writable(leaf)
+            if isinstance(leaf.data, torch.Tensor) and leaf.data.is_meta:
+                # A meta tensor (a model built under torch.device("meta")) has no memory to load into: it is
+                # read as a template without data, into a fresh CPU tensor, as DCP materializes meta tensors
+                leaf = dataclasses.replace(leaf, data=None, dtype=leaf.data.dtype)
             tensors.append(leaf)
             if id(leaf) in plain_at:
                 plain[len(tensors) - 1] = plain_at[id(leaf)]
