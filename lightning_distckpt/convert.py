@@ -52,7 +52,7 @@ from .reading.formats.files import check_torch_payload
 from .storage.safe_pickle import load_file, loads
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
-from .reading.checkpoint import OpenedCheckpoint
+from .reading.checkpoint import OpenedCheckpoint, open_checkpoint
 from .saving.save import finalize_save, prepare_save, write_local
 from .saving.stats import format_bytes
 
@@ -181,7 +181,9 @@ def export_torch_file(source: str, destination: str, extra_safe_globals: Sequenc
     t0 = time.perf_counter()
     source, destination = check_export(source, destination, extra_safe_globals)
     common = load_common_state_dict(source, extra_safe_globals, plain_tensors=False)  # "tensors" holds them
-    objects = _read_objects(OpenedCheckpoint.open(source), extra_safe_globals)
+    # a torch.save / .safetensors file or Hugging Face directory too (anything ldc.load reads): no objects there
+    opened = open_checkpoint(source, extra_safe_globals=extra_safe_globals)
+    objects = _read_objects(opened, extra_safe_globals) if isinstance(opened, OpenedCheckpoint) else {}
     payload = {"tensors": load_plain_tensors(source), "objects": objects, "common": common}
     nbytes = save_file_atomic(payload, destination, progress)
     return ConvertReport(source, destination, "tensors", len(payload["tensors"]),

@@ -36,7 +36,9 @@ def to_torch_file(source: Any, destination: Any, extra_safe_globals: Sequence[An
 
     A Lightning (Trainer or Fabric) checkpoint becomes the dict it was saved from, each tensor whole
     (``LightningModule.load_from_checkpoint`` reads it; report kind ``"lightning"``); any other
-    checkpoint becomes ``{"tensors", "objects", "common"}`` (kind ``"tensors"``), which
+    checkpoint (ours, or a ``.safetensors`` / ``torch.save`` file or Hugging Face directory: no
+    objects, the file's other entries as the common state; a DCP directory is refused, saying what
+    reads it) becomes ``{"tensors", "objects", "common"}`` (kind ``"tensors"``), which
     :func:`from_torch_file` turns back into a checkpoint. Single process; the file appears
     atomically. ``progress`` (:mod:`lightning_distckpt.progress`) counts the bytes written.
     """

@@ -100,7 +100,20 @@ class Transfer:
             for key in self._by_key:
                 if key not in done_keys and key not in self.manifest.missing:
                     self._cut_local(key)
+        else:
+            self._store_empty()
         self.stats.seconds = time.perf_counter() - t0
+
+    def _store_empty(self) -> None:
+        """Other ranks: a shard of no elements is in no broadcast (rank 0 sends only boxes that hold
+        something), yet it is an entry of the result like any other (an empty tensor, or a rank's
+        empty part of an uneven split): made here, of its shape, or the rank's state dict would lack it."""
+        for key, needs in self._by_key.items():
+            if key in self.manifest.missing:
+                continue
+            for n in needs:
+                if n.name not in self.shards and n.numel == 0:
+                    self._store(n, torch.empty(n.shape, dtype=n.dtype), n.offset)
 
     # -- one broadcast -----------------------------------------------------------------------
     def _post(self, op: SendOp) -> _Posted:

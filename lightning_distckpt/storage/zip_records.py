@@ -150,7 +150,10 @@ def check_storage_sizes(path: str, where: str) -> bool:
     as the tensor's values. ``data.pkl`` is replayed with torch's weights-only unpickler, each
     storage left on the meta device (no tensor data read); call it while the load's types are
     allowed, after :func:`check_records`. False: the replay could not finish on the meta device (a
-    nested tensor has no meta form), so nothing is known: load the file unmapped, where torch checks."""
+    nested tensor has no meta form), so nothing is known, or a storage's data does not start at a
+    multiple of its element size (``torch.save`` under ``storage_alignment`` 1: mapped, torch's
+    kernels read it misaligned, and a complex128 copy crashed the process): load the file unmapped,
+    where torch checks the sizes and copies the data into aligned memory."""
     from torch._weights_only_unpickler import Unpickler  # what torch.load(weights_only=True) runs
 
     with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
@@ -160,6 +163,10 @@ def check_storage_sizes(path: str, where: str) -> bool:
         if f"{prefix}/data.pkl" not in sizes:
             return True  # torch.load says what is missing
         pickled = _record_bytes(f, archive, archive.getinfo(f"{prefix}/data.pkl"), where)
+        end, after = f.seek(0, io.SEEK_END), following(archive)
+        starts = {i.filename: data_start(f, i, after[i.header_offset], end, where) for i in infos
+                  if i.filename.startswith(f"{prefix}/data/")}
+    misaligned = []
 
     def persistent_load(saved_id: Any) -> Any:  # torch's own, with a size check for the real load
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
@@ -173,6 +180,8 @@ def check_storage_sizes(path: str, where: str) -> bool:
             if nbytes != sizes[name]:
                 raise FormatError(f"{where}: a tensor storage claims {numel} elements of {dtype} ({nbytes} bytes) but "
                                   f"its zip record {name!r} holds {sizes[name]} bytes: damaged or forged")
+            if starts[name] % dtype.itemsize:  # a mapping is page-aligned: the data's address is misaligned too
+                misaligned.append(name)
             storage = torch.UntypedStorage(nbytes, device="meta")
             return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
         raise FormatError(f"{where}: data.pkl refers to storage {str(key)[:100]!r} of type {storage_type!r:.100} "
@@ -186,7 +195,7 @@ def check_storage_sizes(path: str, where: str) -> bool:
         raise
     except Exception:  # noqa: BLE001 - a rebuild without a meta form: the caller loads it unmapped
         return False
-    return True
+    return not misaligned
 
 
 def _record_bytes(f: BinaryIO, archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> bytes:

@@ -30,7 +30,7 @@ from ...storage.base import ShardRead
 from ...storage.paths import model_root
 from ...storage.safe_pickle import load_file, loads, torch_message
 from ...storage.zip_records import check_records
-from .dcp_chunks import ChunkLayout, chunk_layout, read_pieces
+from .dcp_chunks import SAFETENSORS_FORMAT, ChunkLayout, chunk_layout, read_pieces, safetensors_at
 from .dcp_metadata import METADATA_NAME, DcpChunk, DcpItem, DcpMetadata, read_metadata
 from .model_files import check_model_file, open_model_file
 from .tensor_files import KeyMap, map_key
@@ -159,9 +159,17 @@ class DcpSource:
             # sorted by start, ranges are disjoint when each pair of neighbours is
             for (start0, end0, what0), (start1, end1, what1) in zip(ranges, ranges[1:]):
                 if start1 < end0 or (start1, end1) == (start0, end0):
+                    self._refuse_safetensors_format(rel, start1, what1)
                     raise FormatError(f"{shown(self._full_paths[rel])}: {what1} is stored at bytes [{start1}, {end1}), "
                                       f"which overlap those of {what0} at [{start0}, {end0}): in a DCP checkpoint "
                                       "each stored item has bytes of its own (.metadata forged or damaged)")
+
+    def _refuse_safetensors_format(self, rel: str, start: int, what: str) -> None:
+        """Items sharing their start are what DCP's SAFETENSORS format records (every tensor at the start
+        of the file's one safetensors blob): refused for that reason, not as forged metadata."""
+        with self.open_file(self._full_paths[rel]) as f:
+            if safetensors_at(f, start):
+                raise FormatError(f"{shown(self._full_paths[rel])}: {what}: {SAFETENSORS_FORMAT}")
 
     def reader(self) -> "DcpReader":
         return DcpReader(self)

@@ -27,6 +27,22 @@ from ...storage.base import ShardRead
 from ...storage.checksums import verification_enabled
 from ...storage.zip_records import crc32, data_start, following
 
+# DCP's FileSystemWriter(serialization_format=SAFETENSORS) appends one safetensors file to each
+# .distcp file and records every tensor of it at the file's start, with the tensor's byte count as
+# length (torch's own FileSystemReader cannot read it either: HuggingFaceStorageReader does).
+SAFETENSORS_FORMAT = ("the chunk is in a safetensors file, as DCP's FileSystemWriter(serialization_format="
+                      "SAFETENSORS) writes it, not a torch.save'd tensor; lightning_distckpt reads DCP's default "
+                      "format only (re-save with serialization_format=TORCH_SAVE, or read it with torch's "
+                      "HuggingFaceStorageReader)")
+
+
+def safetensors_at(f: BinaryIO, start: int) -> bool:
+    """Whether the bytes at ``start`` of the seekable file ``f`` begin a safetensors file: an 8-byte
+    little-endian header length that fits the file, then the header's JSON object."""
+    size = f.seek(0, io.SEEK_END)
+    f.seek(start)
+    head = f.read(10)
+    return len(head) == 10 and head[8:10] == b'{"' and 0 < int.from_bytes(head[:8], "little") <= size - start - 10
 
 
 class RangeFile(io.RawIOBase):
@@ -80,13 +96,15 @@ def chunk_layout(f: BinaryIO, start: int, length: int, where: str) -> Optional[C
         records = [i for i in archive.infolist() if i.filename.split("/")[-2:-1] == ["data"]]
         byteorder = [i for i in archive.infolist() if i.filename.endswith("/byteorder")]
         if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or \
-                (byteorder and archive.read(byteorder[0]) != b"little"):
+                (byteorder and _record(view, archive, byteorder[0], length, where) != b"little"):
             return None
         record = records[0]
         data_offset = data_start(view, record, following(archive)[record.header_offset], length, where)
     except FormatError:
         raise
     except Exception as e:  # zipfile.BadZipFile, struct.error, ...
+        if safetensors_at(f, start):
+            raise FormatError(f"{where}: {SAFETENSORS_FORMAT}") from None
         raise FormatError(f"{where}: not a torch.save'd tensor ({type(e).__name__}: {e})") from None
     if data_offset + record.file_size > length:
         raise FormatError(f"{where}: damaged zip record {record.filename!r}")
@@ -97,6 +115,15 @@ def chunk_layout(f: BinaryIO, start: int, length: int, where: str) -> Optional[C
         return None  # read whole: that load refuses what is not a plain dense tensor, naming it
     return ChunkLayout(start + data_offset, record.file_size, meta.dtype, tuple(meta.shape), meta.storage_offset(),
                        record.CRC)
+
+
+def _record(view: RangeFile, archive: zipfile.ZipFile, info: zipfile.ZipInfo, length: int, where: str) -> bytes:
+    """A small record's bytes as torch reads them. A CRC-32 of 0 is torch.save's mark of none
+    (``torch.utils.serialization.config.save.compute_crc32 = False``), which zipfile's reader refuses."""
+    if info.CRC or info.compress_type != zipfile.ZIP_STORED:
+        return archive.read(info)
+    view.seek(data_start(view, info, following(archive)[info.header_offset], length, where))
+    return view.read(info.file_size)
 
 
 def _tensor_without_data(view: RangeFile) -> Optional[torch.Tensor]:
