@@ -8,6 +8,10 @@ such link at the newest committed checkpoint beside it, the one ``last`` named b
 save. Only a link named as ``ModelCheckpoint`` names its last checkpoints (``last``, ``last-v1``, ...
 with ``.ckpt``) and pointing at the failed target is changed, by an atomic replace; nothing else is
 touched. With no committed checkpoint beside it the link stays as it is.
+
+:func:`link_last` makes the link itself (``DistModelCheckpoint``), in one rename: Lightning removes what
+is at ``last.ckpt`` and links after, so another job's ``ckpt_path="last"`` between the two found no last
+checkpoint (and started from scratch), and two jobs linking at once crashed one of them.
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ import logging
 import os
 import re
 import secrets
+import shutil
 from typing import List
 
+from ..core.errors import ArgumentError
+from ..storage.commit import exchange_paths
 from ..storage.committed import committed_siblings
+from ..storage.local_store import removable
 
 logger = logging.getLogger(__name__)
 
@@ -80,3 +88,43 @@ def repoint_last_links(failed_target: str) -> List[str]:
         logger.warning("the save to %s failed: %s now link(s) to %s, the newest committed checkpoint beside it "
                        "(ckpt_path=\"last\" resumes from there)", failed_target, ", ".join(changed), newest[0])
     return changed
+
+
+def link_last(filepath: str, linkpath: str) -> None:
+    """Point ``linkpath`` at ``filepath`` (relative, as ``ModelCheckpoint`` links), replacing what is there
+    atomically: a link or a ``torch.save`` file by a rename over it, a directory (a ``save_last=True``
+    checkpoint) by ``renameat2(RENAME_EXCHANGE)`` with the new link, then removed (where the file system
+    has no exchange: renamed aside first). Anything but a link, a checkpoint of ours, an empty directory or
+    a ``torch.save`` file there is an ArgumentError naming it, and stays (Lightning removed whatever was
+    there). Another job linking the same name at once is fine: the later rename wins."""
+    folder = os.path.dirname(os.path.abspath(linkpath))
+    tmp = os.path.join(folder, f".{os.path.basename(linkpath)}.{secrets.token_hex(6)}.tmp")
+    if os.path.lexists(linkpath) and not os.path.islink(linkpath) and not removable(linkpath):
+        raise ArgumentError(f"ModelCheckpoint: {linkpath} is not a checkpoint (what is there would be lost); not "
+                            f"replaced by a link to {filepath}: move it away")
+    os.symlink(os.path.relpath(filepath, folder), tmp)
+    try:
+        if not (os.path.isdir(linkpath) and not os.path.islink(linkpath)):
+            os.replace(tmp, linkpath)
+        elif not exchange_paths(tmp, linkpath):  # exchanged: tmp holds the directory
+            os.rename(linkpath, f"{tmp}.old")
+            try:
+                os.replace(tmp, linkpath)
+            except OSError:
+                os.rename(f"{tmp}.old", linkpath)  # put back: nothing is lost when the link cannot be made
+                raise
+            _remove_replaced(f"{tmp}.old")
+    finally:
+        _remove_replaced(tmp)  # the directory exchanged out, or our link where the rename failed
+
+
+def _remove_replaced(path: str) -> None:
+    """Remove what :func:`link_last` moved out of the way: a link (never its target), a file, or a
+    directory that is still one it may remove (checked again: it was checked before it was moved)."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        if removable(path):
+            shutil.rmtree(path)
+        else:
+            logger.warning("%s: replaced by a link, it is not a checkpoint of ours; left here", path)

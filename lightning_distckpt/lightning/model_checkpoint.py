@@ -23,13 +23,16 @@ system for it), and so does the connector's lookup: ``pip install s3fs``.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Optional, Set
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from ..core.errors import CheckpointingError
 from ..storage.paths import checkpoint_location
 from ..storage.stores import open_store
+from .last_link import link_last
 
 
 class DistModelCheckpoint(ModelCheckpoint):
@@ -58,3 +61,21 @@ class DistModelCheckpoint(ModelCheckpoint):
         resolve = getattr(self, "_ModelCheckpoint__resolve_ckpt_dir", None)
         return None if resolve is None or trainer is None else str(resolve(trainer))
 
+    @staticmethod
+    def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
+        """``save_last="link"``: rank 0 links ``linkpath`` to ``filepath`` in one rename (:func:`link_last`:
+        Lightning's remove-then-link left a moment without ``last.ckpt``, when another job resuming from
+        ``"last"`` found none, and crashed one of two jobs linking at once); every rank raises its error alike."""
+        if "://" in str(linkpath):  # an object store has no links: Lightning's own
+            ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+            return
+        error = None
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            try:
+                link_last(filepath, linkpath)
+            except (OSError, CheckpointingError) as e:
+                error = f"{type(e).__name__}: {e}"
+        error = trainer.strategy.broadcast(error, src=0)
+        if error is not None:
+            raise CheckpointingError(f"ModelCheckpoint(save_last='link'): linking {linkpath} to {filepath} failed: "
+                                     f"{error}")

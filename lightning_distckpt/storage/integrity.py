@@ -6,12 +6,13 @@ hold (:func:`check_writer_store`, asked by :class:`~.local_store.LocalStore`).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
 
 from ..core.errors import CheckpointingError, FormatError
 from .checksums import check_sha256
-from .layout import COMMON_FILE, DATA_DIR, rank_dir
+from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, rank_dir
 from .paths import CHUNK_FILE_SLACK, PICKLE_CAP, STORE_INDEX_CAP, SizeCap, refuse_link, scan_tree
 from .safe_pickle import loads
 
@@ -39,8 +40,29 @@ def read_common_bytes(store: "CheckpointStore", checkpoint_dir: str, marker: Dic
     if not blob:
         raise FormatError(f"{where} is empty (0 bytes)")
     if "common_sha256" in marker:
-        check_sha256(blob, marker["common_sha256"], where, store.options.verify)
+        try:
+            check_sha256(blob, marker["common_sha256"], where, store.options.verify)
+        except FormatError:
+            _check_same_commit(store, checkpoint_dir, marker)
+            raise
     return blob
+
+
+def _check_same_commit(store: "CheckpointStore", checkpoint_dir: str, marker: Dict[str, Any]) -> None:
+    """After a checksum mismatch: CheckpointingError (not damage) when the commit marker now at
+    ``checkpoint_dir`` is not the one the load opened, a save having committed to the same path since
+    (another job, a second writer): what was read is that save's, and the checkpoint is not damaged. (An
+    object store keeps its marker beside the versions it names: it says so itself, ``S3Store.read_blob``.)"""
+    if not store.file_system:
+        return
+    try:
+        raw = store.read_blob(checkpoint_dir, COMMIT_MARKER)
+        now = None if raw is None else json.loads(raw)
+    except (OSError, ValueError, CheckpointingError):
+        return  # no evidence either way: the mismatch stands
+    if now != marker:
+        raise CheckpointingError(f"checkpoint {checkpoint_dir} was replaced while being read (a save committed to the "
+                                 f"same path since it was opened: another job, or another writer); load it again")
 
 
 def store_bytes(checkpoint_dir: str, writer: int, claimed_bytes: Optional[int] = None) -> Optional[int]:

@@ -32,7 +32,7 @@ from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 logger = logging.getLogger(__name__)
 
 
-def _removable(path: str) -> bool:
+def removable(path: str) -> bool:
     """A checkpoint directory of ours or an empty directory, or a regular file that ``torch.save``
     wrote (or an empty one)."""
     try:
@@ -201,11 +201,11 @@ class LocalStore(CheckpointStore):
             return False
         if os.path.islink(target):
             dest = os.path.realpath(target)
-            if os.path.lexists(dest) and not _removable(dest):
+            if os.path.lexists(dest) and not removable(dest):
                 raise ArgumentError(f"remove {target}: a link to {dest}, which is not a checkpoint; "
                                     "leaving both as they are")
             os.remove(target)
-        elif not _removable(target):
+        elif not removable(target):
             raise ArgumentError(f"remove {target}: not a checkpoint of ours nor a torch.save file (what is there "
                                 "would be lost); leaving it as it is")
         elif os.path.isdir(target):

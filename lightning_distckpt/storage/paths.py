@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from typing import BinaryIO, Callable, NamedTuple, Optional, Union
+from typing import BinaryIO, Callable, NamedTuple, Optional, Tuple, Union
 
 from ..core.errors import ArgumentError, ArgumentTypeError, FormatError
 
@@ -120,6 +120,16 @@ def holds_nothing(path: str) -> bool:
         return not os.listdir(path)
     except OSError:
         return False
+
+
+def dir_identity(path: str) -> Optional[Tuple[int, int]]:
+    """(device, inode) of what is at ``path`` (links followed; None when nothing): a save committing to
+    that path swaps another directory in, so a change tells a replaced checkpoint from a damaged one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def kind_of(mode: int) -> str:

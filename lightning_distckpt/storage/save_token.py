@@ -17,9 +17,10 @@ each node's root), it is unique per save (a random id in it), and no rank has to
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import zlib
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from ..core.errors import FormatError
 
@@ -50,3 +51,36 @@ def recorded_token(meta: Dict[str, Any], where: str) -> str:
         raise FormatError(f"{where}: metadata.json field {TOKEN_FIELD} must be 16 hexadecimal digits, got "
                           f"{str(token)[:40]!r}")
     return token
+
+
+def token_now_at(checkpoint_dir: str) -> Optional[str]:
+    """The token of the save whose ``metadata.json`` is at ``checkpoint_dir`` now (a local directory);
+    None where there is none or it cannot be read. A reader that finds another token there than its
+    index's knows the checkpoint was replaced under it (a save committed to the same path since). Asked
+    after each failed read (``validate`` of a damaged checkpoint: one per damaged shard), a file seen
+    unchanged (same inode, size and time) is not parsed again."""
+    from .layout import METADATA_FILE, parse_json  # layout imports modules that import this one
+    from .paths import METADATA_CAP, read_inside
+
+    path = os.path.join(checkpoint_dir, METADATA_FILE)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _SEEN.get(path)
+    if known is not None and known[0] == seen:
+        return known[1]
+    try:
+        meta = parse_json(read_inside(path, METADATA_FILE, max_bytes=METADATA_CAP), path)
+    except (OSError, FormatError):
+        return None
+    token = meta.get(TOKEN_FIELD) if isinstance(meta, dict) else None
+    token = token if is_token(token) else None
+    if len(_SEEN) >= 64:  # a few checkpoints read at a time: no need to remember more
+        _SEEN.clear()
+    _SEEN[path] = (seen, token)
+    return token
+
+
+_SEEN: Dict[str, Tuple[Tuple[int, int, int, int], Optional[str]]] = {}  # metadata.json -> (its stat, token)

@@ -342,9 +342,16 @@ def find_leftovers(parent: str, target_name: Optional[str] = None, exclude: Sequ
 
 
 def warn_about_leftovers(target: str, own_staging: str) -> None:
-    """Log one WARNING when earlier saves to ``target`` left staging directories behind."""
+    """Log one WARNING when earlier saves to ``target`` left staging directories behind, and one when
+    another process on this host (another job: this process's own saves are not counted) is saving to it."""
     parent, name = os.path.split(os.path.abspath(target))
-    leftovers = [lo for lo in find_leftovers(parent, name, exclude=[own_staging]) if not lo.live_owner_pids]
+    found = find_leftovers(parent, name, exclude=[own_staging])
+    running = [lo for lo in found if lo.live_owner_pids and os.getpid() not in lo.live_owner_pids]
+    if running:
+        logger.warning("checkpoint %s: another save to it is running on this host (pid %s, writing %s): whichever "
+                       "commits last replaces the other's checkpoint; give each job its own folder", target,
+                       ", ".join(map(str, running[0].live_owner_pids)), running[0].path)
+    leftovers = [lo for lo in found if not lo.live_owner_pids]
     if not leftovers:
         return
     kept = [lo for lo in leftovers if lo.verdict(math.inf) in ("recover", "newer")]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from lightning_distckpt.tiers.nodes import gather_nodes
 from lightning_distckpt.tiers.options import RecoveryPoint, TierOptions
 from lightning_distckpt.tiers.private_root import ensure_private_root
 from lightning_distckpt.tiers.recover import ReadyCopy, load_local, recoverable
+from lightning_distckpt.tiers.root_lock import RootClaim, claim_root
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +80,19 @@ class LocalTier:
         comm = _tier_comm(process_group, self)
         nodes, root = gather_nodes(options, comm)
         error: Optional[Exception] = None
+        self._claim = RootClaim()
         try:
             ensure_private_root(root)
+            if nodes.is_lead(comm.rank):  # one job per node root at a time (tiers/root_lock.py)
+                self._claim = claim_root(root)
+                weakref.finalize(self, self._claim.release)  # a tier dropped unclosed (a finished Trainer's)
         except Exception as e:  # agreed: every rank raises it, none waits in a later collective
             error = e
-        comm.agree("local tier: preparing the node-local directories", error)
+        try:
+            comm.agree("local tier: preparing the node-local directories", error)
+        except BaseException:
+            self._claim.release()
+            raise
         self._ctx = TierContext(options, comm, nodes, root)
         self._saver = _saver(options)
         self._ready: Dict[int, ReadyCopy] = {}  # steps an earlier load completed here (forgotten at a save)
@@ -229,7 +239,10 @@ class LocalTier:
         if self._closed:
             return
         self._closed = True
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            self._claim.release()
 
     def quiesce(self) -> None:
         """A newer tier over the same ranks takes the group: finish the background work (what failed is
@@ -238,6 +251,7 @@ class LocalTier:
         for thread in (self._room, self._thread):
             if thread is not None:
                 thread.join()
+        self._claim.release()
 
     def _check_open(self) -> None:
         if self._closed:

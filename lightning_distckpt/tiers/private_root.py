@@ -14,6 +14,8 @@ too) and read the weights we write. So, as OpenSSH does for ``~/.ssh``, before t
 
 "Others can write" is write permission for other users, or for a group that is not this user's
 private group (a group of the user's name whose only member is the user, as distributions make).
+
+A root is also one job's at a time, which this user's own jobs could break: :mod:`.root_lock`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def ensure_private_root(path: str) -> None:
     if not hasattr(os, "geteuid"):
         return
     try:
-        _make(path)
+        make_private(path)
         problem = unsafe_reason(path)
     except OSError as e:  # a component that cannot be made, a dangling link, a directory we may not enter
         raise ArgumentError(f"TierOptions.local_dir: the node-local directory {path} cannot be made or "
@@ -45,7 +47,7 @@ def ensure_private_root(path: str) -> None:
                                    f"or read this job's; {_ADVICE}")
 
 
-def _make(path: str) -> None:
+def make_private(path: str) -> None:
     """``mkdir`` each missing component with mode 0700 (``os.makedirs`` gives the intermediate ones
     the umask's mode). An existing component is left as it is: the checks judge it."""
     missing: List[str] = []
