@@ -24,7 +24,8 @@ import stat
 import struct
 from typing import Any, Collection, Dict, Optional, Set
 
-from ..core.errors import ArgumentError, ArgumentTypeError
+from ..core.errors import ArgumentError, ArgumentTypeError, FormatError
+from ..storage.json_bounds import parse_json
 
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"  # export_safetensors(config=...): the model's Hugging Face config, copied
@@ -57,9 +58,11 @@ def _read_regular(path: str, limit: int, header: bool) -> Optional[bytes]:
 
 
 def _json(raw: Optional[bytes]) -> Any:
+    """``raw`` parsed; None when it is no JSON (not ours), nested too deep (``json.loads`` raised
+    RecursionError) or would parse into far more memory than its size (storage/json_bounds.py)."""
     try:
-        return None if raw is None else json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+        return None if raw is None else parse_json(raw, "export target")
+    except FormatError:
         return None
 
 

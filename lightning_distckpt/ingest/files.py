@@ -76,7 +76,7 @@ def load_state_dict(checkpoint_file: Union[str, os.PathLike],
 def _read(path: str, device_map: Optional[DeviceMap]) -> CheckpointStateDict:
     if not os.path.exists(path):
         raise FormatError(f"{path}: no such file or directory")
-    opened = open_tensor_files(path)
+    opened = open_tensor_files(path, mapped=True)  # views of the files' memory maps: nothing read until used
     if opened is None:
         raise FormatError(f"{path}: not a Hugging Face model directory "
                           f"(none of {', '.join(HF_INDEXES + HF_SINGLE_FILES)})")

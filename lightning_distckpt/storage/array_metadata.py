@@ -22,6 +22,8 @@ import torch
 
 from ..core.errors import FormatError
 from .chunk_checksums import ATTRIBUTE, attribute_crcs, chunk_count, crc_attributes
+from .json_bounds import parse_json
+from .paths import STORE_INDEX_CAP, SizeCap
 from .save_token import TOKEN_ATTRIBUTE, is_token
 
 if TYPE_CHECKING:
@@ -50,15 +52,85 @@ def metadata_key(array_path: str) -> str:
     return array_path.rstrip("/") + "/zarr.json"
 
 
-def parse_metadata(read_result: Any, where: str) -> Optional[Dict[str, Any]]:
+# A zarr.json our writers store holds ~350 bytes, its shape's numbers and, in its attributes, one CRC-32C
+# (at most 11 characters) per chunk; a chunk holds at least one row. A reader reads at most that of it
+# (and STORE_INDEX_CAP): an OCDBT value may name any range of its data file, a sparse one costs nothing,
+# and every array's zarr.json of a load is read at once.
+_METADATA_BASE, _METADATA_PER_DIM, _METADATA_PER_CHUNK = 4096, 48, 12
+
+
+def metadata_cap(recorded: "Recorded") -> int:
+    """The most bytes the zarr.json of an array of the ``recorded`` shape holds as our writers store it."""
+    chunks = max(1, int(recorded.shape[0])) if recorded.shape else 1
+    return min(STORE_INDEX_CAP.limit(),
+               _METADATA_BASE + _METADATA_PER_DIM * len(recorded.shape) + _METADATA_PER_CHUNK * chunks)
+
+
+class _Read(NamedTuple):
+    """One zarr.json's read: its future, or why there is none (``error``, raised by :meth:`result`)."""
+
+    future: Any = None
+    error: Optional[BaseException] = None
+    oversized: bool = False
+    state: str = "value"
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self if self.oversized else self.future.result()
+
+
+def read_metadata(wanted: Dict[Any, Tuple[Any, str, "Recorded"]]) -> Dict[Any, _Read]:
+    """Read the zarr.json of each array ``handle -> (kvstore, array path, recorded)``, concurrently: first
+    the byte just past :func:`metadata_cap` (a kvstore says the value ends before it: OUT_OF_RANGE), then
+    the values that end before it, whole. Each read's ``result()`` is the kvstore's read result (or
+    raises its error); a value holding that byte is not read: :func:`parse_metadata` refuses it."""
+    probes = {h: kv.read(metadata_key(path), byte_range=slice(metadata_cap(rec), metadata_cap(rec) + 1))
+              for h, (kv, path, rec) in wanted.items()}
+    out: Dict[Any, _Read] = {}
+    for h, probe in probes.items():
+        kv, path, _ = wanted[h]
+        try:
+            past = probe.result()
+        except ValueError as e:
+            out[h] = _Read(kv.read(metadata_key(path))) if "OUT_OF_RANGE" in str(e) else _Read(error=e)
+            continue
+        except Exception as e:  # noqa: BLE001 - raised by result(), where the caller names the array
+            out[h] = _Read(error=e)
+            continue
+        out[h] = _Read(oversized=True) if past.state == "value" else _Read(error=None, future=probe)
+    return out
+
+
+def read_capped(kvstore: Any, key: str, cap: SizeCap, where: str) -> Any:
+    """The kvstore read result of ``key``; a value holding more than ``cap`` allows is refused unread (the
+    byte past the cap read first: an OCDBT value may name any range of its data file, a sparse one
+    costs nothing), with the FormatError naming ``where``, the cap and the variable raising it."""
+    limit = cap.limit()
+    try:
+        past = kvstore.read(key, byte_range=slice(limit, limit + 1)).result()
+    except ValueError as e:  # the value ends before the cap (tensorstore: OUT_OF_RANGE)
+        if "OUT_OF_RANGE" not in str(e):
+            raise
+        return kvstore.read(key).result()
+    if past.state != "value":
+        return past
+    raise cap.refusal(where, None, limit)
+
+
+def parse_metadata(read_result: Any, where: str, recorded: Optional["Recorded"] = None) -> Optional[Dict[str, Any]]:
     """The metadata in a kvstore read of a zarr.json, None when it is missing. FormatError when it
-    is not a JSON object (bad bytes, bad JSON, nesting too deep)."""
+    is larger than an array of the ``recorded`` shape has (:func:`metadata_cap`) or is not a JSON
+    object (bad bytes, bad JSON, nesting too deep, parsing into far more memory than its size)."""
     if read_result.state != "value":
         return None
-    try:
-        metadata = json.loads(bytes(read_result.value))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise FormatError(f"{where}: its zarr.json is not valid JSON ({type(e).__name__}): damaged") from e
+    raw = b"" if isinstance(read_result, _Read) else bytes(read_result.value)
+    cap = metadata_cap(recorded) if recorded is not None else STORE_INDEX_CAP.limit()
+    if isinstance(read_result, _Read) or len(raw) > cap:
+        raise FormatError(f"{where}: its zarr.json holds more than the {cap} bytes the zarr.json of a "
+                          f"{list(recorded.shape) if recorded is not None else ''} array holds as our writers "
+                          f"store it; refused before reading it whole (damaged or hostile)")
+    metadata = parse_json(raw, f"{where}: its zarr.json")
     if not isinstance(metadata, dict):
         raise FormatError(f"{where}: its zarr.json is not a JSON object: damaged")
     return metadata

@@ -21,24 +21,24 @@ top-level field checked, the marker's checksum verified (checksums: :mod:`.check
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Tuple
 from urllib.parse import quote
 
-import numpy as np
-
 from ..core.shown import shown
-from ..core.errors import FormatError, IncompleteCheckpointError, ShardingError, not_found
-from ..core.gc_pause import gc_paused
+from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError, ShardingError, not_found
 from .checksums import check_sha256, warn_no_checksums
 from .inside import inside_hint
-from .paths import (MARKER_CAP, METADATA_CAP, PICKLE_CAP, SizeCap, holds_nothing, local_path, read_inside,
-                    refuse_special)
+# JSON from disk is parsed by json_bounds.parse_json (nesting and memory bounded before parsing); its
+# names stay importable from here.
+from .json_bounds import (MAX_JSON_DEPTH, PARSE_FLOOR, PARSE_RATIO, JsonShape,  # noqa: F401
+                          json_shape as _json_shape, max_depth as _max_depth, parse_json)
+from .paths import (MARKER_CAP, METADATA_CAP, PICKLE_CAP, SizeCap, dir_identity, holds_nothing, local_path,
+                    read_inside, refuse_special)
 
 # The format's name and versions live in core/format_versions.py; FORMAT_VERSION stays importable from
 # here for tests/data/formats/build.py, which runs against the old commits where it was defined here.
@@ -49,7 +49,6 @@ METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 COMMIT_MARKER = "COMMITTED"
 DATA_DIR = "data"
-MAX_JSON_DEPTH = 32  # metadata.json nests 6 levels
 #: The cap on each file of a checkpoint read whole, by name (the caps themselves: storage/paths.py).
 FILE_CAPS: Dict[str, SizeCap] = {COMMIT_MARKER: MARKER_CAP, METADATA_FILE: METADATA_CAP, COMMON_FILE: PICKLE_CAP}
 _MAX_COMPONENT = 180
@@ -154,8 +153,9 @@ class MetadataFile:
 
 
 def open_metadata(checkpoint_dir: str, verify: bool = True) -> MetadataFile:
-    """Read and check a committed checkpoint's metadata (never through a link inside it; its
-    SHA-256 verified unless ``verify`` is off)."""
+    """Read and check a committed checkpoint's metadata (never through a link inside it; its SHA-256
+    verified unless ``verify`` is off). A save committing to the same path between the reads of the marker
+    and ``metadata.json`` swaps another directory in: the pair is read again, never called damaged."""
     given = os.path.abspath(local_path(checkpoint_dir))
     if not os.path.isdir(given) or holds_nothing(os.path.realpath(given)):  # missing, or an async save's placeholder
         from .commit import recover_interrupted_commit  # commit imports this module
@@ -164,17 +164,29 @@ def open_metadata(checkpoint_dir: str, verify: bool = True) -> MetadataFile:
         if not os.path.isdir(given):
             raise not_found(given)
     path = os.path.realpath(given)
+    for _ in range(8):  # read again after each replacement: more in a row is a writer in a loop
+        before = dir_identity(path)
+        try:
+            marker, meta = _read_committed(given, path, verify)
+        except (FormatError, IncompleteCheckpointError):
+            if dir_identity(path) == before:
+                raise
+            continue  # replaced meanwhile: read the checkpoint now there
+        if dir_identity(path) == before:
+            return MetadataFile(path, meta, marker)
+    raise CheckpointingError(f"checkpoint {given}: saves to the same path replaced it 8 times while it was opened")
+
+
+def _read_committed(given: str, path: str, verify: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The commit marker and the checked ``metadata.json`` at ``path``."""
     if not is_committed(path):
         for name in (COMMIT_MARKER, METADATA_FILE):
             if os.path.lexists(os.path.join(path, name)):  # a link or a FIFO, say: named as such
                 refuse_special(os.path.join(path, name), f"checkpoint {path}:")
-        what = (
-            "incomplete checkpoint: the save did not finish (no commit marker)"
-            if is_checkpoint_dir(path)
-            # "is not a distributed checkpoint": Megatron-Core's words, for scrapers of its logs
-            else f"not a lightning_distckpt checkpoint (no metadata.json / commit marker): {given} is not a "
-                 f"distributed checkpoint ({_what_is_there(path)}){inside_hint(given)}"
-        )
+        # "is not a distributed checkpoint": Megatron-Core's words, for scrapers of its logs
+        what = ("incomplete checkpoint: the save did not finish (no commit marker)" if is_checkpoint_dir(path) else
+                f"not a lightning_distckpt checkpoint (no metadata.json / commit marker): {given} is not a "
+                f"distributed checkpoint ({_what_is_there(path)}){inside_hint(given)}")
         raise IncompleteCheckpointError(f"checkpoint {given}: {what}")
     raw = {}
     for name in (COMMIT_MARKER, METADATA_FILE):
@@ -183,8 +195,7 @@ def open_metadata(checkpoint_dir: str, verify: bool = True) -> MetadataFile:
         except OSError as e:
             raise FormatError(f"checkpoint {path}: cannot read {name}: {e.strerror or e}") from None
     marker = parse_marker(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
-    meta = check_metadata(raw[METADATA_FILE], marker, path, verify)
-    return MetadataFile(path, meta, marker)
+    return marker, check_metadata(raw[METADATA_FILE], marker, path, verify)
 
 
 def _what_is_there(path: str) -> str:
@@ -268,120 +279,3 @@ def _check_fields(data: Dict[str, Any], fields: Dict[str, _Check], where: str) -
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def parse_json(raw: bytes, where: str, unique_keys: bool = False) -> Any:
-    """JSON from disk, its nesting checked first: our files nest a few levels, and a hostile one
-    must not drive the parser (or later code) into deep recursion. ``unique_keys``: an object
-    naming a key twice is a FormatError (a format other readers parse too, where one may take the
-    first and another the last: a safetensors header)."""
-    shape = _json_shape(raw)
-    if shape.depth > MAX_JSON_DEPTH:
-        raise FormatError(f"{where}: nested {shape.depth} levels deep (at most {MAX_JSON_DEPTH}); not written by us")
-    _check_parse_memory(shape, len(raw), where)
-    try:
-        with gc_paused():  # a large index is millions of small objects; collections during parsing find nothing
-            return json.loads(raw, object_pairs_hook=_unique_pairs) if unique_keys else json.loads(raw)
-    except _DuplicateKey as e:
-        raise FormatError(f"{where}: names {str(e)[:200]} twice in one object (which one is meant?)") from None
-    except (ValueError, RecursionError) as e:
-        raise FormatError(f"{where}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_pairs(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: Set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _DuplicateKey(repr(key))
-            seen.add(key)
-    return out
-
-
-_SYNTAX = bytes(range(256)).translate(None, b'[]{}",')  # every byte but brackets, quotes, commas: deleted
-_DEPTH_BLOCK = 4 << 20  # marks scanned at once: the scan's arrays take ~10 bytes a mark of a block
-# What json.loads builds, in bytes, at most: a list or dict (with its slot in its parent) per bracket, a
-# pointer and a small object per value (a comma), a str object per pair of quotes. An index we write
-# parses into about 5x its size (estimated 6-8x); "[],[],..." into 22x, "[[0]],..." 31x.
-_CONTAINER_BYTES, _VALUE_BYTES, _STRING_BYTES = 72, 40, 28
-PARSE_RATIO = 16  # the most estimated bytes a byte of JSON may become, past PARSE_FLOOR
-PARSE_FLOOR = 64 << 20  # estimates below this are never refused: no file of ours nears the ratio
-
-
-class JsonShape(NamedTuple):
-    """What :func:`_json_shape` counts in a JSON text, outside its strings."""
-
-    depth: int  # the deepest nesting of arrays and objects
-    containers: int
-    commas: int
-    strings: int
-
-    def parse_bytes(self) -> int:
-        """About the most memory ``json.loads`` takes for such a text (an overestimate for ours)."""
-        return (_CONTAINER_BYTES * self.containers + _VALUE_BYTES * (self.commas + 1)
-                + _STRING_BYTES * self.strings)
-
-
-def _check_parse_memory(shape: JsonShape, size: int, where: str) -> None:
-    """FormatError before parsing a text that would take far more memory than its size (a file of
-    empty lists is ~22 bytes a byte: 22 GB for one under the 1 GiB cap) or more than is available."""
-    need = shape.parse_bytes()
-    if need <= PARSE_FLOOR:
-        return
-    if need > PARSE_RATIO * size:
-        raise FormatError(f"{where}: parsing it would take about {need >> 20} MiB of memory, {need // max(size, 1)}x "
-                          f"its {size} bytes ({shape.containers} arrays or objects; an index we write takes under "
-                          f"{PARSE_RATIO // 2}x); refused before parsing (damaged or hostile)")
-    available = _available_memory()
-    if available is not None and need > available:
-        raise FormatError(f"{where}: parsing it would take about {need >> 20} MiB of memory, more than the "
-                          f"{available >> 20} MiB available; refused before parsing")
-
-
-def _available_memory() -> Optional[int]:
-    """``MemAvailable`` of /proc/meminfo in bytes; None where there is none (not Linux)."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _max_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped)."""
-    return _json_shape(raw).depth
-
-
-def _json_shape(raw: bytes) -> JsonShape:
-    """The nesting and counts of the JSON text ``raw`` (strings skipped), in memory of about twice its
-    size whatever it holds (a regex over its strings, or arrays over the whole text, took ~20 bytes a
-    byte: 20 GB for a 1 GiB index)."""
-    if b"\\" in raw:  # escapes paired as JSON pairs them, left to right: escaped backslashes, then quotes
-        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    # every quote left opens or closes a string: marks after an odd number of quotes are inside one
-    marks = raw.translate(None, _SYNTAX)
-    deepest = depth = containers = commas = quotes = 0
-    inside = False  # within a string where the block starts
-    for at in range(0, len(marks), _DEPTH_BLOCK):
-        block = np.frombuffer(marks, dtype=np.uint8, count=min(_DEPTH_BLOCK, len(marks) - at), offset=at)
-        is_quote = block == ord('"')
-        outside = np.logical_xor.accumulate(is_quote) == inside  # parity of the quotes so far, this one included
-        inside ^= bool(np.count_nonzero(is_quote) & 1)
-        quotes += int(np.count_nonzero(is_quote))
-        opens = ((block == ord("[")) | (block == ord("{"))).view(np.int8)
-        closes = ((block == ord("]")) | (block == ord("}"))).view(np.int8)
-        steps = (opens - closes)[outside]
-        containers += int(np.count_nonzero(opens.view(bool) & outside))
-        commas += int(np.count_nonzero((block == ord(",")) & outside))
-        if steps.size:
-            levels = np.cumsum(steps, dtype=np.int32)
-            deepest, depth = max(deepest, depth + int(levels.max())), depth + int(levels[-1])
-    return JsonShape(deepest, containers, commas, quotes // 2)

@@ -24,6 +24,7 @@ from ..core.tree_walk import check_tree, fold
 from .omegaconf_check import check_nodes, node_type
 from .file_kind import HEAD_BYTES, not_a_torch_file, starts_with_legacy_magic
 from .paths import ANYWHERE, check_regular
+from .pickle_scan import check_archive_pickle, check_stream_pickles
 from .zip_records import check_records, check_storage_sizes
 
 
@@ -113,6 +114,9 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
     zipped = mmap or _is_zip_buffer(source)
     if zipped:
         check_records(source, where)
+        check_archive_pickle(source, where)  # nothing torch's unpickler would hash without bound
+    elif hasattr(source, "read"):
+        check_stream_pickles(source, where)
     try:
         with _allowed(default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)):
             # mapped, torch takes each storage's claimed bytes unchecked (unmapped, it checks them)

@@ -33,11 +33,13 @@ from .base import ShardRead
 from .options import StorageOptions
 from .checksums import unframe_object, verification_enabled
 from .array_metadata import (Recorded, RecordedArrays, check_metadata, chunk_shape, metadata_checksums, metadata_key,
-                             open_spec, parse_metadata, ts_dtype)
+                             open_spec, parse_metadata, read_capped, read_metadata, ts_dtype)
 from .chunk_checksums import VerifiedRead, VerifiedReads
 from .chunk_reads import ReadSession
 from .direct_read import DirectChunks, direct_reads_enabled
 from .layout import object_path, pack_path, rank_dir, tensor_path
+from .paths import PICKLE_CAP, dir_identity
+from .save_token import token_now_at
 from ..planning.even_index import PackedPlaces, Place
 from .packs import copy_out, pack_runs, packed_view, to_numpy
 from .tensorstore_write import TensorStoreWrites
@@ -80,8 +82,7 @@ class TensorStoreIO(TensorStoreWrites):
         self.verify = verification_enabled(options.verify)
         self._index_checksums = index is not None and index.checksums and self.verify
         self._claimed = index.bytes_per_writer() if index is not None and check_sizes else {}
-        # A save committing to the same path swaps another directory in while we read: told apart by its inode
-        self._root_id = _dir_id(self.root) if self._reading and self.files else None
+        self._root_id = dir_identity(self.root) if self._reading and self.files else None
         self._fresh_state()
 
     def _fresh_state(self) -> None:
@@ -135,25 +136,34 @@ class TensorStoreIO(TensorStoreWrites):
 
     # -- reading ------------------------------------------------------------------------
     def _check_contained(self, writer: int) -> None:
-        """Before a reader touches ``writer``'s store (see :func:`integrity.check_writer_store`):
-        no links out of the checkpoint, no more bytes claimed than stored."""
+        """Before a reader touches ``writer``'s store: no links out, no more bytes claimed than stored."""
         if not self._reading or writer in self._contained:
             return
-        self.store.check_writer(self.root, writer, self._claimed.get(writer, 0))
+        try:
+            self.store.check_writer(self.root, writer, self._claimed.get(writer, 0))
+        except FormatError:  # fewer bytes than claimed: another save's store, if one replaced the checkpoint
+            self._check_not_replaced(thorough=True)
+            raise
         self._contained.add(writer)
 
     def _read_error(self, message: str) -> CheckpointingError:
-        """A read failure, saying so when the checkpoint was replaced meanwhile (what failed is then
-        a consequence, not damage)."""
-        if (self._root_id is not None and _dir_id(self.root) != self._root_id) or (
-                not self.files and self._reading and not self.store.still_committed(self.root)):
+        """A read failure, saying so when the checkpoint was replaced meanwhile (a consequence, not damage)."""
+        if self._replaced(thorough=True):
             return CheckpointingError(f"checkpoint {self.root} was replaced while being read (a newer save committed "
                                       f"to the same path); load it again. ({message})")
         return CheckpointingError(message)
 
-    def _check_not_replaced(self) -> None:
-        """After reads: what was read belongs to the checkpoint this reader opened, or it raises."""
-        if self._root_id is not None and _dir_id(self.root) != self._root_id:
+    def _replaced(self, thorough: bool) -> bool:
+        """The checkpoint at the path is not the one read: another directory (a stat), or, ``thorough``, another
+        save's metadata.json (one that committed after the load opened it, before this reader was made)."""
+        if not self.files:
+            return thorough and self._reading and not self.store.still_committed(self.root)
+        return (self._root_id is not None and dir_identity(self.root) != self._root_id) or (
+            thorough and self._recorded.token is not None and token_now_at(self.root) != self._recorded.token)
+
+    def _check_not_replaced(self, thorough: bool = False) -> None:
+        """After reads, or a FormatError (``thorough``): what was read is the opened checkpoint's, or it raises."""
+        if self._replaced(thorough):
             raise self._read_error("its files changed under this load")
 
     def _kvstore(self, writer: int) -> Any:
@@ -162,10 +172,8 @@ class TensorStoreIO(TensorStoreWrites):
             try:
                 self._kvstores[writer] = ts.KvStore.open(self.kvstore_spec(writer), context=self.context).result()
             except Exception as e:
-                raise CheckpointingError(
-                    f"checkpoint {self.root}: the store of rank {writer} ({rank_dir(self.root, writer)}) cannot be "
-                    f"opened: {e}"
-                ) from e
+                raise CheckpointingError(f"checkpoint {self.root}: the store of rank {writer} "
+                                         f"({rank_dir(self.root, writer)}) cannot be opened: {e}") from e
         return self._kvstores[writer]
 
     def open_arrays(self, shards: Iterable[Tuple[int, str, int]], tensorstore: bool = True) -> None:
@@ -329,18 +337,17 @@ class TensorStoreIO(TensorStoreWrites):
         """Read the zarr.json of the arrays ``(writer, path) -> (what, recorded)`` concurrently, each
         checked against what metadata.json records (:mod:`.array_metadata`); errors name ``what``.
         The caller keeps each in ``_metadata`` once it accepts its checksums."""
-        reads, out = {}, {}
         for handle in wanted:
             self._check_contained(handle[0])
-            reads[handle] = self._kvstore(handle[0]).read(metadata_key(handle[1]))
+        reads, out = read_metadata({h: (self._kvstore(h[0]), h[1], w[1]) for h, w in wanted.items()}), {}
         for handle, fut in reads.items():
             where = f"checkpoint {self.root}: {wanted[handle][0]}"
             try:
-                metadata = parse_metadata(fut.result(), where)
+                metadata = parse_metadata(fut.result(), where, wanted[handle][1])
                 if metadata is not None:
                     check_metadata(metadata, wanted[handle][1], where)  # before anything is read through it
             except FormatError:
-                self._check_not_replaced()  # another save's arrays: a save replaced the checkpoint at this path
+                self._check_not_replaced(thorough=True)  # another save's arrays: a save replaced the checkpoint
                 raise
             except Exception as e:
                 raise self._read_error(f"{where} is missing or unreadable: {e}") from e
@@ -374,7 +381,8 @@ class TensorStoreIO(TensorStoreWrites):
     def read_object(self, writer: int, key: str, index: int) -> bytes:
         """The bytes of ShardedObject element ``index`` of ``key``."""
         try:
-            res = self._kvstore(writer).read(object_path(key, index)).result()
+            res = read_capped(self._kvstore(writer), object_path(key, index), PICKLE_CAP,
+                              f"checkpoint {self.root}: object {key!r} #{index} (written by rank {writer})")
         except CheckpointingError:
             raise
         except Exception as e:
@@ -389,11 +397,3 @@ class TensorStoreIO(TensorStoreWrites):
 
 def _shard_id(key: str, index: int) -> Tuple[str, int]:
     return (key, index)
-
-
-def _dir_id(path: str) -> Optional[Tuple[int, int]]:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)

@@ -19,6 +19,7 @@ import functools
 import io
 import math
 import pickle
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -26,6 +27,7 @@ import torch
 
 from ...core.errors import FormatError, UnsafeContentError
 from ...storage.paths import ANYWHERE, METADATA_CAP
+from ...storage.pickle_scan import check_hashed
 from .model_files import read_model_file
 from .tensor_files import check_shape
 
@@ -183,7 +185,7 @@ def _check_state(unpickler: _AllowListUnpickler, state: Any) -> None:
     for part in parts:
         if isinstance(part, dict) and not all(type(k) is str and not k.startswith("__") for k in part):
             raise UnsafeContentError(f"{unpickler._where}: the DCP .metadata pickle's BUILD sets attributes "
-                                     f"{_show(list(part)[:8])}, which are not record fields")
+                                     f"{shown_value(list(part)[:8])}, which are not record fields")
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,6 +217,20 @@ def _setup_dispatch() -> None:
             (op.SETITEMS, "load_setitems", 1, True, dicts), (op.APPEND, "load_append", 2, False, lists),
             (op.APPENDS, "load_appends", 1, True, lists), (op.ADDITEMS, "load_additems", 1, True, sets)):
         table[code[0]] = _changing(getattr(base, name), name[5:].upper(), depth, marked, kinds)
+    # what each of these hashes (keys, set items), checked before it is hashed (storage/pickle_scan.py)
+    for code, hashed in ((op.SETITEM, lambda s: s[-2:-1]), (op.SETITEMS, lambda s: s[::2]),
+                         (op.DICT, lambda s: s[::2]), (op.ADDITEMS, lambda s: s), (op.FROZENSET, lambda s: s)):
+        table[code[0]] = _hashing(table[code[0]], hashed)
+
+
+def _hashing(load: Any, hashed: Any) -> Any:
+    """``load`` (an opcode that hashes ``hashed(stack)``: for one after a MARK, the items since it), run
+    once what it hashes is within bounds (:func:`~lightning_distckpt.storage.pickle_scan.check_hashed`:
+    Python hashes a tuple recursing in C, past any recursion limit)."""
+    def handler(self: _AllowListUnpickler) -> None:
+        check_hashed(hashed(self.stack), self._where)
+        load(self)
+    return handler
 
 
 _setup_dispatch()
@@ -231,15 +247,15 @@ def read_metadata(path: str, root: str = ANYWHERE) -> DcpMetadata:
     except Exception as e:  # truncated or corrupted pickle
         raise FormatError(f"{path}: not a readable DCP .metadata ({type(e).__name__}: {e})") from None
     try:
-        return _checked(raw, path)
+        return _checked(raw, path, len(data))
     except FormatError:
         raise
     except Exception as e:  # a record the pickle left without a field its class has, or of odd values
         raise FormatError(f"{path}: malformed DCP .metadata ({type(e).__name__}: {e})") from None
 
 
-def _checked(raw: Any, path: str) -> DcpMetadata:
-    """The unpickled ``Metadata``, checked field by field into our records."""
+def _checked(raw: Any, path: str, size: int) -> DcpMetadata:
+    """The unpickled ``Metadata`` (of ``size`` bytes), checked field by field into our records."""
     # imported here: only a DCP checkpoint needs torch.distributed.checkpoint
     from torch.distributed.checkpoint import metadata as m
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -251,12 +267,19 @@ def _checked(raw: Any, path: str) -> DcpMetadata:
     items = _storage_items(raw.storage_data, m.MetadataIndex, _StorageInfo, path)
     tensors: Dict[str, DcpTensor] = {}
     objects: Dict[str, DcpItem] = {}
+    # Each chunk a list names takes at least 2 bytes of the pickle (a memo reference); lists shared by
+    # tensors (one list of 1,000 empty chunks under 1,000 names: 40 kB) would be walked once per name.
+    chunks = 0
     for fqn, entry in raw.state_dict_metadata.items():
         if not isinstance(fqn, str):
-            raise FormatError(f"{path}: state_dict_metadata key {_show(fqn)} is not a string")
+            raise FormatError(f"{path}: state_dict_metadata key {shown_value(fqn)} is not a string")
         if isinstance(entry, m.BytesStorageMetadata):
             objects[fqn] = _item(items, fqn, None, path)
         elif isinstance(entry, m.TensorStorageMetadata):
+            chunks += len(entry.chunks) if isinstance(entry.chunks, list) else 0
+            if chunks > size // 2:
+                raise FormatError(f"{path}: its tensors name {chunks} chunks or more, more than its {size} bytes "
+                                  f"hold (chunk lists shared between tensors): not written by DCP; refused")
             tensors[fqn] = _tensor(entry, fqn, items, path)
         else:
             raise FormatError(f"{path}: entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
@@ -269,11 +292,38 @@ def _checked(raw: Any, path: str) -> DcpMetadata:
 _ItemKey = Tuple[str, Optional[Tuple[int, ...]]]
 
 
-def _show(value: Any) -> str:
-    """``repr(value)`` for a message, short; a record the pickle built without the fields its class's
-    repr reads is named by its type."""
+class _Shown(reprlib.Repr):
+    """``repr`` of what a pickle built, bounded in depth and width: a pickle's memo shares one list under
+    many (``x = [x, x]`` 40 times: a few hundred bytes), and ``repr`` writes each place it is reached
+    (2**40 items). Records are shown by their fields, as bounded; other objects by their type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxset = 4, 8, 8, 8, 8
+        self.maxstring, self.maxother, self.maxlong = 120, 120, 40
+
+    def repr1(self, x: Any, level: int) -> str:
+        for kind, show in ((dict, self.repr_dict), (list, self.repr_list), (tuple, self.repr_tuple),
+                           (set, self.repr_set), (frozenset, self.repr_frozenset)):
+            if isinstance(x, kind):  # subclasses too (torch.Size, OrderedDict): as their base
+                return show(x, level)
+        if isinstance(x, (str, bytes, int, float, bool, type(None), torch.dtype)):
+            return super().repr1(x, level)
+        fields = getattr(x, "__dict__", None)
+        if not isinstance(fields, dict) or level <= 0:
+            return f"<{type(x).__name__}>"
+        shown = [f"{k}={self.repr1(v, level - 1)}" for k, v in list(fields.items())[:self.maxdict]]
+        return f"{type(x).__name__}({', '.join(shown)}{', ...' if len(fields) > self.maxdict else ''})"
+
+
+_SHOWN = _Shown()
+
+
+def shown_value(value: Any) -> str:
+    """``repr(value)`` of what a pickle built, for a message: bounded in depth, width and length whatever
+    the value (:class:`_Shown`); a value whose repr fails is named by its type."""
     try:
-        text = repr(value)
+        text = _SHOWN.repr(value)
     except Exception:  # noqa: BLE001 - hostile: any repr may fail
         return f"<{type(value).__name__} with missing fields>"
     return text if len(text) <= 200 else text[:200] + "..."
@@ -281,7 +331,7 @@ def _show(value: Any) -> str:
 
 def _ints(value: Any, what: str, path: str) -> Tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(i) is int and i >= 0 for i in value):
-        raise FormatError(f"{path}: {what} must be a sequence of non-negative ints, got {_show(value)}")
+        raise FormatError(f"{path}: {what} must be a sequence of non-negative ints, got {shown_value(value)}")
     return tuple(value)
 
 
@@ -290,17 +340,17 @@ def _storage_items(storage_data: Dict[Any, Any], index_cls: type, info_cls: type
     out: Dict[_ItemKey, DcpItem] = {}
     for index, info in storage_data.items():
         if not isinstance(index, index_cls) or not isinstance(index.fqn, str) or not isinstance(info, info_cls):
-            raise FormatError(f"{path}: storage_data entry {_show(index)} -> {_show(info)} is not MetadataIndex -> "
-                              "_StorageInfo")
+            raise FormatError(f"{path}: storage_data entry {shown_value(index)} -> {shown_value(info)} is not "
+                              "MetadataIndex -> _StorageInfo")
         offset = None if index.offset is None else _ints(index.offset, f"{index.fqn!r} offset", path)
         where = f"{path}: {index.fqn!r}" + ("" if offset is None else f" chunk at {list(offset)}")
         if getattr(info, "transform_descriptors", None):
-            raise FormatError(f"{where} is stored through transforms {_show(info.transform_descriptors)} "
+            raise FormatError(f"{where} is stored through transforms {shown_value(info.transform_descriptors)} "
                               "(DCP extensions such as compression), which lightning_distckpt cannot read")
         rel, start, length = getattr(info, "relative_path", None), getattr(info, "offset", None), \
             getattr(info, "length", None)
         if not isinstance(rel, str) or type(start) is not int or type(length) is not int or start < 0 or length < 0:
-            raise FormatError(f"{where}: malformed storage record {_show(info)}")
+            raise FormatError(f"{where}: malformed storage record {shown_value(info)}")
         out[(index.fqn, offset)] = DcpItem(rel, start, length)
     return out
 

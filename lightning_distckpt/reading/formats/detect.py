@@ -51,25 +51,26 @@ def is_hf_model_directory(path: str) -> bool:
                                           for n in names)
 
 
-def open_tensor_files(path: str, extra_safe_globals: Sequence[Any] = ()) -> Optional[List[IndexedFile]]:
+def open_tensor_files(path: str, extra_safe_globals: Sequence[Any] = (),
+                      mapped: bool = False) -> Optional[List[IndexedFile]]:
     """The tensor files of a file path or of a Hugging Face directory (with the names its index
     assigns to each); None for anything else. A file path given may be a link (the user chose it);
     in a directory, links are followed only inside its root (:func:`model_root`: a Hugging Face
     cache snapshot's root is its cache repo folder), and a special file in a model file's place is
-    a FormatError naming it (see :mod:`.model_files`)."""
+    a FormatError naming it (see :mod:`.model_files`). ``mapped``: see :class:`.files.SafetensorsFile`."""
     if not os.path.isdir(path):
         if not os.path.exists(path):
             return None
-        return [IndexedFile(open_file(path, extra_safe_globals), None)]  # a FIFO or socket: refused there
+        return [IndexedFile(open_file(path, extra_safe_globals, mapped=mapped), None)]  # a FIFO: refused there
     root = model_root(path)
     for name in HF_INDEXES:
         if os.path.lexists(os.path.join(path, name)):
             index = _index_files(path, name, root)
-            opened = [IndexedFile(open_file(f, extra_safe_globals, root), keys) for f, keys in index.items()]
+            opened = [IndexedFile(open_file(f, extra_safe_globals, root, mapped), keys) for f, keys in index.items()]
             return _with_unlisted_tensors(os.path.join(path, name), opened)
     for name in HF_SINGLE_FILES:
         if os.path.lexists(os.path.join(path, name)):
-            return [IndexedFile(open_file(os.path.join(path, name), extra_safe_globals, root), None)]
+            return [IndexedFile(open_file(os.path.join(path, name), extra_safe_globals, root, mapped), None)]
     return None
 
 
@@ -86,10 +87,11 @@ def is_safetensors(path: str, root: str = ANYWHERE) -> bool:
     return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
 
 
-def open_file(path: str, extra_safe_globals: Sequence[Any] = (), root: str = ANYWHERE) -> TensorFile:
+def open_file(path: str, extra_safe_globals: Sequence[Any] = (), root: str = ANYWHERE,
+              mapped: bool = False) -> TensorFile:
     """A ``.safetensors`` or ``torch.save`` file; links only inside ``root`` (default: anywhere)."""
     if is_safetensors(path, root):
-        return SafetensorsFile(path, root)
+        return SafetensorsFile(path, root, mapped)
     return TorchFile(path, extra_safe_globals, root)
 
 

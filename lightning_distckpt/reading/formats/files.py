@@ -1,6 +1,6 @@
-"""The tensor files we read: ``.safetensors`` (through ``safetensors.safe_open``: only the slice's
-bytes are read) and ``torch.save`` files (``weights_only``, memory-mapped: only the pages of the
-slice are touched). Both :func:`ldc.load <lightning_distckpt.load>` and the rank-0 API
+"""The tensor files we read: ``.safetensors`` (read with ``pread`` at the offsets of its checked header:
+only the rows a slice needs) and ``torch.save`` files (``weights_only``, memory-mapped: only the pages of
+the slice are touched). Both :func:`ldc.load <lightning_distckpt.load>` and the rank-0 API
 (:mod:`lightning_distckpt.ingest`) open files through these classes. ``root``: where a link may
 resolve (:mod:`.model_files`; the default, a file the user named, is read wherever it points)."""
 
@@ -17,46 +17,92 @@ from ...storage.checksums import verification_enabled
 from ...storage.safetensors_crcs import check_tensor, recorded_crcs
 from ...storage.paths import ANYWHERE, INFLATED_FACTOR, INFLATED_FLOOR
 from ...storage.safe_pickle import load_file
-from .safetensors_header import read_header
+from .model_files import open_model_file
+from .safetensors_header import HeaderEntry, read_open_header
 from .tensor_files import check_shape
+
+_READ_BYTES = 64 << 20  # a slice's rows are read at most this many bytes at a time
 
 
 class SafetensorsFile:
     """A ``.safetensors`` file: its header is checked against the file's size first
-    (:func:`~lightning_distckpt.reading.formats.safetensors_header.read_header`: truncation, offsets
-    past the end or overlapping, unknown dtypes are FormatErrors naming the tensor); then the
-    library reads: tensors are views of its memory map, slices read only their bytes, except where
-    the file records the tensor's CRC-32C (we wrote it): then the tensor is read whole and checked."""
+    (:func:`~lightning_distckpt.reading.formats.safetensors_header.read_open_header`: truncation,
+    offsets past the end, overlapping or leaving gaps, unknown dtypes are FormatErrors naming the
+    tensor); then tensors are read from the file kept open, with ``pread``: a slice reads only its
+    rows, except where the file records the tensor's CRC-32C (we wrote it): then the tensor is read
+    whole and checked. A file cut short meanwhile (by another process) is a FormatError: read from a
+    memory map it killed the reader with SIGBUS. ``mapped`` (the rank-0 API, whose tensors are handed
+    out unread): tensors are views of safetensors' own memory map of the file (``safe_open``), which
+    are exposed to that (docs/safety.md, "Limits")."""
 
-    def __init__(self, path: str, root: str = ANYWHERE) -> None:
-        from safetensors import safe_open
-
+    def __init__(self, path: str, root: str = ANYWHERE, mapped: bool = False) -> None:
         self.path = path
-        # read_header opens the file as the rule says (a regular file, links only inside root) before
-        # safe_open, which opens it by name
-        self._entries = {e.name: e for e in sorted(read_header(path, root), key=lambda e: e.begin)}
+        self._file = open_model_file(path, "safetensors file", root)  # kept open: every read is from this file
         try:
-            self._file = safe_open(path, framework="pt", device="cpu")
-            metadata = self._file.metadata()
-        except Exception as e:  # SafetensorError (and Rust panics surfacing as exceptions)
-            raise FormatError(f"{path}: cannot be read as safetensors: {type(e).__name__}: {e}") from None
-        self._crcs = recorded_crcs(metadata, path)  # a file we wrote: each tensor's CRC-32C
+            header = read_open_header(self._file, path)
+            self._mapped = _safe_open(path) if mapped else None
+        except BaseException:
+            self._file.close()
+            raise
+        self._entries = {e.name: e for e in sorted(header.entries, key=lambda e: e.begin)}
+        self._start = header.data_start
+        self._crcs = recorded_crcs(header.metadata, path)  # a file we wrote: each tensor's CRC-32C
 
     def names(self) -> List[str]:
-        return list(self._entries)  # file order: reading them in turn reads the map front to back
+        return list(self._entries)  # file order: reading them in turn reads the file front to back
 
     def shape_dtype(self, name: str) -> Tuple[Tuple[int, ...], torch.dtype]:
         entry = self._entries[name]
         return entry.shape, entry.dtype
 
     def read(self, name: str, src: Tuple[slice, ...]) -> torch.Tensor:
-        shape = self._entries[name].shape
+        entry = self._entries[name]
+        shape = entry.shape
         whole = not src or all(s.indices(n)[:2] == (0, n) for s, n in zip(src, shape))
-        if not whole and (name not in self._crcs or not verification_enabled()):
-            return self._file.get_slice(name)[src]  # only its bytes: nothing to check them against
-        tensor = self._file.get_tensor(name)  # a slice of a tensor whose CRC is recorded: read whole, checked
+        if not whole and (name not in self._crcs or not verification_enabled()):  # nothing to check its bytes by
+            return self._mapped.get_slice(name)[src] if self._mapped is not None else self._slice(entry, src)
+        # a slice of a tensor whose CRC is recorded: read whole, checked
+        tensor = self._mapped.get_tensor(name) if self._mapped is not None else \
+            self._rows(entry, 0, shape[0] if shape else 1)
         check_tensor(name, tensor, self._crcs, self.path)
         return tensor if not src else tensor[src]
+
+    def _rows(self, entry: HeaderEntry, first: int, last: int) -> torch.Tensor:
+        """Rows ``first:last`` of the tensor ``entry`` (all of a 0-d one), read from the file."""
+        shape = entry.shape
+        row = entry.dtype.itemsize * (int(torch.Size(shape[1:]).numel()) if shape else 1)
+        nbytes = (last - first) * row
+        out = torch.empty(((last - first),) + tuple(shape[1:]) if shape else (), dtype=entry.dtype)
+        if nbytes:
+            buf = out.view(-1).view(torch.uint8).numpy()
+            got = os.preadv(self._file.fileno(), [buf], self._start + entry.begin + first * row)
+            if got != nbytes:
+                raise FormatError(f"{self.path}: tensor {entry.name!r}: the file ends before its data ({got} of "
+                                  f"{nbytes} bytes read; cut short while it was read)")
+        return out
+
+    def _slice(self, entry: HeaderEntry, src: Tuple[slice, ...]) -> torch.Tensor:
+        """``tensor[src]``, reading only the rows it spans, at most :data:`_READ_BYTES` of rows at a time."""
+        first, stop, step = src[0].indices(entry.shape[0]) if entry.shape else (0, 1, 1)
+        if not entry.shape or step < 1:
+            return self._rows(entry, 0, entry.shape[0] if entry.shape else 1)[src]
+        out = torch.empty(torch.empty(entry.shape, dtype=entry.dtype, device="meta")[src].shape, dtype=entry.dtype)
+        rows, rest = range(first, stop, step), (slice(None, None, step),) + tuple(src[1:])
+        row_bytes = (entry.end - entry.begin) // max(1, entry.shape[0])
+        per_read = max(1, _READ_BYTES // max(1, row_bytes * step))
+        for at in range(0, len(rows), per_read):
+            part = rows[at:at + per_read]
+            out[at:at + len(part)] = self._rows(entry, part[0], part[-1] + 1)[rest]
+        return out
+
+
+def _safe_open(path: str) -> Any:
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError (and Rust panics surfacing as exceptions)
+        raise FormatError(f"{path}: cannot be read as safetensors: {type(e).__name__}: {e}") from None
 
 
 class TorchFile:

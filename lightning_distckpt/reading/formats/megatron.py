@@ -32,7 +32,7 @@ from ...storage.layout import parse_json
 from ...storage.paths import MEGATRON_CONFIG_CAP, model_root
 from ...storage.safe_pickle import dumps, load_file, loads
 from .dcp import DcpReader, DcpSource, is_dcp_dir
-from .dcp_metadata import METADATA_NAME, DcpItem
+from .dcp_metadata import METADATA_NAME, DcpItem, shown_value
 from .model_files import read_model_file
 from .tensor_files import KeyMap, map_key
 
@@ -172,10 +172,10 @@ class MegatronSource(DcpSource):
         for fqn, notes in self._mcore_data.items():
             if isinstance(notes, dict) and notes.get("nd_reformulated_orig_global_shape") is not None:
                 raise FormatError(
-                    f"{self.path}: tensor {fqn!r} is stored in Megatron-Core's N-D reformulated flattened form "
-                    f"(distributed-optimizer state of Megatron-Core <= 0.15, original shape "
-                    f"{notes['nd_reformulated_orig_global_shape']}), which lightning_distckpt does not reshard; "
-                    "re-save the optimizer with the 'fully_reshardable' sharding type")
+                    f"{self.path}: tensor {shown_value(fqn)} is stored in Megatron-Core's N-D reformulated flattened "
+                    f"form (distributed-optimizer state of Megatron-Core <= 0.15, original shape "
+                    f"{shown_value(notes['nd_reformulated_orig_global_shape'])}), which lightning_distckpt does "
+                    "not reshard; re-save the optimizer with the 'fully_reshardable' sharding type")
 
     def _rename_tensors(self, key_map: KeyMap) -> None:
         if key_map is None:

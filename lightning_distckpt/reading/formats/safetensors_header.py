@@ -13,7 +13,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, BinaryIO, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -46,21 +46,39 @@ class HeaderEntry:
     end: int
 
 
+class Header(NamedTuple):
+    """A safetensors file's header, checked: its tensors, its ``__metadata__`` (a string map) and where
+    its data section starts in the file."""
+
+    entries: List[HeaderEntry]
+    metadata: Optional[Dict[str, str]]
+    data_start: int
+
+
 def read_header(path: str, root: str = ANYWHERE) -> List[HeaderEntry]:
     """The tensors of the safetensors file ``path``, checked against the file's size; raises
     :class:`FormatError` naming the file (and the tensor) when the header is not sound, or when
     ``path`` is not a regular file or links out of ``root`` (see :mod:`.model_files`)."""
     with open_model_file(path, "safetensors file", root) as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise FormatError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise FormatError(
-                f"{path}: safetensors header length {n} does not fit the file of {size} bytes "
-                f"(truncated or not a safetensors file)")
-        raw = f.read(n)
+        return read_open_header(f, path).entries
+
+
+def read_open_header(f: BinaryIO, path: str) -> Header:
+    """The checked header of the safetensors file open as ``f`` (named ``path``): as :func:`read_header`,
+    and the data section must hold the tensors back to back from its start to its end, as the format
+    (and its own reader) requires."""
+    size = os.fstat(f.fileno()).st_size
+    head = os.pread(f.fileno(), 8, 0)
+    if len(head) < 8:
+        raise FormatError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise FormatError(
+            f"{path}: safetensors header length {n} does not fit the file of {size} bytes "
+            f"(truncated or not a safetensors file)")
+    raw = os.pread(f.fileno(), n, 8)
+    if len(raw) != n:
+        raise FormatError(f"{path}: the file ends inside its safetensors header (cut short while it was read)")
     # nesting checked before parsing (a header nests 3 levels; a deep one must not drive json into
     # deep recursion): a FormatError naming the file, like any header that is not JSON
     header = parse_json(raw, f"{path}: safetensors header", unique_keys=True)
@@ -69,7 +87,26 @@ def read_header(path: str, root: str = ANYWHERE) -> List[HeaderEntry]:
     data_bytes = size - 8 - n
     entries = [_entry(path, name, info, data_bytes) for name, info in header.items() if name != "__metadata__"]
     _check_overlaps(path, entries)
-    return entries
+    _check_packed(path, entries, data_bytes)
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise FormatError(f"{path}: the safetensors header's __metadata__ must map strings to strings")
+    return Header(entries, metadata, 8 + n)
+
+
+def _check_packed(path: str, entries: List[HeaderEntry], data_bytes: int) -> None:
+    """The tensors' bytes tile the data section exactly (what safetensors' own reader requires: a gap
+    or trailing bytes are not its format)."""
+    end = 0
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if e.begin != end:
+            raise FormatError(f"{path}: tensor {e.name!r} starts at byte {e.begin} of the data section, not at "
+                              f"{end} where the previous one ends (a gap: not a safetensors file as written)")
+        end = e.end
+    if end != data_bytes:
+        raise FormatError(f"{path}: the tensors end at byte {end} of the data section of {data_bytes} bytes "
+                          f"(trailing bytes: not a safetensors file as written)")
 
 
 def _entry(path: str, name: str, info: Any, data_bytes: int) -> HeaderEntry:
