@@ -37,7 +37,7 @@ from ..reading.formats import KeyMap
 from ..reading.formats.dcp_metadata import read_metadata
 from ..reading.formats.megatron import COMMON_NAME, CONFIG_NAME, megatron_config
 from ..progress import Progress, advance, set_total
-from ..storage.commit import exchange_paths as exchange  # renameat2(RENAME_EXCHANGE), False where missing
+from ..storage.swap import swap_into_place
 from ..storage.output_files import temp_name
 from ..storage.safe_pickle import write_file_durable
 from .select import selection
@@ -143,33 +143,9 @@ def _not_dcp(out: str) -> str:
 
 def _swap_in(staging: str, out: str) -> None:
     """Rename ``staging`` to ``out``; an existing ``out`` (checked before anything was written) is
-    swapped out in one atomic exchange where the file system has one (else renamed aside first),
-    checked again there (the directory removed is the one checked), then removed."""
-    if os.path.lexists(out) and exchange(staging, out):
-        # One step: ``out`` names the old export or the new one, never nothing (with two renames, a
-        # kill between them left ``out`` missing and the old export hidden under a temporary name).
-        try:
-            _check_target(staging, shown=out)  # the old one, now at the staging name
-        except CheckpointingError:
-            exchange(staging, out)  # put it back; the caller removes our export, now at the staging name
-            raise
-        shutil.rmtree(staging)
-        return
-    old = None
-    if os.path.lexists(out):
-        old = temp_name(out, "old")
-        os.rename(out, old)
-        try:
-            _check_target(old, shown=out)  # what is there now, not what was there before the export
-        except CheckpointingError:
-            os.rename(old, out)
-            raise
-    try:
-        os.rename(staging, out)
-    except OSError:
-        if old is not None and not os.path.lexists(out):
-            os.rename(old, out)  # something appeared meanwhile: the old checkpoint goes back
-        raise
+    swapped out (:func:`swap_into_place`: one atomic exchange where the file system has one), checked
+    again there (the directory removed is the one checked), then removed."""
+    old = swap_into_place(staging, out, temp_name(out, "old"), check_old=lambda path: _check_target(path, shown=out))
     if old is not None:
         shutil.rmtree(old)
 

@@ -24,9 +24,9 @@ import shutil
 from typing import List
 
 from ..core.errors import ArgumentError
-from ..storage.commit import exchange_paths
 from ..storage.committed import committed_siblings
 from ..storage.local_store import removable
+from ..storage.swap import swap_into_place
 
 logger = logging.getLogger(__name__)
 
@@ -103,19 +103,16 @@ def link_last(filepath: str, linkpath: str) -> None:
         raise ArgumentError(f"ModelCheckpoint: {linkpath} is not a checkpoint (what is there would be lost); not "
                             f"replaced by a link to {filepath}: move it away")
     os.symlink(os.path.relpath(filepath, folder), tmp)
+    old = None
     try:
         if not (os.path.isdir(linkpath) and not os.path.islink(linkpath)):
             os.replace(tmp, linkpath)
-        elif not exchange_paths(tmp, linkpath):  # exchanged: tmp holds the directory
-            os.rename(linkpath, f"{tmp}.old")
-            try:
-                os.replace(tmp, linkpath)
-            except OSError:
-                os.rename(f"{tmp}.old", linkpath)  # put back: nothing is lost when the link cannot be made
-                raise
-            _remove_replaced(f"{tmp}.old")
+        else:  # a rename cannot replace a directory: swapped (the old one put back if the link cannot be made)
+            old = swap_into_place(tmp, linkpath, f"{tmp}.old")
     finally:
         _remove_replaced(tmp)  # the directory exchanged out, or our link where the rename failed
+    if old is not None and old != tmp:
+        _remove_replaced(old)
 
 
 def _remove_replaced(path: str) -> None:

@@ -9,7 +9,6 @@ object store commits without a rename (:mod:`.s3`)."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import json
@@ -26,15 +25,12 @@ from .checksums import sha256_hex
 from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, is_our_committed_checkpoint
 from .paths import MARKER_CAP, holds_nothing, read_inside
 from .safe_pickle import write_file_durable
+from .swap import NO_EXCHANGE_ENV, exchange_paths  # noqa: F401 (NO_EXCHANGE_ENV: tests set it)
 from .workers import KeptWorkers
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes,
                       target_of)
 
-_RENAME_EXCHANGE = 2
 logger = logging.getLogger(__name__)
-# For tests, and for file systems whose renameat2(RENAME_EXCHANGE) misbehaves: replace a checkpoint
-# with two renames (target aside, staging in), as on NFS and Lustre where the exchange is missing.
-NO_EXCHANGE_ENV = "LIGHTNING_DISTCKPT_NO_RENAME_EXCHANGE"
 # For tests only: a comma-separated list of commit steps (see _step) at which the committing process
 # SIGKILLs itself (..._KILL_AT) or stops itself with SIGSTOP for the test to resume (..._STOP_AT).
 KILL_AT_ENV, STOP_AT_ENV = "LIGHTNING_DISTCKPT_TEST_KILL_AT", "LIGHTNING_DISTCKPT_TEST_STOP_AT"
@@ -174,25 +170,6 @@ def _made_durable_elsewhere(staging: str) -> Callable[[str], bool]:
     fsync at a time; and the owner notes, hints that are removed before the rename."""
     skipped = {os.path.join(staging, DATA_DIR), os.path.join(staging, OWNERS_DIR)}
     return skipped.__contains__
-
-
-def exchange_paths(a: str, b: str) -> bool:
-    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported (or
-    turned off by ``LIGHTNING_DISTCKPT_NO_RENAME_EXCHANGE=1``)."""
-    if os.environ.get(NO_EXCHANGE_ENV, "") not in ("", "0"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), b)
 
 
 def commit(staging: str, target: str, metadata_json: str, marker_json: str, entries_synced: bool = False) -> None:
