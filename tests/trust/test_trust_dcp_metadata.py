@@ -234,3 +234,18 @@ def test_a_size_just_within_torch_strides_loads(tmp_path):
     assert ldc.load_tensors_metadata(path)["w"].global_shape == (0, 2**62)
     out = ldc.load_plain_tensors(path)
     assert out["w"].shape == (0, 2**62) and out["w"].dtype == torch.float32
+
+
+def test_an_empty_dcp_key_is_a_format_error_naming_the_way_around(tmp_path):
+    """DCP saves a key ``""``; no template can have it. Every entry point says so, with the key_map that
+    loads the rest (it was a bare ShardingError from deep inside before), and the key_map does load it."""
+    dcp.save({"": torch.arange(4.0), "a": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    path = str(tmp_path / "ck")
+    for call in (lambda: ldc.load_plain_tensors(path), lambda: ldc.load_tensors_metadata(path),
+                 lambda: ldc.load({"a": torch.zeros(2)}, path),
+                 lambda: ldc.export.to_safetensors(path, str(tmp_path / "out"))):
+        with pytest.raises(FormatError, match=r"tensor '' would be loaded under key ''.*key_map \(\{'': 'a_name'\}"):
+            call()
+    assert not os.path.exists(tmp_path / "out")
+    got = ldc.load({"a": torch.zeros(2), "x": torch.zeros(4)}, path, key_map={"": "x"})
+    assert torch.equal(got["x"], torch.arange(4.0)) and torch.equal(got["a"], torch.ones(2))

@@ -33,7 +33,7 @@ from ...storage.zip_records import check_records
 from .dcp_chunks import SAFETENSORS_FORMAT, ChunkLayout, chunk_layout, read_pieces, safetensors_at
 from .dcp_metadata import METADATA_NAME, DcpChunk, DcpItem, DcpMetadata, read_metadata
 from .model_files import check_model_file, open_model_file
-from .tensor_files import KeyMap, map_key
+from .tensor_files import KeyMap, check_key, map_key
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ class DcpSource:
         self._objects: Dict[str, Tuple[str, DcpItem]] = {}  # key -> (fqn, item)
         for fqn, item in meta.objects.items():
             key = map_key(key_map, fqn)
+            if key is not None:
+                check_key(self.path, fqn, key, "object")
             if key in self._objects:  # key_map joined two objects: one would silently replace the other
                 raise FormatError(f"{self.path}: two DCP entries map to key {key!r} (one is {fqn!r}); fix key_map")
             if key is not None:
@@ -91,6 +93,7 @@ class DcpSource:
             key = map_key(key_map, fqn)
             if key is None:
                 continue
+            check_key(self.path, fqn, key)  # DCP takes any str, "" too
             if key in self.index.tensors or key in self._objects:
                 raise FormatError(f"{self.path}: two DCP entries map to key {key!r} (one is {fqn!r}); fix key_map")
             try:

@@ -77,6 +77,15 @@ def map_key(key_map: KeyMap, name: str) -> Optional[str]:
     return key_map.get(name, name)
 
 
+def check_key(where: str, name: str, key: Any, what: str = "tensor") -> None:
+    """Refuse a key no template can have: a file's own name, or what a key_map made of it, must be a non-empty
+    str (a ShardedTensor's key), so the error names the file and how to load it anyway."""
+    if not isinstance(key, str) or not key:
+        raise FormatError(f"{where}: {what} {name!r} would be loaded under key {key!r}, not a non-empty string"
+                          + ("" if key != name else f"; name it, or leave it out, with ldc.load's key_map "
+                             f"({{{name!r}: 'a_name'}} or {{{name!r}: None}})"))
+
+
 class TensorFileSource:
     """A :class:`~lightning_distckpt.reading.checkpoint.CheckpointSource` over tensor files."""
 
@@ -100,10 +109,7 @@ class TensorFileSource:
 
     def _add(self, file: int, name: str, key: str) -> None:
         f = self._files[file]
-        if not isinstance(key, str) or not key:  # a file's own name, or what a key_map made of it
-            raise FormatError(f"{f.path}: tensor {name!r} would be loaded under key {key!r}, not a non-empty string"
-                              + ("" if key != name else f"; name it, or leave it out, with ldc.load's key_map "
-                                 f"({{{name!r}: 'a_name'}} or {{{name!r}: None}})"))
+        check_key(f.path, name, key)
         if key in self._where:
             prev = self._where[key]
             raise FormatError(f"{self.path}: key {key!r} comes from both {self._files[prev.file].path} "
