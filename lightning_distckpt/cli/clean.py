@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -67,7 +68,21 @@ def clean(path: str, older_than_s: float, dry_run: bool, progress: Optional[Prog
     number >= 0 (else ArgumentError). ``progress`` counts the bytes removed."""
     older_than_s = check_older_than(older_than_s)
     store = open_store(path, what="directory")
-    actions = [] if dry_run else [CleanAction(*done) for done in store.recover_leftovers()]
+    if not store.file_system:
+        return _clean(store, path, older_than_s, dry_run, progress, None)
+    from ..tiers.views import RootsInUse
+
+    in_use = RootsInUse()  # a node-local root a running job holds: nothing in it is touched
+    try:
+        return _clean(store, path, older_than_s, dry_run, progress, in_use)
+    finally:
+        in_use.release()
+
+
+def _clean(store: Any, path: str, older_than_s: float, dry_run: bool, progress: Optional[Progress],
+           in_use: Any) -> List[CleanAction]:
+    held = in_use is not None and any(in_use.holder(d) for d in (store.location, os.path.dirname(store.location)))
+    actions = [] if dry_run or held else [CleanAction(*done) for done in store.recover_leftovers()]
     leftovers = list(store.find_leftovers())
     if store.file_system:  # node-local tiers: unfinished transfers, torn steps (tiers/views.py)
         from ..tiers.views import tier_leftovers
@@ -75,9 +90,15 @@ def clean(path: str, older_than_s: float, dry_run: bool, progress: Optional[Prog
         leftovers += tier_leftovers(path)
         leftovers += find_output_leftovers(store.location)  # killed exports' temporaries
     found = [(lo, lo.verdict(older_than_s)) for lo in leftovers]
+    holders = {lo.path: in_use.holder(os.path.dirname(os.path.abspath(lo.path))) for lo, _ in found} if in_use else {}
+    found = [(lo, "in use" if holders.get(lo.path) else verdict) for lo, verdict in found]
     if not dry_run:
         set_total(progress, sum(lo.nbytes or 0 for lo, verdict in found if verdict == "remove"))
     for lo, verdict in found:
+        if verdict == "in use":
+            actions.append(CleanAction(lo, "kept", f"the node-local tier {os.path.dirname(lo.path)} is in use by a "
+                                                   f"job ({holders[lo.path]}): its saves and transfers may be running"))
+            continue
         reason = lo.reason(verdict, older_than_s)
         if verdict == "recover" and lo.stranded:  # not recovered above: dry run, or its commit still runs here
             actions.append(CleanAction(lo, "would recover" if dry_run else "kept", reason))

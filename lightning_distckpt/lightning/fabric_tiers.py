@@ -40,9 +40,12 @@ class FabricTiers:
     Args:
         fabric: the launched Fabric.
         options: the tiers' settings; default: the ``tiers:`` section of the strategy's checkpoint config.
+        run: this run's name, the same at every restart of it (your experiment's name or id; rank 0's is
+            taken): only local steps saved under it are restored, never those another job left on the
+            same ``local_dir``. None: every local step counts, whichever job saved it.
     """
 
-    def __init__(self, fabric: Any, options: Optional[TierOptions] = None) -> None:
+    def __init__(self, fabric: Any, options: Optional[TierOptions] = None, run: Optional[str] = None) -> None:
         strategy = fabric.strategy
         if not callable(getattr(strategy, "sharded_state", None)):
             raise CheckpointingError("FabricTiers needs FabricDistCheckpointStrategy or "
@@ -53,7 +56,7 @@ class FabricTiers:
                                 "tiers: section")
         self.strategy = strategy
         self.options = options
-        self.tier = LocalTier(options)
+        self.tier = LocalTier(options, run=run)
         self._last_step = -1
 
     def save(self, state: Dict[str, Any], step: int) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -85,7 +86,21 @@ class TierCheckpoint(DistModelCheckpoint):
             raise CheckpointingError(f"TierCheckpoint needs DistCheckpointStrategy (the local tier holds its sharded "
                                      f"checkpoints), got {type(trainer.strategy).__name__}")
         if self.local_tier is None:
-            self.local_tier = LocalTier(self.options)
+            self.local_tier = LocalTier(self.options, run=self._run(trainer))
+
+    def _run(self, trainer: Any) -> Optional[str]:
+        """The run this Trainer continues (:class:`LocalTier`'s ``run``: only its local steps are resumed):
+        the one the marker of this folder names; a new one where there is no marker yet (rank 0's is
+        taken); None (any step, as before runs were recorded) for a marker written without one."""
+        marker = self.marker_path(trainer)
+        data = _read_marker(marker) if marker is not None else None
+        if data is None:
+            return uuid.uuid4().hex
+        try:
+            run = json.loads(data).get("run")
+        except (ValueError, AttributeError):  # not a marker of ours: written by hand, or damaged
+            return None
+        return run if isinstance(run, str) else None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """The step training starts (or resumes) from needs no local save: with gradient accumulation,
@@ -192,8 +207,10 @@ class TierCheckpoint(DistModelCheckpoint):
         marker = self.marker_path(trainer)
         if marker is None or self._marker_seen:
             return
+        run = self.local_tier.run if self.local_tier is not None else None  # whose local steps "last" resumes
         data = json.dumps({"what": "lightning_distckpt tiers: local saves were made; ckpt_path='last' asks the tiers",
-                           "local_dir": self.options.local_dir, "first_local_step": step}).encode()
+                           "local_dir": self.options.local_dir, "first_local_step": step,
+                           **({"run": run} if run else {})}).encode()
         if is_s3(marker):
             folder = _marker_folder(marker)
             if folder.read(MARKER_NAME) is None:
@@ -233,6 +250,19 @@ def _marker_folder(marker: str) -> Any:
     from ..storage.options import StorageOptions
 
     return ObjectStore(marker[:-len(MARKER_NAME)].rstrip("/"), StorageOptions())
+
+
+def _read_marker(marker: str) -> Optional[bytes]:
+    """The marker's bytes (at most 64 KiB: it is ~200), None where there is none (a link is none of ours)."""
+    try:
+        if is_s3(marker):
+            return _marker_folder(marker).read(MARKER_NAME)
+        if os.path.islink(marker) or not os.path.isfile(marker):
+            return None
+        with open(marker, "rb") as f:
+            return f.read(1 << 16)
+    except (OSError, CheckpointingError):  # unreadable: a new run (no local step of another is resumed)
+        return None
 
 
 def _touch_marker(marker: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from typing import Optional
 
 from lightning_distckpt.comm import Comm
 from lightning_distckpt.storage.commit import KILL_AT_ENV, STOP_AT_ENV
@@ -36,6 +37,7 @@ class TierContext:
     comm: Comm  # the tier's own gloo group: its background thread never races the training's collectives
     nodes: NodeMap
     root: str  # this rank's node-local root
+    run: Optional[str] = None  # the run this tier saves as and recovers (None: any step, none recorded)
 
     @property
     def rank(self) -> int:

@@ -115,9 +115,19 @@ def _drop_notes(ctx: TierContext, damage: List[Damage]) -> None:
     once found damaged here too: :func:`_damaged_sources`)."""
     for d in damage:
         if d.node == ctx.node:
-            logger.warning("local tier: node %s: the copy of rank %d's store in %s is damaged and is not used: %s",
-                           d.node, d.writer, d.path, d.problem)
+            logger.warning("local tier: node %s: the copy of rank %d's store in %s %s and is not used: %s",
+                           d.node, d.writer, d.path, what_is_wrong(d.problem), d.problem)
             _remove(note_path(d.path, d.writer))
+
+
+def what_is_wrong(problem: str) -> str:
+    """A store validation refused, in words: damaged, or replaced by another save's (its save token says
+    so), or either (a checksum that covers the token fails: which one cannot be told)."""
+    if "written by another save" not in problem:
+        return "is damaged"
+    if "checksum mismatch" in problem:
+        return "is damaged or was written by another save"
+    return "was written by another save (replaced: copied in from another checkpoint), not damaged"
 
 
 def _remove(path: str) -> None:

@@ -20,7 +20,7 @@ from lightning_distckpt.storage.checksums import check_sha256
 from lightning_distckpt.storage.integrity import store_bytes
 from lightning_distckpt.storage.layout import COMMON_FILE, open_metadata
 from lightning_distckpt.storage.paths import CHUNK_FILE_SLACK, PICKLE_CAP, read_inside
-from lightning_distckpt.tiers.node_store import LocalStep, check_data_dir, committed_steps
+from lightning_distckpt.tiers.node_store import RUN_FIELD, LocalStep, check_data_dir, committed_steps
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class StepInfo(NamedTuple):
     copies: FrozenSet[int]  # of which partner copies (or fetched ones)
     writers: FrozenSet[int]  # the ranks whose stores the checkpoint has (from its index)
     committed: float  # the commit marker's time: the newer of two saves of one step wins
+    run: Optional[str] = None  # the run that saved it (its commit marker's), None where none was recorded
 
     @property
     def save_id(self) -> SaveId:
@@ -77,8 +78,10 @@ def _check(local: LocalStep, node: str) -> StepInfo:
         if claimed.get(rank, 0) == 0 or (nbytes is not None and nbytes >= claimed[rank]):
             held.add(rank)
     committed = mf.marker.get("committed_unix", 0.0)
+    run = mf.marker.get(RUN_FIELD)
     return StepInfo(local.step, str(mf.marker["metadata_sha256"]), node, frozenset(held),
-                    frozenset(local.copies & held), frozenset(writers), float(committed))
+                    frozenset(local.copies & held), frozenset(writers), float(committed),
+                    run if isinstance(run, str) else None)
 
 
 def _most_store_bytes(index: CheckpointIndex, rank: int, claimed: int) -> int:

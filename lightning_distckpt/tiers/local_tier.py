@@ -28,6 +28,7 @@ from lightning_distckpt.tiers.context import TierContext
 from lightning_distckpt.tiers.groups import GroupUser, tier_group
 from lightning_distckpt.tiers.holdings import StepInfo
 from lightning_distckpt.tiers.local_save import finish_local_save, make_room
+from lightning_distckpt.tiers.node_store import NodeLocalStore
 from lightning_distckpt.tiers.nodes import gather_nodes
 from lightning_distckpt.tiers.options import RecoveryPoint, TierOptions
 from lightning_distckpt.tiers.private_root import ensure_private_root
@@ -63,10 +64,22 @@ def _check_step(step: Any, method: str) -> None:
         raise ArgumentError(f"LocalTier.{method}: step must be an int >= 0, got {step!r}")
 
 
-class LocalTier:
-    """The node-local tier of one rank (every rank of the group makes one, with the same options)."""
+def _check_run(run: Any) -> None:
+    if run is not None and (not isinstance(run, str) or not 0 < len(run) <= 200 or not run.isprintable()):
+        raise ArgumentError(f"LocalTier: run must be None or a printable str of 1 to 200 characters, got {run!r}")
 
-    def __init__(self, options: TierOptions, process_group: Optional[dist.ProcessGroup] = None) -> None:
+
+class LocalTier:
+    """The node-local tier of one rank (every rank of the group makes one, with the same options).
+
+    ``run`` names the run (rank 0's decides): its saves record it, and only steps saved under the same run
+    are recovered, so a job that finds another job's steps on its root (one run before it there, the
+    lock released between) never resumes them as its own. A restart of the same run passes the same name
+    (the Trainer's ``TierCheckpoint`` keeps it in its marker). None: saves record none and every step counts.
+    """
+
+    def __init__(self, options: TierOptions, process_group: Optional[dist.ProcessGroup] = None,
+                 run: Optional[str] = None) -> None:
         if not isinstance(options, TierOptions):
             raise ArgumentTypeError(f"LocalTier: options must be a TierOptions, got {type(options).__name__}")
         self.options = options
@@ -82,6 +95,7 @@ class LocalTier:
         error: Optional[Exception] = None
         self._claim = RootClaim()
         try:
+            _check_run(run)
             ensure_private_root(root)
             if nodes.is_lead(comm.rank):  # one job per node root at a time (tiers/root_lock.py)
                 self._claim = claim_root(root)
@@ -89,11 +103,11 @@ class LocalTier:
         except Exception as e:  # agreed: every rank raises it, none waits in a later collective
             error = e
         try:
-            comm.agree("local tier: preparing the node-local directories", error)
+            runs = comm.agree("local tier: preparing the node-local directories", error, run)
         except BaseException:
             self._claim.release()
             raise
-        self._ctx = TierContext(options, comm, nodes, root)
+        self._ctx = TierContext(options, comm, nodes, root, runs[0])  # rank 0's run: the same on every rank
         self._saver = _saver(options)
         self._ready: Dict[int, ReadyCopy] = {}  # steps an earlier load completed here (forgotten at a save)
         self._holdings: Optional[List[StepInfo]] = None  # what recoverable() listed, for the load that follows
@@ -105,6 +119,11 @@ class LocalTier:
     def node(self) -> str:
         """This rank's node name."""
         return self._ctx.node
+
+    @property
+    def run(self) -> Optional[str]:
+        """The run this tier saves as and recovers (rank 0's ``run``)."""
+        return self._ctx.run
 
     @property
     def root(self) -> str:
@@ -133,7 +152,14 @@ class LocalTier:
             self._begin(step, background=False)
         self.wait()  # the room made (no rank writes before the leads enter the save's handshake)
         self._room_step = None
-        request = self._saver.save(sharded_state_dict, self._ctx.location(step), comm=self._ctx.comm)
+        where = NodeLocalStore(self._ctx.location(step)).location
+        if self._ctx.run is not None:  # recorded by the commit (NodeLocalStore.commit), dropped in _finish
+            NodeLocalStore.runs[where] = self._ctx.run
+        try:
+            request = self._saver.save(sharded_state_dict, self._ctx.location(step), comm=self._ctx.comm)
+        except BaseException:
+            NodeLocalStore.runs.pop(where, None)
+            raise
         self._thread = threading.Thread(target=self._finish, args=(request, step), name="distckpt-local-tier",
                                         daemon=True)
         self._thread.start()
@@ -180,6 +206,8 @@ class LocalTier:
             finish_local_save(self._ctx, request, step)
         except BaseException as e:  # raised on the caller's thread by wait() / the next save()
             self._error = e
+        finally:
+            NodeLocalStore.runs.pop(NodeLocalStore(self._ctx.location(step)).location, None)
 
     def wait(self) -> None:
         """Collective. Finishes the in-flight local save and replication (raises what failed)."""

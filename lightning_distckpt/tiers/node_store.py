@@ -35,6 +35,7 @@ from lightning_distckpt.storage.staging import is_staging_dir
 from lightning_distckpt.storage.stores import register_store
 
 SCHEME = "node-local://"
+RUN_FIELD = "tier_run"  # the commit marker's field naming the run that saved the step (LocalTier's ``run``)
 TIER_DIR = "local_tier"  # the notes of what a step directory holds, and our mark
 _STEP = re.compile(r"step_([0-9]{9,})")
 _NOTE = re.compile(r"held_rank_([0-9]{5,})\.json")
@@ -189,6 +190,9 @@ class NodeLocalStore(LocalStore):
     #: location -> this process's staging directory of the save in flight to it (set by :meth:`begin`, on
     #: every rank), where the tier's commit of the other nodes finds it.
     staged: ClassVar[Dict[str, str]] = {}
+    #: location -> the run saving to it (set by the tier around its save): recorded in the commit marker,
+    #: which the other nodes' commits and the fetched copies take from rank 0's directory as it is.
+    runs: ClassVar[Dict[str, str]] = {}
 
     def __init__(self, location: str, options: StorageOptions = StorageOptions()) -> None:
         super().__init__(location[len(SCHEME):] if location.startswith(SCHEME) else location, options)
@@ -217,7 +221,8 @@ class NodeLocalStore(LocalStore):
         super().write_blob(self.here(staging_dir), name, data)
 
     def commit(self, staging_dir: str, metadata_json: str, marker: Dict[str, Any]) -> None:
-        super().commit(self.here(staging_dir), metadata_json, marker)
+        run = NodeLocalStore.runs.get(self.location)
+        super().commit(self.here(staging_dir), metadata_json, {**marker, RUN_FIELD: run} if run else marker)
 
     def discard(self, staging_dir: str) -> None:
         super().discard(self.here(staging_dir))

@@ -50,11 +50,13 @@ NOT_DAMAGE = frozenset({"MissingKeysError", "ArgumentError", "ArgumentTypeError"
 
 def gather_holdings(ctx: TierContext, error: Optional[Exception] = None) -> List[StepInfo]:
     """Collective: every node's checked holdings (listed by its lead), the same list on every rank;
-    ``error`` (this rank's bad argument, say) is raised on every rank instead."""
+    ``error`` (this rank's bad argument, say) is raised on every rank instead. With a ``run`` (the
+    tier's), only the steps that run saved: another job's, on the same root before this one, are not ours
+    to resume (nor are steps that record no run)."""
     mine: List[StepInfo] = []
     if ctx.is_lead and error is None:
         try:
-            mine = scan_node(ctx.root, ctx.node)
+            mine = [i for i in scan_node(ctx.root, ctx.node) if ctx.run is None or i.run == ctx.run]
         except Exception as e:  # agreed: every rank raises the same
             error = e
     gathered = ctx.comm.agree("local tier: listing the local checkpoints failed", error, mine)

@@ -57,7 +57,8 @@ def tier_summary(path: str) -> Optional[Dict[str, Any]]:
             steps.append({"step": s.step, "path": s.path, "verified": info is not None,
                           "own": sorted(s.held - s.copies), "copies": sorted(s.copies),
                           "usable": sorted(info.held) if info else [],
-                          "writers": sorted(info.writers) if info else None})
+                          "writers": sorted(info.writers) if info else None,
+                          "run": info.run if info else None})  # a recovery counts only its own run's steps
         leftovers = uncommitted_dirs(root) + _tmp_dirs(root)
         nodes.append({"root": root, "steps": steps, "leftovers": leftovers, "not_private": _not_private(root)})
     recoverable = sorted({s for (s, _), group in by_save(infos).items() if not missing_stores(group)})
@@ -152,3 +153,26 @@ def _size_and_idle(path: str) -> Optional[Tuple[int, float]]:
                 continue
             size, newest = size + (st.st_size if p != base else 0), max(newest, st.st_mtime)
     return size, max(0.0, time.time() - newest)
+
+
+class RootsInUse:
+    """``clean``'s hold on the directories whose leftovers it removes (:func:`.root_lock.hold_for_clean`,
+    taken as each is first asked about, kept until :meth:`release`): one a running job holds keeps all."""
+
+    def __init__(self) -> None:
+        self._claims: List[Any] = []
+        self._holders: Dict[str, Optional[str]] = {}
+
+    def holder(self, directory: str) -> Optional[str]:
+        """Who holds ``directory`` (a node root of a running job), else None (now held by this clean)."""
+        from lightning_distckpt.tiers.root_lock import hold_for_clean
+
+        key = os.path.realpath(directory)
+        if key not in self._holders:
+            claim, self._holders[key] = hold_for_clean(key, create=is_tier_root(key))
+            self._claims.append(claim)
+        return self._holders[key]
+
+    def release(self) -> None:
+        for claim in self._claims:
+            claim.release()

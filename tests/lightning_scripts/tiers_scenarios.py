@@ -92,7 +92,8 @@ def listing(root: str) -> Dict[str, List[str]]:
     out = {}
     for sub in ("local/node0", "local/node1", "checkpoints"):
         path = os.path.join(root, sub)
-        out[sub] = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        # the lock file a live tier holds in its root (tiers/root_lock.py) is no step
+        out[sub] = sorted(n for n in os.listdir(path) if n != ".ldc-tier-root.lock") if os.path.isdir(path) else []
     return out
 
 
