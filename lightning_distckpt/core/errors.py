@@ -9,6 +9,7 @@ An error agreed over ranks (:meth:`lightning_distckpt.comm.Comm.agree`) carries 
 from __future__ import annotations
 
 import contextlib
+import re
 import traceback as _traceback
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Type
@@ -61,6 +62,21 @@ def _formatted(error: BaseException) -> str:
     return f"[... {len(text) - TRACEBACK_LIMIT} characters cut ...]\n" + text[-TRACEBACK_LIMIT:]
 
 
+# What tensorstore appends to the message of a failed HTTP request (an S3 object store's): the server's
+# answer body (an XML document, whose error for a bad signature holds the access key's id, the string
+# signed and the canonical request) and request-id headers. Errors say the status and tensorstore's words.
+_HTTP_DETAIL = re.compile(r"\s*\[(?:http_response_body|x-amz[\w-]*)='.*?'\](?=\s|\[|$)", re.S)
+_HTTP_STATUS = re.compile(r"\s*\[http_response_code='(\d+)'\]")
+
+
+def without_http_detail(text: str) -> str:
+    """``text`` (an error message, perhaps quoting tensorstore's) without HTTP answer bodies and
+    request-id headers; the HTTP status said as ``(HTTP 416)``."""
+    if "[http_" not in text and "[x-amz" not in text:
+        return text
+    return _HTTP_STATUS.sub(r" (HTTP \1)", _HTTP_DETAIL.sub("", text))
+
+
 class CheckpointingError(Exception):
     """Base class of all errors raised by lightning_distckpt.
 
@@ -70,7 +86,7 @@ class CheckpointingError(Exception):
     failures: Dict[int, RankFailure]
 
     def __init__(self, *args: object) -> None:
-        super().__init__(*args)
+        super().__init__(*(without_http_detail(a) if isinstance(a, str) else a for a in args))
         self.failures = {}
 
 

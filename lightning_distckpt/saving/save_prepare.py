@@ -175,22 +175,30 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm
         local, error = LocalState(), e
     cache_key = (local.records, _group_ranks(comm), validate_access_integrity, planning)
     token = plan_cache.lookup(cache_key) if plan_cache is not None and error is None else None
-    mine = Handshake(
-        layout=layout_digest(local.records), plan_token=token,
-        staging=store.new_staging() if comm.rank == 0 else None,
-        common_digest=local.common_digest, planning=planning,
-    )
+    named = None
+    if comm.rank == 0 and error is None:
+        try:  # an object store names its version with requests (s3.new_version): a failure is agreed
+            named = store.new_staging()
+        except Exception as e:
+            error = e
+    mine = Handshake(layout=layout_digest(local.records), plan_token=token, staging=named,
+                     common_digest=local.common_digest, planning=planning)
     handshakes: List[Handshake] = comm.agree(f"save to {target} failed before writing", error, mine)
     staging = handshakes[0].staging
     assert staging is not None  # rank 0 always names one
-    _look_around(comm, store, staging, local.common, handshakes, validate_access_integrity)
-    reuse = token is not None and all(h.plan_token == token for h in handshakes)
-    if plan_cache is not None and reuse:
-        plan = plan_cache.reuse()
-    else:
-        plan = _plan(comm, target, local.records, handshakes, validate_access_integrity, plan_cache)
-        if plan_cache is not None:
-            plan_cache.store(cache_key, staging, plan)  # staging name: unique, identical on every rank
+    try:
+        _look_around(comm, store, staging, local.common, handshakes, validate_access_integrity)
+        reuse = token is not None and all(h.plan_token == token for h in handshakes)
+        if plan_cache is not None and reuse:
+            plan = plan_cache.reuse()
+        else:
+            plan = _plan(comm, target, local.records, handshakes, validate_access_integrity, plan_cache)
+            if plan_cache is not None:
+                plan_cache.store(cache_key, staging, plan)  # staging name: unique, identical on every rank
+    except BaseException:
+        if comm.rank == 0:  # what naming it left (an object store's claim of its version)
+            store.discard(staging)
+        raise
     tensors, objects = _local_writes(plan, local, comm.rank)
     logger.debug(
         "rank %d: save plan for %s (%s): %d shards / %d objects to write, %d bytes (planning %.3fs)",

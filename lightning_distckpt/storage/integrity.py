@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ..core.errors import CheckpointingError, FormatError
 from .checksums import check_sha256
@@ -88,17 +88,25 @@ def _file_size_check(store: str, what: str, claimed_bytes: int) -> Callable[[str
     file whole (a sparse file of 100 GB would take every byte of memory), OCDBT data files only in
     the ranges its index names. No chunk holds more than the store's tensors (plus slack for an
     edge chunk stored whole), and objects are pickled state."""
-    chunk_cap = SizeCap("chunk file", claimed_bytes + CHUNK_FILE_SLACK)
-
     def check(path: str, size: int) -> None:
-        rel = os.path.relpath(path, store).replace(os.sep, "/")
-        if rel == "manifest.ocdbt" or rel.endswith("/zarr.json") or rel == "zarr.json":
-            STORE_INDEX_CAP.check(size, path, f"{what}: file")
-        elif rel.startswith(("t/", "p/")):
-            chunk_cap.check(size, path, f"{what} (whose tensors metadata.json sizes at {claimed_bytes} bytes): file")
-        elif rel.startswith("o/"):
-            PICKLE_CAP.check(size, path, f"{what}: object file")
+        capped = store_file_cap(os.path.relpath(path, store).replace(os.sep, "/"), claimed_bytes)
+        if capped is not None:
+            capped[0].check(size, path, what + capped[1])
     return check
+
+
+def store_file_cap(rel: str, claimed_bytes: int) -> Optional[Tuple[SizeCap, str]]:
+    """The cap on the file (or object) ``rel`` of a writer's store whose tensors the index sizes at
+    ``claimed_bytes``, with what a refusal adds to the store's description; None for what is read only in
+    ranges (OCDBT data files) or not at all."""
+    if rel == "manifest.ocdbt" or rel.endswith("/zarr.json") or rel == "zarr.json":
+        return STORE_INDEX_CAP, ": file"
+    if rel.startswith(("t/", "p/")):
+        return (SizeCap("chunk file", claimed_bytes + CHUNK_FILE_SLACK),
+                f" (whose tensors metadata.json sizes at {claimed_bytes} bytes): file")
+    if rel.startswith("o/"):
+        return PICKLE_CAP, ": object file"
+    return None
 
 
 def check_writer_store(checkpoint_dir: str, writer: int, claimed_bytes: int) -> None:

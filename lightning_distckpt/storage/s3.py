@@ -33,6 +33,7 @@ from .layout import (COMMIT_MARKER, COMMON_FILE, FILE_CAPS, METADATA_FILE, Metad
                      parse_marker)
 from .options import StorageOptions
 from .paths import MARKER_CAP, SizeCap
+from .s3_reads import object_size, read_bounded
 from .s3_url import answer_timeout, context_spec, explain, kvstore_spec, nameable, no_answer, parse_s3_url
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ _OPEN_ATTEMPTS = 3
 # larger ones (metadata.json, common.pt) may rightly take longer, and are bounded by curl's stall
 # limit per attempt (docs/object_storage.md).
 _SMALL = 1 << 20
+# The claim of a version by the save naming it (new_version): an object of a name a save writes, beside a
+# rank store's own (ignored by OCDBT and zarr, which read only the names they wrote).
+_CLAIM, _NAME_ATTEMPTS = "data/rank_00000/claim-", 8
 
 
 def addressable(name: str) -> bool:
@@ -105,17 +109,19 @@ class ObjectStore:
     def read(self, name: str, cap: Optional[SizeCap] = None) -> Optional[bytes]:
         """The object ``name`` (relative to the location), None when missing. An object larger than
         ``cap`` (by default the one of a checkpoint file of that name, else a marker's) is a
-        FormatError naming it, and is not fetched (:meth:`_larger_than`)."""
+        FormatError naming it, and is not fetched: the read itself is bounded (:func:`.s3_reads.read_bounded`:
+        an object replaced by a larger one after its size was found is read no further than that size)."""
         cap = cap or FILE_CAPS.get(name.rpartition("/")[2], MARKER_CAP)
         limit = cap.limit()
-        self._key(name)
-        if self._larger_than(name, limit):
+        data, size = read_bounded(self, self._key(name), limit)
+        if size > limit:
             raise cap.refusal(f"object {self.url}/{name}", None, limit)
-        res = self._wait(self._kv.read(name), f"reading {name}", limit <= _SMALL)
-        if res.state != "value":
-            return None
-        cap.check(len(res.value), f"{self.url}/{name}", "object")  # replaced by a larger one meanwhile
-        return bytes(res.value)
+        return data
+
+    def size(self, name: str, limit: int) -> Optional[int]:
+        """The size of the object ``name`` (None when missing, ``limit + 1`` past ``limit``), found
+        with ranged reads of at most 1 MiB each (:func:`.s3_reads.object_size`), not by reading it."""
+        return object_size(self, self._key(name), limit)
 
     def _larger_than(self, name: str, limit: int) -> bool:
         """Whether the object ``name`` holds more than ``limit`` bytes, asked without fetching it
@@ -172,12 +178,34 @@ class ObjectStore:
                 raise self._error(f"deleting {name}", e) from None
 
 
-def new_version(target: str) -> str:
-    """A fresh version location under ``target`` (where one save writes before its commit). The
-    token is the start time (8 hex digits of Unix seconds) and 4 random hex digits: an object
-    listing through the kvstore carries no modification times, and ``clean`` must tell a version a
-    running save is writing (recent) from one a killed save left behind (old)."""
-    return f"{target}/{VERSION_PREFIX}{int(time.time()):08x}{secrets.token_hex(2)}"
+def version_token() -> str:
+    """A version's token: the start time (8 hex digits of Unix seconds) and 4 random hex digits: an
+    object listing through the kvstore carries no modification times, and ``clean`` must tell a
+    version a running save is writing (recent) from one a killed save left behind (old)."""
+    return f"{int(time.time()):08x}{secrets.token_hex(2)}"
+
+
+def new_version(target: str, options: StorageOptions) -> str:
+    """A fresh version location under ``target``, claimed for one save (rank 0, before any rank
+    writes). Two saves naming a version in the same second share its name once in 65,536 (and a
+    killed or committed save's version may hold it): writing into one version, they would mix their
+    stores, and a failed one's discard would delete the other's. So a name is taken only when
+    nothing is under it, then claimed with an object of a random name (under ``data/rank_00000/``:
+    a name a save writes) and listed again: a version holding any other object is left to whoever
+    wrote it, and another name tried. Of two saves claiming one name at once, each lists after its
+    own claim, so the later one sees the other's claim at least (S3 lists what was written)."""
+    store = ObjectStore(target, options)
+    for _ in range(_NAME_ATTEMPTS):
+        name = VERSION_PREFIX + version_token()
+        if store.list_keys(name + "/"):
+            continue
+        claim = f"{name}/{_CLAIM}{secrets.token_hex(8)}"
+        store.write(claim, b"")
+        if store.list_keys(name + "/") == [claim]:
+            return f"{target}/{name}"
+        store.delete(claim)
+    raise CheckpointingError(f"checkpoint {store.url}: no free version name after {_NAME_ATTEMPTS} attempts (each "
+                             f"was taken by another save meanwhile)")
 
 
 def version_started(name: str) -> Optional[float]:

@@ -14,7 +14,9 @@ from ..core.errors import CheckpointingError
 from ..progress import Progress
 from . import s3, s3_versions
 from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, MetadataFile, rank_dir
+from .integrity import store_file_cap
 from .options import StorageOptions
+from .s3_reads import first_larger
 from .s3_url import S3_READ_COALESCING, S3_SCHEME, context_spec, kvstore_spec, parse_s3_url
 from .store import CheckpointStore, StorageFacts, WriterStore
 
@@ -34,7 +36,7 @@ class S3Store(CheckpointStore):
         s3.check_target(self.location, self.options)
 
     def new_staging(self) -> str:
-        return s3.new_version(self.location)
+        return s3.new_version(self.location, self.options)
 
     def write_blob(self, staging: str, name: str, data: bytes) -> None:
         s3.write_object(staging, name, data, self.options)
@@ -65,19 +67,36 @@ class S3Store(CheckpointStore):
         keys = s3.ObjectStore(path, self.options).list_keys(f"{DATA_DIR}/rank_{int(writer):05d}/")
         return WriterStore(bool(keys), None, f"no objects under {rank_dir(path, writer)}")
 
+    def check_writer(self, path: str, writer: int, claimed_bytes: int) -> None:
+        """Before a reader opens ``writer``'s store: no object that tensorstore reads whole (an OCDBT
+        manifest, a zarr chunk) larger than the cap a store file of that name has
+        (:func:`.integrity.store_file_cap`, as a directory's files): a hostile one of gigabytes would
+        otherwise be fetched whole into memory. One listing and one byte past each cap read (a zarr.json
+        and an object are read bounded where they are read: ``array_metadata.py``)."""
+        store = s3.ObjectStore(rank_dir(path, writer), self.options)
+        caps = {rel: capped for rel in store.list_keys()
+                if not rel.endswith("zarr.json") and not rel.startswith("o/")
+                and (capped := store_file_cap(rel, claimed_bytes)) is not None}
+        over = first_larger(store, {rel: cap.limit() for rel, (cap, _) in caps.items()})
+        if over is not None:
+            cap, said = caps[over]
+            raise cap.refusal(f"checkpoint {path}: store of rank {writer}{said} {store.url}/{over}", None,
+                              cap.limit())
+
     def still_committed(self, path: str) -> bool:
         return s3.is_committed_version(path, self.options)
 
     def facts(self, path: str) -> StorageFacts:
-        """Objects under data/ (their sizes are not listed), common.pt's size, and the versions no
-        marker names."""
+        """Objects under data/ (their sizes are not listed), common.pt's size (found with ranged reads
+        of at most 1 MiB: ``inspect`` shows it, and must not fetch a common state of gigabytes for it),
+        and the versions no marker names."""
         version = s3.ObjectStore(path, self.options)
-        common = version.read(COMMON_FILE)
+        common = version.size(COMMON_FILE, 1 << 62)  # its true size, past a load's cap too
         target = path.rpartition("/")[0]
         leftovers = [{"path": lo.path, "bytes": None, "idle_s": None if lo.idle_s is None else round(lo.idle_s, 1),
                       "in_progress": None}
                      for lo in s3_versions.find_s3_leftovers(target, self.options) if lo.target == target]
-        return StorageFacts(len(version.list_keys(DATA_DIR + "/")), None, None if common is None else len(common),
+        return StorageFacts(len(version.list_keys(DATA_DIR + "/")), None, common,
                             leftovers)
 
     # -- tensorstore ----------------------------------------------------------------------

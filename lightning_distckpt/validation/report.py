@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..core.errors import without_http_detail
 from ..progress import Progress, advance
 
 _SPEC_TAIL = re.compile(r"\s*\[(tensorstore_spec|transform|domain)=.*$", re.S)
@@ -55,5 +56,5 @@ class ValidationReport:
 
 
 def short_error(e: BaseException) -> str:
-    """An exception's message without tensorstore's trailing spec dump."""
-    return _SPEC_TAIL.sub("", str(e)).strip() or type(e).__name__
+    """An exception's message without tensorstore's trailing spec dump and HTTP answer bodies."""
+    return without_http_detail(_SPEC_TAIL.sub("", str(e))).strip() or type(e).__name__
