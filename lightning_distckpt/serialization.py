@@ -157,9 +157,11 @@ def load(
     storage and sends it to the others, pipelined with bounded memory.
 
     ``cast``: ``"same_kind"`` (default) converts a stored tensor into a template of another floating
-    dtype, or another integer dtype; a template of another kind (integer <-> floating, anything <->
-    bool) is refused before anything is read (ShardingError naming the key). ``"any"`` converts
-    across kinds too, as Megatron-Core and torch DCP do, each value exactly as ``Tensor.to`` does.
+    dtype (float8 included), another integer dtype or another complex dtype; a template of another
+    kind (integer <-> floating, anything <-> bool, real -> complex) is refused before anything is read
+    (ShardingError naming the key). ``"any"`` converts across kinds too, as Megatron-Core and torch DCP
+    do, each value exactly as ``Tensor.to`` does; a complex tensor into a real template is refused
+    under either (its imaginary parts would be dropped).
 
     ``storage``: the reader's choices (:class:`StorageOptions` ``verify``, ``direct_reads``,
     ``io_concurrency``, the S3 endpoint and credentials); the layout is the one the checkpoint records.

@@ -16,9 +16,10 @@ always came back; a template's plain tensor whose key a checkpoint written befor
 from that checkpoint's common state (``reading/plain_tensors.py``).
 
 What the store cannot hold stays common state, as before: a tensor subclass other than
-``nn.Parameter``, a sparse or meta tensor, a dtype ``metadata.json`` has no name for (complex,
-float8, ...), a path with a dict key other than a str or an int (JSON would not give its place
-back), or a key that cannot name a stored array (``"."``, ``".."``).
+``nn.Parameter``, a sparse or meta tensor, a dtype ``metadata.json`` has no name for (complex32,
+float8_e8m0fnu, ...: ``planning/dtypes.py`` lists those it has), a path with a dict key other than a
+str or an int (JSON would not give its place back), or a key that cannot name a stored array
+(``"."``, ``".."``).
 """
 
 from __future__ import annotations

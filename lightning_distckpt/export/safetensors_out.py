@@ -34,6 +34,7 @@ from ..comm import get_comm
 from ..convert import ConvertReport
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from ..reading.formats import KeyMap
+from ..reading.formats.safetensors_header import DTYPES
 from ..storage.commit import fsync_dir
 from ..storage.output_files import open_new, write_file_atomic
 from ..storage.safetensors_crcs import crc_metadata
@@ -199,6 +200,21 @@ def _write_index(out_dir: str, files: Sequence[ShardFile], stale: Sequence[str])
     fsync_dir(out_dir)
 
 
+def _refuse_dtypes(tensors: Sequence[ExportTensor], source_path: str, out: str) -> None:
+    """ArgumentError naming the tensors whose dtype the safetensors format (as the installed
+    ``safetensors`` writes it) has no name for (complex128; float8 fnuz and complex64 with releases
+    before their names), before anything is written: ``save_file`` would fail mid-export."""
+    import safetensors.torch
+
+    known = set(DTYPES.values()) & set(getattr(safetensors.torch, "_TYPES", DTYPES).values())
+    bad = [t for t in tensors if t.dtype not in known]
+    if bad:
+        names = ", ".join(f"{t.name!r} ({str(t.dtype).replace('torch.', '')})" for t in bad[:5])
+        raise ArgumentError(f"checkpoint {source_path}: cannot export to {out}: safetensors has no dtype for "
+                            f"{names}{f' and {len(bad) - 5} more' if len(bad) > 5 else ''}; leave them out (key_map "
+                            f"returning None, include=) or export to DCP or a torch file, which store every dtype")
+
+
 def to_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
                    key_map: KeyMap = None, process_group: Optional[dist.ProcessGroup] = None,
                    extra_safe_globals: Sequence[Any] = (), *, only: Optional[str] = None,
@@ -236,6 +252,7 @@ def to_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str
         source = open_source(checkpoint, out, replaced=_replaced_name)
         source_path = source.path
         tensors = export_tensors(source, key_map, extra_safe_globals, select=select)
+        _refuse_dtypes(tensors, source.path, out)
         if not tensors:
             chosen = f" selected by {select.describe()}" if not select.everything else ""
             raise CheckpointingError(f"checkpoint {source.path}: no tensors{chosen} to export to {out}")

@@ -178,18 +178,11 @@ def _check(state_dict: Mapping[str, Any], key: str, tensor: Any, needs: Sequence
             raise ShardingError(
                 f"{where} has shape {tuple(tensor.shape)} but rank {n.rank}'s entry {n.name!r} describes a global "
                 f"shape {n.global_shape} (a shape mismatch is not padded or truncated here)")
-        if _kind(n.dtype) != _kind(tensor.dtype):
+        if dtype_kind(n.dtype) != dtype_kind(tensor.dtype):  # complex a kind of its own: never its real parts
             raise ShardingError(
                 f"{where} is stored as {str(tensor.dtype).replace('torch.', '')} but rank {n.rank}'s entry {n.name!r} "
-                f"is {str(n.dtype).replace('torch.', '')}; floating dtypes convert to floating ones and integer "
-                f"dtypes to integer ones only")
-
-
-def _kind(dtype: torch.dtype) -> str:
-    """:func:`dtype_kind`, with complex dtypes a kind of their own: ``copy_`` of a complex tensor into
-    an integer or floating one keeps only the real parts (a file's complex tensor loaded into an int
-    buffer would silently lose its imaginary parts)."""
-    return "complex" if dtype.is_complex else dtype_kind(dtype)
+                f"is {str(n.dtype).replace('torch.', '')}; floating dtypes convert to floating ones, integer "
+                f"dtypes to integer ones and complex dtypes to complex ones only")
 
 
 def _bounding_box(needs: Sequence[Need]) -> Optional[Box]:

@@ -81,7 +81,7 @@ class DistCheckpointConfig:
             import path (``["io.BytesIO", "argparse.Namespace"]``), added to the plugin's
             ``extra_safe_globals`` (loading never unpickles anything else).
         cast: which dtype conversions a load makes when the module's dtype differs from the
-            stored one: ``same_kind`` (floating <-> floating, integer <-> integer; others refused)
+            stored one: ``same_kind`` (floating <-> floating, integer <-> integer, complex <-> complex; others refused)
             or ``any`` (across kinds too, as ``Tensor.to`` converts); ``load(..., cast=)``.
         allow_shape_mismatch: load a tensor whose global shape in the checkpoint differs from the
             module's (a larger one zero-padded, a smaller one truncated; the number of axes must

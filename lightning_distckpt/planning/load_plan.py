@@ -11,13 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
-import torch
-
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, ShardingError
 from ..core.mapping import ShardedTensor, ShardedTensorFactory
 from ..core.state_dict import map_leaves
 from .boxes import intersect
 from .coverage import check_disjoint
+from .dtypes import dtype_kind
 from .flat_plan import FlatReadPlan, is_flattened, plan_flat_read
 from .metadata import TensorEntry
 
@@ -54,9 +53,11 @@ def _rel(off: Sequence[int], shape: Sequence[int], origin: Sequence[int]) -> Tup
 SAME_KIND = "same_kind"
 ANY = "any"
 CAST_RULES = (SAME_KIND, ANY)
-"""``load(..., cast=)``: ``"same_kind"`` (the default) converts between floating dtypes and between
-integer dtypes only; ``"any"`` converts across kinds too (integer <-> floating, anything <-> bool),
-as Megatron-Core and torch DCP do, each value as ``Tensor.to(dtype)`` converts it."""
+"""``load(..., cast=)``: ``"same_kind"`` (the default) converts between floating dtypes, between
+integer dtypes and between complex dtypes only; ``"any"`` converts across kinds too (integer <->
+floating, anything <-> bool, real -> complex), as Megatron-Core and torch DCP do, each value as
+``Tensor.to(dtype)`` converts it; complex -> real is refused under either (it would drop the
+imaginary parts)."""
 
 
 def parse_cast(cast: Any, what: str = "cast") -> str:
@@ -68,30 +69,33 @@ def parse_cast(cast: Any, what: str = "cast") -> str:
     return cast
 
 
-def dtype_kind(dtype: torch.dtype) -> str:
-    if dtype == torch.bool:
-        return "bool"
-    return "floating" if dtype.is_floating_point else "integer"
-
-
 def check_dtype_conversion(request: ShardedTensor, entry: TensorEntry, checkpoint_dir: str,
                            cast: str = SAME_KIND) -> None:
     """The dtype rule of a load, checked for each requested tensor when the load begins.
 
-    Loading converts between floating dtypes (e.g. fp32 master weights into a bf16 model) and
-    between integer dtypes, as ``Tensor.copy_`` would. A conversion across kinds (floating <->
-    integer, anything <-> bool) is almost always a template built wrongly and would silently
-    truncate (pytorch/pytorch#187138 asks DCP to stop doing it), so it is refused unless the
-    caller asks for it with ``cast="any"``."""
+    Loading converts between floating dtypes (e.g. fp32 master weights into a bf16 model, float8
+    included), between integer dtypes and between complex dtypes, as ``Tensor.copy_`` would. A
+    conversion across kinds (floating <-> integer, anything <-> bool, real -> complex) is almost
+    always a template built wrongly and would silently truncate (pytorch/pytorch#187138 asks DCP to
+    stop doing it), so it is refused unless the caller asks for it with ``cast="any"``. Complex into
+    a real dtype is refused even then: ``Tensor.to`` keeps only the real parts."""
     stored = entry.torch_dtype
     wanted = request.data.dtype if request.data is not None else request.dtype
-    if cast == ANY or wanted is None or wanted == stored or dtype_kind(wanted) == dtype_kind(stored):
+    if wanted is None or wanted == stored:
+        return
+    if stored.is_complex and not wanted.is_complex:
+        raise ShardingError(
+            f"checkpoint {checkpoint_dir}: {request.key!r} is stored as {entry.dtype} but the template asks for "
+            f"{str(wanted).replace('torch.', '')}; a complex tensor is never loaded into a real dtype, not even with "
+            f"cast='any' (its imaginary parts would be dropped): load it into a tensor of dtype {entry.dtype} and "
+            f"take .real / .imag / .abs() yourself")
+    if cast == ANY or dtype_kind(wanted) == dtype_kind(stored):
         return
     raise ShardingError(
         f"checkpoint {checkpoint_dir}: {request.key!r} is stored as {entry.dtype} but the template asks for "
-        f"{str(wanted).replace('torch.', '')}; loading converts between floating dtypes and between integer "
-        f"dtypes only (load into a tensor of dtype {entry.dtype} and convert it yourself, or, if this conversion is "
-        f"intended, pass cast='any' to load / set `cast: any` in the checkpoint config)"
+        f"{str(wanted).replace('torch.', '')}; loading converts between floating dtypes, between integer dtypes "
+        f"and between complex dtypes only (load into a tensor of dtype {entry.dtype} and convert it yourself, or, "
+        f"if this conversion is intended, pass cast='any' to load / set `cast: any` in the checkpoint config)"
     )
 
 

@@ -13,47 +13,16 @@ import numpy as np
 import torch
 
 from ..core.format_versions import CHECKSUMS_SINCE, EVEN_SINCE, SAVE_TOKEN_SINCE
-from ..core.errors import FormatError, ShardingError
+from ..core.errors import FormatError
 from ..core.gc_pause import gc_paused
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.shown import quoted
 from ..storage.save_token import recorded_token
+from .dtypes import _DTYPES, dtype_from_name, dtype_name, element_size  # noqa: F401 - re-exported
 from .even_index import EvenSplit, chunks_count, parse_even, replay_packs
 from .index_fast import fast_tensor_entries, refuse_colliding_keys
 
 FlatRange = Optional[Tuple[int, int]]
-
-_DTYPES: Dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype, key: str = "?") -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ShardingError(f"{key!r}: dtype {dtype} is not supported; supported: {sorted(_DTYPES)}") from None
-
-
-def dtype_from_name(name: str, key: str = "?") -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise FormatError(f"{key!r}: unknown dtype {name!r} in checkpoint metadata") from None
-
-
-def element_size(name: str) -> int:
-    return _DTYPES[name].itemsize  # no tensor allocation: planning calls this per shard record
 
 
 @dataclass(frozen=True)
@@ -292,7 +261,8 @@ class CheckpointIndex:
             e = f.obj(e, name)
             dtype = e.get("dtype")
             if not isinstance(dtype, str) or dtype not in _DTYPES:
-                raise f.fail(f"{name}.dtype", f"one of {sorted(_DTYPES)}", dtype)
+                raise f.fail(f"{name}.dtype", f"a dtype this release knows, one of {sorted(_DTYPES)} (an unknown "
+                             "dtype: written by a newer release of lightning_distckpt? upgrade it)", dtype)
             gshape = f.shape(e.get("global_shape"), f"{name}.global_shape")
             if math.prod(gshape) * element_size(dtype) > MAX_TENSOR_BYTES:
                 raise FormatError(f"{where}: metadata.json field {name}.global_shape {list(gshape)} claims more than "

@@ -14,9 +14,10 @@ from ..core.tensor_bytes import byte_view
 from ..storage.packs import to_numpy
 
 
-# dtypes numpy holds as they are (bfloat16 through ml_dtypes): small chunks move by numpy, ~1 µs each
+# dtypes numpy holds as they are (bfloat16 and float8 through ml_dtypes): small chunks move by numpy, ~1 µs each
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-                 torch.int8, torch.uint8, torch.bool}
+                 torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                 torch.float8_e5m2fnuz, torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128}
 
 
 def _np_bytes(t: torch.Tensor) -> Optional[np.ndarray]:

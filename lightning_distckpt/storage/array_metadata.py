@@ -211,7 +211,7 @@ class RecordedArrays:
 
 def bytes_codec(data_type: str) -> Dict[str, Any]:
     """The ``bytes`` codec as tensorstore writes it for ``data_type`` (no endianness for one byte)."""
-    one_byte = data_type in ("bool", "int8", "uint8")
+    one_byte = data_type in ("bool", "int8", "uint8") or data_type.startswith("float8")
     return {"name": "bytes"} if one_byte else {"name": "bytes", "configuration": {"endian": "little"}}
 
 
@@ -221,9 +221,18 @@ def canonical_metadata(shape: Sequence[int], data_type: str, chunks: Sequence[in
     out = {"zarr_format": 3, "node_type": "array", "shape": list(shape), "data_type": data_type,
            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
            "chunk_key_encoding": {"name": "default"},
-           "fill_value": False if data_type == "bool" else 0 if data_type.startswith(("int", "uint")) else 0.0,
+           "fill_value": _fill_value(data_type),
            "codecs": [bytes_codec(data_type)] + ([_CRC_CODEC] if crc_codec else [])}
     return {**out, "attributes": crc_attributes(crcs, token)} if crcs is not None or token is not None else out
+
+
+def _fill_value(data_type: str) -> Any:
+    """The zarr v3 fill value tensorstore writes for zeros of ``data_type`` (complex: [real, imaginary])."""
+    if data_type == "bool":
+        return False
+    if data_type.startswith("complex"):
+        return [0.0, 0.0]
+    return 0 if data_type.startswith(("int", "uint")) else 0.0
 
 
 def create_metadata(shape: Sequence[int], data_type: str, chunks: Sequence[int],

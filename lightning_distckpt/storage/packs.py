@@ -32,26 +32,60 @@ def build_pack(dtype: torch.dtype, members: Sequence[ShardWrite]) -> np.ndarray:
             break
         end += shape[0]
     else:
-        return to_numpy(torch.cat([w.data for w in members]))
+        return source_numpy(torch.cat([w.data for w in members]))
     end = max(w.packed + w.data.numel() for w in members)  # type: ignore[operator]
     buf = to_numpy(torch.empty(end, dtype=dtype))
     for w in members:
-        buf[w.packed:w.packed + w.data.numel()] = to_numpy(w.data.reshape(-1))  # type: ignore[operator]
+        buf[w.packed:w.packed + w.data.numel()] = source_numpy(w.data).reshape(-1)  # type: ignore[operator]
     return buf
 
 
+# dtypes numpy holds only through ml_dtypes: torch's ``numpy()`` and ``from_numpy`` refuse them, so
+# their bytes cross as an integer type of their size (the numpy dtype, the integer torch views them as)
+_ML_DTYPES: Dict[torch.dtype, Tuple[Any, torch.dtype]] = {
+    torch.bfloat16: (ml_dtypes.bfloat16, torch.int16),
+    torch.float8_e4m3fn: (ml_dtypes.float8_e4m3fn, torch.uint8),
+    torch.float8_e5m2: (ml_dtypes.float8_e5m2, torch.uint8),
+    torch.float8_e4m3fnuz: (ml_dtypes.float8_e4m3fnuz, torch.uint8),
+    torch.float8_e5m2fnuz: (ml_dtypes.float8_e5m2fnuz, torch.uint8),
+}
+_ML_TORCH = {np.dtype(numpy_dtype): (dtype, np.int16 if via == torch.int16 else np.uint8)
+             for dtype, (numpy_dtype, via) in _ML_DTYPES.items()}
+
+
 def as_tensor(arr: np.ndarray) -> torch.Tensor:
-    """A torch view of a numpy array read from a store (bfloat16 included)."""
-    if arr.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    """A torch view of a numpy array read from a store (bfloat16 and float8 included)."""
+    ml = _ML_TORCH.get(arr.dtype)
+    if ml is not None:
+        return torch.from_numpy(arr.view(ml[1])).view(ml[0])
     return torch.from_numpy(arr)
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (bfloat16 as ml_dtypes.bfloat16), sharing memory (as_tensor's inverse)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    """A numpy view of a CPU tensor (bfloat16 and float8 as ml_dtypes' types), sharing memory (as_tensor's
+    inverse)."""
+    ml = _ML_DTYPES.get(t.dtype)
+    if ml is not None:
+        return t.view(ml[1]).numpy().view(ml[0])
     return t.numpy()
+
+
+def source_numpy(t: torch.Tensor) -> np.ndarray:
+    """:func:`to_numpy` of a tensor to write, contiguous: a lazy conjugate or negative bit (``z.conj()``,
+    ``z.conj().imag``) resolved first, a copy (numpy has no such views; its values are the resolved ones)."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return to_numpy(t.contiguous())
+
+
+def landing(stored: str, dest: torch.Tensor, casts: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """A tensor of dtype ``stored`` (a tensorstore name) shaped like ``dest``, for a read to land in
+    before torch converts it into ``dest``; the pair is added to ``casts``. Not ``ts.cast``: tensorstore's
+    conversions differ from ``Tensor.to`` on NaN payloads and float8 overflow (a float32 NaN or 1e6 into
+    float8_e4m3fn), and a load converts every value as ``Tensor.to`` does, whichever way it is read."""
+    into = torch.empty(dest.shape, dtype=getattr(torch, stored))
+    casts.append((into, dest))
+    return into
 
 
 def packed_view(pack: Any, offset: int, shape: Tuple[int, ...]) -> Any:

@@ -41,7 +41,7 @@ from .layout import object_path, pack_path, rank_dir, tensor_path
 from .paths import PICKLE_CAP, dir_identity
 from .save_token import token_now_at
 from ..planning.even_index import PackedPlaces, Place
-from .packs import copy_out, pack_runs, packed_view, to_numpy
+from .packs import copy_out, landing, pack_runs, packed_view, to_numpy
 from .tensorstore_write import TensorStoreWrites
 
 if TYPE_CHECKING:
@@ -229,22 +229,16 @@ class TensorStoreIO(TensorStoreWrites):
     def read_into(self, reads: Iterable[ShardRead]) -> int:
         """Perform the :class:`ShardRead` s; each ``dest`` (a CPU tensor view) receives
         ``stored[src]`` converted to its dtype. Returns bytes read. Packed shards: :func:`pack_runs`."""
-        plain, packed = [], []
-        for r in reads:
-            place = self._packed.get((r.writer, (r.key, r.index)))
-            if place is None:
-                plain.append(r)
-            else:
-                packed.append((r, place))
+        places = [(r, self._packed.get((r.writer, (r.key, r.index)))) for r in reads]
+        plain, packed = [r for r, p in places if p is None], [(r, p) for r, p in places if p is not None]
         session, plain = self._start_direct(plain)
         try:
             crcs = [self._crcs.get((r.writer, tensor_path(r.key, r.index))) for r in plain]
-            nbytes, futures = 0, []  # tensorstore's reads: they run while ours do
+            nbytes, futures, casts = 0, [], []  # tensorstore's reads: they run while ours do
             for key, writer, index, src, dest in (r for r, c in zip(plain, crcs) if c is None):
                 store = self.open_array(writer, key, index)[src]
-                if ts_dtype(dest.dtype) != store.dtype.name:
-                    store = ts.cast(store, ts_dtype(dest.dtype))
-                target = ts.array(to_numpy(dest), copy=False, write=True, context=self.context)
+                into = dest if ts_dtype(dest.dtype) == store.dtype.name else landing(store.dtype.name, dest, casts)
+                target = ts.array(to_numpy(into), copy=False, write=True, context=self.context)
                 futures.append((f"reading {key!r} shard {index} (written by rank {writer})", target.write(store)))
                 nbytes += dest.numel() * dest.element_size()
             runs = self._read_pack_runs(packed)
@@ -267,6 +261,8 @@ class TensorStoreIO(TensorStoreWrites):
             raise self._read_error(f"checkpoint {self.root}: " + "; ".join(errors[:5])
                                    + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
         self._check_not_replaced()
+        for into, dest in casts:  # converted by torch, as every other read converts
+            dest.copy_(into)
         for _, fut, pieces in runs:
             nbytes += copy_out(fut.result(), pieces)
         return nbytes

@@ -23,7 +23,7 @@ from .chunk_checksums import chunk_crcs
 from .commit import fsync_dir
 from . import direct_write, page_cache
 from .layout import object_path, pack_path, rank_dir, tensor_path
-from .packs import build_pack, to_numpy
+from .packs import build_pack, source_numpy
 
 PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
 PART_BYTES = 32 * 1024 * 1024  # arrays per commit of a write in parts (OCDBT on files)
@@ -204,7 +204,7 @@ class TensorStoreWrites:
         packs: Dict[torch.dtype, List[ShardWrite]] = {}
         for w in tensors:
             if w.packed is None:
-                arrays.append((repr(w.key), tensor_path(w.key, w.index), to_numpy(w.data.contiguous()), w.data.dtype,
+                arrays.append((repr(w.key), tensor_path(w.key, w.index), source_numpy(w.data), w.data.dtype,
                                None))
             else:
                 packs.setdefault(w.data.dtype, []).append(w)

@@ -366,6 +366,7 @@ def test_megatron_torch_dist_refused(saved, tmp_path):
 
 def test_unsupported_dtype_names_key(tmp_path):
     path = str(tmp_path / "complex")
-    dcp.save({"z": torch.zeros(3, dtype=torch.complex64)}, checkpoint_id=path, no_dist=True)
-    with pytest.raises(FormatError, match="'z'.*complex64"):
+    # complex32: a dtype metadata.json cannot name (complex64 is stored now: test_dtypes_extended.py)
+    dcp.save({"z": torch.zeros(3, dtype=torch.complex32)}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(FormatError, match="'z'.*complex32"):
         ldc.load_tensors_metadata(path)

@@ -149,12 +149,14 @@ def test_parameter_and_non_contiguous_templates_are_filled(tmp_path):
 
 
 def test_what_cannot_be_stored_stays_common_state(tmp_path):
-    sd = {"c": torch.ones(2, dtype=torch.complex64), "in_tuple": (torch.ones(1),), "keyed": {(1, 2): torch.ones(3)},
+    # complex32: a dtype metadata.json cannot name (complex64 and float8 are stored: test_dtypes_extended.py)
+    sd = {"c": torch.ones(2, dtype=torch.complex32), "in_tuple": (torch.ones(1),), "keyed": {(1, 2): torch.ones(3)},
           "sparse": torch.eye(2).to_sparse(), ".": torch.ones(1), "w": torch.ones(4)}
     ldc.save(sd, str(tmp_path / "ck"))
     assert set(ldc.load_tensors_metadata(str(tmp_path / "ck"))) == {"w"}
     out = ldc.load({}, str(tmp_path / "ck"))
-    assert torch.equal(out["c"], sd["c"]) and torch.equal(out["keyed"][(1, 2)], torch.ones(3))
+    assert out["c"].dtype == torch.complex32 and torch.equal(out["c"].view(torch.int32), sd["c"].view(torch.int32))
+    assert torch.equal(out["keyed"][(1, 2)], torch.ones(3))
     assert torch.equal(out["sparse"].to_dense(), torch.eye(2)) and torch.equal(out["w"], torch.ones(4))
 
 

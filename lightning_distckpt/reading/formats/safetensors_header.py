@@ -29,6 +29,8 @@ DTYPES: Dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    # newer names of the format (safetensors 0.8 writes them)
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "C64": torch.complex64,
 }
 # The header is JSON text; real ones are kilobytes to a few MB. Bigger is corruption, and reading
 # it would be the large allocation this check exists to prevent (the cap: storage/paths.py).
