@@ -24,6 +24,7 @@ from ..core.errors import FormatError
 from .chunk_checksums import ATTRIBUTE, attribute_crcs, chunk_count, crc_attributes
 from .json_bounds import parse_json
 from .paths import STORE_INDEX_CAP, SizeCap
+from .kv_probe import ends_before, holds_byte, read_past
 from .save_token import TOKEN_ATTRIBUTE, is_token
 
 if TYPE_CHECKING:
@@ -85,20 +86,19 @@ def read_metadata(wanted: Dict[Any, Tuple[Any, str, "Recorded"]]) -> Dict[Any, _
     the byte just past :func:`metadata_cap` (a kvstore says the value ends before it: OUT_OF_RANGE), then
     the values that end before it, whole. Each read's ``result()`` is the kvstore's read result (or
     raises its error); a value holding that byte is not read: :func:`parse_metadata` refuses it."""
-    probes = {h: kv.read(metadata_key(path), byte_range=slice(metadata_cap(rec), metadata_cap(rec) + 1))
-              for h, (kv, path, rec) in wanted.items()}
+    probes = {h: read_past(kv, metadata_key(path), metadata_cap(rec)) for h, (kv, path, rec) in wanted.items()}
     out: Dict[Any, _Read] = {}
     for h, probe in probes.items():
         kv, path, _ = wanted[h]
         try:
             past = probe.result()
-        except ValueError as e:
-            out[h] = _Read(kv.read(metadata_key(path))) if "OUT_OF_RANGE" in str(e) else _Read(error=e)
-            continue
         except Exception as e:  # noqa: BLE001 - raised by result(), where the caller names the array
-            out[h] = _Read(error=e)
+            out[h] = _Read(kv.read(metadata_key(path))) if ends_before(e) else _Read(error=e)
             continue
-        out[h] = _Read(oversized=True) if past.state == "value" else _Read(error=None, future=probe)
+        if holds_byte(past):
+            out[h] = _Read(oversized=True)
+        else:  # missing (the probe's result says so), or an empty answer (read whole: it is no larger)
+            out[h] = _Read(error=None, future=probe) if past.state != "value" else _Read(kv.read(metadata_key(path)))
     return out
 
 
@@ -108,14 +108,14 @@ def read_capped(kvstore: Any, key: str, cap: SizeCap, where: str) -> Any:
     costs nothing), with the FormatError naming ``where``, the cap and the variable raising it."""
     limit = cap.limit()
     try:
-        past = kvstore.read(key, byte_range=slice(limit, limit + 1)).result()
-    except ValueError as e:  # the value ends before the cap (tensorstore: OUT_OF_RANGE)
-        if "OUT_OF_RANGE" not in str(e):
+        past = read_past(kvstore, key, limit).result()
+    except Exception as e:  # noqa: BLE001 - re-raised unless the value ends before the cap
+        if not ends_before(e):
             raise
         return kvstore.read(key).result()
-    if past.state != "value":
-        return past
-    raise cap.refusal(where, None, limit)
+    if holds_byte(past):
+        raise cap.refusal(where, None, limit)
+    return past if past.state != "value" else kvstore.read(key).result()  # missing, or no larger than the cap
 
 
 def parse_metadata(read_result: Any, where: str, recorded: Optional["Recorded"] = None) -> Optional[Dict[str, Any]]:

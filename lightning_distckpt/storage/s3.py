@@ -33,6 +33,7 @@ from .layout import (COMMIT_MARKER, COMMON_FILE, FILE_CAPS, METADATA_FILE, Metad
                      parse_marker)
 from .options import StorageOptions
 from .paths import MARKER_CAP, SizeCap
+from .kv_probe import ends_before, holds_byte, read_past
 from .s3_reads import object_size, read_bounded
 from .s3_url import answer_timeout, context_spec, explain, kvstore_spec, nameable, no_answer, parse_s3_url
 
@@ -127,14 +128,14 @@ class ObjectStore:
         """Whether the object ``name`` holds more than ``limit`` bytes, asked without fetching it
         (the kvstore lists no sizes): a read of its byte ``limit`` alone, which tensorstore answers
         OUT_OF_RANGE when the object is shorter. False when it is missing."""
-        future = self._kv.read(self._key(name), byte_range=slice(limit, limit + 1))
+        future = read_past(self._kv, self._key(name), limit)
         try:
             res = self._wait(future, f"reading {name}")
         except CheckpointingError:
-            if not future.cancelled() and "OUT_OF_RANGE" in str(future.exception()):
+            if not future.cancelled() and ends_before(future.exception()):
                 return False
             raise
-        return res.state == "value" and len(res.value) > 0
+        return holds_byte(res)
 
     def write(self, name: str, data: bytes) -> None:
         self._wait(self._kv.write(self._key(name), data), f"writing {name}", len(data) <= _SMALL)

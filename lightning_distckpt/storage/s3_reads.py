@@ -16,6 +16,7 @@ import re
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from ..core.errors import CheckpointingError
+from .kv_probe import ends_before, holds_byte, read_past
 
 if TYPE_CHECKING:
     from .s3 import ObjectStore
@@ -35,7 +36,7 @@ def _probe(store: "ObjectStore", name: str, at: int, width: int) -> Tuple[_Bound
         res = store._wait(future, f"reading {name}")
     except CheckpointingError:
         error = None if future.cancelled() else future.exception()
-        if error is None or "OUT_OF_RANGE" not in str(error):
+        if not ends_before(error):
             raise
         total = _TOTAL.search(str(error))
         if total is not None:  # the object ends inside the window
@@ -95,16 +96,15 @@ def read_bounded(store: "ObjectStore", name: str, limit: int) -> Tuple[Optional[
 def first_larger(store: "ObjectStore", limits: Dict[str, int]) -> Optional[str]:
     """The first of the objects ``name -> limit`` (sorted) that holds more than its limit, None when
     none does (a missing one included): the byte past each limit read, all requests issued at once."""
-    pending = [(name, store._kv.read(store._key(name), byte_range=slice(limit, limit + 1)))
-               for name, limit in sorted(limits.items())]
+    pending = [(name, read_past(store._kv, store._key(name), limit)) for name, limit in sorted(limits.items())]
     found = None
     for name, future in pending:
         try:
             res = store._wait(future, f"reading {name}")
         except CheckpointingError:
-            if future.cancelled() or "OUT_OF_RANGE" not in str(future.exception()):
+            if future.cancelled() or not ends_before(future.exception()):
                 raise
             continue
-        if found is None and res.state == "value" and len(res.value) > 0:
+        if found is None and holds_byte(res):
             found = name
     return found
