@@ -190,10 +190,16 @@ def load(
     strict = StrictHandling.parse(strict)
     # Megatron-Core's leaves as ours; DTensors and plain tensors loaded back into the template's own
     comm = get_comm(process_group)
-    sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
     opener: Any = (shared if shared is not None
                    else functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals, storage))
+    try:
+        sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
+    except Exception as e:  # this rank's template alone may be wrong (two leaves giving one key)
+        if comm.size == 1:
+            raise
+        # the others would wait for this rank in the loader's first collective: it fails there, on every rank
+        opener = functools.partial(_raise, e)
     if not common:
         opener = _template_only(opener)
     opener = with_cast(opener, cast)
@@ -202,6 +208,10 @@ def load(
     if strict.returns_keys:
         return state, missing, unexpected
     return state
+
+
+def _raise(error: BaseException) -> Any:
+    raise error
 
 
 def _template_only(opener: Any) -> Any:

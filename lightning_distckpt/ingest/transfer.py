@@ -8,11 +8,18 @@ buffers that arrived) until the bytes of posted, unfinished broadcasts would pas
 
 Data travels as raw bytes (uint8 views), so any dtype goes over any backend. A failure while
 preparing data on rank 0 does not stop the broadcasts (the others would wait forever): it is
-recorded, zeros are sent, and the caller agrees on the errors once everything has moved.
+recorded, zeros are sent, and the caller agrees on the errors once everything has moved. So with a
+buffer that cannot be allocated, on any rank (the caller tried the largest first, but shards and the
+broadcasts in flight take memory meanwhile): it is allocated again once the broadcasts in flight are
+finished; if even alone it cannot be, this rank's transfer fails (recorded, its shards dropped) and it
+takes part in the remaining broadcasts with one spare buffer (:meth:`Transfer._spare`), so that every
+rank raises at the end instead of waiting for it. What remains: a rank that cannot allocate even that
+spare, nor borrow enough bytes (rank 0: the source tensor it sends; the others: a shard), leaves alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -77,6 +84,8 @@ class Transfer:
             self._by_key.setdefault(n.key, []).append(n)
         self._inflight = 0
         self._extra = 0
+        self._failed = False  # this rank's transfer failed: no shards are cut, messages use the spare
+        self._spare_buffer: Optional[torch.Tensor] = None
 
     def run(self) -> None:
         """Move every box and cut this rank's shards. A failed broadcast (a rank died or timed out)
@@ -87,8 +96,8 @@ class Transfer:
         for op in self.manifest.ops:
             while pending and self._inflight + op.nbytes > self.max_inflight_bytes:
                 self._finish(pending.popleft())
-            pending.append(self._post(op))
-            if self.source is not None:  # rank 0 cuts its own shards while the broadcast runs
+            pending.append(self._post(op, pending))
+            if self.source is not None and not self._failed:  # rank 0 cuts its shards while the broadcast runs
                 for item in op.items:
                     self._cut_local(item.key)
                     done_keys.add(item.key)
@@ -96,12 +105,12 @@ class Transfer:
                 self._finish(pending.popleft())
         while pending:
             self._finish(pending.popleft())
-        if self.source is not None:
+        if self.source is None:
+            self._store_empty()
+        elif not self._failed:
             for key in self._by_key:
                 if key not in done_keys and key not in self.manifest.missing:
                     self._cut_local(key)
-        else:
-            self._store_empty()
         self.stats.seconds = time.perf_counter() - t0
 
     def _store_empty(self) -> None:
@@ -116,12 +125,8 @@ class Transfer:
                     self._store(n, torch.empty(n.shape, dtype=n.dtype), n.offset)
 
     # -- one broadcast -----------------------------------------------------------------------
-    def _post(self, op: SendOp) -> _Posted:
-        if self.source is not None:
-            buffer, extra = self._fill(op)
-            direct = None
-        else:
-            buffer, extra, direct = self._receive_buffer(op)
+    def _post(self, op: SendOp, pending: Deque[_Posted]) -> _Posted:
+        buffer, extra, direct = self._buffer(op, pending)
         self._inflight += op.nbytes
         self._extra += extra
         self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self._inflight)
@@ -131,26 +136,70 @@ class Transfer:
         self.stats.bytes_moved += op.nbytes
         return _Posted(op, buffer, work, extra, direct)
 
+    def _buffer(self, op: SendOp, pending: Deque[_Posted]) -> "tuple[torch.Tensor, int, Optional[str]]":
+        """The op's buffer: :meth:`_fill` (rank 0) or :meth:`_receive_buffer`. One that cannot be allocated
+        is tried again once the broadcasts in flight are finished; alone, this rank's transfer fails."""
+        while not self._failed:
+            try:
+                return (*self._fill(op), None) if self.source is not None else self._receive_buffer(op)
+            except Exception as e:  # no memory (torch's OutOfMemoryError; on the CPU a RuntimeError)
+                if pending:
+                    self._finish(pending.popleft())
+                    continue
+                keys = ", ".join(repr(i.key) for i in op.items[:3]) + (" ..." if len(op.items) > 3 else "")
+                self.errors.append(f"allocating {op.nbytes / 2**20:.1f} MiB on {self.device} for the broadcast of "
+                                   f"{keys} failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+                self._failed = True
+        return self._spare(op), 0, None
+
     def _fill(self, op: SendOp) -> "tuple[torch.Tensor, int]":
         """Rank 0: the buffer to send. One box that is already contiguous on the communication
-        device is sent as it is (a view of the memory map); anything else is copied."""
+        device is sent as it is (a view of the memory map); anything else is copied. The buffer's
+        allocation may raise (:meth:`_buffer`); a failure to read the source is recorded."""
         assert self.source is not None
         try:
-            if len(op.items) == 1:
-                item = op.items[0]
-                view = self.source[item.key][_slices(item.offset, item.shape)]
-                if view.is_contiguous() and view.device == self.device:
-                    return view, 0
-                return torch.empty(item.shape, dtype=item.dtype, device=self.device).copy_(view), op.nbytes
-            buffer = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
-            for item in op.items:
-                view = self.source[item.key][_slices(item.offset, item.shape)]
-                buffer[item.start:item.start + item.nbytes].view(item.dtype).view(item.shape).copy_(view)
-            return buffer, op.nbytes
+            views = [self.source[item.key][_slices(item.offset, item.shape)] for item in op.items]
         except Exception as e:  # reported on every rank once the broadcasts are through
-            self.errors.append(f"reading {', '.join(i.key for i in op.items)[:200]} from {self.manifest.source}: "
-                               f"{type(e).__name__}: {e}")
-            return torch.zeros(op.nbytes, dtype=torch.uint8, device=self.device), op.nbytes
+            self._read_failed(op, e)
+            return self._spare(op), 0
+        if len(views) == 1 and views[0].is_contiguous() and views[0].device == self.device:
+            return views[0], 0
+        buffer = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
+        try:
+            for item, view in zip(op.items, views):
+                buffer[item.start:item.start + item.nbytes].view(item.dtype).view(item.shape).copy_(view)
+        except Exception as e:  # the buffer goes as it is: reported on every rank once the broadcasts are through
+            self._read_failed(op, e)
+        return buffer, op.nbytes
+
+    def _read_failed(self, op: SendOp, e: BaseException) -> None:
+        self.errors.append(f"reading {', '.join(i.key for i in op.items)[:200]} from {self.manifest.source}: "
+                           f"{type(e).__name__}: {e}")
+
+    def _spare(self, op: SendOp) -> torch.Tensor:
+        """What goes, or is received, once this rank's transfer failed (garbage: every rank raises at the
+        end): one zeroed buffer, grown as needed; without memory for it, the bytes of the source tensor
+        rank 0 sends, or of one of this rank's shards (dropped: the memory of the others is given back)."""
+        spare = self._spare_buffer
+        if spare is None or spare.numel() < op.nbytes:
+            self._spare_buffer = spare = None
+            own = list(self.shards.values())
+            self.shards.clear()
+            if self.source is not None:
+                with contextlib.suppress(Exception):  # the source may fail to give it (recorded already)
+                    own = [self.source[op.items[0].key]]
+            usable = [byte_view(t) for t in own if t.device == self.device and t.is_contiguous()
+                      and t.numel() * t.element_size() >= op.nbytes]
+            borrowed = usable[0] if usable else None
+            del own, usable  # the others' memory back
+            try:
+                spare = torch.zeros(op.nbytes, dtype=torch.uint8, device=self.device)
+            except Exception:
+                if borrowed is None:
+                    raise
+                spare = borrowed
+            self._spare_buffer = spare
+        return spare[:op.nbytes]
 
     def _receive_buffer(self, op: SendOp) -> "tuple[torch.Tensor, int, Optional[str]]":
         """Other ranks: receive straight into the shard when the box is exactly one shard of
@@ -169,7 +218,7 @@ class Transfer:
 
     def _finish(self, posted: _Posted) -> None:
         posted.work.wait()
-        if self.source is None and posted.direct is None:
+        if self.source is None and posted.direct is None and not self._failed:
             for item in posted.op.items:
                 box = posted.buffer[item.start:item.start + item.nbytes].view(item.dtype).view(item.shape)
                 for n in self._by_key.get(item.key, []):

@@ -1,14 +1,12 @@
-"""The exchange engine shared by the fully parallel and two-stage loaders: executes this rank's
-part of an :class:`~lightning_distckpt.planning.exchange_plan.ExchangePlan` (read -> copy to the
-communication device -> broadcast / send -> copy into place), with its memory accounting and
-per-stage timings, on one of two schedules: all reads first then the exchange
-(:meth:`ChunkExchange.run_batch`), or pipelined under a bound on bytes in flight
-(:meth:`ChunkExchange.run_streaming`).
+"""The exchange engine shared by the fully parallel and two-stage loaders: executes this rank's part of an
+:class:`~lightning_distckpt.planning.exchange_plan.ExchangePlan` (read -> copy to the communication device ->
+broadcast / send -> copy into place), with its memory accounting and per-stage timings, on one of two schedules:
+all reads first then the exchange (:meth:`ChunkExchange.run_batch`), or pipelined under a bound on bytes in
+flight (:meth:`ChunkExchange.run_streaming`).
 
-The data travels as raw bytes (uint8 views), so any dtype goes over any backend. The
-communication device follows the group's backend: CPU for gloo (and mpi), the accelerator for
-nccl and other accelerator backends. Reads always land on the CPU first, straight in the
-destination tensor when that is a contiguous CPU tensor.
+The data travels as raw bytes (uint8 views), so any dtype goes over any backend. The communication device
+follows the group's backend: CPU for gloo (and mpi), the accelerator for nccl and other accelerator backends.
+Reads always land on the CPU first, straight in the destination tensor when that is a contiguous CPU tensor.
 """
 
 from __future__ import annotations
@@ -27,7 +25,8 @@ from ..core.tensor_bytes import byte_view
 from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ExchangeOp, ExchangePlan
 from .buckets import gather_bytes, scatter_bytes
 from .checkpoint import CheckpointSource
-from .exchange_guard import allocate, cpu_direct, on_comm_device, op_buffers, stage_error, start_thread
+from .exchange_guard import (allocate, cpu_direct, on_comm_device, op_buffers, stage_error, start_thread,
+                             take_part)
 from .reads import ReadOutcome, ReadTarget, read_shape, read_targets
 from .request import Requester
 from .stats import LoadStats
@@ -52,10 +51,9 @@ class ChunkExchange:
     """Executes this rank's part of an exchange plan into the local destination tensors.
 
     ``local`` maps each chunk this rank asked for to its requesters, ``dest`` each to its destination
-    (``exchange_guard.prepare``). After a run, ``results`` maps each requester's position to the loaded
-    tensor (its ``data`` when given) and ``errors`` lists this rank's failures, reads and copies
-    (reported collectively by the driver: a failing rank still takes part in every op, see
-    :mod:`.exchange_guard`).
+    (``exchange_guard.prepare``). After a run, ``results`` maps each requester's position to the loaded tensor
+    (its ``data`` when given) and ``errors`` lists this rank's failures: reads, copies, buffers (reported
+    collectively by the driver: a failing rank still takes part in every op, see :mod:`.exchange_guard`).
     """
 
     def __init__(self, source: CheckpointSource, comm: Comm, plan: ExchangePlan,
@@ -81,8 +79,8 @@ class ChunkExchange:
         self.errors.append(stage_error(what, (c[0] for c in chunks), e))
 
     def cost(self, op: ExchangeOp) -> int:
-        """What an op counts against the in-flight bound: its bytes, or its buffers if more (kept:
-        the schedule asks again, and a bucket of small chunks costs a look at each)."""
+        """What an op counts against the in-flight bound: its bytes, or its buffers if more (kept: the
+        schedule asks again, and a bucket of small chunks costs a look at each)."""
         known = self._costs.get(id(op))
         if known is None:
             known = self._costs[id(op)] = max(op.nbytes, op_buffers(op, self.comm.rank, self.dest, self.device))
@@ -140,8 +138,8 @@ class ChunkExchange:
                 slot.comm = self._alloc(slot, (op.nbytes,), torch.uint8, self.device)
 
     def read_job(self, slots: Sequence[_Slot]) -> ReadOutcome:
-        """Read the chunks of ``slots`` (this rank is their src) into their CPU targets; no
-        collectives, so it may run in a reader thread."""
+        """Read the chunks of ``slots`` (this rank is their src) into their CPU targets; no collectives, so it
+        may run in a reader thread."""
         t0 = time.perf_counter()
         try:
             if self.io is None:
@@ -227,22 +225,21 @@ class ChunkExchange:
         """Record the loaded tensor for every local request of chunk ``c``."""
         d = self.dest[c]
         for i, (position, st) in enumerate(self.local[c]):
-            if st.data is not None:
-                if i > 0:
-                    try:
+            try:  # a further request gets a copy (in place, into its data)
+                if st.data is not None:
+                    if i > 0:
                         st.data.detach().copy_(d.reshape(st.data.shape))
-                    except Exception as e:  # reported on every rank at the end
-                        self._failed("copying into another request", [c], e)
-                self.results[position] = st.data
-            else:
-                out = d if i == 0 else d.clone()
-                self.results[position] = out.view(st.local_shape) if st.flattened_range is None else out
+                    self.results[position] = st.data
+                else:
+                    out = d if i == 0 else d.clone()
+                    self.results[position] = out.view(st.local_shape) if st.flattened_range is None else out
+            except Exception as e:  # no memory, a destination refusing it: reported on every rank at the end
+                self._failed("copying into another request", [c], e)
 
     # -- schedules -------------------------------------------------------------------------
     def run(self, max_inflight: Optional[int], read_batch_bytes: int) -> None:
-        """:meth:`run_batch` when ``max_inflight`` is None, else :meth:`run_streaming`. A failed
-        broadcast, send or receive (a rank died or timed out) raises :class:`CollectiveError` (from
-        :class:`Comm`): no agreement is possible."""
+        """:meth:`run_batch` when ``max_inflight`` is None, else :meth:`run_streaming`. A failed broadcast,
+        send or receive (a rank died or timed out) raises :class:`CollectiveError`: no agreement is possible."""
         direct = self._take_direct_ops()
         outcome: List[ReadOutcome] = []
         # Chunks only this rank needs, landing in their CPU destinations, need no exchange: read them
@@ -265,8 +262,8 @@ class ChunkExchange:
                 self._deliver(c)
 
     def _take_direct_ops(self) -> List[ExchangeOp]:
-        """Remove from this rank's schedule the local ops whose chunks all read straight into CPU
-        destinations (no buffers: nothing to count against the in-flight bound); return them."""
+        """Remove from this rank's schedule the local ops whose chunks all read straight into CPU destinations
+        (no buffers: nothing to count against the in-flight bound); return them."""
         direct = [k for k, op in enumerate(self.my_ops)
                   if op.transport == LOCAL and all(cpu_direct(self.dest[c]) for c in op.chunks)]
         taken = [self.my_ops[k] for k in direct]
@@ -312,9 +309,8 @@ class ChunkExchange:
             self.complete(s)
 
     def run_streaming(self, max_inflight: int, read_batch_bytes: int) -> None:
-        """Pipelined: a reader thread reads ahead (up to ``read_batch_bytes`` per tensorstore
-        batch) while earlier ops are on the wire, with at most ``max_inflight`` bytes admitted at
-        once (an op larger than that goes alone)."""
+        """Pipelined: a reader thread reads ahead (up to ``read_batch_bytes`` per tensorstore batch) while
+        earlier ops are on the wire, with at most ``max_inflight`` bytes admitted at once (one larger goes alone)."""
         self.stats.inflight_limit = max_inflight
         n = len(self.my_ops)
         admitted: Dict[int, _Slot] = {}
@@ -351,10 +347,14 @@ class ChunkExchange:
                 while next_admit <= j:
                     if fits(next_admit) and admit_next():
                         continue
-                    if not pending:  # alone and no room: the exchange cannot go on (the others time out)
-                        assert failure is not None
-                        raise failure
+                    if not pending:  # alone and no room
+                        break
                     self.complete(pending.popleft())  # ops before j are all posted: finish one to make room
+                if next_admit <= j:  # no room even alone, though there was when tried: the load fails
+                    self.errors.append(failure)  # (every earlier op is done) reported on every rank at the end
+                    self.results.clear()  # dropped: the copies made for further requests give memory back
+                    take_part(self.comm, self.op_index[j:], self.my_ops[j:], self.dest, self.device)
+                    break
                 while next_admit < n and fits(next_admit) and admit_next():
                     pass  # read ahead
                 slot = admitted.pop(j)

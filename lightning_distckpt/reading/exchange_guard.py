@@ -12,10 +12,14 @@ failing rank alone raised. So:
   op's communication still happens;
 * a buffer that cannot be allocated while others are in flight is allocated again once they are done (the
   exchange's schedules); a thread that cannot be started (a pids limit, no room for its stack) leaves its
-  work to the main thread (:func:`start_thread`).
+  work to the main thread (:func:`start_thread`);
+* a buffer that cannot be allocated even alone, though it could be when tried (the memory taken meanwhile:
+  the copies made for a chunk's further requests, another thread), fails the load: the failure is recorded,
+  this rank's results are dropped and it takes part in its remaining ops with one spare buffer
+  (:func:`take_part`), so every rank raises the failure at the end.
 
-What remains: a buffer that cannot be allocated even alone, though it could be when tried (the memory taken
-meanwhile by something else), ends the exchange on this rank; its partners fail at the group's timeout.
+What remains: a rank that can then neither allocate that spare buffer nor borrow a destination's bytes large
+enough for a message ends the exchange alone; its partners fail at the group's timeout.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.errors import CheckpointingError
-from ..planning.exchange_plan import LOCAL, ChunkId, ExchangeOp
+from ..comm import Comm
+from ..core.tensor_bytes import byte_view
+from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ExchangeOp
 from .request import Requester
 
 
@@ -135,3 +141,40 @@ def start_thread(target: Callable[[], None], name: str) -> Optional[threading.Th
     except RuntimeError:
         return None
     return thread
+
+
+def take_part(comm: Comm, tags: Sequence[int], ops: Sequence[ExchangeOp], dest: Dict[ChunkId, torch.Tensor],
+              device: torch.device) -> None:
+    """This rank's part in the communication of ``ops`` (in plan order, with their message tags) once its
+    load has failed: nothing is read or copied, each message goes from or into one spare buffer (garbage:
+    every rank raises at the end), one op at a time (a valid schedule: each rank waits only for ops that
+    every rank posts in the same order). The spare is allocated, or else borrowed from the destination of
+    one of ``ops``' chunks (its values are lost anyway; a direct read's is left alone, being read into)."""
+    dest = {c: dest[c] for op in ops for c in op.chunks if c in dest}
+    spare: Optional[torch.Tensor] = None
+    for index, op in zip(tags, ops):
+        if op.transport == LOCAL:
+            continue
+        if spare is None or spare.numel() < op.nbytes:
+            spare = None  # freed before a larger one is tried
+            spare = _spare(op, dest, device)
+        message = spare[:op.nbytes]
+        if op.transport == BROADCAST:
+            works = [comm.broadcast_tensor(message, op.src)]
+        elif op.src == comm.rank:
+            works = [comm.isend(message, r, tag=index) for r in op.receivers]
+        else:
+            works = [comm.irecv(message, op.src, tag=index)]
+        for w in works:
+            w.wait()
+
+
+def _spare(op: ExchangeOp, dest: Dict[ChunkId, torch.Tensor], device: torch.device) -> torch.Tensor:
+    try:
+        return torch.empty(op.nbytes, dtype=torch.uint8, device=device)
+    except Exception:  # no memory: the bytes of the largest destination that can hold the message
+        own = (byte_view(d) for d in dest.values() if on_comm_device(d, device))
+        largest = max(own, key=lambda t: t.numel(), default=None)
+        if largest is None or largest.numel() < op.nbytes:
+            raise
+        return largest
