@@ -36,6 +36,7 @@ from .storage.tensorstore_io import StorageOptions
 from .saving.async_save import AsyncSaver, AsyncSaveRequest
 from .saving.background_snapshot import Selector
 from .saving.stats import log_throughput
+from .saving.save_prepare import RefusedState
 from .saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -98,7 +99,12 @@ def save(
                                 f"(got background_snapshot={background_snapshot!r}, async_save={async_save!r})")
     # Megatron-Core's leaves become ours; DTensor and plain tensor leaves sharded tensors keyed by tree path
     comm = get_comm(process_group)
-    sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
+    try:
+        sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
+    except Exception as e:  # this rank's state dict alone may be wrong: raised on every rank, where errors are agreed
+        if comm.size == 1:
+            raise
+        sharded_state_dict = RefusedState(e)
     if async_save:
         saver = async_save if isinstance(async_save, AsyncSaver) else AsyncSaver()
         return saver.save(sharded_state_dict, checkpoint_dir, process_group=process_group,

@@ -213,9 +213,21 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm
     )
 
 
+class RefusedState(dict):
+    """In place of a state dict this rank could not turn into sharded entries (``shard_tensors`` raised:
+    two leaves giving one key, say): its error is raised where a save agrees errors (:func:`_describe`,
+    inside :func:`prepare_save`), so the other ranks are not left waiting in a later collective."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+
 def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: Comm,
               check_common: bool) -> LocalState:
     """Split this rank's state dict into sharded entries and common state, and describe them."""
+    if isinstance(sharded_state_dict, RefusedState):
+        raise sharded_state_dict.error
     expanded: List[Tuple[Any, Any]] = []
     sharded, common = split_common(apply_factories(sharded_state_dict, expanded))
     found = collect(sharded)
