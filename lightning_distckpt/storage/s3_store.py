@@ -12,7 +12,7 @@ import tensorstore as ts
 
 from ..core.errors import CheckpointingError
 from ..progress import Progress
-from . import s3, s3_versions
+from . import s3, s3_live, s3_versions
 from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, MetadataFile, rank_dir
 from .integrity import store_file_cap
 from .options import StorageOptions
@@ -36,16 +36,31 @@ class S3Store(CheckpointStore):
         s3.check_target(self.location, self.options)
 
     def new_staging(self) -> str:
-        return s3.new_version(self.location, self.options)
+        """A fresh version, marked live until its commit or discard (:mod:`.s3_live`): a save running longer
+        than ``clean``'s bound is not taken for a leftover."""
+        version = s3.new_version(self.location, self.options)
+        try:
+            s3_live.keep_alive(version, self.options, self)
+        except BaseException:
+            s3.discard(version, self.options)  # its claim
+            raise
+        return version
 
     def write_blob(self, staging: str, name: str, data: bytes) -> None:
         s3.write_object(staging, name, data, self.options)
 
     def commit(self, staging: str, metadata_json: str, marker: Dict[str, Any]) -> None:
-        s3.commit(staging, metadata_json, json.dumps({k: v for k, v in marker.items() if k != "version"}),
-                  self.options)
+        """Never a marker naming a version some of whose objects were deleted while the save ran
+        (:func:`.s3_live.check_complete`); the liveness marks stop once the marker is written (or not)."""
+        try:
+            s3_live.check_complete(staging, metadata_json, self.options)
+            s3.commit(staging, metadata_json, json.dumps({k: v for k, v in marker.items() if k != "version"}),
+                      self.options)
+        finally:
+            s3_live.stop_keeping(staging)
 
     def discard(self, staging: str) -> None:
+        s3_live.stop_keeping(staging)  # first: no mark lands after the discard listed the version
         s3.discard(staging, self.options)
 
     # -- reading ------------------------------------------------------------------------
