@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .comm import get_comm
 from .core.errors import ArgumentError, ArgumentTypeError
 from .core.arguments import require, require_bool, require_globals, require_key_map, require_state_dict
-from .core.plain_tensors import shard_tensors
+from .core.plain_tensors import RefusedState, shard_tensors
 from .core.megatron_leaves import from_megatron_leaves
 from .core.mapping import ShardedObject, ShardedTensor
 from .core.strict import StrictHandling
@@ -36,7 +36,6 @@ from .storage.tensorstore_io import StorageOptions
 from .saving.async_save import AsyncSaver, AsyncSaveRequest
 from .saving.background_snapshot import Selector
 from .saving.stats import log_throughput
-from .saving.save_prepare import RefusedState
 from .saving.save import SavePlanCache, finalize_save, prepare_save, write_local
 
 PathLike = Union[str, "os.PathLike[str]"]

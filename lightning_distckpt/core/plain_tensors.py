@@ -46,6 +46,16 @@ class PlainTensorFactory(ShardedTensorFactory):
     steps: Steps = ()
 
 
+class RefusedState(dict):
+    """In place of a state dict this rank could not shard (:func:`shard_tensors` raised: two leaves giving
+    one key, say): a save raises its error where it agrees errors (``saving/save_prepare._describe``), so
+    the other ranks are not left waiting in a later collective."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+
 def shard_tensors(tree: Any, rank: int) -> Any:
     """``tree`` with each DTensor leaf replaced by its factory (:func:`~.dtensors.shard_dtensors`) and
     each plain tensor leaf that can be stored by a :class:`PlainTensorFactory` replicated over the

@@ -17,7 +17,7 @@ import torch
 from ..comm import Comm
 from ..core.errors import ArgumentError, CheckpointingError, ShardingError, UnsafeContentError
 from ..core.mapping import ShardedObject, ShardedTensor
-from ..core.plain_tensors import PlainTensorFactory
+from ..core.plain_tensors import PlainTensorFactory, RefusedState
 from ..core.tree_paths import join_path, steps_to_json
 from ..core.tree_walk import walk_paths
 from ..core.state_dict import apply_factories, collect, split_common
@@ -183,7 +183,12 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm
             error = e
     mine = Handshake(layout=layout_digest(local.records), plan_token=token, staging=named,
                      common_digest=local.common_digest, planning=planning)
-    handshakes: List[Handshake] = comm.agree(f"save to {target} failed before writing", error, mine)
+    try:
+        handshakes: List[Handshake] = comm.agree(f"save to {target} failed before writing", error, mine)
+    except BaseException:
+        if named is not None:  # what naming it made (an object store's claim and liveness marks)
+            store.discard(named)
+        raise
     staging = handshakes[0].staging
     assert staging is not None  # rank 0 always names one
     try:
@@ -211,16 +216,6 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, comm: Comm
         common=local.common_bytes if comm.rank == 0 else None, started=started, plan_reused=reuse,
         plain_tensors=local.plain_tensors,
     )
-
-
-class RefusedState(dict):
-    """In place of a state dict this rank could not turn into sharded entries (``shard_tensors`` raised:
-    two leaves giving one key, say): its error is raised where a save agrees errors (:func:`_describe`,
-    inside :func:`prepare_save`), so the other ranks are not left waiting in a later collective."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__()
-        self.error = error
 
 
 def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: Comm,

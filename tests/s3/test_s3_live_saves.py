@@ -16,6 +16,7 @@ import time
 import pytest
 
 import lightning_distckpt as ldc
+from dist_utils import run_distributed
 from lightning_distckpt.cli.main import main
 from lightning_distckpt.core.errors import SaveFailedError
 from lightning_distckpt.storage import s3 as s3_mod
@@ -212,3 +213,28 @@ def test_a_killed_save_stops_marking_and_is_removed_after_the_bound(bucket, endp
     _wait_for(lambda: time.time() >= int(killed) + 1 + bound, "the bound past the kill")
     assert main(["clean", url, "--older-than", str(bound)]) == 0
     assert _versions(endpoint, bucket) == set()
+
+
+def _save_refused_on_rank_1(rank, world, url):
+    import torch  # noqa: F401 - the ranks' own imports
+    from lightning_distckpt.core.errors import CheckpointingError
+
+    bad = {"x/y": torch.zeros(4), "x": {"y": torch.zeros(4)}} if rank == 1 else {"x": {"y": torch.zeros(4)}}
+    try:
+        ldc.save(bad, url)
+    except CheckpointingError as e:
+        return type(e).__name__, [u for u in s3_live.running_keepers() if u.startswith(url)]
+    return "saved", []
+
+
+def test_a_save_failing_in_its_handshake_leaves_no_claimed_version(bucket, endpoint):
+    """Rank 0 names (claims, marks) the version before the handshake; a save refused there by another rank
+    discards it: no claim left for ``clean``, no keeper marking it."""
+    import torch
+
+    url = f"s3://{bucket}/ck"
+    ldc.save({"x": {"y": torch.ones(4)}}, url)
+    before = _versions(endpoint, bucket)
+    results = run_distributed(_save_refused_on_rank_1, 2, url)
+    assert results == [("ShardingError", [])] * 2, results
+    assert _versions(endpoint, bucket) == before
