@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Sequence, Tuple
 import torch
 
 from ..core.state_dict import iter_leaves
+from ..core.tensor_bytes import numpy_view
 
 
 def digest(data: Any) -> str:
@@ -48,7 +49,7 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
         value: Any = t.item()
     else:
         data = t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().cpu()
-        value = hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"", digest_size=16).digest()
+        value = hashlib.blake2b(numpy_view(data.view(torch.uint8)) if data.numel() else b"", digest_size=16).digest()
     return _tensor_value, (type(t).__name__, str(t.dtype), tuple(t.shape), t.requires_grad, value)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Se
 import numpy as np
 import torch
 
-from ..core.tensor_bytes import byte_view
+from ..core.tensor_bytes import byte_view, numpy_view
 from ..core.errors import FormatError
 from .chunk_checksums import crc32c
 from .paths import open_regular
@@ -186,7 +186,7 @@ def _run_one(task: ChunkTask, fd: int, verify: bool) -> Any:
     if loc.length != geo.chunk_bytes:
         return f"{task.where}: stored as {loc.length} bytes in {loc.path}, expected {geo.chunk_bytes} (damaged)"
     if task.dest is not None and task.direct:
-        body = byte_view(task.dest).numpy()  # not view(-1): a one-element dest may have any stride
+        body = numpy_view(byte_view(task.dest))  # not view(-1): a one-element dest may have any stride
         parts = [body, np.empty(geo.chunk_rows * geo.row_bytes - body.nbytes, dtype=np.uint8)]  # + edge padding
     else:
         body = np.empty(geo.chunk_rows * geo.row_bytes, dtype=np.uint8)

@@ -4,6 +4,7 @@ is built for writing and how a packed shard is seen when reading."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -12,6 +13,7 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from ..core.tensor_bytes import numpy_view
 from .base import ShardRead, ShardWrite
 
 
@@ -66,8 +68,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     inverse)."""
     ml = _ML_DTYPES.get(t.dtype)
     if ml is not None:
-        return t.view(ml[1]).numpy().view(ml[0])
-    return t.numpy()
+        return numpy_view(t.view(ml[1])).view(ml[0])
+    return numpy_view(t)  # not t.numpy(): the caller's tensor stays resizable
 
 
 def source_numpy(t: torch.Tensor) -> np.ndarray:
@@ -130,16 +132,32 @@ def pack_runs(reads: Sequence[Tuple[ShardRead, Tuple[str, int, Tuple[int, ...]]]
     return runs
 
 
+_WHOLE: Dict[Tuple[int, ...], Tuple[slice, ...]] = {}
+
+
+def _whole(shape: Tuple[int, ...]) -> Tuple[slice, ...]:
+    """The ``src`` that selects all of a shard of ``shape`` (as reads name it), remembered per shape."""
+    whole = _WHOLE.get(shape)
+    if whole is None:
+        whole = _WHOLE.setdefault(tuple(shape), tuple(slice(0, n) for n in shape))
+    return whole
+
+
 def copy_out(run: np.ndarray, pieces: Sequence[Tuple[int, Tuple[int, ...], Any, torch.Tensor]]) -> int:
     """Copy each piece ``(start in run, shard shape, src, dest)`` of a run read from a pack into its
     destination (converted to its dtype); returns bytes. Same dtype: by numpy (about 1 µs a piece,
     where torch's indexing and copy cost several: thousands of norms and biases per load)."""
     nbytes = 0
     flat = as_tensor(run)
+    base, size = (run.ctypes.data, run.itemsize) if run.size and run.flags.c_contiguous else (None, 0)
     for start, shape, src, dest in pieces:
         numel = math.prod(shape)
         if dest.dtype == flat.dtype:
-            np.copyto(to_numpy(dest), run[start:start + numel].reshape(shape)[src])
+            if base is not None and numel and src == _whole(shape) and dest.is_contiguous() and not dest.is_neg():
+                # the piece's bytes as they are, by address: 0.6 µs, and no array over the caller's tensor
+                ctypes.memmove(dest.data_ptr(), base + start * size, numel * size)
+            else:
+                np.copyto(to_numpy(dest), run[start:start + numel].reshape(shape)[src])
         else:  # a conversion: torch's rounding, as every other read converts
             dest.copy_(flat[start:start + numel].view(shape)[src])
         nbytes += dest.numel() * dest.element_size()

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...core.errors import FormatError
+from ...core.tensor_bytes import numpy_view
 from ...core.tree_walk import fold, walk_paths
 from ...storage.checksums import verification_enabled
 from ...storage.safetensors_crcs import check_tensor, recorded_crcs
@@ -74,7 +75,7 @@ class SafetensorsFile:
         nbytes = (last - first) * row
         out = torch.empty(((last - first),) + tuple(shape[1:]) if shape else (), dtype=entry.dtype)
         if nbytes:
-            buf = out.view(-1).view(torch.uint8).numpy()
+            buf = numpy_view(out.view(-1).view(torch.uint8))  # not .numpy(): the loaded tensor stays resizable
             got = os.preadv(self._file.fileno(), [buf], self._start + entry.begin + first * row)
             if got != nbytes:
                 raise FormatError(f"{self.path}: tensor {entry.name!r}: the file ends before its data ({got} of "
