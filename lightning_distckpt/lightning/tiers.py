@@ -86,12 +86,11 @@ class TierCheckpoint(DistModelCheckpoint):
             raise CheckpointingError(f"TierCheckpoint needs DistCheckpointStrategy (the local tier holds its sharded "
                                      f"checkpoints), got {type(trainer.strategy).__name__}")
         if self.local_tier is None:
-            self.local_tier = LocalTier(self.options, run=self._run(trainer))
+            self.local_tier = LocalTier(self.options, run=_rank0_agreed(trainer, lambda: self._run(trainer)))
 
     def _run(self, trainer: Any) -> Optional[str]:
-        """The run this Trainer continues (:class:`LocalTier`'s ``run``: only its local steps are resumed):
-        the one the marker of this folder names; a new one where there is no marker yet (rank 0's is
-        taken); None (any step, as before runs were recorded) for a marker written without one."""
+        """The run this Trainer continues (:class:`LocalTier`'s ``run``): the marker's; a new one without a
+        marker; None (any step, as before runs were recorded) for a marker written without one."""
         marker = self.marker_path(trainer)
         data = _read_marker(marker) if marker is not None else None
         if data is None:
@@ -132,8 +131,8 @@ class TierCheckpoint(DistModelCheckpoint):
             self.local_tier.reserve_staging(nbytes, on_accelerator)
 
     def _begin_local(self, trainer: Any) -> None:
-        """As the batch whose optimizer step may make a local save due starts: the node's oldest local
-        step goes now (``LocalTier.begin``, a helper thread), while the step trains, not in the save."""
+        """As the batch whose step may make a local save due starts: the node's oldest local step goes now
+        (``LocalTier.begin``, a helper thread), while the step trains."""
         step = trainer.global_step + 1
         if step % self.options.local_every_n_steps == 0 and step != self._last_local_step and not self._skip(trainer):
             assert self.local_tier is not None
@@ -177,8 +176,9 @@ class TierCheckpoint(DistModelCheckpoint):
         self.local_tier.begin(step)  # begun as the step started (see _begin_local); else now, while the tree is built
         self.local_tier.save(self.local_tree(trainer, step), step=step)
         self._last_local_step = step
-        if trainer.is_global_zero:
-            self._write_marker(trainer, step)
+        if not self._marker_seen:  # once per fit; a failure raised on every rank, none left in the next collective
+            _rank0_agreed(trainer, lambda: self._write_marker(trainer, step))
+            self._marker_seen = True
 
     def local_tree(self, trainer: Any, step: int) -> Dict[str, Any]:
         """Lightning's checkpoint dict (``dump_checkpoint``) in the sharded form the strategy saves. Where
@@ -203,7 +203,7 @@ class TierCheckpoint(DistModelCheckpoint):
         return f"{dirpath.rstrip('/')}/{MARKER_NAME}" if is_s3(dirpath) else os.path.join(dirpath, MARKER_NAME)
 
     def _write_marker(self, trainer: Any, step: int) -> None:
-        """Rank 0, at a local save: the marker, unless this callback already saw it."""
+        """Rank 0: the marker, unless this callback already saw it."""
         marker = self.marker_path(trainer)
         if marker is None or self._marker_seen:
             return
@@ -224,12 +224,10 @@ class TierCheckpoint(DistModelCheckpoint):
         self._marker_seen = True
 
     def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
-        """The marker once local saves were made here, else the durable ``last*.ckpt`` found. Loading
-        the marker asks the tiers for the newest recoverable step, every durable ``last*.ckpt`` included
-        (:func:`durable_candidates`), so ours are not offered beside it: the connector keeps the newest
-        candidate by modification time, and S3 keeps whole seconds, a tie a fast restart can meet. The
-        marker is made the newest (its time set to now; on S3 the object written again, the same
-        bytes) against other callbacks' candidates."""
+        """The marker once local saves were made here, else the durable ``last*.ckpt`` found. Loading the
+        marker asks the tiers, every durable ``last*.ckpt`` included (:func:`durable_candidates`), so ours are
+        not offered beside it (S3 keeps whole seconds: a tie by modification time). The marker is made the
+        newest (its time set to now; on S3 written again) against other callbacks' candidates."""
         marker = self.marker_path(trainer)
         if marker is not None and _touch_marker(marker):
             return {marker}
@@ -238,6 +236,21 @@ class TierCheckpoint(DistModelCheckpoint):
     def durable_last_checkpoints(self, trainer: Any) -> Set[str]:
         """This callback's own ``last*.ckpt`` (DistModelCheckpoint's lookup)."""
         return set(super()._find_last_checkpoints(trainer))
+
+
+def _rank0_agreed(trainer: Any, what: Callable[[], Any]) -> Any:
+    """Collective: ``what()`` run by rank 0 (an S3 request on the marker), its value on every rank; what failed
+    raised on every rank (alone on rank 0, the others would wait for it in their next collective)."""
+    found: Tuple[Any, Optional[str]] = (None, None)
+    if trainer.is_global_zero:
+        try:
+            found = (what(), None)
+        except (OSError, CheckpointingError) as e:
+            found = (None, f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e))
+    value, error = trainer.strategy.broadcast(found, src=0)
+    if error is not None:
+        raise CheckpointingError(f"tiers: {error}")
+    return value
 
 
 def is_s3(path: str) -> bool:
@@ -253,7 +266,8 @@ def _marker_folder(marker: str) -> Any:
 
 
 def _read_marker(marker: str) -> Optional[bytes]:
-    """The marker's bytes (at most 64 KiB: it is ~200), None where there is none (a link is none of ours)."""
+    """The marker's bytes (at most 64 KiB: it is ~200), None where there is none (a link is none of ours);
+    one that cannot be read is an error, not none (a new run would never resume the marker's run's steps)."""
     try:
         if is_s3(marker):
             return _marker_folder(marker).read(MARKER_NAME)
@@ -261,16 +275,15 @@ def _read_marker(marker: str) -> Optional[bytes]:
             return None
         with open(marker, "rb") as f:
             return f.read(1 << 16)
-    except (OSError, CheckpointingError):  # unreadable: a new run (no local step of another is resumed)
-        return None
+    except (OSError, CheckpointingError) as e:
+        raise CheckpointingError(f"reading the marker {marker} failed ({e}): the run whose local steps "
+                                 "this Trainer continues is unknown") from None
 
 
 def _touch_marker(marker: str) -> bool:
-    """Whether the marker exists; if so its modification time is made now (what makes it the newest
-    ``last`` candidate). Every rank does it alone, before any process group exists (as Lightning
-    resolves ``"last"``): the S3 object is written again with its own bytes (concurrent identical writes
-    of one object are harmless), and fsspec's cached listing of the folder is dropped, so the
-    connector's ``modified`` asks S3 again."""
+    """Whether the marker exists; if so its modification time is made now (the newest ``last`` candidate).
+    Every rank alone, before any process group exists: the S3 object written again with its own bytes
+    (identical concurrent writes are harmless), fsspec's cached listing dropped (``modified`` asks S3 again)."""
     if not is_s3(marker):
         if os.path.islink(marker) or not os.path.isfile(marker):  # a link's target is not ours to touch
             return False
