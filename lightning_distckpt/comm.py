@@ -243,6 +243,10 @@ def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if acc is None:
+        # init_process_group() without a backend (as init_device_mesh("cpu", ...) calls it) is "undefined",
+        # configured per device ("cpu:gloo"): CPU tensors go to the CPU backend.
+        if "cpu:" in str(dist.get_backend_config(group)).lower():
+            return torch.device("cpu")
         raise ArgumentError(f"process group backend {backend!r} needs an accelerator, but none is available")
     return torch.device(acc.type, torch.accelerator.current_device_index())
 

@@ -147,3 +147,26 @@ def test_collective_error_is_not_remapped():
     with pytest.raises(CollectiveError, match="^already mapped$"):
         with get_comm()._mapped("op"):
             raise CollectiveError("already mapped")
+
+
+NO_BACKEND_SCRIPT = """
+import sys, torch, torch.distributed as dist
+import lightning_distckpt as ldc
+dist.init_process_group(store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)  # no backend named
+assert not torch.accelerator.is_available()
+ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, sys.argv[2])
+out = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, sys.argv[2])
+assert torch.equal(out["w"], torch.arange(4.0))
+print("OK")
+"""
+
+
+def test_a_group_started_without_a_backend_uses_the_cpu_where_there_is_no_accelerator(tmp_path):
+    """``init_process_group()`` without a backend (as ``init_device_mesh("cpu", ...)`` calls it) is backend
+    "undefined", configured per device ("cpu:gloo"): it was refused as needing an accelerator."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", NO_BACKEND_SCRIPT, str(tmp_path / "store"), str(tmp_path / "ck")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
