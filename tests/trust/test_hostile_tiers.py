@@ -111,11 +111,14 @@ def _case(pristine, tmp, case):
 
     def recover():
         tier = LocalTier(TierOptions(local_dir=root))
-        point = tier.recoverable()
-        if point is None:
-            return None, None
-        state = tier.load(_state(0, template=True), point)
-        return tier.last_point, state  # the step read: another one where every copy of this one was damaged
+        try:  # closed here: its root lock's file is removed now, not by a later collection
+            point = tier.recoverable()
+            if point is None:
+                return None, None
+            state = tier.load(_state(0, template=True), point)
+            return tier.last_point, state  # the step read: another one where every copy of this one was damaged
+        finally:
+            tier.close()
 
     out = run_bounded(recover)
     assert not os.path.exists(canary), "loading ran code"
@@ -177,8 +180,11 @@ def _flip_case(pristine, tmp, flips):
 
     def recover():
         tier = LocalTier(TierOptions(local_dir=root))
-        point = tier.recoverable()
-        return tier.load(_state(0, template=True), point), tier.last_point
+        try:  # closed here: its root lock's file is removed now, not by a collection racing the rmtree below
+            point = tier.recoverable()
+            return tier.load(_state(0, template=True), point), tier.last_point
+        finally:
+            tier.close()
 
     out = run_bounded(recover)
     assert "error" not in out, repr(out.get("error"))
