@@ -99,7 +99,7 @@ class LocalTier:
             ensure_private_root(root)
             if nodes.is_lead(comm.rank):  # one job per node root at a time (tiers/root_lock.py)
                 self._claim = claim_root(root)
-                weakref.finalize(self, self._claim.release)  # a tier dropped unclosed (a finished Trainer's)
+                weakref.finalize(self, self._claim.release, False)  # a tier dropped unclosed: unlocked only
         except Exception as e:  # agreed: every rank raises it, none waits in a later collective
             error = e
         try:

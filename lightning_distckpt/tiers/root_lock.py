@@ -71,9 +71,11 @@ class RootClaim:
     def __init__(self, key: Optional[str] = None) -> None:
         self._key = key
 
-    def release(self) -> None:
+    def release(self, remove: bool = True) -> None:
         """Idempotent. The last user of this process removes the lock files and closes them (the flock goes
-        with the close); removed first, while held, so that no one locks a file about to vanish."""
+        with the close); removed first, while held, so that no one locks a file about to vanish. Not
+        ``remove``: closed only (a tier collected unclosed, at any moment: a removal then would race
+        whatever the program does with the root meanwhile, an ``rmtree`` of it say)."""
         key, self._key = self._key, None
         with _GUARD:
             held = _HELD.get(key) if key is not None else None
@@ -82,7 +84,7 @@ class RootClaim:
             held.users -= 1
             if held.users == 0:
                 del _HELD[key]
-                _unlock(held.locked)
+                _unlock(held.locked, remove)
 
 
 def claim_root(path: str) -> RootClaim:
@@ -158,9 +160,9 @@ def _take(path: str, locks: List[str], create: bool, by: Optional[str] = None) -
     return locked
 
 
-def _unlock(locked: Locked) -> None:
+def _unlock(locked: Locked, remove: bool = True) -> None:
     for fd, lock in locked:
-        if _is_at(fd, lock):  # not another job's, made after the root was removed and made again
+        if remove and _is_at(fd, lock):  # not another job's, made after the root was removed and made again
             try:
                 os.unlink(lock)
             except OSError:
