@@ -7,9 +7,6 @@ and two saves naming one version."""
 import contextlib
 import io
 import json
-import re
-import socket
-import threading
 import time
 
 import pytest
@@ -20,76 +17,16 @@ from lightning_distckpt.core.errors import CheckpointingError, FormatError, Save
 from lightning_distckpt.storage import s3 as s3_mod
 
 pytest.importorskip("moto.server")
+from relay import Relay  # noqa: E402
 from s3_helpers import check, client, keys, marker, state, template  # noqa: E402
 
 MiB = 1 << 20
 
 
-class Relay:
-    """A loopback TCP relay to ``upstream`` counting the bytes the server sends back (``served``);
-    ``on_request(method, path)`` runs before a request whose line it sees is passed on (the server
-    answers that request only after it returned)."""
-
-    def __init__(self, upstream, on_request=None):
-        self.upstream = upstream
-        self.on_request = on_request
-        self.served = 0
-        self.requests = []
-        self._lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._open = [self._listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self):
-        return "http://127.0.0.1:%d" % self._listener.getsockname()[1]
-
-    def _accept(self):
-        while True:
-            try:
-                down, _ = self._listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self.upstream)
-            self._open += [down, up]
-            threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
-
-    def _pump(self, src, dst, requests):
-        tail = b""
-        try:
-            while True:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                if requests:  # request lines (the tail: one split between two reads)
-                    for m in re.finditer(rb"(GET|PUT|HEAD|DELETE|POST) (/[^ ]*) HTTP/1\.1\r\n", tail + data):
-                        self.requests.append((m.group(1).decode(), m.group(2).decode()))
-                        if self.on_request is not None:
-                            self.on_request(m.group(1).decode(), m.group(2).decode())
-                    tail = data[-300:]
-                else:
-                    with self._lock:
-                        self.served += len(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self):
-        for s in self._open:
-            with contextlib.suppress(OSError):
-                s.close()
-
-
 @pytest.fixture
 def relay(endpoint, bucket, monkeypatch):
     """A relay to the moto server; every S3 request of this process goes through it."""
-    host, port = endpoint.rsplit("//", 1)[1].split(":")
-    r = Relay((host, int(port)))
+    r = Relay.to(endpoint)
     monkeypatch.setenv("AWS_ENDPOINT_URL", r.url)
     yield r
     r.close()

@@ -10,78 +10,19 @@ is one rank of a 2-process Trainer (tests/script_ranks.py starts them as torchru
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import re
-import socket
 import sys
-import threading
 import traceback
 from datetime import timedelta
 
 import pytest
 
+from relay import LEAKS, Relay
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-LEAKS = ("<?xml", "<Error>", "AKIALEAKEDKEYID", "RequestId")
-DENIED = (b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: %d\r\n\r\n")
-DENIED_BODY = (b"<?xml version='1.0'?><Error><Code>AccessDenied</Code><Message>Access Denied</Message>"
-               b"<AWSAccessKeyId>AKIALEAKEDKEYID</AWSAccessKeyId><RequestId>R1</RequestId></Error>")
-
-
-class DenyingRelay:
-    """A loopback TCP relay to ``upstream`` that answers a request whose line ``deny(method, path)`` picks
-    with 403 AccessDenied (its XML body naming an access key, as S3's does) instead of passing it on."""
-
-    def __init__(self, upstream, deny):
-        self.upstream, self.deny, self.denied = upstream, deny, []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._open = [self._listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self):
-        return "http://127.0.0.1:%d" % self._listener.getsockname()[1]
-
-    def _accept(self):
-        while True:
-            try:
-                down, _ = self._listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self.upstream)
-            self._open += [down, up]
-            threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
-
-    def _pump(self, src, dst, requests):
-        try:
-            while True:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                m = re.match(rb"(GET|PUT|HEAD|DELETE|POST) (/[^ ?]*)", data) if requests else None
-                if m and self.deny(m.group(1).decode(), m.group(2).decode()):
-                    self.denied.append((m.group(1).decode(), m.group(2).decode()))
-                    src.sendall(DENIED % len(DENIED_BODY) + DENIED_BODY)
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self):
-        for s in self._open:
-            with contextlib.suppress(OSError):
-                s.close()
-
-
 def _relay(endpoint, deny):
-    host, port = endpoint.rsplit("//", 1)[1].split(":")
-    return DenyingRelay((host, int(port)), deny)
+    return Relay.to(endpoint, deny=deny)
 
 
 def _trainer(dirpath, local_dir, steps, devices=1, ranks_per_node=None):
