@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional
 
-from ..core.errors import ArgumentError, CheckpointingError
+from ..core.errors import CheckpointingError
 from .layout import DATA_DIR
 from .options import StorageOptions
 from .s3 import _CLAIM, ObjectStore, version_started
-from .s3_url import answer_timeout
+from .s3_url import answer_timeout, seconds_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +47,7 @@ _LOCK = threading.RLock()  # re-entrant: _abandon may run from a collection on a
 
 def alive_period() -> float:
     """:data:`ALIVE_PERIOD_S`, or the value of :data:`ALIVE_PERIOD_ENV` (ArgumentError naming it when bad)."""
-    text = os.environ.get(ALIVE_PERIOD_ENV, "").strip()
-    if not text:
-        return ALIVE_PERIOD_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise ArgumentError(f"{ALIVE_PERIOD_ENV}={text!r}: give the seconds between two liveness marks of a running "
-                            f"s3:// save, a positive number")
-    return value
+    return seconds_from_env(ALIVE_PERIOD_ENV, ALIVE_PERIOD_S, "between two liveness marks of a running s3:// save")
 
 
 def mark_time(inner: Iterable[str]) -> Optional[float]:

@@ -160,16 +160,21 @@ def answer_timeout() -> float:
     """Seconds a small S3 request may wait for its answer, retries included: the value of
     ``LIGHTNING_DISTCKPT_S3_TIMEOUT``, else 60 (ArgumentError naming the variable when it is not a
     positive number, so that a typo does not silently keep the default)."""
-    text = os.environ.get(S3_TIMEOUT_ENV, "").strip()
+    return seconds_from_env(S3_TIMEOUT_ENV, DEFAULT_S3_TIMEOUT_S, "an S3 request may wait for its answer")
+
+
+def seconds_from_env(name: str, default: float, what: str) -> float:
+    """The positive number of seconds the environment variable ``name`` gives, ``default`` where it is unset
+    or blank; an ArgumentError naming it otherwise (a typo must not silently keep the default)."""
+    text = os.environ.get(name, "").strip()
     if not text:
-        return DEFAULT_S3_TIMEOUT_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = 0.0
     if not 0 < value < float("inf"):
-        raise ArgumentError(f"{S3_TIMEOUT_ENV}={text!r}: give the seconds an S3 request may wait for its answer, "
-                            f"a positive number")
+        raise ArgumentError(f"{name}={text!r}: give the seconds {what}, a positive number")
     return value
 
 
