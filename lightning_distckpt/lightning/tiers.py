@@ -93,13 +93,7 @@ class TierCheckpoint(DistModelCheckpoint):
         marker; None (any step, as before runs were recorded) for a marker written without one."""
         marker = self.marker_path(trainer)
         data = _read_marker(marker) if marker is not None else None
-        if data is None:
-            return uuid.uuid4().hex
-        try:
-            run = json.loads(data).get("run")
-        except (ValueError, AttributeError):  # not a marker of ours: written by hand, or damaged
-            return None
-        return run if isinstance(run, str) else None
+        return uuid.uuid4().hex if data is None else _run_of(data)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """The step training starts (or resumes) from needs no local save: with gradient accumulation,
@@ -211,11 +205,15 @@ class TierCheckpoint(DistModelCheckpoint):
         data = json.dumps({"what": "lightning_distckpt tiers: local saves were made; ckpt_path='last' asks the tiers",
                            "local_dir": self.options.local_dir, "first_local_step": step,
                            **({"run": run} if run else {})}).encode()
-        if is_s3(marker):
-            folder = _marker_folder(marker)
-            if folder.read(MARKER_NAME) is None:
-                folder.write(MARKER_NAME, data)
-        elif not os.path.isfile(marker):
+        found = _read_marker(marker)
+        if found is not None:  # written since setup read none: by another job saving to this folder
+            if run is not None and _run_of(found) != run:
+                log.warning("tiers: %s names another run than this Trainer's (another job saving to this folder "
+                               "since this one started): ckpt_path='last' will not resume this run's local steps; "
+                               "give each job its own checkpoint folder", marker)
+        elif is_s3(marker):
+            _marker_folder(marker).write(MARKER_NAME, data)
+        else:
             os.makedirs(os.path.dirname(marker), exist_ok=True)
             tmp = f"{marker}.tmp{os.getpid()}"
             with open(tmp, "wb") as f:
@@ -263,6 +261,15 @@ def _marker_folder(marker: str) -> Any:
     from ..storage.options import StorageOptions
 
     return ObjectStore(marker[:-len(MARKER_NAME)].rstrip("/"), StorageOptions())
+
+
+def _run_of(marker_data: bytes) -> Optional[str]:
+    """The run a marker names; None for one written before runs were recorded, or not a marker of ours."""
+    try:
+        run = json.loads(marker_data).get("run")
+    except (ValueError, AttributeError):  # written by hand, or damaged
+        return None
+    return run if isinstance(run, str) else None
 
 
 def _read_marker(marker: str) -> Optional[bytes]:

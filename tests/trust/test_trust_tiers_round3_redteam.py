@@ -398,3 +398,31 @@ def test_a_store_replaced_by_another_saves_is_named_so_and_its_partner_copy_used
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_marker_another_job_wrote_after_setup_is_warned_about(tmp_path, caplog):
+    """Setup found no marker (a new run), and another job saving to the same folder wrote one before this
+    run's first local save: the marker is kept (this run's steps then are not what "last" resumes), and a
+    WARNING says so, where before nothing did."""
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_distckpt.lightning import DistCheckpointStrategy
+
+    folder = tmp_path / "run" / "checkpoints"
+
+    class OtherJob(Callback):
+        def on_train_start(self, trainer, module):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "tiers-last.json").write_text(json.dumps({"what": "another job's", "run": "other"}))
+
+    tiers = {"local_dir": str(tmp_path / "local"), "local_every_n_steps": 2, "durable_every_n_steps": 4}
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=DistCheckpointStrategy(checkpoint={"tiers": tiers}),
+                      max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[OtherJob()],
+                      default_root_dir=str(tmp_path / "run"))
+    with caplog.at_level(logging.WARNING, logger="lightning_distckpt.lightning.tiers"):
+        trainer.fit(BoringModel())
+    assert json.loads((folder / "tiers-last.json").read_text())["run"] == "other"  # not overwritten
+    warned = [r.getMessage() for r in caplog.records if "names another run" in r.getMessage()]
+    assert len(warned) == 1 and str(folder / "tiers-last.json") in warned[0], caplog.text
