@@ -32,6 +32,8 @@ from .reading.plain import check_plain_loadable
 from .reading.plain_tensors import common_with_plain_tensors
 from .reading.reads import read_tensors
 from .storage.paths import checkpoint_location
+from .storage.store import CheckpointStore
+from .storage.stores import SaveTarget, save_target
 from .storage.tensorstore_io import StorageOptions
 from .saving.async_save import AsyncSaver, AsyncSaveRequest
 from .saving.background_snapshot import Selector
@@ -43,7 +45,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 def save(
     sharded_state_dict: Dict[str, Any],
-    checkpoint_dir: PathLike,
+    checkpoint_dir: SaveTarget,
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     validate_access_integrity: bool = True,
@@ -66,7 +68,9 @@ def save(
             LocalNonpersistentObject and common values. A DTensor or plain ``torch.Tensor`` leaf is a
             sharded tensor keyed by its tree path (``{"model": {"w": t}}`` -> ``"model/w"``); a plain
             one is replicated: stored once, the same value expected on every rank (as in PyTorch DCP).
-        checkpoint_dir: the checkpoint directory (same path on every rank, shared file system).
+        checkpoint_dir: the checkpoint directory (same path on every rank, shared file system) or
+            ``s3://`` URL; or a :class:`~lightning_distckpt.storage.store.CheckpointStore` made by the
+            caller (a store of its own, as DCP's ``storage_writer``), which brings its own options.
         process_group: the ranks taking part (default: the world; none needed single-process).
         validate_access_integrity: check before writing that the main replicas tile every tensor
             exactly once and that all ranks agree on shapes and dtypes.
@@ -88,7 +92,7 @@ def save(
         ValidationError, SaveFailedError, CheckpointingError: on every rank alike; an argument of the
         wrong type is an ArgumentTypeError naming it.
     """
-    checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")  # bytes decoded, as load does
+    checkpoint_dir, storage = save_target(checkpoint_dir, storage)  # bytes decoded, as load does
     _check_save_arguments(sharded_state_dict, validate_access_integrity, balance_writes, storage, async_save,
                           plan_cache)
     if background_snapshot is not False and (not async_save or not (background_snapshot is True
@@ -128,7 +132,7 @@ def save(
 
 def load(
     sharded_state_dict: Dict[str, Any],
-    checkpoint_dir: PathLike,
+    checkpoint_dir: SaveTarget,
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     strict: Union[StrictHandling, str] = StrictHandling.ASSUME_OK_UNEXPECTED,
@@ -141,7 +145,9 @@ def load(
 ) -> Union[Dict[str, Any], Tuple[Dict[str, Any], set, set]]:
     """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
 
-    ``checkpoint_dir`` is one of our checkpoints, or an ordinary file every rank reads its slices
+    ``checkpoint_dir`` is one of our checkpoints (its path or URL, or the
+    :class:`~lightning_distckpt.storage.store.CheckpointStore` a caller saved it through), or an ordinary
+    file every rank reads its slices
     from directly: a ``torch.save`` file (tensors named by their ``/``-joined path: a plain state
     dict keeps its keys, a Lightning checkpoint's weights are ``"state_dict/<name>"``; the rest is
     common state), a ``.safetensors`` file or a Hugging Face model directory. ``key_map`` maps
@@ -181,7 +187,7 @@ def load(
     """
     shared = checkpoint_dir if isinstance(checkpoint_dir, SharedCopy) else None
     if shared is None:
-        checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
+        checkpoint_dir = _location(checkpoint_dir)
     elif key_map is not None or storage is not None:
         raise ArgumentError("load: key_map and storage choose how a path is opened; not with a SharedCopy")
     require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
@@ -224,7 +230,14 @@ def _template_only(opener: Any) -> Any:
     return lambda: TemplateOnly(opener())
 
 
-def load_tensors_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) -> Dict[str, ShardedTensor]:
+def _location(checkpoint_dir: SaveTarget) -> Union[str, CheckpointStore]:
+    """Where a load reads: a path or URL normalized by its store, or the store a caller saved through."""
+    if isinstance(checkpoint_dir, CheckpointStore):
+        return checkpoint_dir
+    return checkpoint_location(checkpoint_dir, "checkpoint_dir")
+
+
+def load_tensors_metadata(checkpoint_dir: SaveTarget, *, flattened: bool = False) -> Dict[str, ShardedTensor]:
     """key -> ShardedTensor without data, describing the whole saved tensor (global shape, dtype).
 
     A tensor saved as flattened pieces (``flattened_range``, the distributed-optimizer layout) is
@@ -234,7 +247,7 @@ def load_tensors_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) 
     tensor of all its elements (``(8, 5, 40)`` -> ``(1600,)``). Other tensors are the same either way.
     """
     require_bool(flattened, "flattened")
-    source = open_checkpoint(checkpoint_location(checkpoint_dir, "checkpoint_dir"))
+    source = open_checkpoint(_location(checkpoint_dir))
     out = {}
     for key, e in source.index.tensors.items():
         shape = tuple(e.global_shape)
@@ -246,13 +259,13 @@ def load_tensors_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) 
     return out
 
 
-def load_sharded_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) -> Dict[str, Any]:
+def load_sharded_metadata(checkpoint_dir: SaveTarget, *, flattened: bool = False) -> Dict[str, Any]:
     """Everything sharded the checkpoint stores, without data, as Megatron-Core's function of this
     name gives it: the tensors of :func:`load_tensors_metadata` under their keys, and each stored
     ShardedObject element under Megatron-Core's unique key ``<key>/shard_<offset>_<global shape>``
     (``"opt/shard_0.3_1.8"``). ``load(load_sharded_metadata(p), p)`` reads the whole checkpoint."""
     out: Dict[str, Any] = dict(load_tensors_metadata(checkpoint_dir, flattened=flattened))
-    source = open_checkpoint(checkpoint_location(checkpoint_dir, "checkpoint_dir"))
+    source = open_checkpoint(_location(checkpoint_dir))
     for key, e in source.index.objects.items():
         for shard in e.shards:
             out[unique_key(key, shard.offset, e.global_shape)] = ShardedObject(
@@ -260,13 +273,13 @@ def load_sharded_metadata(checkpoint_dir: PathLike, *, flattened: bool = False) 
     return out
 
 
-def load_common_state_dict(checkpoint_dir: PathLike, extra_safe_globals: Sequence[Any] = (), *,
+def load_common_state_dict(checkpoint_dir: SaveTarget, extra_safe_globals: Sequence[Any] = (), *,
                            plain_tensors: bool = True) -> Any:
     """The checkpoint's common (non-sharded) state, read safely (single process), with the plain
     tensors the saved state dict held (stored as replicated tensors by tree path) read whole and
     put back at their places, as they were when they were common state: what ``load({}, path)``
     returns. ``plain_tensors=False``: the common state alone, nothing read but ``common.pt``."""
-    checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
+    checkpoint_dir = _location(checkpoint_dir)
     require_globals(extra_safe_globals)
     require_bool(plain_tensors, "plain_tensors")
     source = open_checkpoint(checkpoint_dir)
@@ -275,12 +288,11 @@ def load_common_state_dict(checkpoint_dir: PathLike, extra_safe_globals: Sequenc
     return common_with_plain_tensors(source, extra_safe_globals)
 
 
-def load_plain_tensors(checkpoint_dir: PathLike) -> Dict[str, torch.Tensor]:
+def load_plain_tensors(checkpoint_dir: SaveTarget) -> Dict[str, torch.Tensor]:
     """key -> the whole global tensor, assembled from its shards (single process, no group needed).
     Logs one INFO line, as :func:`load` does: bytes, seconds, rate."""
     started = time.perf_counter()
-    checkpoint_dir = checkpoint_location(checkpoint_dir, "checkpoint_dir")
-    source = open_checkpoint(os.fspath(checkpoint_dir))
+    source = open_checkpoint(_location(checkpoint_dir))
     check_plain_loadable(source)  # whole tensors are allocated as the index says: check it first
     template = []
     for key, e in source.index.tensors.items():

@@ -18,9 +18,8 @@ from ..planning.metadata import CheckpointIndex
 from ..storage.base import ShardReader
 from ..storage.integrity import read_common, read_common_bytes
 from ..storage.layout import DATA_DIR
-from ..storage.paths import PathLike
 from ..storage.store import CheckpointStore, StorageFacts, WriterStore
-from ..storage.stores import open_store
+from ..storage.stores import SaveTarget, open_store, store_of
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .formats import KeyMap, detect
 
@@ -54,12 +53,12 @@ class OpenedCheckpoint:
     _readers: Dict[bool, TensorStoreIO] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
-    def open(cls, checkpoint_dir: PathLike, options: Optional[StorageOptions] = None) -> "OpenedCheckpoint":
+    def open(cls, checkpoint_dir: SaveTarget, options: Optional[StorageOptions] = None) -> "OpenedCheckpoint":
         """Open the committed checkpoint at ``checkpoint_dir`` through its store; ``options``: the
         reader's choices (``verify``, ``direct_reads``, ``io_concurrency``, the S3 endpoint, ...),
         the layout is the one recorded."""
         # the store refuses what it does not serve, and links inside the checkpoint, and checks every field
-        store = open_store(checkpoint_dir, options or StorageOptions())
+        store = store_of(checkpoint_dir, options)
         opened = store.open_metadata()
         path, meta = opened.path, opened.meta
         recorded = StorageOptions.from_json(meta.get("storage", {}))
@@ -163,12 +162,13 @@ def _rank_stores(path: str) -> Optional[int]:
         return None
 
 
-def open_checkpoint(path: PathLike, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = (),
+def open_checkpoint(path: SaveTarget, key_map: KeyMap = None, extra_safe_globals: Sequence[Any] = (),
                     options: Optional[StorageOptions] = None) -> CheckpointSource:
     """The source for ``path``: a ``torch.save`` file, a ``.safetensors`` file or a Hugging Face
     model directory (``key_map`` maps their keys to template keys: a dict, or a callable returning
     None to leave a key out), else our own checkpoint in its store (``options``: the reader's
     choices, see :meth:`OpenedCheckpoint.open`)."""
-    store = open_store(path, options or StorageOptions())
-    found = detect(os.fspath(path), key_map, extra_safe_globals) if store.file_system else None
+    store = store_of(path, options)
+    found = (detect(os.fspath(path), key_map, extra_safe_globals)
+             if store.file_system and not isinstance(path, CheckpointStore) else None)
     return found if found is not None else OpenedCheckpoint.open(path, options)

@@ -14,7 +14,6 @@ and reused by the next save of the same layout. The thread runs at a lower sched
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import replace
@@ -26,7 +25,8 @@ import torch.distributed as dist
 from ..comm import Comm, get_comm
 from ..core.arguments import require_int_in
 from ..core.errors import SaveFailedError
-from ..storage.paths import checkpoint_location
+from ..storage.store import CheckpointStore
+from ..storage.stores import SaveTarget, save_target
 from ..storage.tensorstore_io import StorageOptions
 from . import async_pending
 from .async_staging import (WRITER_BYTES, BufferKey, StagingPlan, StagingPool, copy_in, describe, plan_staging,
@@ -129,6 +129,11 @@ class AsyncSaveRequest:
             if self._reserved:  # a failed save's placeholder goes (only an empty directory is ever removed)
                 async_pending.release_target(self.checkpoint_dir)
             self._prep = replace(self._prep, tensors=[], objects=[], common=None)  # drop references to buffers
+
+    @property
+    def store(self) -> CheckpointStore:
+        """The store this save writes through (the caller's, or a copy of it with the saver's options)."""
+        return self._prep.store
 
     @property
     def background_snapshot_s(self) -> float:
@@ -296,7 +301,7 @@ class AsyncSaver:
     def save(
         self,
         sharded_state_dict: Dict[str, Any],
-        checkpoint_dir: Union[str, "os.PathLike[str]"],
+        checkpoint_dir: SaveTarget,
         *,
         process_group: Optional[dist.ProcessGroup] = None,
         validate_access_integrity: bool = True,
@@ -319,11 +324,12 @@ class AsyncSaver:
         self.finalize()
         t0, c0 = time.perf_counter(), time.thread_time()
         comm = comm if comm is not None else get_comm(process_group)
+        target, storage = save_target(checkpoint_dir, storage)
         options = storage or StorageOptions()
         if self.io_concurrency is not None and self.io_concurrency < options.io_concurrency:
             options = replace(options, io_concurrency=self.io_concurrency)  # a writer's choice: not in the plan
         prep = prepare_save(
-            sharded_state_dict, checkpoint_location(checkpoint_dir, "checkpoint_dir"), comm,
+            sharded_state_dict, target, comm,
             validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
             options=options, plan_cache=self.plan_cache,
         )

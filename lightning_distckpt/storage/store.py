@@ -20,6 +20,7 @@ store's key-value store (:meth:`~CheckpointStore.kvstore_spec`).
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, AbstractSet, Any, ClassVar, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -76,6 +77,19 @@ class CheckpointStore(ABC):
     def __init__(self, location: str, options: StorageOptions = StorageOptions()) -> None:
         self.location = location
         self.options = options
+
+    def __repr__(self) -> str:  # errors and logs that name a caller's store name where it is
+        return f"{type(self).__name__}({self.location!r})"
+
+    def with_options(self, options: StorageOptions) -> "CheckpointStore":
+        """This store with ``options`` (itself where they are its own): a saver's writer choices
+        (``AsyncSaver(io_concurrency=...)``) applied to a store the caller made. A copy, so the
+        caller's store keeps its own."""
+        if options == self.options:
+            return self
+        out = copy.copy(self)
+        out.options = options
+        return out
 
     # -- which locations --------------------------------------------------------------
     #: The URL scheme of this store's locations (``"s3://"``); the factory (:mod:`.stores`) matches

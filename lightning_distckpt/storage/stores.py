@@ -9,11 +9,13 @@ loaders and the tools call the store's methods only.
 
 from __future__ import annotations
 
-from typing import List, Type
+from typing import List, Optional, Tuple, Type, Union
+
+from ..core.errors import ArgumentError
 
 from .local_store import LocalStore
 from .options import StorageOptions
-from .paths import PathLike, path_text
+from .paths import PathLike, checkpoint_location, path_text
 from .s3_store import S3Store
 from .store import CheckpointStore
 
@@ -49,3 +51,28 @@ def unregister_store(cls: Type[CheckpointStore]) -> None:
     """Undo :func:`register_store`."""
     if cls in STORES:
         STORES.remove(cls)
+
+
+#: Where a save writes: a path or URL (its store picked by :func:`open_store`), or a store the caller made.
+SaveTarget = Union[PathLike, CheckpointStore]
+
+
+def save_target(target: SaveTarget, storage: Optional[StorageOptions]
+                ) -> Tuple[Union[str, CheckpointStore], Optional[StorageOptions]]:
+    """A save's target (a location normalized by its store, or the caller's store as it is) and its
+    options: a store brings its own, and ``storage=`` given beside it must be the same (two sets of
+    options for one save would leave the reader guessing which was written)."""
+    if not isinstance(target, CheckpointStore):
+        return checkpoint_location(target, "checkpoint_dir"), storage
+    if storage is not None and storage != target.options:
+        raise ArgumentError(f"save to the store {type(target).__name__}({target.location}): storage= differs from "
+                            "the store's own options; make the store with those options instead")
+    return target, target.options
+
+
+def store_of(location: SaveTarget, options: Optional[StorageOptions], what: str = "checkpoint") -> CheckpointStore:
+    """The store a load reads through: the caller's (with ``options`` where given: the reader's
+    choices), else the one serving ``location`` (:func:`open_store`)."""
+    if isinstance(location, CheckpointStore):
+        return location if options is None else location.with_options(options)
+    return open_store(location, options or StorageOptions(), what)

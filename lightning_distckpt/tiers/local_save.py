@@ -33,14 +33,15 @@ _SHA_FIELDS = ("metadata_sha256", "common_sha256")  # the commit adds them again
 def finish_local_save(ctx: TierContext, request: AsyncSaveRequest, step: int) -> None:
     """Collective (the tier's thread on every rank): commit, replicate, prune (the room for the save was
     made before it started writing, :func:`make_room`)."""
+    store = request.store  # the NodeLocalStore the save wrote through: its staging directory on this rank
+    assert isinstance(store, NodeLocalStore)
     try:
         request.finalize()  # agreed; rank 0 commits its node's directory
     except BaseException:
-        staging = NodeLocalStore.staged.pop(NodeLocalStore(ctx.location(step)).location, None)
-        if ctx.is_lead and staging is not None:  # rank 0's was discarded by the pipeline; the others' here
-            discard(staging)
+        if ctx.is_lead and store.staged is not None:  # rank 0's was discarded by the pipeline; the others' here
+            discard(store.staged)
         raise
-    _commit_other_nodes(ctx, step)
+    _commit_other_nodes(ctx, step, store)
     replicate(ctx, step)
     if ctx.is_lead:
         prune(ctx, step, ctx.options.keep_local)
@@ -73,12 +74,12 @@ def _rank0_files(ctx: TierContext, step: int) -> Tuple[Optional[str], Any]:
     return None, (step, meta, common, marker)
 
 
-def _commit_other_nodes(ctx: TierContext, step: int) -> None:
-    """Collective: the leads of the nodes other than rank 0's commit their step directories."""
+def _commit_other_nodes(ctx: TierContext, step: int, store: NodeLocalStore) -> None:
+    """Collective: the leads of the nodes other than rank 0's commit their step directories (``store``:
+    the one the save wrote through)."""
     comm = ctx.comm
     failed, files = comm.broadcast_object(_rank0_files(ctx, step) if comm.rank == 0 else None)
-    store = NodeLocalStore(ctx.location(step))
-    staging = NodeLocalStore.staged.get(store.location)
+    staging = store.staged
     error: Optional[Exception] = None
     if failed is not None:  # the same on every rank (broadcast): each cleans up below
         error = SaveFailedError(f"local save of step {step}: {failed}")
@@ -102,8 +103,6 @@ def _commit_other_nodes(ctx: TierContext, step: int) -> None:
                 discard(staging)
             remove_step(ctx.step_dir(files[0] if files else step))  # named by rank 0's step
         raise
-    finally:
-        NodeLocalStore.staged.pop(store.location, None)
 
 
 def replicate(ctx: TierContext, step: int) -> None:

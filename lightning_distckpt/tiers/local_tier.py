@@ -152,14 +152,8 @@ class LocalTier:
             self._begin(step, background=False)
         self.wait()  # the room made (no rank writes before the leads enter the save's handshake)
         self._room_step = None
-        where = NodeLocalStore(self._ctx.location(step)).location
-        if self._ctx.run is not None:  # recorded by the commit (NodeLocalStore.commit), dropped in _finish
-            NodeLocalStore.runs[where] = self._ctx.run
-        try:
-            request = self._saver.save(sharded_state_dict, self._ctx.location(step), comm=self._ctx.comm)
-        except BaseException:
-            NodeLocalStore.runs.pop(where, None)
-            raise
+        store = NodeLocalStore.for_save(self._ctx.location(step), self._ctx.run)  # the run: in its commit marker
+        request = self._saver.save(sharded_state_dict, store, comm=self._ctx.comm)
         self._thread = threading.Thread(target=self._finish, args=(request, step), name="distckpt-local-tier",
                                         daemon=True)
         self._thread.start()
@@ -206,8 +200,6 @@ class LocalTier:
             finish_local_save(self._ctx, request, step)
         except BaseException as e:  # raised on the caller's thread by wait() / the next save()
             self._error = e
-        finally:
-            NodeLocalStore.runs.pop(NodeLocalStore(self._ctx.location(step)).location, None)
 
     def wait(self) -> None:
         """Collective. Finishes the in-flight local save and replication (raises what failed)."""

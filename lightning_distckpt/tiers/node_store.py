@@ -23,7 +23,7 @@ import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from lightning_distckpt.core.errors import ArgumentError, FormatError
 from lightning_distckpt.storage.layout import COMMIT_MARKER, DATA_DIR, is_committed
@@ -184,18 +184,26 @@ def remove_step(path: str) -> None:
 
 class NodeLocalStore(LocalStore):
     """The :class:`LocalStore` of one node-local step directory (``node-local://<path>``): staging
-    names are rank 0's, mapped into this rank's node root; each rank notes the store it writes."""
+    names are rank 0's, mapped into this rank's node root. The tier makes one per save (:meth:`for_save`)
+    and passes it to the saver, so what the save did on this rank is kept on the store it used."""
 
     scheme = SCHEME
-    #: location -> this process's staging directory of the save in flight to it (set by :meth:`begin`, on
-    #: every rank), where the tier's commit of the other nodes finds it.
-    staged: ClassVar[Dict[str, str]] = {}
-    #: location -> the run saving to it (set by the tier around its save): recorded in the commit marker,
-    #: which the other nodes' commits and the fetched copies take from rank 0's directory as it is.
-    runs: ClassVar[Dict[str, str]] = {}
 
     def __init__(self, location: str, options: StorageOptions = StorageOptions()) -> None:
         super().__init__(location[len(SCHEME):] if location.startswith(SCHEME) else location, options)
+        #: the run saving here: recorded in the commit marker, which the other nodes' commits and the
+        #: fetched copies take from rank 0's directory as it is (None: a store opened to read)
+        self.run: Optional[str] = None
+        #: this process's staging directory of the save in flight (set by :meth:`begin`, on every rank),
+        #: where the tier's commit of the other nodes finds it
+        self.staged: Optional[str] = None
+
+    @classmethod
+    def for_save(cls, location: str, run: Optional[str]) -> "NodeLocalStore":
+        """The store one local save of ``run`` writes through (``location``: ``TierContext.location``)."""
+        store = cls(cls.normalize(location, "local tier step"))
+        store.run = run
+        return store
 
     @classmethod
     def normalize(cls, text: str, what: str) -> str:
@@ -212,7 +220,7 @@ class NodeLocalStore(LocalStore):
         here = self.here(staging_dir)
         super().begin(here, rank)
         write_note(here, rank, copy=False)
-        NodeLocalStore.staged[self.location] = here
+        self.staged = here
 
     def open_writer(self, staging_dir: str) -> Any:
         return super().open_writer(self.here(staging_dir))
@@ -221,7 +229,7 @@ class NodeLocalStore(LocalStore):
         super().write_blob(self.here(staging_dir), name, data)
 
     def commit(self, staging_dir: str, metadata_json: str, marker: Dict[str, Any]) -> None:
-        run = NodeLocalStore.runs.get(self.location)
+        run = self.run
         super().commit(self.here(staging_dir), metadata_json, {**marker, RUN_FIELD: run} if run else marker)
 
     def discard(self, staging_dir: str) -> None:

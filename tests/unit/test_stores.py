@@ -116,3 +116,32 @@ def test_relayout_copies_between_stores(tmp_path, memory_store):
 def test_a_location_without_a_commit_is_no_checkpoint(location):
     with pytest.raises((IncompleteCheckpointError, ldc.CheckpointNotFoundError)):
         ldc.load(_template(), location)
+
+
+def test_a_store_the_caller_made_is_saved_to_and_loaded_from_unregistered():
+    # as DCP's storage_writer: no registration, no URL lookup; the store's own options are the save's
+    store = MemoryStore(MemoryStore.normalize(f"memory://own-{uuid.uuid4().hex[:8]}", "test"),
+                        StorageOptions(layout="zarr"))
+    ldc.save(_state(3), store)
+    _check(ldc.load(_template(), store), 3)
+    assert ldc.load_common_state_dict(store)["step"] == 3
+    assert store.open_metadata().meta["storage"]["layout"] == "zarr"
+    with pytest.raises(ldc.ArgumentError, match="storage= differs from the store's own options"):
+        ldc.save(_state(4), store, storage=StorageOptions(layout="ocdbt"))
+    _check(ldc.load(_template(), store), 3)  # the refused save wrote nothing
+    ldc.save(_state(4), store, storage=StorageOptions(layout="zarr"))  # the same options: fine
+    _check(ldc.load(_template(), store), 4)
+
+
+def test_an_async_saver_applies_its_writer_choices_to_a_copy_of_the_callers_store(tmp_path):
+    store = LocalStore(LocalStore.normalize(str(tmp_path / "ck"), "test"))
+    saver = ldc.AsyncSaver(io_concurrency=1)
+    request = saver.save(_state(5), store)
+    request.finalize()
+    assert request.store is not store and request.store.options.io_concurrency == 1
+    assert store.options == StorageOptions()  # the caller's store keeps its own
+    _check(ldc.load(_template(), str(tmp_path / "ck")), 5)
+    request = ldc.AsyncSaver().save(_state(6), store)
+    request.finalize()
+    assert request.store is store  # no choices of the saver's own: the caller's store itself
+    _check(ldc.load(_template(), store), 6)
