@@ -327,6 +327,9 @@ def _save_alone(tree: Dict[str, Any], destination: str, storage: StorageOptions)
         local: Any = write_local(prep)
     except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up
         local = e
+    except BaseException:  # Ctrl-C / SIGTERM (cli.main): no other rank to tell; the staging directory goes
+        prep.store.discard(prep.staging)
+        raise
     finalize_save(prep, local)
 
 

@@ -14,7 +14,9 @@ Every command takes ``-v``/``--verbose``, ``--log-level LEVEL`` and ``-q``/``--q
 bar; one is drawn on stderr only when it is a terminal): :mod:`.output`.
 
 Exit status: 0 fine; 1 the checkpoint is damaged (validate); 2 not a checkpoint, an incomplete
-(uncommitted) one, an unsupported format, or bad usage. Errors are one line on stderr, no traceback.
+(uncommitted) one, an unsupported format, or bad usage; 3 an internal error (a bug: its traceback is
+printed); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM: unwound as Ctrl-C is, so what a convert
+had written is removed). Errors are one line on stderr, no traceback.
 Subcommands live in one ``argparse`` subparser group: add new ones with
 :func:`add_command`.
 """
@@ -22,10 +24,14 @@ Subcommands live in one ``argparse`` subparser group: add new ones with
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
+import signal
 import sys
-from typing import TYPE_CHECKING, Callable, List, Optional
+import threading
+import traceback
+from types import FrameType
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 from ..core.errors import ArgumentError, CheckpointingError
 from ..core.shown import MESSAGE_LIMIT, shown
@@ -33,13 +39,14 @@ from ..storage.paths import local_path
 from ..storage.stores import open_store
 from ..version import __version__
 from .numbers import float_in, int_in
-from .output import bar, command_logging, output_options, verbosity
+from .output import bar, command_logging, emit, json_text, output_options, verbosity
 
 if TYPE_CHECKING:
     from ..convert import ConvertReport
     from ..progress import Progress
 
-EXIT_OK, EXIT_DAMAGED, EXIT_UNUSABLE = 0, 1, 2
+EXIT_OK, EXIT_DAMAGED, EXIT_UNUSABLE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # as a shell reports the signals
 MAX_INFLIGHT_MIB = 1 << 20  # validate --max-inflight-mib: up to 1 TiB
 CHUNK_MIB = (1 / 1024, 1 << 20)  # convert --chunk-mib: the chunk sizes StorageOptions takes, 1 KiB to 1 TiB
 
@@ -113,7 +120,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if files is not None:  # a torch.save / safetensors file, a Hugging Face directory: its tensors
         with bar(args, "inspect", unit="key", quick=True) as progress:
             summary = summarize_tensor_files(files, progress)
-        print(json.dumps(summary, indent=1) if args.json else render_tensor_files(summary))
+        emit(json_text(summary) if args.json else render_tensor_files(summary))
         return EXIT_OK
     path = _checkpoint_path(args.checkpoint)
     with bar(args, "inspect", unit="key", quick=True) as progress:  # keys described, any format
@@ -125,7 +132,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             summary, show = summarize_foreign(foreign, progress), render_foreign
         else:
             summary, show = summarize(OpenedCheckpoint.open(path), progress), render
-    print(json.dumps(summary, indent=1) if args.json else show(summary))
+    emit(json_text(summary) if args.json else show(summary))
     return EXIT_OK
 
 
@@ -138,7 +145,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         on_key = None if args.json or not verbosity(args) else (lambda key: note(progress, f"checked {shown(key)}"))
         report = validate(_checkpoint_path(args.checkpoint), max_inflight_bytes=args.max_inflight_mib << 20,
                           on_key=on_key, require_checksums=args.require_checksums, progress=progress)
-    print(json.dumps(as_json(report), indent=1) if args.json else render(report))
+    emit(json_text(as_json(report)) if args.json else render(report))  # a reader gone keeps the verdict
     return EXIT_OK if report.ok else EXIT_DAMAGED
 
 
@@ -146,10 +153,11 @@ def cmd_clean(args: argparse.Namespace) -> int:
     from .clean import as_json, clean, render
 
     if open_store(args.directory, what="directory").file_system and not os.path.isdir(args.directory):
-        raise UsageError(f"{args.directory}: no such directory")
+        what = "not a directory" if os.path.lexists(args.directory) else "no such directory"  # a file, a FIFO
+        raise UsageError(f"{args.directory}: {what}")
     with bar(args, "clean", quick=True) as progress:
         actions = clean(args.directory, args.older_than, args.dry_run, progress)
-    print(json.dumps(as_json(actions), indent=1) if args.json else render(actions, args.directory))
+    emit(json_text(as_json(actions)) if args.json else render(actions, args.directory))
     return EXIT_DAMAGED if any(a.action == "failed" for a in actions) else EXIT_OK
 
 
@@ -160,6 +168,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..reading.formats.detect import is_hf_model_directory
     from ..storage.tensorstore_io import StorageOptions
 
+    for what, path in (("source", args.source), ("destination", args.destination)):
+        if path == "-":  # no stream is read or written: a file named "-" would be made in the working directory
+            raise UsageError(f"{what} -: convert reads and writes files and directories, not stdin / stdout; give a "
+                             f"path (./- for a file named -)")
     remote = not open_store(args.source, what="source").file_system  # opening it says what is wrong
     if not remote:
         _require_existing(local_path(args.source, "source"), file_ok=True)
@@ -188,7 +200,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             report = relayout(args.source, args.destination, storage, progress)
         else:
             report = from_torch_file(args.source, args.destination, storage)
-    print(json.dumps(asdict(report), indent=1) if args.json else shown(report.describe(), MESSAGE_LIMIT))
+    emit(json_text(asdict(report)) if args.json else shown(report.describe(), MESSAGE_LIMIT))
     return EXIT_OK
 
 
@@ -233,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lightning-distckpt",
         description="Inspect, validate, convert and clean up after lightning_distckpt (sharded) checkpoints.",
         epilog="exit status: 0 ok, 1 damaged checkpoint (validate) or a leftover clean could not remove, "
-               "2 not a (complete) checkpoint or bad usage",
+               "2 not a (complete) checkpoint or bad usage, 3 internal error, 130 interrupted, 143 terminated",
         parents=[output_options()],
     )
     parser.add_argument("--version", action="version", version=f"lightning_distckpt {__version__}")
@@ -298,17 +310,52 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_UNUSABLE
     args = parser.parse_args(argv)
     try:
-        with command_logging(args):
+        with command_logging(args), _terminate_unwinds():
             return args.handler(args)
     except CheckpointingError as e:  # UsageError included; damage found by validate is its report, not an error
         # one line, whatever names of the checkpoint's the message holds (a forged line, escape sequences)
         print(f"lightning-distckpt {args.command}: error: {shown(f'{e}{_hint(args, e)}', MESSAGE_LIMIT)}",
               file=sys.stderr)
         return EXIT_UNUSABLE
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. piped into head
         return EXIT_OK
+    except OSError as e:  # the system refused something no check of ours said first: one line, as our errors
+        print(f"lightning-distckpt {args.command}: error: {shown(f'{type(e).__name__}: {e}', MESSAGE_LIMIT)}",
+              file=sys.stderr)
+        return EXIT_UNUSABLE
+    except Exception as e:  # a bug: not exit status 1, which says "damaged" (a script may delete the checkpoint)
+        traceback.print_exc()
+        print(f"lightning-distckpt {args.command}: internal error (a bug, please report it with the traceback "
+              f"above): {shown(f'{type(e).__name__}: {e}', MESSAGE_LIMIT)}", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while a command ran (a scheduler preempting the job, ``kill``)."""
+
+
+@contextlib.contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` in the main thread: the command unwinds as on Ctrl-C, so a
+    convert removes its staging directory or temporary file (killed by the signal's default action,
+    it left them for ``clean``). A second SIGTERM kills at once. A handler the program running
+    :func:`main` set, and any thread but the main one, are left alone."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def on_term(signum: int, frame: Optional[FrameType]) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import io
+import json
 import logging
+import math
+import os
 import sys
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from ..core.shown import shown_message
 from ..progress import Progress, bar_wanted, progress_bar
@@ -103,6 +107,48 @@ def command_logging(args: argparse.Namespace) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+
+
+def emit(text: str) -> None:
+    """Print a command's result on stdout. Characters its encoding lacks (a key in Japanese on an
+    ASCII or Latin-1 stdout) are written as Python's escapes, not a UnicodeEncodeError traceback; a
+    reader gone (``| head``) ends the printing, not the command: its exit status (``validate``'s
+    verdict) is still its own."""
+    stream = sys.stdout
+    try:
+        try:  # a text stream encodes the whole text before it writes any: a refused one wrote nothing
+            print(text, file=stream)
+        except UnicodeEncodeError:
+            encoding = getattr(stream, "encoding", None) or "ascii"
+            print(text.encode(encoding, "backslashreplace").decode(encoding), file=stream)
+        stream.flush()
+    except BrokenPipeError:
+        try:  # Python flushes stdout again at exit: into /dev/null, that flush has nothing left to fail on
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, io.UnsupportedOperation):  # no file descriptor (an embedding program's stream)
+            pass
+
+
+def json_text(data: Any) -> str:
+    """``--json``'s text: strict JSON (RFC 8259). A NaN or infinity a checkpoint's metadata holds
+    (``json.loads`` reads them) is ``null``: ``json.dumps`` wrote ``NaN``, which jq, JavaScript and
+    most other parsers refuse. Every string is ASCII (JSON's escapes): any terminal, any encoding."""
+    try:
+        return json.dumps(data, indent=1, allow_nan=False)
+    except ValueError:  # only then walked: a summary of millions of keys is dumped once
+        return json.dumps(_finite(data), indent=1, allow_nan=False)
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
 
 
 #: Work that is usually quick (``inspect``, ``clean``) draws its bar only once it has taken this long

@@ -112,12 +112,28 @@ def apply_factories(tree: Any, expanded: Optional[List[Tuple[ShardedTensorFactor
             if built is None:
                 raise ShardingError(f"{leaf.key!r}: ShardedTensorFactory.build_fn returned None")
             inner = map_leaves(expand, built)
+            _refuse_unsharded(leaf.key, inner)
             if expanded is not None:
                 expanded.append((leaf, inner))
             return _FactoryExpansion(leaf, inner)
         return leaf
 
     return map_leaves(expand, tree)
+
+
+def _refuse_unsharded(key: str, expansion: Any) -> None:
+    """A factory's expansion holds sharded entries only. Anything else there (the plain tensor a build_fn
+    returned instead of its ShardedTensor, a number) would be neither saved (an expansion is sharded state
+    through and through: no common state) nor read on load (its template value silently kept): refused,
+    where a save or load agrees its errors over the ranks."""
+    if isinstance(expansion, _SHARDED_LEAVES):
+        return  # one entry: the usual build
+    for path, value in iter_leaves(expansion, where=f"the expansion of factory {key!r}"):
+        if not isinstance(value, _SHARDED_LEAVES):
+            at = "".join(f"[{p!r}]" for p in path)
+            raise ShardingError(f"{key!r}: ShardedTensorFactory.build_fn returned {type(value).__name__} "
+                                f"{'at ' + at if at else 'as its expansion'}: a factory builds ShardedTensors, "
+                                "ShardedObjects or factories (in dicts or lists), else it is neither saved nor loaded")
 
 
 class _FactoryExpansion(dict):

@@ -190,6 +190,9 @@ def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[i
     except CheckpointingError:
         raise
     except CheckpointException as e:  # a BaseException wrapping what failed inside dcp.save
+        interrupt = [f for f, _ in e.failures.values() if isinstance(f, KeyboardInterrupt)]
+        if interrupt:  # Ctrl-C (or the CLI's SIGTERM) inside dcp.save: still an interrupt, not a failed write
+            raise interrupt[0] from None
         raise _unwrapped(e, out) from e
     except Exception as e:  # OSError
         raise CheckpointingError(f"{out}: writing the DCP checkpoint failed: {type(e).__name__}: {e}") from e

@@ -44,10 +44,11 @@ def _read_regular(path: str, limit: int, header: bool) -> Optional[bytes]:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which raises IsADirectoryError on a directory
+        os.close(fd)
+        return None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
         if not header:
             return f.read(limit + 1) if st.st_size <= limit else None
         head = f.read(8)

@@ -128,6 +128,9 @@ class DistCheckpointIO(CheckpointIO):
     @classmethod
     def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "DistCheckpointIO":
         """Build from a YAML path, a mapping or a :class:`DistCheckpointConfig`."""
+        if "config" in kwargs:  # was a raw TypeError (multiple values), which of the two meant unsaid
+            raise ArgumentError("DistCheckpointIO.from_config(cfg, config=...): the settings come from cfg; give them "
+                                "once (DistCheckpointIO(config=...) takes them as well)")
         return cls(load_checkpoint_config(cfg), **kwargs)
 
     # -- the stock CheckpointIO API (one process saves) -------------------------------------
@@ -367,6 +370,9 @@ class DistCheckpointIO(CheckpointIO):
             local: Any = write_local(prep)
         except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up
             local = e
+        except BaseException:  # Ctrl-C / SIGTERM (convert, cli.main): a group of one; the staging directory goes
+            prep.store.discard(prep.staging)
+            raise
         finalize_save(prep, local)
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import io
 import os
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
+import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -46,6 +48,8 @@ class TiersConfig:
 
     def options(self) -> TierOptions:
         """The :class:`TierOptions` these settings give (its checks raise ArgumentError naming the field)."""
+        if self.local_dir == MISSING:  # built in Python without it: omegaconf's "???" is no directory to write into
+            raise ConfigError("local_dir is required: the node-local directory the tier writes into")
         return TierOptions(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
@@ -106,6 +110,7 @@ class DistCheckpointConfig:
     tiers: Optional[TiersConfig] = None
 
     def __post_init__(self) -> None:
+        _check_types(self)
         try:
             self.strict = StrictHandling.parse(self.strict).value
         except ValueError as e:
@@ -125,8 +130,6 @@ class DistCheckpointConfig:
             raise ConfigError("background_snapshot: true needs async_save: true (a synchronous save has no background)")
         if self.cast not in CAST_RULES:
             raise ConfigError(f"cast must be one of {list(CAST_RULES)}, got {self.cast!r}")
-        if isinstance(self.tiers, Mapping):  # built in Python with a dict for the section
-            self.tiers = TiersConfig(**self.tiers)
         if self.tiers is not None:
             try:
                 self.tiers.options()
@@ -150,6 +153,42 @@ class DistCheckpointConfig:
     def safe_global_types(self) -> Tuple[Any, ...]:
         """The types ``safe_globals`` names, imported (the config is the user's own, trusted)."""
         return tuple(_import_global(name) for name in self.safe_globals)
+
+
+_BOOL_FIELDS = ("balance_writes", "validate_access_integrity", "async_save", "background_snapshot",
+                "allow_shape_mismatch")
+
+
+def _check_types(cfg: "DistCheckpointConfig") -> None:
+    """The fields of a config built in Python, as omegaconf checks those of a YAML file: a bool is a bool
+    (``async_save="false"`` is a true value, ``allow_shape_mismatch="no"`` would pad and truncate
+    tensors), a size an int, a section its dataclass or a mapping of its keys (built here)."""
+    for name in _BOOL_FIELDS:
+        value = getattr(cfg, name)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false (a bool), got {type(value).__name__} {value!r}")
+    size = cfg.max_staging_bytes
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+        raise ConfigError(f"max_staging_bytes must be null or an int of bytes, got {type(size).__name__} {size!r}")
+    names = cfg.safe_globals
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"safe_globals must be a list of import paths (e.g. ['io.BytesIO']), got {names!r}")
+    cfg.storage = _section("storage", cfg.storage, StorageOptions)
+    if cfg.tiers is not None:
+        cfg.tiers = _section("tiers", cfg.tiers, TiersConfig)
+
+
+def _section(name: str, value: Any, schema: type) -> Any:
+    """A section's dataclass: ``value`` itself, or built from a mapping of its keys (an unknown key named)."""
+    if isinstance(value, schema):
+        return value
+    if not isinstance(value, (Mapping, DictConfig)):
+        raise ConfigError(f"{name} must be a {schema.__name__} or a mapping of its keys, got {type(value).__name__}")
+    keys = [f.name for f in fields(schema)]
+    unknown = [str(k) for k in value if k not in keys]
+    if unknown:
+        raise ConfigError(f"{name}: unknown key {unknown[0]!r}; the keys of {name} are: {', '.join(keys)}")
+    return schema(**value)
 
 
 def _import_global(name: str) -> Any:
@@ -178,8 +217,11 @@ class StrategyConfig:
     checkpoint: DistCheckpointConfig = field(default_factory=DistCheckpointConfig)
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:  # 1.5 or "2" built in Python
+            raise ConfigError(f"tensor_parallel_size must be an int >= 1, got {type(tp).__name__} {tp!r}")
+        if not isinstance(self.checkpoint, DistCheckpointConfig):  # a mapping: as the strategies take it
+            self.checkpoint = load_checkpoint_config(self.checkpoint)
 
 
 def _user_config(schema: type, cfg: Any, what: str) -> Any:
@@ -188,17 +230,68 @@ def _user_config(schema: type, cfg: Any, what: str) -> Any:
         return {}
     if isinstance(cfg, (str, os.PathLike)):
         source = os.fspath(cfg)
+        if os.path.exists(source) and not os.path.isfile(source):  # read as YAML, a FIFO would block
+            kind = "a directory" if os.path.isdir(source) else "not a regular file (a FIFO, a device, ...)"
+            raise ConfigError(f"{what} config {source} is {kind}: give a YAML file")
         if not os.path.isfile(source):
             example = "{'tensor_parallel_size': 2}" if schema.__name__ == "StrategyConfig" else "{'async_save': True}"
             raise ConfigError(f"{what} config file {source} does not exist (a str or path names a YAML file; give "
                               f"settings as a mapping, e.g. {example}, or a {schema.__name__})")
         try:
-            return OmegaConf.load(source)
-        except Exception as e:  # YAML syntax, unreadable file: say which file
+            return OmegaConf.load(io.BytesIO(_yaml_bytes(source)))
+        except Exception as e:  # YAML syntax, unreadable file, aliases expanding past the bound: say which file
             raise ConfigError(f"invalid {what} config {source}: {e}") from None
     if isinstance(cfg, (Mapping, DictConfig)):
         return cfg
     raise ConfigError(f"{what} config must be a YAML path, a mapping or a {schema.__name__}, got {type(cfg).__name__}")
+
+
+_MAX_CONFIG_BYTES = 1 << 20  # a config of ours is a few hundred bytes
+_MAX_ALIAS_NODES = 1000  # nodes a document's aliases may expand it to (when more than 10x its own)
+
+
+def _yaml_bytes(source: str) -> bytes:
+    """The YAML file ``source``, read once, bounded: its bytes, and what its aliases expand to. A
+    "billion laughs" (``&a [x, x]``, ``&b [*a, *a]``, ...) of a few hundred bytes is a tree of 2**n
+    nodes, which omegaconf builds one by one (a 10,000-node document took 30 s; omegaconf before
+    2.4 has no bound of its own and 2.4's is lifted by ``OMEGACONF_MAX_YAML_EXPANDED_NODES=none``)."""
+    with open(source, "rb") as f:
+        raw = f.read(_MAX_CONFIG_BYTES + 1)
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"larger than {_MAX_CONFIG_BYTES} bytes: no config")
+    root = yaml.compose(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # nodes only; an alias: its anchor
+    sizes: dict = {}
+
+    def size(node: Any) -> int:
+        if id(node) not in sizes:
+            sizes[id(node)] = 1 << 62  # a node inside itself (a recursive alias): past any bound
+            kids = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else
+                    node.value if isinstance(node, yaml.SequenceNode) else [])
+            sizes[id(node)] = min(1 << 62, 1 + sum(size(k) for k in kids))
+        return sizes[id(node)]
+
+    expanded = 0 if root is None else size(root)
+    if expanded > max(_MAX_ALIAS_NODES, 10 * len(sizes)):
+        raise ConfigError(f"its aliases expand {len(sizes)} YAML nodes to {min(expanded, 10**18)} or more "
+                          f"(a 'billion laughs'); write the values out")
+    return raw
+
+
+def _schema_node(schema: type) -> DictConfig:
+    """``schema`` as the structured config the user's settings are merged into, every section writable.
+    A frozen dataclass's section (``storage``: StorageOptions) comes out read-only, and omegaconf before
+    2.4 refuses to merge into it ("Cannot set value of read-only config node"; 2.4 merges all the same);
+    ``to_object`` still builds it as the frozen dataclass."""
+    node = OmegaConf.structured(schema)
+    pending = [node]
+    while pending:
+        section = pending.pop()
+        OmegaConf.set_readonly(section, False)
+        for key in section.keys():
+            child = OmegaConf.select(section, str(key))  # None for a section left None (tiers), or ???
+            if isinstance(child, DictConfig):
+                pending.append(child)
+    return node
 
 
 def _load(schema: type, cfg: Any, what: str) -> Any:
@@ -207,7 +300,7 @@ def _load(schema: type, cfg: Any, what: str) -> Any:
     source = os.fspath(cfg) if isinstance(cfg, (str, os.PathLike)) else "<config>"
     user = _user_config(schema, cfg, what)
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), user))
+        return OmegaConf.to_object(OmegaConf.merge(_schema_node(schema), user))
     except OmegaConfBaseException as e:
         # omegaconf's message names the key ("Key 'foo' not in 'DistCheckpointConfig'", with full_key).
         raise ConfigError(f"invalid {what} config {source}: {_with_key_hint(schema, e)}") from None

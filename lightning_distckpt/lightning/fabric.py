@@ -27,8 +27,8 @@ from ..core.strict import StrictHandling
 from ..storage.paths import checkpoint_location
 from .foreign import foreign_writer
 from .restore_source import RestoreSource
-from .sharded import (build_on_all_ranks, describe_source, model_sharded_state_dict, optimizer_sharded_state,
-                      restore_optimizer)
+from .sharded import (AFTER_READING, build_on_all_ranks, describe_source, model_sharded_state_dict,
+                      optimizer_sharded_state, restore_optimizer)
 from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import TensorParallelStrategyMixin
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
@@ -131,6 +131,9 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
                 "checkpoint was saved under, or, for a module's weights in one process, "
                 "lightning_distckpt.lightning.load_module_weights(module, path, entry='model')")
         handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
+        # A background save of this path (fabric.save just before) commits first: opened before it, the
+        # load failed on the placeholder or on the older checkpoint its commit replaced under the reads.
+        self.checkpoint_io.wait()
         # Opened once: the checks and the template read the metadata and common state the load reuses.
         source, layout = build_on_all_ranks(f"load from {target}", lambda: self._load_template(target, state))
         loaded = self.checkpoint_io.load_sharded(layout.template, source, strict=handling,
@@ -209,8 +212,17 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
 
 
 def apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool) -> Dict[str, Any]:
-    """Put each entry of ``loaded`` into the object of ``state`` it belongs to (modules, optimizers,
-    stateful objects in place; plain values replaced); returns the entries ``state`` has no place for."""
+    """Collective: put each entry of ``loaded`` into the object of ``state`` it belongs to (modules,
+    optimizers, stateful objects in place; plain values replaced); returns the entries ``state`` has no
+    place for. The outcome is agreed: an object that refuses its value on one rank (a stateful object's
+    ``load_state_dict`` raising there, a ``merge_fn`` giving it another shape) fails every rank, not that
+    rank alone while the others wait for it in their next collective (``fabric.load``'s barrier)."""
+    return build_on_all_ranks("restore of the loaded state", lambda: _apply_loaded(state, loaded, strict),
+                              failed=AFTER_READING)
+
+
+def _apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool) -> Dict[str, Any]:
+    """:func:`apply_loaded`'s work, on this rank."""
     for name, obj in list(state.items()):
         if name not in loaded:
             continue

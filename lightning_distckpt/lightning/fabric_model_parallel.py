@@ -33,10 +33,12 @@ from torch.optim import Optimizer
 from ..core.dtensors import restore_dtensor
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
+from ..optim.restore_checks import load_checked
 from ..storage.paths import checkpoint_location
 from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
-from .model_parallel import Path, is_lightning_dcp, put_value, refusal, shard_tree, value_at
+from .model_parallel import (Path, drop_unsaved_states, is_lightning_dcp, put_value, refusal, shard_tree,
+                             stock_weights_only, value_at)
 from .sharded import build_on_all_ranks, describe_source
 from .stock import tensors_metadata
 from .snapshot_fence import FabricBackgroundSnapshotMixin
@@ -143,7 +145,8 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
             if isinstance(obj, Module):
                 set_model_state_dict(obj, value, options=options)
             elif isinstance(obj, Optimizer):
-                set_optimizer_state_dict(_owner(obj, state), obj, value, options=options)
+                load_checked(obj, lambda: set_optimizer_state_dict(_owner(obj, state), obj, value, options=options),
+                             f"checkpoint {where}: optimizer {name!r}")
             elif isinstance(obj, _Stateful):
                 obj.load_state_dict(value)
             else:
@@ -161,13 +164,16 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
         if isinstance(state, (Module, Optimizer)):
             raise ArgumentTypeError(f"{type(self).__name__}.load_checkpoint: pass a dict such as {{'model': model}}")
         extra = self.checkpoint_io.extra_safe_globals
+        self.checkpoint_io.wait()  # a background save (of this path, maybe) commits before anything is opened
         dcp = self.checkpoint_io.open_source(target) if is_lightning_dcp(target) else None
         if dcp is not None and not describe_source(dcp, extra).by_trainer:
             # Fabric's own ModelParallelStrategy wrote it (DCP + meta.pt): read as that strategy reads it.
             log.info("checkpoint %s: Fabric's ModelParallelStrategy (DCP) layout, read as the stock strategy reads it",
                      target)
-            return super().load_checkpoint(target, state, strict=strict, weights_only=True)
+            return super().load_checkpoint(target, state, strict=strict,
+                                           **stock_weights_only(super().load_checkpoint))
         dtensors: Dict[Path, DTensor] = {}
+        handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
 
         def build() -> Tuple[RestoreSource, Dict[str, Any]]:
             # Opened once (a DCP directory above already): the checks, the template and the load share it.
@@ -176,12 +182,14 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
             if saved.kind != KIND_MODEL_PARALLEL or saved.by_trainer:
                 raise CheckpointingError(refusal(target, saved.kind, saved.by_trainer, type(self).__name__))
             out = self.state_template(state, dtensors)
+            if handling.skips_unexpected:
+                drop_unsaved_states(out, [(n,) for n, obj in state.items() if isinstance(obj, Optimizer)],
+                                    source.index.tensors, dtensors)
             # Entries not asked for come back complete: each of their tensors whole.
             whole = template_from_manifest(saved.manifest or {}, tensors_metadata(source), target)
             out.update({k: v for k, v in whole.items() if k not in state})
             return source, out
 
         source, template = build_on_all_ranks(f"load from {target}", build)
-        handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
         loaded = self.checkpoint_io.load_sharded(template, source, strict=handling)
         return self.apply_state(state, loaded, dtensors, handling, strict, target)

@@ -23,6 +23,7 @@ so a stock run moves to this strategy with ``ckpt_path=<its checkpoint>``; later
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -43,6 +44,7 @@ from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
 from ..core.tree_walk import copy_containers, map_paths
+from ..optim.restore_checks import load_checked
 from ..registration import is_placeholder
 from ..storage.paths import checkpoint_location
 from .foreign import fabric_writer, foreign_writer
@@ -83,6 +85,27 @@ def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor]) 
 
     where = f"the checkpoint's {dtensor_key(path)!r}" if path else "the checkpoint"
     return map_paths(node, leaf, copy_containers, where=where, types=(dict, list))
+
+
+def drop_unsaved_states(template: Dict[str, Any], optimizers: List[Path], stored: Any,
+                        dtensors: Dict[Path, DTensor]) -> None:
+    """For a non-strict load. torch keeps no optimizer state for a parameter before its first gradient (a
+    layer not used yet, an expert no token went to), but the template of a fresh optimizer (torch's
+    ``_init_optim_state``: one step on zero gradients) has state for every one. A strict load refuses such
+    a checkpoint (as torch's ``set_optimizer_state_dict`` does); a non-strict one kept the template's, a
+    step the parameter never took (Adam went on from step 2). A parameter of which the checkpoint (its
+    ``stored`` tensor keys) holds no state is left out of the templates at ``optimizers`` (and of
+    ``dtensors``): restored, it has none, as when it was saved."""
+    for where in optimizers:
+        state = value_at(template, where).get("state")
+        if not isinstance(state, dict):
+            continue
+        for fqn in [f for f, names in state.items() if isinstance(names, dict)
+                    and not any(dtensor_key(where + ("state", f, n)) in stored for n in names)]:
+            del state[fqn]
+            gone = where + ("state", fqn)
+            for place in [p for p in dtensors if p[:len(gone)] == gone]:
+                del dtensors[place]
 
 
 def value_at(tree: Any, path: Path) -> Any:
@@ -210,8 +233,9 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
         assert self.model is not None
         options = StateDictOptions(strict=not self._strict_handling().skips_unexpected)
         set_model_state_dict(self.model, loaded.pop("state_dict"), options=options)
-        for opt, state in zip(optimizers, loaded.pop("optimizer_states", [])):
-            set_optimizer_state_dict(self.model, opt, state, options=options)
+        for i, (opt, state) in enumerate(zip(optimizers, loaded.pop("optimizer_states", []))):
+            load_checked(opt, lambda: set_optimizer_state_dict(self.model, opt, state, options=options),
+                         f"optimizer_states[{i}] ({type(opt).__name__})")
         return loaded
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -229,10 +253,11 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
             # resharded to this mesh by torch.distributed.checkpoint; meta.pt is read weights-only.
             log.info("checkpoint %s: Lightning's ModelParallelStrategy (DCP) layout, read as the stock strategy "
                      "reads it; the next save is in lightning_distckpt's format", path)
-            return super().load_checkpoint(path, weights_only=True)
+            return super().load_checkpoint(path, **stock_weights_only(super().load_checkpoint))
         optimizers = self._raw_optimizers()  # none unless fitting (the stock strategy resets them)
         dtensors: Dict[Path, DTensor] = {}
         orders: List[List[str]] = []  # each optimizer's parameter names, in its order
+        strict = self._strict_handling()
 
         def build() -> Tuple[StoredLayout, RestoreSource]:
             # Opened once (a DCP directory above already): who wrote it, the re-keyed template and the load share it.
@@ -243,6 +268,10 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
                 raise CheckpointingError(refusal(path, saved.kind, saved.by_trainer))
             template = self.template(optimizers, dtensors)
             if not by_path:
+                if strict.skips_unexpected:
+                    kept = range(len(template.get("optimizer_states", [])))
+                    drop_unsaved_states(template, [("optimizer_states", i) for i in kept], source.index.tensors,
+                                        dtensors)
                 return StoredLayout(template, {}), source
             # A stock .ckpt or the plugin's directory: the same names, but optimizer state by index.
             orders.extend(_param_order(s) for s in template.get("optimizer_states", []))
@@ -252,7 +281,6 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
                                   entries, ("state_dict/", "optimizer_states/"), extra), source
 
         layout, source = build_on_all_ranks(f"load from {path}", build)
-        strict = self._strict_handling()
         loaded = self.checkpoint_io.load_sharded(layout.template, source, strict=strict)
         loaded.pop(MANIFEST_KEY, None)
         for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
@@ -266,6 +294,13 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
     def teardown(self) -> None:
         self.checkpoint_io.teardown()  # the stock strategy skips CheckpointIO.teardown: commit a pending save
         super().teardown()
+
+
+def stock_weights_only(load: Any) -> Dict[str, bool]:
+    """``weights_only=True`` for the stock strategy's ``load_checkpoint`` where it takes the argument
+    (Lightning 2.6+); before that it has none, and reads meta.pt with ``torch.load``'s default
+    (weights-only from torch 2.6 on)."""
+    return {"weights_only": True} if "weights_only" in inspect.signature(load).parameters else {}
 
 
 def is_lightning_dcp(path: str) -> bool:

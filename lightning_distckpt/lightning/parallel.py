@@ -8,6 +8,7 @@ the ``tp`` ranks of one model replica, its DP group the ranks holding the same s
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.errors import ArgumentError
+from ..core.errors import ArgumentError, ArgumentTypeError
 from ..core.mapping import ReplicaId, ShardedTensor
 from ..registration import is_placeholder
 
@@ -171,7 +172,10 @@ def check_strategy_args(owner: str, tensor_parallel_size: Any, ddp_kwargs: Dict[
 
     ``process_group`` / ``device_mesh`` are the data-parallel group's business (LightningCLI passes
     DDP's defaults, None, which are dropped); returns the TP size as an int."""
-    if int(tensor_parallel_size) < 1:
+    tp = tensor_parallel_size  # int(): 2.7 became 2 and True 1 silently, "x" or None a raw ValueError / TypeError
+    if isinstance(tp, bool) or not isinstance(tp, numbers.Integral):
+        raise ArgumentTypeError(f"{owner}: tensor_parallel_size must be an int, got {type(tp).__name__} {tp!r}")
+    if tp < 1:
         raise ArgumentError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     for owned in ("process_group", "device_mesh"):
         if ddp_kwargs.pop(owned, None) is not None:

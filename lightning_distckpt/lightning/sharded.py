@@ -94,6 +94,17 @@ def restore_optimizer(optimizer: Optimizer, loaded: Dict[str, Any]) -> None:
     restore_optimizer_state(optimizer, loaded)
 
 
+def restore_optimizers_agreed(what: str, optimizers: Sequence[Optimizer], states: Sequence[Dict[str, Any]]) -> None:
+    """Collective: each loaded state into its optimizer (:func:`restore_optimizer`), the outcome agreed:
+    a state one rank cannot take (a factory's ``merge_fn`` giving it a wrong value) fails every rank here,
+    instead of that rank alone while the others train on into their next collective."""
+    def restore() -> None:
+        for opt, state in zip(optimizers, states):
+            restore_optimizer(opt, state)
+
+    build_on_all_ranks(what, restore, failed=AFTER_READING)
+
+
 def describe_source(source: CheckpointSource, extra_safe_globals: Sequence[Any] = ()) -> SavedCheckpoint:
     """Kind, manifest and top-level entries of an opened checkpoint, from its common state (as
     :func:`~lightning_distckpt.lightning.stock.describe_saved` of its path, without opening it again)."""
@@ -101,12 +112,16 @@ def describe_source(source: CheckpointSource, extra_safe_globals: Sequence[Any] 
 
 
 T = TypeVar("T")
+AFTER_READING = "failed after reading"  # build_on_all_ranks's words for a restore after a collective load
 
 
-def build_on_all_ranks(what: str, build: Callable[[], T], comm: Optional[Comm] = None) -> T:
-    """Run ``build`` (local work before a collective save/load) and agree on its outcome over the
-    group (:meth:`Comm.agree`): if it failed on any rank, every rank raises the same error naming
-    the failing ranks, so no rank is left waiting in a collective the others never enter."""
+def build_on_all_ranks(what: str, build: Callable[[], T], comm: Optional[Comm] = None, *,
+                       failed: str = "failed before any I/O") -> T:
+    """Run ``build`` (local work before a collective save/load, or after a load: the loaded values put
+    into the module, the optimizers, the user's objects) and agree on its outcome over the group
+    (:meth:`Comm.agree`): if it failed on any rank, every rank raises the same error naming the failing
+    ranks (``"<what> <failed>: rank r: ..."``), so no rank is left waiting in a collective the others
+    never enter, nor goes on alone past a restore another rank could not make."""
     comm = comm or get_comm()
     result: Optional[T] = None
     error: Optional[Exception] = None
@@ -114,7 +129,7 @@ def build_on_all_ranks(what: str, build: Callable[[], T], comm: Optional[Comm] =
         result = build()
     except Exception as e:  # reported collectively below
         error = e
-    comm.agree(f"{what} failed before any I/O", error)
+    comm.agree(f"{what} {failed}", error)
     return result  # type: ignore[return-value]
 
 

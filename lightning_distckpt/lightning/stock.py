@@ -22,7 +22,7 @@ import torch
 
 from ..core.errors import CheckpointingError
 from ..core.mapping import LocalNonpersistentObject, ShardedTensor
-from ..optim.sharded_optimizer import stored_param_groups
+from ..optim.sharded_optimizer import TEMPLATE_STATE, stored_param_groups
 from ..core.state_dict import iter_leaves, map_leaves
 from ..planning.metadata import dtype_from_name
 from ..reading.checkpoint import CheckpointSource
@@ -262,5 +262,8 @@ def restore_param_keys(opt_state: Mapping[str, Any], param_keys: Sequence[str], 
         raise CheckpointingError(f"checkpoint {where}: the stored optimizer's param_groups name parameter index "
                                  f"{bad[0]!r}, outside 0..{len(keys) - 1}")
     new_groups = [{**g, "params": [keys[p] if isinstance(p, int) else p for p in g.get("params", [])]} for g in groups]
-    return {"state": by_key, "param_groups": new_groups, "param_keys": keys}
+    out = {"state": by_key, "param_groups": new_groups, "param_keys": keys}
+    if TEMPLATE_STATE in opt_state:  # the template's own state, for restore_optimizer_state's checks
+        out[TEMPLATE_STATE] = opt_state[TEMPLATE_STATE]
+    return out
 

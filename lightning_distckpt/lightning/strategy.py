@@ -25,8 +25,8 @@ from ..storage.paths import checkpoint_location
 from .async_warmup import AsyncWarmupMixin, staged_share
 from .checkpoint_io import lightning_not_found
 from .parallel import STRATEGY_NAME, ParallelState
-from .sharded import (all_whole, build_on_all_ranks, model_sharded_state_dict, optimizer_sharded_state,
-                      replicated_state_dict, restore_optimizer, tree_or_failing)
+from .sharded import (AFTER_READING, all_whole, build_on_all_ranks, model_sharded_state_dict,
+                      optimizer_sharded_state, replicated_state_dict, restore_optimizer, tree_or_failing)
 from .snapshot_fence import BackgroundSnapshotMixin
 from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin, TensorParallelStrategyMixin
 from .tiers import is_tier_marker, with_tier_callback
@@ -218,6 +218,15 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSna
             return load_recovery_point(self, path, fitting)
         with lightning_not_found(checkpoint_path):
             return load_before_setup(self, path, fitting)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Collective: Lightning's step that puts the loaded weights into the module, its outcome agreed.
+        Lightning calls it on every rank after :meth:`load_checkpoint`; a rank whose values do not fit (a
+        factory's ``merge_fn`` giving it another shape) raised alone, and the others waited for it in
+        setup's collectives. Now every rank raises that rank's error, before setup."""
+        load = super().load_model_state_dict
+        build_on_all_ranks("restore of the module's weights", lambda: load(checkpoint, strict=strict),
+                           failed=AFTER_READING)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Collective: the optimizer state :meth:`load_checkpoint` left for after setup, in place.

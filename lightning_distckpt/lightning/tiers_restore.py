@@ -16,7 +16,7 @@ from ..core.errors import CheckpointingError, IncompleteCheckpointError
 from ..core.dtensors import restore_dtensor
 from ..core.strict import StrictHandling
 from ..tiers import LocalTier, RecoveryPoint
-from .sharded import build_on_all_ranks, restore_optimizer
+from .sharded import build_on_all_ranks, restore_optimizers_agreed
 from .tiers import durable_candidates, tier_callback
 from .trainer_restore import OPTIMIZER_ENTRY, load_before_setup
 from .tree import MANIFEST_KEY
@@ -61,8 +61,8 @@ class DeferredTierOptimizerStates:
 
         template = build_on_all_ranks(f"load of the optimizer state of local step {self.point.step}", build)
         loaded = tier_load(strategy, self.tier, template, self.point)
-        for opt, state in zip(optimizers, loaded[OPTIMIZER_ENTRY]):
-            restore_optimizer(opt, state)
+        restore_optimizers_agreed(f"restore of the optimizer state of local step {self.point.step}", optimizers,
+                                  loaded[OPTIMIZER_ENTRY])
 
 
 def tier_load(strategy: Any, tier: LocalTier, template: Dict[str, Any],

@@ -14,7 +14,7 @@ from lightning.fabric.plugins import CheckpointIO
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from ..core.errors import ArgumentTypeError, CheckpointingError
+from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from ..core.strict import StrictHandling
 from ..storage.paths import checkpoint_location
 from .checkpoint_io import DistCheckpointIO
@@ -152,6 +152,10 @@ class TensorParallelStrategyMixin(DistCheckpointIOMixin):
     def from_config(cls: Type[S], cfg: ConfigLike, **kwargs: Any) -> S:
         """Build from a strategy config (``tensor_parallel_size`` and a ``checkpoint:`` section), e.g.
         ``configs/strategy_tp2.yaml``."""
+        given = sorted({"tensor_parallel_size", "checkpoint"} & set(kwargs))
+        if given:  # was a raw TypeError (multiple values); the config's value and the argument may differ
+            raise ArgumentError(f"{cls.__name__}.from_config(cfg, {given[0]}=...): {given[0]} is a setting of the "
+                                f"strategy config; give it there, or build {cls.__name__}({given[0]}=...) instead")
         sc = load_strategy_config(cfg)
         return cls(tensor_parallel_size=sc.tensor_parallel_size, checkpoint=sc.checkpoint, **kwargs)  # type: ignore[arg-type]
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 from ..core.errors import CheckpointingError, MissingKeysError
 from .foreign import WEIGHTS_ADVICE, WEIGHTS_ONLY, fabric_writer, foreign_advice, foreign_writer
 from .restore_source import RestoreSource
-from .sharded import build_on_all_ranks, describe_source, restore_optimizer
+from .sharded import build_on_all_ranks, describe_source, restore_optimizers_agreed
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
 from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY
@@ -179,5 +179,4 @@ def restore_after_setup(strategy: "DistCheckpointStrategy", deferred: DeferredOp
     states: List[Dict[str, Any]] = loaded[OPTIMIZER_ENTRY]
     if deferred.by_path:
         states = [restore_param_keys(s, s["param_keys"], path) for s in states]
-    for opt, state in zip(optimizers, states):
-        restore_optimizer(opt, state)
+    restore_optimizers_agreed(f"restore of the optimizer state from {path}", optimizers, states)

@@ -11,23 +11,34 @@ Layout of the returned dict (``prefix="optimizer"``)::
     {"state": {param_key: {"exp_avg": ShardedTensor("optimizer.state.exp_avg.<param_key>"),
                            "step": tensor(3.)}},            # scalar: common state
      "param_groups": [{"lr": ..., "params": [param_key, ...]}],
-     "param_keys": LocalNonpersistentObject([...])}       # this rank's parameter order
+     "param_keys": LocalNonpersistentObject([...]),       # this rank's parameter order
+     "template_state": LocalNonpersistentObject({...}),   # the state the template holds, by key
+     "no_state": (param_key, ...)}                        # those the optimizer had no state for (if any)
+
+State the template needs but the optimizer did not have (before a parameter's first gradient) is made
+for the template and taken out of the optimizer again: a save leaves training as it was, and a restore
+leaves those parameters without state, as torch had them (``no_state``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, FrozenSet, List, Optional, Union
 
-import numpy as np
 import torch
 
 from ..core.errors import CheckpointingError
 from ..core.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
 from ..core.state_dict import iter_leaves
+from .restore_checks import load_checked
 
 ParamEntry = Union[ShardedTensor, ShardedTensorFactory]
+#: Saved: the parameters the saving optimizer kept no state for (their stored state is a placeholder).
+NO_STATE = "no_state"
+#: Not saved: each parameter's state as the template's optimizer keeps it (what a restore must find).
+TEMPLATE_STATE = "template_state"
 _PLAIN = (int, float, bool, str, type(None))
 
 
@@ -68,20 +79,12 @@ def _scalar_dtype(fused: bool) -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-#: From this size a fresh state tensor's zeros come from ``calloc`` (see :func:`_zeros`).
-_CALLOC_BYTES = 1 << 20
-
-
 def _zeros(p: torch.Tensor) -> torch.Tensor:
-    """Zeros like ``p`` (shape, dtype, device, strides). A large contiguous CPU tensor's zeros come from
-    ``calloc`` (numpy's zeros): fresh pages the kernel hands over zeroed, touched only when first
-    written (a load writes every one), where ``torch.zeros_like`` writes every byte first (most of a
-    restore's cost of building the optimizer's template: the load overwrites them all)."""
-    nbytes = p.numel() * p.element_size()
-    if (p.device.type != "cpu" or type(p) not in (torch.Tensor, torch.nn.Parameter) or nbytes < _CALLOC_BYTES
-            or not p.is_contiguous()):
-        return torch.zeros_like(p, memory_format=torch.preserve_format)
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(p.dtype).view(p.shape)
+    """Zeros like ``p`` (shape, dtype, device, strides), from torch's allocator as the first step's are: the
+    state is the user's optimizer's, kept for the rest of training, so it must behave as torch's own (a
+    ``calloc``'d numpy buffer, ``torch.from_numpy``, made its storage not resizable for good: ``resize_``
+    raised "Trying to resize storage that is not resizable")."""
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def fresh_state(optimizer: torch.optim.Optimizer, group: Dict[str, Any], p: torch.Tensor) -> Optional[Dict[str, Any]]:
@@ -155,7 +158,7 @@ def _state_entry(optimizer: torch.optim.Optimizer, name: str, value: Any, param:
         if tuple(value.shape) == tuple(param.shape):
             key = f"{prefix}.state.{name}.{entry.key}"
             if isinstance(entry, ShardedTensorFactory):
-                return replace(entry, key=key, data=value)
+                return _factory_for_state(entry, key, value)
             return replace(entry, key=key, data=value, dtype=value.dtype)
         raise CheckpointingError(
             f"cannot map state {name!r} of optimizer {cls} for parameter {entry.key!r}: it is a tensor of shape "
@@ -168,6 +171,20 @@ def _state_entry(optimizer: torch.optim.Optimizer, name: str, value: Any, param:
         f"cannot map state {name!r} of optimizer {cls} for parameter {entry.key!r}: values of type "
         f"{type(value).__name__} are neither a tensor of the parameter's shape nor a scalar"
     )
+
+
+def _factory_for_state(entry: ShardedTensorFactory, key: str, value: torch.Tensor) -> ShardedTensorFactory:
+    """The parameter's factory applied to its state ``value`` under ``key``. A merge bound to the
+    parameter (a DTensor's or a plain tensor's factory, ``partial(restore, param)``: it puts the loaded
+    values into the tensor it was made for) is bound to the state instead: kept, it wrote the loaded
+    ``exp_avg`` into the parameter and handed back the parameter as the optimizer's ``exp_avg``."""
+    merge = entry.merge_fn
+    if isinstance(merge, functools.partial) and merge.args and merge.args[0] is entry.data:
+        bound = functools.partial(merge.func, value, *merge.args[1:], **merge.keywords)
+        # A plain ShardedTensorFactory: a subclass's own fields (a plain tensor's tree place) are the parameter's.
+        return ShardedTensorFactory(key=key, data=value, build_fn=entry.build_fn, merge_fn=bound,
+                                    replica_id=entry.replica_id, flattened_range=entry.flattened_range)
+    return replace(entry, key=key, data=value)
 
 
 def optimizer_sharded_state_dict(
@@ -185,8 +202,9 @@ def optimizer_sharded_state_dict(
             ShardedTensorFactories) have the parameters themselves as ``data`` (build it from
             ``module.state_dict(keep_vars=True)``); parameters are matched by identity.
         prefix: first component of the state keys: ``<prefix>.state.<state name>.<param key>``.
-        init_state: first create missing state (see :func:`init_optimizer_state`) so that a
-            template for ``load`` exists before the first step.
+        init_state: create missing state (see :func:`init_optimizer_state`) so that a template for
+            ``load`` exists before the first step; it is held by the returned dict only, not left in
+            ``optimizer`` (the parameters are listed under ``"no_state"``).
 
     Each per-parameter state tensor of the parameter's shape becomes a ShardedTensor with the
     parameter's sharding and replica id (or the parameter's factory, applied to the state);
@@ -196,6 +214,7 @@ def optimizer_sharded_state_dict(
         CheckpointingError: a parameter is not in the model's sharded state dict, or a state
             cannot be mapped (naming the optimizer class and the state).
     """
+    stateless = {id(p): p for p in _params(optimizer) if not optimizer.state.get(p)} if init_state else {}
     if init_state:
         init_optimizer_state(optimizer)
     entries = _param_entries(model_sharded_state_dict)
@@ -203,6 +222,8 @@ def optimizer_sharded_state_dict(
     state: Dict[str, Dict[str, Any]] = {}
     groups: List[Dict[str, Any]] = []
     param_keys: List[str] = []
+    held: Dict[str, Dict[str, Any]] = {}  # each parameter's state as this optimizer keeps it (the template's)
+    made: List[str] = []  # parameters whose state init_state made (placeholders: they had none)
     seen: Dict[str, int] = {}
     for g, group in enumerate(optimizer.param_groups):
         keys = []
@@ -227,8 +248,24 @@ def optimizer_sharded_state_dict(
             if pstate:
                 state[entry.key] = {name: _state_entry(optimizer, name, v, p, entry, prefix)
                                     for name, v in pstate.items()}
+                held[entry.key] = dict(pstate)
+                if id(p) in stateless:
+                    made.append(entry.key)
         groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": keys})
-    return {"state": state, "param_groups": groups, "param_keys": LocalNonpersistentObject(param_keys)}
+    # The state init_state made is a placeholder (for the template of a load): out of the optimizer again,
+    # so that building a save's state dict leaves training as it was (torch keeps no state for a parameter
+    # before its first gradient; the first step from zeros is not the first step from none for NAdam, Rprop,
+    # ASGD, SGD with dampening). The tree holds it; the checkpoint says which it is (NO_STATE).
+    for p in stateless.values():
+        optimizer.state.pop(p, None)
+    # A tuple: a common value as a whole, which a non-strict load of a checkpoint without one fills in from
+    # this template (the Lightning plugin's fallback) as this very object, told apart by the restore.
+    no_state = tuple(made) if made else None
+    out = {"state": state, "param_groups": groups, "param_keys": LocalNonpersistentObject(param_keys),
+           TEMPLATE_STATE: LocalNonpersistentObject({"state": held, NO_STATE: no_state})}
+    if no_state:
+        out[NO_STATE] = no_state
+    return out
 
 
 def restore_optimizer_state(optimizer: torch.optim.Optimizer, loaded_optimizer_state: Dict[str, Any]) -> None:
@@ -254,6 +291,14 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, loaded_optimizer_s
         ) from None
     if isinstance(keys, LocalNonpersistentObject):
         keys = keys.unwrap()
+    template = loaded_optimizer_state.get(TEMPLATE_STATE)
+    if isinstance(template, LocalNonpersistentObject):
+        template = template.unwrap()
+    held = template.get("state") if isinstance(template, Mapping) else None
+    stored = loaded_optimizer_state.get(NO_STATE)
+    if stored is not None and isinstance(template, Mapping) and stored is template.get(NO_STATE):
+        stored = None  # the template's own, filled in for a checkpoint that has none: not what was saved
+    no_state = _no_state(stored, f"optimizer {cls}")
     params = _params(optimizer)
     if len(keys) != len(params):
         raise CheckpointingError(
@@ -279,18 +324,48 @@ def restore_optimizer_state(optimizer: torch.optim.Optimizer, loaded_optimizer_s
                     f"in the checkpoint"
                 )
             loaded = saved_state.get(key)
-            current = optimizer.state.get(p) or {}
+            if key in no_state:  # the saving optimizer had no state for it: neither has this one
+                ids.append(i)
+                i += 1
+                continue
+            current = (held.get(key) if isinstance(held, Mapping) else optimizer.state.get(p)) or {}
             lacking = sorted(set(current) - set(loaded or {}))
             if lacking:
                 raise CheckpointingError(
                     f"optimizer {cls}: state {lacking} of parameter {key!r} is not in the checkpoint"
                 )
             if loaded:
+                _check_loaded_state(cls, key, current, loaded)
                 torch_state[i] = dict(loaded)
             ids.append(i)
             i += 1
         torch_groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")}, "params": ids})
-    optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})
+    load_checked(optimizer, lambda: optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups}),
+                 f"optimizer {cls}")
+
+
+def _no_state(value: Any, where: str) -> FrozenSet[str]:
+    """The stored :data:`NO_STATE` list (common state: untrusted), none where a checkpoint has none."""
+    if value is None:
+        return frozenset()
+    if isinstance(value, (list, tuple)) and all(isinstance(k, str) for k in value):
+        return frozenset(value)
+    raise CheckpointingError(f"{where}: the stored {NO_STATE!r} is malformed ({type(value).__name__}): a list of "
+                             "parameter keys expected")
+
+
+def _check_loaded_state(cls: str, key: str, current: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:
+    """Each per-parameter state tensor this optimizer keeps (``exp_avg``: the template the load read
+    into) came back a tensor of its shape. A factory's ``merge_fn`` may hand back anything; torch's
+    ``load_state_dict`` takes it unchecked, and the first ``step()`` fails on that rank alone, inside
+    training, while the other ranks wait for it in their next collective."""
+    for name, now in current.items():
+        value = loaded.get(name)
+        if isinstance(now, torch.Tensor) and now.dim() > 0 and not (
+                isinstance(value, torch.Tensor) and value.shape == now.shape):
+            got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise CheckpointingError(f"optimizer {cls}: state {name!r} of parameter {key!r} was loaded as {got}, "
+                                     f"not a tensor of shape {tuple(now.shape)}")
 
 
 def stored_param_groups(groups: Any, where: str) -> List[Mapping[str, Any]]:

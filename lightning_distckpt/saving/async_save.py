@@ -14,6 +14,7 @@ and reused by the next save of the same layout. The thread runs at a lower sched
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import replace
@@ -24,13 +25,13 @@ import torch.distributed as dist
 
 from ..comm import Comm, get_comm
 from ..core.arguments import require_int_in
-from ..core.errors import SaveFailedError
+from ..core.errors import CheckpointingError, SaveFailedError
 from ..storage.store import CheckpointStore
 from ..storage.stores import SaveTarget, save_target
 from ..storage.tensorstore_io import StorageOptions
 from . import async_pending
 from .async_staging import (WRITER_BYTES, BufferKey, StagingPlan, StagingPool, copy_in, describe, plan_staging,
-                            pool_share)
+                            pool_share, write_before_return)
 from .background_snapshot import BackgroundSnapshot, Selector, split_snapshot
 from .heap import release_free_heap
 from .priority import yielding_cpu
@@ -79,8 +80,13 @@ class AsyncSaveRequest:
         self._prep = prep
         self._result: Optional[WriteResult] = failure
         self._finalized = False
+        self._finalizing = threading.RLock()  # one finalize commits (re-entrant: a signal handler may finalize)
+        self._pid = os.getpid()  # a forked child's copy is not its to commit or remove
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        # Set as the thread's work ends: not is_alive / join, after which an interrupted join says the running
+        # thread stopped (CPython 3.11's bpo-45274 handling): the next save reused the pool it wrote from.
+        self._ended = threading.Event()
         self._polls = 0  # calls of poll(): the same count on every rank
         self._nice = nice
         self._snapshot = snapshot  # the shards the background thread copies before writing (background_snapshot)
@@ -104,6 +110,7 @@ class AsyncSaveRequest:
         finally:
             if self._snapshot is not None:
                 self._snapshot.release()  # wait_snapshot() never outlives the thread
+            self._ended.set()
 
     def _write_and_commit(self) -> None:
         if self._result is None:  # else the snapshot failed: nothing to write, the commit says so everywhere
@@ -153,7 +160,7 @@ class AsyncSaveRequest:
             self._snapshot.wait()
 
     def _running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._ended.is_set()
 
     def done(self) -> bool:
         """Whether this rank's background writes (with ``commits_in_background``: and commit) have ended (local)."""
@@ -166,7 +173,7 @@ class AsyncSaveRequest:
     def wait(self) -> None:
         """Block until this rank's background writes have finished (local, no commit)."""
         if self._thread is not None:
-            self._thread.join()
+            self._ended.wait()
 
     def all_done(self) -> bool:
         """Collective: whether every rank's writes have finished (to finalize without blocking)."""
@@ -189,19 +196,23 @@ class AsyncSaveRequest:
     def finalize(self) -> None:
         """Collective: wait for the writes, then commit (or raise SaveFailedError everywhere).
         With ``commits_in_background``: wait for the background commit and raise its error (local).
-        Calling it again returns (or re-raises the same error) without communicating."""
-        if self._finalized:
-            if self._error is not None:
-                raise self._error
-            return
-        self.wait()
-        self._finalized = True
-        async_pending.untrack(self)
-        if self._commit_comm is None:  # on this thread: no name check of this process runs before the commit
-            self._commit(self._prep)
+        Calling it again, or meanwhile on another thread (which waits for the first call), returns or
+        re-raises the same error without communicating: a save is committed once."""
+        if self._pid != os.getpid():  # checked first: the parent may have held the lock as it forked
+            raise CheckpointingError(f"save to {self.checkpoint_dir} was started by process {self._pid}: its fork "
+                                     f"{os.getpid()} cannot finalize it (its files are the parent's); nothing was done")
+        if not self._finalized:
+            self.wait()  # interrupted (KeyboardInterrupt): not finalized, the next call waits again
+        with self._finalizing:  # held only to commit: a call on another thread meanwhile waits, then finds it done
+            if not self._finalized:
+                self._finalized = True
+                async_pending.untrack(self)
+                if self._commit_comm is None:  # on this thread: no name check of this process runs before the commit
+                    self._commit(self._prep)
+                if self._error is None:
+                    logger.info("async save %s committed (caller blocked %.3fs)", self.checkpoint_dir, self.blocking_s)
         if self._error is not None:
             raise self._error
-        logger.info("async save %s committed (caller blocked %.3fs)", self.checkpoint_dir, self.blocking_s)
 
 
 class AsyncSaver:
@@ -290,13 +301,16 @@ class AsyncSaver:
 
     @property
     def pending(self) -> Optional[AsyncSaveRequest]:
-        return self._pending if self._pending is not None and not self._pending.finalized else None
+        p = self._pending  # (in a forked child's copy of the saver: none, its parent's is the parent's)
+        return p if p is not None and not p.finalized and p._pid == os.getpid() else None
 
     def finalize(self) -> None:
-        """Finalize the pending request, if any (collective)."""
-        pending, self._pending = self.pending, None
+        """Finalize the pending request, if any (collective). Interrupted while it waits (KeyboardInterrupt),
+        the request stays pending: the next ``save`` waits for it before reusing the pool its thread reads."""
+        pending = self.pending
         if pending is not None:
-            pending.finalize()
+            pending.finalize()  # (raising, it is kept: ``pending`` leaves out a finalized one)
+            self._pending = None
 
     def save(
         self,
@@ -341,7 +355,7 @@ class AsyncSaver:
         try:  # any failure (out of host memory, a full disk) is raised on every rank by finalize, not here
             plan = plan_staging(prep.tensors, self.max_staging_bytes, self.writer_bytes)
             self._pool.prepare(plan)
-            written = self._write_before_return(prep, plan)
+            written = write_before_return(prep, plan, self._pool)
             placed = self._pool.place(plan.staged)
             now, later = split_snapshot(placed, background_snapshot)
             copy_in(now)
@@ -391,15 +405,3 @@ class AsyncSaver:
         if self._commit_group is None or self._commit_group[0] is not dist.group.WORLD:  # made anew with a new world
             self._commit_group = (dist.group.WORLD, dist.new_group(world, backend="gloo"))
         return Comm(self._commit_group[1], comm.rank, comm.size)
-
-    def _write_before_return(self, prep: PreparedSave, plan: StagingPlan) -> Optional[LocalWrite]:
-        """The waves that do not fit the staging budget, written now (the caller may change its
-        tensors once save returns): CPU shards from their own memory, accelerator shards through
-        the staging pool, one wave at a time. None when everything fits the budget."""
-        if not plan.in_place and not plan.device_waves:
-            return None
-        alone = replace(prep, objects=[], common=None)  # objects and common.pt go with the last wave
-        parts = [write_local(replace(alone, tensors=plan.in_place))] if plan.in_place else []
-        for wave in plan.device_waves:
-            parts.append(write_local(replace(alone, tensors=self._pool.stage(wave))))
-        return LocalWrite(sum(p.nbytes for p in parts), sum(p.seconds for p in parts))

@@ -28,6 +28,7 @@ call, so they move together, as one unit.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +36,7 @@ import torch
 from ..core.errors import ArgumentError
 from ..storage import direct_write
 from ..storage.base import ShardWrite
+from .save import LocalWrite, PreparedSave, write_local
 from .stats import format_bytes
 
 ALIGN = 64  # each staged shard starts on a cache line (and on its dtype's alignment)
@@ -62,7 +64,9 @@ class StagingPlan(NamedTuple):
     @property
     def pinned(self) -> bool:
         """Whether any shard it stages is on an accelerator (pinned staging where asked)."""
-        return any(w.data.device.type != "cpu" for wave in [*self.device_waves, self.staged] for w in wave)
+        # not for meta (no data): its copy fails as a synchronous save's, not on pinned memory a CPU host lacks
+        return any(w.data.device.type not in ("cpu", "meta") for wave in [*self.device_waves, self.staged]
+                   for w in wave)
 
     @property
     def waves(self) -> int:
@@ -208,8 +212,11 @@ class StagingPool:
         for w in tensors:
             data, n = w.data, _nbytes(w)
             off = -(-off // PAGE) * PAGE if n >= PAGE_ALIGNED_FROM else off
-            assert pool is not None and off + n <= pool.numel(), "StagingPool.prepare sized the pool for the plan"
-            buf = pool[off:off + n].view(data.dtype).view(data.shape)
+            if n == 0:  # no bytes to stage; a wave of only empty shards has no pool at all
+                buf = torch.empty(data.shape, dtype=data.dtype)
+            else:
+                assert pool is not None and off + n <= pool.numel(), "StagingPool.prepare sized the pool for the plan"
+                buf = pool[off:off + n].view(data.dtype).view(data.shape)
             views[(w.key, w.index, tuple(data.shape), data.dtype)] = buf
             placed.append((w._replace(data=buf), data))
             off += -(-n // ALIGN) * ALIGN
@@ -223,6 +230,19 @@ class StagingPool:
         placed = self.place(tensors)
         copy_in(placed)
         return [w for w, _ in placed]
+
+
+def write_before_return(prep: PreparedSave, plan: StagingPlan, pool: StagingPool) -> Optional[LocalWrite]:
+    """The waves that do not fit the staging budget, written now (the caller may change its
+    tensors once save returns): CPU shards from their own memory, accelerator shards through
+    the staging pool, one wave at a time. None when everything fits the budget."""
+    if not plan.in_place and not plan.device_waves:
+        return None
+    alone = replace(prep, objects=[], common=None)  # objects and common.pt go with the last wave
+    parts = [write_local(replace(alone, tensors=plan.in_place))] if plan.in_place else []
+    for wave in plan.device_waves:
+        parts.append(write_local(replace(alone, tensors=pool.stage(wave))))
+    return LocalWrite(sum(p.nbytes for p in parts), sum(p.seconds for p in parts))
 
 
 def ready_events(sources: Sequence[torch.Tensor]) -> Dict[torch.device, Any]:

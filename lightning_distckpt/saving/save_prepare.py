@@ -34,6 +34,7 @@ from ..storage.store import CheckpointStore
 from ..storage.stores import open_store
 from ..storage.tensorstore_io import StorageOptions
 from ..core.gc_pause import gc_paused
+from .object_bytes import pickle_objects
 from .save_coordinate import CoordinatorOptions, coordinate_plan
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class LocalState:
     common_bytes: Optional[bytes] = None  # serialized where written (rank 0) or checked
     common_digest: Optional[str] = None
     plain_tensors: Dict[str, Any] = field(default_factory=dict)  # rank 0: key -> steps of each plain tensor leaf
+    object_bytes: Dict[int, bytes] = field(default_factory=dict)  # position in ``objects`` -> pickled (object_bytes.py)
 
 
 @dataclass
@@ -240,6 +242,7 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
         [ObjectRecord.of(o, comm.rank) for o in local.objects],
     ), comm.size)  # FSDP-like chunks: one layout for all ranks (planning/even.py)
     target = store.location
+    local.object_bytes = pickle_objects(local.objects, target)  # before the handshake: a failure is agreed
     if comm.rank == 0:
         store.check_target()
     # Before the exchange, so an unpicklable value is an error agreed by every rank, not rank 0's alone
@@ -390,6 +393,6 @@ def _local_writes(plan: SavePlan, local: LocalState, rank: int) -> Tuple[List[Sh
         if st.flattened_range is None and data.shape != st.shard_shape:  # prepended axes
             data = data.reshape(st.shard_shape)
         tensors.append(ShardWrite(item.key, item.index, data, item.packed))
-    objects = [ObjectWrite(item.key, item.index, dumps(local.objects[item.source].data))
-               for item in plan.object_writes.get(rank, [])]
+    objects = [ObjectWrite(item.key, item.index, local.object_bytes.get(item.source)
+                           or dumps(local.objects[item.source].data)) for item in plan.object_writes.get(rank, [])]
     return tensors, objects

@@ -75,6 +75,10 @@ class StorageOptions:
             value = getattr(self, name)  # a float, str or bool would fail below as a TypeError, or pass
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        for name in ("s3_endpoint", "s3_region", "s3_credentials"):
+            value = getattr(self, name)  # a number here failed as an AttributeError (str methods below)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} must be null or a str, got {type(value).__name__} {value!r}")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"unknown storage layout {self.layout!r}; choose one of {LAYOUTS}")
         if not 1024 <= self.chunk_bytes <= _MAX_CHUNK_BYTES:  # readers refuse larger chunks (from_json)

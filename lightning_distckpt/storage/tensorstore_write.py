@@ -5,6 +5,7 @@ store's directories fsync'd, so a call returns with everything it wrote durable.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -153,30 +154,37 @@ class TensorStoreWrites:
         except BaseException:
             txn.abort()
             raise
-        errors, synced = [], None
-        for key, w in pending:  # wait for all, so no write is still running when we raise
-            try:
-                w.result()
-            except Exception as e:
-                errors.append(f"{key}: {e}")
-        if errors:
-            txn.abort()
-        else:
-            committing = txn.commit_async()
-            try:
-                self._sync_dirs(writer)  # while tensorstore commits: concurrent fsyncs share journal commits
-            except OSError as e:
-                errors.append(f"making rank {writer}'s store durable: {e}")
-            try:
-                committing.result()
-            except Exception as e:
-                errors.append(f"committing rank {writer}'s store: {e}")
+        errors, synced, running = [], None, [w for _, w in pending]
+        try:
+            for key, w in pending:  # wait for all, so no write is still running when we raise
+                try:
+                    w.result()
+                except Exception as e:
+                    errors.append(f"{key}: {e}")
+            if errors:
+                txn.abort()
             else:
-                try:  # what the store's context left unsynced (LocalStore: an OCDBT store's files)
-                    synced = self.store.make_durable(rank_dir(self.root, writer), self.options,
-                                                     **({"known_durable": known_durable} if known_durable else {}))
+                committing = txn.commit_async()
+                running.append(committing)
+                try:
+                    self._sync_dirs(writer)  # while tensorstore commits: concurrent fsyncs share journal commits
                 except OSError as e:
                     errors.append(f"making rank {writer}'s store durable: {e}")
+                try:
+                    committing.result()
+                except Exception as e:
+                    errors.append(f"committing rank {writer}'s store: {e}")
+                else:
+                    try:  # what the store's context left unsynced (LocalStore: an OCDBT store's files)
+                        synced = self.store.make_durable(rank_dir(self.root, writer), self.options,
+                                                         **({"known_durable": known_durable} if known_durable else {}))
+                    except OSError as e:
+                        errors.append(f"making rank {writer}'s store durable: {e}")
+        except BaseException:  # Ctrl-C / SIGTERM (cli.main) mid-way: tensorstore still writes. The caller
+            for w in running:  # removes the staging directory: not while files are still being made in it
+                with contextlib.suppress(Exception):
+                    w.result()
+            raise
         if errors:
             raise CheckpointingError(f"checkpoint {self.root}: writing failed for {'; '.join(errors[:5])}"
                                      + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))

@@ -1,16 +1,17 @@
-"""The fresh optimizer state a restore's template is built from: large CPU states come zeroed from
-``calloc`` (no write of every byte before the load overwrites them) and are still exactly what a
-zero-gradient step makes, and evolve the same way."""
+"""The fresh optimizer state a restore's template is built from, large and small, is exactly what a
+zero-gradient step makes, and evolves the same way."""
 
 import pytest
 import torch
 
-from lightning_distckpt.optim.sharded_optimizer import _CALLOC_BYTES, _init_state_by_step, init_optimizer_state
+from lightning_distckpt.optim.sharded_optimizer import _init_state_by_step, init_optimizer_state
+
+_LARGE_BYTES = 1 << 20  # 1 MiB and more: states once made from calloc (tests/trust/test_trust_optimizer_redteam.py)
 
 
 def _large(dtype: torch.dtype) -> list:
     g = torch.Generator().manual_seed(0)
-    rows = _CALLOC_BYTES // (256 * torch.empty((), dtype=dtype).element_size()) + 3  # just over the threshold
+    rows = _LARGE_BYTES // (256 * torch.empty((), dtype=dtype).element_size()) + 3  # just over the threshold
     return [torch.nn.Parameter(torch.randn(rows, 256, generator=g).to(dtype)),
             torch.nn.Parameter(torch.randn(7, 5, generator=g).to(dtype)),  # small: torch.zeros_like
             torch.nn.Parameter(torch.randn(256, rows, generator=g).to(dtype).t())]  # not contiguous: zeros_like
@@ -36,7 +37,7 @@ def test_large_fresh_state_is_zeros_and_steps_alike(dtype, make):
     init_optimizer_state(direct)
     _init_state_by_step(stepped, list(stepped_params))
     big = next(v for v in direct.state[direct_params[0]].values() if v.dim() > 0)
-    assert big.numel() * big.element_size() >= _CALLOC_BYTES and not big.any()
+    assert big.numel() * big.element_size() >= _LARGE_BYTES and not big.any()
     assert _same(_state(direct), _state(stepped))
     for params, opt in ((direct_params, direct), (stepped_params, stepped)):
         for _ in range(2):
