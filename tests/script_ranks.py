@@ -82,7 +82,10 @@ def stop_all(procs: List[multiprocessing.process.BaseProcess]) -> None:
     """SIGKILL those of ``procs`` still running (a hang, or the rest of a job that lost a rank), reap all."""
     for p in procs:
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended (and was reaped) since is_alive() asked
+                pass
     for p in procs:
         p.join()
 

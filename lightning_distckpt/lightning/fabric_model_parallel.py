@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from ..comm import get_comm
 from ..core.dtensors import restore_dtensor
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
@@ -138,19 +139,25 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
         if strict and absent:
             raise MissingKeysError(f"checkpoint {where}: has no entry {absent} (load with strict=False to skip them)")
         options = StateDictOptions(strict=not handling.skips_unexpected)
+        error: Optional[Exception] = None
         for name, obj in list(state.items()):
             if name not in loaded:
                 continue
             value = loaded.pop(name)
-            if isinstance(obj, Module):
-                set_model_state_dict(obj, value, options=options)
-            elif isinstance(obj, Optimizer):
-                load_checked(obj, lambda: set_optimizer_state_dict(_owner(obj, state), obj, value, options=options),
-                             f"checkpoint {where}: optimizer {name!r}")
-            elif isinstance(obj, _Stateful):
-                obj.load_state_dict(value)
-            else:
-                state[name] = value
+            try:  # every entry on every rank (torch's state-dict calls may communicate); the outcome agreed below
+                if isinstance(obj, Module):
+                    set_model_state_dict(obj, value, options=options)
+                elif isinstance(obj, Optimizer):
+                    load_checked(obj, lambda: set_optimizer_state_dict(_owner(obj, state), obj, value,
+                                                                       options=options),
+                                 f"checkpoint {where}: optimizer {name!r}")
+                elif isinstance(obj, _Stateful):
+                    obj.load_state_dict(value)
+                else:
+                    state[name] = value
+            except Exception as e:  # a stateful object's load_state_dict raising on one rank: not that rank alone
+                error = error or e
+        get_comm().agree(f"load from {where}: restore of the loaded state failed after reading", error)
         return loaded
 
     def load_checkpoint(self, path: Any, state: Optional[Union[Module, Optimizer, Dict[str, Any]]] = None,

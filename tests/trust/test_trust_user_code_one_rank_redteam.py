@@ -264,6 +264,34 @@ if SCENARIO == "fabric_stateful":
     record("again", lambda: sorted(fabric.load(path, {"model": model})))
     sys.exit(0)
 
+if SCENARIO == "fabric_mp_stateful":  # the same under Fabric's ModelParallel (FSDP2 over the 2 ranks)
+    from lightning.fabric import Fabric
+    from torch.distributed.fsdp import fully_shard
+    from lightning_distckpt.lightning import FabricDistCheckpointModelParallelStrategy
+
+    class Stateful:
+        def state_dict(self):
+            return {"rank": rank}
+
+        def load_state_dict(self, state):
+            if rank == 1:
+                raise ValueError("load_state_dict failed on rank 1")
+
+    def parallelize(model, mesh):
+        fully_shard(model, mesh=mesh["data_parallel"])
+        return model
+
+    strategy = FabricDistCheckpointModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1,
+                                                         timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(torch.nn.Linear(4, 2))
+    path = os.path.join(folder, "fabric")
+    fabric.save(path, {"model": model, "s": Stateful()})
+    record(SCENARIO, lambda: fabric.load(path, {"model": model, "s": Stateful()}))
+    record("again", lambda: sorted(fabric.load(path, {"model": model})))
+    sys.exit(0)
+
 from lightning.pytorch import Trainer
 from lightning_distckpt.lightning import DistCheckpointStrategy
 from lightning_helpers import TPMLP
@@ -337,6 +365,8 @@ LIGHTNING_CASES = {
                        "'fc2.weight' was loaded as str, not a tensor of shape (4, 16)"],
     "fabric_stateful": ["restore of the loaded state failed after reading: rank 1: ValueError: load_state_dict "
                         "failed on rank 1"],
+    "fabric_mp_stateful": ["restore of the loaded state failed after reading: rank 1: ValueError: load_state_dict "
+                           "failed on rank 1"],
 }
 
 
