@@ -54,8 +54,8 @@ from script_ranks import run_ranks, script_env
 
 import lightning_distckpt as ldc
 from lightning_distckpt.core.errors import SaveFailedError
-from lightning_distckpt.saving import async_save
-from lightning_distckpt.saving.async_save import AsyncSaveRequest
+from lightning_distckpt.saving import async_request
+from lightning_distckpt.saving.async_request import AsyncSaveRequest
 from lightning_distckpt.storage.staging import is_staging_dir
 
 HANG_GUARD_S = 60
@@ -66,14 +66,14 @@ class WriteGate:
 
     def __init__(self, monkeypatch, target=None):
         self.open = threading.Event()
-        real = async_save.write_local
+        real = async_request.write_local
 
         def held(prep):
             if target is None or prep.target == str(target):
                 assert self.open.wait(HANG_GUARD_S), "the test never opened the gate"
             return real(prep)
 
-        monkeypatch.setattr(async_save, "write_local", held)
+        monkeypatch.setattr(async_request, "write_local", held)
 
 
 class WaitCalls:
@@ -170,13 +170,13 @@ def test_two_threads_finalizing_one_save_commit_it_once(tmp_path, monkeypatch):
     ldc.save(_w(torch.full((1024,), 0.0)), path)  # the checkpoint the save replaces
     gate, waits = WriteGate(monkeypatch), WaitCalls(monkeypatch)
     commits = []
-    real_finalize_save = async_save.finalize_save
+    real_finalize_save = async_request.finalize_save
 
     def counted(prep, result):
         commits.append(prep.target)
         return real_finalize_save(prep, result)
 
-    monkeypatch.setattr(async_save, "finalize_save", counted)
+    monkeypatch.setattr(async_request, "finalize_save", counted)
     req = ldc.AsyncSaver().save(_w(torch.full((1024,), 1.0)), path)
     outcomes = []
 
@@ -209,7 +209,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning_distckpt.lightning import FabricDistCheckpointStrategy
 from lightning_distckpt.lightning import checkpoint_io as cio
-from lightning_distckpt.saving import async_save
+from lightning_distckpt.saving import async_request
 
 folder, out = sys.argv[1], sys.argv[2]
 strategy = FabricDistCheckpointStrategy(timeout=timedelta(seconds=30), checkpoint={"async_save": True})
@@ -222,7 +222,7 @@ fabric.save(path, {"model": model, "step": 1})
 fabric.strategy.checkpoint_io.wait()
 
 gate = threading.Event()
-real_write, real_finalize, real_open = async_save.write_local, async_save.AsyncSaveRequest.finalize, cio.open_checkpoint
+real_write, real_finalize, real_open = async_request.write_local, async_request.AsyncSaveRequest.finalize, cio.open_checkpoint
 
 
 def held_write(prep):
@@ -242,7 +242,7 @@ def opened(*args, **kwargs):
         gate.set()
 
 
-async_save.write_local, async_save.AsyncSaveRequest.finalize, cio.open_checkpoint = held_write, finalize, opened
+async_request.write_local, async_request.AsyncSaveRequest.finalize, cio.open_checkpoint = held_write, finalize, opened
 with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)
