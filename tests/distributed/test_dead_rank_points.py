@@ -12,18 +12,9 @@ import pytest
 import torch
 
 import lightning_distckpt as ldc
+from lightning_distckpt import serialization
 from lightning_distckpt.cli.clean import clean
 from dist_utils import die_now, run_distributed
-
-
-class _DiesWhenPickled:
-    """Pickled only when its rank's writes are prepared, after the handshake and the plan."""
-
-    def __init__(self, rank):
-        self.rank = rank
-
-    def __reduce__(self):
-        die_now(self.rank)
 
 
 def _state(rank, value, obj=None):
@@ -38,8 +29,10 @@ def _scenario(rank, world, point, path):
             if rank == 1:
                 die_now(rank)
             ldc.save(_state(rank, 2.0), path)
-        elif point == "after_plan":
-            ldc.save(_state(rank, 2.0, _DiesWhenPickled(rank) if rank == 1 else None), path)
+        elif point == "after_plan":  # rank 1 gone as its writes begin, after the handshake and the plan
+            if rank == 1:
+                serialization.write_local = lambda prep: die_now(rank)  # this worker process's own copy
+            ldc.save(_state(rank, 2.0), path)
         elif point == "load":
             if rank == 1:
                 die_now(rank)
