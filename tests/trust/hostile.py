@@ -83,3 +83,14 @@ def edit_dcp_metadata(path: str, edit: Callable[[Any], None]) -> None:
     edit(meta)
     with open(meta_path, "wb") as f:
         pickle.dump(meta, f)
+
+
+def resizable(t: Any) -> bool:
+    """Whether the tensor ``t``'s storage can still be resized (as torch's own tensors can): a storage
+    a numpy array or a calloc buffer backs is not, and FSDP or ``resize_`` then raise."""
+    try:
+        t.resize_(t.numel() + 7)
+    except RuntimeError as e:
+        assert "not resizable" in str(e), e
+        return False
+    return True

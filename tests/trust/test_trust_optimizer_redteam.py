@@ -58,6 +58,7 @@ from lightning_distckpt.core.errors import CheckpointingError
 from lightning_distckpt.core.plain_tensors import shard_tensors
 from lightning_distckpt.lightning.parallel import module_sharded_state_dict
 from dist_utils import run_distributed
+from trust.hostile import resizable as _resizable
 
 GROUP_TIMEOUT_S = 30
 
@@ -79,15 +80,6 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-
-
-def _resizable(t: torch.Tensor) -> bool:
-    try:
-        t.resize_(t.numel() + 7)
-    except RuntimeError as e:
-        assert "not resizable" in str(e), e
-        return False
-    return True
 
 
 # ------------------------------------------------------------------ fresh state is torch's own

@@ -242,34 +242,12 @@ def record(name, fn):
         sys.exit(0)  # out of step: no collective may follow
 
 
-if SCENARIO == "fabric_stateful":
-    from lightning.fabric import Fabric
-    from lightning_distckpt.lightning import FabricDistCheckpointStrategy
-
-    class Stateful:  # a data loader's or data module's state, say
-        def state_dict(self):
-            return {"rank": rank}
-
-        def load_state_dict(self, state):
-            if rank == 1:
-                raise ValueError("load_state_dict failed on rank 1")
-
-    fabric = Fabric(accelerator="cpu", devices=2,
-                    strategy=FabricDistCheckpointStrategy(timeout=timedelta(seconds=GROUP_TIMEOUT_S)))
-    fabric.launch()
-    model = fabric.setup(torch.nn.Linear(4, 2))
-    path = os.path.join(folder, "fabric")
-    fabric.save(path, {"model": model, "s": Stateful()})
-    record(SCENARIO, lambda: fabric.load(path, {"model": model, "s": Stateful()}))
-    record("again", lambda: sorted(fabric.load(path, {"model": model})))
-    sys.exit(0)
-
-if SCENARIO == "fabric_mp_stateful":  # the same under Fabric's ModelParallel (FSDP2 over the 2 ranks)
+if SCENARIO in ("fabric_stateful", "fabric_mp_stateful"):  # DDP, and ModelParallel (FSDP2 over the 2 ranks)
     from lightning.fabric import Fabric
     from torch.distributed.fsdp import fully_shard
-    from lightning_distckpt.lightning import FabricDistCheckpointModelParallelStrategy
+    from lightning_distckpt.lightning import FabricDistCheckpointModelParallelStrategy, FabricDistCheckpointStrategy
 
-    class Stateful:
+    class Stateful:  # a data loader's or data module's state, say
         def state_dict(self):
             return {"rank": rank}
 
@@ -281,9 +259,11 @@ if SCENARIO == "fabric_mp_stateful":  # the same under Fabric's ModelParallel (F
         fully_shard(model, mesh=mesh["data_parallel"])
         return model
 
-    strategy = FabricDistCheckpointModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1,
-                                                         timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FabricDistCheckpointStrategy(timeout=timeout)
+                    if SCENARIO == "fabric_stateful" else
+                    FabricDistCheckpointModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1,
+                                                              timeout=timeout))
     fabric.launch()
     model = fabric.setup_module(torch.nn.Linear(4, 2))
     path = os.path.join(folder, "fabric")
