@@ -50,7 +50,15 @@ class DistCheckpointIOMixin:
 
     @property
     def checkpoint_io(self) -> DistCheckpointIO:
-        self._checkpoint_io = dist_checkpoint_io(type(self).__name__, self._checkpoint_io, self._checkpoint_config)
+        given = self._checkpoint_io
+        self._checkpoint_io = dist_checkpoint_io(type(self).__name__, given, self._checkpoint_config)
+        if given is not None and not getattr(self, "_said_plugin_wins", False):
+            self._said_plugin_wins = True
+            config = self._checkpoint_config
+            if config != DistCheckpointConfig() and config != self._checkpoint_io.config:  # settings silently lost
+                log.warning("%s: the DistCheckpointIO plugin given to the Trainer / Fabric has its own config, so the "
+                            "strategy's checkpoint= settings are not used; give them to the plugin "
+                            "(DistCheckpointIO(config)) or drop the plugin", type(self).__name__)
         return self._checkpoint_io
 
     @checkpoint_io.setter

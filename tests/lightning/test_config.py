@@ -61,6 +61,24 @@ def test_values_reach_the_plugin_and_strategies():
     assert io.config.storage_options.pack_max_bytes == 0
 
 
+def test_a_plugin_beside_the_strategys_own_settings_is_said_to_win(caplog):
+    # Lightning hands the Trainer's plugin to the strategy: its config is used, checkpoint= is not (once said)
+    strategy = DistCheckpointStrategy(checkpoint={"async_save": True})
+    strategy.checkpoint_io = DistCheckpointIO()
+    with caplog.at_level("WARNING", logger="lightning_distckpt.lightning.tp_strategy"):
+        assert strategy.checkpoint_io.config.async_save is False  # the plugin's
+        assert strategy.checkpoint_io.config.async_save is False
+    said = [r.getMessage() for r in caplog.records if "checkpoint= settings are not used" in r.getMessage()]
+    assert len(said) == 1 and "DistCheckpointStrategy" in said[0], caplog.text
+    caplog.clear()
+    for quiet in (DistCheckpointStrategy(), DistCheckpointStrategy(checkpoint={"async_save": True})):
+        quiet.checkpoint_io = DistCheckpointIO() if quiet.checkpoint_io.config.async_save is False else \
+            DistCheckpointIO(DistCheckpointConfig(async_save=True))  # no settings of its own, or the same ones
+        with caplog.at_level("WARNING", logger="lightning_distckpt.lightning.tp_strategy"):
+            quiet.checkpoint_io
+    assert "checkpoint= settings are not used" not in caplog.text
+
+
 @pytest.mark.parametrize("bad,needle", [
     ({"storag": {}}, "storag"),
     ({"storage": {"layot": "zarr"}}, "storage.layot"),
