@@ -23,7 +23,7 @@ import re
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Iterable, List, Optional
 
 from ..core.errors import CheckpointingError
 from .layout import DATA_DIR
@@ -41,8 +41,8 @@ ALIVE_PERIOD_ENV = "LIGHTNING_DISTCKPT_S3_ALIVE_S"
 _ALIVE = "data/rank_00000/alive-"
 _ALIVE_KEY = re.compile(r"^data/rank_00000/alive-([0-9a-f]{8})\Z")
 _OUR_MARKS = (_CLAIM.rpartition("/")[2], _ALIVE.rpartition("/")[2])  # in rank 0's store, not its arrays
-_KEEPERS: Dict[str, "_Keeper"] = {}  # version URL -> its running keeper (rank 0's process)
-_LOCK = threading.RLock()  # re-entrant: _abandon may run from a collection on a thread holding it
+#: This process's keepers, for :func:`running_keepers` only (each is held by the store of its save).
+_RUNNING: "weakref.WeakSet[_Keeper]" = weakref.WeakSet()
 
 
 def alive_period() -> float:
@@ -99,40 +99,19 @@ class _Keeper:
             self._thread.join(answer_timeout() + 5.0)
 
 
-def keep_alive(version_url: str, options: StorageOptions, owner: Any) -> None:
-    """Rank 0, once it named ``version_url``: mark it live until :func:`stop_keeping` (at its commit or
-    discard), or until ``owner`` (the save's store object) is collected: a save abandoned on a path that
-    neither commits nor discards (a rank lost in the handshake) stops marking then."""
+def keep_alive(version_url: str, options: StorageOptions, owner: Any) -> "_Keeper":
+    """Rank 0, once it named ``version_url``: mark it live until the returned keeper's ``stop()`` (the
+    save's store calls it at the commit or discard), or until ``owner`` (that store) is collected: a save
+    abandoned on a path that neither commits nor discards (a rank lost in the handshake) stops marking then."""
     keeper = _Keeper(version_url, options, alive_period())
-    with _LOCK:
-        old = _KEEPERS.pop(version_url, None)
-        _KEEPERS[version_url] = keeper
-    if old is not None:
-        old.stopped.set()
-    weakref.finalize(owner, _abandon, version_url, keeper)
-
-
-def _abandon(version_url: str, keeper: "_Keeper") -> None:
-    """The save's store was collected before its commit or discard: stop marking (no join: this may
-    run on whatever thread collected it)."""
-    keeper.stopped.set()
-    with _LOCK:
-        if _KEEPERS.get(version_url) is keeper:
-            del _KEEPERS[version_url]
-
-
-def stop_keeping(version_url: str) -> None:
-    """Stop marking ``version_url`` live (nothing when it is not marked by this process)."""
-    with _LOCK:
-        keeper = _KEEPERS.pop(version_url, None)
-    if keeper is not None:
-        keeper.stop()
+    _RUNNING.add(keeper)
+    weakref.finalize(owner, keeper.stopped.set)  # no join: this may run on whatever thread collected it
+    return keeper
 
 
 def running_keepers() -> List[str]:
     """The versions this process marks live now (for tests and diagnostics)."""
-    with _LOCK:
-        return [url for url, k in _KEEPERS.items() if not k.stopped.is_set()]
+    return [k.url for k in list(_RUNNING) if not k.stopped.is_set()]
 
 
 def _writers(metadata_json: str, where: str) -> List[int]:

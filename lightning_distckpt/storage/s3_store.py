@@ -40,11 +40,22 @@ class S3Store(CheckpointStore):
         than ``clean``'s bound is not taken for a leftover."""
         version = s3.new_version(self.location, self.options)
         try:
-            s3_live.keep_alive(version, self.options, self)
+            self._keepers[version] = s3_live.keep_alive(version, self.options, self)
         except BaseException:
             s3.discard(version, self.options)  # its claim
             raise
         return version
+
+    @property
+    def _keepers(self) -> Dict[str, Any]:
+        """version URL -> the keeper marking it live, for the versions this store named (a copy made by
+        ``with_options`` shares them: it is the same save's store)."""
+        return self.__dict__.setdefault("_live_versions", {})
+
+    def _stop_keeping(self, staging: str) -> None:
+        keeper = self._keepers.pop(staging, None)
+        if keeper is not None:
+            keeper.stop()
 
     def write_blob(self, staging: str, name: str, data: bytes) -> None:
         s3.write_object(staging, name, data, self.options)
@@ -57,10 +68,10 @@ class S3Store(CheckpointStore):
             s3.commit(staging, metadata_json, json.dumps({k: v for k, v in marker.items() if k != "version"}),
                       self.options)
         finally:
-            s3_live.stop_keeping(staging)
+            self._stop_keeping(staging)
 
     def discard(self, staging: str) -> None:
-        s3_live.stop_keeping(staging)  # first: no mark lands after the discard listed the version
+        self._stop_keeping(staging)  # first: no mark lands after the discard listed the version
         s3.discard(staging, self.options)
 
     # -- reading ------------------------------------------------------------------------
