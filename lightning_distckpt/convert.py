@@ -53,7 +53,7 @@ from .storage.safe_pickle import load_file, loads
 from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .reading.checkpoint import OpenedCheckpoint, open_checkpoint
-from .saving.save import finalize_save, prepare_save, write_local
+from .saving.save import prepare_save, write_and_commit
 from .saving.stats import format_bytes
 
 logger = logging.getLogger("lightning_distckpt")
@@ -323,14 +323,7 @@ def _save_alone(tree: Dict[str, Any], destination: str, storage: StorageOptions)
     process group is initialized (the converters are single-process tools)."""
     prep = prepare_save(tree, destination, Comm(None, 0, 1), validate_access_integrity=True, balance_writes=False,
                         options=storage)
-    try:
-        local: Any = write_local(prep)
-    except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up
-        local = e
-    except BaseException:  # Ctrl-C / SIGTERM (cli.main): no other rank to tell; the staging directory goes
-        prep.store.discard(prep.staging)
-        raise
-    finalize_save(prep, local)
+    write_and_commit(prep)
 
 
 def directory_bytes(path: str) -> int:

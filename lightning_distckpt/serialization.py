@@ -38,7 +38,7 @@ from .storage.tensorstore_io import StorageOptions
 from .saving.async_save import AsyncSaver, AsyncSaveRequest
 from .saving.background_snapshot import Selector
 from .saving.stats import log_throughput
-from .saving.save import SavePlanCache, finalize_save, prepare_save, write_local
+from .saving.save import SavePlanCache, prepare_save, write_and_commit
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -122,11 +122,7 @@ def save(
         options=storage or StorageOptions(),
         plan_cache=plan_cache,
     )
-    try:
-        local: Any = write_local(prep)
-    except Exception as e:  # reported collectively in finalize_save so no rank hangs
-        local = e
-    finalize_save(prep, local)
+    write_and_commit(prep)
     return None
 
 

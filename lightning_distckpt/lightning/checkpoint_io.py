@@ -45,7 +45,7 @@ from ..storage.tensorstore_io import StorageOptions
 from ..saving.async_pending import finish_saves_to
 from ..saving.async_save import AsyncSaver, AsyncSaveRequest
 from ..saving.background_snapshot import Selector
-from ..saving.save import SavePlanCache, finalize_save, prepare_save, write_local
+from ..saving.save import SavePlanCache, prepare_save, write_and_commit
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, unknown_argument
 from .last_link import repoint_last_links
 from .fabric_checkpoint import fabric_checkpoint
@@ -366,14 +366,7 @@ class DistCheckpointIO(CheckpointIO):
         """The save path with a group of one: no collective, whatever the other ranks do."""
         prep = prepare_save(tree, target, LOCAL, validate_access_integrity=self.config.validate_access_integrity,
                             balance_writes=False, options=storage, plan_cache=self._plan_cache)
-        try:
-            local: Any = write_local(prep)
-        except Exception as e:  # finalize_save turns it into SaveFailedError and cleans up
-            local = e
-        except BaseException:  # Ctrl-C / SIGTERM (convert, cli.main): a group of one; the staging directory goes
-            prep.store.discard(prep.staging)
-            raise
-        finalize_save(prep, local)
+        write_and_commit(prep)
 
 
 def load_from_source(template: Dict[str, Any], source: CheckpointSource, process_group: Optional[dist.ProcessGroup],

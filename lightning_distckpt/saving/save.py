@@ -10,7 +10,8 @@ Three steps, each callable on its own (the async saver runs the middle one in a 
 Every failure that ranks must agree on goes through :meth:`~lightning_distckpt.comm.Comm.agree`.
 """
 
-from .save_commit import LocalWrite, finalize_save, write_local
+from .save_commit import LocalWrite, finalize_save, write_and_commit, write_local
 from .save_prepare import PreparedSave, SavePlanCache, prepare_save
 
-__all__ = ["LocalWrite", "PreparedSave", "SavePlanCache", "finalize_save", "prepare_save", "write_local"]
+__all__ = ["LocalWrite", "PreparedSave", "SavePlanCache", "finalize_save", "prepare_save", "write_and_commit",
+           "write_local"]

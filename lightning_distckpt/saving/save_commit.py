@@ -157,3 +157,19 @@ def _save_failed(agreed: CheckpointingError) -> SaveFailedError:
     err = SaveFailedError(str(agreed))
     err.failures = dict(agreed.failures)
     return err
+
+
+def write_and_commit(prep: PreparedSave) -> None:
+    """A synchronous save's last two steps: :func:`write_local`, then :func:`finalize_save` (collective),
+    which reports a failed write on every rank, so none is left waiting. An interrupt (Ctrl-C, the
+    command line's SIGTERM) in a save of this process alone removes the staging directory as it leaves:
+    there is no other rank to tell, and nothing else would (a group's staging stays for ``clean``)."""
+    try:
+        local: Union[LocalWrite, BaseException] = write_local(prep)
+    except Exception as e:  # finalize_save turns it into SaveFailedError on every rank and cleans up
+        local = e
+    except BaseException:
+        if not prep.comm.distributed:
+            prep.store.discard(prep.staging)
+        raise
+    finalize_save(prep, local)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lightning_distckpt as ldc
-from lightning_distckpt import serialization
+from lightning_distckpt.saving import save_commit
 from lightning_distckpt.cli.clean import clean
 from dist_utils import die_now, run_distributed
 
@@ -31,7 +31,7 @@ def _scenario(rank, world, point, path):
             ldc.save(_state(rank, 2.0), path)
         elif point == "after_plan":  # rank 1 gone as its writes begin, after the handshake and the plan
             if rank == 1:
-                serialization.write_local = lambda prep: die_now(rank)  # this worker process's own copy
+                save_commit.write_local = lambda prep: die_now(rank)  # this worker process's own copy
             ldc.save(_state(rank, 2.0), path)
         elif point == "load":
             if rank == 1:
