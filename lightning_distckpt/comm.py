@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -249,6 +250,25 @@ def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:
             return torch.device("cpu")
         raise ArgumentError(f"process group backend {backend!r} needs an accelerator, but none is available")
     return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
+def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[timedelta]:
+    """The timeout ``group``'s (default: the world's) collectives run under, as ``init_process_group``
+    was given it; None where torch does not say (``new_group`` then uses its own default)."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        backend = pg._get_backend(comm_device(group))  # torch keeps a group's timeout in its backend's options
+        timeout = backend.options._timeout
+    except Exception:  # private API: any torch that lacks it gets torch's default, as before
+        return None
+    return timeout if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else None
+
+
+def new_gloo_group(ranks: Optional[List[int]] = None) -> dist.ProcessGroup:
+    """Collective over the world (as ``dist.new_group``): a gloo group over ``ranks`` (None: every rank)
+    for the library's background work, with the world's timeout, so a dead rank fails it when it fails
+    the caller's own collectives (``new_group`` alone would wait torch's default 30 minutes)."""
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=group_timeout())
 
 
 def get_comm(process_group: Optional[dist.ProcessGroup] = None) -> Comm:

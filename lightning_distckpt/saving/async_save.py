@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm, get_comm
+from ..comm import Comm, get_comm, new_gloo_group
 from ..core.arguments import require_int_in
 from ..storage.stores import SaveTarget, save_target
 from ..storage.tensorstore_io import StorageOptions
@@ -224,5 +224,5 @@ class AsyncSaver:
         if comm.group is not None and dist.get_process_group_ranks(comm.group) != world:
             return None
         if self._commit_group is None or self._commit_group[0] is not dist.group.WORLD:  # made anew with a new world
-            self._commit_group = (dist.group.WORLD, dist.new_group(world, backend="gloo"))
+            self._commit_group = (dist.group.WORLD, new_gloo_group(world))
         return Comm(self._commit_group[1], comm.rank, comm.size)

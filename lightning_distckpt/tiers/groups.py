@@ -19,6 +19,8 @@ from typing import Any, Dict, Optional, Protocol, Tuple
 
 import torch.distributed as dist
 
+from ..comm import new_gloo_group
+
 _lock = threading.Lock()
 _groups: Dict[Tuple[Any, Optional[Tuple[int, ...]]], Tuple[Any, Any]] = {}  # key -> (group, weakref of its user)
 
@@ -44,7 +46,7 @@ def tier_group(ranks: Optional[Tuple[int, ...]], user: GroupUser) -> Any:
             if before is not None and before is not user:
                 before.quiesce()
         else:
-            group = dist.new_group(ranks=list(ranks) if ranks is not None else None, backend="gloo")
+            group = new_gloo_group(list(ranks) if ranks is not None else None)
         _groups[key] = (group, weakref.ref(user))
         return group
 
