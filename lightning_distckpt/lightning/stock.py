@@ -22,7 +22,7 @@ import torch
 
 from ..core.errors import CheckpointingError
 from ..core.mapping import LocalNonpersistentObject, ShardedTensor
-from ..optim.sharded_optimizer import TEMPLATE_STATE, stored_param_groups
+from ..optim.sharded_optimizer import NO_STATE, TEMPLATE_STATE, stored_param_groups
 from ..core.state_dict import iter_leaves, map_leaves
 from ..planning.metadata import dtype_from_name
 from ..reading.checkpoint import CheckpointSource
@@ -118,14 +118,19 @@ def optimizer_renames(entry: OptimizerEntry, stored: Set[str]) -> Dict[str, str]
     into the optimizer's own scalar; the plugin keeps scalars in the common state instead.
 
     torch keeps no state for a parameter that never had a gradient (a checkpoint saved before the
-    first step, a frozen parameter): where none is stored for a parameter, its fresh template state
-    (zeros, step 0: what the first step starts from) is kept as it is, not asked of the checkpoint
-    (a strict load refused such a stock checkpoint, which stock Fabric loads)."""
+    first step, a frozen parameter): where none is stored for a parameter, its template state is not
+    asked of the checkpoint (a strict load refused such a stock checkpoint, which stock Fabric loads),
+    and the parameter is listed under :data:`NO_STATE`, so the restore leaves it without state as
+    ``optimizer.load_state_dict`` of the stored dict does (a first step from zeros is not a first step
+    from nothing for SGD with dampening, NAdam, Rprop, ASGD)."""
     out = {}
     state = entry.sharded.get("state", {})
     stored_params = {k.rsplit("/", 1)[0] for k in stored if k.startswith(f"{entry.file_prefix}/state/")}
+    without: List[str] = []
     for j, pkey in enumerate(_param_keys(entry.sharded)):
         param_prefix = f"{entry.file_prefix}/state/{pkey if entry.by_name else j}"
+        if state.get(pkey) and param_prefix not in stored_params:
+            without.append(pkey)
         for name, value in state.get(pkey, {}).items():
             file_key = f"{param_prefix}/{name}"
             if param_prefix not in stored_params:
@@ -135,6 +140,8 @@ def optimizer_renames(entry: OptimizerEntry, stored: Set[str]) -> Dict[str, str]
                 out[value.key] = file_key
             elif isinstance(value, torch.Tensor) and file_key in stored:
                 state[pkey][name] = ShardedTensor.from_rank_offsets(file_key, value)
+    if without:  # what the checkpoint says, not a common value looked for in it
+        entry.sharded[NO_STATE] = LocalNonpersistentObject(tuple(without))
     return out
 
 
@@ -263,7 +270,8 @@ def restore_param_keys(opt_state: Mapping[str, Any], param_keys: Sequence[str], 
                                  f"{bad[0]!r}, outside 0..{len(keys) - 1}")
     new_groups = [{**g, "params": [keys[p] if isinstance(p, int) else p for p in g.get("params", [])]} for g in groups]
     out = {"state": by_key, "param_groups": new_groups, "param_keys": keys}
-    if TEMPLATE_STATE in opt_state:  # the template's own state, for restore_optimizer_state's checks
-        out[TEMPLATE_STATE] = opt_state[TEMPLATE_STATE]
+    for name in (TEMPLATE_STATE, NO_STATE):  # the template's own state for restore_optimizer_state's checks,
+        if name in opt_state:               # and the parameters saved without state
+            out[name] = opt_state[name]
     return out
 
