@@ -80,16 +80,18 @@ def broadcast_and_shard_state_dict(state_dict: Mapping[str, Any], meta_sharded_s
     ``module.load_state_dict(sharded_state_dict, assign=True)``.
 
     Raises:
-        ArgumentError: (a ``ValueError``) at once, before any collective, on any rank but 0.
+        ArgumentError: (a ``ValueError``) on every rank, in the first collective, when a rank but 0
+            calls it (the others are not left waiting for that rank), or an option is not a positive int.
         MissingKeysError, ShardingError, FormatError: on every rank, before data moves, when a
             key is not in ``state_dict``, a shape or dtype does not fit an entry, or a value is not
             a tensor.
     """
-    comm = _comm_for("broadcast_and_shard_state_dict", rank0=True)
-    if not isinstance(state_dict, Mapping):
-        raise ArgumentTypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
-    shard_from_rank0(comm, state_dict, meta_sharded_state_dict, sharded_state_dict,
-                     ShardOptions(max_inflight_bytes, bucket_bytes))
+    comm = get_comm()
+    error = _wrong_side(comm, "broadcast_and_shard_state_dict", rank0=True)
+    if error is None and not isinstance(state_dict, Mapping):
+        error = ArgumentTypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    options, error = _options(max_inflight_bytes, bucket_bytes, error)
+    shard_from_rank0(comm, state_dict, meta_sharded_state_dict, sharded_state_dict, options, error=error)
 
 
 def shard_broadcasted_state_dict(meta_sharded_state_dict: Mapping[str, Any],
@@ -100,35 +102,50 @@ def shard_broadcasted_state_dict(meta_sharded_state_dict: Mapping[str, Any],
     ``sharded_state_dict`` (see :func:`broadcast_and_shard_state_dict`, which rank 0 calls).
 
     Raises:
-        ArgumentError: (a ``ValueError``) at once, before any collective, on rank 0.
+        ArgumentError: (a ``ValueError``) on every rank, in the first collective, when rank 0 calls it.
     """
-    comm = _comm_for("shard_broadcasted_state_dict", rank0=False)
-    shard_from_rank0(comm, None, meta_sharded_state_dict, sharded_state_dict,
-                     ShardOptions(max_inflight_bytes, bucket_bytes))
-
-
-def _comm_for(what: str, rank0: bool) -> Comm:
     comm = get_comm()
+    options, error = _options(max_inflight_bytes, bucket_bytes,
+                              _wrong_side(comm, "shard_broadcasted_state_dict", rank0=False))
+    shard_from_rank0(comm, None, meta_sharded_state_dict, sharded_state_dict, options, error=error)
+
+
+def _wrong_side(comm: Comm, what: str, rank0: bool) -> Optional[ArgumentError]:
+    """The error of a call on the wrong side, for the first collective: raised alone, it left the other
+    ranks waiting there until the group's timeout (a rank testing its local rank instead of the global one)."""
     if rank0 and comm.rank != 0:
-        raise ArgumentError(f"{what} runs on global rank 0 only; rank {comm.rank} must call "
-                            f"shard_broadcasted_state_dict(meta_sharded_state_dict, sharded_state_dict)")
+        return ArgumentError(f"{what} runs on global rank 0 only; rank {comm.rank} must call "
+                             f"shard_broadcasted_state_dict(meta_sharded_state_dict, sharded_state_dict) "
+                             f"(test torch.distributed.get_rank(), the global rank, not the local one)")
     if not rank0 and comm.rank == 0:
-        raise ArgumentError(f"{what} runs on the ranks other than 0; rank 0 holds the state dict and must call "
-                            f"broadcast_and_shard_state_dict(state_dict, meta_sharded_state_dict, sharded_state_dict)")
-    return comm
+        return ArgumentError(f"{what} runs on the ranks other than 0; rank 0 holds the state dict and must call "
+                             f"broadcast_and_shard_state_dict(state_dict, meta_sharded_state_dict, sharded_state_dict)")
+    return None
+
+
+def _options(max_inflight_bytes: int, bucket_bytes: int,
+             error: Optional[BaseException]) -> Tuple[ShardOptions, Optional[BaseException]]:
+    """The options, and the first error (``error``, else a bad option's): reported in the first collective."""
+    try:
+        return ShardOptions(max_inflight_bytes, bucket_bytes), error
+    except ArgumentError as e:
+        return ShardOptions(), error or e
 
 
 def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_sharded_state_dict: Mapping[str, Any],
                      sharded_state_dict: MutableMapping[str, Any], options: ShardOptions, *,
-                     missing_ok: bool = False, unexpected_ok: bool = True) -> ShardResult:
+                     missing_ok: bool = False, unexpected_ok: bool = True,
+                     error: Optional[BaseException] = None) -> ShardResult:
     """The collective behind both sides (``state_dict`` on rank 0, ``None`` elsewhere). With
     ``missing_ok`` keys rank 0 lacks are skipped (and listed in the result) instead of refused;
     without ``unexpected_ok`` keys of rank 0's state dict that no entry asks for are refused (both
-    before any data moves)."""
-    error: Optional[BaseException] = None
+    before any data moves). ``error``: what this rank's caller found wrong with its arguments: every
+    rank raises it in the first collective, before anything else."""
     needs: list = []
     on_gpu = False
     try:
+        if error is not None:
+            raise error
         if not isinstance(sharded_state_dict, MutableMapping):
             raise ArgumentTypeError(
                 f"sharded_state_dict must be a dict to store the shards in, got {type(sharded_state_dict).__name__}")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
+import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..comm import get_comm
-from ..core.errors import ArgumentTypeError, MissingKeysError
+from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError, ShardingError
 from ..core.mapping import ShardedTensor
 from .api import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, ShardOptions, shard_from_rank0
 
@@ -69,23 +70,69 @@ class DistModule(nn.Module):
         """Load the full ``state_dict`` given on rank 0 (``{}`` elsewhere; ignored there) into
         every rank's shards. Collective over the default process group.
 
-        With ``strict``, keys the module has and rank 0's state dict lacks, or the reverse, fail
-        every rank (``MissingKeysError``) before any data moves. ``assign`` as in
-        ``nn.Module.load_state_dict`` (needed for a module on the meta device). Returns torch's
+        With ``strict``, keys the module has and rank 0's state dict lacks, or the reverse, or that
+        its sharded state dict describes no shard for, fail every rank (``MissingKeysError``) before
+        any data moves; so does an entry whose shard cannot take the place of the module's tensor
+        (``ShardingError``): the module is left as it was. Tied tensors (one tensor of the module
+        under several names) stay one tensor with ``assign`` when rank 0 gives them equal values,
+        and one the state dict lacks takes its twin's (a tied embedding saved once). ``assign`` as
+        in ``nn.Module.load_state_dict`` (needed for a module on the meta device). Returns torch's
         ``_IncompatibleKeys``, the same on every rank.
         """
         comm = get_comm()
         meta = {name: entry for name, entry in _sharded_state_dict(self.module).items()
                 if isinstance(entry, ShardedTensor)}
+        error = _unloadable(self.module, meta, strict)
         shards: Dict[str, Any] = {}
         result = shard_from_rank0(comm, state_dict if comm.rank == 0 else None, meta, shards, self.options,
-                                  missing_ok=not strict, unexpected_ok=not strict)
+                                  missing_ok=not strict, unexpected_ok=not strict, error=error)
+        _tie(meta, shards)
         out = self.module.load_state_dict(shards, strict=False, assign=assign)
-        missing = list(out.missing_keys)
-        if strict and missing:
-            raise MissingKeysError(f"DistModule.load_state_dict: {type(self.module).__name__} has key(s) that no "
-                                   f"sharded state dict entry filled: {missing[:10]}")
-        return _IncompatibleKeys(missing, list(result.unexpected))
+        return _IncompatibleKeys(list(out.missing_keys), list(result.unexpected))
+
+
+def _unloadable(module: nn.Module, meta: Mapping[str, ShardedTensor], strict: bool) -> Optional[CheckpointingError]:
+    """Why ``module.load_state_dict`` would fail on the shards of ``meta``, checked before any data moves
+    (the ranks agree on it first): found by torch's load itself, the module's other tensors were already
+    overwritten. A shard of another shape than the module's tensor of its name; with ``strict``, a key of
+    the module that no entry fills (a tensor its ``sharded_state_dict`` leaves out, non-tensor extra state)."""
+    what = f"DistModule.load_state_dict: {type(module).__name__}"
+    try:
+        own = module.state_dict(keep_vars=True)
+        for name, entry in meta.items():
+            value = own.get(name)
+            fr = entry.flattened_range
+            shape = tuple(entry.local_shape) if fr is None else (fr.stop - fr.start,)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+                raise ShardingError(f"{what}'s {name!r} has shape {tuple(value.shape)}, but its sharded state dict "
+                                    f"entry (key {entry.key!r}) makes a shard of shape {shape}")
+        unfilled = [k for k in own if k not in meta]
+        if strict and unfilled:
+            extra = any(k.endswith("_extra_state") and not isinstance(own[k], torch.Tensor) for k in unfilled)
+            raise MissingKeysError(f"{what} has key(s) that no sharded state dict entry fills: {unfilled[:10]}"
+                                   + (" (non-tensor extra state is not transferred: load with strict=False and "
+                                      "set it yourself)" if extra else ""))
+    except CheckpointingError as e:
+        return e
+    return None
+
+
+def _tie(meta: Mapping[str, ShardedTensor], shards: Dict[str, Any]) -> None:
+    """Names whose entries hold one tensor of the module (tied weights): one shard for all of them, as torch's
+    own load keeps the storage they share, where the values loaded are equal (the same tensor saved under
+    both names) or only one of them was loaded (saved once, as Hugging Face saves a tied embedding)."""
+    tied: Dict[int, List[str]] = {}
+    for name, entry in meta.items():
+        if entry.data is not None:  # an entry without data shares nothing
+            tied.setdefault(id(entry.data), []).append(name)
+    for names in tied.values():
+        loaded = [n for n in names if n in shards]
+        if len(names) < 2 or not loaded:
+            continue
+        first = shards[loaded[0]]
+        if all(shards[n].dtype == first.dtype and torch.equal(shards[n], first) for n in loaded[1:]):
+            for n in names:
+                shards[n] = first
 
 
 def _sharded_state_dict(module: nn.Module) -> Dict[str, Any]:

@@ -48,7 +48,8 @@ class Need:
 
 @dataclass(frozen=True)
 class SendItem:
-    """A box of one source tensor inside a broadcast: bytes ``[start, start + nbytes)`` of the buffer."""
+    """A box of one source tensor inside a broadcast: bytes ``[start, start + nbytes)`` of the buffer.
+    ``global_shape`` and ``dtype``: the source tensor as rank 0 checked it (its send checks it again)."""
 
     key: str
     dtype: torch.dtype
@@ -56,6 +57,7 @@ class SendItem:
     shape: Tuple[int, ...]
     start: int
     nbytes: int
+    global_shape: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,14 +144,14 @@ def build_manifest(state_dict: Mapping[str, Any], needs: Sequence[Need], *, buck
                                    f"{', '.join(map(quoted, unexpected[:10]))}"
                                    + (" ..." if len(unexpected) > 10 else ""))
         ordered = [k for k in state_dict if k in by_key]
-        items: List[Tuple[str, torch.dtype, Box, int]] = []
+        items: List[Tuple[str, torch.dtype, Box, int, Tuple[int, ...]]] = []
         whole = 0
         for key in ordered:
             tensor = state_dict[key]
-            _check(state_dict, key, tensor, by_key[key])
+            check_source_tensor(state_dict, key, tensor, by_key[key])
             box = _bounding_box([n for n in by_key[key] if n.rank != 0 and n.numel > 0])
             if box is not None:
-                items.append((key, tensor.dtype, box, math.prod(box[1]) * tensor.element_size()))
+                items.append((key, tensor.dtype, box, math.prod(box[1]) * tensor.element_size(), tuple(tensor.shape)))
                 whole += tensor.numel() * tensor.element_size()
         ops = _pack(items, bucket_bytes)
         return Manifest(source, ops, tuple(missing), unexpected, None, sum(o.nbytes for o in ops), whole)
@@ -164,7 +166,9 @@ def _names(keys: Sequence[str], by_key: Mapping[str, List[Need]], limit: int = 1
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def _check(state_dict: Mapping[str, Any], key: str, tensor: Any, needs: Sequence[Need]) -> None:
+def check_source_tensor(state_dict: Mapping[str, Any], key: str, tensor: Any, needs: Sequence[Need]) -> None:
+    """Rank 0's tensor ``key`` can fill ``needs``: a dense tensor with data, of their global shape and of a
+    dtype of the same kind (ShardingError / FormatError naming the file and the key)."""
     where = f"{describe_source(state_dict, key)}: {quoted(key)}"
     if not isinstance(tensor, torch.Tensor):
         raise FormatError(f"{where} is a {type(tensor).__name__}, not a tensor")
@@ -193,20 +197,20 @@ def _bounding_box(needs: Sequence[Need]) -> Optional[Box]:
     return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
 
 
-def _pack(items: Sequence[Tuple[str, torch.dtype, Box, int]], bucket_bytes: int) -> Tuple[SendOp, ...]:
+def _pack(items: Sequence[Tuple[str, torch.dtype, Box, int, Tuple[int, ...]]], bucket_bytes: int) -> Tuple[SendOp, ...]:
     """Large boxes one broadcast each; small ones together, in order, up to ``bucket_bytes``."""
     ops: List[SendOp] = []
     bucket: List[SendItem] = []
     end = 0
-    for key, dtype, (off, shape), nbytes in items:
+    for key, dtype, (off, shape), nbytes, whole in items:
         if nbytes >= bucket_bytes:
-            ops.append(SendOp((SendItem(key, dtype, off, shape, 0, nbytes),), nbytes))
+            ops.append(SendOp((SendItem(key, dtype, off, shape, 0, nbytes, whole),), nbytes))
             continue
         start = -(-end // ALIGN) * ALIGN
         if bucket and start + nbytes > bucket_bytes:
             ops.append(SendOp(tuple(bucket), end))
             bucket, start = [], 0
-        bucket.append(SendItem(key, dtype, off, shape, start, nbytes))
+        bucket.append(SendItem(key, dtype, off, shape, start, nbytes, whole))
         end = start + nbytes
     if bucket:
         ops.append(SendOp(tuple(bucket), end))

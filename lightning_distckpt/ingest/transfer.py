@@ -28,8 +28,10 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from ..comm import Comm, Pending
+from ..core.errors import FormatError
+from ..core.shown import quoted
 from ..core.tensor_bytes import byte_view
-from .plan import Manifest, Need, SendOp, cut
+from .plan import Manifest, Need, SendItem, SendOp, check_source_tensor, cut, describe_source
 
 
 
@@ -158,7 +160,7 @@ class Transfer:
         allocation may raise (:meth:`_buffer`); a failure to read the source is recorded."""
         assert self.source is not None
         try:
-            views = [self.source[item.key][_slices(item.offset, item.shape)] for item in op.items]
+            views = [self._checked_source(item.key, item)[_slices(item.offset, item.shape)] for item in op.items]
         except Exception as e:  # reported on every rank once the broadcasts are through
             self._read_failed(op, e)
             return self._spare(op), 0
@@ -231,13 +233,27 @@ class Transfer:
         """Rank 0: cut its own shards of ``key`` straight from the source."""
         assert self.source is not None
         try:
-            tensor = self.source[key]
+            tensor = self._checked_source(key)
             origin = (0,) * tensor.dim()
         except Exception as e:  # reported on every rank at the end; the broadcasts go on
             self.errors.append(f"reading {key!r} from {self.manifest.source}: {type(e).__name__}: {e}")
             return
         for n in self._by_key.get(key, []):
             self._store(n, tensor, origin)
+
+    def _checked_source(self, key: str, item: Optional[SendItem] = None) -> torch.Tensor:
+        """Rank 0's tensor ``key``, looked up again: still what the manifest was decided from. A mapping
+        that reads its file at each lookup sees the file as it is now: a tensor grown or of another dtype
+        made this broadcast's size differ from what the others receive (gloo aborts them), or cut shards
+        from a tensor nobody checked."""
+        assert self.source is not None
+        tensor = self.source[key]
+        check_source_tensor(self.source, key, tensor, self._by_key.get(key, []))
+        if item is not None and (tuple(tensor.shape), tensor.dtype) != (item.global_shape, item.dtype):
+            raise FormatError(f"{describe_source(self.source, key)}: {quoted(key)} changed after rank 0 checked it: "
+                              f"{tuple(tensor.shape)} {tensor.dtype} now, {item.global_shape} {item.dtype} then "
+                              "(the file rewritten while it was read?)")
+        return tensor
 
     def _store(self, need: Need, box: torch.Tensor, origin: Sequence[int]) -> None:
         try:
