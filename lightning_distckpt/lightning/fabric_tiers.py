@@ -24,11 +24,13 @@ from lightning.fabric.wrappers import (_FabricDataLoader, _FabricModule, _Fabric
                                        _unwrap_objects)
 from torch.optim import Optimizer
 
-from ..core.errors import ArgumentError, CheckpointingError
+from ..core.errors import ArgumentError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..tiers import LocalTier, RecoveryPoint, TierOptions
 from .fabric import apply_loaded
+from .model_parallel import drop_unsaved_states
 from .sharded import build_on_all_ranks, optimizer_sharded_state
+from .tiers_restore import load_like_durable
 from .tree import MANIFEST_KEY
 
 
@@ -103,15 +105,23 @@ class FabricTiers:
         template = build_on_all_ranks(f"load of local step {point.step}", build)
         io = self.strategy.checkpoint_io
         handling = io.config.strict_handling if strict else StrictHandling.LOG_ALL
-        out = self.tier.load(template, point, strict=handling, extra_safe_globals=io.extra_safe_globals,
-                             cast=io.config.cast)
-        loaded = dict(out[0] if isinstance(out, tuple) else out)
+
+        def adjust(template: Dict[str, Any], stored: Any) -> None:  # as fabric.load does (a non-strict one)
+            drop_unsaved_states(template, [(n,) for n, obj in state.items() if isinstance(obj, Optimizer)], stored,
+                                dtensors)
+
+        fits = model_parallel and handling.skips_unexpected
+        loaded = dict(load_like_durable(io, self.tier, template, point, handling, adjust=adjust if fits else None))
         point = self.tier.last_point or point  # another step where every local copy of this one was damaged
         if model_parallel:  # FabricDistCheckpointModelParallelStrategy: DTensors, torch's state-dict API
             self.strategy.apply_state(state, loaded, dtensors, handling, strict, f"local step {point.step}")
-        else:
-            loaded.pop(MANIFEST_KEY, None)
-            apply_loaded(state, loaded, strict)
+            return point
+        loaded.pop(MANIFEST_KEY, None)
+        absent = [name for name in state if name not in loaded]
+        if strict and absent:  # as fabric.load refuses them
+            raise MissingKeysError(f"local step {point.step}: has no entry {absent} (restore with strict=False to "
+                                   "skip them)")
+        apply_loaded(state, loaded, strict)
         return point
 
     def _template(self, state: Dict[str, Any]) -> Dict[str, Any]:

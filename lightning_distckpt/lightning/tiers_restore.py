@@ -10,15 +10,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ..core.errors import CheckpointingError, IncompleteCheckpointError
 from ..core.dtensors import restore_dtensor
+from ..core.state_dict import merge, split_common
 from ..core.strict import StrictHandling
+from ..planning.load_plan import allowing_shape_mismatch
 from ..tiers import LocalTier, RecoveryPoint
 from .sharded import build_on_all_ranks, restore_optimizers_agreed
 from .tiers import durable_candidates, tier_callback
-from .trainer_restore import OPTIMIZER_ENTRY, load_before_setup
+from .trainer_restore import OPTIMIZER_ENTRY, is_optimizer_key, load_before_setup, view
 from .tree import MANIFEST_KEY
 
 if TYPE_CHECKING:
@@ -26,14 +28,8 @@ if TYPE_CHECKING:
     from .strategy import DistCheckpointStrategy
 
 log = logging.getLogger(__name__)
-
-#: A local point holds the whole checkpoint and each part reads only its own keys: the modes that
-#: report saved keys no part asks for ("missing") keep their other half.
-_PART_STRICT = {StrictHandling.RAISE_ALL: StrictHandling.RAISE_UNEXPECTED,
-                StrictHandling.LOG_ALL: StrictHandling.LOG_UNEXPECTED,
-                StrictHandling.RETURN_ALL: StrictHandling.ASSUME_OK_UNEXPECTED,
-                StrictHandling.RETURN_UNEXPECTED: StrictHandling.ASSUME_OK_UNEXPECTED}
-
+#: Fits a load's template to the stored tensor keys of the checkpoint it reads (in place).
+Adjust = Callable[[Dict[str, Any], Any], None]
 
 @dataclass
 class DeferredTierOptimizerStates:
@@ -60,19 +56,45 @@ class DeferredTierOptimizerStates:
             return {OPTIMIZER_ENTRY: strategy._optimizer_states(strategy._model_ssd())}
 
         template = build_on_all_ranks(f"load of the optimizer state of local step {self.point.step}", build)
-        loaded = tier_load(strategy, self.tier, template, self.point)
+        loaded = tier_load(strategy, self.tier, template, self.point, keep=is_optimizer_key)
         restore_optimizers_agreed(f"restore of the optimizer state of local step {self.point.step}", optimizers,
                                   loaded[OPTIMIZER_ENTRY])
 
 
-def tier_load(strategy: Any, tier: LocalTier, template: Dict[str, Any],
-              point: RecoveryPoint) -> Dict[str, Any]:
-    """Collective :meth:`LocalTier.load` with the strategy's load settings."""
-    strict = strategy._strict_handling()
-    io = strategy.checkpoint_io
-    out = tier.load(template, point, strict=_PART_STRICT.get(strict, strict),
-                    extra_safe_globals=io.extra_safe_globals, cast=io.config.cast)
-    return out[0] if isinstance(out, tuple) else out
+def tier_load(strategy: Any, tier: LocalTier, template: Dict[str, Any], point: RecoveryPoint,
+              keep: Optional[Callable[[str], bool]] = None, adjust: Optional[Adjust] = None) -> Dict[str, Any]:
+    """Collective :func:`load_like_durable` with the strategy's load settings."""
+    return load_like_durable(strategy.checkpoint_io, tier, template, point, strategy._strict_handling(), keep, adjust)
+
+
+def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point: RecoveryPoint,
+                      handling: StrictHandling, keep: Optional[Callable[[str], bool]] = None,
+                      adjust: Optional[Adjust] = None) -> Dict[str, Any]:
+    """Collective :meth:`LocalTier.load` of ``template``, read as ``io.load_sharded`` reads a durable
+    checkpoint, so that a local point restores exactly what the same checkpoint would restore from durable
+    storage: ``handling`` as it is, the config's ``allow_shape_mismatch`` and ``cast``, and, for a non-strict
+    load, the template's own common values where the checkpoint has none. ``keep``: the stored keys this part
+    of a restore sees (a durable restore's view of its part: each part's key checks name what it misses, not
+    the other part's keys). ``adjust(template, stored_tensor_keys)``: the template fitted to the checkpoint
+    read (:func:`~.model_parallel.drop_unsaved_states`), before each read."""
+    loaded_into = allowing_shape_mismatch(template) if io.config.allow_shape_mismatch else template
+    fallback: List[Any] = [None]
+
+    def prepare(source: Any) -> Any:
+        if keep is not None:
+            source = view(source, keep)
+        for tree in {id(t): t for t in (template, loaded_into)}.values():
+            if adjust is not None:
+                adjust(tree, source.index.tensors)
+        # From the template itself, as load_sharded takes it: the optimizer's restore tells its own values
+        # (a tuple of parameters without state) from the checkpoint's by identity; a copy is not its own.
+        fallback[0] = split_common(template)[1] if handling.skips_unexpected else None
+        return source
+
+    out = tier.load(loaded_into, point, prepare=prepare, strict=handling, extra_safe_globals=io.extra_safe_globals,
+                    cast=io.config.cast)
+    loaded = out[0] if isinstance(out, tuple) else out
+    return merge(fallback[0], loaded) if isinstance(fallback[0], dict) else loaded
 
 
 def durable_step(strategy: Any, path: str) -> Optional[int]:
@@ -126,7 +148,7 @@ def load_recovery_point(strategy: "DistCheckpointStrategy", marker: str, fitting
 def load_model_parallel_recovery(strategy: "DistCheckpointModelParallelStrategy", marker: str) -> Dict[str, Any]:
     """Collective, after setup (DistCheckpointModelParallelStrategy restores there): the agreed point
     read into the model's and optimizers' DTensors; returns the rest of the checkpoint."""
-    from .model_parallel import put_value, value_at  # it imports this module
+    from .model_parallel import drop_unsaved_states, put_value, value_at  # it imports this module
 
     tier, point = agree_on_point(strategy, marker)
     if point.source == "durable":
@@ -135,7 +157,13 @@ def load_model_parallel_recovery(strategy: "DistCheckpointModelParallelStrategy"
     optimizers = strategy._raw_optimizers()
     dtensors: Dict[Any, Any] = {}
     template = build_on_all_ranks(f"load of local step {point.step}", lambda: strategy.template(optimizers, dtensors))
-    loaded = dict(tier_load(strategy, tier, template, point))
+
+    def adjust(template: Dict[str, Any], stored: Any) -> None:  # as the durable load does (a non-strict one)
+        entries = [("optimizer_states", i) for i in range(len(template.get("optimizer_states", [])))]
+        drop_unsaved_states(template, entries, stored, dtensors)
+
+    fits = strategy._strict_handling().skips_unexpected
+    loaded = dict(tier_load(strategy, tier, template, point, adjust=adjust if fits else None))
     loaded.pop(MANIFEST_KEY, None)
     for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
         put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))
@@ -147,7 +175,7 @@ def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier,
     """Collective: the module's shards of a local point read in place, every other entry whole; the
     optimizer state deferred (:class:`DeferredTierOptimizerStates`) when restoring optimizers."""
     template = build_on_all_ranks(f"load of local step {point.step}", lambda: {"state_dict": strategy._model_ssd()})
-    checkpoint = dict(tier_load(strategy, tier, template, point))
+    checkpoint = dict(tier_load(strategy, tier, template, point, keep=lambda key: not is_optimizer_key(key)))
     point = tier.last_point or point  # another step where every local copy of this one was damaged
     checkpoint.pop(MANIFEST_KEY, None)
     stored = checkpoint.pop(OPTIMIZER_ENTRY, None)

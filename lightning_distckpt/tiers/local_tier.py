@@ -32,7 +32,8 @@ from lightning_distckpt.tiers.node_store import NodeLocalStore
 from lightning_distckpt.tiers.nodes import gather_nodes
 from lightning_distckpt.tiers.options import RecoveryPoint, TierOptions
 from lightning_distckpt.tiers.private_root import ensure_private_root
-from lightning_distckpt.tiers.recover import ReadyCopy, load_local, recoverable
+from lightning_distckpt.reading.shared_source import SharedCopy
+from lightning_distckpt.tiers.recover import Prepare, ReadyCopy, load_local, prepared, recoverable
 from lightning_distckpt.tiers.root_lock import RootClaim, claim_root
 
 logger = logging.getLogger(__name__)
@@ -224,7 +225,8 @@ class LocalTier:
         point, self._holdings, self._durable = recoverable(self._ctx, durable)
         return point
 
-    def load(self, sharded_state_dict: Dict[str, Any], point: RecoveryPoint, **load_kwargs: Any) -> Dict[str, Any]:
+    def load(self, sharded_state_dict: Dict[str, Any], point: RecoveryPoint, *, prepare: Optional[Prepare] = None,
+             **load_kwargs: Any) -> Dict[str, Any]:
         """Collective. Loads ``point`` as ``lightning_distckpt.load`` would (same return value, common
         state included, same resharding): from the durable checkpoint for a durable point; else after
         completing this node's copy from the partners' (over torch.distributed), from this node's local
@@ -233,7 +235,11 @@ class LocalTier:
         A local copy failing its checksums as it is read is not used (WARNING naming it): the load falls
         back, agreed by every rank, to another copy of the step; for the first load after
         :meth:`recoverable`, else to the newest step still recoverable (an older local one, or a durable
-        checkpoint it was given). :attr:`last_point` says which point was read."""
+        checkpoint it was given). :attr:`last_point` says which point was read.
+
+        ``prepare(source)``, before each read, on every rank (agreed): given the opened checkpoint about to be
+        read, it may fit the template to the keys it stores (in place) and returns the source to read (it, or a
+        view of it); not with ``key_map`` / ``storage``, which choose how the load opens it."""
         from lightning_distckpt.serialization import load
 
         self._check_open()
@@ -241,16 +247,19 @@ class LocalTier:
             raise ArgumentTypeError(f"LocalTier.load: point must be a RecoveryPoint, got {type(point).__name__}")
         if "process_group" in load_kwargs:
             raise ArgumentError("LocalTier.load: the tier's process_group is used; do not pass one")
+        if prepare is not None and {"key_map", "storage"} & set(load_kwargs):
+            raise ArgumentError("LocalTier.load: prepare is not taken with key_map or storage")
         self.wait()
         self._room_step = None
         if point.source == "durable":
             self.last_point = point
-            return load(sharded_state_dict, point.path, process_group=self.process_group, **load_kwargs)
+            target: Any = point.path if prepare is None else prepared(self._ctx, SharedCopy(point.path), prepare)
+            return load(sharded_state_dict, target, process_group=self.process_group, **load_kwargs)
         holdings, self._holdings = self._holdings, None  # stale once a load completed this node's copy
         # Only the first load after recoverable() may fall back to another step: nothing was restored yet.
         durable = self._durable if holdings is not None else None
         out, self.last_point = load_local(self._ctx, point, sharded_state_dict, self.process_group, load_kwargs,
-                                          self._ready, holdings, durable)
+                                          self._ready, holdings, durable, prepare)
         return out
 
     def close(self) -> None:

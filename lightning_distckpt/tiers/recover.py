@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Set, Tuple
 
 from lightning_distckpt.core.errors import ArgumentError, CheckpointingError, IncompleteCheckpointError
 from lightning_distckpt.reading.shared_source import SharedCopy
@@ -43,6 +43,9 @@ from lightning_distckpt.tiers.options import RecoveryPoint
 logger = logging.getLogger(__name__)
 
 EVERY_RANK = "every_rank"
+#: A caller's step before each read of a point (:func:`prepared`): given the opened checkpoint, it may adjust the
+#: template in place for what the checkpoint stores and returns the source to read (it, or a view of it).
+Prepare = Callable[[Any], Any]
 Durable = List[Tuple[int, str]]  # (step, location) of durable checkpoints
 #: Load failures that say the request does not fit the checkpoint, never that its bytes are damaged.
 NOT_DAMAGE = frozenset({"MissingKeysError", "ArgumentError", "ArgumentTypeError", "ConfigError"})
@@ -173,8 +176,8 @@ def _local_copy(ctx: TierContext, step: int, template: Dict[str, Any], ready: Di
 
 def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[str, Any],
                process_group: Any, load_kwargs: Dict[str, Any], ready: Dict[int, ReadyCopy],
-               holdings: Optional[List[StepInfo]] = None,
-               durable: Optional[Durable] = None) -> Tuple[Any, RecoveryPoint]:
+               holdings: Optional[List[StepInfo]] = None, durable: Optional[Durable] = None,
+               prepare: Optional[Prepare] = None) -> Tuple[Any, RecoveryPoint]:
     """Collective: complete this node's copy of ``point`` (unless ``ready`` says an earlier load of it
     did: then it is remembered there), then the ordinary load from it; returns what the load returns
     and the point it read. ``holdings``: those :func:`recoverable` just gathered (the same on every
@@ -184,18 +187,22 @@ def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[
     checked (:func:`.damage.find_damage`); with damaged ones found, the holdings are listed again without
     them and the load retried: the same step from another copy, else (only with ``durable``, the first
     load after :func:`recoverable`: nothing of the point was restored yet) the newest step still
-    recoverable, local or durable. Without damage found, the load's own error is raised."""
+    recoverable, local or durable. Without damage found, the load's own error is raised. ``prepare``: see
+    :func:`prepared`, before each read (of another point too, after damage)."""
     from lightning_distckpt.serialization import load
 
     every_rank = load_kwargs.get("loader", EVERY_RANK) == EVERY_RANK
     seen: Set[Tuple[str, str, int, Optional[str]]] = set()  # (node, step directory, writer, fetched from)
     while True:
         if point.source == "durable":
-            return load(sharded_state_dict, point.path, process_group=process_group, **load_kwargs), point
+            durable_target: Any = point.path if prepare is None else prepared(ctx, SharedCopy(point.path), prepare)
+            return load(sharded_state_dict, durable_target, process_group=process_group, **load_kwargs), point
         copy = _local_copy(ctx, point.step, sharded_state_dict, ready, holdings, every_rank)
+        # The copy's shared opener: the parts of a restore open it and unpickle its common state once.
+        target: Any = copy.opened if not {"key_map", "storage"} & set(load_kwargs) else copy.path
         try:
-            # The copy's shared opener: the parts of a restore open it and unpickle its common state once.
-            target: Any = copy.opened if not {"key_map", "storage"} & set(load_kwargs) else copy.path
+            if prepare is not None:  # before the load: the template it reads into may change. Agreed, and
+                target = prepared(ctx, copy.opened, prepare)  # a copy too damaged to open falls back below
             out = load(sharded_state_dict, target, process_group=process_group,
                        **{"loader": EVERY_RANK, **load_kwargs})
             return out, point
@@ -213,6 +220,28 @@ def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[
         seen |= new
         holdings = gather_holdings(ctx)  # listed again: the damaged stores' notes are gone
         point = _next_point(ctx, point, holdings, durable, damage, error)
+
+
+class _Prepared(SharedCopy):
+    """A load's target already opened, as the caller's ``prepare`` chose it."""
+
+    def __init__(self, path: str, source: Any) -> None:
+        super().__init__(path)
+        self._opened = source
+
+
+def prepared(ctx: TierContext, opened: SharedCopy, prepare: Prepare) -> SharedCopy:
+    """Collective: ``prepare`` of the opened checkpoint (the load's target); where it fails on any rank, every
+    rank raises it, before anything is read. So a restore treats a point as a durable restore treats its
+    checkpoint (the template fitted to the stored keys, a part's view of them) before the load plans."""
+    source: Any = None
+    error: Optional[Exception] = None
+    try:
+        source = prepare(opened())
+    except Exception as e:  # agreed below: no rank enters the load alone
+        error = e
+    ctx.comm.agree(f"local tier: preparing the load of {opened.path} failed", error)
+    return _Prepared(opened.path, source)
 
 
 def _next_point(ctx: TierContext, point: RecoveryPoint, holdings: List[StepInfo], durable: Optional[Durable],
