@@ -44,7 +44,8 @@ from .storage import commit as commit_mod
 from .core.format_versions import FORMAT_VERSION
 from .storage.layout import COMMON_FILE
 from .storage.outputs import check_output
-from .storage.output_files import check_torch_file_target, open_new, write_file_atomic
+from .storage.output_files import check_torch_file_target, make_dirs, open_new, remove_made_dirs, \
+    write_file_atomic
 from .storage.paths import checkpoint_location, local_path
 from .storage.save_token import TOKEN_FIELD
 from .storage.stores import open_store
@@ -216,12 +217,16 @@ def save_file_atomic(payload: Any, destination: str, progress: Optional[Progress
                 set_total(progress, tensor_bytes(payload))
             torch.save(payload, f if progress is None else _CountingFile(f, progress))
 
+    made: List[str] = []
     try:
-        os.makedirs(os.path.dirname(destination), exist_ok=True)  # as the directory outputs do
+        made = make_dirs(os.path.dirname(destination))  # as the directory outputs do
         write_file_atomic(destination, write, check_torch_file_target)
+        made = []  # they hold the output now
         commit_mod.fsync_dir(os.path.dirname(destination))
     except OSError as e:  # no such directory, a file in the way, permissions, a full disk
         raise CheckpointingError(f"{destination}: cannot write the torch.save output: {e.strerror or e}") from e
+    finally:
+        remove_made_dirs(made)  # failed or interrupted (Ctrl-C, SIGTERM): no empty folders left on the way
     return os.path.getsize(destination)
 
 

@@ -38,7 +38,7 @@ from ..reading.formats.dcp_metadata import read_metadata
 from ..reading.formats.megatron import COMMON_NAME, CONFIG_NAME, megatron_config
 from ..progress import Progress, advance, set_total
 from ..storage.swap import swap_into_place
-from ..storage.output_files import temp_name
+from ..storage.output_files import make_dirs, remove_made_dirs, temp_name
 from ..storage.safe_pickle import write_file_durable
 from .select import selection
 from .tensors import (LIGHTNING_MANIFEST_KEY, MODULE_ENTRY, ExportTensor, add_meta_placeholders, export_arguments,
@@ -172,9 +172,9 @@ def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[i
 
     _check_target(out)
     set_total(progress, sum(t.nbytes for t in by_id.values()))
-    staging, made = temp_name(out), False
+    staging, made, parents = temp_name(out), False, []
     try:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
+        parents = make_dirs(os.path.dirname(out))  # taken back below if the export does not complete
         # made here, empty, under a random name (mkdir fails on anything already there, a link included):
         # DCP's writer never writes through a link or into a directory someone planted at a guessable name
         os.mkdir(staging)
@@ -187,6 +187,7 @@ def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[i
         for name, data in (extra_files or {}).items():
             write_file_durable(os.path.join(staging, name), data)
         _swap_in(staging, out)
+        parents = []
     except CheckpointingError:
         raise
     except CheckpointException as e:  # a BaseException wrapping what failed inside dcp.save
@@ -199,6 +200,7 @@ def write_dcp_dir(source: CheckpointSource, state: Dict[str, Any], by_id: Dict[i
     finally:
         if made and os.path.isdir(staging) and not os.path.islink(staging):  # ours, not yet swapped in
             shutil.rmtree(staging)
+        remove_made_dirs(parents)  # failed or interrupted (Ctrl-C, SIGTERM): no empty folders on the way left
 
 
 def to_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,

@@ -7,12 +7,15 @@ and written, then dropped, so memory holds about one shard (``max_shard_size``; 
 single tensor is larger). Which tensors go in which file, and which rank writes each file, is a pure
 function of the sorted names and sizes (:func:`plan_files`, :func:`assign_files`), the same on every
 rank; inside a process group each rank writes its own files, ``Comm.agree`` confirms that all were
-written, and rank 0 writes the index last. Each file appears atomically (temporary name, fsync,
-rename). Only files this library wrote are replaced or removed (:mod:`.hf_owned`: our files and
-index carry a mark): another model's file in the way is an ArgumentError, before anything is
-written. Our files of an earlier export that the new one does not name are removed after the index
-is written; a reader during the export may see a mix of old and new files. An earlier index naming
-a file the export overwrites is removed first, so a failed export leaves no index over such a mix.
+written, and rank 0 writes the index last. Every file (index and config too) is written under a
+temporary name and fsync'd, and renamed into place only once every rank has written all of its own:
+an export that fails or is interrupted (Ctrl-C, the command line's SIGTERM) before then replaces
+nothing, and removes its temporary files and the output directory if it made it. Only files this
+library wrote are replaced or removed (:mod:`.hf_owned`: our files and index carry a mark): another
+model's file in the way is an ArgumentError, before anything is written. Our files of an earlier
+export that the new one does not name are removed after the index is in place; a reader during the
+renames may see a mix of old and new files. An earlier index naming a file the export overwrites is
+removed before the renames, so an export failing among them leaves no index over such a mix.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from ..reading.formats import KeyMap
 from ..reading.formats.safetensors_header import DTYPES
 from ..storage.commit import fsync_dir
-from ..storage.output_files import open_new, write_file_atomic
+from ..storage.output_files import make_dirs, open_new, remove_temp, temp_name
+from .placing import Placing
 from ..storage.safetensors_crcs import crc_metadata
 from ..progress import Progress, advance, set_total
 from .hf_owned import CONFIG_FILE, FILE_METADATA, INDEX_FILE, SHARD_NAME, SINGLE_FILE, index_files, index_json, \
@@ -148,7 +152,17 @@ def _read_batches(tensors: Sequence[ExportTensor]) -> List[List[ExportTensor]]:
     return batches
 
 
-def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile], progress: Optional[Progress] = None) -> None:
+@dataclass
+class _Plan:
+    """What every rank agreed to write."""
+
+    source: Any
+    files: List[ShardFile]
+    stale: List[str]
+    config_text: Optional[bytes]
+
+
+def _write_files(source: Any, job: Placing, files: Sequence[ShardFile], progress: Optional[Progress] = None) -> None:
     from safetensors import SafetensorError  # its own I/O errors (a full disk) are no OSError
     from safetensors.torch import save_file
 
@@ -160,11 +174,10 @@ def _write_files(source: Any, out_dir: str, files: Sequence[ShardFile], progress
             tensors.update(read_whole(source, batch, reader))
             advance(progress, sum(t.nbytes for t in batch))
         try:
-            write_file_atomic(os.path.join(out_dir, f.name),
-                              functools.partial(save_file, tensors,
+            job.write(f.name, functools.partial(save_file, tensors,
                                                 metadata={**FILE_METADATA, **crc_metadata(tensors)}))
         except (OSError, SafetensorError) as e:
-            raise CheckpointingError(f"{os.path.join(out_dir, f.name)}: cannot write ({e})") from e
+            raise CheckpointingError(f"{os.path.join(job.out, f.name)}: cannot write ({e})") from e
         logger.debug("wrote %s: %d tensor(s), %d bytes", f.name, len(f.tensors), f.nbytes)
 
 
@@ -173,30 +186,46 @@ def _output_names(files: Sequence[ShardFile]) -> List[str]:
     return [f.name for f in files] + ([INDEX_FILE] if len(files) > 1 else [])
 
 
-def _drop_overwritten_index(out_dir: str, files: Sequence[ShardFile]) -> None:
-    """Rank 0, before any file is written: remove our index of an earlier export when this export
-    overwrites a file it lists. Left in place, an export failing midway (a full disk, a killed rank)
-    would leave that index naming a mix of new and old files, which transformers loads without a word;
-    without it the directory is visibly incomplete. (An index naming none of the new files stays: the
-    earlier export is still whole if this one fails.)"""
-    listed = index_files(out_dir)  # plan_replace refused an index that is not ours
+def _drop_overwritten_index(job: Placing, files: Sequence[ShardFile]) -> None:
+    """Rank 0, once every file is written and before any is renamed into place: move our index of an
+    earlier export aside (a hidden name ``clean`` knows) when this export overwrites a file it lists.
+    Left in place, an export failing midway (a full disk, a killed rank) would leave that index naming
+    a mix of new and old files, which transformers loads without a word; without it the directory is
+    visibly incomplete. An export stopped before its first rename puts it back (:meth:`.placing.Placing.take_back`);
+    one that completes removes it. (An index naming none of the new files stays: the earlier export is
+    still whole if this one fails.)"""
+    listed = index_files(job.out)  # plan_replace refused an index that is not ours
     if listed and listed & {f.name for f in files}:
-        os.remove(os.path.join(out_dir, INDEX_FILE))
-        fsync_dir(out_dir)
-        logger.info("%s: removed %s of an earlier export before overwriting its files", out_dir, INDEX_FILE)
+        index = os.path.join(job.out, INDEX_FILE)
+        aside = temp_name(index, "old")
+        job.aside = aside  # noted first: an interrupt right after the rename still puts it back
+        os.rename(index, aside)
+        fsync_dir(job.out)
+        logger.info("%s: moved %s of an earlier export aside before overwriting its files", job.out, INDEX_FILE)
 
 
-def _write_index(out_dir: str, files: Sequence[ShardFile], stale: Sequence[str]) -> None:
-    """Rank 0, after every file is written: the index (when sharded), then our ``stale`` files of an
-    earlier export removed (:func:`~.hf_owned.plan_replace` found them before anything was written)."""
+def _write_extras(plan: _Plan, job: Placing) -> None:
+    """Rank 0, beside its shard files: the index (when sharded) and ``config.json``, under temporary names."""
+    files = plan.files
     if len(files) > 1:
         text = index_json(sum(f.nbytes for f in files), {t.name: f.name for f in files for t in f.tensors})
-        write_file_atomic(os.path.join(out_dir, INDEX_FILE), lambda tmp: _write_text(tmp, text))
+        job.write(INDEX_FILE, lambda tmp: _write_text(tmp, text))
+    config_text = plan.config_text
+    if config_text is not None:
+        job.write(CONFIG_FILE, lambda tmp: _write_bytes(tmp, config_text))
+
+
+def _remove_stale(out_dir: str, stale: Sequence[str], aside: Optional[str]) -> None:
+    """Rank 0, after the index is in place: our ``stale`` files of an earlier export removed
+    (:func:`~.hf_owned.plan_replace` found them before anything was written), and the earlier index
+    moved ``aside``."""
     for n in sorted(stale, key=lambda n: n != INDEX_FILE):  # an old index first: it names old files
         if n == INDEX_FILE and not os.path.lexists(os.path.join(out_dir, n)):
-            continue  # removed already by _drop_overwritten_index
+            continue  # moved aside by _drop_overwritten_index
         os.remove(os.path.join(out_dir, n))
         logger.info("%s: removed %s of an earlier export", out_dir, n)
+    if aside is not None:
+        remove_temp(aside)
     fsync_dir(out_dir)
 
 
@@ -238,19 +267,34 @@ def to_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str
     t0 = time.perf_counter()
     out = export_arguments(out_dir, key_map, extra_safe_globals)
     comm = get_comm(process_group)
+    job = Placing(out)
+    try:
+        plan = _plan_export(checkpoint, job, comm, max_shard_size, key_map, extra_safe_globals, only, include, config)
+        _write_export(plan, job, comm, progress)
+        _place_export(plan, job, comm)
+    except BaseException:  # failed or interrupted (Ctrl-C, SIGTERM): nothing replaced, no new file left
+        job.take_back()
+        raise
+    files = plan.files
+    return ConvertReport(plan.source.path, out, "safetensors", sum(len(f.tensors) for f in files), 0,
+                         sum(f.nbytes for f in files), time.perf_counter() - t0)
+
+
+def _plan_export(checkpoint: Any, job: Placing, comm: Any, max_shard_size: Union[int, str], key_map: KeyMap,
+                 extra_safe_globals: Sequence[Any], only: Optional[str], include: Sequence[str],
+                 config: Any) -> _Plan:
+    """Every rank's plan of the files, agreed (the same on every rank) before any rank writes one;
+    rank 0 makes the output directory."""
+    out = job.out
     error: Optional[BaseException] = None
-    files: List[ShardFile] = []
-    stale: List[str] = []
+    plan: Optional[_Plan] = None
     digest = ""
-    source_path = ""
-    config_text: Optional[bytes] = None
     try:
         limit = parse_size(max_shard_size)
         select = selection(only, include)
         config_text = read_config(config, out) if config is not None else None
         # an input inside out_dir is safe unless it is a file this export replaces or removes
         source = open_source(checkpoint, out, replaced=_replaced_name)
-        source_path = source.path
         tensors = export_tensors(source, key_map, extra_safe_globals, select=select)
         _refuse_dtypes(tensors, source.path, out)
         if not tensors:
@@ -259,33 +303,58 @@ def to_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str
         files = plan_files(tensors, limit)
         digest = _plan_digest(files)
         stale = sorted(plan_replace(out, _output_names(files)))  # nothing but our own files replaced
-        os.makedirs(out, exist_ok=True)
         if comm.rank == 0:
-            _drop_overwritten_index(out, files)
+            job.made = make_dirs(out)
+        plan = _Plan(source, files, stale, config_text)
     except Exception as e:  # agreed below: every rank raises it, none waits
         error = e
-    # agreed before any rank writes a file: the ranks' plans match, and an old index naming files
-    # about to be overwritten is gone (a rank writing first, rank 0 dying, would leave it over a mix)
-    digests = comm.agree(f"export_safetensors to {out}: planning the shard files", error, digest)
-    if len(set(digests)) > 1:
+    agreed = comm.agree(f"export_safetensors to {out}: planning the shard files", error, (digest, bool(job.made)))
+    if len({d for d, _ in agreed}) > 1:
         raise CheckpointingError(f"export_safetensors to {out}: the ranks planned different files "
                                  f"(different checkpoints or key_map?)")
-    error = None
+    job.fresh = agreed[0][1]  # rank 0 made the directory: everything in it is this export's
+    assert plan is not None
+    return plan
+
+
+def _write_export(plan: _Plan, job: Placing, comm: Any, progress: Optional[Progress]) -> None:
+    """Each rank writes its files under temporary names (rank 0 the index and config too); then rank 0
+    removes an earlier index naming files about to be replaced (a rank renaming first, rank 0 dying,
+    would leave it over a mix)."""
+    error: Optional[BaseException] = None
     try:
-        writers = assign_files(files, comm.size)
-        _write_files(source, out, [f for f, w in zip(files, writers) if w == comm.rank], progress)
+        writers = assign_files(plan.files, comm.size)
+        _write_files(plan.source, job, [f for f, w in zip(plan.files, writers) if w == comm.rank], progress)
+        if comm.rank == 0:
+            _write_extras(plan, job)
     except Exception as e:  # agreed below: every rank raises it, none waits
         error = e
-    comm.agree(f"export_safetensors to {out}: writing the shard files", error)
+    comm.agree(f"export_safetensors to {job.out}: writing the shard files", error)
     error = None
     if comm.rank == 0:
         try:
-            _write_index(out, files, stale)
-            if config_text is not None:
-                write_file_atomic(os.path.join(out, CONFIG_FILE), lambda tmp: _write_bytes(tmp, config_text))
+            _drop_overwritten_index(job, plan.files)
         except OSError as e:
-            error = CheckpointingError(f"{out}: cannot write {INDEX_FILE} or {CONFIG_FILE} ({e})")
-    comm.agree(f"export_safetensors to {out}: writing the index", error)
-    total = sum(f.nbytes for f in files)
-    return ConvertReport(source_path, out, "safetensors",
-                         sum(len(f.tensors) for f in files), 0, total, time.perf_counter() - t0)
+            error = CheckpointingError(f"{job.out}: cannot remove the earlier {INDEX_FILE} ({e})")
+    comm.agree(f"export_safetensors to {job.out}: removing the earlier index", error)
+
+
+def _place_export(plan: _Plan, job: Placing, comm: Any) -> None:
+    """Every rank renames its files into place; then rank 0 its index and config (after every shard
+    file: readers follow the index), and removes our stale files of an earlier export."""
+    error: Optional[BaseException] = None
+    job.renaming = True  # from here any rank may rename: the earlier index is not put back (it would name a mix)
+    try:
+        job.place([n for n in (f.name for f in plan.files) if os.path.join(job.out, n) in job.temps])
+    except OSError as e:
+        error = CheckpointingError(f"{job.out}: cannot rename the written files into place ({e})")
+    comm.agree(f"export_safetensors to {job.out}: renaming the shard files into place", error)
+    error = None
+    if comm.rank == 0:
+        try:
+            job.place([n for n in (INDEX_FILE, CONFIG_FILE) if os.path.join(job.out, n) in job.temps])
+            _remove_stale(job.out, plan.stale, job.aside)
+        except OSError as e:
+            error = CheckpointingError(f"{job.out}: cannot write {INDEX_FILE} or {CONFIG_FILE} ({e})")
+    comm.agree(f"export_safetensors to {job.out}: writing the index", error)
+    job.done = True

@@ -301,7 +301,9 @@ class DistCheckpointIO(CheckpointIO):
         """Finish a background save; raises its error. Collective when the pending save was collective.
 
         Removals deferred during the save run after it committed; if it failed they are dropped,
-        so the previous checkpoints survive."""
+        so the previous checkpoints survive. Interrupted (Ctrl-C) before the save's outcome is known,
+        the save stays pending and the removals deferred, for the next wait (Lightning's teardown after
+        the interrupt): neither is forgotten."""
         removals, self._deferred_removals = self._deferred_removals, []
         if self._pending is not None:
             pending, self._pending = self._pending, None
@@ -310,6 +312,11 @@ class DistCheckpointIO(CheckpointIO):
             except CheckpointingError:
                 if pending.checkpoint_dir and (not dist.is_initialized() or dist.get_rank() == 0):
                     repoint_last_links(pending.checkpoint_dir)  # save_last="link" linked it when it was issued
+                raise
+            except BaseException:
+                if not pending.finalized:  # interrupted while waiting for the writes: the outcome is still to come
+                    self._pending = pending
+                    self._deferred_removals = removals + self._deferred_removals
                 raise
         for target in removals:
             self.remove_checkpoint(target)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -68,10 +69,26 @@ def _beside(side: Callable[[], None], main: Callable[[], int]) -> int:
     try:
         result = main()
     finally:
-        side_error = pending.exception()  # waits: no blob is still being written when this returns
+        side_error = _outcome(pending)  # waits: no blob is still being written when this returns
     if side_error is not None:
         raise side_error
     return result
+
+
+def _outcome(pending: "Future[None]") -> Optional[BaseException]:
+    """``pending``'s error once it has ended, waiting through Ctrl-C (raised after the wait): an
+    interrupt that ended the wait early let the save return, and a single-process save remove its
+    staging directory, while the side thread still wrote rank 0's blobs into it."""
+    interrupt: Optional[BaseException] = None
+    while True:
+        try:
+            error = pending.exception()
+            break
+        except KeyboardInterrupt as e:  # the command line's SIGTERM too (cli/main.py): still waits
+            interrupt = interrupt or e
+    if interrupt is not None:
+        raise interrupt
+    return error
 
 
 def _rank0_files(prep: PreparedSave) -> List[Tuple[str, bytes]]:

@@ -21,8 +21,8 @@ from . import commit as commit_mod
 from . import staging
 from .committed import describe_missing
 from .integrity import check_writer_store, store_bytes
-from .layout import (COMMON_FILE, DATA_DIR, FILE_CAPS, METADATA_FILE, MetadataFile, is_checkpoint_dir, is_committed,
-                     is_rank_dir_name, open_metadata, rank_dir)
+from .layout import (COMMIT_MARKER, COMMON_FILE, DATA_DIR, FILE_CAPS, METADATA_FILE, MetadataFile, is_checkpoint_dir,
+                     is_committed, is_rank_dir_name, open_metadata, rank_dir)
 from .options import StorageOptions
 from .output_files import is_torch_archive
 from .paths import MARKER_CAP, TreeStats, holds_nothing, kind_of, local_location, read_inside, refuse_link, scan_tree
@@ -30,6 +30,21 @@ from .safe_pickle import write_file_durable
 from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 
 logger = logging.getLogger(__name__)
+
+
+def _remove_dir(target: str) -> None:
+    """Remove a checkpoint directory so that no step of it leaves a directory that says committed: the
+    marker first, then the directory renamed to a staging name (the name is free at once) and removed.
+    Interrupted (Ctrl-C in ``ModelCheckpoint``'s top-k removal), ``shutil.rmtree`` alone left a directory
+    whose ``COMMITTED`` outlived some of its data: "committed (complete)" to ``inspect``, damaged to a load.
+    What is left now is an uncommitted staging directory, which ``clean`` removes."""
+    try:
+        os.remove(os.path.join(target, COMMIT_MARKER))
+    except FileNotFoundError:  # an empty directory, an incomplete one
+        pass
+    aside = staging.new_staging_dir(target)
+    os.rename(target, aside)
+    shutil.rmtree(aside)
 
 
 def removable(path: str) -> bool:
@@ -209,7 +224,7 @@ class LocalStore(CheckpointStore):
             raise ArgumentError(f"remove {target}: not a checkpoint of ours nor a torch.save file (what is there "
                                 "would be lost); leaving it as it is")
         elif os.path.isdir(target):
-            shutil.rmtree(target)
+            _remove_dir(target)
         else:
             os.remove(target)
         return True

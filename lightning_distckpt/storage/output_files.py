@@ -15,7 +15,7 @@ import os
 import secrets
 import stat
 import zipfile
-from typing import Any, BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Callable, List, Optional
 
 from ..core.errors import ArgumentError
 
@@ -40,9 +40,24 @@ def write_file_atomic(path: str, write: Callable[[str], Any], check: Optional[Ca
     """``write(tmp)`` into a new temporary file beside ``path``, fsync, then rename it to ``path``;
     the temporary file is removed on failure. ``check(path)``, when given, runs right before the
     rename (what is at ``path`` may have changed since the caller first looked) and raises to keep
-    it. The file gets the mode a new file gets here (``0o666`` less the umask, as ``torch.save``'s
-    and ``save_pretrained``'s files): safetensors replaces the file it writes with a ``0600`` one,
-    so the mode of the temporary file as created is put back. OSError is the caller's to name."""
+    it. The file's mode: see :func:`write_temp`. OSError is the caller's to name."""
+    tmp = write_temp(path, write)
+    try:
+        if check is not None:
+            check(path)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_temp(tmp)
+        raise
+
+
+def write_temp(path: str, write: Callable[[str], Any]) -> str:
+    """``write(tmp)`` into a new temporary file beside ``path``, fsync'd; returns its name, for the
+    caller to rename to ``path`` (an export renames its files only once all are written, so an
+    interrupted one replaces nothing) or to remove. Removed here on failure (Ctrl-C included). The
+    file gets the mode a new file gets here (``0o666`` less the umask, as ``torch.save``'s and
+    ``save_pretrained``'s files): safetensors replaces the file it writes with a ``0600`` one, so the
+    mode of the temporary file as created is put back."""
     tmp = temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666)
     try:
@@ -59,13 +74,39 @@ def write_file_atomic(path: str, write: Callable[[str], Any], check: Optional[Ca
             os.fsync(fd)
         finally:
             os.close(fd)
-        if check is not None:
-            check(path)
-        os.replace(tmp, path)
     except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
+        remove_temp(tmp)
         raise
+    return tmp
+
+
+def remove_temp(tmp: str) -> None:
+    """Remove the temporary file ``tmp`` of :func:`write_temp` if it is still there (never a link's target)."""
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+
+
+def make_dirs(path: str) -> List[str]:
+    """``os.makedirs(path, exist_ok=True)``; returns the directories it made, deepest first, for
+    :func:`remove_made_dirs` to take back when what was to be written there was not: an interrupted
+    export leaves no empty directory at its output's name (nor empty parents)."""
+    missing: List[str] = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        missing.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(os.path.abspath(path), exist_ok=True)  # abspath: "" (the working directory) is no error
+    return missing
+
+
+def remove_made_dirs(made: List[str]) -> None:
+    """Remove the directories :func:`make_dirs` made, deepest first, while they are empty (``rmdir``:
+    anything put there since, by anyone, keeps its directory and those above it)."""
+    for d in made:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
 
 
 def check_torch_file_target(path: str) -> None:
