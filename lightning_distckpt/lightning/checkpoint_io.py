@@ -49,7 +49,7 @@ from ..saving.save import SavePlanCache, prepare_save, write_and_commit
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, unknown_argument
 from .last_link import repoint_last_links
 from .fabric_checkpoint import fabric_checkpoint
-from .foreign import checkpoints_inside, foreign_advice, foreign_writer
+from .foreign import checkpoints_inside, foreign_advice, foreign_writer, refuse_file_inside
 from .restore_source import RestoreSource
 from .stock import open_torch_file, tensors_metadata
 from .tree import (KIND_MODEL_PARALLEL, KIND_PLAIN, KIND_SHARDED, MANIFEST_KEY, manifest, plain_to_sharded,
@@ -165,6 +165,7 @@ class DistCheckpointIO(CheckpointIO):
         finish_saves_to(target)  # a background save of this process (another plugin's) commits first
         kind: Optional[str] = None
         if os.path.isfile(target):  # a stock Lightning / Fabric torch.save file, read safely
+            refuse_file_inside(target)
             state = load_file(target, self.extra_safe_globals)
             check_torch_payload(target, state)  # no meta / sparse tensor handed out as data
         else:
@@ -199,6 +200,7 @@ class DistCheckpointIO(CheckpointIO):
         holds: its common state is read once too."""
         target = checkpoint_location(path, "path")
         finish_saves_to(target)
+        refuse_file_inside(target)
         opened = open_torch_file(target, self.extra_safe_globals)
         if opened is not None:  # the tensors' typed paths, which a re-keyed template needs, come with it
             return RestoreSource(*opened)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from ..core.errors import FormatError
 from ..reading.formats.detect import is_hf_model_directory
 from ..storage.committed import committed_inside
+from ..storage.inside import enclosing_checkpoint
 from .tree import KIND_PLAIN, KIND_SHARDED
 
 #: What to do with a checkpoint none of ours wrote.
@@ -60,3 +62,15 @@ def fabric_writer(kind: Optional[str]) -> str:
             KIND_PLAIN: "by fabric.save with DistCheckpointIO under a rank-0 strategy (stock DDP / single device)",
             KIND_SHARDED: "by fabric.save under FabricDistCheckpointStrategy"}.get(
                 kind, "by fabric.save under FabricDistCheckpointModelParallelStrategy")
+
+
+def refuse_file_inside(target: str) -> None:
+    """A file of one of our checkpoints is no checkpoint of its own: its ``common.pt`` is a ``torch.save``
+    file, of the common state alone, which read as a Lightning checkpoint failed on Lightning's
+    ``KeyError: 'state_dict'`` or on missing keys, saying nothing of the directory to pass."""
+    if not os.path.isfile(target):
+        return
+    found = enclosing_checkpoint(target)
+    if found is not None:
+        raise FormatError(f"{target} is a file of the checkpoint {found} (its {os.path.basename(target)}), not a "
+                          f"checkpoint of its own: pass that directory")

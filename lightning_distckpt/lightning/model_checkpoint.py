@@ -49,8 +49,10 @@ class DistModelCheckpoint(ModelCheckpoint):
 
     def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
         dirpath = None if self.dirpath is None else str(self.dirpath)
-        # \Z, not $ (which also matches before a final newline: "last.ckpt\n" is no name we save to)
-        last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-([0-9]+))?{re.escape(self.FILE_EXTENSION)}\Z")
+        # \Z, not $ (which also matches before a final newline: "last.ckpt\n" is no name we save to). The
+        # version counter names the next ones last-v1.ckpt, last-v2.ckpt (a ModelCheckpoint whose last.ckpt is
+        # another's: changed arguments, a second callback), which Lightning's own listing counts as last ones
+        last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-v?[0-9]+)?{re.escape(self.FILE_EXTENSION)}\Z")
         dirpath = dirpath if dirpath is not None else self._default_dir(trainer)
         # the store finishes interrupted commits of last*.ckpt, and lists what Lightning cannot (None: it can)
         found = None if dirpath is None else open_store(dirpath).last_checkpoints(self.CHECKPOINT_NAME_LAST, last)

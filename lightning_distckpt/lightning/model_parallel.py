@@ -59,7 +59,7 @@ from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import load_model_parallel_recovery
 from .snapshot_fence import BackgroundSnapshotMixin
 from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin
-from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest
+from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest, rank_zero_tensors
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,8 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
     def checkpoint_tree(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's tree for Lightning's ``checkpoint`` dict, built locally (no collective): the
         module's and optimizers' DTensor shards, the rest common state."""
-        tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        tree = rank_zero_tensors(rest, self.global_rank)  # rank 0's, as stock saves them
         for entry in ("state_dict", "optimizer_states"):
             if entry in checkpoint:
                 tree[entry] = shard_tree(checkpoint[entry], (entry,), self.global_rank, {})

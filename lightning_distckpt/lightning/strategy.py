@@ -32,7 +32,7 @@ from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin, TensorParall
 from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import DeferredTierOptimizerStates, load_recovery_point
 from .trainer_restore import DeferredOptimizerStates, load_before_setup, restore_after_setup
-from .tree import KIND_SHARDED, MANIFEST_KEY, manifest
+from .tree import KIND_SHARDED, MANIFEST_KEY, manifest, rank_zero_tensors
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,8 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSna
         :meth:`sharded_checkpoint` is the collective form that agrees on a failure): the module's and
         optimizers' shards, the rest common state."""
         model_ssd = self._model_ssd()
-        tree = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        tree = rank_zero_tensors(rest, self.global_rank)  # rank 0's, as stock saves them
         tree["state_dict"] = self._state_dict_to_save(checkpoint, model_ssd)
         if "optimizer_states" in checkpoint:
             tree["optimizer_states"] = self._optimizer_states(model_ssd)

@@ -19,7 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..core.errors import FormatError, ShardingError
-from ..core.mapping import ShardedTensor
+from ..core.mapping import LocalNonpersistentObject, ShardedTensor
+from ..core.plain_tensors import storable_key
 from ..core.tree_paths import Step, Steps, free_place, key_by_path, path_key, put_at, step_of, steps_from_json
 from ..core.tree_walk import copy_containers, fold, walk_paths
 from ..reading.plain_tensors import MAX_LIST_INDEX, MAX_PADDING
@@ -70,6 +71,26 @@ def plain_to_sharded(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
     # keyed by path, two leaves with one key refused (dict keys 0 and "0"); a dict under two keys is
     # converted at each; every container copied (the caller adds the manifest to the copy)
     return key_by_path(checkpoint, convert, "the checkpoint", types=TREE_TYPES, build=copy_containers)
+
+
+def rank_zero_tensors(rest: Dict[str, Any], rank: int) -> Dict[str, Any]:
+    """``rest``, the entries of a Lightning checkpoint besides the module's and optimizers' state, as
+    rank ``rank`` of a collective save gives them. Their plain tensors (callback scores, ...) would be
+    saved as replicated tensors keyed by their paths (:func:`~lightning_distckpt.core.plain_tensors.shard_tensors`),
+    written by whichever rank the plan picks; but each rank's Trainer holds its own values there (a metric
+    logged without ``sync_dist``: ``ModelCheckpoint.best_k_models`` keyed by file names made of it, its
+    scores, ``EarlyStopping.best_score``). Stock Lightning saves rank 0's checkpoint whole, so only rank 0
+    gives them: on the other ranks they are left out of the save (a rank-1 key was refused as a gap, a
+    rank-1 score was saved beside rank 0's paths)."""
+    if rank == 0:
+        return rest
+
+    def leave_out(steps: Steps, node: Any) -> Optional[LocalNonpersistentObject]:
+        # exactly the leaves shard_tensors would store as tensors; the rest is common state, rank 0's
+        stored = type(node) in (torch.Tensor, torch.nn.Parameter) and storable_key(steps, node) is not None
+        return LocalNonpersistentObject(node) if stored else None
+
+    return key_by_path(rest, leave_out, "the checkpoint")
 
 
 def whole_dtensor(key: str, dt: DTensor) -> torch.Tensor:
