@@ -33,7 +33,8 @@ from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import TensorParallelStrategyMixin
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys, tensors_metadata)
-from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest, template_from_manifest
+from .tree import (KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest, rank_zero_tensors,
+                   template_from_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
                     value = obj
                 if name in filter and not isinstance(obj, Module) and isinstance(value, dict):
                     value = {k: v for k, v in value.items() if filter[name](k, v)}
+                if not isinstance(obj, (Module, Optimizer)):  # its plain tensors rank 0's, as stock Fabric saves
+                    value = rank_zero_tensors({name: value}, self.global_rank)[name]  # them (they may differ)
                 tree[name] = value
             tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
             return tree

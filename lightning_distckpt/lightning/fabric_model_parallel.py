@@ -44,7 +44,7 @@ from .sharded import build_on_all_ranks, describe_source
 from .stock import tensors_metadata
 from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import DistCheckpointIOMixin
-from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest, template_from_manifest
+from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest, rank_zero_tensors, template_from_manifest
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,9 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
                     value = obj
                 if name in filter and isinstance(value, dict):
                     value = {k: v for k, v in value.items() if filter[name](k, v)}
+                # the rest's plain tensors rank 0's, as stock Fabric saves them (they may differ by rank)
                 tree[name] = shard_tree(value, (name,), self.global_rank, {}) if isinstance(obj, (Module, Optimizer)) \
-                    else value
+                    else rank_zero_tensors({name: value}, self.global_rank)[name]
             tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL)
             return tree
 
