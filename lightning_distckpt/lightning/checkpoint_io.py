@@ -51,6 +51,7 @@ from .last_link import repoint_last_links
 from .fabric_checkpoint import fabric_checkpoint
 from .foreign import checkpoints_inside, foreign_advice, foreign_writer, refuse_file_inside
 from .restore_source import RestoreSource
+from .slurm_requeue import is_requeue_save
 from .stock import open_torch_file, tensors_metadata
 from .tree import (KIND_MODEL_PARALLEL, KIND_PLAIN, KIND_SHARDED, MANIFEST_KEY, manifest, plain_to_sharded,
                    template_from_manifest, torch_optimizer_states)
@@ -147,7 +148,7 @@ class DistCheckpointIO(CheckpointIO):
         target = checkpoint_location(path, "path")
         tree = plain_to_sharded(checkpoint)
         tree[MANIFEST_KEY] = manifest(tree, KIND_PLAIN)
-        if self._in_background():
+        if self._in_background(target):
             self._snapshot_not_in_background()
             self._pending = self._async_saver().save(
                 tree, target, validate_access_integrity=self.config.validate_access_integrity, balance_writes=False,
@@ -240,7 +241,7 @@ class DistCheckpointIO(CheckpointIO):
             balance_writes=self.config.balance_writes,
             storage=self._storage(storage_options),
         )
-        if self._in_background():
+        if self._in_background(str(path)):
             if background_snapshot is False:  # the caller waits at no step
                 self._snapshot_not_in_background()
             # finalize() (collective) runs before the next save/load/teardown: on every rank at the same point
@@ -342,8 +343,13 @@ class DistCheckpointIO(CheckpointIO):
             logger.warning("background_snapshot: only our strategies copy in the background (they wait before "
                            "the optimizer step); this save copies before returning")
 
-    def _in_background(self) -> bool:
-        return self.config.async_save and self.background_saves
+    def _in_background(self, target: Optional[str] = None) -> bool:
+        """Whether a save (to ``target``) writes in the background: not Lightning's SLURM requeue checkpoint."""
+        background = self.config.async_save and self.background_saves
+        if background and target is not None and is_requeue_save(target):
+            logger.info("save to %s: Lightning's SLURM requeue checkpoint, written before the save returns", target)
+            return False
+        return background
 
     def _async_saver(self) -> AsyncSaver:
         if self._saver is None:
