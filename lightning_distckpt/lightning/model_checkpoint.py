@@ -23,13 +23,15 @@ system for it), and so does the connector's lookup: ``pip install s3fs``.
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from typing import Any, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ..core.errors import CheckpointingError
+from ..storage.layout import COMMIT_MARKER, parse_marker
 from ..storage.paths import checkpoint_location
 from ..storage.stores import open_store
 from .last_link import link_last
@@ -55,8 +57,9 @@ class DistModelCheckpoint(ModelCheckpoint):
         last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-v?[0-9]+)?{re.escape(self.FILE_EXTENSION)}\Z")
         dirpath = dirpath if dirpath is not None else self._default_dir(trainer)
         # the store finishes interrupted commits of last*.ckpt, and lists what Lightning cannot (None: it can)
-        found = None if dirpath is None else open_store(dirpath).last_checkpoints(self.CHECKPOINT_NAME_LAST, last)
-        return super()._find_last_checkpoints(trainer) if found is None else set(found)
+        store = None if dirpath is None else open_store(dirpath)
+        found = None if store is None else store.last_checkpoints(self.CHECKPOINT_NAME_LAST, last)
+        return super()._find_last_checkpoints(trainer) if found is None else set(_newest(store, found))
 
     def _default_dir(self, trainer: Any) -> Optional[str]:
         """Where ``ModelCheckpoint`` saves when no ``dirpath`` was given (its own private resolution)."""
@@ -81,3 +84,22 @@ class DistModelCheckpoint(ModelCheckpoint):
         if error is not None:
             raise CheckpointingError(f"ModelCheckpoint(save_last='link'): linking {linkpath} to {filepath} failed: "
                                      f"{error}")
+
+
+def _newest(store: Any, markers: List[str]) -> List[str]:
+    """Of the commit markers of several last checkpoints in an object store, the one its marker says was
+    committed last (``committed_unix``). Lightning compares the markers' modification times, whole seconds
+    on S3: two commits within a second tied, and Lightning took either. Where a marker cannot say, all of
+    them, for Lightning to choose as before (a load checks the one it picks)."""
+    when: Dict[str, float] = {}
+    for marker in markers if len(markers) > 1 else ():
+        checkpoint = marker[:-len(COMMIT_MARKER)].rstrip("/")
+        try:
+            raw = store.read_blob(checkpoint, COMMIT_MARKER)
+            value = None if raw is None else parse_marker(raw, marker).get("committed_unix")
+        except CheckpointingError:
+            return markers
+        if type(value) not in (int, float) or not math.isfinite(value):
+            return markers
+        when[marker] = float(value)
+    return [max(markers, key=lambda m: (when[m], m))] if when else markers
