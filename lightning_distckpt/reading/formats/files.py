@@ -41,7 +41,7 @@ class SafetensorsFile:
         self._file = open_model_file(path, "safetensors file", root)  # kept open: every read is from this file
         try:
             header = read_open_header(self._file, path)
-            self._mapped = _safe_open(path) if mapped else None
+            self._mapped = _safe_open(_same_file(self._file, path), path) if mapped else None
         except BaseException:
             self._file.close()
             raise
@@ -97,11 +97,18 @@ class SafetensorsFile:
         return out
 
 
-def _safe_open(path: str) -> Any:
+def _same_file(opened: Any, path: str) -> str:
+    """A name for the file ``opened`` (checked) itself: by name, ``path`` may name another file by now (a
+    rename over it, a link swapped), which safetensors would map unchecked. Linux's ``/proc/self/fd``."""
+    own = f"/proc/self/fd/{opened.fileno()}"
+    return own if os.path.exists(own) else path
+
+
+def _safe_open(name: str, path: str) -> Any:
     from safetensors import safe_open
 
     try:
-        return safe_open(path, framework="pt", device="cpu")
+        return safe_open(name, framework="pt", device="cpu")
     except Exception as e:  # SafetensorError (and Rust panics surfacing as exceptions)
         raise FormatError(f"{path}: cannot be read as safetensors: {type(e).__name__}: {e}") from None
 
