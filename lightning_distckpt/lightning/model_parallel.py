@@ -40,9 +40,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
 
+from ..comm import get_comm
 from ..core.dtensors import dtensor_key, dtensor_to_sharded, restore_dtensor
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedTensor
+from ..core.plain_tensors import shard_tensors
 from ..core.tree_walk import copy_containers, map_paths
 from ..optim.restore_checks import load_checked
 from ..registration import is_placeholder
@@ -51,7 +53,7 @@ from .foreign import fabric_writer, foreign_writer
 from .async_warmup import AsyncWarmupMixin, Held, staged_share
 from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
-from .sharded import build_on_all_ranks, describe_source, tree_or_failing
+from .sharded import AFTER_READING, build_on_all_ranks, describe_source, tree_or_failing
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
                     rekey_template, restore_param_keys)
 from .strategy import warn_async_link_last
@@ -230,13 +232,25 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
         return {k: shard_tree(v, (k,), self.global_rank, dtensors) for k, v in template.items()}
 
     def set_states(self, loaded: Dict[str, Any], optimizers: List[Optimizer]) -> Dict[str, Any]:
-        """The loaded module and optimizer state into the model and ``optimizers``; returns the rest."""
+        """Collective: the loaded module and optimizer state into the model and ``optimizers``; returns the rest.
+        Every state is set on every rank (torch's state-dict calls may communicate) and the outcome agreed: a
+        rank that cannot take its state (a ``load_state_dict`` hook raising) fails every rank, not that rank
+        alone while the others train on into a collective it never enters. The same words from a durable and a
+        local-tier restore (Lightning's log names the checkpoint)."""
         assert self.model is not None
         options = StateDictOptions(strict=not self._strict_handling().skips_unexpected)
-        set_model_state_dict(self.model, loaded.pop("state_dict"), options=options)
+        error: Optional[Exception] = None
+        try:
+            set_model_state_dict(self.model, loaded.pop("state_dict"), options=options)
+        except Exception as e:  # agreed below, after the optimizers
+            error = e
         for i, (opt, state) in enumerate(zip(optimizers, loaded.pop("optimizer_states", []))):
-            load_checked(opt, lambda: set_optimizer_state_dict(self.model, opt, state, options=options),
-                         f"optimizer_states[{i}] ({type(opt).__name__})")
+            try:
+                load_checked(opt, lambda: set_optimizer_state_dict(self.model, opt, state, options=options),
+                             f"optimizer_states[{i}] ({type(opt).__name__})")
+            except Exception as e:  # agreed below
+                error = error or e
+        get_comm().agree(f"restore of the loaded module and optimizer state {AFTER_READING}", error)
         return loaded
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -273,7 +287,9 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
                     kept = range(len(template.get("optimizer_states", [])))
                     drop_unsaved_states(template, [("optimizer_states", i) for i in kept], source.index.tensors,
                                         dtensors)
-                return StoredLayout(template, {}), source
+                # Plain tensors (an optimizer's 0-d step) keyed by path, as a save stores them and a local tier's
+                # load (lightning_distckpt.load) reads them: a strict load names them from either.
+                return StoredLayout(shard_tensors(template, self.global_rank), {}), source
             # A stock .ckpt or the plugin's directory: the same names, but optimizer state by index.
             orders.extend(_param_order(s) for s in template.get("optimizer_states", []))
             entries = [OptimizerEntry(f"optimizer_states/{i}", {"state": s["state"], "param_keys": order})
