@@ -34,6 +34,7 @@ from ..storage.stores import open_store
 
 if TYPE_CHECKING:
     from .async_save import AsyncSaveRequest
+    from ..storage.store import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +44,19 @@ _owner: Dict[int, int] = {}  # id -> pid of the process that made the request (f
 _hooked_pid: Optional[int] = None
 
 
-def reserve_target(target: str) -> bool:
+def reserve_target(target: str, store: Optional["CheckpointStore"] = None) -> bool:
     """Hold ``target``'s name while a save to it is in flight, where its store needs it (a local
     directory: an empty one, :meth:`~lightning_distckpt.storage.local_store.LocalStore.reserve`); True
     when this call did (only then does :func:`release_target` undo it). Nothing is done when
-    something is already there (a committed checkpoint the save will replace: the name is taken anyway)."""
-    return open_store(target).reserve()
+    something is already there (a committed checkpoint the save will replace: the name is taken anyway).
+    ``store``: the save's own (it knows the folders its save made), else one opened for ``target``."""
+    return (store if store is not None else open_store(target)).reserve()
 
 
-def release_target(target: str) -> None:
+def release_target(target: str, store: Optional["CheckpointStore"] = None) -> None:
     """Undo :func:`reserve_target` (anything put into the placeholder meanwhile stays, and the
-    commit refuses to replace it)."""
-    open_store(target).release()
+    commit refuses to replace it); ``store`` as there."""
+    (store if store is not None else open_store(target)).release()
 
 
 def track(request: "AsyncSaveRequest") -> None:

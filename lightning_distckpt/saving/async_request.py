@@ -115,7 +115,7 @@ class AsyncSaveRequest:
             self._error = e
         finally:
             if self._reserved:  # a failed save's placeholder goes (only an empty directory is ever removed)
-                async_pending.release_target(self.checkpoint_dir)
+                async_pending.release_target(self.checkpoint_dir, self._prep.store)
             self._prep = replace(self._prep, tensors=[], objects=[], common=None)  # drop references to buffers
 
     @property

@@ -186,7 +186,7 @@ class AsyncSaver:
             failure = e
         t2, c2 = time.perf_counter(), time.thread_time()
         reserved = (self.reserve_targets and failure is None and comm.rank == 0
-                    and async_pending.reserve_target(prep.target))
+                    and async_pending.reserve_target(prep.target, prep.store))
         staged_bytes = sum(w.data.numel() * w.data.element_size() for w in plan.staged)
         self._pending = AsyncSaveRequest(prep, t2 - t0, staged_bytes, failure, snapshot_s=t2 - t1, reserved=reserved,
                                          written=written, waves=plan.waves, nice=self.nice,

@@ -180,13 +180,29 @@ def write_and_commit(prep: PreparedSave) -> None:
     """A synchronous save's last two steps: :func:`write_local`, then :func:`finalize_save` (collective),
     which reports a failed write on every rank, so none is left waiting. An interrupt (Ctrl-C, the
     command line's SIGTERM) in a save of this process alone removes the staging directory as it leaves:
-    there is no other rank to tell, and nothing else would (a group's staging stays for ``clean``)."""
+    there is no other rank to tell, and nothing else would (a group's staging stays for ``clean``).
+    That holds in the commit too: interrupted once its marker was written, before the rename, it left a
+    committed copy that ``clean`` keeps (newer than the target) and a load of a missing target renames
+    into place; interrupted between the two renames of a swap (no RENAME_EXCHANGE), the previous
+    checkpoint stays moved aside, and the next load or save puts it back."""
     try:
         local: Union[LocalWrite, BaseException] = write_local(prep)
     except Exception as e:  # finalize_save turns it into SaveFailedError on every rank and cleans up
         local = e
     except BaseException:
-        if not prep.comm.distributed:
-            prep.store.discard(prep.staging)
+        _discard_alone(prep)
         raise
-    finalize_save(prep, local)
+    try:
+        finalize_save(prep, local)
+    except Exception:  # reported, and cleaned up, by finalize_save
+        raise
+    except BaseException:
+        _discard_alone(prep)
+        raise
+
+
+def _discard_alone(prep: PreparedSave) -> None:
+    """An interrupted save's staging directory removed, in a save of this process alone (nothing once
+    its commit renamed it into place)."""
+    if not prep.comm.distributed:
+        prep.store.discard(prep.staging)

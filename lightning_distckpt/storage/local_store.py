@@ -24,13 +24,12 @@ from .integrity import check_writer_store, store_bytes
 from .layout import (COMMIT_MARKER, COMMON_FILE, DATA_DIR, FILE_CAPS, METADATA_FILE, MetadataFile, is_checkpoint_dir,
                      is_committed, is_rank_dir_name, open_metadata, rank_dir)
 from .options import StorageOptions
-from .output_files import is_torch_archive
+from .output_files import is_torch_archive, missing_dirs, remove_made_dirs
 from .paths import MARKER_CAP, TreeStats, holds_nothing, kind_of, local_location, read_inside, refuse_link, scan_tree
 from .safe_pickle import write_file_durable
 from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 
 logger = logging.getLogger(__name__)
-
 
 def _remove_dir(target: str) -> None:
     """Remove a checkpoint directory so that no step of it leaves a directory that says committed: the
@@ -70,6 +69,12 @@ class LocalStore(CheckpointStore):
         super().__init__(location, options)
         # staging directories whose every entry is durable (see write_blob): their commit fsyncs none
         self._entries_synced: Set[str] = set()
+        # the folders above the target that rank 0 found missing when it named the save's staging directory
+        # (deepest first): the save makes them (begin, reserve), and a save that commits nothing takes them
+        # back (discard, release), as an export does (output_files.make_dirs): a save interrupted there
+        # (Ctrl-C, the command line's SIGTERM) or failed left them empty. The save's own store (an async
+        # save's placeholder is released through it too: saving/async_pending.release_target).
+        self._made_parents: List[str] = []
 
     @classmethod
     def normalize(cls, text: str, what: str) -> str:
@@ -80,7 +85,10 @@ class LocalStore(CheckpointStore):
         commit_mod.check_target(self.location)
 
     def new_staging(self) -> str:
-        return staging.new_staging_dir(self.location)
+        staging_dir = staging.new_staging_dir(self.location)
+        if os.path.isabs(self.location):  # (a node-local tier's is a URL: its root is made private, and kept)
+            self._made_parents = missing_dirs(os.path.dirname(staging_dir))
+        return staging_dir
 
     def begin(self, staging_dir: str, rank: int) -> None:
         """The staging directory and its ``data/`` (made before any blob: see :meth:`write_blob`),
@@ -109,10 +117,17 @@ class LocalStore(CheckpointStore):
         synced = staging_dir in self._entries_synced
         self._entries_synced.discard(staging_dir)
         commit_mod.commit(staging_dir, self.location, metadata_json, json.dumps(marker), entries_synced=synced)
+        self._made_parents = []  # they hold the checkpoint now
 
     def discard(self, staging_dir: str) -> None:
+        """Remove the staging directory, then the folders the save made above it while empty; those an
+        async save's placeholder still keeps are left to :meth:`release`."""
         self._entries_synced.discard(staging_dir)
         staging.discard(staging_dir)
+        made, self._made_parents = self._made_parents, []
+        remove_made_dirs(made)
+        if made and os.path.lexists(made[0]):
+            self._made_parents = made
 
     def look_around(self, staging_dir: str) -> None:
         try:  # one listdir of the parent: leftovers of killed saves take a checkpoint's space each
@@ -141,7 +156,9 @@ class LocalStore(CheckpointStore):
             if os.path.isdir(self.location) and not os.path.islink(self.location):
                 os.rmdir(self.location)
         except OSError:
-            pass
+            return
+        made, self._made_parents = self._made_parents, []
+        remove_made_dirs(made)  # and the folders its save made for it
 
     # -- reading ------------------------------------------------------------------------
     def open_metadata(self) -> MetadataFile:

@@ -90,12 +90,18 @@ def make_dirs(path: str) -> List[str]:
     """``os.makedirs(path, exist_ok=True)``; returns the directories it made, deepest first, for
     :func:`remove_made_dirs` to take back when what was to be written there was not: an interrupted
     export leaves no empty directory at its output's name (nor empty parents)."""
+    missing = missing_dirs(path)
+    os.makedirs(os.path.abspath(path), exist_ok=True)  # abspath: "" (the working directory) is no error
+    return missing
+
+
+def missing_dirs(path: str) -> List[str]:
+    """The directories ``os.makedirs(path)`` would make now, deepest first (nothing is made)."""
     missing: List[str] = []
     p = os.path.abspath(path)
     while not os.path.lexists(p) and os.path.dirname(p) != p:
         missing.append(p)
         p = os.path.dirname(p)
-    os.makedirs(os.path.abspath(path), exist_ok=True)  # abspath: "" (the working directory) is no error
     return missing
 
 

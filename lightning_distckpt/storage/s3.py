@@ -308,10 +308,15 @@ def delete_version(store: ObjectStore, name: str) -> Optional[str]:
 
 def discard(version_url: str, options: StorageOptions) -> None:
     """Remove an uncommitted version's objects (after a failed save), those with a name a save
-    writes (:func:`is_ours`: one put there by anyone else stays); failures only logged."""
+    writes (:func:`is_ours`: one put there by anyone else stays); failures only logged. A version the
+    marker names is kept: a save interrupted (Ctrl-C) in its commit after the marker's PUT, while it
+    deleted the previous version, discarded its own committed version, so the marker named nothing."""
     target, name = _split(version_url)
     try:
         store = ObjectStore(target, options)
+        marker = read_marker(store)
+        if marker is not None and marker["version"] == name:
+            return
         inner = [k[len(name) + 1:] for k in store.list_keys(name + "/")]
         store.delete_keys([f"{name}/{k}" for k in inner if is_ours(k)])
     except CheckpointingError as e:

@@ -66,10 +66,10 @@ def wait_for(*groups):  # each group: files that must all exist; any group will 
 if rank == 0:
     real_release = async_pending.release_target
 
-    def held_release(target):
+    def held_release(target, *store):
         if target.endswith("step=4.ckpt"):
             wait_for(["rank0_in_step5", "rank1_past"], ["rank0_in_step5", "rank1_raised"])
-        real_release(target)
+        real_release(target, *store)
 
     async_pending.release_target = held_release
 
