@@ -35,7 +35,8 @@ from .options import StorageOptions
 from .paths import MARKER_CAP, SizeCap
 from .kv_probe import ends_before, holds_byte, read_past
 from .s3_reads import object_size, read_bounded
-from .s3_url import answer_timeout, context_spec, explain, kvstore_spec, nameable, no_answer, parse_s3_url
+from .s3_url import (answer_timeout, context_spec, explain, kvstore_spec, list_timeout, nameable, no_answer,
+                     parse_s3_url, unended_listing)
 
 logger = logging.getLogger(__name__)
 
@@ -147,14 +148,19 @@ class ObjectStore:
 
     def list_keys(self, prefix: str = "") -> List[str]:
         """The names of every object under ``prefix`` (relative to the location), sorted."""
-        try:
-            if prefix:
-                end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-                keys = self._kv.list(ts.KvStore.KeyRange(prefix, end)).result()
-            else:
-                keys = self._kv.list().result()
+        what, timeout = f"listing {prefix or 'the objects'}", list_timeout()
+        try:  # bounded as a whole (s3_url.S3_LIST_TIMEOUT_ENV): a server's pages may never end
+            future = self._kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+                                   if prefix else ts.KvStore.KeyRange())
+            keys = future.result(timeout=timeout)
+        except TimeoutError as e:
+            if future.done():
+                raise self._error(what, e) from None
+            future.cancel()  # stops its requests, and the keys it gathered are freed
+            raise CheckpointingError(f"checkpoint {self.url}: {what} failed: "
+                                     f"{unended_listing(self.options, timeout)}") from None
         except Exception as e:
-            raise self._error(f"listing {prefix or 'the objects'}", e) from None
+            raise self._error(what, e) from None
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
     def delete(self, name: str) -> None:

@@ -24,6 +24,12 @@ S3_SCHEME = "s3://"
 # probe) move a few bytes, so waiting on them is bounded as a whole, retries included.
 S3_TIMEOUT_ENV = "LIGHTNING_DISTCKPT_S3_TIMEOUT"
 DEFAULT_S3_TIMEOUT_S = 60.0
+# A listing is one request per page of 1,000 keys, and tensorstore gathers every page before it answers: a
+# server whose pages never end (a truncated answer with a continuation token, forever) held it, and the keys
+# it gathered, without bound. So a listing is waited on for at most this long as a whole, then cancelled;
+# listings of a checkpoint's objects take well under a second, and one of a large bucket a few minutes.
+S3_LIST_TIMEOUT_ENV = "LIGHTNING_DISTCKPT_S3_LIST_TIMEOUT"
+DEFAULT_S3_LIST_TIMEOUT_S = 600.0
 DEFAULT_REGION = "us-east-1"  # what S3-compatible servers (and tensorstore with an endpoint) expect
 # OCDBT over S3: reads of one data object less than 1 MiB apart are merged into one ranged GET of
 # at most 64 MiB (one default chunk). Every small shard, zarr.json and B-tree node is otherwise its
@@ -163,6 +169,11 @@ def answer_timeout() -> float:
     return seconds_from_env(S3_TIMEOUT_ENV, DEFAULT_S3_TIMEOUT_S, "an S3 request may wait for its answer")
 
 
+def list_timeout() -> float:
+    """Seconds an object listing may take as a whole: ``LIGHTNING_DISTCKPT_S3_LIST_TIMEOUT``, else 600."""
+    return seconds_from_env(S3_LIST_TIMEOUT_ENV, DEFAULT_S3_LIST_TIMEOUT_S, "an S3 object listing may take")
+
+
 def seconds_from_env(name: str, default: float, what: str) -> float:
     """The positive number of seconds the environment variable ``name`` gives, ``default`` where it is unset
     or blank; an ArgumentError naming it otherwise (a typo must not silently keep the default)."""
@@ -184,6 +195,27 @@ def no_answer(options: StorageOptions, seconds: float) -> str:
             f"server, proxy or network; {S3_TIMEOUT_ENV} sets this bound)")
 
 
+def unended_listing(options: StorageOptions, seconds: float) -> str:
+    """Why a listing that did not end within ``seconds`` failed, in words."""
+    return (f"the endpoint {shown_endpoint(options)} did not end the listing within {seconds:g} s (a server whose "
+            f"pages never end, a stalled one, or a listing too large; {S3_LIST_TIMEOUT_ENV} sets this bound)")
+
+
+_REDIRECT = re.compile(r"http_response_code=.(3[0-9][0-9])")
+# curl's words for a connection never made (everything else failed on a connection the endpoint accepted).
+_NO_CONNECTION = ("Could not connect", "Couldn't connect", "resolve", "Connection refused", "Connection timed out")
+
+
+def _curl_failure(detail: str) -> str:
+    """What a curl error says of the endpoint: unreachable, stalled mid-answer, or broke off the exchange
+    (an answer cut short, a connection reset): retried, and these words after the last attempt."""
+    if any(words in detail for words in _NO_CONNECTION):
+        return "is unreachable"
+    if "Operation too slow" in detail or "Timeout was reached" in detail:
+        return "stalled mid-answer"
+    return "broke off its answer"
+
+
 def explain(error: BaseException, options: StorageOptions) -> str:
     """One line saying why an S3 request failed: a missing bucket, denied access, an unreachable
     endpoint, else the first line of tensorstore's message (the server's XML body left out)."""
@@ -195,5 +227,9 @@ def explain(error: BaseException, options: StorageOptions) -> str:
         return "access denied (check the AWS credentials)"
     if "CURL error" in text:
         detail = text.split("CURL error", 1)[1].split(" [", 1)[0].strip()[:120]
-        return f"the endpoint {shown_endpoint(options)} is unreachable ({detail})"
+        return f"the endpoint {shown_endpoint(options)} {_curl_failure(detail)} ({detail})"
+    redirect = _REDIRECT.search(text)
+    if redirect is not None:  # tensorstore follows none (a bucket in another region: S3's 301)
+        return (f"the endpoint {shown_endpoint(options)} answered with a redirect (HTTP {redirect.group(1)}), which "
+                f"is not followed: give the bucket's own endpoint and region (AWS_ENDPOINT_URL, AWS_REGION)")
     return text.split(" [http_response_body", 1)[0].splitlines()[0][:300] if text else type(error).__name__
