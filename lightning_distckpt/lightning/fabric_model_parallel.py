@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from ..comm import get_comm
 from ..core.dtensors import restore_dtensor
+from ..core.plain_tensors import shard_tensors
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..optim.restore_checks import load_checked
@@ -193,6 +194,9 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
             if handling.skips_unexpected:
                 drop_unsaved_states(out, [(n,) for n, obj in state.items() if isinstance(obj, Optimizer)],
                                     source.index.tensors, dtensors)
+            # Plain tensors (an optimizer's 0-d step) keyed by path, as a save stores them and FabricTiers' load
+            # (lightning_distckpt.load) reads them: a strict load names them from either.
+            out = shard_tensors(out, self.global_rank)
             # Entries not asked for come back complete: each of their tensors whole.
             whole = template_from_manifest(saved.manifest or {}, tensors_metadata(source), target)
             out.update({k: v for k, v in whole.items() if k not in state})

@@ -30,7 +30,7 @@ from ..tiers import LocalTier, RecoveryPoint, TierOptions
 from .fabric import apply_loaded
 from .model_parallel import drop_unsaved_states
 from .sharded import build_on_all_ranks, optimizer_sharded_state
-from .tiers_restore import load_like_durable
+from .tiers_restore import load_like_durable, read_durable
 from .tree import MANIFEST_KEY
 
 
@@ -79,7 +79,7 @@ class FabricTiers:
         ``durable`` checkpoints ``(step, path)`` that ``fabric.save`` wrote) loaded into ``state`` in
         place, as ``fabric.load`` would; returns where from, or None (``state`` untouched) when
         nothing is recoverable."""
-        point = self.tier.recoverable(durable)
+        point = self.tier.recoverable(durable, files=True)  # a torch.save file too: _restore reads it as fabric.load
         if point is None:
             return None
         # As fabric.save / fabric.load see it: Fabric's wrappers removed (the keys fabric.save writes), plain
@@ -110,9 +110,16 @@ class FabricTiers:
             drop_unsaved_states(template, [(n,) for n, obj in state.items() if isinstance(obj, Optimizer)], stored,
                                 dtensors)
 
+        def durable_reader(durable: RecoveryPoint) -> None:  # every local copy damaged: read as fabric.load reads it
+            self.strategy.load_checkpoint(durable.path, state, strict=strict)
+
         fits = model_parallel and handling.skips_unexpected
-        loaded = dict(load_like_durable(io, self.tier, template, point, handling, adjust=adjust if fits else None))
+        out = load_like_durable(io, self.tier, template, point, handling, adjust=adjust if fits else None,
+                                durable_reader=durable_reader)
         point = self.tier.last_point or point  # another step where every local copy of this one was damaged
+        if read_durable(self.tier):  # its checkpoint (a torch.save file, say) restored as fabric.load restores it
+            return point
+        loaded = dict(out)
         if model_parallel:  # FabricDistCheckpointModelParallelStrategy: DTensors, torch's state-dict API
             self.strategy.apply_state(state, loaded, dtensors, handling, strict, f"local step {point.step}")
             return point

@@ -18,6 +18,7 @@ from ..core.state_dict import merge, split_common
 from ..core.strict import StrictHandling
 from ..planning.load_plan import allowing_shape_mismatch
 from ..tiers import LocalTier, RecoveryPoint
+from ..tiers.recover import DurableReader
 from .sharded import build_on_all_ranks, restore_optimizers_agreed
 from .tiers import durable_candidates, tier_callback
 from .trainer_restore import OPTIMIZER_ENTRY, is_optimizer_key, load_before_setup, view
@@ -62,21 +63,31 @@ class DeferredTierOptimizerStates:
 
 
 def tier_load(strategy: Any, tier: LocalTier, template: Dict[str, Any], point: RecoveryPoint,
-              keep: Optional[Callable[[str], bool]] = None, adjust: Optional[Adjust] = None) -> Dict[str, Any]:
+              keep: Optional[Callable[[str], bool]] = None, adjust: Optional[Adjust] = None,
+              durable_reader: Optional[DurableReader] = None) -> Dict[str, Any]:
     """Collective :func:`load_like_durable` with the strategy's load settings."""
-    return load_like_durable(strategy.checkpoint_io, tier, template, point, strategy._strict_handling(), keep, adjust)
+    return load_like_durable(strategy.checkpoint_io, tier, template, point, strategy._strict_handling(), keep, adjust,
+                             durable_reader)
+
+
+def read_durable(tier: LocalTier) -> bool:
+    """Whether the latest load of ``tier`` read a durable point (through its ``durable_reader``, whose value it
+    returned as it is): every local copy of the agreed step was found damaged, or the point was durable."""
+    return tier.last_point is not None and tier.last_point.source == "durable"
 
 
 def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point: RecoveryPoint,
                       handling: StrictHandling, keep: Optional[Callable[[str], bool]] = None,
-                      adjust: Optional[Adjust] = None) -> Dict[str, Any]:
+                      adjust: Optional[Adjust] = None, durable_reader: Optional[DurableReader] = None) -> Any:
     """Collective :meth:`LocalTier.load` of ``template``, read as ``io.load_sharded`` reads a durable
     checkpoint, so that a local point restores exactly what the same checkpoint would restore from durable
     storage: ``handling`` as it is, the config's ``allow_shape_mismatch`` and ``cast``, and, for a non-strict
     load, the template's own common values where the checkpoint has none. ``keep``: the stored keys this part
     of a restore sees (a durable restore's view of its part: each part's key checks name what it misses, not
     the other part's keys). ``adjust(template, stored_tensor_keys)``: the template fitted to the checkpoint
-    read (:func:`~.model_parallel.drop_unsaved_states`), before each read."""
+    read (:func:`~.model_parallel.drop_unsaved_states`), before each read. ``durable_reader``: the strategy's own
+    restore of a durable point the load falls back to (every local copy damaged); its value is returned as it is
+    (:func:`read_durable` says so), as ``ckpt_path=<that checkpoint>`` would have restored it."""
     loaded_into = allowing_shape_mismatch(template) if io.config.allow_shape_mismatch else template
     fallback: List[Any] = [None]
 
@@ -91,8 +102,10 @@ def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point:
         fallback[0] = split_common(template)[1] if handling.skips_unexpected else None
         return source
 
-    out = tier.load(loaded_into, point, prepare=prepare, strict=handling, extra_safe_globals=io.extra_safe_globals,
-                    cast=io.config.cast)
+    out = tier.load(loaded_into, point, prepare=prepare, durable_reader=durable_reader, strict=handling,
+                    extra_safe_globals=io.extra_safe_globals, cast=io.config.cast)
+    if durable_reader is not None and read_durable(tier):
+        return out
     loaded = out[0] if isinstance(out, tuple) else out
     return merge(fallback[0], loaded) if isinstance(fallback[0], dict) else loaded
 
@@ -123,7 +136,7 @@ def agree_on_point(strategy: Any, marker: str) -> Tuple[LocalTier, RecoveryPoint
     # rank 0's list decides (LocalTier.recoverable): the other ranks need not read every candidate's
     # common state (cold, from durable storage) only to have it ignored
     durable = durable_candidates(trainer, lambda path: durable_step(strategy, path)) if trainer.global_rank == 0 else []
-    point = tier.recoverable(durable)
+    point = tier.recoverable(durable, files=True)  # a stock .ckpt too: the strategy's durable restore reads it
     if point is None:
         raise IncompleteCheckpointError(
             f'ckpt_path="last": local saves were made here ({marker}) but no step is recoverable: every copy of '
@@ -163,7 +176,12 @@ def load_model_parallel_recovery(strategy: "DistCheckpointModelParallelStrategy"
         drop_unsaved_states(template, entries, stored, dtensors)
 
     fits = strategy._strict_handling().skips_unexpected
-    loaded = dict(tier_load(strategy, tier, template, point, adjust=adjust if fits else None))
+    # Every local copy damaged: the durable checkpoint restored as ckpt_path=<it> restores it (any layout).
+    out = tier_load(strategy, tier, template, point, adjust=adjust if fits else None,
+                    durable_reader=lambda durable: strategy.load_checkpoint(durable.path))
+    if read_durable(tier):
+        return out
+    loaded = dict(out)
     loaded.pop(MANIFEST_KEY, None)
     for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
         put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))
@@ -175,7 +193,14 @@ def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier,
     """Collective: the module's shards of a local point read in place, every other entry whole; the
     optimizer state deferred (:class:`DeferredTierOptimizerStates`) when restoring optimizers."""
     template = build_on_all_ranks(f"load of local step {point.step}", lambda: {"state_dict": strategy._model_ssd()})
-    checkpoint = dict(tier_load(strategy, tier, template, point, keep=lambda key: not is_optimizer_key(key)))
+    # Every local copy damaged: the durable checkpoint restored as ckpt_path=<it> restores it (a torch.save file, the
+    # plugin's directory, a weights-only one: re-keyed, its writer checked, its optimizer state deferred as there).
+    # load_before_setup restores the optimizers when fitting and the strategy restores them: as restore_optimizers.
+    out = tier_load(strategy, tier, template, point, keep=lambda key: not is_optimizer_key(key),
+                    durable_reader=lambda durable: load_before_setup(strategy, str(durable.path), restore_optimizers))
+    if read_durable(tier):
+        return out
+    checkpoint = dict(out)
     point = tier.last_point or point  # another step where every local copy of this one was damaged
     checkpoint.pop(MANIFEST_KEY, None)
     stored = checkpoint.pop(OPTIMIZER_ENTRY, None)

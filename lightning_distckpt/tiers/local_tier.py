@@ -33,7 +33,7 @@ from lightning_distckpt.tiers.nodes import gather_nodes
 from lightning_distckpt.tiers.options import RecoveryPoint, TierOptions
 from lightning_distckpt.tiers.private_root import ensure_private_root
 from lightning_distckpt.reading.shared_source import SharedCopy
-from lightning_distckpt.tiers.recover import Prepare, ReadyCopy, load_local, prepared, recoverable
+from lightning_distckpt.tiers.recover import DurableReader, Prepare, ReadyCopy, load_local, prepared, recoverable
 from lightning_distckpt.tiers.root_lock import RootClaim, claim_root
 
 logger = logging.getLogger(__name__)
@@ -214,19 +214,21 @@ class LocalTier:
         if error is not None:
             raise error
 
-    def recoverable(self, durable: Sequence[Tuple[int, str]] = ()) -> Optional[RecoveryPoint]:
+    def recoverable(self, durable: Sequence[Tuple[int, str]] = (), *, files: bool = False) -> Optional[RecoveryPoint]:
         """Collective. The newest step for which every shard is held and verified somewhere: this node's
         local tier, a partner's copy, or one of the given durable checkpoints ``(step, location)`` (rank
         0's list decides; at equal steps the local tiers win). The same answer on every rank (or the same
-        error); None when nothing is recoverable. Waits for a local save in flight first."""
+        error); None when nothing is recoverable. Waits for a local save in flight first. ``files``: a durable
+        checkpoint that is a file (a ``torch.save`` ``.ckpt``) counts, for a caller that reads durable points with
+        its own ``durable_reader`` (:meth:`load`); ``lightning_distckpt.load`` reads directories only."""
         self._check_open()
         self.wait()
         self._room_step = None  # what was listed (and may be fetched next) stays until a save makes room again
-        point, self._holdings, self._durable = recoverable(self._ctx, durable)
+        point, self._holdings, self._durable = recoverable(self._ctx, durable, files)
         return point
 
     def load(self, sharded_state_dict: Dict[str, Any], point: RecoveryPoint, *, prepare: Optional[Prepare] = None,
-             **load_kwargs: Any) -> Dict[str, Any]:
+             durable_reader: Optional[DurableReader] = None, **load_kwargs: Any) -> Any:
         """Collective. Loads ``point`` as ``lightning_distckpt.load`` would (same return value, common
         state included, same resharding): from the durable checkpoint for a durable point; else after
         completing this node's copy from the partners' (over torch.distributed), from this node's local
@@ -239,7 +241,11 @@ class LocalTier:
 
         ``prepare(source)``, before each read, on every rank (agreed): given the opened checkpoint about to be
         read, it may fit the template to the keys it stores (in place) and returns the source to read (it, or a
-        view of it); not with ``key_map`` / ``storage``, which choose how the load opens it."""
+        view of it); not with ``key_map`` / ``storage``, which choose how the load opens it.
+
+        ``durable_reader(point)``: reads a durable point (given, or fallen back to) instead of
+        ``lightning_distckpt.load``, and its value is returned: a Trainer's or Fabric's own restore of that
+        checkpoint, which reads the layouts a durable ``last.ckpt`` may have (a ``torch.save`` file, ...)."""
         from lightning_distckpt.serialization import load
 
         self._check_open()
@@ -253,13 +259,15 @@ class LocalTier:
         self._room_step = None
         if point.source == "durable":
             self.last_point = point
+            if durable_reader is not None:
+                return durable_reader(point)
             target: Any = point.path if prepare is None else prepared(self._ctx, SharedCopy(point.path), prepare)
             return load(sharded_state_dict, target, process_group=self.process_group, **load_kwargs)
         holdings, self._holdings = self._holdings, None  # stale once a load completed this node's copy
         # Only the first load after recoverable() may fall back to another step: nothing was restored yet.
         durable = self._durable if holdings is not None else None
         out, self.last_point = load_local(self._ctx, point, sharded_state_dict, self.process_group, load_kwargs,
-                                          self._ready, holdings, durable, prepare)
+                                          self._ready, holdings, durable, prepare, durable_reader)
         return out
 
     def close(self) -> None:

@@ -47,6 +47,9 @@ EVERY_RANK = "every_rank"
 #: template in place for what the checkpoint stores and returns the source to read (it, or a view of it).
 Prepare = Callable[[Any], Any]
 Durable = List[Tuple[int, str]]  # (step, location) of durable checkpoints
+#: A caller's own restore of a durable point (its strategy's ``ckpt_path=<that checkpoint>``): where a load falls
+#: back to a durable checkpoint, it is read as that restore reads it (re-keyed, its writer checked, ...).
+DurableReader = Callable[[RecoveryPoint], Any]
 #: Load failures that say the request does not fit the checkpoint, never that its bytes are damaged.
 NOT_DAMAGE = frozenset({"MissingKeysError", "ArgumentError", "ArgumentTypeError", "ConfigError"})
 
@@ -66,11 +69,14 @@ def gather_holdings(ctx: TierContext, error: Optional[Exception] = None) -> List
     return [info for part in gathered for info in part]
 
 
-def recoverable(ctx: TierContext, durable: Any) -> Tuple[Optional[RecoveryPoint], List[StepInfo], Durable]:
+def recoverable(ctx: TierContext, durable: Any,
+                files: bool = False) -> Tuple[Optional[RecoveryPoint], List[StepInfo], Durable]:
     """Collective: the newest recoverable step (see the module docstring; rank 0's ``durable`` list
     decides, a malformed list is an ArgumentError on every rank), the holdings it was chosen from
     (the same on every rank: the load that follows needs not list and check them again) and the
-    durable checkpoints checked (rank 0's; the load's fallback when every local copy is damaged)."""
+    durable checkpoints checked (rank 0's; the load's fallback when every local copy is damaged). ``files``: a
+    durable checkpoint that is a file (a ``torch.save`` ``.ckpt``) counts; only a caller whose ``durable_reader``
+    reads it (a Trainer's or Fabric's restore) may say so: ``lightning_distckpt.load`` reads directories."""
     checked: Durable = []
     try:
         checked = _check_durable(durable)
@@ -78,10 +84,11 @@ def recoverable(ctx: TierContext, durable: Any) -> Tuple[Optional[RecoveryPoint]
         gather_holdings(ctx, e)  # agreed: raised on every rank
         raise
     holdings = gather_holdings(ctx)
-    return decide(ctx, holdings, checked), holdings, checked
+    return decide(ctx, holdings, checked, files), holdings, checked
 
 
-def decide(ctx: TierContext, holdings: List[StepInfo], durable: Durable) -> Optional[RecoveryPoint]:
+def decide(ctx: TierContext, holdings: List[StepInfo], durable: Durable,
+           files: bool = False) -> Optional[RecoveryPoint]:
     """Collective: the newest save of ``holdings`` every store of which some node holds, or a newer
     durable checkpoint of rank 0's ``durable`` (checked by rank 0, newest first); the same on every rank."""
     best = newest_complete(holdings)
@@ -90,7 +97,7 @@ def decide(ctx: TierContext, holdings: List[StepInfo], durable: Durable) -> Opti
     found: Optional[Tuple[int, str]] = None
     if ctx.rank == 0:
         try:
-            found = _newest_durable(durable, local_step)
+            found = _newest_durable(durable, local_step, files)
         except Exception as e:
             error = e
     found = ctx.comm.agree("local tier: checking the durable checkpoints failed", error, found)[0]
@@ -114,11 +121,15 @@ def _check_durable(durable: Any) -> List[Tuple[int, str]]:
     return out
 
 
-def _newest_durable(durable: List[Tuple[int, str]], newer_than: Optional[int]) -> Optional[Tuple[int, str]]:
-    """The newest committed durable checkpoint with a step above ``newer_than`` (its metadata checked)."""
+def _newest_durable(durable: List[Tuple[int, str]], newer_than: Optional[int],
+                    files: bool = False) -> Optional[Tuple[int, str]]:
+    """The newest committed durable checkpoint with a step above ``newer_than`` (its metadata checked; with
+    ``files``, a file counts as it is: a ``torch.save`` file has no commit marker, its reader checks it)."""
     for step, location in sorted(durable, key=lambda d: d[0], reverse=True):
         if newer_than is not None and step <= newer_than:
             return None
+        if files and os.path.isfile(location):
+            return (int(step), str(location))
         try:
             open_store(location).open_metadata()
         except CheckpointingError:
@@ -177,7 +188,8 @@ def _local_copy(ctx: TierContext, step: int, template: Dict[str, Any], ready: Di
 def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[str, Any],
                process_group: Any, load_kwargs: Dict[str, Any], ready: Dict[int, ReadyCopy],
                holdings: Optional[List[StepInfo]] = None, durable: Optional[Durable] = None,
-               prepare: Optional[Prepare] = None) -> Tuple[Any, RecoveryPoint]:
+               prepare: Optional[Prepare] = None,
+               durable_reader: Optional[DurableReader] = None) -> Tuple[Any, RecoveryPoint]:
     """Collective: complete this node's copy of ``point`` (unless ``ready`` says an earlier load of it
     did: then it is remembered there), then the ordinary load from it; returns what the load returns
     and the point it read. ``holdings``: those :func:`recoverable` just gathered (the same on every
@@ -188,12 +200,16 @@ def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[
     them and the load retried: the same step from another copy, else (only with ``durable``, the first
     load after :func:`recoverable`: nothing of the point was restored yet) the newest step still
     recoverable, local or durable. Without damage found, the load's own error is raised. ``prepare``: see
-    :func:`prepared`, before each read (of another point too, after damage)."""
+    :func:`prepared`, before each read (of another point too, after damage). ``durable_reader``: reads a
+    durable point instead of the plain load (and returns what it returns): a durable ``last.ckpt`` may be of
+    another layout (a ``torch.save`` file, ...) that only the strategy's own restore reads as it should."""
     from lightning_distckpt.serialization import load
 
     every_rank = load_kwargs.get("loader", EVERY_RANK) == EVERY_RANK
     seen: Set[Tuple[str, str, int, Optional[str]]] = set()  # (node, step directory, writer, fetched from)
     while True:
+        if point.source == "durable" and durable_reader is not None:
+            return durable_reader(point), point
         if point.source == "durable":
             durable_target: Any = point.path if prepare is None else prepared(ctx, SharedCopy(point.path), prepare)
             return load(sharded_state_dict, durable_target, process_group=process_group, **load_kwargs), point
@@ -219,7 +235,7 @@ def load_local(ctx: TierContext, point: RecoveryPoint, sharded_state_dict: Dict[
             raise error
         seen |= new
         holdings = gather_holdings(ctx)  # listed again: the damaged stores' notes are gone
-        point = _next_point(ctx, point, holdings, durable, damage, error)
+        point = _next_point(ctx, point, holdings, durable, damage, error, durable_reader is not None)
 
 
 class _Prepared(SharedCopy):
@@ -245,11 +261,11 @@ def prepared(ctx: TierContext, opened: SharedCopy, prepare: Prepare) -> SharedCo
 
 
 def _next_point(ctx: TierContext, point: RecoveryPoint, holdings: List[StepInfo], durable: Optional[Durable],
-                damage: List[Damage], error: CheckpointingError) -> RecoveryPoint:
+                damage: List[Damage], error: CheckpointingError, files: bool = False) -> RecoveryPoint:
     """Collective: where a load retries after ``damage`` (see :func:`load_local`); the same on every rank."""
     what = "; ".join(f"node {d.node}: rank {d.writer}'s store ({d.problem})" for d in damage[:3])
     if durable is not None:
-        new = decide(ctx, holdings, durable)
+        new = decide(ctx, holdings, durable, files)  # files: a durable_reader reads them
     else:
         new = point if newest_complete(holdings, step=point.step) is not None else None
     if new is None:

@@ -32,9 +32,7 @@ each group's timeout (GROUP_TIMEOUT_S), a rank left waiting gets a CollectiveErr
 asserted, and a scenario stops at the first outcome not agreed.
 """
 
-import json
 import os
-import warnings
 
 import pytest
 import torch
@@ -42,52 +40,22 @@ from torch import nn
 
 from lightning_distckpt.core.errors import CheckpointingError
 from dist_utils import run_distributed
-from script_ranks import run_ranks, script_env
+from tier_parity_scripts import AGREED, GROUP_TIMEOUT_S, launch_fabric as _fabric, run_trainer_script
+from tier_parity_scripts import snapshot as _snapshot
 
 pytestmark = pytest.mark.tiers
-GROUP_TIMEOUT_S = 30
 
 # ------------------------------------------------------------------ Trainer: ckpt_path="last" against last.ckpt
-RANKS = r"""import json
-import os
-import sys
-import warnings
-from datetime import timedelta
-
-import torch
-import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
+RANKS = r"""import torch
 from torch import nn
 
-from lightning_distckpt import CheckpointingError
-from lightning_distckpt.comm import CollectiveError
-from lightning_distckpt.lightning import DistCheckpointModelParallelStrategy, DistCheckpointStrategy
-from lightning_distckpt.lightning.tiers import tier_callback
+from tier_parity_scripts import Recorder, StepModule, dist_strategy, fit_trainer, last, summary, tier_config
 
-warnings.simplefilter("ignore")
 folder, out, SCENARIO = sys.argv[1:4]
-rank = int(os.environ["LOCAL_RANK"])
-TIMEOUT = timedelta(seconds=GROUP_TIMEOUT_S)
-res = {}
+record = Recorder(out, rank)
 
 
-def record(name, fn):
-    '''fn's outcome; stops the script (no collective may follow) at one every rank may not share.'''
-    try:
-        res[name] = ["ok", fn()]
-    except CollectiveError as e:
-        res[name] = ["CollectiveError", str(e)[:600]]
-    except CheckpointingError as e:
-        res[name] = [type(e).__name__, str(e).split("\n--- traceback")[0][:3000]]
-    except BaseException as e:  # noqa: BLE001 - told apart from an agreed error
-        res[name] = ["unagreed " + type(e).__name__, str(e)[:600]]
-    with open(f"{out}.rank{rank}.json", "w") as f:
-        json.dump(res, f)
-    if res[name][0] not in ("ok", "CheckpointingError", "MissingKeysError"):
-        sys.exit(0)
-
-
-class Late(LightningModule):
+class Late(StepModule):
     '''``b`` joins the loss at global step 2 (``late``): until then torch keeps no optimizer state for it.
     ``layers``: the module's linear layers (a checkpoint of "ab" into "a" or "abc": a layer removed, added).'''
 
@@ -99,22 +67,9 @@ class Late(LightningModule):
             setattr(self, n, nn.Linear(3, 3))
         self.opt, self.late, self.strict_loading, self.fsdp = opt, late, strict, fsdp
 
-    def configure_model(self):
-        if self.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(self, mesh=self.device_mesh["data_parallel"])
-
     def forward(self, x):  # through the FSDP2 root's hooks
         used = [n for n in self.names if n == "a" or not self.late or self.global_step >= 2]
         return sum(getattr(self, n)(x) for n in used)
-
-    def training_step(self, batch, batch_idx):
-        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(self.global_step))  # the step's, on any resume
-        return self(x).pow(2).mean()
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(list(range(64)), batch_size=1)
 
     def configure_optimizers(self):
         return {"adam": lambda ps: torch.optim.Adam(ps, lr=0.1),
@@ -123,55 +78,9 @@ class Late(LightningModule):
                 "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1)}[self.opt](self.parameters())
 
 
-class Seen(Callback):
-    step = point = None
-
-    def on_train_start(self, trainer, pl_module):
-        self.step = trainer.global_step
-        cb = tier_callback(trainer)
-        point = cb.local_tier.last_point if cb is not None and cb.local_tier is not None else None
-        self.point = None if point is None else [point.step, point.source]
-
-
-def full(t):
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def fit(root, steps, ckpt_path=None, tiers=True, config=None, **model_kw):
-    model = Late(fsdp=SCENARIO == "mp", **model_kw)
-    config = dict(config or {})
-    if tiers:
-        config["tiers"] = {"local_dir": os.path.join(root, "local", "{node}"), "local_every_n_steps": 1,
-                           "durable_every_n_steps": 1, "ranks_per_node": 1}
-    if SCENARIO == "mp":
-        strategy = DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT,
-                                                       checkpoint=config)
-    else:
-        strategy = DistCheckpointStrategy(timeout=TIMEOUT, checkpoint=config, find_unused_parameters=True)
-    seen = Seen()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=[seen],
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      enable_checkpointing=False, default_root_dir=root, use_distributed_sampler=False)
-    trainer.fit(model, ckpt_path=ckpt_path)
-    opt = trainer.optimizers[0]
-    params = dict(model.named_parameters())
-    state = {n: full(p).tolist() for n, p in params.items()}
-    state.update({f"{n}.{k}": full(v).tolist() for n, p in params.items() for k, v in opt.state.get(p, {}).items()})
-    return {"first": seen.step, "point": seen.point, "state": state}
-
-
-def summary(got, want):
-    '''Which entries differ from the uninterrupted run (parameters and optimizer state, by name).'''
-    return {"first": got["first"], "point": got["point"],
-            "differ": sorted(k for k in set(got["state"]) | set(want["state"])
-                             if k not in got["state"] or k not in want["state"]
-                             or got["state"][k] != want["state"][k])}
-
-
-def last(root):
-    return os.path.join(root, "checkpoints", "last.ckpt")
+    config = tier_config(root, durable=1, config=config) if tiers else config
+    return fit_trainer(Late(fsdp=SCENARIO == "mp", **model_kw), root, steps, dist_strategy(SCENARIO, config), ckpt_path)
 
 
 if SCENARIO == "mp":
@@ -196,25 +105,11 @@ else:  # DistCheckpointStrategy: the module and the optimizer state are restored
         record(f"{mode} durable", lambda: fit(root, 1, last(root), tiers=False, config=cfg, layers=layers,
                                               late=False)["state"])
         record(f"{mode} tier", lambda: fit(root, 1, "last", config=cfg, layers=layers, late=False)["state"])
-""".replace("GROUP_TIMEOUT_S", str(GROUP_TIMEOUT_S))
+"""
 
 
 def _run_trainer(tmp_path, scenario: str) -> dict:
-    script = tmp_path / "ranks.py"
-    script.write_text(RANKS)
-    (tmp_path / "ck").mkdir()
-    code, output = run_ranks(str(script), [str(tmp_path / "ck"), str(tmp_path / "out"), scenario], script_env(), 2,
-                             timeout=300)
-    results = []
-    for rank in range(2):
-        path = tmp_path / f"out.rank{rank}.json"
-        assert path.is_file(), f"rank {rank} wrote no results (exit {code}):\n{output[-6000:]}"
-        results.append(json.loads(path.read_text()))
-    assert code == 0, output[-6000:]
-    for res in results:
-        for name, (kind, _) in res.items():
-            assert kind in ("ok", "CheckpointingError", "MissingKeysError"), (name, res[name])
-    return results
+    return run_trainer_script(tmp_path, RANKS, [scenario], agreed=AGREED)
 
 
 @pytest.fixture(scope="module")
@@ -286,34 +181,10 @@ def test_trainer_tier_resume_restores_what_the_durable_resume_restores(trainer_t
 
 
 # ------------------------------------------------------------------ Fabric: FabricTiers against fabric.load
-def _fabric(rank: int, world: int, strategy) -> "object":
-    """Fabric in this process of the group, as torchrun would have started it (the group exists)."""
-    from lightning.fabric import Fabric
-
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1", NODE_RANK="0", LOCAL_WORLD_SIZE=str(world))
-    warnings.simplefilter("ignore")
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
-    fabric.launch()
-    return fabric
-
-
 def _options(root: str):
     from lightning_distckpt.tiers import TierOptions
 
     return TierOptions(local_dir=os.path.join(root, "local", "{node}"), ranks_per_node=1, local_every_n_steps=1)
-
-
-def _full(t: torch.Tensor) -> list:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().tolist()
-
-
-def _snapshot(model: nn.Module, opt) -> dict:
-    out = {n: _full(p) for n, p in model.named_parameters()}
-    out.update({f"{n}.{k}": _full(v) for n, p in model.named_parameters() for k, v in opt.state.get(p, {}).items()})
-    return out
 
 
 class LateHead(nn.Module):

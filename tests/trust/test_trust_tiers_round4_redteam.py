@@ -33,17 +33,16 @@ the error asserted, and a scenario stops at the first outcome not agreed.
 import json
 import os
 import re
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from dist_utils import run_distributed
-from script_ranks import run_ranks, script_env
+from tier_parity_scripts import GROUP_TIMEOUT_S, launch_fabric as _fabric, run_trainer_script
+from tier_parity_scripts import snapshot as _snapshot
 
 pytestmark = pytest.mark.tiers
-GROUP_TIMEOUT_S = 30
 
 #: Damage done to the local copies after steps 1 to 3 (steps 2 and 3 kept on each node, each node holding its own
 #: rank's store and its partner's copy; a durable checkpoint of step 2) -> the point a restore must read.
@@ -112,51 +111,24 @@ EXPECTED = {"flip_own": [3, "local"], "overwritten_both": [2, "local"], "metadat
 
 # ------------------------------------------------------------------ Trainer
 RANKS = r"""import json
-import os
-import sys
-import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
-from lightning_distckpt import CheckpointingError
-from lightning_distckpt.comm import CollectiveError
-from lightning_distckpt.lightning import DistCheckpointModelParallelStrategy, DistCheckpointStrategy
-from lightning_distckpt.lightning.tiers import tier_callback
+from tier_parity_scripts import AGREED, Recorder, StepModule, dist_strategy, fit_trainer, last, summary, tier_config
 
-warnings.simplefilter("ignore")
 folder, out, SCENARIO = sys.argv[1:4]
 CASES = json.loads(sys.argv[4])
-rank = int(os.environ["LOCAL_RANK"])
-TIMEOUT = timedelta(seconds=GROUP_TIMEOUT_S)
-res = {}
+record = Recorder(out, rank, (*AGREED, "IncompleteCheckpointError"))
 DAMAGE_CODE
-
-
-def record(name, fn):
-    '''fn's outcome; stops the script (no collective may follow) at one every rank may not share.'''
-    try:
-        res[name] = ["ok", fn()]
-    except CollectiveError as e:
-        res[name] = ["CollectiveError", str(e)[:600]]
-    except CheckpointingError as e:
-        res[name] = [type(e).__name__, str(e).split("\n--- traceback")[0][:3000]]
-    except BaseException as e:  # noqa: BLE001 - told apart from an agreed error
-        res[name] = ["unagreed " + type(e).__name__, str(e)[:600]]
-    with open(f"{out}.rank{rank}.json", "w") as f:
-        json.dump(res, f)
-    if res[name][0] not in ("ok", "CheckpointingError", "MissingKeysError", "IncompleteCheckpointError"):
-        sys.exit(0)
 
 
 class Refusing(RuntimeError):
     pass
 
 
-class Model(LightningModule):
+class Model(StepModule):
     '''Two linear layers; ``late``: ``b`` joins the loss at step 2 (no optimizer state before). ``fail``: rank 1
     refuses its loaded state ("module": a load_state_dict post-hook; "optimizer": the optimizer's pre-hook).'''
 
@@ -164,28 +136,15 @@ class Model(LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
-        self.late, self.fail = late, fail
+        self.late, self.fail, self.fsdp = late, fail, SCENARIO == "mp"
         self.register_load_state_dict_post_hook(self._refuse)
 
     def _refuse(self, module, keys):
         if self.fail == "module" and rank == 1:
             raise Refusing("the module refuses its state on rank 1")
 
-    def configure_model(self):
-        if SCENARIO == "mp":
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(self, mesh=self.device_mesh["data_parallel"])
-
     def forward(self, x):
         return self.a(x) + (self.b(x) if not self.late or self.global_step >= 2 else 0)
-
-    def training_step(self, batch, batch_idx):
-        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(self.global_step))  # the step's, on any resume
-        return self(x).pow(2).mean()
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(list(range(64)), batch_size=1)
 
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=0.1)
@@ -197,55 +156,9 @@ class Model(LightningModule):
         return opt
 
 
-class Seen(Callback):
-    step = point = None
-
-    def on_train_start(self, trainer, pl_module):
-        self.step = trainer.global_step
-        cb = tier_callback(trainer)
-        point = cb.local_tier.last_point if cb is not None and cb.local_tier is not None else None
-        self.point = None if point is None else [point.step, point.source]
-
-
-def full(t):
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def fit(root, steps, ckpt_path=None, tiers=True, durable=2, **model_kw):
-    model = Model(**model_kw)
-    config = {}
-    if tiers:
-        config["tiers"] = {"local_dir": os.path.join(root, "local", "{node}"), "local_every_n_steps": 1,
-                           "durable_every_n_steps": durable, "ranks_per_node": 1}
-    if SCENARIO == "mp":
-        strategy = DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, timeout=TIMEOUT,
-                                                       checkpoint=config)
-    else:
-        strategy = DistCheckpointStrategy(timeout=TIMEOUT, checkpoint=config, find_unused_parameters=True)
-    seen = Seen()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=[seen],
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      enable_checkpointing=False, default_root_dir=root, use_distributed_sampler=False)
-    trainer.fit(model, ckpt_path=ckpt_path)
-    opt = trainer.optimizers[0]
-    params = dict(model.named_parameters())
-    state = {n: full(p).tolist() for n, p in params.items()}
-    state.update({f"{n}.{k}": full(v).tolist() for n, p in params.items() for k, v in opt.state.get(p, {}).items()})
-    return {"first": seen.step, "point": seen.point, "state": state}
-
-
-def summary(got, want):
-    '''The point resumed and which entries differ from the uninterrupted run.'''
-    return {"point": got["point"], "first": got["first"],
-            "differ": sorted(k for k in set(got["state"]) | set(want["state"])
-                             if k not in got["state"] or k not in want["state"]
-                             or got["state"][k] != want["state"][k])}
-
-
-def last(root):
-    return os.path.join(root, "checkpoints", "last.ckpt")
+    config = tier_config(root, durable=durable) if tiers else None
+    return fit_trainer(Model(**model_kw), root, steps, dist_strategy(SCENARIO, config), ckpt_path)
 
 
 plain = fit(os.path.join(folder, "plain"), 4, tiers=False)
@@ -267,22 +180,11 @@ if SCENARIO == "mp":
     fit(root, 1, durable=1, late=True)  # b without optimizer state in local step 1 and in last.ckpt
     record("strict durable", lambda: fit(root, 3, last(root), tiers=False, late=True)["first"])
     record("strict tier", lambda: fit(root, 3, "last", late=True)["first"])
-""".replace("GROUP_TIMEOUT_S", str(GROUP_TIMEOUT_S)).replace("DAMAGE_CODE", DAMAGE)
+""".replace("DAMAGE_CODE", DAMAGE)
 
 
 def _run_trainer(tmp_path, scenario: str, cases) -> dict:
-    script = tmp_path / "ranks.py"
-    script.write_text(RANKS)
-    (tmp_path / "ck").mkdir()
-    code, output = run_ranks(str(script), [str(tmp_path / "ck"), str(tmp_path / "out"), scenario, json.dumps(cases)],
-                             script_env(), 2, timeout=300)
-    results = []
-    for rank in range(2):
-        path = tmp_path / f"out.rank{rank}.json"
-        assert path.is_file(), f"rank {rank} wrote no results (exit {code}):\n{output[-6000:]}"
-        results.append(json.loads(path.read_text()))
-    assert code == 0, output[-6000:]
-    return results
+    return run_trainer_script(tmp_path, RANKS, [scenario, json.dumps(cases)])
 
 
 @pytest.fixture(scope="module")
@@ -340,30 +242,6 @@ def test_model_parallel_strict_refusals_name_the_same_keys(trainer_model_paralle
 
 
 # ------------------------------------------------------------------ FabricTiers
-def _fabric(rank: int, world: int, strategy) -> "object":
-    """Fabric in this process of the group, as torchrun would have started it (the group exists)."""
-    from lightning.fabric import Fabric
-
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1", NODE_RANK="0", LOCAL_WORLD_SIZE=str(world))
-    warnings.simplefilter("ignore")
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
-    fabric.launch()
-    return fabric
-
-
-def _full(t: torch.Tensor) -> list:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().tolist()
-
-
-def _snapshot(model: nn.Module, opt) -> dict:
-    out = {n: _full(p) for n, p in model.named_parameters()}
-    out.update({f"{n}.{k}": _full(v) for n, p in model.named_parameters() for k, v in opt.state.get(p, {}).items()})
-    return out
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
