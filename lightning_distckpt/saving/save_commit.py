@@ -21,6 +21,7 @@ from ..storage.save_token import TOKEN_FIELD, save_token
 from ..version import __version__
 from ..core.gc_pause import gc_paused
 from .save_prepare import PreparedSave
+from .store_calls import INTERRUPTS, UnopenedWriter, agreed, discard_quietly
 from .stats import log_throughput
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ def write_local(prep: PreparedSave) -> LocalWrite:
 
 def _write_local(prep: PreparedSave) -> LocalWrite:
     t0 = time.perf_counter()
+    writer = prep.writer
+    if isinstance(writer, UnopenedWriter):  # raised here, so every rank learns of it (finalize_save)
+        raise writer.error
     prep.store.begin(prep.staging, prep.comm.rank)
     # is_cpu, not device.type: a device object per tensor costs ~0.3 us, 3 ms a save of 10,000 keys
     tensors = [w._replace(data=w.data.cpu()) if not w.data.is_cpu else w for w in prep.tensors]
@@ -51,9 +55,9 @@ def _write_local(prep: PreparedSave) -> LocalWrite:
             prep.store.write_blob(prep.staging, name, data)
 
     if prep.common is not None and (tensors or prep.objects):  # beside the shards, so their fsyncs overlap
-        nbytes = _beside(write_blobs, lambda: prep.writer.write(prep.comm.rank, tensors, prep.objects))
+        nbytes = _beside(write_blobs, lambda: writer.write(prep.comm.rank, tensors, prep.objects))
     else:
-        nbytes = prep.writer.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
+        nbytes = writer.write(prep.comm.rank, tensors, prep.objects) if (tensors or prep.objects) else 0
         write_blobs()
     return LocalWrite(nbytes + (len(prep.common) if prep.common is not None else 0), time.perf_counter() - t0)
 
@@ -130,14 +134,14 @@ def finalize_save(prep: PreparedSave, local: Union[LocalWrite, BaseException]) -
         if not e.failures:  # the exchange itself failed (a rank is gone): not an agreed outcome
             raise
         if comm.rank == 0:
-            prep.store.discard(prep.staging)
+            discard_quietly(prep.store, prep.staging)
         if isinstance(e, SaveFailedError):
             raise
         raise _save_failed(e) from e
     log_throughput("save", prep.target, comm.rank, written, time.perf_counter() - prep.started)
 
 
-def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[Exception]:
+def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[BaseException]:
     """Rank 0: write metadata.json and the commit marker and move the checkpoint into place.
     Returns the error, if any (disk full while writing metadata, permissions, something in the way)."""
     marker = {"bytes": sum(w.nbytes for w in written), "world_size": prep.comm.size, "committed_unix": time.time()}
@@ -147,9 +151,26 @@ def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[Exception
             with gc_paused():  # an index of a hundred thousand shards is as many small dicts
                 text = json.dumps(_metadata(prep))
         prep.store.commit(prep.staging, text, marker)
-    except Exception as e:
+    except BaseException as e:  # a store's own BaseException too: agreed, no peer left waiting
+        agreed(e)
+        if _committed_anyway(prep):
+            logger.warning("save to %s: %r.commit raised %s: %s, but the checkpoint it holds now is this save's "
+                           "(its commit took effect, e.g. a response lost after it): kept as committed",
+                           prep.target, prep.store, type(e).__name__, e)
+            return None
         return e
     return None
+
+
+def _committed_anyway(prep: PreparedSave) -> bool:
+    """After the store's commit raised: whether the checkpoint it holds now is this save's all the same (its
+    save token in the checked metadata.json). Discarding the staging location then, as after any failed
+    commit, removed the checkpoint just committed (a store whose ``discard`` does not check) while the save
+    said nothing was committed."""
+    try:
+        return prep.store.open_metadata().meta.get(TOKEN_FIELD) == save_token(prep.staging)
+    except Exception:  # noqa: BLE001 - no committed checkpoint of this save to be found: the commit failed
+        return False
 
 
 def _metadata(prep: PreparedSave) -> dict:
@@ -189,9 +210,11 @@ def write_and_commit(prep: PreparedSave) -> None:
         local: Union[LocalWrite, BaseException] = write_local(prep)
     except Exception as e:  # finalize_save turns it into SaveFailedError on every rank and cleans up
         local = e
-    except BaseException:
-        _discard_alone(prep)
-        raise
+    except BaseException as e:
+        if isinstance(e, INTERRUPTS):
+            _discard_alone(prep)
+            raise
+        local = e  # a store's own BaseException (asyncio's CancelledError): agreed too, no peer left waiting
     try:
         finalize_save(prep, local)
     except Exception:  # reported, and cleaned up, by finalize_save

@@ -36,6 +36,7 @@ from ..storage.tensorstore_io import StorageOptions
 from ..core.gc_pause import gc_paused
 from .object_bytes import pickle_objects
 from .save_coordinate import CoordinatorOptions, coordinate_plan
+from .store_calls import agreed, discard_quietly, look_around_quietly, open_writer
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class PlanningOptions(NamedTuple):
 
     balance_writes: bool
     pack_max_bytes: int
+    layout: str = "ocdbt"  # recorded by rank 0 for every rank's store (another one's: an unreadable checkpoint)
 
     def differences(self, reference: "PlanningOptions") -> List[str]:
         """``"name=mine (rank 0: theirs)"`` for each option that differs from ``reference``."""
@@ -169,29 +171,29 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str, Chec
              else open_store(checkpoint_dir, options))  # same on every rank: all refuse a URL alike
     target = store.location
     started = time.perf_counter()
-    planning = PlanningOptions(balance_writes, options.pack_max_bytes)
+    planning = PlanningOptions(balance_writes, options.pack_max_bytes, options.layout)
     error: Optional[Exception] = None
     try:
         # Every rank digests the common state when it is checked for consistency (only rank 0's
         # copy is serialized and written), so an unpicklable value fails on every rank.
         local = _describe(sharded_state_dict, store, comm, check_common=validate_access_integrity and comm.distributed)
-    except Exception as e:  # agreed below, so no rank is left waiting in the exchange
-        local, error = LocalState(), e
+    except BaseException as e:  # agreed below, so no rank is left waiting in the exchange
+        local, error = LocalState(), agreed(e)
     cache_key = (local.records, _group_ranks(comm), validate_access_integrity, planning)
     token = plan_cache.lookup(cache_key) if plan_cache is not None and error is None else None
     named = None
     if comm.rank == 0 and error is None:
         try:  # an object store names its version with requests (s3.new_version): a failure is agreed
             named = store.new_staging()
-        except Exception as e:
-            error = e
+        except BaseException as e:  # a store's own BaseException (asyncio's CancelledError) too
+            error = agreed(e)
     mine = Handshake(layout=layout_digest(local.records), plan_token=token, staging=named,
                      common_digest=local.common_digest, planning=planning)
     try:
         handshakes: List[Handshake] = comm.agree(f"save to {target} failed before writing", error, mine)
     except BaseException:
         if named is not None:  # what naming it made (an object store's claim and liveness marks)
-            store.discard(named)
+            discard_quietly(store, named)
         raise
     staging = handshakes[0].staging
     assert staging is not None  # rank 0 always names one
@@ -206,7 +208,7 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str, Chec
                 plan_cache.store(cache_key, staging, plan)  # staging name: unique, identical on every rank
     except BaseException:
         if comm.rank == 0:  # what naming it left (an object store's claim of its version)
-            store.discard(staging)
+            discard_quietly(store, staging)
         raise
     tensors, objects = _local_writes(plan, local, comm.rank)
     logger.debug(
@@ -216,7 +218,7 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str, Chec
     )
     return PreparedSave(
         target=target, staging=staging, comm=comm, plan=plan, options=options, store=store,
-        writer=store.open_writer(staging), tensors=tensors, objects=objects,
+        writer=open_writer(store, staging), tensors=tensors, objects=objects,
         common=local.common_bytes if comm.rank == 0 else None, started=started, plan_reused=reuse,
         plain_tensors=local.plain_tensors,
     )
@@ -334,7 +336,7 @@ def _look_around(comm: Comm, store: CheckpointStore, staging: str, common: Any, 
                  validate_access_integrity: bool) -> None:
     """Warnings that need no agreement: leftovers of killed saves, common state differing by rank."""
     if comm.rank == 0:
-        store.look_around(staging)
+        look_around_quietly(store, staging)
     if validate_access_integrity and len({h.common_digest for h in handshakes}) > 1:
         _warn_common_differs(common, comm, store.location)
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, AbstractSet, Any, ClassVar, Dict, List, NamedT
 
 import tensorstore as ts
 
-from ..core.errors import CheckpointingError
+from ..core.errors import ArgumentError, CheckpointingError
 from .layout import MetadataFile
 from .options import StorageOptions
 
@@ -84,10 +84,14 @@ class CheckpointStore(ABC):
     def with_options(self, options: StorageOptions) -> "CheckpointStore":
         """This store with ``options`` (itself where they are its own): a saver's writer choices
         (``AsyncSaver(io_concurrency=...)``) applied to a store the caller made. A copy, so the
-        caller's store keeps its own."""
+        caller's store keeps its own. A store that ``copy.copy`` cannot copy needs ``__copy__``."""
         if options == self.options:
             return self
-        out = copy.copy(self)
+        try:
+            out = copy.copy(self)
+        except Exception as e:  # a store holding a client that refuses copies: say which store, and what to do
+            raise ArgumentError(f"{self!r}: other options ({options}) need a copy of the store, and copy.copy failed: "
+                                f"{type(e).__name__}: {e}; give the store a __copy__ or its own with_options") from e
         out.options = options
         return out
 
@@ -136,14 +140,19 @@ class CheckpointStore(ABC):
     def commit(self, staging: str, metadata_json: str, marker: Dict[str, Any]) -> None:
         """Rank 0, after every rank wrote: write ``metadata.json`` and the commit marker (``marker``
         plus the SHA-256 of metadata.json and of common.pt as stored) and make ``staging`` the
-        checkpoint at :attr:`location`, atomically; the previous one stays until then."""
+        checkpoint at :attr:`location`, atomically; the previous one stays until then. Returning means
+        committed: a load right after opens it (the save reports success on no other evidence). Raising
+        after the commit took effect is safe: the save finds its own token at :meth:`open_metadata` and
+        keeps it."""
 
     @abstractmethod
     def discard(self, staging: str) -> None:
-        """Remove an uncommitted staging location (after a failed save)."""
+        """Remove an uncommitted staging location (after a failed save); never the version a commit made
+        the checkpoint. A failure here is only logged (the location is left to ``clean``)."""
 
     def look_around(self, staging: str) -> None:
-        """Rank 0, while a save prepares: warn about leftovers of earlier saves (nothing by default)."""
+        """Rank 0, while a save prepares: warn about leftovers of earlier saves (nothing by default; what
+        it raises is logged, the save goes on)."""
 
     def reserve(self) -> bool:
         """Hold :attr:`location`'s name while a background save is in flight (True when this call
