@@ -18,7 +18,7 @@ from ..planning.metadata import CheckpointIndex
 from ..storage.base import ShardReader
 from ..storage.integrity import read_common, read_common_bytes
 from ..storage.layout import DATA_DIR
-from ..storage.store import CheckpointStore, StorageFacts, WriterStore
+from ..storage.store import CheckpointStore, StorageFacts, WriterStore, asked
 from ..storage.stores import SaveTarget, open_store, store_of
 from ..storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .formats import KeyMap, detect
@@ -59,7 +59,7 @@ class OpenedCheckpoint:
         the layout is the one recorded."""
         # the store refuses what it does not serve, and links inside the checkpoint, and checks every field
         store = store_of(checkpoint_dir, options)
-        opened = store.open_metadata()
+        opened = asked(store, "open_metadata()", store.open_metadata)
         path, meta = opened.path, opened.meta
         recorded = StorageOptions.from_json(meta.get("storage", {}))
         stores = _rank_stores(path) if store.file_system else None  # bounds the index's even splits
@@ -78,24 +78,30 @@ class OpenedCheckpoint:
         every key: :meth:`TensorStoreIO.sibling`); each has its own stores and arrays."""
         first = self._readers.get(check_sizes)
         if first is None:
-            first = self._readers[check_sizes] = self._store().open_reader(self.path, self.options, self.index,
-                                                                           check_sizes)
+            first = self._readers[check_sizes] = self._open_reader(check_sizes)
             return first
         sibling = getattr(first, "sibling", None)  # a store's own reader type may not share
-        return sibling() if sibling is not None else self._store().open_reader(self.path, self.options, self.index,
-                                                                               check_sizes)
+        return sibling() if sibling is not None else self._open_reader(check_sizes)
+
+    def _open_reader(self, check_sizes: bool) -> TensorStoreIO:
+        store = self._store()
+        return asked(store, f"open_reader({self.path!r})", store.open_reader, self.path, self.options, self.index,
+                     check_sizes)
 
     def read_blob(self, name: str) -> Optional[bytes]:
         """A whole blob of the checkpoint (``common.pt``), as stored; None when missing."""
-        return self._store().read_blob(self.path, name)
+        store = self._store()
+        return asked(store, f"read_blob({self.path!r}, {name!r})", store.read_blob, self.path, name)
 
     def writer_store(self, writer: int) -> WriterStore:
         """Whether ``writer``'s store holds anything, and its bytes where listed (``validate``)."""
-        return self._store().writer_store(self.path, writer)
+        store = self._store()
+        return asked(store, f"writer_store({self.path!r}, {writer})", store.writer_store, self.path, writer)
 
     def storage_facts(self) -> StorageFacts:
         """What ``inspect`` shows of this checkpoint's storage (files, bytes, leftovers), as its store knows it."""
-        return self._store().facts(self.path)
+        store = self._store()
+        return asked(store, f"facts({self.path!r})", store.facts, self.path)
 
     def common_bytes(self) -> bytes:
         """``common.pt`` as stored, checked against the SHA-256 its commit marker records."""

@@ -34,7 +34,10 @@ def read_common_bytes(store: "CheckpointStore", checkpoint_dir: str, marker: Dic
     checked against the SHA-256 its commit marker records (a copy made from them is then no copy
     of damage; skipped when ``store.options.verify`` is off)."""
     where = f"checkpoint {checkpoint_dir}: {COMMON_FILE}"
-    blob = store.read_blob(checkpoint_dir, COMMON_FILE)
+    from .store import asked  # (store.py is imported for type checking only here)
+
+    blob = asked(store, f"read_blob({checkpoint_dir!r}, {COMMON_FILE!r})", store.read_blob, checkpoint_dir,
+                 COMMON_FILE)
     if blob is None:
         raise CheckpointingError(f"{where} is missing")
     if not blob:

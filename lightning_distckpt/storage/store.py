@@ -21,8 +21,10 @@ store's key-value store (:meth:`~CheckpointStore.kvstore_spec`).
 from __future__ import annotations
 
 import copy
+import logging
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, AbstractSet, Any, ClassVar, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, AbstractSet, Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Sequence,
+                    Tuple)
 
 import tensorstore as ts
 
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from ..progress import Progress
     from .tensorstore_io import TensorStoreIO
 
+logger = logging.getLogger(__name__)
+
 
 class WriterStore(NamedTuple):
     """What a store holds for one writer rank: whether anything, how many bytes (None where the
@@ -43,6 +47,33 @@ class WriterStore(NamedTuple):
     exists: bool
     nbytes: Optional[int]
     missing: str = ""  # e.g. "data directory CKPT/data/rank_00001 is missing"
+
+
+#: Raised through at once, never turned into an error a load agrees on: a Ctrl-C or an exit stops the process.
+INTERRUPTS = (KeyboardInterrupt, SystemExit)
+
+
+def asked(store: "CheckpointStore", call: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, one of ``store``'s reading calls (``call`` names it). A third party's store may raise
+    anything: what is no CheckpointingError becomes one naming the store and the call, so that the user
+    sees which store failed where, and a load agrees on it with the other ranks (an error that is no
+    Exception, such as asyncio's CancelledError, escaped the agreement and left the others waiting)."""
+    try:
+        return fn(*args)
+    except (CheckpointingError, *INTERRUPTS):
+        raise
+    except BaseException as e:
+        raise CheckpointingError(f"{store!r}.{call} failed: {type(e).__name__}: {e}") from e
+
+
+def still_committed(store: "CheckpointStore", path: str) -> Optional[bool]:
+    """``store.still_committed(path)``, asked after a read failed; None where the store cannot say (it raised,
+    logged): no evidence either way, so the read's own error stands instead of the store's."""
+    try:
+        return bool(store.still_committed(path))
+    except Exception as e:  # noqa: BLE001 - only evidence, asked about a failure that is raised anyway
+        logger.warning("%r.still_committed(%r) failed: %s: %s", store, path, type(e).__name__, e)
+        return None
 
 
 class LeftoverChanged(CheckpointingError):

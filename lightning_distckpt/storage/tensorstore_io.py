@@ -43,6 +43,7 @@ from .save_token import token_now_at
 from ..planning.even_index import PackedPlaces, Place
 from .packs import copy_out, landing, pack_runs, packed_view, to_numpy
 from .tensorstore_write import TensorStoreWrites
+from .store import asked, still_committed
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
@@ -91,7 +92,7 @@ class TensorStoreIO(TensorStoreWrites):
         # One context per directory: all arrays of a rank share one OCDBT database instance, and
         # the I/O concurrency applies to the whole save or load. No chunk cache: checkpoint data
         # is written or read once, and caching would keep references to the caller's tensors.
-        self.context = self.store.ts_context(self.options)
+        self.context = asked(self.store, "ts_context()", self.store.ts_context, self.options)
         self._kvstores: Dict[int, Any] = {}
         self._arrays: Dict[Tuple[int, str], Any] = {}  # opened in tensorstore (what tensorstore reads)
         self._crcs: Dict[Tuple[int, str], Tuple[int, ...]] = {}  # chunk checksums kept in an array's metadata
@@ -114,7 +115,7 @@ class TensorStoreIO(TensorStoreWrites):
     def kvstore_spec(self, writer: int) -> Dict[str, Any]:
         """The key-value store holding ``writer``'s arrays and objects."""
         path = rank_dir(self.root, writer)
-        base = self.store.kvstore_spec(path)
+        base = asked(self.store, f"kvstore_spec({path!r})", self.store.kvstore_spec, path)
         if self.options.layout == "ocdbt":
             return {"driver": "ocdbt", "base": base, "target_data_file_size": self.options.data_file_bytes,
                     **self.store.ocdbt_options}
@@ -140,7 +141,8 @@ class TensorStoreIO(TensorStoreWrites):
         if not self._reading or writer in self._contained:
             return
         try:
-            self.store.check_writer(self.root, writer, self._claimed.get(writer, 0))
+            asked(self.store, f"check_writer({self.root!r}, {writer})", self.store.check_writer, self.root, writer,
+                  self._claimed.get(writer, 0))
         except FormatError:  # fewer bytes than claimed: another save's store, if one replaced the checkpoint
             self._check_not_replaced(thorough=True)
             raise
@@ -157,7 +159,7 @@ class TensorStoreIO(TensorStoreWrites):
         """The checkpoint at the path is not the one read: another directory (a stat), or, ``thorough``, another
         save's metadata.json (one that committed after the load opened it, before this reader was made)."""
         if not self.files:
-            return thorough and self._reading and not self.store.still_committed(self.root)
+            return thorough and self._reading and still_committed(self.store, self.root) is False
         return (self._root_id is not None and dir_identity(self.root) != self._root_id) or (
             thorough and self._recorded.token is not None and token_now_at(self.root) != self._recorded.token)
 
