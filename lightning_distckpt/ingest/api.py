@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, MutableMapping, Optional, Tuple
+from typing import AbstractSet, Any, Mapping, MutableMapping, Optional, Tuple, Union
 
 import torch
 
@@ -134,7 +134,7 @@ def _options(max_inflight_bytes: int, bucket_bytes: int,
 
 def shard_from_rank0(comm: Comm, state_dict: Optional[Mapping[str, Any]], meta_sharded_state_dict: Mapping[str, Any],
                      sharded_state_dict: MutableMapping[str, Any], options: ShardOptions, *,
-                     missing_ok: bool = False, unexpected_ok: bool = True,
+                     missing_ok: Union[bool, AbstractSet[str]] = False, unexpected_ok: bool = True,
                      error: Optional[BaseException] = None) -> ShardResult:
     """The collective behind both sides (``state_dict`` on rank 0, ``None`` elsewhere). With
     ``missing_ok`` keys rank 0 lacks are skipped (and listed in the result) instead of refused;
@@ -192,8 +192,8 @@ def _room_for(manifest: Manifest, device: torch.device) -> Optional[Checkpointin
     return None
 
 
-def _rank0_manifest(state_dict: Mapping[str, Any], needs: list, options: ShardOptions, missing_ok: bool,
-                    unexpected_ok: bool) -> Manifest:
+def _rank0_manifest(state_dict: Mapping[str, Any], needs: list, options: ShardOptions,
+                    missing_ok: Union[bool, AbstractSet[str]], unexpected_ok: bool) -> Manifest:
     """Rank 0's manifest; any failure in deciding it travels in it (the other ranks are already
     waiting for its broadcast: an error raised here alone would leave them waiting until the
     collective timeout)."""

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..comm import get_comm
-from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError, ShardingError
+from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError, ShardingError, ValidationError
 from ..core.mapping import ShardedTensor
+from .plan import describe_source
 from .api import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, ShardOptions, shard_from_rank0
 
 
@@ -83,9 +84,12 @@ class DistModule(nn.Module):
         meta = {name: entry for name, entry in _sharded_state_dict(self.module).items()
                 if isinstance(entry, ShardedTensor)}
         error = _unloadable(self.module, meta, strict)
+        missing_ok: Union[bool, AbstractSet[str]] = not strict
+        if comm.rank == 0 and error is None:  # rank 0's error fails every rank in the first collective
+            missing_ok, error = _tied_twins(meta, state_dict, strict)
         shards: Dict[str, Any] = {}
         result = shard_from_rank0(comm, state_dict if comm.rank == 0 else None, meta, shards, self.options,
-                                  missing_ok=not strict, unexpected_ok=not strict, error=error)
+                                  missing_ok=missing_ok, unexpected_ok=not strict, error=error)
         _tie(meta, shards)
         out = self.module.load_state_dict(shards, strict=False, assign=assign)
         return _IncompatibleKeys(list(out.missing_keys), list(result.unexpected))
@@ -117,17 +121,46 @@ def _unloadable(module: nn.Module, meta: Mapping[str, ShardedTensor], strict: bo
     return None
 
 
-def _tie(meta: Mapping[str, ShardedTensor], shards: Dict[str, Any]) -> None:
-    """Names whose entries hold one tensor of the module (tied weights): one shard for all of them, as torch's
-    own load keeps the storage they share, where the values loaded are equal (the same tensor saved under
-    both names) or only one of them was loaded (saved once, as Hugging Face saves a tied embedding)."""
+def _tied_twins(meta: Mapping[str, ShardedTensor], state_dict: Mapping[str, Any],
+                strict: bool) -> Tuple[Union[bool, AbstractSet[str]], Optional[CheckpointingError]]:
+    """Rank 0, before any data moves: what a strict load may find missing (names tied to one the state
+    dict holds: a tied embedding saved once, filled from its twin by :func:`_tie`), and why the load must
+    fail: tied names the state dict holds with different values (one tensor cannot keep both)."""
+    if not isinstance(state_dict, Mapping):
+        return not strict, None  # shard_from_rank0 names the wrong argument
+    allowed = set()
+    for names in _tied_names(meta):
+        held = [n for n in names if meta[n].key in state_dict]
+        if held:
+            allowed |= {meta[n].key for n in names if n not in held}
+        first = state_dict[meta[held[0]].key] if held else None
+        for n in held[1:]:
+            other = state_dict[meta[n].key]
+            if isinstance(first, torch.Tensor) and isinstance(other, torch.Tensor) and not (
+                    other.dtype == first.dtype and other.shape == first.shape and torch.equal(other, first)):
+                return allowed, ValidationError(
+                    f"DistModule.load_state_dict: {meta[held[0]].key!r} and {meta[n].key!r} are one tensor in the "
+                    f"module (tied weights) but {describe_source(state_dict)} holds different values for them; "
+                    f"untie them in the module, or drop one of the two keys")
+    return (True if not strict else allowed), None
+
+
+def _tied_names(meta: Mapping[str, ShardedTensor]) -> List[List[str]]:
+    """Names whose entries hold one tensor of the module (tied weights), groups of two or more."""
     tied: Dict[int, List[str]] = {}
     for name, entry in meta.items():
         if entry.data is not None:  # an entry without data shares nothing
             tied.setdefault(id(entry.data), []).append(name)
-    for names in tied.values():
+    return [names for names in tied.values() if len(names) > 1]
+
+
+def _tie(meta: Mapping[str, ShardedTensor], shards: Dict[str, Any]) -> None:
+    """Names whose entries hold one tensor of the module (tied weights): one shard for all of them, as torch's
+    own load keeps the storage they share, where the values loaded are equal (the same tensor saved under
+    both names) or only one of them was loaded (saved once, as Hugging Face saves a tied embedding)."""
+    for names in _tied_names(meta):
         loaded = [n for n in names if n in shards]
-        if len(names) < 2 or not loaded:
+        if not loaded:
             continue
         first = shards[loaded[0]]
         if all(shards[n].dtype == first.dtype and torch.equal(shards[n], first) for n in loaded[1:]):

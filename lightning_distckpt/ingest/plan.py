@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -119,14 +119,15 @@ def describe_source(state_dict: Mapping[str, Any], key: Optional[str] = None) ->
 
 
 def build_manifest(state_dict: Mapping[str, Any], needs: Sequence[Need], *, bucket_bytes: int,
-                   missing_ok: bool = False, unexpected_ok: bool = True) -> Manifest:
+                   missing_ok: Union[bool, AbstractSet[str]] = False, unexpected_ok: bool = True) -> Manifest:
     """Rank 0: check every need against the source tensors and plan the broadcasts.
 
     Each source tensor is sent at most once, as the bounding box of the boxes that ranks other
     than 0 hold (rank 0 cuts its own shards from the source); tensors smaller than
     ``bucket_bytes`` share broadcasts of up to ``bucket_bytes``. Any problem is returned in
     ``error`` instead of raised, for the caller to broadcast. Keys asked for and missing are an
-    error unless ``missing_ok``; keys of ``state_dict`` nobody asked for unless ``unexpected_ok``.
+    error unless ``missing_ok`` (True, or a set holding them: tied weights saved once); keys of ``state_dict``
+    nobody asked for unless ``unexpected_ok``.
     """
     source = describe_source(state_dict)
     try:
@@ -134,9 +135,10 @@ def build_manifest(state_dict: Mapping[str, Any], needs: Sequence[Need], *, buck
         for n in needs:
             by_key.setdefault(n.key, []).append(n)
         missing = [k for k in by_key if k not in state_dict]
-        if missing and not missing_ok:
+        refused = [] if missing_ok is True else [k for k in missing if missing_ok is False or k not in missing_ok]
+        if refused:
             raise MissingKeysError(
-                f"{source}: {len(missing)} key(s) asked for are not in the state dict: {_names(missing, by_key)}")
+                f"{source}: {len(refused)} key(s) asked for are not in the state dict: {_names(refused, by_key)}")
         # Source order (file order for a loaded file): the memory map is read front to back.
         unexpected = tuple(k for k in state_dict if k not in by_key)
         if unexpected and not unexpected_ok:

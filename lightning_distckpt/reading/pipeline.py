@@ -26,6 +26,7 @@ from .checkpoint import CheckpointSource, SourceView, keeps_common, open_checkpo
 from .reads import read_objects
 from .plain_tensors import fill_from_common, lacking_plain, request_stored, stored_places, with_filled
 from .request import LoaderSetup, LoadRequest, assemble, make_request, match_keys
+from .tied import tie_results, untie_reads
 from .stats import LoadStats, format_load_times
 from ..saving.stats import log_throughput
 
@@ -126,6 +127,7 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
         try:
             check_global_shapes(request.tensors, source.index.tensors, source.path)  # every mismatch named at once
             check_dtypes(request, source, keys.absent)
+            untie_reads(request.tensors, request.tied, keys.absent)  # tied keys stored twice: compared at the end
         except Exception as e:  # reported on every rank in finish_load; nothing is read for this rank
             error, request = e, LoadRequest({}, [], [])
     return LoadContext(comm, source, request, keys.absent, keys.missing, keys.unexpected, error, started,
@@ -170,7 +172,9 @@ def finish_load(ctx: LoadContext, tensors: Sequence[Optional[torch.Tensor]], sta
             objects = read_objects(ctx.source, ctx.request.objects, ctx.absent, extra_safe_globals)
             common = ({} if not keeps_common(ctx.source) else ctx.common if ctx.common_read
                       else ctx.source.load_common(extra_safe_globals))
-            state = assemble(ctx.request, common, with_filled(tensors, ctx.filled), objects)
+            values = with_filled(tensors, ctx.filled)
+            tie_results(ctx.request.tensors, ctx.request.tied, values, ctx.absent, ctx.source.path)
+            state = assemble(ctx.request, common, values, objects)
         except Exception as e:  # reported on every rank below
             ctx.fail(e)
     stats.total_s = time.perf_counter() - ctx.started

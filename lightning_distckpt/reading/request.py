@@ -19,6 +19,7 @@ from ..core.strict import StrictHandling, check_keys
 from ..core.tree_paths import Steps
 from ..planning.groups import representatives
 from .checkpoint import CheckpointSource, content_id
+from .tied import tie_groups, tied_to_stored
 
 
 # Not NamedTuples: the tree walkers treat tuples as containers.
@@ -54,6 +55,7 @@ class LoadRequest:
     tensors: List[ShardedTensor]
     objects: List[ShardedObject]
     plain: Dict[int, Steps] = field(default_factory=dict)
+    tied: List[List[int]] = field(default_factory=list)  # positions sharing one template tensor (reading/tied.py)
 
 
 def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
@@ -64,10 +66,12 @@ def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
     tensors: List[ShardedTensor] = []
     objects: List[ShardedObject] = []
     plain: Dict[int, Steps] = {}
+    data_ids: List[Optional[int]] = []  # taken before meta data is dropped: tied meta tensors stay tied
 
     def slot(leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
             _check_writable(leaf)
+            data_ids.append(id(leaf.data) if isinstance(leaf.data, torch.Tensor) else None)
             if isinstance(leaf.data, torch.Tensor) and leaf.data.is_meta:
                 # A meta tensor (a model built under torch.device("meta")) has no memory to load into: it is
                 # read as a template without data, into a fresh CPU tensor, as DCP materializes meta tensors
@@ -81,7 +85,8 @@ def make_request(sharded_state_dict: Dict[str, Any]) -> LoadRequest:
             return ObjectSlot(len(objects) - 1)
         return leaf
 
-    return LoadRequest(replace_leaves(sharded, slot), tensors, objects, plain)
+    tree = replace_leaves(sharded, slot)
+    return LoadRequest(tree, tensors, objects, plain, tie_groups(tensors, data_ids))
 
 
 def _check_writable(st: ShardedTensor) -> None:
@@ -134,7 +139,10 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     if source is not None:
         lacking = {t.key for t in req.tensors if t.key not in source.index.tensors}
         lacking |= {o.key for o in req.objects if o.key not in source.index.objects}
+    # a key tied to a stored one takes its value (a tied embedding saved once): not unexpected
     mine = lacking - filled
+    if req.tied and source is not None:
+        mine -= tied_to_stored(req.tensors, req.tied, source.index.tensors.keys())
     where = source.path if source is not None else "the checkpoint"
     digest = _keys_digest(asked) if strict.needs_missing else None
     setup = None if source is None else (content_id(source), source.path, strict.value, *(loader or LoaderSetup()))
