@@ -12,6 +12,7 @@ from ..comm import get_comm
 from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError, ShardingError, ValidationError
 from ..core.mapping import ShardedTensor
 from .plan import describe_source
+from ..reading.tied import same_values, tie_groups
 from .api import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, ShardOptions, shard_from_rank0
 
 
@@ -136,8 +137,7 @@ def _tied_twins(meta: Mapping[str, ShardedTensor], state_dict: Mapping[str, Any]
         first = state_dict[meta[held[0]].key] if held else None
         for n in held[1:]:
             other = state_dict[meta[n].key]
-            if isinstance(first, torch.Tensor) and isinstance(other, torch.Tensor) and not (
-                    other.dtype == first.dtype and other.shape == first.shape and torch.equal(other, first)):
+            if isinstance(first, torch.Tensor) and isinstance(other, torch.Tensor) and not same_values(first, other):
                 return allowed, ValidationError(
                     f"DistModule.load_state_dict: {meta[held[0]].key!r} and {meta[n].key!r} are one tensor in the "
                     f"module (tied weights) but {describe_source(state_dict)} holds different values for them; "
@@ -147,11 +147,8 @@ def _tied_twins(meta: Mapping[str, ShardedTensor], state_dict: Mapping[str, Any]
 
 def _tied_names(meta: Mapping[str, ShardedTensor]) -> List[List[str]]:
     """Names whose entries hold one tensor of the module (tied weights), groups of two or more."""
-    tied: Dict[int, List[str]] = {}
-    for name, entry in meta.items():
-        if entry.data is not None:  # an entry without data shares nothing
-            tied.setdefault(id(entry.data), []).append(name)
-    return [names for names in tied.values() if len(names) > 1]
+    names = list(meta)
+    return [[names[p] for p in g] for g in tie_groups(list(meta.values()))]
 
 
 def _tie(meta: Mapping[str, ShardedTensor], shards: Dict[str, Any]) -> None:
@@ -163,7 +160,7 @@ def _tie(meta: Mapping[str, ShardedTensor], shards: Dict[str, Any]) -> None:
         if not loaded:
             continue
         first = shards[loaded[0]]
-        if all(shards[n].dtype == first.dtype and torch.equal(shards[n], first) for n in loaded[1:]):
+        if all(same_values(first, shards[n]) for n in loaded[1:]):
             for n in names:
                 shards[n] = first
 

@@ -18,18 +18,37 @@ from ..core.errors import ValidationError
 from ..core.mapping import ShardedTensor
 
 
-def tie_groups(tensors: Sequence[ShardedTensor], data_ids: Sequence[Optional[int]]) -> List[List[int]]:
-    """Positions of the template's tensors that share one tensor (``data_ids``: ``id`` of each
-    template tensor's ``data`` as given, before meta tensors were dropped; None for none), groups of 2+."""
-    groups: Dict[tuple, List[int]] = {}
-    for pos, ident in enumerate(data_ids):
+def tie_groups(tensors: Sequence[ShardedTensor],
+               data_ids: Optional[Sequence[Optional[int]]] = None) -> List[List[int]]:
+    """Positions of the template's tensors that hold the same part of one tensor under several keys, groups of
+    2+ (a buffer cut into parts under several keys is no tie). ``data_ids``: ``id`` of each tensor's ``data``
+    as the caller had it (before meta tensors were dropped; None for none); by default their ``data`` now."""
+    ids = data_ids if data_ids is not None else [id(t.data) if isinstance(t.data, torch.Tensor) else None
+                                                 for t in tensors]
+    by_id: Dict[int, List[int]] = {}
+    for pos, ident in enumerate(ids):
         if ident is not None and pos < len(tensors):
-            t = tensors[pos]  # the same part of one tensor: a buffer cut into parts under several keys is no tie
-            fr = t.flattened_range  # a slice: unhashable before Python 3.12
-            flat = None if fr is None else (fr.start, fr.stop, fr.step)
-            part = (ident, tuple(t.global_shape), tuple(t.global_offset), tuple(t.local_shape), flat)
-            groups.setdefault(part, []).append(pos)
-    return [g for g in groups.values() if len({tensors[p].key for p in g}) > 1]
+            by_id.setdefault(ident, []).append(pos)
+    out: List[List[int]] = []
+    for shared in by_id.values():  # almost always one position each: the parts compared only where shared
+        if len(shared) < 2:
+            continue
+        parts: Dict[tuple, List[int]] = {}
+        for p in shared:
+            parts.setdefault(_part(tensors[p]), []).append(p)
+        out += [g for g in parts.values() if len({tensors[p].key for p in g}) > 1]
+    return out
+
+
+def _part(t: ShardedTensor) -> tuple:
+    fr = t.flattened_range  # a slice: unhashable before Python 3.12
+    flat = None if fr is None else (fr.start, fr.stop, fr.step)
+    return tuple(t.global_shape), tuple(t.global_offset), tuple(t.local_shape), flat
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two values given for one tied tensor agree (dtype, shape and every element)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(b.to(a.device), a)
 
 
 def tied_to_stored(tensors: Sequence[ShardedTensor], groups: Sequence[List[int]],
@@ -63,9 +82,7 @@ def tie_results(tensors: Sequence[ShardedTensor], groups: Sequence[List[int]], v
             continue
         first = values[read[0]]
         for p in read[1:]:
-            other = values[p]
-            if (other.dtype != first.dtype or other.shape != first.shape
-                    or not torch.equal(other.to(first.device), first)):
+            if not same_values(first, values[p]):
                 raise ValidationError(
                     f"{where}: {tensors[read[0]].key!r} and {tensors[p].key!r} are one tensor in the template (tied "
                     f"weights) but the checkpoint holds different values for them; untie them in the module, or "

@@ -9,13 +9,11 @@ from typing import Sequence
 
 from ..core.errors import CheckpointingError
 from ..storage.base import ObjectWrite, ShardWrite, ShardWriter
-from ..storage.store import CheckpointStore
+from ..storage.store import INTERRUPTS, CheckpointStore
 
 logger = logging.getLogger(__name__)
 
-#: Not agreed with the other ranks but raised at once (the group's timeout frees a peer left waiting):
-#: a Ctrl-C or an exit must stop the process, not wait in a collective first.
-INTERRUPTS = (KeyboardInterrupt, SystemExit)
+__all__ = ["INTERRUPTS", "UnopenedWriter", "agreed", "discard_quietly", "look_around_quietly", "open_writer"]
 
 
 def agreed(error: BaseException) -> BaseException:
@@ -54,7 +52,7 @@ def open_writer(store: CheckpointStore, staging: str) -> ShardWriter:
     agrees on, instead of raising there alone while its peers wait for its writes."""
     try:
         return store.open_writer(staging)
-    except BaseException as e:
+    except BaseException as e:  # the step named even over an error that names the store's inner call
         agreed(e)
         error = CheckpointingError(f"{store!r}: open_writer({staging!r}) failed: {type(e).__name__}: {e}")
         error.__cause__ = e

@@ -49,7 +49,8 @@ class WriterStore(NamedTuple):
     missing: str = ""  # e.g. "data directory CKPT/data/rank_00001 is missing"
 
 
-#: Raised through at once, never turned into an error a load agrees on: a Ctrl-C or an exit stops the process.
+#: Raised through at once, never turned into an error the ranks agree on: a Ctrl-C or an exit stops the process
+#: (the group's timeout frees a peer left waiting), not waits in a collective first.
 INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
