@@ -47,7 +47,7 @@ from ..saving.async_save import AsyncSaver, AsyncSaveRequest
 from ..saving.background_snapshot import Selector
 from ..saving.save import SavePlanCache, prepare_save, write_and_commit
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, unknown_argument
-from .last_link import repoint_last_links
+from .last_link import links_to_target, repoint_last_links
 from .fabric_checkpoint import fabric_checkpoint
 from .foreign import checkpoints_inside, foreign_advice, foreign_writer, refuse_file_inside
 from .restore_source import RestoreSource
@@ -102,6 +102,8 @@ class DistCheckpointIO(CheckpointIO):
         self.extra_safe_globals = tuple(extra_safe_globals) + self.config.safe_global_types
         self._saver: Optional[AsyncSaver] = None  # made on the first async save, local or collective
         self._pending: Optional[AsyncSaveRequest] = None
+        # Links to the pending save's target when issued: a failure repoints those made since, not a user's own
+        self._linked_before: List[str] = []
         # Synchronous collective saves reuse the last validated plan when no rank's layout changed
         # (one round trip instead of the records' gather and the plans' scatter; async saves: the saver's).
         self._plan_cache = SavePlanCache()
@@ -150,6 +152,7 @@ class DistCheckpointIO(CheckpointIO):
         tree[MANIFEST_KEY] = manifest(tree, KIND_PLAIN)
         if self._in_background(target):
             self._snapshot_not_in_background()
+            self._linked_before = links_to_target(target)
             self._pending = self._async_saver().save(
                 tree, target, validate_access_integrity=self.config.validate_access_integrity, balance_writes=False,
                 storage=storage, comm=LOCAL)
@@ -245,6 +248,8 @@ class DistCheckpointIO(CheckpointIO):
             if background_snapshot is False:  # the caller waits at no step
                 self._snapshot_not_in_background()
             # finalize() (collective) runs before the next save/load/teardown: on every rank at the same point
+            self._linked_before = links_to_target(str(path)) if not dist.is_initialized() or dist.get_rank() == 0 \
+                else []
             self._pending = dist_save(sharded_state_dict, path, async_save=self._async_saver(),
                                       background_snapshot=background_snapshot, **kwargs)
         else:
@@ -314,7 +319,8 @@ class DistCheckpointIO(CheckpointIO):
                 pending.finalize()  # raises on failure: the deferred removals are dropped
             except CheckpointingError:
                 if pending.checkpoint_dir and (not dist.is_initialized() or dist.get_rank() == 0):
-                    repoint_last_links(pending.checkpoint_dir)  # save_last="link" linked it when it was issued
+                    # save_last="link" linked it when it was issued
+                    repoint_last_links(pending.checkpoint_dir, self._linked_before)
                 raise
             except BaseException:
                 if not pending.finalized:  # interrupted while waiting for the writes: the outcome is still to come

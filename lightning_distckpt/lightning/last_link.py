@@ -5,9 +5,11 @@ issued. An async save that then fails never makes that checkpoint: the link dang
 run's ``ckpt_path="last"`` (which passes over a link to nothing) starts from scratch although the
 checkpoints before it are there. Once the failure is known, :func:`repoint_last_links` points each
 such link at the newest committed checkpoint beside it, the one ``last`` named before the failed
-save. Only a link named as ``ModelCheckpoint`` names its last checkpoints (``last``, ``last-v1``, ...
-with ``.ckpt``) and pointing at the failed target is changed, by an atomic replace; nothing else is
-touched. With no committed checkpoint beside it the link stays as it is.
+save. Only a link pointing at the failed target is changed, by an atomic replace, and only one that
+``ModelCheckpoint`` made: named as it names its last checkpoints by default (``last``, ``last-v1``, ...
+with ``.ckpt``), or, whatever its name (a custom ``CHECKPOINT_NAME_LAST``: ``"{epoch}-last"``,
+``"final"``), made while the save was in flight (not among :func:`links_to_target` taken when it was
+issued). Nothing else is touched. With no committed checkpoint beside it the link stays as it is.
 
 :func:`link_last` makes the link itself (``DistModelCheckpoint``), in one rename: Lightning removes what
 is at ``last.ckpt`` and links after, so another job's ``ckpt_path="last"`` between the two found no last
@@ -21,7 +23,7 @@ import os
 import re
 import secrets
 import shutil
-from typing import List
+from typing import Collection, List, Optional
 
 from ..core.errors import ArgumentError
 from ..storage.committed import committed_siblings
@@ -33,8 +35,19 @@ logger = logging.getLogger(__name__)
 _LAST_NAME = re.compile(r"last(-v?[0-9]+)?\.ckpt")  # ModelCheckpoint.CHECKPOINT_NAME_LAST, its versions
 
 
-def _links_to(folder: str, target: str) -> List[str]:
-    """The names in ``folder`` of ``last*.ckpt`` links that point at ``target`` (an absolute path)."""
+def links_to_target(target: str) -> List[str]:
+    """The names of the links beside ``target`` that point at it now: taken when a background save to it is
+    issued, so that its failure tells the links ``ModelCheckpoint`` made meanwhile from a user's own."""
+    if "://" in target:  # an object store has no links
+        return []
+    path = os.path.normpath(os.path.abspath(target))
+    return _links_to(os.path.dirname(path), path, every=True)
+
+
+def _links_to(folder: str, target: str, linked_before: Optional[Collection[str]] = None,
+              every: bool = False) -> List[str]:
+    """The names in ``folder`` of links that point at ``target`` (an absolute path): ``last*.ckpt`` ones,
+    any not in ``linked_before`` (given: a custom last name, linked since then), or ``every`` one."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -42,7 +55,8 @@ def _links_to(folder: str, target: str) -> List[str]:
     found = []
     for name in names:
         path = os.path.join(folder, name)
-        if _LAST_NAME.fullmatch(name) and os.path.islink(path):
+        wanted = every or _LAST_NAME.fullmatch(name) or (linked_before is not None and name not in linked_before)
+        if wanted and not name.startswith(".") and os.path.islink(path):  # ".name.tmp": link_last's own
             try:
                 pointed = os.path.normpath(os.path.join(folder, os.readlink(path)))
             except OSError:  # removed meanwhile
@@ -52,9 +66,11 @@ def _links_to(folder: str, target: str) -> List[str]:
     return found
 
 
-def repoint_last_links(failed_target: str) -> List[str]:
+def repoint_last_links(failed_target: str, linked_before: Optional[Collection[str]] = None) -> List[str]:
     """After the save to ``failed_target`` failed: point each ``last*.ckpt`` link beside it that names
-    it at the newest committed checkpoint in the same folder. Returns the links changed. Call it on
+    it at the newest committed checkpoint in the same folder, and, given ``linked_before`` (the
+    :func:`links_to_target` of when the save was issued), every other link to it made since then (a
+    ``ModelCheckpoint`` with a custom ``CHECKPOINT_NAME_LAST``). Returns the links changed. Call it on
     one process (global rank 0, as ``ModelCheckpoint`` links); errors are logged, never raised: the
     save's own failure is what the caller reports."""
     if "://" in failed_target:  # an object store has no links
@@ -63,7 +79,7 @@ def repoint_last_links(failed_target: str) -> List[str]:
     folder = os.path.dirname(target)
     if os.path.isdir(target):  # something is there after all (another save's, or a recovery's): keep the links
         return []
-    links = _links_to(folder, target)
+    links = _links_to(folder, target, None if linked_before is None else set(linked_before))
     if not links:
         return []
     newest = committed_siblings(folder, limit=1)  # links are no siblings; the failed target is not there
