@@ -23,6 +23,7 @@ so a stock run moves to this strategy with ``ckpt_path=<its checkpoint>``; later
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -76,17 +77,32 @@ def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor]) 
     Dicts and lists are copied (a bounded walk, :mod:`~lightning_distckpt.core.tree_walk`: a tree
     nested too deep or containing itself is a FormatError naming the place); tuples are leaves."""
 
+    seen: Dict[tuple, torch.Tensor] = {}
+
     def leaf(steps: Path, value: Any) -> Any:
         here = path + steps
         if isinstance(value, DTensor):
             dtensors[here] = value
-            return dtensor_to_sharded(dtensor_key(here), value)
+            st = dtensor_to_sharded(dtensor_key(here), value)
+            data = one_local(seen, st.data)
+            return st if data is st.data else dataclasses.replace(st, data=data)
         if isinstance(value, torch.Tensor) and value.ndim > 0:
-            return ShardedTensor.from_rank_offsets(dtensor_key(here), value.detach(), replica_id=rank)
+            return ShardedTensor.from_rank_offsets(dtensor_key(here), one_local(seen, value.detach()), replica_id=rank)
         return value
 
     where = f"the checkpoint's {dtensor_key(path)!r}" if path else "the checkpoint"
     return map_paths(node, leaf, copy_containers, where=where, types=(dict, list))
+
+
+def one_local(seen: Dict[tuple, torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+    """``local``, or the tensor already taken for the same memory: a state dict detaches each entry anew, so a
+    tied parameter's names (an embedding tied to the output layer) come as distinct tensors, and only one
+    object for both lets a load see the tie (reading/tied.py: a key saved once fills its twin)."""
+    if local.numel() == 0 or local.is_meta:  # no memory to tell them apart
+        return local
+    where = (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+             local.stride(), local.dtype)
+    return seen.setdefault(where, local)
 
 
 def drop_unsaved_states(template: Dict[str, Any], optimizers: List[Path], stored: Any,
