@@ -27,7 +27,7 @@ from .reading.shared_source import SharedCopy
 from .reading.formats import KeyMap
 from .reading.formats.megatron import unique_key
 from .reading.loaders import Loader, resolve_loader
-from .reading.pipeline import with_cast
+from .reading.pipeline import located, with_cast
 from .reading.plain import check_plain_loadable
 from .reading.plain_tensors import common_with_plain_tensors
 from .reading.reads import read_tensors
@@ -209,7 +209,8 @@ def load(
         opener = functools.partial(_raise, e)
     if not common:
         opener = _template_only(opener)
-    opener = with_cast(opener, cast)
+    where = shared.path if shared is not None else getattr(checkpoint_dir, "location", checkpoint_dir)
+    opener = located(with_cast(opener, cast), str(where))  # named alike by every rank when one cannot open it
     state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, opener, comm, strict,
                                                              extra_safe_globals)
     if strict.returns_keys:

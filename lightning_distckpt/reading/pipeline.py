@@ -67,6 +67,29 @@ class CastingSource(SourceView):
         self.cast = cast
 
 
+def located(opener: Opener, location: Optional[str]) -> Opener:
+    """``opener``, saying where it opens (:func:`opener_location`): a load failing to open it on some rank names
+    that place on every rank alike (the ranks that opened it said its path, the others "the checkpoint")."""
+    def open_it() -> CheckpointSource:
+        return opener()
+
+    open_it.location = location  # type: ignore[attr-defined]
+    return open_it
+
+
+def opener_location(checkpoint: Union[str, CheckpointSource, Opener]) -> Optional[str]:
+    """Where ``checkpoint`` (a path, a source, an opener) is, known before it is opened; None where not said."""
+    if isinstance(checkpoint, str):
+        return checkpoint
+    if isinstance(checkpoint, CheckpointSource):
+        return checkpoint.path
+    for name in ("location", "path"):  # (a SharedCopy says its path)
+        value = getattr(checkpoint, name, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
 def with_cast(checkpoint: Union[str, CheckpointSource, Opener],
               cast: str) -> Union[str, CheckpointSource, Opener]:
     """``checkpoint`` (a path, a source or an opener, as a loader takes it) to be read under the cast
@@ -75,11 +98,12 @@ def with_cast(checkpoint: Union[str, CheckpointSource, Opener],
     if cast == SAME_KIND:
         return checkpoint
     if isinstance(checkpoint, str):
-        return lambda: CastingSource(open_checkpoint(checkpoint), cast)
+        path = checkpoint
+        return located(lambda: CastingSource(open_checkpoint(path), cast), path)
     if isinstance(checkpoint, CheckpointSource):
         return CastingSource(checkpoint, cast)
     opener = checkpoint
-    return lambda: CastingSource(opener(), cast)
+    return located(lambda: CastingSource(opener(), cast), opener_location(opener))
 
 
 def check_dtypes(request: LoadRequest, source: CheckpointSource, absent: Set[str]) -> None:
@@ -121,7 +145,7 @@ def begin_load(sharded_state_dict: Dict[str, Any], checkpoint: Union[str, Checkp
         error = e
     request = read.request
     filled_keys = {request.tensors[p].key for p in read.filled}
-    keys = match_keys(source, request, comm, strict, open_error, filled_keys, loader)
+    keys = match_keys(source, request, comm, strict, open_error, filled_keys, loader, opener_location(checkpoint))
     assert source is not None  # match_keys raised on every rank otherwise
     if error is None:
         try:

@@ -120,7 +120,7 @@ class KeyMatch(NamedTuple):
 
 def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm, strict: StrictHandling,
                open_error: Optional[BaseException] = None, filled: AbstractSet[str] = frozenset(),
-               loader: Optional[LoaderSetup] = None) -> KeyMatch:
+               loader: Optional[LoaderSetup] = None, location: Optional[str] = None) -> KeyMatch:
     """Collective: the keys asked for but absent from the checkpoint (Megatron-Core's "unexpected"
     keys: this rank's, and every rank's) and, where ``strict`` looks for them, the checkpoint's keys
     no rank asks for ("missing"); raises on every rank alike when ``strict`` says so, or when some
@@ -133,7 +133,8 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     digest sends its keys, to rank 0, which names the missing ones.
 
     The same exchange checks that the ranks load alike (:func:`check_alike`): one checkpoint, one
-    ``strict`` mode, one ``loader`` protocol (what the loader's collectives depend on)."""
+    ``strict`` mode, one ``loader`` protocol (what the loader's collectives depend on). ``location``: where the
+    load was asked to read, which names it when some rank could not open it."""
     asked = {t.key for t in req.tensors if t.key} | {o.key for o in req.objects}
     lacking: Set[str] = set()
     if source is not None:
@@ -143,7 +144,8 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     mine = lacking - filled
     if req.tied and source is not None:
         mine -= tied_to_stored(req.tensors, req.tied, source.index.tensors.keys())
-    where = source.path if source is not None else "the checkpoint"
+    # the place asked for where known (every rank says the same, whether it opened it or not), else what was opened
+    where = location or (source.path if source is not None else "the checkpoint")
     digest = _keys_digest(asked) if strict.needs_missing else None
     setup = None if source is None else (content_id(source), source.path, strict.value, *(loader or LoaderSetup()))
     # a digest of what must be equal everywhere (not the path, which may differ for one checkpoint) and

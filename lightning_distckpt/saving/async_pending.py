@@ -50,13 +50,24 @@ def reserve_target(target: str, store: Optional["CheckpointStore"] = None) -> bo
     when this call did (only then does :func:`release_target` undo it). Nothing is done when
     something is already there (a committed checkpoint the save will replace: the name is taken anyway).
     ``store``: the save's own (it knows the folders its save made), else one opened for ``target``."""
-    return (store if store is not None else open_store(target)).reserve()
+    store = store if store is not None else open_store(target)
+    try:
+        return bool(store.reserve())
+    except Exception as e:  # rank 0 alone: raised here, it left the other ranks' save waiting for its commit
+        logger.warning("save to %s: %r.reserve() failed (the name is not held while the save runs): %s: %s",
+                       target, store, type(e).__name__, e)
+        return False
 
 
 def release_target(target: str, store: Optional["CheckpointStore"] = None) -> None:
     """Undo :func:`reserve_target` (anything put into the placeholder meanwhile stays, and the
     commit refuses to replace it); ``store`` as there."""
-    (store if store is not None else open_store(target)).release()
+    store = store if store is not None else open_store(target)
+    try:
+        store.release()
+    except Exception as e:  # after the commit's outcome is known: it must not replace it
+        logger.warning("save to %s: %r.release() failed (a placeholder may be left at the target): %s: %s",
+                       target, store, type(e).__name__, e)
 
 
 def track(request: "AsyncSaveRequest") -> None:

@@ -18,6 +18,7 @@ from ..storage.commit import in_background
 from ..storage.layout import COMMON_FILE, METADATA_FILE
 from ..storage.paths import PICKLE_CAP
 from ..storage.save_token import TOKEN_FIELD, save_token
+from ..storage.store import called, ours
 from ..version import __version__
 from ..core.gc_pause import gc_paused
 from .save_prepare import PreparedSave
@@ -45,14 +46,14 @@ def _write_local(prep: PreparedSave) -> LocalWrite:
     writer = prep.writer
     if isinstance(writer, UnopenedWriter):  # raised here, so every rank learns of it (finalize_save)
         raise writer.error
-    prep.store.begin(prep.staging, prep.comm.rank)
+    called(prep.store, "begin", prep.staging, prep.comm.rank)
     # is_cpu, not device.type: a device object per tensor costs ~0.3 us, 3 ms a save of 10,000 keys
     tensors = [w._replace(data=w.data.cpu()) if not w.data.is_cpu else w for w in prep.tensors]
 
     def write_blobs() -> None:
         # metadata.json's text made here too: tens of ms for 10,000 keys, beside the shard writes
         for name, data in _rank0_files(prep):
-            prep.store.write_blob(prep.staging, name, data)
+            called(prep.store, "write_blob", prep.staging, name, data)
 
     if prep.common is not None and (tensors or prep.objects):  # beside the shards, so their fsyncs overlap
         nbytes = _beside(write_blobs, lambda: writer.write(prep.comm.rank, tensors, prep.objects))
@@ -133,7 +134,7 @@ def finalize_save(prep: PreparedSave, local: Union[LocalWrite, BaseException]) -
     except CheckpointingError as e:
         if not e.failures:  # the exchange itself failed (a rank is gone): not an agreed outcome
             raise
-        if comm.rank == 0:
+        if comm.rank == 0 and not getattr(e.__cause__, "staging_kept", False):
             discard_quietly(prep.store, prep.staging)
         if isinstance(e, SaveFailedError):
             raise
@@ -150,7 +151,7 @@ def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[BaseExcep
         if text is None:  # not written by write_local (an object store)
             with gc_paused():  # an index of a hundred thousand shards is as many small dicts
                 text = json.dumps(_metadata(prep))
-        prep.store.commit(prep.staging, text, marker)
+        called(prep.store, "commit", prep.staging, text, marker)
     except BaseException as e:  # a store's own BaseException too: agreed, no peer left waiting
         agreed(e)
         if _committed_anyway(prep):
@@ -159,7 +160,32 @@ def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[BaseExcep
                            prep.target, prep.store, type(e).__name__, e)
             return None
         return e
-    return None
+    return _check_committed(prep)
+
+
+def _check_committed(prep: PreparedSave) -> Optional[CheckpointingError]:
+    """After a third party's ``commit`` returned: the error where the checkpoint its store holds now is not this
+    save's (none, an older one, another save's), by the store's own view a load opens (``open_metadata``, its save
+    token). A commit that returned without committing made the save report success, and ModelCheckpoint's top-k
+    and ``last`` link then pointed at nothing or at older state. A built-in store's commit raises on failure
+    itself: not asked again (an object store's extra requests, a large metadata.json parsed again)."""
+    if ours(prep.store, "commit"):
+        return None
+    token = save_token(prep.staging)
+    try:
+        now = prep.store.open_metadata().meta.get(TOKEN_FIELD)
+    except BaseException as e:  # a store's own BaseException too: agreed, no peer left waiting
+        agreed(e)
+        now = f"none to be opened ({type(e).__name__}: {e})"
+    if now == token:
+        return None
+    error = CheckpointingError(f"{prep.store!r}.commit({prep.staging!r}) returned, but the checkpoint the store "
+                               f"holds now is not this save's: save token {now!r}, this save's {token!r} (a commit "
+                               "that did not commit, or committed other metadata); the store breaks the commit "
+                               f"contract. The staging location is left to `clean` (the store may have committed it)")
+    # not discarded: a commit that took effect where open_metadata does not show it would lose the checkpoint
+    error.staging_kept = True  # type: ignore[attr-defined]
+    return error
 
 
 def _committed_anyway(prep: PreparedSave) -> bool:
@@ -228,4 +254,4 @@ def _discard_alone(prep: PreparedSave) -> None:
     """An interrupted save's staging directory removed, in a save of this process alone (nothing once
     its commit renamed it into place)."""
     if not prep.comm.distributed:
-        prep.store.discard(prep.staging)
+        discard_quietly(prep.store, prep.staging)  # a store's error here must not replace the interrupt

@@ -30,7 +30,7 @@ from ..storage.base import ObjectWrite, ShardWrite, ShardWriter
 from ..storage.layout import encode_key
 from ..storage.omegaconf_check import ALLOW_RESOLVERS_ENV, resolvers_allowed
 from ..storage.safe_pickle import check_loaded_tree, dumps
-from ..storage.store import CheckpointStore
+from ..storage.store import CheckpointStore, called
 from ..storage.stores import open_store
 from ..storage.tensorstore_io import StorageOptions
 from ..core.gc_pause import gc_paused
@@ -184,7 +184,7 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str, Chec
     named = None
     if comm.rank == 0 and error is None:
         try:  # an object store names its version with requests (s3.new_version): a failure is agreed
-            named = store.new_staging()
+            named = called(store, "new_staging")
         except BaseException as e:  # a store's own BaseException (asyncio's CancelledError) too
             error = agreed(e)
     mine = Handshake(layout=layout_digest(local.records), plan_token=token, staging=named,
@@ -246,7 +246,7 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
     target = store.location
     local.object_bytes = pickle_objects(local.objects, target)  # before the handshake: a failure is agreed
     if comm.rank == 0:
-        store.check_target()
+        called(store, "check_target")
     # Before the exchange, so an unpicklable value is an error agreed by every rank, not rank 0's alone
     try:
         if comm.rank == 0:

@@ -67,12 +67,41 @@ def asked(store: "CheckpointStore", call: str, fn: Callable[..., Any], *args: An
         raise CheckpointingError(f"{store!r}.{call} failed: {type(e).__name__}: {e}") from e
 
 
+def ours(store: "CheckpointStore", method: str) -> bool:
+    """Whether ``store``'s ``method`` is this library's own (a built-in store's, or inherited from one): its
+    errors already name the location, and its commit checks itself; a third party's is named, and checked."""
+    return getattr(getattr(type(store), method, None), "__module__", "").startswith("lightning_distckpt.")
+
+
+def called(store: "CheckpointStore", method: str, *args: Any) -> Any:
+    """``store.<method>(*args)`` on the save path: a third party's error named as :func:`asked` names it (the
+    store, the call and its arguments); a built-in store's raised as it is (it names the path itself)."""
+    fn = getattr(store, method)
+    if ours(store, method):
+        return fn(*args)
+    return asked(store, f"{method}({', '.join(map(_shown_arg, args))})", fn, *args)
+
+
+def _shown_arg(value: Any) -> str:
+    """An argument as an error shows it: a path or name whole, a blob, a marker or metadata.json's text by size."""
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, dict):
+        return f"<a dict of {len(value)} fields>"
+    if isinstance(value, str) and len(value) > 200:
+        return f"<a text of {len(value)} characters>"
+    return repr(value)
+
+
 def still_committed(store: "CheckpointStore", path: str) -> Optional[bool]:
     """``store.still_committed(path)``, asked after a read failed; None where the store cannot say (it raised,
     logged): no evidence either way, so the read's own error stands instead of the store's."""
     try:
         return bool(store.still_committed(path))
-    except Exception as e:  # noqa: BLE001 - only evidence, asked about a failure that is raised anyway
+    except INTERRUPTS:
+        raise
+    except BaseException as e:  # only evidence, asked about a failure raised anyway: a CancelledError on one
+        # rank alone (no Exception) escaped the load's agreement and left its peers waiting
         logger.warning("%r.still_committed(%r) failed: %s: %s", store, path, type(e).__name__, e)
         return None
 

@@ -20,6 +20,7 @@ from .array_metadata import chunk_shape, create_metadata, ts_dtype
 from .base import ObjectWrite, ShardWrite
 from .checksums import frame_object
 from .save_token import save_token
+from .store import ours
 from .chunk_checksums import chunk_crcs
 from .commit import fsync_dir
 from . import direct_write, page_cache
@@ -178,8 +179,10 @@ class TensorStoreWrites:
                     try:  # what the store's context left unsynced (LocalStore: an OCDBT store's files)
                         synced = self.store.make_durable(rank_dir(self.root, writer), self.options,
                                                          **({"known_durable": known_durable} if known_durable else {}))
-                    except OSError as e:
-                        errors.append(f"making rank {writer}'s store durable: {e}")
+                    except Exception as e:  # a third party's store named, its call too; ours names the path
+                        said = str(e) if isinstance(e, OSError) and ours(self.store, "make_durable") else \
+                            f"{self.store!r}.make_durable failed: {type(e).__name__}: {e}"
+                        errors.append(f"making rank {writer}'s store durable: {said}")
         except BaseException:  # Ctrl-C / SIGTERM (cli.main) mid-way: tensorstore still writes. The caller
             for w in running:  # removes the staging directory: not while files are still being made in it
                 with contextlib.suppress(Exception):
