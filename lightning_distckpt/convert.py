@@ -48,6 +48,7 @@ from .storage.output_files import check_torch_file_target, make_dirs, open_new, 
     write_file_atomic
 from .storage.paths import checkpoint_location, local_path
 from .storage.save_token import TOKEN_FIELD
+from .storage.store import called
 from .storage.stores import open_store
 from .reading.formats.files import check_torch_payload
 from .storage.safe_pickle import load_file, loads
@@ -55,6 +56,7 @@ from .storage.base import ObjectWrite, ShardRead, ShardWrite
 from .storage.tensorstore_io import StorageOptions, TensorStoreIO
 from .reading.checkpoint import OpenedCheckpoint, open_checkpoint
 from .saving.save import prepare_save, write_and_commit
+from .saving.store_calls import check_committed, discard_quietly
 from .saving.stats import format_bytes
 
 logger = logging.getLogger("lightning_distckpt")
@@ -95,27 +97,30 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions,
     ckpt = OpenedCheckpoint.open(source)
     store = open_store(destination, storage, "destination")
     destination = store.location
-    store.check_target()
-    staging = store.new_staging()  # the same steps as a save's (saving/save_commit.py), by one process
+    called(store, "check_target")
+    staging = called(store, "new_staging")  # the same steps as a save's (saving/save_commit.py), by one process
     try:
-        store.begin(staging, 0)
+        called(store, "begin", staging, 0)
         src, dst = ckpt.reader(), store.open_writer(staging)
         set_total(progress, sum(e.nbytes for e in ckpt.index.tensors.values()))
         nbytes = _copy_shards(ckpt, src, dst, progress) + _copy_objects(ckpt, src, dst, progress)
         common = ckpt.common_bytes()  # contained and verified: no copy of damage
-        store.write_blob(staging, COMMON_FILE, common)
+        called(store, "write_blob", staging, COMMON_FILE, common)
         # rewritten now, with checksums: the copy is of the current format whatever the source's
         meta = dict(ckpt.meta, format_version=FORMAT_VERSION, storage={"backend": dst.backend, **storage.to_json()},
                     converted_unix=time.time(), **{TOKEN_FIELD: dst.token})  # the token its stores record
         marker = {k: v for k, v in ckpt.marker.items() if k != "version"}  # an s3:// source's version
         marker.update(committed_unix=time.time())
-        store.commit(staging, json.dumps(meta), marker)
+        called(store, "commit", staging, json.dumps(meta), marker)
     except BaseException as e:
-        store.discard(staging)
+        discard_quietly(store, staging)  # a store's error here must not replace the relayout's own
         if isinstance(e, Exception) and not isinstance(e, CheckpointingError):  # tensorstore's, OSError
             raise CheckpointingError(f"relayout of {ckpt.path} to {destination} failed, nothing was committed: "
                                      f"{type(e).__name__}: {e}") from e
         raise
+    lie = check_committed(store, staging, dst.token)  # a third party's commit that returned without committing
+    if lie is not None:
+        raise lie
     n_objects = sum(len(o.shards) for o in ckpt.index.objects.values())
     return ConvertReport(ckpt.path, destination, "relayout", len(ckpt.index.tensors), n_objects,
                          nbytes + len(common), time.perf_counter() - t0)

@@ -18,11 +18,11 @@ from ..storage.commit import in_background
 from ..storage.layout import COMMON_FILE, METADATA_FILE
 from ..storage.paths import PICKLE_CAP
 from ..storage.save_token import TOKEN_FIELD, save_token
-from ..storage.store import called, ours
+from ..storage.store import called
 from ..version import __version__
 from ..core.gc_pause import gc_paused
 from .save_prepare import PreparedSave
-from .store_calls import INTERRUPTS, UnopenedWriter, agreed, discard_quietly
+from .store_calls import INTERRUPTS, UnopenedWriter, agreed, check_committed, discard_quietly
 from .stats import log_throughput
 
 logger = logging.getLogger(__name__)
@@ -160,32 +160,7 @@ def _commit(prep: PreparedSave, written: List[LocalWrite]) -> Optional[BaseExcep
                            prep.target, prep.store, type(e).__name__, e)
             return None
         return e
-    return _check_committed(prep)
-
-
-def _check_committed(prep: PreparedSave) -> Optional[CheckpointingError]:
-    """After a third party's ``commit`` returned: the error where the checkpoint its store holds now is not this
-    save's (none, an older one, another save's), by the store's own view a load opens (``open_metadata``, its save
-    token). A commit that returned without committing made the save report success, and ModelCheckpoint's top-k
-    and ``last`` link then pointed at nothing or at older state. A built-in store's commit raises on failure
-    itself: not asked again (an object store's extra requests, a large metadata.json parsed again)."""
-    if ours(prep.store, "commit"):
-        return None
-    token = save_token(prep.staging)
-    try:
-        now = prep.store.open_metadata().meta.get(TOKEN_FIELD)
-    except BaseException as e:  # a store's own BaseException too: agreed, no peer left waiting
-        agreed(e)
-        now = f"none to be opened ({type(e).__name__}: {e})"
-    if now == token:
-        return None
-    error = CheckpointingError(f"{prep.store!r}.commit({prep.staging!r}) returned, but the checkpoint the store "
-                               f"holds now is not this save's: save token {now!r}, this save's {token!r} (a commit "
-                               "that did not commit, or committed other metadata); the store breaks the commit "
-                               f"contract. The staging location is left to `clean` (the store may have committed it)")
-    # not discarded: a commit that took effect where open_metadata does not show it would lose the checkpoint
-    error.staging_kept = True  # type: ignore[attr-defined]
-    return error
+    return check_committed(prep.store, prep.staging)
 
 
 def _committed_anyway(prep: PreparedSave) -> bool:

@@ -5,21 +5,49 @@ raise anything: see ``docs/architecture.md``, "The store")."""
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..core.errors import CheckpointingError
 from ..storage.base import ObjectWrite, ShardWrite, ShardWriter
-from ..storage.store import INTERRUPTS, CheckpointStore
+from ..storage.save_token import TOKEN_FIELD, save_token
+from ..storage.store import INTERRUPTS, CheckpointStore, ours
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["INTERRUPTS", "UnopenedWriter", "agreed", "discard_quietly", "look_around_quietly", "open_writer"]
+__all__ = ["INTERRUPTS", "UnopenedWriter", "agreed", "check_committed", "discard_quietly", "look_around_quietly",
+           "open_writer"]
 
 
 def agreed(error: BaseException) -> BaseException:
     """``error``, to be agreed with the other ranks; an interrupt is raised at once instead."""
     if isinstance(error, INTERRUPTS):
         raise error
+    return error
+
+
+def check_committed(store: CheckpointStore, staging: str, token: Optional[str] = None) -> Optional[CheckpointingError]:
+    """After a third party's ``commit(staging, ...)`` returned: the error where the checkpoint its store holds now
+    is not this save's (none, an older one, another save's), by the store's own view a load opens
+    (``open_metadata``, its save ``token``, by default the staging location's). A commit that returned without
+    committing made the save report success, and ModelCheckpoint's top-k and ``last`` link then pointed at
+    nothing or at older state. A built-in store's commit raises on failure itself: not asked again (an object
+    store's extra requests, a large metadata.json parsed again). The error has ``staging_kept``: not discarded,
+    as a commit that took effect where ``open_metadata`` does not show it would lose the checkpoint."""
+    if ours(store, "commit"):
+        return None
+    token = token or save_token(staging)
+    try:
+        now = store.open_metadata().meta.get(TOKEN_FIELD)
+    except BaseException as e:  # a store's own BaseException too: agreed, no peer left waiting
+        agreed(e)
+        now = f"none to be opened ({type(e).__name__}: {e})"
+    if now == token:
+        return None
+    error = CheckpointingError(f"{store!r}.commit({staging!r}) returned, but the checkpoint the store holds now is "
+                               f"not this save's: save token {now!r}, this save's {token!r} (a commit that did not "
+                               "commit, or committed other metadata); the store breaks the commit contract. The "
+                               "staging location is left to `clean` (the store may have committed it)")
+    error.staging_kept = True  # type: ignore[attr-defined]
     return error
 
 

@@ -112,6 +112,27 @@ def test_a_commit_that_did_not_commit_fails_the_save_naming_the_store(lie):
     assert _loaded(store) == 3
 
 
+def test_a_relayout_through_a_commit_that_did_not_commit_fails_naming_the_store(tmp_path):
+    """``convert``'s relayout commits through the destination's store as a save does: a registered third-party
+    store whose commit returns without committing is refused there too (the old code reported it copied)."""
+    from lightning_distckpt.convert import relayout_checkpoint
+    from lightning_distckpt.storage.stores import register_store, unregister_store
+
+    class NoopCommit(_MemoryLiar):
+        lie = "noop"
+
+    source = str(tmp_path / "src")
+    ldc.save(_state(0, 1, 5), source)
+    register_store(NoopCommit)  # serves memory:// while registered
+    try:
+        destination = f"memory://relayout-{uuid.uuid4().hex[:8]}"
+        with pytest.raises(CheckpointingError, match=r"NoopCommit\('memory://relayout-.*'\)\.commit\(.*\) "
+                                                     r"returned, but the checkpoint the store holds now is not"):
+            relayout_checkpoint(source, destination, ldc.StorageOptions())
+    finally:
+        unregister_store(NoopCommit)
+
+
 def test_an_honest_third_party_commit_is_checked_at_no_cost_to_the_builtin_stores(tmp_path):
     asked = []
 
