@@ -44,7 +44,11 @@ HF_TO_OURS = {
 
 
 def save_pretrained_llama(directory: str) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:  # not a dependency of the library: the test extras bring it
+        sys.exit(f"{sys.argv[0]}: this example builds its Llama with transformers ({e}); "
+                 "install it: pip install transformers (or pip install -e \".[test]\")")
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)

@@ -95,10 +95,8 @@ def _hint(args: argparse.Namespace, error: CheckpointingError) -> str:
     if (not isinstance(error, IncompleteCheckpointError) or isinstance(error, CheckpointNotFoundError)
             or not path or not os.path.isdir(path) or is_checkpoint_dir(path)):
         return ""
-    inside = committed_inside(path)
-    if inside:
-        return (f"; it is a directory holding checkpoints (newest first: {', '.join(map(shown, inside))}): "
-                f"pass one of them, e.g. {shown(os.path.join(path, inside[0]), None)}")
+    if committed_inside(path):  # the load's own error names them and what to pass (storage/committed.py)
+        return ""
     if is_hf_model_directory(path):
         return ("; it is a Hugging Face model directory: `lightning-distckpt convert DIR OUT` makes a checkpoint of "
                 "it, and lightning_distckpt.load(template, DIR, key_map=...) reads it as it is (docs/ingest.md)")

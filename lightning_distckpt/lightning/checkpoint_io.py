@@ -37,6 +37,7 @@ from ..reading.loaders import DEFAULT_LOADER, EveryRankLoader, Loader, TwoStageD
 from ..logs import attach_to_lightning
 from ..planning.load_plan import allowing_shape_mismatch
 from ..reading.pipeline import with_cast
+from ..storage.committed import committed_inside
 from ..storage.paths import checkpoint_location
 from ..storage.stores import open_store
 from ..reading.formats.files import check_torch_payload
@@ -49,7 +50,7 @@ from ..saving.save import SavePlanCache, prepare_save, write_and_commit
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, unknown_argument
 from .last_link import links_to_target, repoint_last_links
 from .fabric_checkpoint import fabric_checkpoint
-from .foreign import checkpoints_inside, foreign_advice, foreign_writer, refuse_file_inside
+from .foreign import TRAINER_RESUMES_NEWEST, foreign_advice, foreign_writer, refuse_file_inside
 from .restore_source import RestoreSource
 from .slurm_requeue import is_requeue_save
 from .stock import open_torch_file, tensors_metadata
@@ -211,10 +212,10 @@ class DistCheckpointIO(CheckpointIO):
         try:
             return RestoreSource(open_checkpoint(target, extra_safe_globals=self.extra_safe_globals))
         except IncompleteCheckpointError as e:
-            hint = checkpoints_inside(target)
-            if not hint or isinstance(e, CheckpointNotFoundError):
+            if isinstance(e, CheckpointNotFoundError) or not committed_inside(target):
                 raise
-            raise IncompleteCheckpointError(f"{e}; {hint}") from None
+            # the core's error names the checkpoints inside already; a Trainer has a shorter way
+            raise IncompleteCheckpointError(f"{e} {TRAINER_RESUMES_NEWEST}") from None
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target); an

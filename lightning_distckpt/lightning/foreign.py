@@ -8,7 +8,6 @@ from typing import Optional
 
 from ..core.errors import FormatError
 from ..reading.formats.detect import is_hf_model_directory
-from ..storage.committed import committed_inside
 from ..storage.inside import enclosing_checkpoint
 from .tree import KIND_PLAIN, KIND_SHARDED
 
@@ -42,15 +41,7 @@ def foreign_advice(path: str) -> str:
     return WEIGHTS_ADVICE if is_hf_model_directory(path) else FOREIGN_ADVICE
 
 
-def checkpoints_inside(path: str) -> str:
-    """For a local directory that is no checkpoint but holds committed ones (``ModelCheckpoint``'s
-    ``dirpath``, say): which they are and what to pass instead; "" otherwise."""
-    inside = committed_inside(path)
-    if not inside:
-        return ""
-    return (f"it is a directory holding checkpoints (newest first: {', '.join(inside)}): pass one of them, "
-            f"e.g. {os.path.join(path, inside[0])} (a Trainer: ckpt_path=\"last\" resumes from the newest in "
-            "ModelCheckpoint's dirpath)")
+TRAINER_RESUMES_NEWEST = "(a Trainer: ckpt_path=\"last\" resumes from the newest in ModelCheckpoint's dirpath)"
 
 
 def fabric_writer(kind: Optional[str]) -> str:

@@ -61,7 +61,8 @@ def check_target(target: str) -> None:
     if not os.path.lexists(target) and recover_interrupted_commit(target) is None:
         return
     if os.path.islink(target) or not os.path.isdir(target):
-        raise CheckpointingError(f"checkpoint {target}: exists and is not a directory; refusing to replace it")
+        raise CheckpointingError(f"checkpoint {target}: exists and is not a directory; refusing to replace it "
+                                 "(a checkpoint is a directory: move it away, or save elsewhere)")
     if os.listdir(target) and not is_our_committed_checkpoint(target):
         raise CheckpointingError(
             f"checkpoint {target}: directory exists, is not empty and is not a committed lightning_distckpt "

@@ -33,6 +33,17 @@ def committed_inside(path: str) -> List[str]:
     return committed_siblings(path)
 
 
+def holding_hint(given: str) -> str:
+    """``"; it is a directory holding checkpoints (...): pass one of them, e.g. DIR/NAME"`` for a
+    directory that is no checkpoint but holds committed ones (``ModelCheckpoint``'s ``dirpath`` given to
+    ``load``), "" otherwise: its listing alone does not say which entries are checkpoints."""
+    inside = committed_inside(given)
+    if not inside:
+        return ""
+    return (f"; it is a directory holding checkpoints (newest first: {', '.join(map(shown, inside))}): "
+            f"pass one of them, e.g. {shown(os.path.join(given, inside[0]), None)}")
+
+
 def describe_missing(path: str) -> str:
     """Why ``path`` holds no checkpoint, and where a good one is: a dangling link (what
     ``ModelCheckpoint(save_last="link")`` leaves when the linked save never committed), a committed
