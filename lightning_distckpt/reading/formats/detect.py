@@ -19,6 +19,11 @@ from .tensor_files import IndexedFile, KeyMap, TensorFile, TensorFileSource
 
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+# The weights a directory holding several of these is read from: the first present, in the order
+# transformers' from_pretrained looks for them (a single model.safetensors wins over any index; a stale
+# index save_pretrained leaves beside it, or a .bin set beside a converted one, is not read).
+HF_WEIGHTS_ORDER = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
 
 
 def detect(path: str, key_map: KeyMap = None,
@@ -63,14 +68,14 @@ def open_tensor_files(path: str, extra_safe_globals: Sequence[Any] = (),
             return None
         return [IndexedFile(open_file(path, extra_safe_globals, mapped=mapped), None)]  # a FIFO: refused there
     root = model_root(path)
-    for name in HF_INDEXES:
-        if os.path.lexists(os.path.join(path, name)):
-            index = _index_files(path, name, root)
-            opened = [IndexedFile(open_file(f, extra_safe_globals, root, mapped), keys) for f, keys in index.items()]
-            return _with_unlisted_tensors(os.path.join(path, name), opened)
-    for name in HF_SINGLE_FILES:
-        if os.path.lexists(os.path.join(path, name)):
+    for name in HF_WEIGHTS_ORDER:
+        if not os.path.lexists(os.path.join(path, name)):
+            continue
+        if name in HF_SINGLE_FILES:
             return [IndexedFile(open_file(os.path.join(path, name), extra_safe_globals, root, mapped), None)]
+        index = _index_files(path, name, root)
+        opened = [IndexedFile(open_file(f, extra_safe_globals, root, mapped), keys) for f, keys in index.items()]
+        return _with_unlisted_tensors(os.path.join(path, name), opened)
     return None
 
 
