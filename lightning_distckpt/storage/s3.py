@@ -34,7 +34,7 @@ from .layout import (COMMIT_MARKER, COMMON_FILE, FILE_CAPS, METADATA_FILE, Metad
 from .options import StorageOptions
 from .paths import MARKER_CAP, SizeCap
 from .kv_probe import ends_before, holds_byte, read_past
-from .s3_reads import object_size, read_bounded
+from .s3_reads import object_size, read_bounded, what_is_there
 from .s3_url import (answer_timeout, context_spec, explain, kvstore_spec, list_timeout, nameable, no_answer,
                      parse_s3_url, unended_listing)
 
@@ -349,11 +349,15 @@ def open_metadata(url: str, options: StorageOptions) -> MetadataFile:
     the newer one is opened then (a reader polling a training run's checkpoint meets this)."""
     store = ObjectStore(checkpoint_url(url), options)
     for _ in range(_OPEN_ATTEMPTS):
-        marker = read_marker(store)
+        try:
+            marker = read_marker(store)
+        except FormatError:
+            store.check_bucket()  # an endpoint that is no S3 server (a web page as COMMITTED) is said as such
+            raise
         if marker is None:
             store.check_bucket()  # a missing bucket is said as such, not as a missing checkpoint
-            raise IncompleteCheckpointError(f"checkpoint {store.url}: no commit marker ({COMMIT_MARKER}): not a "
-                                            f"checkpoint, or its first save never committed")
+            raise IncompleteCheckpointError(f"checkpoint {store.url}: no commit marker ({COMMIT_MARKER}): "
+                                            f"{what_is_there(store)}")
         path = f"{store.url}/{marker['version']}"
         raw = ObjectStore(path, options).read(METADATA_FILE)
         if raw is not None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from ..core.errors import CheckpointingError
 from .kv_probe import ends_before, holds_byte, read_past
+from .s3_url import answer_timeout, parse_s3_url
 
 if TYPE_CHECKING:
     from .s3 import ObjectStore
@@ -108,3 +109,37 @@ def first_larger(store: "ObjectStore", limits: Dict[str, int]) -> Optional[str]:
         if found is None and holds_byte(res):
             found = name
     return found
+
+
+# The most checkpoints a "no commit marker" error names, and the longest its look around may take: it only
+# helps the error say more, so a large bucket's listing is given up on rather than waited for.
+_NAMED, _LOOK_S = 5, 10.0
+
+
+def what_is_there(store: "ObjectStore") -> str:
+    """What a location without a commit marker holds, for the error saying so, in words: an object of the URL's
+    own name (a file, not a checkpoint), the checkpoints below it (a ``ModelCheckpoint`` directory given for
+    one of its checkpoints), other objects, or nothing (a typo in the prefix). A look that fails or takes
+    longer than :data:`_LOOK_S` says only that it is no checkpoint."""
+    plain = "not a checkpoint, or its first save never committed"
+    try:
+        loc = parse_s3_url(store.url)
+        if loc.prefix and type(store)(store.url.rpartition("/")[0], store.options).size(
+                loc.prefix.rpartition("/")[2], 0) is not None:
+            return (f"{store.url} is an object (a file), not a checkpoint, which is a prefix holding COMMITTED and "
+                    f"v-<version>/: give the location the checkpoint was saved to")
+        future = store._kv.list()
+        try:
+            keys = sorted(k.decode() for k in future.result(timeout=min(answer_timeout(), _LOOK_S)))
+        except TimeoutError:
+            future.cancel()
+            return plain
+    except Exception:  # a look for the message's sake: the error it adds to stands without it
+        return plain
+    below = [k[:-len("/COMMITTED")] for k in keys if k.endswith("/COMMITTED")]
+    if below:
+        named = ", ".join(f"{store.url}/{k}" for k in below[:_NAMED]) + (", ..." if len(below) > _NAMED else "")
+        return f"it holds {len(below)} checkpoint(s) below it, give one of them: {named}"
+    if not keys:
+        return "nothing is stored under it: check the bucket and the prefix for a typo"
+    return f"{plain} (it holds {len(keys)} object(s), none of them a checkpoint's commit marker)"

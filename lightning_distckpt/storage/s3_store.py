@@ -17,7 +17,7 @@ from .layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, MetadataFile, rank_dir
 from .integrity import store_file_cap
 from .options import StorageOptions
 from .s3_reads import first_larger
-from .s3_url import S3_READ_COALESCING, S3_SCHEME, context_spec, kvstore_spec, parse_s3_url
+from .s3_url import S3_READ_COALESCING, S3_SCHEME, context_spec, explain_io, kvstore_spec, parse_s3_url
 from .store import CheckpointStore, StorageFacts, WriterStore
 
 
@@ -131,6 +131,11 @@ class S3Store(CheckpointStore):
 
     def ts_context(self, options: StorageOptions) -> ts.Context:
         return ts.Context(context_spec(options))
+
+    def said(self, error: BaseException) -> str:
+        """A failed request of tensorstore's (a chunk's read, an OCDBT node's write) in our words, naming the
+        object and the endpoint, before curl's or the server's (:func:`.s3_url.explain_io`)."""
+        return explain_io(error, self.options, parse_s3_url(self.location).bucket)
 
     # -- versions ---------------------------------------------------------------------------
     def exists(self) -> bool:

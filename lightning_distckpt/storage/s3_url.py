@@ -142,13 +142,17 @@ def kvstore_spec(url: str, options: StorageOptions) -> Dict[str, Any]:
     spec: Dict[str, Any] = {"driver": "s3", "bucket": loc.bucket, "path": loc.prefix + "/" if loc.prefix else "",
                             "aws_credentials": credentials_spec(url, options)}
     ep = _check_endpoint(url, options)
-    region = options.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if ep:
         spec["endpoint"] = ep
-        region = region or DEFAULT_REGION
+    region = _region(options)
     if region:
         spec["aws_region"] = region
     return spec
+
+
+def _region(options: StorageOptions) -> Optional[str]:
+    region = options.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    return region or (DEFAULT_REGION if endpoint(options) else None)
 
 
 def context_spec(options: StorageOptions) -> Dict[str, Any]:
@@ -202,34 +206,91 @@ def unended_listing(options: StorageOptions, seconds: float) -> str:
 
 
 _REDIRECT = re.compile(r"http_response_code=.(3[0-9][0-9])")
+_STATUS = re.compile(r"http_response_code='([0-9]{3})'")
+_EXPECTED_REGION = re.compile(r"expecting '([a-z0-9-]{1,40})'")
+# tensorstore's words for where its own read or write of an object (an array chunk, an OCDBT node) failed.
+_TS_OBJECT = re.compile(r'Error (reading|writing) (?:Byte range (\[[0-9]+, [0-9]+\)) of )?"([^"]{1,300})"')
 # curl's words for a connection never made (everything else failed on a connection the endpoint accepted).
 _NO_CONNECTION = ("Could not connect", "Couldn't connect", "resolve", "Connection refused", "Connection timed out")
+# What tensorstore says of an answer that is no S3 answer (a web server, a proxy's page at the endpoint).
+_NOT_S3 = ("Malformed List response", "etag not found in response headers")
+_SET_ENDPOINT = "AWS_ENDPOINT_URL or StorageOptions(s3_endpoint) sets it"
+_SET_CREDENTIALS = "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or StorageOptions(s3_credentials)"
 
 
 def _curl_failure(detail: str) -> str:
-    """What a curl error says of the endpoint: unreachable, stalled mid-answer, or broke off the exchange
-    (an answer cut short, a connection reset): retried, and these words after the last attempt."""
+    """What a curl error says of the endpoint, and what to check: unreachable, a TLS handshake that failed,
+    stalled mid-answer, or broke off the exchange (an answer cut short, a connection reset): retried, and these
+    words after the last attempt."""
     if any(words in detail for words in _NO_CONNECTION):
-        return "is unreachable"
+        return f"is unreachable: is its server running, and is it the right one ({_SET_ENDPOINT})?"
+    if "SSL" in detail or "TLS" in detail:
+        return ("failed the TLS handshake: does the server speak plain http (then give http://... as the endpoint: "
+                f"{_SET_ENDPOINT}), or does its certificate not verify?")
     if "Operation too slow" in detail or "Timeout was reached" in detail:
         return "stalled mid-answer"
     return "broke off its answer"
 
 
-def explain(error: BaseException, options: StorageOptions) -> str:
-    """One line saying why an S3 request failed: a missing bucket, denied access, an unreachable
-    endpoint, else the first line of tensorstore's message (the server's XML body left out)."""
-    text = str(error)
+def _recognized(text: str, options: StorageOptions) -> Optional[str]:
+    """Why an S3 request failed, in our words and with what to check, when tensorstore's message ``text`` shows
+    a known cause (the cause's quoted detail last); None otherwise."""
+    ep = shown_endpoint(options)
     if "NoSuchBucket" in text:
-        return "the bucket does not exist"
-    if "AccessDenied" in text or "PERMISSION_DENIED" in text or "InvalidAccessKeyId" in text \
-            or "SignatureDoesNotMatch" in text:
-        return "access denied (check the AWS credentials)"
+        return f"the bucket does not exist at the endpoint {ep} (check the bucket's name; {_SET_ENDPOINT})"
+    if "InvalidAccessKeyId" in text:
+        return (f"access denied: the endpoint {ep} knows no such access key (check the AWS credentials: "
+                f"{_SET_CREDENTIALS})")
+    if "SignatureDoesNotMatch" in text:
+        return (f"access denied: the endpoint {ep} refused the request's signature (check the AWS credentials: the "
+                f"secret key of {_SET_CREDENTIALS})")
+    if "AuthorizationHeaderMalformed" in text or "IllegalLocationConstraint" in text:
+        wanted = _EXPECTED_REGION.search(text)
+        return (f"the bucket is not in the region {_region(options) or '(none set)'}"
+                + (f" but in {wanted.group(1)}" if wanted else "") + ": set AWS_REGION or StorageOptions(s3_region)")
+    if "AccessDenied" in text or "PERMISSION_DENIED" in text:
+        return (f"access denied (check the AWS credentials and what they may do in this bucket and prefix: "
+                f"{_SET_CREDENTIALS})")
     if "CURL error" in text:
         detail = text.split("CURL error", 1)[1].split(" [", 1)[0].strip()[:120]
-        return f"the endpoint {shown_endpoint(options)} {_curl_failure(detail)} ({detail})"
+        return f"the endpoint {ep} {_curl_failure(detail)} ({detail})"
     redirect = _REDIRECT.search(text)
     if redirect is not None:  # tensorstore follows none (a bucket in another region: S3's 301)
-        return (f"the endpoint {shown_endpoint(options)} answered with a redirect (HTTP {redirect.group(1)}), which "
+        return (f"the endpoint {ep} answered with a redirect (HTTP {redirect.group(1)}), which "
                 f"is not followed: give the bucket's own endpoint and region (AWS_ENDPOINT_URL, AWS_REGION)")
+    status = _STATUS.search(text)
+    if status is not None and status.group(1) in ("401", "403"):  # a HEAD's answer has no error document
+        return (f"access denied (HTTP {status.group(1)}; check the AWS credentials and what they may do in this "
+                f"bucket and prefix: {_SET_CREDENTIALS})")
+    if any(words in text for words in _NOT_S3) or (
+            status is not None and status.group(1).startswith("4") and "<Error>" not in text):
+        said = f"HTTP {status.group(1)}" if status is not None else text.split(" [", 1)[0][:120]
+        return (f"the endpoint {ep} does not answer as an S3 server ({said}, no S3 error document): is it the S3 "
+                f"endpoint, with the right scheme ({_SET_ENDPOINT})?")
+    return None
+
+
+def explain(error: BaseException, options: StorageOptions) -> str:
+    """One line saying why an S3 request failed: our words for a known cause (a missing bucket, denied access,
+    a wrong region, an unreachable endpoint or one that is no S3 server), else the first line of tensorstore's
+    message (the server's XML body left out)."""
+    text = str(error)
+    said = _recognized(text, options)
+    if said is not None:
+        return said
     return text.split(" [http_response_body", 1)[0].splitlines()[0][:300] if text else type(error).__name__
+
+
+def explain_io(error: BaseException, options: StorageOptions, bucket: str) -> str:
+    """:func:`explain` of a failure in tensorstore's own reads and writes of a store (array chunks, OCDBT's
+    objects), with the object (and byte range) tensorstore names, as a URL; its message as is when the cause
+    is not a known one."""
+    text = str(error)
+    said = _recognized(text, options)
+    if said is None:
+        return text
+    where = _TS_OBJECT.search(text)
+    if where is None:
+        return said
+    verb, span, key = where.groups()
+    return f"{said}, {verb} {f'bytes {span} of ' if span else ''}{S3_SCHEME}{bucket}/{key}"

@@ -67,6 +67,15 @@ def asked(store: "CheckpointStore", call: str, fn: Callable[..., Any], *args: An
         raise CheckpointingError(f"{store!r}.{call} failed: {type(e).__name__}: {e}") from e
 
 
+def error_said(store: "CheckpointStore", error: BaseException) -> str:
+    """``store``'s words for a failure of tensorstore's own I/O (:meth:`CheckpointStore.said`); the error's
+    own text where the store has none or fails to say (a third party's store: its error must still show)."""
+    try:
+        return str(store.said(error))
+    except Exception:
+        return str(error)
+
+
 def ours(store: "CheckpointStore", method: str) -> bool:
     """Whether ``store``'s ``method`` is this library's own (a built-in store's, or inherited from one): its
     errors already name the location, and its commit checks itself; a third party's is named, and checked."""
@@ -265,6 +274,11 @@ class CheckpointStore(ABC):
     @abstractmethod
     def ts_context(self, options: StorageOptions) -> ts.Context:
         """A fresh tensorstore context for one reader or writer (its concurrency, no cache)."""
+
+    def said(self, error: BaseException) -> str:
+        """How an error of tensorstore's own reads or writes through :meth:`kvstore_spec` reads in a message: as
+        is here; a store whose requests fail for reasons a user must act on says them in its own words."""
+        return str(error)
 
     # -- versions ---------------------------------------------------------------------------
     @abstractmethod

@@ -43,7 +43,7 @@ from .save_token import token_now_at
 from ..planning.even_index import PackedPlaces, Place
 from .packs import copy_out, landing, pack_runs, packed_view, to_numpy
 from .tensorstore_write import TensorStoreWrites
-from .store import asked, still_committed
+from .store import asked, error_said, still_committed
 
 if TYPE_CHECKING:
     from ..planning.metadata import CheckpointIndex
@@ -174,8 +174,9 @@ class TensorStoreIO(TensorStoreWrites):
             try:
                 self._kvstores[writer] = ts.KvStore.open(self.kvstore_spec(writer), context=self.context).result()
             except Exception as e:
-                raise CheckpointingError(f"checkpoint {self.root}: the store of rank {writer} "
-                                         f"({rank_dir(self.root, writer)}) cannot be opened: {e}") from e
+                where = f"the store of rank {writer} ({rank_dir(self.root, writer)})"
+                raise CheckpointingError(f"checkpoint {self.root}: {where} cannot be opened: "
+                                         f"{error_said(self.store, e)}") from e
         return self._kvstores[writer]
 
     def open_arrays(self, shards: Iterable[Tuple[int, str, int]], tensorstore: bool = True) -> None:
@@ -258,7 +259,7 @@ class TensorStoreIO(TensorStoreWrites):
             try:
                 fut.result()
             except Exception as e:
-                errors.append(f"{what} failed: {e}")
+                errors.append(f"{what} failed: {error_said(self.store, e)}")
         if errors:
             raise self._read_error(f"checkpoint {self.root}: " + "; ".join(errors[:5])
                                    + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
@@ -348,7 +349,7 @@ class TensorStoreIO(TensorStoreWrites):
                 self._check_not_replaced(thorough=True)  # another save's arrays: a save replaced the checkpoint
                 raise
             except Exception as e:
-                raise self._read_error(f"{where} is missing or unreadable: {e}") from e
+                raise self._read_error(f"{where} is missing or unreadable: {error_said(self.store, e)}") from e
             if metadata is None:
                 raise self._read_error(f"{where} is missing or unreadable: no {metadata_key(handle[1])}")
             out[handle] = metadata
@@ -367,13 +368,13 @@ class TensorStoreIO(TensorStoreWrites):
                 opens[handle] = (where, ts.open(open_spec(self.array_spec(*handle), self._metadata[handle]),
                                                 open=True, read=True, assume_metadata=True, context=self.context))
             except Exception as e:
-                raise self._read_error(f"{where} is missing or unreadable: {e}") from e
+                raise self._read_error(f"{where} is missing or unreadable: {error_said(self.store, e)}") from e
         out = {}
         for handle, (where, fut) in opens.items():
             try:
                 out[handle] = fut.result()
             except Exception as e:
-                raise self._read_error(f"{where} is missing or unreadable: {e}") from e
+                raise self._read_error(f"{where} is missing or unreadable: {error_said(self.store, e)}") from e
         return out
 
     def read_object(self, writer: int, key: str, index: int) -> bytes:
@@ -384,7 +385,8 @@ class TensorStoreIO(TensorStoreWrites):
         except CheckpointingError:
             raise
         except Exception as e:
-            raise CheckpointingError(f"checkpoint {self.root}: reading object {key!r} #{index} failed: {e}") from e
+            raise CheckpointingError(f"checkpoint {self.root}: reading object {key!r} #{index} failed: "
+                                     f"{error_said(self.store, e)}") from e
         if res.state != "value":
             raise self._read_error(f"checkpoint {self.root}: object {key!r} #{index} (written by rank {writer}) "
                                    "is missing")

@@ -20,7 +20,7 @@ from .array_metadata import chunk_shape, create_metadata, ts_dtype
 from .base import ObjectWrite, ShardWrite
 from .checksums import frame_object
 from .save_token import save_token
-from .store import ours
+from .store import error_said, ours
 from .chunk_checksums import chunk_crcs
 from .commit import fsync_dir
 from . import direct_write, page_cache
@@ -161,7 +161,7 @@ class TensorStoreWrites:
                 try:
                     w.result()
                 except Exception as e:
-                    errors.append(f"{key}: {e}")
+                    errors.append(f"{key}: {error_said(self.store, e)}")
             if errors:
                 txn.abort()
             else:
@@ -174,7 +174,7 @@ class TensorStoreWrites:
                 try:
                     committing.result()
                 except Exception as e:
-                    errors.append(f"committing rank {writer}'s store: {e}")
+                    errors.append(f"committing rank {writer}'s store: {error_said(self.store, e)}")
                 else:
                     try:  # what the store's context left unsynced (LocalStore: an OCDBT store's files)
                         synced = self.store.make_durable(rank_dir(self.root, writer), self.options,
@@ -247,7 +247,8 @@ class TensorStoreWrites:
             try:
                 store = fut.result()
             except Exception as e:
-                raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: {e}") from e
+                raise CheckpointingError(f"checkpoint {self.root}: cannot create array for {key}: "
+                                         f"{error_said(self.store, e)}") from e
             writes.append((key, store.write(arr, can_reference_source_data_indefinitely=True)))
             nbytes += arr.nbytes
         writes += [(f"{what} (its zarr.json)", ts.open(self.create_spec(writer, path, dtype, arr.shape, None, c),
