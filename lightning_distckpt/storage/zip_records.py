@@ -189,13 +189,31 @@ def check_storage_sizes(path: str, where: str) -> bool:
 
     unpickler = Unpickler(io.BytesIO(pickled), encoding="utf-8")
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    pending = _sparse_pending()
+    before = len(pending)
     try:
         unpickler.load()
     except (FormatError, pickle.UnpicklingError):  # a lying claim; a type the real load refuses too
         raise
     except Exception:  # noqa: BLE001 - a rebuild without a meta form: the caller loads it unmapped
         return False
+    finally:
+        del pending[before:]  # this replay's meta sparse tensors: no torch.load of ours, nothing to validate
     return not misaligned
+
+
+def _sparse_pending() -> List[Any]:
+    """torch's list of the sparse tensors its unpickler rebuilt, which the ``torch.load`` running it checks
+    (and empties) as it ends. The replay above is no ``torch.load``: the meta sparse tensors it left there were
+    checked by the thread's next ``torch.load`` (ours after the replay, or a user's after our refusal), which
+    failed copying meta data ("Cannot copy out of meta tensor") where torch checks them: with
+    ``check_sparse_tensor_invariants`` on, and on every weights-only load from torch 2.15 (a thread-local
+    list there, a module global before)."""
+    import torch._utils as tu
+
+    get = getattr(tu, "_get_sparse_tensors_to_validate", None)
+    pending = get() if get is not None else getattr(tu, "_sparse_tensors_to_validate", None)
+    return pending if isinstance(pending, list) else []
 
 
 def _record_bytes(f: BinaryIO, archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> bytes:

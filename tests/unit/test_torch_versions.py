@@ -1,0 +1,46 @@
+"""Behaviour that torch releases change under us. torch 2.15 checks every sparse tensor a weights-only
+``torch.load`` rebuilt (before: only with ``torch.sparse.check_sparse_tensor_invariants`` on), from a list
+its unpickler fills. Our size check replays a ``torch.save`` file's pickle with that unpickler on the meta
+device (storage/zip_records.py) and left its meta sparse tensors in the list, so the thread's next
+``torch.load`` failed on them. Here the invariants check is turned on: torch 2.13 then does what 2.15 does."""
+
+import argparse
+import warnings
+
+import pytest
+import torch
+
+import lightning_distckpt as ldc
+from lightning_distckpt.core.errors import FormatError, UnsafeContentError
+
+
+def _sparse(kind: str) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns that its invariants check is off by default
+        warnings.simplefilter("ignore")
+        if kind == "sparse_coo":
+            return torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (4,))
+        return torch.eye(3).to_sparse_csr()
+
+
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr"])
+def test_a_sparse_tensor_is_refused_by_its_kind_when_torch_checks_sparse_tensors(tmp_path, kind):
+    path = tmp_path / f"{kind}.pt"
+    torch.save({"ok": torch.ones(2), "state_dict": {"w": _sparse(kind)}}, path)
+    with torch.sparse.check_sparse_tensor_invariants(enable=True):
+        with pytest.raises(FormatError) as refused:
+            ldc.load_plain_tensors(path)
+    message = str(refused.value)
+    # before: "not a readable torch.save archive: NotImplementedError: Cannot copy out of meta tensor"
+    assert f"tensor 'state_dict/w' is a {kind} tensor" in message and "meta tensor" not in message, message
+
+
+def test_a_refused_file_leaves_nothing_for_the_next_torch_load_to_check(tmp_path):
+    path, other = tmp_path / "refused.pt", tmp_path / "other.pt"
+    # the replay rebuilds the sparse tensor, then stops at a type that is not allowed
+    torch.save({"w": _sparse("sparse_coo"), "z": argparse.Namespace(a=1)}, path)
+    torch.save({"a": torch.ones(1)}, other)
+    with torch.sparse.check_sparse_tensor_invariants(enable=True):
+        with pytest.raises(UnsafeContentError, match="argparse.Namespace"):
+            ldc.load_plain_tensors(path)
+        # before: the user's own load in this thread raised NotImplementedError: Cannot copy out of meta tensor
+        assert torch.equal(torch.load(other, weights_only=True)["a"], torch.ones(1))
