@@ -212,6 +212,9 @@ def _allowed(types: Sequence[Any]) -> Iterator[None]:
 
 # torch's weights-only unpickler names the type it refused: "Unsupported global: GLOBAL _io.BytesIO ..."
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+# Rebuilds of tensor layouts torch's weights-only list leaves out (from 2.15: nested tensors): allow-listing
+# them is no advice, as the loaders refuse the layout anyway.
+_NOT_DENSE = {"torch._utils._rebuild_nested_tensor": "a nested tensor"}
 
 
 def _refusal(e: BaseException) -> str:
@@ -223,6 +226,9 @@ def _refusal(e: BaseException) -> str:
         return (f"refused to deserialize (only tensors, containers, primitives and allow-listed types load; "
                 f"loading runs no code): {_first_line(e)}")
     name = found.group(1)
+    if name in _NOT_DENSE:  # no type to allow: a tensor layout this library does not store (torch 2.15 refuses it)
+        return (f"refused to deserialize {name}: the file holds {_NOT_DENSE[name]}; dense (strided) tensors only "
+                f"(densify it before saving, e.g. tensor.to_padded_tensor(0) or one tensor per component)")
     return (f"refused to deserialize {name}: only tensors, containers, primitives and allow-listed types load "
             f"(loading runs no code). If the checkpoint is trusted, allow the type with the "
             f"extra_safe_globals=[{name}] argument of lightning_distckpt.load / load_common_state_dict / "

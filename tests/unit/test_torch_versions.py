@@ -5,6 +5,7 @@ device (storage/zip_records.py) and left its meta sparse tensors in the list, so
 ``torch.load`` failed on them. Here the invariants check is turned on: torch 2.13 then does what 2.15 does."""
 
 import argparse
+import pickle
 import warnings
 
 import pytest
@@ -44,3 +45,16 @@ def test_a_refused_file_leaves_nothing_for_the_next_torch_load_to_check(tmp_path
             ldc.load_plain_tensors(path)
         # before: the user's own load in this thread raised NotImplementedError: Cannot copy out of meta tensor
         assert torch.equal(torch.load(other, weights_only=True)["a"], torch.ones(1))
+
+
+def test_a_nested_tensor_torch_refuses_is_named_as_such_not_offered_for_allow_listing():
+    """From torch 2.15 the weights-only unpickler refuses a nested tensor's rebuild itself, before the loaders'
+    own check names the layout: the refusal says what the file holds instead of offering to allow-list it."""
+    from lightning_distckpt.storage.safe_pickle import _refusal
+
+    said = _refusal(pickle.UnpicklingError("Weights only load failed. Unsupported global: GLOBAL "
+                                           "torch._utils._rebuild_nested_tensor was not an allowed global"))
+    assert "holds a nested tensor; dense (strided) tensors only" in said
+    assert "extra_safe_globals" not in said and "add_safe_globals" not in said
+    other = _refusal(pickle.UnpicklingError("Unsupported global: GLOBAL mymodule.Thing"))
+    assert "extra_safe_globals=[mymodule.Thing]" in other
