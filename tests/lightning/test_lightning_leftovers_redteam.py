@@ -23,51 +23,12 @@ import lightning_distckpt as ldc
 from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy
 from lightning_distckpt.lightning import last_link
 from lightning_distckpt.lightning.tiers_restore import durable_step
-
-FIT_CUSTOM_LAST = """
-import json, os, resource, signal, sys
-from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.demos.boring_classes import BoringModel
-import lightning_distckpt as ldc
-from lightning_distckpt.lightning import DistCheckpointIO
-
-folder, last_name = sys.argv[1], sys.argv[2]
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write beyond the limit fails with EFBIG instead
-soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-
-class FillDiskAfterFirstCheckpoint(Callback):
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step == 3:
-            trainer.strategy.checkpoint_io.wait()  # step 2's checkpoint committed
-            resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))
-
-def trainer(steps, *callbacks):
-    mc = ModelCheckpoint(folder, every_n_train_steps=2, save_top_k=-1, save_last="link")
-    mc.CHECKPOINT_NAME_LAST = last_name  # Lightning's documented way to rename the last checkpoint
-    return Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, plugins=[DistCheckpointIO({"async_save": True})],
-                   callbacks=[mc, *callbacks])
-
-out = {}
-try:
-    trainer(6, FillDiskAfterFirstCheckpoint()).fit(BoringModel())
-    out["first"] = "finished"
-except ldc.SaveFailedError:
-    out["first"] = "SaveFailedError"
-resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-last = os.path.join(folder, last_name + ".ckpt")
-out["link"] = os.readlink(last) if os.path.islink(last) else None
-resumed = trainer(6)
-resumed.fit(BoringModel(), ckpt_path="last")
-out["resumed_from"] = resumed.ckpt_path and os.path.basename(resumed.ckpt_path)
-print(json.dumps(out))
-"""
+from trust.test_trust_last_link import FIT  # its fit, given a custom last name
 
 
 def test_a_failed_async_save_repoints_a_custom_last_name(tmp_path):
     folder = tmp_path / "ckpts"
-    proc = subprocess.run([sys.executable, "-c", FIT_CUSTOM_LAST, str(folder), "final"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", FIT, str(folder), "final"], capture_output=True,
                           text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -26,6 +26,7 @@ import lightning_distckpt as ldc
 from lightning_distckpt.lightning import DistCheckpointIO
 
 folder = sys.argv[1]
+last_name = sys.argv[2] if len(sys.argv) > 2 else "last"  # a custom CHECKPOINT_NAME_LAST
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write beyond the limit fails with EFBIG instead
 soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 
@@ -36,10 +37,11 @@ class FillDiskAfterFirstCheckpoint(Callback):
             resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))
 
 def trainer(steps, *callbacks):
+    mc = ModelCheckpoint(folder, every_n_train_steps=2, save_top_k=-1, save_last="link")
+    mc.CHECKPOINT_NAME_LAST = last_name  # Lightning's documented way to rename the last checkpoint
     return Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
                    enable_model_summary=False, plugins=[DistCheckpointIO({"async_save": True})],
-                   callbacks=[ModelCheckpoint(folder, every_n_train_steps=2, save_top_k=-1, save_last="link"),
-                              *callbacks])
+                   callbacks=[mc, *callbacks])
 
 out = {}
 try:
@@ -48,7 +50,7 @@ try:
 except ldc.SaveFailedError as e:
     out["first"] = "SaveFailedError"
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-last = os.path.join(folder, "last.ckpt")
+last = os.path.join(folder, last_name + ".ckpt")
 out["link"] = os.readlink(last) if os.path.islink(last) else None
 resumed = trainer(6)
 resumed.fit(BoringModel(), ckpt_path="last")

@@ -43,7 +43,7 @@ from lightning_distckpt.core.errors import CheckpointingError
 from lightning_distckpt.storage.local_store import LocalStore
 from memory_store import _BLOBS, MemoryStore
 from trust.test_trust_load_one_rank_fails_redteam import _in_step
-from trust.test_trust_load_one_rank_fails_redteam import _outcome as _caught
+from trust.test_trust_store_plugin_load_redteam import _outcome  # a BaseException on one rank: "unagreed"
 
 GROUP_TIMEOUT_S = 30  # a rank left waiting gets a CollectiveError, told apart from the agreed error
 
@@ -54,16 +54,6 @@ class _Cancelled(BaseException):
 
 _ERRORS = {"RuntimeError": RuntimeError, "OSError": OSError, "KeyError": KeyError, "ValueError": ValueError,
            "TimeoutError": TimeoutError, "Base": _Cancelled}
-
-
-def _outcome(fn):
-    """As the one-rank-fails file's, and a BaseException raised on this rank alone as "unagreed"."""
-    try:
-        return _caught(fn)
-    except Exception:
-        raise
-    except BaseException as e:  # noqa: BLE001 - judged by the test
-        return f"unagreed {type(e).__name__}", str(e)
 
 
 def _state(rank, world, value):
