@@ -59,7 +59,8 @@ def _is_other_zip(path: str, root: Optional[str]) -> bool:
         try:
             with zipfile.ZipFile(f) as zf:
                 return not any(n.endswith("/data.pkl") or n == "data.pkl" for n in zf.namelist())
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        # NotImplementedError: a directory entry claiming a zip version past what zipfile reads
+        except (zipfile.BadZipFile, NotImplementedError, OSError, ValueError, EOFError):
             return False
 
 

@@ -152,7 +152,7 @@ def is_torch_archive(path: str) -> bool:
         try:
             with zipfile.ZipFile(f) as archive:
                 names = archive.namelist()
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, OverflowError):
+        except (zipfile.BadZipFile, NotImplementedError, OSError, ValueError, EOFError, OverflowError):
             return False
     folders = {n.split("/", 1)[0] for n in names}
     return len(folders) == 1 and all("/" in n for n in names) and f"{folders.pop()}/data.pkl" in names

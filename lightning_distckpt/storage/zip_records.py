@@ -63,7 +63,8 @@ def check_records(source: Any, where: str) -> None:
 def _check_file(f: BinaryIO, where: str) -> None:
     try:
         archive = zipfile.ZipFile(f)
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+    # NotImplementedError: zipfile's answer to a directory entry claiming a zip version past 6.3
+    except (zipfile.BadZipFile, NotImplementedError, ValueError, OSError, EOFError) as e:
         raise FormatError(f"{where}: not a readable torch.save archive: its zip directory cannot be read (cut "
                           f"short or damaged): {e}") from None
     infos = archive.infolist()

@@ -215,7 +215,8 @@ def _check_blob(blob: bytes, where: str, report: ValidationReport) -> None:
         if bad is not None:
             report.problems.append(f"{where}: archive member {bad} fails its checksum")
             return
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+    # NotImplementedError: a zip version or compression method zipfile does not read
+    except (zipfile.BadZipFile, NotImplementedError, OSError, EOFError, ValueError) as e:
         report.problems.append(f"{where}: not a readable torch.save archive ({e})")
         return
     try:

@@ -256,8 +256,7 @@ def read_metadata(path: str, root: str = ANYWHERE) -> DcpMetadata:
 
 def _checked(raw: Any, path: str, size: int) -> DcpMetadata:
     """The unpickled ``Metadata`` (of ``size`` bytes), checked field by field into our records."""
-    # imported here: only a DCP checkpoint needs torch.distributed.checkpoint
-    from torch.distributed.checkpoint import metadata as m
+    from torch.distributed.checkpoint import metadata as m  # imported here: only a DCP checkpoint needs it
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     if not isinstance(raw, m.Metadata) or not isinstance(getattr(raw, "state_dict_metadata", None), dict) \
@@ -283,6 +282,9 @@ def _checked(raw: Any, path: str, size: int) -> DcpMetadata:
             tensors[fqn] = _tensor(entry, fqn, items, path)
         else:
             raise FormatError(f"{path}: entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
+    used = {(k, None) for k in objects} | {(k, c.offset) for k, t in tensors.items() for c in t.chunks + t.stored_empty}
+    if set(items) - used:  # each record DCP writes is an entry's: one left over is an entry lost (a name twice)
+        raise FormatError(f"{path}: storage_data records {sorted(set(items) - used, key=str)[:3]} belong to no entry")
     mcore_data = getattr(raw, "mcore_data", None) or {}
     if not isinstance(mcore_data, dict):
         raise FormatError(f"{path}: Megatron-Core's mcore_data must be a dict, got {type(mcore_data).__name__}")

@@ -115,9 +115,11 @@ def _entry(path: str, name: str, info: Any, data_bytes: int) -> HeaderEntry:
     where = f"{path}: tensor {name!r}"
     if not isinstance(info, dict):
         raise FormatError(f"{where}: header entry must be an object, got {info!r:.100}")
-    dtype = DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    name_of_dtype = info.get("dtype")
+    # a list or an object there is no dict key: looked up, it raised a raw TypeError
+    dtype = DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
     if dtype is None:
-        raise FormatError(f"{where}: unknown dtype {info.get('dtype')!r} (known: {', '.join(DTYPES)})")
+        raise FormatError(f"{where}: unknown dtype {name_of_dtype!r:.100} (known: {', '.join(DTYPES)})")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise FormatError(f"{where}: shape must be a list of non-negative integers, got {shape!r:.100}")
