@@ -41,7 +41,7 @@ from .core.state_dict import iter_leaves
 from .progress import Progress, add_total, advance, set_total
 from .serialization import load_common_state_dict, load_plain_tensors
 from .storage import commit as commit_mod
-from .core.format_versions import FORMAT_VERSION
+from .core.format_versions import written_version
 from .storage.layout import COMMON_FILE
 from .storage.outputs import check_output
 from .storage.output_files import check_torch_file_target, make_dirs, open_new, remove_made_dirs, \
@@ -102,12 +102,13 @@ def relayout_checkpoint(source: str, destination: str, storage: StorageOptions,
     try:
         called(store, "begin", staging, 0)
         src, dst = ckpt.reader(), store.open_writer(staging)
-        set_total(progress, sum(e.nbytes for e in ckpt.index.tensors.values()))
+        set_total(progress, sum(e.nbytes for e in ckpt.index.stored_tensors().values()))
         nbytes = _copy_shards(ckpt, src, dst, progress) + _copy_objects(ckpt, src, dst, progress)
         common = ckpt.common_bytes()  # contained and verified: no copy of damage
         called(store, "write_blob", staging, COMMON_FILE, common)
         # rewritten now, with checksums: the copy is of the current format whatever the source's
-        meta = dict(ckpt.meta, format_version=FORMAT_VERSION, storage={"backend": dst.backend, **storage.to_json()},
+        meta = dict(ckpt.meta, format_version=written_version(bool(ckpt.index.aliases)),
+                    storage={"backend": dst.backend, **storage.to_json()},
                     converted_unix=time.time(), **{TOKEN_FIELD: dst.token})  # the token its stores record
         marker = {k: v for k, v in ckpt.marker.items() if k != "version"}  # an s3:// source's version
         marker.update(committed_unix=time.time())
@@ -131,7 +132,7 @@ def _copy_shards(ckpt: OpenedCheckpoint, src: TensorStoreIO, dst: TensorStoreIO,
     """Copy every stored shard to the same writer, index and pack offset; own arrays in batches of
     about ``_BATCH_BYTES``, each writer's packed (small) shards in one write (it makes the packs)."""
     by_writer: Dict[int, List[Tuple[str, StoredShard, torch.dtype]]] = {}
-    for key, entry in ckpt.index.tensors.items():
+    for key, entry in ckpt.index.stored_tensors().items():  # aliases stay aliases (format 8), copied in meta
         for s in entry.shards:
             by_writer.setdefault(s.writer, []).append((key, s, entry.torch_dtype))
     total = 0

@@ -6,10 +6,10 @@ version (docs/format.md, "Older versions"); every version listed here is still r
 
 FORMAT_NAME = "lightning_distckpt"
 
-#: The version this library writes.
+#: The version this library writes (a checkpoint with aliases: ``ALIASES_SINCE``, see ``written_version``).
 FORMAT_VERSION = 7
 #: Every version the readers accept (a real checkpoint of each: tests/data/formats/).
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 #: 2: small shards packed into one array per rank and dtype.
 PACKS_SINCE = 2
@@ -26,3 +26,12 @@ PLAIN_TENSORS_SINCE = 6
 #: 7: every rank store bound to its save (storage/save_token.py): a token in metadata.json, in each
 #: array's zarr.json and in each object's checksum; an older reader would refuse the arrays' attribute.
 SAVE_TOKEN_SINCE = 7
+#: 8: tied tensors stored once: ``aliases`` names each key served from another key's stored shards.
+#: Written only by saves that found a tie, so a checkpoint without one stays readable by older releases;
+#: an older reader would find the aliased keys missing.
+ALIASES_SINCE = 8
+
+
+def written_version(has_aliases: bool) -> int:
+    """The version a save records: the oldest that reads it whole."""
+    return ALIASES_SINCE if has_aliases else FORMAT_VERSION

@@ -38,15 +38,16 @@ class RecordGroup(NamedTuple):
 
 def layout_digest(records: RankRecords) -> str:
     """Digest of the records without their rank: equal exactly for ranks describing the same
-    shards in the same order with the same main flags (an even split's chunk counts as the same
-    shard on every rank)."""
+    shards in the same order with the same main flags and ties (an even split's chunk counts as the
+    same shard on every rank)."""
     h = hashlib.blake2b(digest_size=16)
     even = set(records.even)
     for i, r in enumerate(records.tensors):
+        # the tie too (planning/aliases.py): ranks alike but for it grouped as one would hide its absence
         if i in even:
-            h.update(repr((r.key, r.dtype, r.global_shape, "even", records.even_over, r.main)).encode())
+            h.update(repr((r.key, r.dtype, r.global_shape, "even", records.even_over, r.main, r.tie)).encode())
         else:
-            h.update(repr((r.key, r.dtype, r.global_shape, r.offset, r.shape, r.flat, r.main)).encode())
+            h.update(repr((r.key, r.dtype, r.global_shape, r.offset, r.shape, r.flat, r.main, r.tie)).encode())
     h.update(b"|objects|")
     for o in records.objects:
         h.update(repr((o.key, o.global_shape, o.offset, o.main)).encode())

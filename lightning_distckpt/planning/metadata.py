@@ -12,12 +12,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..core.format_versions import CHECKSUMS_SINCE, EVEN_SINCE, SAVE_TOKEN_SINCE
+from ..core.format_versions import ALIASES_SINCE, CHECKSUMS_SINCE, EVEN_SINCE, SAVE_TOKEN_SINCE
 from ..core.errors import FormatError
 from ..core.gc_pause import gc_paused
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..core.shown import quoted
 from ..storage.save_token import recorded_token
+from .aliases import aliases_to_json, parse_aliases
 from .dtypes import _DTYPES, dtype_from_name, dtype_name, element_size  # noqa: F401 - re-exported
 from .even_index import EvenSplit, chunks_count, parse_even, replay_packs
 from .index_fast import fast_tensor_entries, refuse_colliding_keys
@@ -37,6 +38,8 @@ class ShardRecord:
     flat: FlatRange
     main: bool
     rank: int
+    # the key whose shard here is this one's very memory (planning/aliases.py), where one is
+    tie: Optional[str] = None
 
     @classmethod
     def of(cls, st: ShardedTensor, rank: int) -> "ShardRecord":
@@ -54,6 +57,7 @@ class ShardRecord:
             flat=(fr.start, fr.stop) if fr is not None else None,
             main=st.is_main_replica,
             rank=rank,
+            tie=None,
         )
         return record
 
@@ -197,16 +201,29 @@ class CheckpointIndex:
     checksums: bool = field(default=True, compare=False)
     # The save that wrote the stores (format 7, storage/save_token.py): every array and object must say the same.
     save_token: Optional[str] = field(default=None, compare=False)
+    # alias -> target (format 8, planning/aliases.py): ``tensors[alias]`` is the target's entry, stored once
+    aliases: Dict[str, str] = field(default_factory=dict)
+
+    def stored_tensors(self) -> Dict[str, TensorEntry]:
+        """The tensors with stored shards of their own (every key but the aliases)."""
+        if not self.aliases:
+            return self.tensors
+        return {k: e for k, e in self.tensors.items() if k not in self.aliases}
+
+    def stored_key(self, key: str) -> str:
+        """The key whose stored shards hold ``key``'s data."""
+        return self.aliases.get(key, key) if self.aliases else key
 
     def bytes_per_writer(self) -> Dict[int, int]:
         """writer rank -> bytes of the tensor data this index says its store holds."""
         out: Dict[int, int] = {}
         # even splits' bytes per rank (chunk i on rank i, whatever the split's size): sized by the
         # chunks, which the parse bounded by the rank stores, not by the ranks a split claims
-        evens = [e for e in self.tensors.values() if e.even is not None]
+        stored = self.stored_tensors()  # an alias's bytes are its target's
+        evens = [e for e in stored.values() if e.even is not None]
         acc = np.zeros(max((chunks_count(e.global_shape, e.even.over) for e in evens), default=0), dtype=np.int64)
         few = [0] * min(len(acc), 64)  # splits over few ranks summed in plain ints (numpy per key cost ~3 µs)
-        for e in self.tensors.values():
+        for e in stored.values():
             size = element_size(e.dtype)
             if e.even is not None:
                 e.even.add_bytes(e.global_shape, size, few, acc)
@@ -220,7 +237,8 @@ class CheckpointIndex:
 
     def to_json(self) -> Dict[str, Any]:
         return {
-            "tensors": {k: e.to_json() for k, e in self.tensors.items()},
+            "tensors": {k: e.to_json() for k, e in self.stored_tensors().items()},
+            **({"aliases": aliases_to_json(self.aliases, self.tensors)} if self.aliases else {}),
             "objects": {
                 k: {
                     "global_shape": list(e.global_shape),
@@ -297,6 +315,11 @@ class CheckpointIndex:
                 entry_o.shards.append(StoredObject(offset, *at))
             index.objects[f.key(key, "objects")] = entry_o
         refuse_colliding_keys(index, where)
+        if "aliases" in data:  # after the checks of the stored keys: an alias stores nothing
+            if not (isinstance(version, int) and version >= ALIASES_SINCE):
+                raise FormatError(f"{where}: metadata.json field aliases is not in format version {version!r} "
+                                  f"(from {ALIASES_SINCE} on): not written by us")
+            index.aliases = parse_aliases(data["aliases"], index.tensors, index.objects, where)
         return index
 
 

@@ -113,21 +113,23 @@ def make_save_plan(
 
 def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_writes: bool = True,
                        pack_max_bytes: int = 0, even: Optional[EvenKeys] = None,
-                       derived: AbstractSet[int] = frozenset()) -> SavePlan:
+                       derived: AbstractSet[int] = frozenset(), aliases: Optional[Dict[str, str]] = None) -> SavePlan:
     """:func:`make_save_plan` of every rank's records, given as groups of ranks with the same
     records (the same plan; its cost grows with the groups' records, not with the ranks).
 
     The chunks of ``even`` keys (``planning/even.resolve_even``) are written by their own rank,
     chunk i of a key being its stored shard i; their bytes count before the other shards'
     writers are picked. The ranks in ``derived`` list their chunks' writes themselves
-    (:func:`with_even_chunks`): ``writes`` leaves them out."""
-    even = even or {}
+    (:func:`with_even_chunks`): ``writes`` leaves them out. The keys of ``aliases`` (alias -> target,
+    ``planning/aliases.py``) are not written: the index serves each from its target's shards."""
+    aliases = aliases or {}
+    even = {k: v for k, v in even.items() if k not in aliases} if aliases and even else (even or {})
     holders: Dict[Tuple[str, ShardId], List[_Held]] = defaultdict(list)
     mains = set()  # the shards with a main replica
     held_new = tuple.__new__  # _Held(...) without its Python-level __new__: tens of thousands of records
     for gi, g in enumerate(groups):
         for source, r in enumerate(g.records.tensors):
-            if r.key not in even:
+            if r.key not in even and r.key not in aliases:
                 k = (r.key, (r.offset, r.shape, r.flat))
                 holders[k].append(held_new(_Held, (r, source, gi)))
                 if r.main:
@@ -139,6 +141,10 @@ def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_w
     plan = SavePlan(index=CheckpointIndex(), bytes_per_rank=dict(enumerate(load)))
     _plan_tensors(plan, holders, writer_of, nbytes, pack_max_bytes, _EvenPart(groups, even, world_size, derived))
     _plan_objects(plan, groups)
+    if aliases:
+        plan.index.aliases = dict(aliases)
+        for key, target in aliases.items():  # as a reader's index has them (CheckpointIndex.from_json)
+            plan.index.tensors[key] = plan.index.tensors[target]
     return plan
 
 
@@ -312,12 +318,13 @@ def _plan_objects(plan: SavePlan, groups: Sequence[RecordGroup]) -> None:
         plan.index.objects[key] = entry
 
 
-def with_even_chunks(writes: List[WriteItem], records: RankRecords, rank: int, pack_max_bytes: int) -> List[WriteItem]:
+def with_even_chunks(writes: List[WriteItem], records: RankRecords, rank: int, pack_max_bytes: int,
+                     aliases: AbstractSet[str] = frozenset()) -> List[WriteItem]:
     """This rank's writes: ``writes`` (from the plan) and one per marked chunk (``records.even``:
     chunk ``rank`` of its key, stored shard ``rank``), in key order as the plan lists them, small
     ones packed as the plan packs them (after the writer's packed shards of earlier keys)."""
     mine = [WriteItem(r.key, (r.offset, r.shape, None), rank, None, i)
-            for i, r in ((i, records.tensors[i]) for i in records.even)]
+            for i, r in ((i, records.tensors[i]) for i in records.even) if r.key not in aliases]
     out: List[WriteItem] = []
     pack_end: Dict[str, int] = defaultdict(int)  # dtype -> elements packed so far
     for item in sorted(writes + mine, key=lambda w: (w.key, w.index)):

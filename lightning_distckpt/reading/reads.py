@@ -69,15 +69,16 @@ def read_targets(source: CheckpointSource, targets: Sequence[ReadTarget], reader
     copies: List[_Copy] = []
     for request, dest in targets:
         plan = plan_tensor_read(request, source.index.tensors[request.key], source.path)
+        key = source.index.stored_key(request.key)  # an alias is read from its target's arrays (format 8)
         if plan.zero_fill:
             dest.zero_()
         if isinstance(plan, FlatReadPlan):
-            _flat_reads(request.key, plan, dest.reshape(-1), reads, copies)
+            _flat_reads(key, plan, dest.reshape(-1), reads, copies)
         elif plan.whole:  # into dest itself (indexing it with whole slices costs a view per key)
             item = plan.items[0]
-            reads.append(ShardRead(request.key, item.writer, item.index, item.src, dest))
+            reads.append(ShardRead(key, item.writer, item.index, item.src, dest))
         else:
-            reads.extend(ShardRead(request.key, it.writer, it.index, it.src, dest[it.dst]) for it in plan.items)
+            reads.extend(ShardRead(key, it.writer, it.index, it.src, dest[it.dst]) for it in plan.items)
     nbytes = reader.read_into(reads)
     for src, dst in copies:
         dst.copy_(src)

@@ -13,7 +13,7 @@ from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 import torch
 
 from ..core.errors import CheckpointingError, SaveFailedError
-from ..core.format_versions import FORMAT_NAME, FORMAT_VERSION
+from ..core.format_versions import FORMAT_NAME, written_version
 from ..storage.commit import in_background
 from ..storage.layout import COMMON_FILE, METADATA_FILE
 from ..storage.paths import PICKLE_CAP
@@ -178,7 +178,7 @@ def _metadata(prep: PreparedSave) -> dict:
     """metadata.json's content: the format, versions, storage options and the plan's index."""
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": written_version(bool(prep.plan.index.aliases)),  # 8 only with aliases: older readers
         "library_version": __version__,
         "torch_version": torch.__version__,
         "storage": {"backend": prep.writer.backend, **prep.options.to_json()},

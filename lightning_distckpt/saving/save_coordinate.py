@@ -22,6 +22,7 @@ from typing import AbstractSet, List, Optional, Sequence, Tuple
 from ..comm import Comm
 from ..core.errors import CheckpointingError, RankFailure, error_class
 from ..core.gc_pause import gc_paused
+from ..planning.aliases import decide_aliases
 from ..planning.even import resolve_even
 from ..planning.groups import RankRecords, RecordGroup, representatives
 from ..planning.metadata import CheckpointIndex, ShardRecord
@@ -44,11 +45,14 @@ class RankPart:
     nbytes: int = 0
     error: Optional[RankFailure] = None  # rank 0's failure to validate or plan
     even_chunks: bool = False  # the rank adds the writes of its marked even chunks itself
+    aliases: Tuple[str, ...] = ()  # keys stored as aliases (planning/aliases.py): no chunk of them written
 
     def writes_of(self, records: RankRecords, rank: int, pack_max_bytes: int) -> List[WriteItem]:
         """The rank's writes (``records``: its own)."""
         writes = [WriteItem(*w) for w in self.writes]
-        return with_even_chunks(writes, records, rank, pack_max_bytes) if self.even_chunks else writes
+        if not self.even_chunks:
+            return writes
+        return with_even_chunks(writes, records, rank, pack_max_bytes, frozenset(self.aliases))
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,9 @@ def plan_for_ranks(groups: Sequence[RecordGroup], world_size: int, target: str,
         derived = derived - {0}  # rank 0 keeps the whole plan
         if options.validate:
             raise_on_problems(validate_record_groups(groups, even), target)
-        plan = plan_record_groups(groups, world_size, options.balance_writes, options.pack_max_bytes, even, derived)
+        aliases = decide_aliases(groups, even)  # tied weights stored once, on every rank's word
+        plan = plan_record_groups(groups, world_size, options.balance_writes, options.pack_max_bytes, even, derived,
+                                  aliases)
         raise_on_problems(key_path_problems(plan.index), target)  # always: two keys must not share one path
     except Exception as e:  # every rank raises it, none is left waiting for its part
         logger.debug("save to %s: the coordinator could not plan: %s", target, e, exc_info=True)
@@ -127,8 +133,10 @@ def plan_for_ranks(groups: Sequence[RecordGroup], world_size: int, target: str,
 def parts_of(plan: SavePlan, world_size: int, derived: AbstractSet[int] = frozenset()) -> List[RankPart]:
     """Each rank's part of ``plan``, as the coordinator scatters them (``derived``: the ranks that
     add their even chunks' writes themselves, ``planning/even.resolve_even``)."""
+    aliases = tuple(sorted(plan.index.aliases))
     return [RankPart([tuple(w) for w in plan.writes.get(rank, [])], plan.object_writes.get(rank, []),
-                     plan.bytes_per_rank.get(rank, 0), even_chunks=rank in derived) for rank in range(world_size)]
+                     plan.bytes_per_rank.get(rank, 0), even_chunks=rank in derived,
+                     aliases=aliases if rank in derived else ()) for rank in range(world_size)]
 
 
 def _raised(failure: RankFailure, target: str) -> CheckpointingError:

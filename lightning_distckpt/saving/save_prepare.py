@@ -22,6 +22,7 @@ from ..core.tree_paths import join_path, steps_to_json
 from ..core.tree_walk import walk_paths
 from ..core.state_dict import apply_factories, collect, split_common
 from ..planning.common_check import common_differences, common_digest, leaf_records, rank_differences
+from ..planning.aliases import mark_ties
 from ..planning.even import mark_even
 from ..planning.groups import RankRecords, layout_digest
 from ..planning.metadata import ObjectRecord, ShardRecord
@@ -97,8 +98,7 @@ class PreparedSave:
     common: Optional[bytes]  # rank 0 only
     started: float = field(default_factory=time.perf_counter)
     plan_reused: bool = False  # the plan came from a SavePlanCache (no records exchange, no validation)
-    # rank 0: key -> steps (JSON) of each plain tensor leaf saved as a tensor; metadata.json's
-    # ``plain_tensors``, so a load puts each back at its place (core/plain_tensors.py)
+    # rank 0: metadata.json's ``plain_tensors``, where a load puts each plain tensor back (core/plain_tensors.py)
     plain_tensors: Dict[str, Any] = field(default_factory=dict)
     metadata_text: Optional[str] = None  # rank 0: metadata.json as write_local wrote it (file-system stores)
 
@@ -239,10 +239,10 @@ def _describe(sharded_state_dict: Dict[str, Any], store: CheckpointStore, comm: 
         _storable(entry.key)  # refuse keys that cannot be stored before anyone writes
     for t in local.tensors:
         _check_data(t, comm.rank)
-    local.records = mark_even(RankRecords(
+    local.records = mark_ties(local.tensors, mark_even(RankRecords(
         [ShardRecord.of(t, comm.rank) for t in local.tensors],
         [ObjectRecord.of(o, comm.rank) for o in local.objects],
-    ), comm.size)  # FSDP-like chunks: one layout for all ranks (planning/even.py)
+    ), comm.size))  # FSDP-like chunks: one layout for all ranks (planning/even.py); ties (planning/aliases.py)
     target = store.location
     local.object_bytes = pickle_objects(local.objects, target)  # before the handshake: a failure is agreed
     if comm.rank == 0:

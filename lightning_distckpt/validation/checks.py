@@ -50,7 +50,7 @@ def validate_checkpoint(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20
     t0 = time.perf_counter()
     ckpt = OpenedCheckpoint.open(checkpoint_dir)
     report = ValidationReport(ckpt.path, progress=progress)
-    set_total(progress, sum(e.nbytes for e in ckpt.index.tensors.values()))
+    set_total(progress, sum(e.nbytes for e in ckpt.index.stored_tensors().values()))
     if not ckpt.index.checksums:
         (report.problems if require_checksums else report.warnings).append(
             f"format {ckpt.meta.get('format_version')}: written before checksums, damaged bytes in it may go "
@@ -60,7 +60,8 @@ def validate_checkpoint(checkpoint_dir: str, max_inflight_bytes: int = 256 << 20
         _note_foreign_entries(ckpt, report)
     tio = ckpt.reader(check_sizes=False)  # damage named shard by shard
     dead = _check_writer_stores(ckpt, report, writers)
-    todo = [(key, shard) for key in sorted(ckpt.index.tensors) for shard in ckpt.index.tensors[key].shards
+    stored = ckpt.index.stored_tensors()  # an alias (format 8) stores nothing of its own: its target is read
+    todo = [(key, shard) for key in sorted(stored) for shard in stored[key].shards
             if shard.writer not in dead and (writers is None or shard.writer in writers)]
     try:  # open every array at once (concurrently); failures are reported shard by shard below
         tio.open_arrays((shard.writer, key, shard.index) for key, shard in todo)
@@ -101,12 +102,13 @@ def check_index(ckpt: Any, report: ValidationReport) -> None:
 def _check_writer_stores(ckpt: OpenedCheckpoint, report: ValidationReport,
                          only: Optional[AbstractSet[int]] = None) -> set:
     """Writers whose store directory is gone (reported once, not once per shard); ``only``: of these."""
-    writers = {s.writer for e in ckpt.index.tensors.values() for s in e.shards}
+    writers = {s.writer for e in ckpt.index.stored_tensors().values() for s in e.shards}
     writers |= {s.writer for o in ckpt.index.objects.values() for s in o.shards}
     writers = writers if only is None else writers & set(only)
     dead = set()
     claimed = ckpt.index.bytes_per_writer()
-    counts = Counter(s.writer for e in ckpt.index.tensors.values() for s in e.shards)  # one pass, not one per rank
+    # one pass, not one per rank
+    counts = Counter(s.writer for e in ckpt.index.stored_tensors().values() for s in e.shards)
     for w in sorted(writers):
         n = counts[w]
         try:
