@@ -21,7 +21,7 @@ from ..core.plain_tensors import PlainTensorFactory, RefusedState
 from ..core.tree_paths import join_path, steps_to_json
 from ..core.tree_walk import walk_paths
 from ..core.state_dict import apply_factories, collect, split_common
-from ..planning.common_check import common_differences, common_digest, leaf_records, rank_differences
+from ..planning.common_check import common_digest
 from ..planning.aliases import mark_ties
 from ..planning.even import mark_even
 from ..planning.groups import RankRecords, layout_digest
@@ -35,6 +35,7 @@ from ..storage.store import CheckpointStore, called
 from ..storage.stores import open_store
 from ..storage.tensorstore_io import StorageOptions
 from ..core.gc_pause import gc_paused
+from .common_warning import warn_common_differs
 from .object_bytes import pickle_objects
 from .save_coordinate import CoordinatorOptions, coordinate_plan
 from .store_calls import agreed, discard_quietly, look_around_quietly, open_writer
@@ -122,6 +123,7 @@ class SavePlanCache:
         self._plan: Optional[SavePlan] = None
         self.hits = 0
         self.misses = 0
+        self.warned_common: Set[Tuple[str, ...]] = set()  # common-state differences said (saving/common_warning.py)
 
     def lookup(self, key: tuple) -> Optional[str]:
         """The plan's token when ``key`` matches this rank's cached plan, else None (local)."""
@@ -198,7 +200,7 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str, Chec
     staging = handshakes[0].staging
     assert staging is not None  # rank 0 always names one
     try:
-        _look_around(comm, store, staging, local.common, handshakes, validate_access_integrity)
+        _look_around(comm, store, staging, local.common, handshakes, validate_access_integrity, plan_cache)
         reuse = token is not None and all(h.plan_token == token for h in handshakes)
         if plan_cache is not None and reuse:
             plan = plan_cache.reuse()
@@ -333,31 +335,13 @@ def _group_ranks(comm: Comm) -> Tuple[int, ...]:
 
 
 def _look_around(comm: Comm, store: CheckpointStore, staging: str, common: Any, handshakes: List[Handshake],
-                 validate_access_integrity: bool) -> None:
-    """Warnings that need no agreement: leftovers of killed saves, common state differing by rank."""
+                 validate_access_integrity: bool, plan_cache: Optional[SavePlanCache]) -> None:
+    """Warnings that need no agreement: leftovers of killed saves, common state differing by rank (once
+    per run and set of differences where the saves share a ``plan_cache``)."""
     if comm.rank == 0:
         look_around_quietly(store, staging)
     if validate_access_integrity and len({h.common_digest for h in handshakes}) > 1:
-        _warn_common_differs(common, comm, store.location)
-
-
-def _warn_common_differs(common: Any, comm: Comm, target: str) -> None:
-    """Collective (entered by every rank: all saw the same digests): find and log, on rank 0, the
-    common-state leaves that differ between ranks, and on each rank that differs from rank 0 its own
-    line (Megatron-Core logs per rank). Not an error: the save goes on with rank 0's."""
-    per_rank = comm.all_gather_object(leaf_records(common))
-    differences = rank_differences(per_rank, comm.rank)
-    if differences != ("[]", "[]", "[]"):  # each differing rank's own line, Megatron-Core's to the letter
-        rank = comm.global_rank(comm.rank) if comm.distributed else 0
-        logger.warning("Rank %d common state dict differs from rank 0 common state dict. Keys only on rank 0: %s, "
-                       "Keys only on %d: %s, Mismatched keys: %s", rank, differences[0], rank, *differences[1:])
-    if comm.rank == 0:  # rank 0's line says where and what is lost
-        digests = [{path: leaf.digest for path, leaf in leaves.items()} for leaves in per_rank]
-        logger.warning(
-            "save to %s: the common (non-sharded) state differs between ranks; only rank 0's copy is saved, "
-            "so other ranks' values are lost (make rank-dependent state a ShardedObject, or identical on all "
-            "ranks):\n  %s", target, "\n  ".join(common_differences(digests)),
-        )
+        warn_common_differs(common, comm, store.location, None if plan_cache is None else plan_cache.warned_common)
 
 
 def _plan(comm: Comm, target: str, records: RankRecords, handshakes: List[Handshake],

@@ -352,6 +352,32 @@ def test_common_state_differing_between_ranks_is_reported(tmp_path):
     assert (w0, w1) == ([0.0, 0.0], [1.0, 1.0])
 
 
+def _diverging_common_saves_sharing_a_cache(rank, world, path):
+    """Saves through one SavePlanCache (as the Lightning plugin and strategies make them): the same differing
+    paths are said once, at the first save; a new difference is said again; values still rank 0's."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("lightning_distckpt").addHandler(handler)
+    cache, said = SavePlanCache(), []
+    for step, extra in ((5, False), (6, False), (7, False), (8, True)):
+        common = {"best": f"ck-{step}-rank{rank}", **({"stage_only": 1} if extra and rank == 1 else {})}
+        w = ldc.ShardedTensor.from_rank_offsets("w", torch.full((2,), float(step)), (0, rank, world))
+        ldc.save({"w": w, **common}, path, plan_cache=cache)
+        said.append(len([r for r in records if r.levelname == "WARNING"]))
+    loaded = ldc.load({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world))}, path)
+    return said, loaded["best"]
+
+
+def test_common_state_differing_the_same_way_is_said_once_per_run(tmp_path):
+    results = run_distributed(_diverging_common_saves_sharing_a_cache, 2, str(tmp_path / "ck"))
+    for rank, (said, best) in enumerate(results):
+        assert said == [1, 1, 1, 2], (rank, said)  # the first save, then the new difference only
+        assert best == "ck-8-rank0"  # rank 0's copy is the one saved
+
+
 def _unpicklable_common_save(rank, world, path):
     # Only rank 0 holds a value torch.save cannot serialize: every rank must fail, nobody waits.
     sd = {"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world)),
