@@ -286,20 +286,24 @@ def load_common_state_dict(checkpoint_dir: SaveTarget, extra_safe_globals: Seque
 
 
 def load_plain_tensors(checkpoint_dir: SaveTarget) -> Dict[str, torch.Tensor]:
-    """key -> the whole global tensor, assembled from its shards (single process, no group needed).
+    """key -> the whole global tensor, assembled from its shards (single process, no group needed); a
+    tied key (format 8 ``aliases``) is its target's very tensor, as it was in the saved state.
     Logs one INFO line, as :func:`load` does: bytes, seconds, rate."""
     started = time.perf_counter()
     source = open_checkpoint(_location(checkpoint_dir))
     check_plain_loadable(source)  # whole tensors are allocated as the index says: check it first
     template = []
-    for key, e in source.index.tensors.items():
+    # stored keys only: an alias allocated and read on its own would let a metadata.json of a few bytes per
+    # alias make this process hold its target's bytes once per alias (thousands of copies of one stored tensor)
+    for key, e in source.index.stored_tensors().items():
         shape, dtype = tuple(e.global_shape), dtype_from_name(e.dtype, key)
         template.append(ShardedTensor(key=key, data=torch.empty(shape, dtype=dtype), dtype=dtype, local_shape=shape,
                                       global_shape=shape, global_offset=(0,) * len(shape)))
     loaded, nbytes = read_tensors(source, template, set())
     seconds = time.perf_counter() - started
     log_throughput("load_plain_tensors", source.path, 0, [(nbytes, seconds)], seconds)  # one INFO line, as load's
-    return {st.key: t for st, t in zip(template, loaded)}
+    out = {st.key: t for st, t in zip(template, loaded)}
+    return {key: out[source.index.stored_key(key)] for key in source.index.tensors}  # the index's order
 
 
 def _check_save_arguments(sharded_state_dict: Any, validate_access_integrity: Any, balance_writes: Any,

@@ -49,6 +49,7 @@ def summarize(ckpt: OpenedCheckpoint, progress: Optional[Progress] = None) -> Di
     meta = ckpt.meta
     tensors = []
     set_total(progress, len(ckpt.index.tensors))
+    aliases = ckpt.index.aliases
     for key in sorted(ckpt.index.tensors):
         e = ckpt.index.tensors[key]
         g = shard_grid(e)
@@ -56,8 +57,11 @@ def summarize(ckpt: OpenedCheckpoint, progress: Optional[Progress] = None) -> Di
         tensors.append({
             "key": key, "shape": list(e.global_shape), "dtype": e.dtype,
             "bytes": math.prod(e.global_shape) * element_size(e.dtype),
-            "stored_bytes": e.nbytes, "shards": len(e.shards), **g,
+            # an alias (format 8) stores nothing of its own: its shards are its target's, counted there
+            "stored_bytes": 0 if key in aliases else e.nbytes, "shards": len(e.shards), **g,
+            "alias_of": aliases.get(key),
         })
+    stored = [t for t in tensors if t["alias_of"] is None]
     objects = []
     for key in sorted(ckpt.index.objects):
         o = ckpt.index.objects[key]
@@ -73,11 +77,11 @@ def summarize(ckpt: OpenedCheckpoint, progress: Optional[Progress] = None) -> Di
         "library_version": meta.get("library_version"), "torch_version": meta.get("torch_version"),
         "world_size": meta.get("world_size"), "created_unix": meta.get("created_unix"),
         "committed_unix": marker.get("committed_unix"), "storage": meta.get("storage", {}),
-        "tensor_bytes": sum(t["stored_bytes"] for t in tensors),
+        "tensor_bytes": sum(t["stored_bytes"] for t in stored),
         "common_bytes": facts.common_bytes, "data_files": facts.data_files, "data_file_bytes": facts.data_bytes,
-        "stored_arrays": sum(t["shards"] - t["packed"] for t in tensors) + len(
+        "stored_arrays": sum(t["shards"] - t["packed"] for t in stored) + len(
             {(s.writer, e.dtype) for e in ckpt.index.tensors.values() for s in e.shards if s.packed is not None}),
-        "packed_shards": sum(t["packed"] for t in tensors),
+        "packed_shards": sum(t["packed"] for t in stored),
         "tensors": tensors, "objects": objects,
         "leftovers": facts.leftovers, "foreign": list(facts.foreign),
     }
@@ -138,6 +142,8 @@ def render(s: Dict[str, Any]) -> str:
         split = "; ".join(f"axis {a} at {_offsets(o)}" for a, o in t["split_axes"].items())
         if t["flat_pieces"]:
             split = (split + "; " if split else "") + f"{t['flat_pieces']} flattened piece(s)"
+        if t.get("alias_of") is not None:  # tied: stored once, under its target's key
+            split = f"alias of {shown(t['alias_of'])}: " + (split or "whole")
         rows.append([shown(t["key"]), str(tuple(t["shape"])), shown(t["dtype"]), human_bytes(t["bytes"]),
                      str(t["shards"]), "x".join(map(str, t["grid"])) or "scalar", ranks_text(t["writers"]),
                      split or "whole"])

@@ -9,6 +9,7 @@ stored shards (:func:`parse_aliases` puts the target's entry under the alias's k
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..core.errors import FormatError
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
 #: Ties of shards smaller than this are written twice: looking for them would cost every small tensor of
 #: a state a lookup (10,000 norms and biases) to save a few kilobytes.
 TIE_MIN_BYTES = 64 * 1024
+#: The most aliases one stored tensor may have in a checkpoint read: a real tie names a tensor a few times;
+#: a metadata.json naming one thousands of times (a hundred bytes each) would have every export write its
+#: bytes once per name.
+MAX_ALIASES_PER_TARGET = 64
 
 
 def local_ties(tensors: Sequence["ShardedTensor"]) -> Dict[int, str]:
@@ -111,6 +116,11 @@ def parse_aliases(data: Any, tensors: Dict[str, "TensorEntry"], objects: Dict[st
                               f"{e.get('global_shape')!r}, but its target {quoted(target)} is stored as "
                               f"{entry.dtype!r} of shape {list(entry.global_shape)}")
         out[key] = target
+    per_target = Counter(out.values())
+    crowded = [t for t, n in per_target.items() if n > MAX_ALIASES_PER_TARGET]
+    if crowded:
+        raise FormatError(f"{where}: metadata.json field aliases names {quoted(crowded[0])} "
+                          f"{per_target[crowded[0]]} times (at most {MAX_ALIASES_PER_TARGET}: no tie is that wide)")
     for key, target in out.items():
         tensors[key] = tensors[target]  # the same entry: read from the target's stored shards
     return out

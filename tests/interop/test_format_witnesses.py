@@ -26,8 +26,8 @@ FORMATS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # commits between plain-tensor storage and the format-6 bump wrote it (with ``plain_tensors``);
 # vN-zarr: the zarr layout (a file per chunk) with 1 KiB chunks (arrays and packs of 2 chunks)
 WITNESSES = {"v1": (1, False), "v2": (2, False), "v3": (3, False), "v4": (4, False), "v5": (5, False),
-             "v5-plain-tensors": (5, True), "v6": (6, True), "v7": (7, True),
-             **{f"v{n}-zarr": (n, n >= 6) for n in range(1, 8)}}
+             "v5-plain-tensors": (5, True), "v6": (6, True), "v7": (7, True), "v8": (8, True),
+             **{f"v{n}-zarr": (n, n >= 6) for n in range(1, 9)}}
 
 
 def _witness_module():
@@ -39,19 +39,29 @@ def _witness_module():
 
 W = _witness_module()
 # the split each tensor is loaded under on 2 ranks: another axis than the save's (flat: columns)
-LOAD_AXES = {"model.tp_row.weight": 1, "model.tp_col.weight": 0, "model.ids": 0, "optimizer.exp_avg": 1}
+# (format 8 on: the tied pair, saved by rows, loaded by columns as the stored key and by rows as the alias)
+LOAD_AXES = {"model.tp_row.weight": 1, "model.tp_col.weight": 0, "model.ids": 0, "optimizer.exp_avg": 1,
+             "model.embed.weight": 1, "model.lm_head.weight": 0}
 
 
 def _path(name):
     return os.path.join(FORMATS, name)
 
 
-def _template(rank, world):
-    """This rank's template: its piece of each tensor (zeros), its object elements, plain-tensor slots."""
+def _full(name):
+    """The global tensors witness ``name`` holds (format 8 on: the tied pair too, one tensor under both keys)."""
+    return W.full_tensors_of(WITNESSES[name][0])
+
+
+def _template(name, rank, world):
+    """This rank's template: its piece of each tensor (zeros), its object elements, plain-tensor slots. In one
+    process the tied pair's template is tied too (one tensor under both keys), on 2 ranks untied (two splits)."""
     tensors = {}
-    for key, full in W.full_tensors().items():
+    for key, full in _full(name).items():
         if world == 1:
-            tensors[key] = ldc.ShardedTensor.from_rank_offsets(key, torch.zeros_like(full))
+            tied = tensors.get(W.TIED_KEYS[0]) if key == W.TIED_KEYS[1] else None
+            data = tied.data if tied is not None else torch.zeros_like(full)
+            tensors[key] = ldc.ShardedTensor.from_rank_offsets(key, data)
         else:
             axis = LOAD_AXES[key]
             pieces = full.chunk(world, axis)  # uneven where the axis does not divide (model.ids: 3 | 2)
@@ -65,8 +75,8 @@ def _template(rank, world):
     return {"tensors": tensors, "objects": objects, "scores": plain}
 
 
-def _expected(rank, world):
-    full = W.full_tensors()
+def _expected(name, rank, world):
+    full = _full(name)
     tensors = full if world == 1 else {k: t.chunk(world, LOAD_AXES[k])[rank] for k, t in full.items()}
     elements = range(W.WORLD) if world == 1 else [W.WORLD - 1 - rank]
     return tensors, {f"obj{i}": W.OBJECTS[i] for i in elements}
@@ -75,10 +85,10 @@ def _expected(rank, world):
 def _mismatches(name, rank, world, loader=None, path=None):
     """Load witness ``name`` (or its copy at ``path``) under this group's split with ``loader``; the
     names of whatever is not exactly as written."""
-    template = _template(rank, world)
+    template = _template(name, rank, world)
     plain_slots = dict(template["scores"])
     out = ldc.load(template, path or _path(name), loader=loader)
-    tensors, objects = _expected(rank, world)
+    tensors, objects = _expected(name, rank, world)
     bad = [k for k, t in tensors.items()
            if out["tensors"][k].dtype != t.dtype or not torch.equal(out["tensors"][k], t)]
     bad += [k for k, o in objects.items() if out["objects"][k] != o]
@@ -114,7 +124,9 @@ def test_relayout_writes_the_current_format(name, tmp_path):
     out = str(tmp_path / "relayout")
     relayout(_path(name), out, ldc.StorageOptions())
     with open(os.path.join(out, "metadata.json")) as f:
-        assert json.load(f)["format_version"] == FORMAT_VERSION
+        meta = json.load(f)  # a checkpoint with aliases keeps them (format 8); others: today's version
+    assert meta["format_version"] == (8 if WITNESSES[name][0] >= 8 else FORMAT_VERSION)
+    assert ("aliases" in meta) == (WITNESSES[name][0] >= 8)
     assert _mismatches(name, 0, 1, path=out) == []
 
 
@@ -124,12 +136,12 @@ def test_metadata_and_common_state(name):
     with open(os.path.join(_path(name), "metadata.json")) as f:
         assert json.load(f)["format_version"] == version
     meta = ldc.load_tensors_metadata(_path(name))
-    expected = {k: (tuple(t.shape), t.dtype) for k, t in W.full_tensors().items()}
+    expected = {k: (tuple(t.shape), t.dtype) for k, t in _full(name).items()}
     if stored_plain:
         expected.update({f"scores/{k}": (tuple(t.shape), t.dtype) for k, t in W.plain_tensors().items()})
     assert {k: (st.global_shape, st.dtype) for k, st in meta.items()} == expected
     plain = ldc.load_plain_tensors(_path(name))
-    assert all(torch.equal(plain[k], t) for k, t in W.full_tensors().items())
+    assert all(torch.equal(plain[k], t) for k, t in _full(name).items())
     common = ldc.load_common_state_dict(_path(name))
     assert {k: common[k] for k in W.COMMON} == W.COMMON
     scores = common["scores"]  # plain tensors are back in their places (read whole in format 6)
@@ -153,7 +165,7 @@ def test_cli_inspect_and_validate(name, capsys):
     assert summary["format_version"] == version and summary["checksums"] == (version >= 3)
     assert summary["storage"]["layout"] == ("zarr" if name.endswith("-zarr") else "ocdbt")
     shown = {t["key"]: (tuple(t["shape"]), t["dtype"]) for t in summary["tensors"]}
-    want = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in W.full_tensors().items()}
+    want = {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in _full(name).items()}
     assert {k: shown[k] for k in want} == want
     assert [(o["key"], o["elements"]) for o in summary["objects"]] == [(W.OBJECT_KEY, W.WORLD)]
 

@@ -1,4 +1,4 @@
-"""How the format witnesses ``v1`` ... ``v7`` were made (run by hand, never by CI).
+"""How the format witnesses ``v1`` ... ``v8`` were made (run by hand, never by CI).
 
 Each ``vN/`` is a checkpoint written by the library at the last commit that wrote format N (its
 ``FORMAT_VERSION``), checked out as a git worktree, on 2 gloo processes::
@@ -10,11 +10,16 @@ Each ``vN/`` is a checkpoint written by the library at the last commit that wrot
 The second form stores with ``StorageOptions(layout="zarr", chunk_bytes=1024)``: a file per chunk,
 and arrays (or packs) of more than one chunk.
 
+From format 8 the state also holds ``witness.py``'s tied pair (when the library on PYTHONPATH has
+``planning/aliases.py``), so the save records it in ``aliases``.
+
 The state is ``witness.py``'s (deterministic values, re-created by tests/interop/test_format_witnesses.py).
 The script refuses an existing directory. See tests/data/README.md for the commits used.
 """
 
 import datetime
+import importlib.util
+import json
 import os
 import socket
 import sys
@@ -25,6 +30,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import witness  # noqa: E402
+
+
+def _writes_aliases() -> bool:
+    """Whether the library on PYTHONPATH stores a tie once (format 8: ``planning/aliases.py``)."""
+    return importlib.util.find_spec("lightning_distckpt.planning.aliases") is not None
 
 
 def sharded_state(ldc, rank: int, world: int) -> dict:
@@ -42,6 +52,10 @@ def sharded_state(ldc, rank: int, world: int) -> dict:
             local = full.chunk(world, axis)[rank].contiguous()
             st = ldc.ShardedTensor.from_rank_offsets(key, local, (axis, rank, world))
         (optimizer if key.startswith("optimizer.") else model)[key] = st
+    if _writes_aliases():  # format 8 on: the tied pair, one memory under both keys (as module.state_dict())
+        local = witness.tied_tensor().chunk(world, 0)[rank].contiguous()
+        for key in witness.TIED_KEYS:
+            model[key] = ldc.ShardedTensor.from_rank_offsets(key, local.detach(), (0, rank, world))
     model["extra_state"] = ldc.ShardedObject(witness.OBJECT_KEY, witness.OBJECTS[rank], (world,), (rank,))
     return {"model": model, "optimizer": optimizer, **witness.COMMON, "scores": witness.plain_tensors()}
 
@@ -51,14 +65,16 @@ def _worker(rank: int, world: int, port: int, out: str, layout: str) -> None:
                             timeout=datetime.timedelta(seconds=120))
     import lightning_distckpt as ldc
 
-    storage = ldc.StorageOptions(layout="zarr", chunk_bytes=1024) if layout == "zarr" else None
+    zarr = {"layout": "zarr", "chunk_bytes": 1024}
+    if _writes_aliases():  # the tied pair (64 KiB a rank) an array of its own: 2 chunks a rank, not 64 of a pack
+        zarr["pack_max_bytes"] = 32 * 1024
+    storage = ldc.StorageOptions(**zarr) if layout == "zarr" else None
     ldc.save(sharded_state(ldc, rank, world), out, storage=storage)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main(out: str, layout: str = "ocdbt") -> None:
-    from lightning_distckpt.storage.layout import FORMAT_VERSION
 
     if os.path.exists(out):
         raise SystemExit(f"{out} exists: remove it first")
@@ -67,7 +83,9 @@ def main(out: str, layout: str = "ocdbt") -> None:
         port = s.getsockname()[1]
     mp.start_processes(_worker, args=(witness.WORLD, port, os.path.abspath(out), layout), nprocs=witness.WORLD,
                        start_method="spawn")
-    print(f"wrote format {FORMAT_VERSION} ({layout}) to {out} with torch {torch.__version__}")
+    with open(os.path.join(out, "metadata.json")) as f:
+        version = json.load(f)["format_version"]
+    print(f"wrote format {version} ({layout}) to {out} with torch {torch.__version__}")
 
 
 if __name__ == "__main__":

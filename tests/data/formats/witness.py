@@ -1,7 +1,8 @@
 """The state written into each format witness (``build.py``) and expected back by
 ``tests/interop/test_format_witnesses.py``: deterministic values (``torch.arange``-based), so a test
 re-creates them bit for bit. Depends on torch alone: ``build.py`` runs it under an old checkout of
-the library, the test under today's."""
+the library, the test under today's. From format 8 on a witness also holds a tied pair
+(``tied_tensors``), written once."""
 
 from typing import Any, Dict, Optional
 
@@ -43,3 +44,25 @@ def plain_tensors() -> Dict[str, torch.Tensor]:
     """Plain ``torch.Tensor`` leaves under ``"scores"``: common state in formats 1-5, stored tensors
     (``plain_tensors`` in metadata.json) in format 6."""
     return {"best": torch.tensor(0.5, dtype=torch.float64), "history": torch.arange(4, dtype=torch.int32) * 3}
+
+
+# From format 8 (tied tensors stored once): a tied pair, one memory under two keys on each rank, split by rows
+# over the 2 ranks. 64 KiB a rank (planning/aliases.TIE_MIN_BYTES); rows of 32 KiB, so every chunk of the
+# ``-zarr`` witness is one row (2 chunks a rank) and the witnesses stay a few files. The smaller key is the
+# one stored; the other is recorded in metadata.json's ``aliases``. Witnesses v1-v7 do not hold it.
+TIED_SINCE = 8
+TIED_KEYS = ("model.embed.weight", "model.lm_head.weight")  # (stored target, alias)
+
+
+def tied_tensor() -> torch.Tensor:
+    """The tied pair's global tensor: fp32 (4, 8192), multiples of 1/16 (exact)."""
+    return torch.arange(4 * 8192, dtype=torch.float32).reshape(4, 8192) / 16 - 7
+
+
+def full_tensors_of(version: int) -> Dict[str, torch.Tensor]:
+    """The global tensors a witness of format ``version`` holds, by key (the tied pair: one tensor, twice)."""
+    out = full_tensors()
+    if version >= TIED_SINCE:
+        tied = tied_tensor()
+        out.update({key: tied for key in TIED_KEYS})
+    return out
