@@ -43,6 +43,7 @@ from .core.strict import StrictHandling  # noqa: E402
 from .serialization import (  # noqa: E402
     load,
     load_common_state_dict,
+    load_content_metadata,  # noqa: F401 (Megatron-Core's name; outside __all__, which is capped)
     load_plain_tensors,
     load_sharded_metadata,
     load_tensors_metadata,

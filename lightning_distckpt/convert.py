@@ -71,7 +71,17 @@ _BATCH_BYTES = 256 << 20  # relayout: shards written per tensorstore call
 
 @dataclass(frozen=True)
 class ConvertReport:
-    """What a conversion did."""
+    """What a conversion did (returned by the :mod:`lightning_distckpt.export` functions).
+
+    Attributes:
+        source: the checkpoint or file read.
+        destination: the checkpoint or file written.
+        kind: ``"relayout"``, ``"lightning"``, ``"tensors"`` or ``"tree"`` (see :func:`from_torch_file`).
+        tensors: the number of tensors written.
+        objects: the number of objects (ShardedObject elements) written.
+        bytes: the tensor bytes written.
+        seconds: the wall time of the conversion.
+    """
 
     source: str
     destination: str

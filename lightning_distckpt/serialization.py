@@ -16,6 +16,7 @@ from .comm import get_comm
 from .core.errors import ArgumentError, ArgumentTypeError
 from .core.arguments import require, require_bool, require_globals, require_key_map, require_state_dict
 from .core.plain_tensors import RefusedState, shard_tensors
+from .core.megatron_args import async_flag, check_strategy, content_metadata_of, with_content_metadata
 from .core.megatron_leaves import from_megatron_leaves
 from .core.mapping import ShardedObject, ShardedTensor
 from .core.strict import StrictHandling
@@ -46,60 +47,64 @@ PathLike = Union[str, "os.PathLike[str]"]
 def save(
     sharded_state_dict: Dict[str, Any],
     checkpoint_dir: SaveTarget,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Any = None,
+    content_metadata: Optional[dict] = None,
     balance_writes: bool = True,
     storage: Optional[StorageOptions] = None,
     async_save: Union[bool, AsyncSaver] = False,
     plan_cache: Optional[SavePlanCache] = None,
     background_snapshot: Selector = False,
 ) -> Optional[AsyncSaveRequest]:
-    """Save a sharded state dict to ``checkpoint_dir`` (collective over ``process_group``).
+    """Save a sharded state dict to ``checkpoint_dir`` (collective over ``process_group``; docs/core.md).
 
-    Every rank passes its own sharded state dict. Each unique shard is written once: by one of the
-    ranks holding a replica of it, balanced by bytes (``balance_writes``), or by its main replica.
-    Common (non-sharded) state is written by rank 0. The checkpoint appears at ``checkpoint_dir``
-    only once every rank has written and fsync'd its part; an earlier checkpoint there is replaced
-    atomically and survives any failure of this save.
+    Each unique shard is written once, by one of the ranks holding it; the common (non-sharded) state by
+    rank 0. The checkpoint appears at ``checkpoint_dir`` only once every rank has written and fsync'd its
+    part; an earlier checkpoint there is replaced atomically and survives any failure of this save.
 
     Args:
         sharded_state_dict: nested dict of ShardedTensor / ShardedObject / ShardedTensorFactory /
             LocalNonpersistentObject and common values. A DTensor or plain ``torch.Tensor`` leaf is a
-            sharded tensor keyed by its tree path (``{"model": {"w": t}}`` -> ``"model/w"``); a plain
-            one is replicated: stored once, the same value expected on every rank (as in PyTorch DCP).
-        checkpoint_dir: the checkpoint directory (same path on every rank, shared file system) or
-            ``s3://`` URL; or a :class:`~lightning_distckpt.storage.store.CheckpointStore` made by the
-            caller (a store of its own, as DCP's ``storage_writer``), which brings its own options.
+            sharded tensor keyed by its tree path (``{"model": {"w": t}}`` -> ``"model/w"``); a plain one
+            is replicated: stored once, the same value expected on every rank (as in PyTorch DCP).
+        checkpoint_dir: the directory (same path on every rank, shared file system) or ``s3://`` URL, or
+            a ``CheckpointStore`` made by the caller (as DCP's ``storage_writer``; its own options).
+        sharded_strategy, common_strategy: Megatron-Core's (None, a ``(backend, version)`` tuple or its
+            strategy object): accepted so its calls run, and ignored: there is one storage format.
         process_group: the ranks taking part (default: the world; none needed single-process).
         validate_access_integrity: check before writing that the main replicas tile every tensor
             exactly once and that all ranks agree on shapes and dtypes.
-        balance_writes: spread replicated shards' writes over their holders.
-        storage: array layout options (see :class:`StorageOptions`).
-        async_save: ``True`` or an :class:`AsyncSaver` (which reuses its staging buffers and
-            finalizes its previous save first): return an :class:`AsyncSaveRequest` once the state
-            is snapshotted in host memory; the writes go on in the background and the checkpoint
-            is committed by the request's ``finalize()``, called on every rank.
-        plan_cache: a :class:`SavePlanCache` kept across the synchronous saves of a run: when no
-            rank's shard metadata changed, validation and planning are skipped (an AsyncSaver
-            keeps its own).
-        background_snapshot: with ``async_save``, ``True`` or a test of a shard's source tensor:
-            those shards are copied into host memory by the background thread, not before ``save``
-            returns; the caller must not change them until the request's ``wait_snapshot()``
-            returns (e.g. before its next optimizer step). See :meth:`AsyncSaver.save`.
+        async_sharded_save, preprocess_common_before_consistancy_check, content_metadata: Megatron-Core's:
+            ``async_save=True`` by its name; a hook that is checked only; a dict stored in the common
+            state under ``"content_metadata"`` (:func:`load_content_metadata`).
+        balance_writes: spread replicated shards' writes over their holders (else: the main replica's).
+        storage: array layout options (:class:`StorageOptions`).
+        async_save: ``True`` or an :class:`AsyncSaver` (reused staging buffers): returns an
+            :class:`AsyncSaveRequest` once the state is in host memory; the writes go on in the
+            background, committed by the request's ``finalize()`` on every rank.
+        plan_cache: a :class:`SavePlanCache` kept across a run's synchronous saves: planning skipped
+            while no rank's shards change (an AsyncSaver keeps its own).
+        background_snapshot: with ``async_save``, ``True`` or a test of a shard's source tensor: those
+            shards are copied by the background thread; leave them unchanged until the request's
+            ``wait_snapshot()`` returns (:meth:`AsyncSaver.save`).
 
     Raises:
         ValidationError, SaveFailedError, CheckpointingError: on every rank alike; an argument of the
         wrong type is an ArgumentTypeError naming it.
     """
     checkpoint_dir, storage = save_target(checkpoint_dir, storage)  # bytes decoded, as load does
+    check_strategy(sharded_strategy, "sharded_strategy")
+    check_strategy(common_strategy, "common_strategy")
+    async_save = async_flag(async_save, async_sharded_save)
+    sharded_state_dict = with_content_metadata(sharded_state_dict, content_metadata,
+                                               preprocess_common_before_consistancy_check)
     _check_save_arguments(sharded_state_dict, validate_access_integrity, balance_writes, storage, async_save,
-                          plan_cache)
-    if background_snapshot is not False and (not async_save or not (background_snapshot is True
-                                                                     or callable(background_snapshot))):
-        raise ArgumentTypeError("background_snapshot must be False, True or a function of a tensor, and needs "
-                                "async_save "
-                                f"(got background_snapshot={background_snapshot!r}, async_save={async_save!r})")
+                          plan_cache, background_snapshot)
     # Megatron-Core's leaves become ours; DTensor and plain tensor leaves sharded tensors keyed by tree path
     comm = get_comm(process_group)
     try:
@@ -113,24 +118,20 @@ def save(
         return saver.save(sharded_state_dict, checkpoint_dir, process_group=process_group,
                           validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
                           storage=storage, background_snapshot=background_snapshot)
-    prep = prepare_save(
-        sharded_state_dict,
-        checkpoint_dir,
-        comm,
-        validate_access_integrity=validate_access_integrity,
-        balance_writes=balance_writes,
-        options=storage or StorageOptions(),
-        plan_cache=plan_cache,
-    )
-    write_and_commit(prep)
+    write_and_commit(prepare_save(sharded_state_dict, checkpoint_dir, comm,
+                                  validate_access_integrity=validate_access_integrity, balance_writes=balance_writes,
+                                  options=storage or StorageOptions(), plan_cache=plan_cache))
     return None
 
 
 def load(
     sharded_state_dict: Dict[str, Any],
     checkpoint_dir: SaveTarget,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
     *,
     process_group: Optional[dist.ProcessGroup] = None,
+    validate_access_integrity: bool = True,
     strict: Union[StrictHandling, str] = StrictHandling.ASSUME_OK_UNEXPECTED,
     extra_safe_globals: Sequence[Any] = (),
     loader: Union[str, Loader, None] = None,
@@ -139,62 +140,46 @@ def load(
     storage: Optional[StorageOptions] = None,
     common: bool = True,
 ) -> Union[Dict[str, Any], Tuple[Dict[str, Any], set, set]]:
-    """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective).
+    """Load into the template ``sharded_state_dict`` from ``checkpoint_dir`` (collective; docs/core.md).
 
-    ``checkpoint_dir`` is one of our checkpoints (its path or URL, or the
-    :class:`~lightning_distckpt.storage.store.CheckpointStore` a caller saved it through), or an ordinary
-    file every rank reads its slices
-    from directly: a ``torch.save`` file (tensors named by their ``/``-joined path: a plain state
-    dict keeps its keys, a Lightning checkpoint's weights are ``"state_dict/<name>"``; the rest is
-    common state), a ``.safetensors`` file or a Hugging Face model directory. ``key_map`` maps
-    such a file's keys to the template's keys: a dict, or a callable returning None to skip a key.
+    Returns the state dict with each ShardedTensor replaced by its tensor (read straight into its ``data``
+    when that is a contiguous CPU tensor), each ShardedObject by its object, each LocalNonpersistentObject
+    by its value, factories merged and the common state merged in. The template's sharding may differ
+    from the saved one (resharding). A plain tensor of the template is read into itself (keyed by its tree
+    path); one stored where the template has no leaf comes back there, whole, on the CPU.
 
-    Returns the state dict with each ShardedTensor replaced by its tensor (read straight into its
-    ``data`` when that is a contiguous CPU tensor), each ShardedObject by its object, each
-    LocalNonpersistentObject by its value, factories merged, and the checkpoint's common state
-    merged in. The template's sharding may differ from the saved one (resharding). A plain tensor
-    of the template is read into itself (keyed by its tree path, as ``save`` stores it); a plain
-    tensor the save stored where the template has no leaf comes back there, read whole onto the CPU.
+    Args:
+        sharded_state_dict: the template, as :func:`save` takes a state dict.
+        checkpoint_dir: our checkpoint (path, URL, the ``CheckpointStore`` it was saved through, or a
+            ``reading.shared_source.SharedCopy`` of it), or an ordinary file each rank reads its slices
+            from: a ``torch.save`` file (keys are ``/``-joined tree paths: ``"state_dict/<name>"``), a
+            ``.safetensors`` file or a Hugging Face model directory.
+        sharded_strategy, common_strategy, validate_access_integrity: Megatron-Core's, checked and
+            ignored (one storage format; every read is checked against the checkpoint's index).
+        process_group: the ranks taking part (default: the world; none needed single-process).
+        strict: a StrictHandling (ours or Megatron-Core's) or its name; RETURN_UNEXPECTED / RETURN_ALL
+            return ``(state_dict, missing, unexpected)``.
+        extra_safe_globals: further trusted types the common state and objects may contain.
+        loader: ``"every_rank"``, ``"parallel"``, ``"two_stage"`` (default: each chunk read once and sent
+            to the ranks needing it) or a loader object such as ``TwoStageDataParallelLoader(dp_group)``.
+        key_map: an ordinary file's keys to the template's: a dict, or a callable returning None to skip.
+        cast: ``"same_kind"`` (default: between floating, integer or complex dtypes; other kinds refused
+            before anything is read) or ``"any"`` (as ``Tensor.to``; complex into real refused anyway).
+        storage: the reader's :class:`StorageOptions` (``verify``, ``direct_reads``, ``io_concurrency``,
+            the S3 endpoint and credentials); the layout is the one the checkpoint records.
+        common: False: the template's leaves only, the common state neither read nor merged.
 
-    With ``strict`` = RETURN_UNEXPECTED / RETURN_ALL returns ``(state_dict, missing, unexpected)``.
-    ``extra_safe_globals`` lists further trusted types that common state / objects may contain.
-    ``loader`` picks how chunks are read: ``"every_rank"``, ``"parallel"``, ``"two_stage"`` or a
-    loader object such as ``TwoStageDataParallelLoader(dp_group)`` (see docs/loaders.md). The
-    default, ``"two_stage"`` over the whole group, reads each chunk the ranks need once from
-    storage and sends it to the others, pipelined with bounded memory.
-
-    ``cast``: ``"same_kind"`` (default) converts a stored tensor into a template of another floating
-    dtype (float8 included), another integer dtype or another complex dtype; a template of another
-    kind (integer <-> floating, anything <-> bool, real -> complex) is refused before anything is read
-    (ShardingError naming the key). ``"any"`` converts across kinds too, as Megatron-Core and torch DCP
-    do, each value exactly as ``Tensor.to`` does; a complex tensor into a real template is refused
-    under either (its imaginary parts would be dropped).
-
-    ``storage``: the reader's choices (:class:`StorageOptions` ``verify``, ``direct_reads``,
-    ``io_concurrency``, the S3 endpoint and credentials); the layout is the one the checkpoint records.
-
-    ``checkpoint_dir`` may also be a ``reading.shared_source.SharedCopy`` of one: the loads of parts
-    of one checkpoint then share its opening and its common state.
-
-    ``common=False``: the template's leaves only. The common state is neither merged into the result
-    nor read (unless the template's own plain tensors are kept there, by a checkpoint written before
-    plain tensors were stored as tensors), and plain tensors stored where the template has no leaf
-    are not read: for a part of a checkpoint whose common state the caller has, or does not need.
+    Raises:
+        CheckpointNotFoundError, FormatError, MissingKeysError, ShardingError, CheckpointingError: on
+        every rank alike; an argument of the wrong type is an ArgumentTypeError naming it.
     """
     shared = checkpoint_dir if isinstance(checkpoint_dir, SharedCopy) else None
     if shared is None:
         checkpoint_dir = _location(checkpoint_dir)
     elif key_map is not None or storage is not None:
         raise ArgumentError("load: key_map and storage choose how a path is opened; not with a SharedCopy")
-    require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
-    require_state_dict(sharded_state_dict, "sharded_state_dict")
-    require(strict, (StrictHandling, Enum, str, bool), "strict",
-            "a StrictHandling (ours or Megatron-Core's), its name or a bool")
-    require_globals(extra_safe_globals)
-    require_key_map(key_map)
-    require_bool(common, "common")
-    parse_cast(cast)
-    strict = StrictHandling.parse(strict)
+    strict = _check_load_arguments(sharded_state_dict, strict, extra_safe_globals, key_map, storage, common, cast,
+                                   validate_access_integrity, (sharded_strategy, common_strategy))
     # Megatron-Core's leaves as ours; DTensors and plain tensors loaded back into the template's own
     comm = get_comm(process_group)
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
@@ -234,15 +219,19 @@ def _location(checkpoint_dir: SaveTarget) -> Union[str, CheckpointStore]:
     return checkpoint_location(checkpoint_dir, "checkpoint_dir")
 
 
-def load_tensors_metadata(checkpoint_dir: SaveTarget, *, flattened: bool = False) -> Dict[str, ShardedTensor]:
-    """key -> ShardedTensor without data, describing the whole saved tensor (global shape, dtype).
+def load_tensors_metadata(checkpoint_dir: SaveTarget, sharded_strategy: Any = None, *,
+                          flattened: bool = False) -> Dict[str, ShardedTensor]:
+    """key -> ShardedTensor without data, describing the whole saved tensor (global shape, dtype) of
+    the checkpoint at ``checkpoint_dir`` (path, URL or store; single process).
 
     A tensor saved as flattened pieces (``flattened_range``, the distributed-optimizer layout) is
     described as its N-D tensor by default: loading with it gives the N-D tensor. With
     ``flattened=True`` it is described as Megatron-Core 0.12-0.15's ``load_tensors_metadata`` does: the
     same shapes and a ``flattened_range`` covering the whole tensor, so loading with it gives the 1-D
     tensor of all its elements (``(8, 5, 40)`` -> ``(1600,)``). Other tensors are the same either way.
+    ``sharded_strategy``: Megatron-Core's, checked and ignored (one storage format).
     """
+    check_strategy(sharded_strategy, "sharded_strategy")
     require_bool(flattened, "flattened")
     source = open_checkpoint(_location(checkpoint_dir))
     out = {}
@@ -256,12 +245,16 @@ def load_tensors_metadata(checkpoint_dir: SaveTarget, *, flattened: bool = False
     return out
 
 
-def load_sharded_metadata(checkpoint_dir: SaveTarget, *, flattened: bool = False) -> Dict[str, Any]:
+def load_sharded_metadata(checkpoint_dir: SaveTarget, sharded_strategy: Any = None, common_strategy: Any = None,
+                          *, flattened: bool = False) -> Dict[str, Any]:
     """Everything sharded the checkpoint stores, without data, as Megatron-Core's function of this
     name gives it: the tensors of :func:`load_tensors_metadata` under their keys, and each stored
     ShardedObject element under Megatron-Core's unique key ``<key>/shard_<offset>_<global shape>``
-    (``"opt/shard_0.3_1.8"``). ``load(load_sharded_metadata(p), p)`` reads the whole checkpoint."""
-    out: Dict[str, Any] = dict(load_tensors_metadata(checkpoint_dir, flattened=flattened))
+    (``"opt/shard_0.3_1.8"``). ``load(load_sharded_metadata(p), p)`` reads the whole checkpoint.
+    ``checkpoint_dir``, ``flattened`` and ``sharded_strategy``: as :func:`load_tensors_metadata` takes them;
+    ``common_strategy``: Megatron-Core's, checked and ignored (one storage format)."""
+    check_strategy(common_strategy, "common_strategy")  # Megatron-Core's strategies: checked, ignored
+    out: Dict[str, Any] = dict(load_tensors_metadata(checkpoint_dir, sharded_strategy, flattened=flattened))
     source = open_checkpoint(_location(checkpoint_dir))
     for key, e in source.index.objects.items():
         for shard in e.shards:
@@ -275,7 +268,9 @@ def load_common_state_dict(checkpoint_dir: SaveTarget, extra_safe_globals: Seque
     """The checkpoint's common (non-sharded) state, read safely (single process), with the plain
     tensors the saved state dict held (stored as replicated tensors by tree path) read whole and
     put back at their places, as they were when they were common state: what ``load({}, path)``
-    returns. ``plain_tensors=False``: the common state alone, nothing read but ``common.pt``."""
+    returns. ``plain_tensors=False``: the common state alone, nothing read but ``common.pt``.
+    ``checkpoint_dir``: a path, URL or store; ``extra_safe_globals``: further trusted types the common
+    state may hold (anything else is an UnsafeContentError)."""
     checkpoint_dir = _location(checkpoint_dir)
     require_globals(extra_safe_globals)
     require_bool(plain_tensors, "plain_tensors")
@@ -285,8 +280,20 @@ def load_common_state_dict(checkpoint_dir: SaveTarget, extra_safe_globals: Seque
     return common_with_plain_tensors(source, extra_safe_globals)
 
 
+def load_content_metadata(checkpoint_dir: Optional[SaveTarget] = None, *,
+                          preloaded_state_dict: Optional[Dict[str, Any]] = None) -> Optional[dict]:
+    """What ``save(..., content_metadata=)`` stored (None if nothing), as Megatron-Core's function of this
+    name: from ``preloaded_state_dict`` (the common state already loaded) or read from ``checkpoint_dir``."""
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise ArgumentError("load_content_metadata: give checkpoint_dir or preloaded_state_dict")
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir, plain_tensors=False)
+    return content_metadata_of(preloaded_state_dict)
+
+
 def load_plain_tensors(checkpoint_dir: SaveTarget) -> Dict[str, torch.Tensor]:
-    """key -> the whole global tensor, assembled from its shards (single process, no group needed); a
+    """key -> the whole global tensor of the checkpoint at ``checkpoint_dir`` (path, URL or store),
+    assembled from its shards (single process, no group needed); a
     tied key (format 8 ``aliases``) is its target's very tensor, as it was in the saved state.
     Logs one INFO line, as :func:`load` does: bytes, seconds, rate."""
     started = time.perf_counter()
@@ -307,7 +314,7 @@ def load_plain_tensors(checkpoint_dir: SaveTarget) -> Dict[str, torch.Tensor]:
 
 
 def _check_save_arguments(sharded_state_dict: Any, validate_access_integrity: Any, balance_writes: Any,
-                          storage: Any, async_save: Any, plan_cache: Any) -> None:
+                          storage: Any, async_save: Any, plan_cache: Any, background_snapshot: Any) -> None:
     """ArgumentTypeError naming the first of :func:`save`'s arguments that has a wrong type."""
     require_state_dict(sharded_state_dict, "sharded_state_dict")
     require_bool(validate_access_integrity, "validate_access_integrity")
@@ -315,3 +322,26 @@ def _check_save_arguments(sharded_state_dict: Any, validate_access_integrity: An
     require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
     require(async_save, (bool, AsyncSaver), "async_save", "a bool or an AsyncSaver")
     require(plan_cache, (SavePlanCache, type(None)), "plan_cache", "a SavePlanCache or None")
+    if background_snapshot is not False and (not async_save or not (background_snapshot is True
+                                                                     or callable(background_snapshot))):
+        raise ArgumentTypeError("background_snapshot must be False, True or a function of a tensor, and needs "
+                                "async_save "
+                                f"(got background_snapshot={background_snapshot!r}, async_save={async_save!r})")
+
+
+def _check_load_arguments(sharded_state_dict: Any, strict: Any, extra_safe_globals: Any, key_map: Any,
+                          storage: Any, common: Any, cast: Any, validate_access_integrity: Any,
+                          strategies: Tuple[Any, Any]) -> StrictHandling:
+    """ArgumentTypeError naming the first of :func:`load`'s arguments that has a wrong type; the strict mode."""
+    check_strategy(strategies[0], "sharded_strategy")
+    check_strategy(strategies[1], "common_strategy")
+    require_bool(validate_access_integrity, "validate_access_integrity")
+    require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
+    require_state_dict(sharded_state_dict, "sharded_state_dict")
+    require(strict, (StrictHandling, Enum, str, bool), "strict",
+            "a StrictHandling (ours or Megatron-Core's), its name or a bool")
+    require_globals(extra_safe_globals)
+    require_key_map(key_map)
+    require_bool(common, "common")
+    parse_cast(cast)
+    return StrictHandling.parse(strict)

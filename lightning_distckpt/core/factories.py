@@ -49,7 +49,10 @@ def fused_split_factory(
     ``(0, tp_rank, tp_size)`` stacks the TP ranks' parts, so the stored ``<key>.q`` is the full Q
     weight whatever the TP size, and a different TP size reads the rows it needs.
 
-    On load the parts are read and re-fused with the same layout (a new tensor).
+    On load the parts are read and re-fused with the same layout (a new tensor). ``key``: the prefix of
+    the parts' keys; ``data``: the fused local tensor; ``replica_id``, ``prepend_axis_num`` and
+    ``allow_shape_mismatch``: as :class:`ShardedTensor`'s. Distinct names, positive sizes, ``groups`` >= 1
+    and an ``axis`` of ``data`` are required, else a ShardingError.
     """
     names = [n for n, _ in parts]
     sizes = [int(s) for _, s in parts]
@@ -95,7 +98,8 @@ def transposed_factory(
 ) -> ShardedTensorFactory:
     """Store ``data.transpose(*dims)`` under ``key``; ``rank_offsets`` describe the stored
     (transposed) layout. On load the stored tensor is read into ``data`` in place (through the
-    transposed view) and returned in ``data``'s orientation."""
+    transposed view) and returned in ``data``'s orientation. ``dims``: two distinct axes of ``data`` (at
+    least 2-D), else a ShardingError; ``replica_id`` and ``prepend_axis_num``: as :class:`ShardedTensor`'s."""
     if data.dim() < 2 or len(set(d % data.dim() for d in dims)) != 2:
         raise ShardingError(f"{key!r}: transposed_factory needs two distinct axes of a >= 2-D tensor, got {dims}")
 

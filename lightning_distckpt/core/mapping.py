@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import torch
 
 from .errors import ShardingError
+from .megatron_methods import MegatronFactoryMethods, MegatronObjectMethods, MegatronTensorMethods
 
 ReplicaId = Union[int, Tuple[int, ...]]
 
@@ -52,7 +53,7 @@ def _require_tensor(key: str, data: object) -> None:
 
 
 @dataclass
-class ShardedTensor:
+class ShardedTensor(MegatronTensorMethods):
     """A local tensor and its place in a global tensor.
 
     Attributes:
@@ -275,12 +276,19 @@ class ShardedTensor:
 
 
 @dataclass
-class ShardedObject:
+class ShardedObject(MegatronObjectMethods):
     """One element of a global N-d array of picklable objects (e.g. per-rank RNG states).
 
-    ``global_shape`` is the shape of the object array and ``global_offset`` this element's index.
     The object is saved with ``torch.save`` and loaded with ``weights_only=True``: it must be made
     of tensors, containers, primitives and the allow-listed types.
+
+    Attributes:
+        key: name of the object array in the checkpoint (a non-empty str, else a ShardingError).
+        data: this element's object (``None`` in a metadata-only description).
+        global_shape: the shape of the object array, e.g. ``(world_size,)``.
+        global_offset: this element's index in it (as long as ``global_shape``, else a ShardingError).
+        replica_id: all zeros marks the main replica, the one saved; other values mark copies of it
+            (a non-negative int or tuple of them, else a ShardingError).
     """
 
     key: str
@@ -323,7 +331,7 @@ FactoryMergeFn = Callable[[Any], torch.Tensor]
 
 
 @dataclass
-class ShardedTensorFactory:
+class ShardedTensorFactory(MegatronFactoryMethods):
     """A deferred transform of a local tensor into a sub state dict of sharded entries.
 
     On save ``build_fn(key, data, replica_id, flattened_range)`` returns a nested dict/list of

@@ -211,7 +211,9 @@ def to_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
     Single process (call it on one rank). ``key_map`` renames (dict) or leaves out (callable
     returning None) tensors by their export name; ``only="model"`` / ``include`` leave out
     optimizer state / tensors matching no prefix (:mod:`.select`; the common state is written as
-    it is). ``progress`` counts the bytes exported. Returns a :class:`ConvertReport` (kind ``"dcp"``).
+    it is). ``progress`` counts the bytes exported. ``extra_safe_globals``: further trusted types its
+    objects and common state may hold.
+    Returns a :class:`ConvertReport` (kind ``"dcp"``).
     """
     t0 = time.perf_counter()
     out = export_arguments(out_dir, key_map, extra_safe_globals)

@@ -63,7 +63,8 @@ def to_megatron(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
     Single process (call it on one rank). ``key_map`` renames (dict) or leaves out (callable
     returning None) tensors by their export name; ``only`` / ``include`` select tensors as
     :func:`~lightning_distckpt.export.to_dcp` does. ``progress`` counts the bytes
-    exported. Returns a :class:`ConvertReport` (kind ``"megatron"``).
+    exported. ``extra_safe_globals``: further trusted types its objects and common state may hold.
+    Returns a :class:`ConvertReport` (kind ``"megatron"``).
     """
     t0 = time.perf_counter()
     out = export_arguments(out_dir, key_map, extra_safe_globals)

@@ -262,6 +262,7 @@ def to_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str
     a Hugging Face ``config.json``, copied beside the weights so ``from_pretrained`` reads the
     directory (an existing different ``config.json`` there is refused, not replaced).
     ``progress`` (:mod:`lightning_distckpt.progress`) counts the bytes this rank exports.
+    ``extra_safe_globals``: further trusted types its objects and common state may hold.
     Returns the same :class:`ConvertReport` (kind ``"safetensors"``) on every rank.
     """
     t0 = time.perf_counter()

@@ -41,6 +41,8 @@ def to_torch_file(source: Any, destination: Any, extra_safe_globals: Sequence[An
     reads it) becomes ``{"tensors", "objects", "common"}`` (kind ``"tensors"``), which
     :func:`from_torch_file` turns back into a checkpoint. Single process; the file appears
     atomically. ``progress`` (:mod:`lightning_distckpt.progress`) counts the bytes written.
+    ``extra_safe_globals``: further trusted types its objects and common state may hold. Returns a
+    :class:`ConvertReport`.
     """
     t0 = time.perf_counter()
     source, destination = convert.check_export(source, destination, extra_safe_globals)  # never over the source
@@ -67,6 +69,9 @@ def from_torch_file(source: Any, destination: Any, storage: StorageOptions = Sto
     saves Lightning checkpoints: each tensor whole, keyed by its path (``state_dict/layer.weight``),
     everything else common state, plus the manifest that ``DistCheckpointIO.load_checkpoint`` and
     ``load_lightning_module`` read back (kind ``"tree"``; this imports Lightning).
+
+    ``storage``: the layout of the checkpoint written (:class:`~lightning_distckpt.StorageOptions`);
+    ``extra_safe_globals``: further trusted types the file may hold. Returns a :class:`ConvertReport`.
     """
     t0 = time.perf_counter()
     source, destination = convert.check_import(source, destination, storage, extra_safe_globals)

@@ -54,8 +54,16 @@ class ShardOptions:
 
 @dataclass(frozen=True)
 class ShardResult:
-    """What a transfer did: keys rank 0 lacked (when allowed), rank 0's keys nobody asked for,
-    bytes broadcast and what whole tensors would have been, and this rank's stats."""
+    """What a transfer did. No public function returns one yet (the two above return None,
+    :class:`DistModule` Lightning-style incompatible keys): in ``__all__`` for compatibility only.
+
+    Attributes:
+        missing: keys rank 0 lacked (when allowed).
+        unexpected: rank 0's keys nobody asked for.
+        sent_bytes: the bytes broadcast.
+        whole_bytes: what broadcasting whole tensors would have sent.
+        stats: this rank's account of the transfer.
+    """
 
     missing: Tuple[str, ...]
     unexpected: Tuple[str, ...]
@@ -77,7 +85,8 @@ def broadcast_and_shard_state_dict(state_dict: Mapping[str, Any], meta_sharded_s
     Each entry's shard, materialized in the entry's dtype (converted within floating or within
     integer dtypes) on the entry's device (the communication device for meta entries), is stored
     under the entry's name in ``sharded_state_dict``, ready for
-    ``module.load_state_dict(sharded_state_dict, assign=True)``.
+    ``module.load_state_dict(sharded_state_dict, assign=True)``. ``max_inflight_bytes`` and
+    ``bucket_bytes`` (positive ints, the same on every rank): see :class:`ShardOptions`.
 
     Raises:
         ArgumentError: (a ``ValueError``) on every rank, in the first collective, when a rank but 0
@@ -99,7 +108,8 @@ def shard_broadcasted_state_dict(meta_sharded_state_dict: Mapping[str, Any],
                                  *, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
                                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
     """Every rank but 0: receive what rank 0 broadcasts and store this rank's shards in
-    ``sharded_state_dict`` (see :func:`broadcast_and_shard_state_dict`, which rank 0 calls).
+    ``sharded_state_dict`` (see :func:`broadcast_and_shard_state_dict`, which rank 0 calls, for
+    ``meta_sharded_state_dict``, ``max_inflight_bytes`` and ``bucket_bytes``).
 
     Raises:
         ArgumentError: (a ``ValueError``) on every rank, in the first collective, when rank 0 calls it.

@@ -211,7 +211,12 @@ def _import_global(name: str) -> Any:
 @dataclass
 class StrategyConfig:
     """The settings of :class:`~lightning_distckpt.lightning.DistCheckpointStrategy` and
-    :class:`~lightning_distckpt.lightning.FabricDistCheckpointStrategy`."""
+    :class:`~lightning_distckpt.lightning.FabricDistCheckpointStrategy`.
+
+    Attributes:
+        tensor_parallel_size: TP ranks per model replica (an int >= 1, else a ConfigError).
+        checkpoint: the checkpoint settings; a mapping is read by :func:`load_checkpoint_config`.
+    """
 
     tensor_parallel_size: int = 1
     checkpoint: DistCheckpointConfig = field(default_factory=DistCheckpointConfig)
@@ -364,7 +369,8 @@ def unknown_argument(owner: str, key: str, value: Any, own: List[str], setting_f
 
 
 def load_checkpoint_config(cfg: ConfigLike = None) -> DistCheckpointConfig:
-    """A :class:`DistCheckpointConfig` from a YAML path, a mapping, a DictConfig or one already built.
+    """A :class:`DistCheckpointConfig` from ``cfg``: a YAML path, a mapping, a DictConfig, one already
+    built, a :class:`StrategyConfig` (its ``checkpoint``) or None (the defaults).
 
     Raises:
         ConfigError: naming the unknown key or the bad value.
@@ -375,5 +381,10 @@ def load_checkpoint_config(cfg: ConfigLike = None) -> DistCheckpointConfig:
 
 
 def load_strategy_config(cfg: ConfigLike = None) -> StrategyConfig:
-    """A :class:`StrategyConfig` (``tensor_parallel_size`` + ``checkpoint:`` section) from YAML or a mapping."""
+    """A :class:`StrategyConfig` (``tensor_parallel_size`` + ``checkpoint:`` section) from ``cfg``: a YAML
+    path, a mapping, a DictConfig, one already built or None (the defaults).
+
+    Raises:
+        ConfigError: naming the unknown key or the bad value.
+    """
     return _load(StrategyConfig, cfg, "strategy")

@@ -40,7 +40,9 @@ def load_lightning_module(
     """Like ``cls.load_from_checkpoint`` for a checkpoint directory written by ``DistCheckpointIO`` or
     ``DistCheckpointStrategy``: builds ``cls`` from the saved hyper-parameters (``init_overrides``
     win), calls ``configure_model`` and ``on_load_checkpoint``, loads the weights, returns the module
-    in eval mode (on ``map_location`` if given).
+    in eval mode (on ``map_location`` if given). ``checkpoint_dir``: the checkpoint's path or URL;
+    ``strict``: as ``load_state_dict``'s (None: the module's ``strict_loading``); ``extra_safe_globals``:
+    further trusted types its common state may hold.
 
     Example::
 
@@ -86,6 +88,7 @@ def load_module_weights(
 
     For our directories, ``entry`` names where the module's state sits: ``"state_dict"`` for Trainer
     checkpoints, the state key (e.g. ``"model"``) for ``fabric.save(path, {"model": model, ...})``.
+    ``extra_safe_globals``: further trusted types the checkpoint may hold. Returns ``module``.
     """
     if not isinstance(module, nn.Module):
         swapped = " (the arguments are swapped?)" if isinstance(checkpoint, nn.Module) else ""

@@ -25,7 +25,15 @@ from ..registration import is_placeholder
 class ParallelState:
     """This process's place in a TP x DP grid, with the process groups to talk to its peers.
 
-    ``tp_group`` / ``dp_group`` are ``None`` when torch.distributed is not initialized (one process).
+    Attributes:
+        world_size: the number of processes, ``tp_size * dp_size``.
+        rank: this process's global rank.
+        tp_size: tensor-parallel ranks per model replica.
+        tp_rank: this rank's place among them.
+        dp_size: model replicas (data-parallel ranks).
+        dp_rank: this rank's replica.
+        tp_group: the ranks holding the other shards of this replica (``None`` in one process).
+        dp_group: the ranks holding the same shards (``None`` in one process).
     """
 
     world_size: int

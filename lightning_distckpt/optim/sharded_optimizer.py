@@ -269,8 +269,8 @@ def optimizer_sharded_state_dict(
 
 
 def restore_optimizer_state(optimizer: torch.optim.Optimizer, loaded_optimizer_state: Dict[str, Any]) -> None:
-    """Put what ``load`` returned for an :func:`optimizer_sharded_state_dict` template back into
-    ``optimizer`` (via ``optimizer.load_state_dict``).
+    """Put ``loaded_optimizer_state``, what ``load`` returned for an :func:`optimizer_sharded_state_dict`
+    template, back into ``optimizer`` (via ``optimizer.load_state_dict``).
 
     Hyperparameters come from the checkpoint's ``param_groups``; per-parameter state is matched
     to this optimizer's parameters by model key.

@@ -173,7 +173,14 @@ class ExchangeLoader(_GCPausedLoader):
 
 class FullyParallelLoader(ExchangeLoader):
     """Total storage reads equal the unique bytes the group needs; reads first, then the exchange,
-    with no bound on bytes in flight (a rank may hold extra buffers for its whole share)."""
+    with no bound on bytes in flight (a rank may hold extra buffers for its whole share).
+
+    Args:
+        process_group: the ranks that share reads (default ``None``: the group ``load`` runs over).
+        bucket_bytes: chunks smaller than this travel together, up to this many bytes per message
+            (default 256 KiB; a negative value is an ArgumentError).
+        device: device for communication buffers (default: from the group's backend).
+    """
 
     op_name = "load (fully parallel)"
 
@@ -184,7 +191,19 @@ class FullyParallelLoader(ExchangeLoader):
 
 class TwoStageDataParallelLoader(ExchangeLoader):
     """Read each chunk once per data-parallel group and broadcast it within the group, reads
-    overlapping the broadcasts, under ``max_inflight_bytes`` (see :class:`ExchangeLoader`)."""
+    overlapping the broadcasts, under ``max_inflight_bytes``. The default loader of :func:`load`.
+
+    Args:
+        data_parallel_group: this rank's data-parallel group (default ``None``: the group ``load``
+            runs over); every rank passes its own, and the groups must partition the load's group.
+        max_inflight_bytes: at most this many bytes of chunks admitted at once on a rank (default
+            256 MiB; a single larger chunk is admitted alone; below 1 is an ArgumentError).
+        bucket_bytes: chunks smaller than this travel together, up to this many bytes per message
+            (default 256 KiB; negative is an ArgumentError).
+        read_batch_bytes: bytes of queued chunks read in one storage batch (default 16 MiB; below 1
+            is an ArgumentError).
+        device: device for communication buffers (default: from the group's backend).
+    """
 
     op_name = "load (two-stage)"
 

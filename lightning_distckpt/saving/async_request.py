@@ -26,6 +26,7 @@ WriteResult = Union[LocalWrite, BaseException]
 
 class AsyncSaveRequest:
     """A save whose writes run in the background. Call :meth:`finalize` on every rank to commit.
+    Returned by ``save(..., async_save=True)`` and :meth:`AsyncSaver.save`, never built by the caller.
 
     ``done()`` says, without blocking and without communication, whether this rank's writes have
     finished; ``finalize()`` blocks until they have, then (collectively) commits the checkpoint if

@@ -71,7 +71,8 @@ def _check_run(run: Any) -> None:
 
 
 class LocalTier:
-    """The node-local tier of one rank (every rank of the group makes one, with the same options).
+    """The node-local tier of one rank (every rank of the group makes one, with the same options;
+    collective over ``process_group``, default the world). ``options``: a :class:`TierOptions`.
 
     ``run`` names the run (rank 0's decides): its saves record it, and only steps saved under the same run
     are recovered, so a job that finds another job's steps on its root (one run before it there, the

@@ -86,7 +86,13 @@ def check_node_name(name: str) -> None:
 @dataclass(frozen=True)
 class RecoveryPoint:
     """The newest step every rank can restore: from the node-local tiers (own or partners' copies),
-    or from the durable checkpoint at ``path``."""
+    or from the durable checkpoint at ``path``.
+
+    Attributes:
+        step: the training step (an int >= 0, else an ArgumentError).
+        source: ``"local"`` (the node-local tiers) or ``"durable"`` (the checkpoint at ``path``).
+        path: the durable checkpoint's path; required with ``source="durable"``.
+    """
 
     step: int
     source: str

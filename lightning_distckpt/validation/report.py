@@ -26,6 +26,7 @@ class ValidationReport:
         bytes_read: bytes read and verified.
         objects: stored objects read.
         seconds: how long it took.
+        progress: the :mod:`lightning_distckpt.progress` counter of bytes read (``validate``'s).
     """
 
     path: str
