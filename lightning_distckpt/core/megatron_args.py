@@ -16,9 +16,10 @@ _STRATEGIES_MODULE = "megatron.core.dist_checkpointing.strategies"
 
 def check_strategy(value: Any, what: str) -> None:
     """``value`` is None, a ``(backend, version)`` tuple or one of Megatron-Core's strategy objects (by its
-    type's module; nothing imported). Ours has one storage format and picks its own readers and writers,
+    type's module or a base's; nothing imported). Ours has one storage format and picks its own readers and writers,
     so a strategy changes nothing; anything else is an ArgumentTypeError (a misplaced argument)."""
-    if value is None or type(value).__module__.startswith(_STRATEGIES_MODULE):
+    # by the type's bases too: a framework's subclass of one (NeMo's async TorchDist strategy) is one
+    if value is None or any(getattr(c, "__module__", "").startswith(_STRATEGIES_MODULE) for c in type(value).__mro__):
         return
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int):
         return

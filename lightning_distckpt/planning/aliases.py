@@ -31,15 +31,15 @@ MAX_ALIASES_PER_TARGET = 64
 
 def local_ties(tensors: Sequence["ShardedTensor"]) -> Dict[int, str]:
     """position -> the smallest other key whose shard at that position is exactly the same memory: same
-    data pointer, shape, strides, dtype, global offset, flattened range and global shape. Only shards of
-    at least ``TIE_MIN_BYTES`` are looked at."""
+    data pointer, shape, strides, dtype, global offset, local shard shape, flattened range and global
+    shape. Only shards of at least ``TIE_MIN_BYTES`` are looked at."""
     seen: Dict[Tuple[Any, ...], List[int]] = {}
     for i, st in enumerate(tensors):
         d = st.data
         if d is None or d.nbytes < TIE_MIN_BYTES or d.device.type == "meta":
             continue
         fr = st.flattened_range
-        ident = (d.device, d.data_ptr(), tuple(d.shape), d.stride(), d.dtype, st.global_offset,
+        ident = (d.device, d.data_ptr(), tuple(d.shape), d.stride(), d.dtype, st.global_offset, st.local_shape,
                  st.global_shape, (fr.start, fr.stop) if fr is not None else None)
         seen.setdefault(ident, []).append(i)
     ties: Dict[int, str] = {}

@@ -207,6 +207,7 @@ def unended_listing(options: StorageOptions, seconds: float) -> str:
 
 _REDIRECT = re.compile(r"http_response_code=.(3[0-9][0-9])")
 _STATUS = re.compile(r"http_response_code='([0-9]{3})'")
+_DOC_CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")  # an S3 error document's code
 _EXPECTED_REGION = re.compile(r"expecting '([a-z0-9-]{1,40})'")
 # tensorstore's words for where its own read or write of an object (an array chunk, an OCDBT node) failed.
 _TS_OBJECT = re.compile(r'Error (reading|writing) (?:Byte range (\[[0-9]+, [0-9]+\)) of )?"([^"]{1,300})"')
@@ -248,7 +249,11 @@ def _recognized(text: str, options: StorageOptions) -> Optional[str]:
         wanted = _EXPECTED_REGION.search(text)
         return (f"the bucket is not in the region {_region(options) or '(none set)'}"
                 + (f" but in {wanted.group(1)}" if wanted else "") + ": set AWS_REGION or StorageOptions(s3_region)")
-    if "AccessDenied" in text or "PERMISSION_DENIED" in text:
+    # a 403 whose error document names another cause (a skewed clock, an archived object's storage class):
+    # its own words (the fallback), not "access denied, check the credentials"
+    code = _DOC_CODE.search(text)
+    other = code is not None and code.group(1) != "AccessDenied"
+    if "AccessDenied" in text or ("PERMISSION_DENIED" in text and not other):
         return (f"access denied (check the AWS credentials and what they may do in this bucket and prefix: "
                 f"{_SET_CREDENTIALS})")
     if "CURL error" in text:
@@ -259,7 +264,8 @@ def _recognized(text: str, options: StorageOptions) -> Optional[str]:
         return (f"the endpoint {ep} answered with a redirect (HTTP {redirect.group(1)}), which "
                 f"is not followed: give the bucket's own endpoint and region (AWS_ENDPOINT_URL, AWS_REGION)")
     status = _STATUS.search(text)
-    if status is not None and status.group(1) in ("401", "403"):  # a HEAD's answer has no error document
+    # a refusal without an error document (a HEAD's answer has none); one with a document says its cause itself
+    if status is not None and status.group(1) in ("401", "403") and "<Error>" not in text:
         return (f"access denied (HTTP {status.group(1)}; check the AWS credentials and what they may do in this "
                 f"bucket and prefix: {_SET_CREDENTIALS})")
     if any(words in text for words in _NOT_S3) or (
