@@ -92,6 +92,7 @@ class ConvertReport:
     seconds: float
 
     def describe(self) -> str:
+        """One line for the command line: source, destination, kind, counts, bytes and seconds."""
         return (f"{self.source} -> {self.destination} ({self.kind}): {self.tensors} tensor(s), {self.objects} "
                 f"object(s), {format_bytes(self.bytes)} in {self.seconds:.2f} s")
 

@@ -230,7 +230,11 @@ def load_tensors_metadata(checkpoint_dir: SaveTarget, sharded_strategy: Any = No
     same shapes and a ``flattened_range`` covering the whole tensor, so loading with it gives the 1-D
     tensor of all its elements (``(8, 5, 40)`` -> ``(1600,)``). Other tensors are the same either way.
     ``sharded_strategy``: Megatron-Core's, checked and ignored (one storage format).
-    """
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``checkpoint_dir``. IncompleteCheckpointError: no committed
+            checkpoint there. FormatError: the metadata or bytes fail their checks (a checksum, a version).
+        ArgumentError: an argument with a value it cannot take (ArgumentTypeError: a type)."""
     check_strategy(sharded_strategy, "sharded_strategy")
     require_bool(flattened, "flattened")
     source = open_checkpoint(_location(checkpoint_dir))
@@ -252,7 +256,12 @@ def load_sharded_metadata(checkpoint_dir: SaveTarget, sharded_strategy: Any = No
     ShardedObject element under Megatron-Core's unique key ``<key>/shard_<offset>_<global shape>``
     (``"opt/shard_0.3_1.8"``). ``load(load_sharded_metadata(p), p)`` reads the whole checkpoint.
     ``checkpoint_dir``, ``flattened`` and ``sharded_strategy``: as :func:`load_tensors_metadata` takes them;
-    ``common_strategy``: Megatron-Core's, checked and ignored (one storage format)."""
+    ``common_strategy``: Megatron-Core's, checked and ignored (one storage format).
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``checkpoint_dir``. IncompleteCheckpointError: no committed
+            checkpoint there. FormatError: the metadata or bytes fail their checks (a checksum, a version).
+        ArgumentError: an argument with a value it cannot take (ArgumentTypeError: a type)."""
     check_strategy(common_strategy, "common_strategy")  # Megatron-Core's strategies: checked, ignored
     out: Dict[str, Any] = dict(load_tensors_metadata(checkpoint_dir, sharded_strategy, flattened=flattened))
     source = open_checkpoint(_location(checkpoint_dir))
@@ -270,7 +279,13 @@ def load_common_state_dict(checkpoint_dir: SaveTarget, extra_safe_globals: Seque
     put back at their places, as they were when they were common state: what ``load({}, path)``
     returns. ``plain_tensors=False``: the common state alone, nothing read but ``common.pt``.
     ``checkpoint_dir``: a path, URL or store; ``extra_safe_globals``: further trusted types the common
-    state may hold (anything else is an UnsafeContentError)."""
+    state may hold.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``checkpoint_dir``. IncompleteCheckpointError: no committed
+            checkpoint there. FormatError: the metadata or bytes fail their checks (a checksum, a version).
+            UnsafeContentError (a FormatError): a type not allowed in the common state.
+        ArgumentError: an argument with a value it cannot take (ArgumentTypeError: a type)."""
     checkpoint_dir = _location(checkpoint_dir)
     require_globals(extra_safe_globals)
     require_bool(plain_tensors, "plain_tensors")
@@ -283,7 +298,8 @@ def load_common_state_dict(checkpoint_dir: SaveTarget, extra_safe_globals: Seque
 def load_content_metadata(checkpoint_dir: Optional[SaveTarget] = None, *,
                           preloaded_state_dict: Optional[Dict[str, Any]] = None) -> Optional[dict]:
     """What ``save(..., content_metadata=)`` stored (None if nothing), as Megatron-Core's function of this
-    name: from ``preloaded_state_dict`` (the common state already loaded) or read from ``checkpoint_dir``."""
+    name: from ``preloaded_state_dict`` (the common state already loaded) or read from ``checkpoint_dir``
+    (ArgumentError where neither is given; else raises as :func:`load_common_state_dict`)."""
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
             raise ArgumentError("load_content_metadata: give checkpoint_dir or preloaded_state_dict")
@@ -295,7 +311,13 @@ def load_plain_tensors(checkpoint_dir: SaveTarget) -> Dict[str, torch.Tensor]:
     """key -> the whole global tensor of the checkpoint at ``checkpoint_dir`` (path, URL or store),
     assembled from its shards (single process, no group needed); a
     tied key (format 8 ``aliases``) is its target's very tensor, as it was in the saved state.
-    Logs one INFO line, as :func:`load` does: bytes, seconds, rate."""
+    Logs one INFO line, as :func:`load` does: bytes, seconds, rate.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``checkpoint_dir``. IncompleteCheckpointError: no committed
+            checkpoint there. FormatError: the metadata or bytes fail their checks (a checksum, a version). A tensor
+            that cannot be read whole in this process (too large, a malformed index) is a FormatError too.
+        ArgumentError: an argument with a value it cannot take (ArgumentTypeError: a type)."""
     started = time.perf_counter()
     source = open_checkpoint(_location(checkpoint_dir))
     check_plain_loadable(source)  # whole tensors are allocated as the index says: check it first

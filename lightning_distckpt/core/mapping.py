@@ -159,10 +159,26 @@ class ShardedTensor(MegatronTensorMethods):
         flattened_range: Optional[slice] = None,
         local_shape: Optional[Sequence[int]] = None,
     ) -> "ShardedTensor":
-        """Shard evenly: each ``(axis, rank_on_axis, fragments_on_axis)`` splits a global axis.
+        """Shard evenly: each ``(axis, rank_on_axis, fragments_on_axis)`` of ``rank_offsets`` splits a global axis.
 
         ``(0, tp_rank, tp_size)`` means the global tensor is ``tp_size`` local tensors stacked along
         axis 0 and this one is number ``tp_rank``. Axes below ``prepend_axis_num`` are global-only.
+
+        Args:
+            key: the tensor's name in the checkpoint.
+            data: this rank's local tensor.
+            rank_offsets: ``(axis, rank_on_axis, fragments_on_axis)`` per sharded global axis.
+            replica_id: 0 on the replica that writes; any other value on the others.
+            prepend_axis_num: leading global axes this rank holds one slice of.
+            allow_shape_mismatch: a load may read into a tensor of another shape (padded vocabularies).
+            flattened_range: ``data`` is this 1-D range of the flattened local shard.
+            local_shape: the local shard's shape where ``data`` is flattened.
+
+        Returns:
+            The ShardedTensor.
+
+        Raises:
+            ShardingError: an offset out of range, an axis twice, or ``data`` no tensor.
         """
         _require_tensor(key, data)
         local_shape = tuple(local_shape) if local_shape is not None else tuple(data.shape)
@@ -213,7 +229,8 @@ class ShardedTensor(MegatronTensorMethods):
         allow_shape_mismatch: bool = False,
     ) -> "ShardedTensor":
         """Like :meth:`from_rank_offsets` for a 1-D ``data`` holding ``flattened_range`` of the
-        flattened local shard of shape ``non_flat_local_shape`` (distributed-optimizer layout)."""
+        flattened local shard of shape ``non_flat_local_shape`` (distributed-optimizer layout); ``key``,
+        ``rank_offsets``, ``replica_id``, ``prepend_axis_num`` and ``allow_shape_mismatch`` as there."""
         return cls.from_rank_offsets(
             key,
             data,
@@ -237,7 +254,8 @@ class ShardedTensor(MegatronTensorMethods):
         prepend_axis_num: int = 0,
         allow_shape_mismatch: bool = False,
     ) -> "ShardedTensor":
-        """Place ``data`` at an explicit offset of an explicit global shape (uneven shardings)."""
+        """Place ``data`` at ``global_offset`` of a ``global_shape`` tensor named ``key`` (uneven shardings);
+        ``replica_id``, ``prepend_axis_num`` and ``allow_shape_mismatch`` as in :meth:`from_rank_offsets`."""
         _require_tensor(key, data)
         return cls(
             key=key,
@@ -262,6 +280,7 @@ class ShardedTensor(MegatronTensorMethods):
         return is_main_replica(self.replica_id)
 
     def local_nbytes(self) -> int:
+        """The bytes this rank's shard stores (its flattened range where it has one)."""
         n = ((self.flattened_range.stop - self.flattened_range.start) if self.flattened_range
              else math.prod(self.local_shape))
         return n * self.dtype.itemsize
@@ -323,6 +342,7 @@ class LocalNonpersistentObject:
     obj: Any
 
     def unwrap(self) -> Any:
+        """The wrapped object, as the load puts it back."""
         return self.obj
 
 
@@ -354,5 +374,6 @@ class ShardedTensorFactory(MegatronFactoryMethods):
             raise ShardingError(f"{self.key!r}: build_fn and merge_fn must be callable")
 
     def build(self) -> Any:
+        """``build_fn(key, data, replica_id, flattened_range)``: the sharded entries saved in its place."""
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
 

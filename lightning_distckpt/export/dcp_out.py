@@ -214,6 +214,12 @@ def to_dcp(checkpoint: Any, out_dir: Any, key_map: KeyMap = None,
     it is). ``progress`` counts the bytes exported. ``extra_safe_globals``: further trusted types its
     objects and common state may hold.
     Returns a :class:`ConvertReport` (kind ``"dcp"``).
+
+    Raises:
+        ArgumentError, ArgumentTypeError: an argument that is wrong (naming it), an output over the input.
+        CheckpointNotFoundError, IncompleteCheckpointError: nothing, or no committed checkpoint, at the source.
+        FormatError: the source fails its checks (UnsafeContentError: a type not allowed to deserialize).
+        CheckpointingError: writing failed (naming the file); ``out_dir`` is left as it was.
     """
     t0 = time.perf_counter()
     out = export_arguments(out_dir, key_map, extra_safe_globals)

@@ -264,6 +264,15 @@ def to_safetensors(checkpoint: Any, out_dir: Any, max_shard_size: Union[int, str
     ``progress`` (:mod:`lightning_distckpt.progress`) counts the bytes this rank exports.
     ``extra_safe_globals``: further trusted types its objects and common state may hold.
     Returns the same :class:`ConvertReport` (kind ``"safetensors"``) on every rank.
+
+    Raises:
+        ArgumentError, ArgumentTypeError: an argument that is wrong (naming it), an output over the input.
+        CheckpointNotFoundError, IncompleteCheckpointError: nothing, or no committed checkpoint, at the source.
+        FormatError: the source fails its checks (UnsafeContentError: a type not allowed to deserialize).
+        CheckpointingError: writing failed (naming the file), or no tensor was selected; ``out_dir`` is
+            left as it was.
+
+    Collective: what one rank raised, every rank raises (the same class).
     """
     t0 = time.perf_counter()
     out = export_arguments(out_dir, key_map, extra_safe_globals)

@@ -43,6 +43,13 @@ def to_torch_file(source: Any, destination: Any, extra_safe_globals: Sequence[An
     atomically. ``progress`` (:mod:`lightning_distckpt.progress`) counts the bytes written.
     ``extra_safe_globals``: further trusted types its objects and common state may hold. Returns a
     :class:`ConvertReport`.
+
+    Raises:
+        ArgumentError, ArgumentTypeError: an argument that is wrong (naming it), an output over the input.
+        CheckpointNotFoundError, IncompleteCheckpointError: nothing, or no committed checkpoint, at the source.
+        FormatError: the source fails its checks (UnsafeContentError: a type not allowed to deserialize).
+        CheckpointingError: writing failed; ``destination`` is left as it was. (A DCP source: a FormatError
+            saying what reads it.)
     """
     t0 = time.perf_counter()
     source, destination = convert.check_export(source, destination, extra_safe_globals)  # never over the source
@@ -72,6 +79,12 @@ def from_torch_file(source: Any, destination: Any, storage: StorageOptions = Sto
 
     ``storage``: the layout of the checkpoint written (:class:`~lightning_distckpt.StorageOptions`);
     ``extra_safe_globals``: further trusted types the file may hold. Returns a :class:`ConvertReport`.
+
+    Raises:
+        ArgumentError, ArgumentTypeError: an argument that is wrong (naming it), an output over the input.
+        CheckpointNotFoundError, IncompleteCheckpointError: nothing, or no committed checkpoint, at the source.
+        FormatError: the source fails its checks (UnsafeContentError: a type not allowed to deserialize).
+        CheckpointingError: the save failed; nothing is committed at ``destination``.
     """
     t0 = time.perf_counter()
     source, destination = convert.check_import(source, destination, storage, extra_safe_globals)

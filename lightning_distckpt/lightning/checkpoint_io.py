@@ -131,7 +131,7 @@ class DistCheckpointIO(CheckpointIO):
 
     @classmethod
     def from_config(cls, cfg: ConfigLike, **kwargs: Any) -> "DistCheckpointIO":
-        """Build from a YAML path, a mapping or a :class:`DistCheckpointConfig`."""
+        """Build from ``cfg``: a YAML path, a mapping or a :class:`DistCheckpointConfig`; ``kwargs``: as the class's."""
         if "config" in kwargs:  # was a raw TypeError (multiple values), which of the two meant unsaid
             raise ArgumentError("DistCheckpointIO.from_config(cfg, config=...): the settings come from cfg; give them "
                                 "once (DistCheckpointIO(config=...) takes them as well)")
@@ -200,9 +200,8 @@ class DistCheckpointIO(CheckpointIO):
         return (torch_optimizer_states(state) if kind in (KIND_SHARDED, KIND_MODEL_PARALLEL) else state), kind
 
     def open_source(self, path: Any) -> "RestoreSource":
-        """The checkpoint at ``path`` opened for one restore (its metadata parsed now, once; a
-        ``torch.save`` file unpickled once), to pass to :meth:`load_sharded` after checking what it
-        holds: its common state is read once too."""
+        """The checkpoint at ``path`` opened for one restore (its metadata parsed now, once; a ``torch.save`` file
+        unpickled once), to pass to :meth:`load_sharded` after checking what it holds: its common state read once."""
         target = checkpoint_location(path, "path")
         finish_saves_to(target)
         refuse_file_inside(target)
@@ -236,7 +235,8 @@ class DistCheckpointIO(CheckpointIO):
     def save_sharded(self, sharded_state_dict: Dict[str, Any], path: Any,
                      process_group: Optional[dist.ProcessGroup] = None,
                      storage_options: Optional[Any] = None, background_snapshot: Selector = False) -> None:
-        """Collective save of a sharded state dict (each rank its own shards) to ``path``. ``background_snapshot``:
+        """Collective save of ``sharded_state_dict`` (each rank its own shards) to ``path`` over ``process_group``;
+        ``storage_options``: StorageOptions or a mapping of its fields (None: the config's). ``background_snapshot``:
         what a background save's thread copies (:meth:`AsyncSaver.save`; the caller waits on ``pending``)."""
         self.wait()
         kwargs: Dict[str, Any] = dict(
@@ -260,9 +260,9 @@ class DistCheckpointIO(CheckpointIO):
                      process_group: Optional[dist.ProcessGroup] = None,
                      strict: Union[StrictHandling, str, None] = None,
                      data_parallel_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
-        """Collective load into ``template``; returns the loaded tree merged with the common state.
-        ``path``: a checkpoint path, or a source already open (:meth:`open_source`, on every rank).
-        ``data_parallel_group``: this rank's DP group, for the ``two_stage`` loader."""
+        """Collective load into ``template`` over ``process_group``; returns the loaded tree merged with the common
+        state. ``path``: a checkpoint path, or a source already open (:meth:`open_source`, on every rank). ``strict``:
+        None for the config's. ``data_parallel_group``: this rank's DP group, for the ``two_stage`` loader."""
         self.wait()
         handling = StrictHandling.parse(self.config.strict_handling if strict is None else strict)
         loader: Union[str, Loader, None] = self.config.loader
@@ -338,8 +338,8 @@ class DistCheckpointIO(CheckpointIO):
             self._async_saver().make_commit_group(comm)
 
     def reserve_staging(self, nbytes: int, on_accelerator: bool) -> None:
-        """Local: allocate the staging pool for a save expected to stage ``nbytes`` on this rank, its
-        pages faulted in on a thread of its own (ahead of the first save, which otherwise pays them)."""
+        """Local: allocate the staging pool for a save expected to stage ``nbytes`` on this rank (``on_accelerator``:
+        from an accelerator), its pages faulted in ahead of the first save, which otherwise pays them."""
         if self._in_background():
             self._async_saver().reserve_staging(nbytes, on_accelerator)
 

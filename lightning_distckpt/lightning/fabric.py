@@ -91,7 +91,8 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
 
     def sharded_state(self, state: Dict[str, Any], filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
                       what: str = "save") -> Dict[str, Any]:
-        """Collective: the tree :meth:`save_checkpoint` saves for ``state`` (``what`` names the save in errors)."""
+        """Collective: the tree :meth:`save_checkpoint` saves for ``state``, ``filter``ed as it filters (``what``
+        names the save in errors)."""
         filter = filter or {}
 
         def build() -> Dict[str, Any]:

@@ -93,8 +93,8 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
 
     def sharded_state(self, state: Dict[str, Any], filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
                       what: str = "save") -> Dict[str, Any]:
-        """Collective: the tree :meth:`save_checkpoint` saves for ``state`` (``what`` names the save in
-        errors); also what :class:`~.fabric_tiers.FabricTiers` hands to the local tier."""
+        """Collective: the tree :meth:`save_checkpoint` saves for ``state``, ``filter``ed as it filters (``what``
+        names the save in errors); also what :class:`~.fabric_tiers.FabricTiers` hands to the local tier."""
         filter = filter or {}
 
         def build() -> Dict[str, Any]:
@@ -133,7 +133,9 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
                     handling: StrictHandling, strict: bool, where: str) -> Dict[str, Any]:
         """The loaded entries put into ``state`` (modules and optimizers through torch's state-dict API,
         their DTensors rebuilt from the loaded local shards; stateful objects in place; plain values
-        replaced); returns what ``state`` has no place for. ``where`` names the checkpoint in errors."""
+        replaced); returns what ``state`` has no place for. ``dtensors``: the template's DTensors by place;
+        ``handling`` / ``strict``: the load's strictness (``strict``: Fabric's flag); ``where`` names the checkpoint
+        in errors."""
         loaded.pop(MANIFEST_KEY, None)
         for place, dt in dtensors.items():
             put_value(loaded, place, restore_dtensor(dt, value_at(loaded, place)))

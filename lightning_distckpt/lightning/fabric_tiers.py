@@ -77,8 +77,8 @@ class FabricTiers:
                 strict: bool = True) -> Optional[RecoveryPoint]:
         """Collective: the newest step of any tier (this node's, a partner's copy, or one of the
         ``durable`` checkpoints ``(step, path)`` that ``fabric.save`` wrote) loaded into ``state`` in
-        place, as ``fabric.load`` would; returns where from, or None (``state`` untouched) when
-        nothing is recoverable."""
+        place, as ``fabric.load`` would (``strict`` as there); returns where from, or None (``state``
+        untouched) when nothing is recoverable."""
         point = self.tier.recoverable(durable, files=True)  # a torch.save file too: _restore reads it as fabric.load
         if point is None:
             return None

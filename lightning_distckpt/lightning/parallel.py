@@ -95,6 +95,7 @@ class ParallelState:
         return (self.tp_rank, self.dp_rank)
 
     def describe(self) -> str:
+        """One line for logs: ``rank 1/4: tp 1/2, dp 0/2``."""
         return f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}"
 
 

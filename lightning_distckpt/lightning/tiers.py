@@ -164,8 +164,8 @@ class TierCheckpoint(DistModelCheckpoint):
         return bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
 
     def save_local(self, trainer: Any, step: int) -> None:
-        """Collective: the checkpoint ``trainer.save_checkpoint`` would write, handed to the local tier
-        (which returns once it has its snapshot)."""
+        """Collective: the checkpoint ``trainer.save_checkpoint`` would write, handed to the local tier as
+        ``step`` (which returns once it has its snapshot)."""
         assert self.local_tier is not None, "TierCheckpoint.setup makes the local tier"
         self.local_tier.begin(step)  # begun as the step started (see _begin_local); else now, while the tree is built
         self.local_tier.save(self.local_tree(trainer, step), step=step)
@@ -175,7 +175,7 @@ class TierCheckpoint(DistModelCheckpoint):
             self._marker_seen = True
 
     def local_tree(self, trainer: Any, step: int) -> Dict[str, Any]:
-        """Lightning's checkpoint dict (``dump_checkpoint``) in the sharded form the strategy saves. Where
+        """``trainer``'s checkpoint dict at ``step`` in the sharded form the strategy saves. Where
         the strategy builds it locally (``checkpoint_tree``: both of ours), a rank that cannot gets a tree
         whose description re-raises its error (:func:`~.sharded.failing_tree`): the local save's handshake
         raises it on every rank, one collective round fewer than an agreement of its own; elsewhere
@@ -190,7 +190,7 @@ class TierCheckpoint(DistModelCheckpoint):
 
     # -- ckpt_path="last" ----------------------------------------------------------------------
     def marker_path(self, trainer: Any) -> Optional[str]:
-        """Where the marker is: this callback's folder, a directory or an ``s3://`` prefix (None: none known)."""
+        """Where ``trainer``'s marker is: this callback's folder, a directory or ``s3://`` prefix (None: none)."""
         dirpath = str(self.dirpath) if self.dirpath is not None else self._default_dir(trainer)
         if dirpath is None:
             return None
@@ -232,7 +232,7 @@ class TierCheckpoint(DistModelCheckpoint):
         return self.durable_last_checkpoints(trainer)
 
     def durable_last_checkpoints(self, trainer: Any) -> Set[str]:
-        """This callback's own ``last*.ckpt`` (DistModelCheckpoint's lookup)."""
+        """This callback's own ``last*.ckpt`` for ``trainer`` (DistModelCheckpoint's lookup)."""
         return set(super()._find_last_checkpoints(trainer))
 
 

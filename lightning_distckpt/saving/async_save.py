@@ -155,7 +155,10 @@ class AsyncSaver:
         ``background_snapshot``: ``True`` (every shard), or a test of a shard's source tensor (e.g.
         "is a parameter or optimizer state"): those shards of the staged wave are copied by the
         background thread, not before ``save`` returns, and the caller must not change them until
-        the request's ``wait_snapshot()`` returns (:mod:`.background_snapshot`)."""
+        the request's ``wait_snapshot()`` returns (:mod:`.background_snapshot`).
+
+        Returns:
+            The request: ``wait()`` (or the next save, or :meth:`finalize`) raises its error on every rank."""
         self.finalize()
         t0, c0 = time.perf_counter(), time.thread_time()
         comm = comm if comm is not None else get_comm(process_group)
@@ -207,7 +210,8 @@ class AsyncSaver:
     def reserve_staging(self, nbytes: int, on_accelerator: bool) -> None:
         """Allocate the staging pool for an expected ``nbytes`` largest wave (capped at the snapshot's
         share of ``max_staging_bytes``) and fault its pages in on a thread of its own, ahead of the
-        first save (see :meth:`StagingPool.reserve`); a save of another size reallocates as before."""
+        first save (see :meth:`StagingPool.reserve`); a save of another size reallocates as before.
+        ``on_accelerator``: the state lives on an accelerator (the pool is pinned unless ``pin_memory=False``)."""
         share = pool_share(self.max_staging_bytes, self.writer_bytes)
         nbytes = nbytes if share is None else min(nbytes, share)
         self._pool.reserve(nbytes, on_accelerator and (self.pin_memory if self.pin_memory is not None else True))

@@ -130,16 +130,19 @@ class SavePlanCache:
         return self._token if self._plan is not None and self._key == key else None
 
     def store(self, key: tuple, token: str, plan: SavePlan) -> None:
+        """Keep ``plan``, made for the layout ``key`` describes, and its metadata ``token``."""
         self._key, self._token, self._plan = key, token, plan
         self.misses += 1
 
     def reuse(self) -> SavePlan:
+        """The plan :meth:`lookup` matched (CheckpointingError where none was)."""
         if self._plan is None:
             raise CheckpointingError("no save plan is cached: reuse() needs a plan that lookup() matched")
         self.hits += 1
         return self._plan
 
     def clear(self) -> None:
+        """Forget the plan: the next save plans again."""
         self._key = self._token = self._plan = None
 
 

@@ -98,12 +98,13 @@ class StorageOptions:
             raise ConfigError(f"s3_credentials must be one of {S3_CREDENTIALS} or 'profile:NAME', got {creds!r}")
 
     def to_json(self) -> Dict[str, Any]:
+        """The fields metadata.json records (``storage``), read back by :meth:`from_json`."""
         return {"layout": self.layout, "chunk_bytes": self.chunk_bytes}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "metadata.json") -> "StorageOptions":
-        """The recorded options of a checkpoint's ``storage`` section, every field checked
-        (FormatError naming it: the section comes from disk)."""
+        """The recorded options of a checkpoint's ``storage`` section (``data``), every field checked
+        (FormatError naming it and ``where``, the file: the section comes from disk)."""
         if not isinstance(data, dict):
             raise FormatError(f"{where}: field 'storage' must be an object, got {type(data).__name__}")
         layout = data.get("layout", "ocdbt")

@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 
 class WriterStore(NamedTuple):
-    """What a store holds for one writer rank: whether anything, how many bytes (None where the
-    store does not list sizes), and how its absence is said (``validate`` reports it)."""
+    """What a store holds for one writer rank: whether anything (``exists``), how many bytes (``nbytes``, None
+    where the store does not list sizes), and how its absence is said (``missing``; ``validate`` reports it)."""
 
     exists: bool
     nbytes: Optional[int]
@@ -121,7 +121,8 @@ class LeftoverChanged(CheckpointingError):
 
 
 class StorageFacts(NamedTuple):
-    """What ``inspect`` shows of a committed checkpoint's storage (None: not known to this store)."""
+    """What ``inspect`` shows of a committed checkpoint's storage (None: not known to this store): ``data_files``,
+    ``data_bytes``, ``common_bytes`` (common.pt's), ``leftovers`` (of killed saves) and ``foreign`` entries."""
 
     data_files: int
     data_bytes: Optional[int]
@@ -133,10 +134,17 @@ class StorageFacts(NamedTuple):
 
 
 class CheckpointStore(ABC):
-    """The store of the checkpoint (or directory of checkpoints) at ``location``.
+    """The store of the checkpoint (or directory of checkpoints) at ``location``. Another store: a subclass
+    implementing the abstract methods (docs/architecture.md, "The store").
 
-    ``location`` is normalized by :meth:`normalize` (the factory does it); ``options`` say how
-    arrays are stored and how this process reaches the store (endpoints, concurrency)."""
+    A method may raise anything (KeyboardInterrupt and SystemExit go through at once): unless its docstring
+    says otherwise, the save or load fails on every rank alike, a third party's error named as a
+    CheckpointingError with the store's ``repr`` and the call.
+
+    Args:
+        location: normalized by :meth:`normalize` (the factory, :func:`~.stores.open_store`, does it).
+        options: how arrays are stored and how this process reaches the store (endpoints, concurrency);
+            the same on every rank (refused otherwise)."""
 
     #: Locations are paths of the local (or a mounted) file system: readers may open chunk files
     #: directly (``storage/direct_read.py``) and refuse links in them, and Lightning lists them itself.
@@ -154,7 +162,10 @@ class CheckpointStore(ABC):
     def with_options(self, options: StorageOptions) -> "CheckpointStore":
         """This store with ``options`` (itself where they are its own): a saver's writer choices
         (``AsyncSaver(io_concurrency=...)``) applied to a store the caller made. A copy, so the
-        caller's store keeps its own. A store that ``copy.copy`` cannot copy needs ``__copy__``."""
+        caller's store keeps its own. A store that ``copy.copy`` cannot copy needs ``__copy__``.
+
+        Raises:
+            ArgumentError: ``copy.copy`` failed (naming the store and what to do)."""
         if options == self.options:
             return self
         try:
@@ -172,38 +183,57 @@ class CheckpointStore(ABC):
 
     @classmethod
     def normalize(cls, text: str, what: str) -> str:
-        """``text`` as this store's canonical location (ArgumentError naming ``what`` when it is not one)."""
+        """``text`` (the location as the caller gave it) as this store's canonical location.
+
+        Raises:
+            ArgumentError: naming ``what`` (the argument: ``"checkpoint_dir"``) where ``text`` is no location
+                of this store; to the caller, before any rank saves or loads."""
         return text
 
     # -- saving -------------------------------------------------------------------------
     @abstractmethod
     def check_target(self) -> None:
-        """Before a save writes (rank 0): refuse to replace anything but a checkpoint of ours."""
+        """Before a save writes (rank 0): refuse to replace anything but a checkpoint of ours.
+
+        Raises:
+            CheckpointingError: :attr:`location` holds something else; nothing is written."""
 
     @abstractmethod
     def new_staging(self) -> str:
-        """A fresh staging location for one save (rank 0 names it; nothing is created yet)."""
+        """A fresh staging location for one save, no other save's (rank 0 names it and sends it to the
+        others; nothing is created yet): the ``staging`` of the calls below."""
 
     def begin(self, staging: str, rank: int) -> None:
-        """Every rank, before it writes into ``staging`` (create what it needs, note the writer)."""
+        """Every rank, before it writes into ``staging``: create what it needs, note the writer ``rank``
+        (this process's rank in the save's group). Nothing by default."""
 
     def open_writer(self, staging: str) -> "TensorStoreIO":
-        """The writer of stored shards and objects into ``staging``."""
+        """The :class:`~lightning_distckpt.storage.base.ShardWriter` of stored shards and objects into
+        ``staging`` (a ``TensorStoreIO`` over :meth:`kvstore_spec` and :meth:`ts_context` by default).
+        Raising fails this rank's writes, which every rank agrees on."""
         from .tensorstore_io import TensorStoreIO  # it asks this store for its kvstore
 
         return TensorStoreIO(staging, self.options, store=self)
 
     @abstractmethod
     def write_blob(self, staging: str, name: str, data: bytes) -> None:
-        """Write one whole blob (``common.pt``) into ``staging``, durable when it returns."""
+        """Rank 0: write one whole blob, ``data`` named ``name`` (``common.pt``), into ``staging``, durable
+        when it returns."""
 
     def make_durable(self, store_dir: str, options: StorageOptions,
                      known_durable: AbstractSet[str] = frozenset()) -> List[str]:
         """After a write into one rank's store committed: make what it wrote durable, where the
         store's :meth:`ts_context` leaves that to the writer (nothing by default). ``known_durable``:
         files made durable by an earlier call of the same save that nothing has changed since (an
-        OCDBT store's data files are written once): no need to sync them again. Returns the files
-        it made durable."""
+        OCDBT store's data files are written once): no need to sync them again.
+
+        Args:
+            store_dir: the rank's store under the staging location.
+            options: the save's storage options.
+            known_durable: files an earlier call returned.
+
+        Returns:
+            The files it made durable. Raising fails that rank's writes, naming the store."""
         return []
 
     @abstractmethod
@@ -211,103 +241,157 @@ class CheckpointStore(ABC):
         """Rank 0, after every rank wrote: write ``metadata.json`` and the commit marker (``marker``
         plus the SHA-256 of metadata.json and of common.pt as stored) and make ``staging`` the
         checkpoint at :attr:`location`, atomically; the previous one stays until then. Returning means
-        committed: a load right after opens it (the save reports success on no other evidence). Raising
-        after the commit took effect is safe: the save finds its own token at :meth:`open_metadata` and
-        keeps it."""
+        committed: a load right after opens it; after a third party's commit the save asks
+        :meth:`open_metadata` for its save token and fails on every rank where the checkpoint is not its own.
+        ``metadata_json`` is metadata.json's text; add ``metadata_sha256`` and ``common_sha256`` to ``marker``.
+
+        Raises:
+            Exception: the save fails on every rank and ``staging`` is discarded; unless :meth:`open_metadata`
+                shows this save's token (the commit took effect): then a WARNING, and the save succeeds."""
 
     @abstractmethod
     def discard(self, staging: str) -> None:
         """Remove an uncommitted staging location (after a failed save); never the version a commit made
-        the checkpoint. A failure here is only logged (the location is left to ``clean``)."""
+        the checkpoint.
+
+        Raises:
+            Exception: logged as a WARNING, ``staging`` left to ``clean``; the save's own error stands."""
 
     def look_around(self, staging: str) -> None:
-        """Rank 0, while a save prepares: warn about leftovers of earlier saves (nothing by default; what
-        it raises is logged, the save goes on)."""
+        """Rank 0, while a save prepares: warn about leftovers of earlier saves, not this save's ``staging``
+        (nothing by default).
+
+        Raises:
+            Exception: logged as a WARNING; the save goes on."""
 
     def reserve(self) -> bool:
         """Hold :attr:`location`'s name while a background save is in flight (True when this call
-        did); stores whose names appear only at the commit hold nothing."""
+        did: :meth:`release` follows); stores whose names appear only at the commit hold nothing.
+
+        Raises:
+            Exception: logged as a WARNING; the save goes on, the name not held."""
         return False
 
     def release(self) -> None:
-        """Undo :meth:`reserve` right before the commit."""
+        """Undo :meth:`reserve` right before the commit.
+
+        Raises:
+            Exception: logged as a WARNING; the save goes on."""
 
     # -- reading ------------------------------------------------------------------------
     @abstractmethod
     def open_metadata(self) -> MetadataFile:
-        """The committed checkpoint's checked ``metadata.json`` and marker; its ``path`` is where
-        every later read goes (a real path, a committed version)."""
+        """The committed checkpoint's ``metadata.json`` and marker, checked with
+        ``layout.check_metadata(raw, marker, path, options.verify)``.
+
+        Returns:
+            Its ``path`` is where every later read goes (a real path, a committed version).
+
+        Raises:
+            CheckpointNotFoundError: nothing at :attr:`location`. IncompleteCheckpointError: no committed
+                checkpoint. FormatError: the metadata fails its checks."""
 
     @abstractmethod
     def read_blob(self, path: str, name: str) -> Optional[bytes]:
-        """Blob ``name`` of the committed checkpoint at ``path``; None when missing; a
-        CheckpointingError naming it when it cannot be read (or is no regular file)."""
+        """Blob ``name`` (``common.pt``) of the committed checkpoint at ``path`` (:meth:`open_metadata`'s).
+
+        Returns:
+            Its bytes; None when missing.
+
+        Raises:
+            CheckpointingError: naming it, when it cannot be read (or is no regular file)."""
 
     def open_reader(self, path: str, options: StorageOptions, index: "CheckpointIndex",
                     check_sizes: bool = True) -> "TensorStoreIO":
-        """A reader of the stored shards and objects of the committed checkpoint at ``path``."""
+        """The :class:`~lightning_distckpt.storage.base.ShardReader` of the stored shards and objects of the
+        committed checkpoint at ``path``, for a load with ``options`` of the checkpoint's ``index``; with
+        ``check_sizes``, each writer's store is checked (:meth:`check_writer`) against the bytes ``index``
+        claims. A ``TensorStoreIO`` over :meth:`kvstore_spec` and :meth:`ts_context` by default."""
         from .tensorstore_io import TensorStoreIO
 
         return TensorStoreIO(path, options, index, check_sizes=check_sizes, store=self)
 
     @abstractmethod
     def writer_store(self, path: str, writer: int) -> WriterStore:
-        """What ``writer``'s store under ``path`` holds (``validate``); CheckpointingError when it
-        must not be read (a link out of the checkpoint)."""
+        """What ``writer``'s (a saving rank's) store under ``path`` holds, for ``validate``.
+
+        Raises:
+            CheckpointingError: it must not be read (a link out of the checkpoint)."""
 
     def check_writer(self, path: str, writer: int, claimed_bytes: int) -> None:
-        """Before a reader opens ``writer``'s store: refuse what must not be read (nothing by default)."""
+        """Before a reader opens ``writer``'s store under ``path``, which the index says holds ``claimed_bytes``:
+        refuse what must not be read (nothing by default).
+
+        Raises:
+            CheckpointingError: naming the store's path and why."""
 
     def still_committed(self, path: str) -> bool:
-        """After a read failed: ``path`` is still the committed checkpoint (False: replaced meanwhile)."""
+        """After a read from a store that is no file system failed: whether ``path`` is still the committed
+        checkpoint (False: replaced meanwhile). Only evidence for the read's error.
+
+        Raises:
+            BaseException: logged as a WARNING naming the store; the read's own error stands."""
         return True
 
     @abstractmethod
     def facts(self, path: str) -> StorageFacts:
-        """What ``inspect`` shows of the committed checkpoint at ``path``."""
+        """What ``inspect`` shows of the committed checkpoint at ``path``; raising fails ``inspect``."""
 
     # -- tensorstore ----------------------------------------------------------------------
     @abstractmethod
     def kvstore_spec(self, path: str) -> Dict[str, Any]:
-        """tensorstore's spec of the key-value store whose keys are the entries under ``path``."""
+        """tensorstore's spec of the key-value store whose keys are the entries under ``path`` (a staging
+        location or a committed checkpoint)."""
 
     @abstractmethod
     def ts_context(self, options: StorageOptions) -> ts.Context:
-        """A fresh tensorstore context for one reader or writer (its concurrency, no cache)."""
+        """A fresh tensorstore context for one reader or writer with ``options`` (their concurrency, no
+        cache)."""
 
     def said(self, error: BaseException) -> str:
         """How an error of tensorstore's own reads or writes through :meth:`kvstore_spec` reads in a message: as
-        is here; a store whose requests fail for reasons a user must act on says them in its own words."""
+        is here; a store whose requests fail for reasons a user must act on says them in its own words.
+        Where it raises, the ``error``'s own text is shown."""
         return str(error)
 
     # -- versions ---------------------------------------------------------------------------
     @abstractmethod
     def exists(self) -> bool:
-        """A committed checkpoint of ours is at :attr:`location`."""
+        """Whether a committed checkpoint of ours is at :attr:`location`."""
 
     @abstractmethod
     def remove(self) -> bool:
-        """Remove the checkpoint at :attr:`location` (``ModelCheckpoint``'s top-k); False when none."""
+        """Remove the checkpoint at :attr:`location` (``ModelCheckpoint``'s top-k, through
+        ``DistCheckpointIO.remove_checkpoint``); False when there was none.
+
+        Raises:
+            Exception: to the caller, the rank Lightning removes on."""
 
     @abstractmethod
     def find_leftovers(self) -> Sequence[Any]:
         """What killed saves left at :attr:`location` (a checkpoint, or a directory of them), oldest
         first: objects with ``path``, ``target``, ``nbytes``, ``idle_s``, ``committed``,
-        ``verdict(older_than_s)`` and ``reason(verdict, older_than_s)``."""
+        ``verdict(older_than_s)`` and ``reason(verdict, older_than_s)``. Raising fails ``clean``."""
 
     @abstractmethod
     def remove_leftover(self, leftover: Any, progress: Optional["Progress"] = None) -> None:
         """Remove one leftover :meth:`find_leftovers` found (after its verdict said so);
         :class:`LeftoverChanged`, nothing removed, where it is no longer what was found (a store
-        that can check again just before removing: committed since, or holding something else)."""
+        that can check again just before removing: committed since, or holding something else).
+        ``progress`` counts the bytes removed (None: nothing counts).
+
+        Raises:
+            LeftoverChanged: kept, ``clean`` says why. OSError, CheckpointingError: reported as failed,
+                the others still cleaned."""
 
     def recover_leftovers(self) -> List[Tuple[Any, str, str]]:
         """Finish commits interrupted before their checkpoint was in place: ``(leftover, action,
-        reason)`` for each (nothing where a commit is one atomic step)."""
+        reason)`` for each (nothing where a commit is one atomic step). Raising fails ``clean``."""
         return []
 
     def last_checkpoints(self, first: str, matches: Any) -> Optional[List[str]]:
         """The committed checkpoints directly under :attr:`location` whose names start with
         ``first`` and match ``matches`` (a compiled pattern), as the paths Lightning's
-        ``ModelCheckpoint`` resumes from; None where Lightning lists the location itself."""
+        ``ModelCheckpoint`` resumes from; None where Lightning lists the location itself. Raising fails
+        ``ckpt_path="last"``'s resolution."""
         return None

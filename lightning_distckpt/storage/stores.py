@@ -34,21 +34,24 @@ def store_class(text: str) -> Type[CheckpointStore]:
 def open_store(location: PathLike, options: StorageOptions = StorageOptions(),
                what: str = "checkpoint") -> CheckpointStore:
     """The store of ``location`` (normalized by it; an ArgumentError naming ``what`` when it is no
-    location any store serves). Opening touches nothing."""
+    location any store serves), with ``options``. Opening touches nothing."""
     text = path_text(location, what)
     cls = store_class(text)
     return cls(cls.normalize(text, what), options)
 
 
 def register_store(cls: Type[CheckpointStore]) -> None:
-    """Serve ``cls.scheme`` locations with ``cls`` (ahead of the stores already registered)."""
+    """Serve ``cls.scheme`` locations with ``cls`` (ahead of the stores already registered).
+
+    Raises:
+        ValueError: ``cls`` has no :attr:`~.store.CheckpointStore.scheme`."""
     if not cls.scheme:
         raise ValueError(f"{cls.__name__}: a registered store needs a URL scheme (e.g. 'memory://')")
     STORES.insert(0, cls)
 
 
 def unregister_store(cls: Type[CheckpointStore]) -> None:
-    """Undo :func:`register_store`."""
+    """Undo :func:`register_store` of ``cls`` (nothing where it is not registered)."""
     if cls in STORES:
         STORES.remove(cls)
 

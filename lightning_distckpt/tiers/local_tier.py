@@ -146,8 +146,8 @@ class LocalTier:
 
     def save(self, sharded_state_dict: Dict[str, Any], step: int) -> None:
         """Collective. Waits for the previous local save (and its replication) to finish (raising what
-        failed), then snapshots this rank's shards and returns; writing, commit, replication to partners
-        and pruning finish on the tier's thread."""
+        failed), then snapshots this rank's shards of ``sharded_state_dict`` as ``step`` and returns; writing,
+        commit, replication to partners and pruning finish on the tier's thread."""
         self._check_open()
         _check_step(step, "save")
         if self._room_step != step:  # no begin(step): room is made now
@@ -191,7 +191,7 @@ class LocalTier:
     def reserve_staging(self, nbytes: int, on_accelerator: bool = False) -> None:
         """Local: allocate the snapshot's staging memory for an expected ``nbytes`` on this rank (capped
         at ``max_staging_bytes``) and fault its pages in on a thread of its own, ahead of the first
-        save, which otherwise pays them (:meth:`AsyncSaver.reserve_staging`)."""
+        save, which otherwise pays them (:meth:`AsyncSaver.reserve_staging`, ``on_accelerator`` as there)."""
         self._check_open()
         self._saver.reserve_staging(nbytes, on_accelerator)
 
@@ -230,8 +230,8 @@ class LocalTier:
 
     def load(self, sharded_state_dict: Dict[str, Any], point: RecoveryPoint, *, prepare: Optional[Prepare] = None,
              durable_reader: Optional[DurableReader] = None, **load_kwargs: Any) -> Any:
-        """Collective. Loads ``point`` as ``lightning_distckpt.load`` would (same return value, common
-        state included, same resharding): from the durable checkpoint for a durable point; else after
+        """Collective. Loads ``point`` into ``sharded_state_dict`` as ``lightning_distckpt.load`` would (same return
+        value, common state included, same resharding): from the durable checkpoint for a durable point; else after
         completing this node's copy from the partners' (over torch.distributed), from this node's local
         directory. ``load_kwargs`` go to ``lightning_distckpt.load`` (not ``process_group``: the tier's).
 

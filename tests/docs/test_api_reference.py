@@ -141,6 +141,85 @@ def test_the_checker_finds_an_unnamed_parameter():
                                     _resolve("lightning_distckpt.lightning.DistModelCheckpoint")) == []
 
 
+# A method overriding one of these frameworks' base-class methods (a Lightning hook, torch's ``forward``) needs its
+# own docstring, saying what ours adds, but not its parameters named: they are the framework's, documented there.
+FRAMEWORKS = ("lightning", "lightning_fabric", "pytorch_lightning", "torch")
+# "Same arguments as :func:`lightning_distckpt.save`": the parameters that function has are named there.
+SAME_AS = re.compile(r"Same arguments as\s+:(?:func|meth):`~?([\w.]+)`")
+
+
+def _framework_hook(cls: type, name: str) -> bool:
+    return any(name in vars(base) and base.__module__.split(".")[0] in FRAMEWORKS for base in cls.__mro__[1:])
+
+
+def _methods() -> Iterator[Tuple[str, Any, bool]]:
+    """``(path, function, is a framework hook)`` for each public method (classmethods and staticmethods too) a
+    documented class defines itself; an inherited one is checked on the documented class that defines it."""
+    for path, cls in _callables():
+        if not inspect.isclass(cls):
+            continue
+        for name, member in vars(cls).items():
+            fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+            if not name.startswith("_") and inspect.isfunction(fn):
+                yield f"{path}.{name}", fn, _framework_hook(cls, name)
+
+
+def _method_problems(path: str, fn: Any, hook: bool) -> List[str]:
+    doc = inspect.getdoc(fn) or ""
+    if not doc:
+        return ["(no docstring)"]
+    if hook:
+        return []
+    same = SAME_AS.search(doc)
+    excused = set(inspect.signature(_resolve(same.group(1))).parameters) if same else set()
+    params = [p for p in list(inspect.signature(fn).parameters)[1:] if p not in excused]  # not self / cls
+    return [p for p in params if not re.search(rf"\b{re.escape(p)}\b", doc)]
+
+
+@pytest.mark.parametrize("path, fn, hook", list(_methods()), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_public_method_names_each_parameter(path, fn, hook):
+    """A user writing a store or calling a strategy reads methods: each documented class's public methods say
+    what each parameter is (a framework hook: that it is one, and what ours adds)."""
+    assert _method_problems(path, fn, hook) == [], f"{path}: parameters its docstring does not name"
+
+
+def test_the_method_checker_finds_an_unnamed_parameter():
+    from lightning.pytorch.plugins.io import CheckpointIO
+
+    class Store(CheckpointIO):
+        def save(self, state: Any, step: int) -> None:
+            """Save ``state``."""
+
+        def load_checkpoint(self, path: str, map_location: Any = None) -> Any:
+            """Lightning's ``load_checkpoint``: ours reads any layout."""
+
+        def remove_checkpoint(self, path: str) -> None:
+            pass
+
+        @classmethod
+        def open(cls, where: str) -> "Store":
+            """Same arguments as :func:`lightning_distckpt.save`."""
+
+    found = {n: _method_problems(n, getattr(vars(Store)[n], "__func__", vars(Store)[n]), _framework_hook(Store, n))
+             for n in ("save", "load_checkpoint", "remove_checkpoint", "open")}
+    assert found == {"save": ["step"], "load_checkpoint": [], "remove_checkpoint": ["(no docstring)"],
+                     "open": ["where"]}
+
+
+def test_the_store_contract_is_on_the_page_with_its_members():
+    """Every method of CheckpointStore is the store contract (docs/architecture.md, "The store"): on the page with
+    the class, and each says how the library treats what it raises, or the class's rule covers it."""
+    from lightning_distckpt.storage.store import CheckpointStore
+
+    assert "::: lightning_distckpt.storage.store.CheckpointStore" in API_MD.read_text()
+    class_doc = " ".join((inspect.getdoc(CheckpointStore) or "").split())
+    assert "unless its docstring says otherwise" in class_doc and "every rank" in class_doc
+    for name in CheckpointStore.__abstractmethods__:
+        assert f"`{name}`" in (ROOT / "docs" / "architecture.md").read_text(), f"architecture.md omits {name}"
+    paths = [path for path, _, _ in _methods() if path.startswith("lightning_distckpt.storage.store.CheckpointStore.")]
+    assert len(paths) >= 25, paths
+
+
 def _examples() -> Dict[str, str]:
     """Each public object's (and public method's) docstring example: ``Example::`` blocks and ``>>>`` lines."""
     out = {}
