@@ -44,9 +44,10 @@ def register_store(cls: Type[CheckpointStore]) -> None:
     """Serve ``cls.scheme`` locations with ``cls`` (ahead of the stores already registered).
 
     Raises:
-        ValueError: ``cls`` has no :attr:`~.store.CheckpointStore.scheme`."""
+        ArgumentError (a ValueError): ``cls`` has no :attr:`~.store.CheckpointStore.scheme`."""
     if not cls.scheme:
-        raise ValueError(f"{cls.__name__}: a registered store needs a URL scheme (e.g. 'memory://')")
+        raise ArgumentError(f"{cls.__name__}: a registered store needs a URL scheme (e.g. 'memory://'); a store "
+                            "without one is passed as it is instead: save(state, store), load(template, store)")
     STORES.insert(0, cls)
 
 

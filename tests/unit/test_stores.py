@@ -20,7 +20,7 @@ from lightning_distckpt.saving.save import prepare_save, write_local
 from lightning_distckpt.storage.local_store import LocalStore
 from lightning_distckpt.storage.options import StorageOptions
 from lightning_distckpt.storage.staging import remove_owner_notes
-from lightning_distckpt.storage.stores import open_store, register_store, unregister_store
+from lightning_distckpt.storage.stores import STORES, open_store, register_store, unregister_store
 from lightning_distckpt.validation import validate
 from memory_store import MemoryStore
 
@@ -145,3 +145,14 @@ def test_an_async_saver_applies_its_writer_choices_to_a_copy_of_the_callers_stor
     request.finalize()
     assert request.store is store  # no choices of the saver's own: the caller's store itself
     _check(ldc.load(_template(), store), 6)
+
+
+def test_a_store_without_a_scheme_is_refused_by_registration_with_the_way_to_pass_it():
+    from lightning_distckpt.core.errors import ArgumentError
+
+    class NoScheme(MemoryStore):
+        scheme = ""
+
+    with pytest.raises(ArgumentError, match=r"NoScheme: a registered store needs a URL scheme .* save\(state, store\)"):
+        register_store(NoScheme)
+    assert NoScheme not in STORES
