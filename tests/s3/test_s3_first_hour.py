@@ -14,16 +14,15 @@ to set, in our words before any quoted curl or server text.
 """
 
 import contextlib
-import http.server
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 
 import lightning_distckpt as ldc
 from lightning_distckpt.core.errors import CheckpointingError, IncompleteCheckpointError
+from http_stub import answering, s3_error
 from relay import LEAKS, Relay
 from s3_helpers import client, state, template
 
@@ -43,41 +42,6 @@ def _before(text, ours, theirs):
     assert ours in text, text
     if theirs in text:
         assert text.index(ours) < text.index(theirs), text
-
-
-class _Stub(http.server.BaseHTTPRequestHandler):
-    """Answers every request with ``answer`` (status, content type, body): a web server or an S3 that refuses."""
-    answer = (404, "text/html", b"<html><body>Not Found</body></html>")
-
-    def do_GET(self):
-        status, kind, body = self.answer
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_PUT = do_HEAD = do_DELETE = do_POST = do_GET
-
-    def log_message(self, *args):
-        pass
-
-
-@contextlib.contextmanager
-def _stub(status, kind, body):
-    handler = type("Answer", (_Stub,), {"answer": (status, kind, body)})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _s3_error(code, message):
-    return (b"<?xml version='1.0'?><Error><Code>%s</Code><Message>%s</Message><RequestId>R1</RequestId></Error>"
-            % (code.encode(), message.encode()))
 
 
 def _cli(*args):
@@ -117,7 +81,7 @@ def test_https_to_a_plain_http_server_says_tls(bucket, endpoint, monkeypatch):
 @pytest.mark.parametrize("status,body", [(404, b"<html><body>Not Found</body></html>"),
                                          (200, b"<html><body>Welcome</body></html>")])
 def test_endpoint_that_is_no_s3_server(bucket, monkeypatch, status, body):
-    with _stub(status, "text/html", body) as web:
+    with answering(status, "text/html", body) as web:
         monkeypatch.setenv("AWS_ENDPOINT_URL", web)
         url = f"s3://{bucket}/ck"
         for call in (lambda: ldc.save(state(1), url), lambda: ldc.load(template(), url)):
@@ -133,16 +97,16 @@ def test_endpoint_that_is_no_s3_server(bucket, monkeypatch, status, body):
      "refused the request's signature (check the AWS credentials: the secret key of AWS_ACCESS_KEY_ID"),
 ])
 def test_wrong_credentials(bucket, monkeypatch, code, message, words):
-    with _stub(403, "application/xml", _s3_error(code, message)) as s3:
+    with answering(403, "application/xml", s3_error(code, message)) as s3:
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
         text = _error(lambda: ldc.load(template(), f"s3://{bucket}/ck"))
         assert f"s3://{bucket}/ck" in text and f"access denied: the endpoint {s3} {words}" in text, text
 
 
 def test_wrong_region(bucket, monkeypatch):
-    body = _s3_error("AuthorizationHeaderMalformed", "The authorization header is malformed; the region "
+    body = s3_error("AuthorizationHeaderMalformed", "The authorization header is malformed; the region "
                      "'us-east-1' is wrong; expecting 'eu-west-1'")
-    with _stub(400, "application/xml", body) as s3:
+    with answering(400, "application/xml", body) as s3:
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
         for call in (lambda: ldc.save(state(1), f"s3://{bucket}/ck"), lambda: ldc.load(template(), f"s3://{bucket}/ck")):
             text = _error(call)

@@ -9,46 +9,19 @@
 """
 
 import contextlib
-import http.server
-import threading
 
 import pytest
 import torch
 
 import lightning_distckpt as ldc
 from lightning_distckpt.core.errors import CheckpointingError
-
-
-class _Answer(http.server.BaseHTTPRequestHandler):
-    """Every request answered with ``answer``: an S3 server refusing with one error document."""
-
-    answer = (403, b"")
-
-    def do_GET(self):
-        status, body = self.answer
-        self.send_response(status)
-        self.send_header("Content-Type", "application/xml")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_PUT = do_HEAD = do_DELETE = do_POST = do_GET
-
-    def log_message(self, *args):
-        pass
+from http_stub import answering, s3_error
 
 
 @contextlib.contextmanager
 def _s3_refusing(status, code, message):
-    body = (b"<?xml version='1.0'?><Error><Code>%s</Code><Message>%s</Message><RequestId>R1</RequestId></Error>"
-            % (code.encode(), message.encode()))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("A", (_Answer,), {"answer": (status, body)}))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with answering(status, "application/xml", s3_error(code, message)) as endpoint:
+        yield endpoint
 
 
 def _template():

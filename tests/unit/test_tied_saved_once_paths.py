@@ -4,12 +4,12 @@ factory outputs, the torch and DCP exports, ``load_plain_tensors`` (an alias is 
 metadata.json naming thousands of aliases must not make thousands of copies), ``inspect`` (says which key is an
 alias of which, and counts the stored bytes once) and hostile aliases naming objects."""
 
-import hashlib
 import json
-import os
 
 import pytest
 import torch
+
+from test_tied_saved_once import _meta, _rewrite  # metadata.json read, and edited keeping COMMITTED's hash
 
 ROWS, COLS = 512, 64  # 128 KiB of fp32: above planning/aliases.TIE_MIN_BYTES
 EMB, HEAD = "a.embed", "b.head"  # the smaller key is stored, the other is the alias
@@ -24,25 +24,6 @@ def _state(ldc, emb, head=None):
     head = emb if head is None else head
     return {EMB: ldc.ShardedTensor.from_rank_offsets(EMB, emb.detach()),
             HEAD: ldc.ShardedTensor.from_rank_offsets(HEAD, head.detach())}
-
-
-def _meta(ck):
-    with open(os.path.join(ck, "metadata.json")) as f:
-        return json.load(f)
-
-
-def _rewrite(ck, edit):
-    """Edit metadata.json and keep COMMITTED's hash of it: the field is what is hostile, not the damage."""
-    meta = _meta(ck)
-    edit(meta)
-    raw = json.dumps(meta).encode()
-    with open(os.path.join(ck, "metadata.json"), "wb") as f:
-        f.write(raw)
-    with open(os.path.join(ck, "COMMITTED")) as f:
-        marker = json.load(f)
-    marker["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
-    with open(os.path.join(ck, "COMMITTED"), "w") as f:
-        json.dump(marker, f)
 
 
 def _both(ldc, ck):
