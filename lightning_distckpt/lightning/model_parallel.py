@@ -83,7 +83,7 @@ def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor]) 
         here = path + steps
         if isinstance(value, DTensor):
             dtensors[here] = value
-            st = dtensor_to_sharded(dtensor_key(here), value)
+            st = on_sub_mesh(dtensor_to_sharded(dtensor_key(here), value), value)
             data = one_local(seen, st.data)
             return st if data is st.data else dataclasses.replace(st, data=data)
         if isinstance(value, torch.Tensor) and value.ndim > 0:
@@ -92,6 +92,17 @@ def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor]) 
 
     where = f"the checkpoint's {dtensor_key(path)!r}" if path else "the checkpoint"
     return map_paths(node, leaf, copy_containers, where=where, types=(dict, list))
+
+
+def on_sub_mesh(st: ShardedTensor, dt: DTensor) -> ShardedTensor:
+    """``st``, not main where ``dt``'s mesh lacks global rank 0: on a 2-D mesh FSDP2 shards a parameter left out of
+    TP (a LayerNorm) over the ``data_parallel`` sub-mesh only, so each TP rank's sub-mesh holds the same shards
+    as main (a save refused: "a main replica on ranks 2 and 3"). Every rank holds every parameter under these
+    strategies: as a plain tensor's (main on rank 0), the sub-mesh with rank 0 writes it."""
+    if bool(((ranks := dt.device_mesh.mesh) == 0).any()):
+        return st
+    rid = st.replica_id if isinstance(st.replica_id, tuple) else (st.replica_id,)
+    return dataclasses.replace(st, replica_id=(int(ranks.min()), *rid))  # the sub-mesh's first rank: never 0
 
 
 def one_local(seen: Dict[tuple, torch.Tensor], local: torch.Tensor) -> torch.Tensor:
