@@ -382,15 +382,15 @@ def _by_name(restored: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _held(t: torch.Tensor, rank: int, world_size: int) -> Held:
-    """``t`` as a save holds it on this rank: a DTensor's local shard, replicated over its mesh's
-    ``Replicate()`` dims (main where this rank's coordinates on them are 0); a plain tensor on
-    every rank (main on rank 0), as :func:`shard_tree` describes them."""
+    """``t`` as :func:`shard_tree` describes it here: a DTensor's local shard, replicated over its ``Replicate()`` dims
+    and a sub-mesh's copies (main at coordinates 0, on rank 0's sub-mesh); a plain tensor everywhere (main: rank 0)."""
     if not isinstance(t, DTensor):
         return t.detach(), world_size, rank == 0
     mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate()
     dims = [i for i, p in enumerate(t.placements) if isinstance(p, Replicate)]
-    replicas = math.prod(mesh.size(i) for i in dims)
-    return t.to_local(), replicas, coordinate is None or all(coordinate[i] == 0 for i in dims)
+    replicas = math.prod(mesh.size(i) for i in dims) * max(1, world_size // mesh.size())  # and the sub-mesh's copies
+    return t.to_local(), replicas, bool((mesh.mesh == 0).any()) and (coordinate is None or
+                                                                     all(coordinate[i] == 0 for i in dims))
 
 
 def _raw(optimizer: Any) -> Optimizer:

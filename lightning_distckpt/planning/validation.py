@@ -81,6 +81,9 @@ def _per_rank(held: List[Tuple[ShardRecord, List[int]]], every_rank: bool) -> Li
     return sorted(out, key=lambda r: r.rank)
 
 
+DUPLICATE_MAIN = "(replica_id must differ)"
+
+
 def _tensor_problems(key: str, recs: List[ShardRecord]) -> List[str]:
     """One key's problems (its records in rank order)."""
     problems: List[str] = []
@@ -107,7 +110,7 @@ def _tensor_problems(key: str, recs: List[ShardRecord]) -> List[str]:
             problems.append(
                 f"{key!r}: shard at offset {r.offset} shape {r.shape}"
                 + (f" flat {r.flat}" if r.flat else "")
-                + f" is a main replica on ranks {seen[r.shard_id]} and {r.rank} (replica_id must differ)"
+                + f" is a main replica on ranks {seen[r.shard_id]} and {r.rank} {DUPLICATE_MAIN}"
             )
         else:
             seen[r.shard_id] = r.rank
@@ -186,12 +189,25 @@ def key_path_problems(index: CheckpointIndex) -> List[str]:
             for a, b in colliding_keys(keys)]
 
 
+#: Said once under duplicated main replicas: a DTensor's replica id comes from its own mesh, so one on a sub-mesh
+#: held again by other ranks (FSDP2 over a 2-D mesh's data_parallel dim, a parameter left out of TP) is main on
+#: each copy; only the caller knows whether the copies hold the same values.
+SUB_MESH_HINT = (
+    "if these are DTensors: a DTensor on a sub-mesh (FSDP2 over the data_parallel dim of a 2-D mesh, a parameter "
+    "left out of tensor parallelism) is main on every copy of that sub-mesh: save it through "
+    "DistCheckpointModelParallelStrategy / FabricDistCheckpointModelParallelStrategy, or give it as a ShardedTensor "
+    "(lightning_distckpt.core.dtensors.dtensor_to_sharded) with a nonzero replica_id on all copies but one"
+)
+
+
 def raise_on_problems(problems: List[str], checkpoint_dir: str) -> None:
     if problems:
         shown = problems[:20]
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        hint = f"\n  ({SUB_MESH_HINT})" if any(p.endswith(DUPLICATE_MAIN) for p in problems) else ""
         raise ValidationError(
             f"sharded state dict for checkpoint {checkpoint_dir} is inconsistent; nothing was written:\n  "
             + "\n  ".join(shown)
             + more
+            + hint
         )
