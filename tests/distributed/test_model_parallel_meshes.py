@@ -232,6 +232,7 @@ def _async_and_tiers(rank: int, world: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.long  # CI time: 4 processes; async and tiers on 1-D meshes run by default elsewhere
 def test_async_background_snapshot_and_local_tier_on_the_2d_mesh(tmp_path):
     got = run_distributed(_async_and_tiers, 4, str(tmp_path), timeout_s=GROUP_TIMEOUT_S)
     for r, res in enumerate(got):

@@ -19,6 +19,7 @@ the outcomes asserted.
 
 import os
 
+import pytest
 import torch
 
 from dist_utils import run_distributed
@@ -106,6 +107,7 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.long  # CI time: test_model_parallel_meshes.py's std recipe saves the same Fabric 2-D mesh by default
 def test_fabric_dp2_tp2_layernorm_off_tp_saves_and_loads_at_the_mesh_tp2_and_dp2(tmp_path):
     ck = str(tmp_path / "ck")
     saved = run_distributed(_save, 4, ck, timeout_s=GROUP_TIMEOUT_S)

@@ -137,6 +137,7 @@ def test_fabric_keeps_a_tie(tmp_path, world):
         assert kind == "MissingKeysError" and "norm.bias" in text and "head.weight" not in text, (kind, text)
 
 
+@pytest.mark.long  # CI time: test_tied_saved_once_lightning.py resumes ties through both on 2 ranks by default
 def test_ddp_plugin_and_strategy_keep_a_tie_on_two_processes(tmp_path):
     paths, want = _stock_checkpoints(str(tmp_path))
     out = tmp_path / "out"
