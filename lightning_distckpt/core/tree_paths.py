@@ -25,6 +25,9 @@ Steps = Tuple[Step, ...]
 Convert = Callable[[Steps, Any], Optional[Any]]
 
 JSON_KEYS = (str, int)  # the dict keys metadata.json gives back as they were (exact types: no bool)
+# The dict keys a pickled path (a manifest in common.pt) gives back as they were: what a checkpoint's tree
+# may be keyed by. A save names such a tensor by str(key); its load must find the same place again.
+PICKLED_KEYS = (str, int, bool, float, bytes, tuple, type(None))
 
 
 def step_of(node: Any, key: Any) -> Step:
@@ -92,8 +95,10 @@ def steps_to_json(steps: Steps) -> Optional[List[List[Any]]]:
     return [[kind, k] for kind, k in steps]
 
 
-def steps_from_json(value: Any, key: str, where: str, max_index: int, joined: bool = True) -> Steps:
-    """The steps stored for ``key``, checked: dict steps by a str or an int, list steps by an index
+def steps_from_json(value: Any, key: str, where: str, max_index: int, joined: bool = True,
+                    dict_keys: Tuple[type, ...] = JSON_KEYS) -> Steps:
+    """The steps stored for ``key``, checked: dict steps by a key of ``dict_keys`` (exact types; JSON's: a
+    str or an int; :data:`PICKLED_KEYS` for steps read from a pickle), list steps by an index
     below ``max_index``, at most :data:`~.tree_walk.MAX_DEPTH` of them, joined they give ``key``
     (unless not ``joined``: a key chosen by a module, not by its place) (FormatError naming
     ``where`` otherwise: the file is not trusted)."""
@@ -101,7 +106,7 @@ def steps_from_json(value: Any, key: str, where: str, max_index: int, joined: bo
     steps: List[Step] = []
     for step in value if ok else ():
         good = isinstance(step, list) and len(step) == 2 and (
-            (step[0] == "d" and type(step[1]) in (str, int))
+            (step[0] == "d" and type(step[1]) in dict_keys)
             or (step[0] == "l" and type(step[1]) is int and 0 <= step[1] < max_index))
         if not good:
             ok = False

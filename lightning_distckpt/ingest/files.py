@@ -13,6 +13,7 @@ from ..comm import get_comm
 from ..core.errors import ArgumentError, CheckpointingError, FormatError
 from ..reading.formats.detect import HF_INDEXES, HF_SINGLE_FILES, open_tensor_files
 from ..reading.formats.files import TorchFile
+from ..reading.formats.tensor_files import check_key
 from ..storage.paths import local_path
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ def _read(path: str, device_map: Optional[DeviceMap]) -> CheckpointStateDict:
         for key in f.names() if listed is None else listed:
             if key not in present:
                 raise FormatError(f"{f.path}: tensor {key!r}, listed in the index of {path}, is not in the file")
+            check_key(f.path, key, key)  # the error ldc.load and load_plain_tensors give: '' is no key
             tensors[key], files[key] = f.read(key, ()), f.path  # views of the file's memory map
     if device_map is not None:
         tensors = {k: _place(k, t, device_map) for k, t in tensors.items()}

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..core.errors import FormatError, ShardingError
 from ..core.mapping import LocalNonpersistentObject, ShardedTensor
 from ..core.plain_tensors import storable_key
-from ..core.tree_paths import Step, Steps, free_place, key_by_path, path_key, put_at, step_of, steps_from_json
+from ..core.tree_paths import (PICKLED_KEYS, Step, Steps, free_place, key_by_path, path_key, put_at, step_of,
+                               steps_from_json)
 from ..core.tree_walk import copy_containers, fold, walk_paths
 from ..reading.plain_tensors import MAX_LIST_INDEX, MAX_PADDING
 
@@ -166,8 +167,9 @@ def manifest_paths(man: Any, where: str) -> Dict[str, Steps]:
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)):
             raise FormatError(f"checkpoint {where}: {MANIFEST_KEY} entry must be [steps, key], got {entry!r:.200}")
         steps = [list(s) if isinstance(s, tuple) else s for s in entry[0]] if isinstance(entry[0], list) else entry[0]
+        # the save recorded each leaf's dict keys as they were (bytes, tuple, None...: pickled, not JSON)
         out[entry[1]] = steps_from_json(steps, entry[1], f"checkpoint {where}: {MANIFEST_KEY} tensor_paths",
-                                        MAX_LIST_INDEX, joined=False)
+                                        MAX_LIST_INDEX, joined=False, dict_keys=PICKLED_KEYS)
     return out
 
 
