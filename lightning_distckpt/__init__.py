@@ -50,6 +50,7 @@ from .serialization import (  # noqa: E402
     save,
 )
 from .validation import validate  # noqa: E402
+from .megatron_dirs import check_is_distributed_checkpoint, remove_sharded_tensors  # noqa: E402, F401 (Megatron-Core's)
 from .storage.tensorstore_io import StorageOptions  # noqa: E402
 from .saving.async_save import AsyncSaver  # noqa: E402
 from .reading.loaders import EveryRankLoader, FullyParallelLoader, TwoStageDataParallelLoader  # noqa: E402

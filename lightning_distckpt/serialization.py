@@ -23,6 +23,7 @@ from .core.strict import StrictHandling
 from .planning.flat_plan import is_flattened
 from .planning.load_plan import SAME_KIND, parse_cast
 from .planning.metadata import dtype_from_name
+from .reading.access_integrity import check_access_integrity
 from .reading.checkpoint import TemplateOnly, open_checkpoint
 from .reading.shared_source import SharedCopy
 from .reading.formats import KeyMap
@@ -131,7 +132,7 @@ def load(
     common_strategy: Any = None,
     *,
     process_group: Optional[dist.ProcessGroup] = None,
-    validate_access_integrity: bool = True,
+    validate_access_integrity: Optional[bool] = None,
     strict: Union[StrictHandling, str] = StrictHandling.ASSUME_OK_UNEXPECTED,
     extra_safe_globals: Sequence[Any] = (),
     loader: Union[str, Loader, None] = None,
@@ -154,8 +155,12 @@ def load(
             ``reading.shared_source.SharedCopy`` of it), or an ordinary file each rank reads its slices
             from: a ``torch.save`` file (keys are ``/``-joined tree paths: ``"state_dict/<name>"``), a
             ``.safetensors`` file or a Hugging Face model directory.
-        sharded_strategy, common_strategy, validate_access_integrity: Megatron-Core's, checked and
-            ignored (one storage format; every read is checked against the checkpoint's index).
+        sharded_strategy, common_strategy: Megatron-Core's, checked and ignored (one storage format).
+        validate_access_integrity: True: Megatron-Core's check, before anything is read, that the ranks'
+            templates access every shard of each of their tensors exactly once as a main replica (a
+            ValidationError on every rank naming the key and the region; reading/access_integrity.py).
+            None (default) or False: not checked (a load may ask for any part; every read is checked
+            against the checkpoint's index).
         process_group: the ranks taking part (default: the world; none needed single-process).
         strict: a StrictHandling (ours or Megatron-Core's) or its name; RETURN_UNEXPECTED / RETURN_ALL
             return ``(state_dict, missing, unexpected)``.
@@ -185,6 +190,9 @@ def load(
     # Opened inside the loader's first collective step, so a rank that cannot open it fails every rank.
     opener: Any = (shared if shared is not None
                    else functools.partial(open_checkpoint, checkpoint_dir, key_map, extra_safe_globals, storage))
+    where = shared.path if shared is not None else getattr(checkpoint_dir, "location", checkpoint_dir)
+    if validate_access_integrity:  # Megatron-Core's check of the templates, on every rank before anything is read
+        check_access_integrity(from_megatron_leaves(sharded_state_dict), comm, str(where))
     try:
         sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
     except Exception as e:  # this rank's template alone may be wrong (two leaves giving one key)
@@ -194,7 +202,6 @@ def load(
         opener = functools.partial(_raise, e)
     if not common:
         opener = _template_only(opener)
-    where = shared.path if shared is not None else getattr(checkpoint_dir, "location", checkpoint_dir)
     opener = located(with_cast(opener, cast), str(where))  # named alike by every rank when one cannot open it
     state, missing, unexpected = resolve_loader(loader).load(sharded_state_dict, opener, comm, strict,
                                                              extra_safe_globals)
@@ -357,7 +364,7 @@ def _check_load_arguments(sharded_state_dict: Any, strict: Any, extra_safe_globa
     """ArgumentTypeError naming the first of :func:`load`'s arguments that has a wrong type; the strict mode."""
     check_strategy(strategies[0], "sharded_strategy")
     check_strategy(strategies[1], "common_strategy")
-    require_bool(validate_access_integrity, "validate_access_integrity")
+    require(validate_access_integrity, (bool, type(None)), "validate_access_integrity", "a bool or None")
     require(storage, (StorageOptions, type(None)), "storage", "a StorageOptions or None")
     require_state_dict(sharded_state_dict, "sharded_state_dict")
     require(strict, (StrictHandling, Enum, str, bool), "strict",

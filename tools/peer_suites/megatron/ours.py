@@ -85,9 +85,10 @@ def save(sharded_state_dict: Any, checkpoint_dir: Any, sharded_strategy: Any = N
 @_as_megatron_error
 def load(sharded_state_dict: Any, checkpoint_dir: Any, sharded_strategy: Any = None,
          common_strategy: Any = None, validate_access_integrity: bool = True, strict: Any = None) -> Any:
-    """Megatron-Core's ``load`` by ours. ``validate_access_integrity`` has no counterpart: our load
-    checks what it reads, not that the ranks' templates tile each tensor."""
+    """Megatron-Core's ``load`` by ours, ``validate_access_integrity`` (Megatron-Core's default: True)
+    passed on: ours then checks the ranks' templates as theirs does."""
     kwargs = _load_options()
+    kwargs["validate_access_integrity"] = validate_access_integrity
     if strict is not None:
         kwargs["strict"] = strict
     return ldc.load(sharded_state_dict, checkpoint_dir, **kwargs)
