@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from ..comm import Comm, get_comm
 from ..core.errors import CheckpointingError
-from ..core.mapping import ShardedTensor, ShardedTensorFactory
+from ..core.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
 from ..core.megatron_leaves import from_megatron_leaves
 from ..core.state_dict import iter_leaves
 from ..reading.checkpoint import CheckpointSource
@@ -67,6 +67,16 @@ def replicated_state_dict(given: Dict[str, Any], ps: ParallelState) -> Dict[str,
     replicated, written once (``replica_id``); other values common state."""
     return {key: ShardedTensor.from_rank_offsets(key, value.detach(), replica_id=ps.replicated_id)
             if isinstance(value, torch.Tensor) else value for key, value in given.items()}
+
+
+def main_replicas_of_buffers(ssd: Dict[str, Any], parameters: Sequence[torch.Tensor]) -> Dict[str, Any]:
+    """``ssd`` (a module's flat sharded state dict) without this rank's non-main replicas of tensors other
+    than ``parameters``. DDP keeps the parameters equal on every DP rank, not the buffers: a buffer updated
+    in the forward (BatchNorm's running statistics) differs by rank, and stock DDP saves rank 0's. Left
+    in, a balanced save picks any holder's copy (rank 1's), so a resume diverged from stock's."""
+    kept = {id(p) for p in parameters}
+    return {k: v for k, v in ssd.items()
+            if not isinstance(v, ShardedTensor) or id(v.data) in kept or is_main_replica(v.replica_id)}
 
 
 def check_describable(module: nn.Module, ps: ParallelState) -> None:

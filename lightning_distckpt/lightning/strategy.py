@@ -25,8 +25,9 @@ from ..storage.paths import checkpoint_location
 from .async_warmup import AsyncWarmupMixin, staged_share
 from .checkpoint_io import lightning_not_found
 from .parallel import STRATEGY_NAME, ParallelState
-from .sharded import (AFTER_READING, all_whole, build_on_all_ranks, model_sharded_state_dict,
-                      optimizer_sharded_state, replicated_state_dict, restore_optimizer, tree_or_failing)
+from .sharded import (AFTER_READING, all_whole, build_on_all_ranks, main_replicas_of_buffers,
+                      model_sharded_state_dict, optimizer_sharded_state, replicated_state_dict, restore_optimizer,
+                      tree_or_failing)
 from .snapshot_fence import BackgroundSnapshotMixin
 from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin, TensorParallelStrategyMixin
 from .tiers import is_tier_marker, with_tier_callback
@@ -195,7 +196,11 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSna
         model_ssd = self._model_ssd()
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         tree = rank_zero_tensors(rest, self.global_rank)  # rank 0's, as stock saves them
+        assert self.lightning_module is not None
         tree["state_dict"] = self._state_dict_to_save(checkpoint, model_ssd)
+        # Tensors that may differ by DP rank (buffers; a hook's dict) are the main replica's, as stock saves rank 0's.
+        parameters = list(self.lightning_module.parameters()) if tree["state_dict"] is model_ssd else []
+        tree["state_dict"] = main_replicas_of_buffers(tree["state_dict"], parameters)
         if "optimizer_states" in checkpoint:
             tree["optimizer_states"] = self._optimizer_states(model_ssd)
         tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
