@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .comm import get_comm
 from .core.errors import ArgumentError, ArgumentTypeError
 from .core.arguments import require, require_bool, require_globals, require_key_map, require_state_dict
-from .core.plain_tensors import RefusedState, shard_tensors
+from .core.plain_tensors import shard_tensors, tree_to_save
 from .core.megatron_args import async_flag, check_strategy, content_metadata_of, with_content_metadata
 from .core.megatron_leaves import from_megatron_leaves
 from .core.mapping import ShardedObject, ShardedTensor
@@ -108,12 +108,7 @@ def save(
                           plan_cache, background_snapshot)
     # Megatron-Core's leaves become ours; DTensor and plain tensor leaves sharded tensors keyed by tree path
     comm = get_comm(process_group)
-    try:
-        sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
-    except Exception as e:  # this rank's state dict alone may be wrong: raised on every rank, where errors are agreed
-        if comm.size == 1:
-            raise
-        sharded_state_dict = RefusedState(e)
+    sharded_state_dict = tree_to_save(sharded_state_dict, comm.rank, comm.size)
     if async_save:
         saver = async_save if isinstance(async_save, AsyncSaver) else AsyncSaver()
         return saver.save(sharded_state_dict, checkpoint_dir, process_group=process_group,

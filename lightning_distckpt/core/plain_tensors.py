@@ -56,6 +56,21 @@ class RefusedState(dict):
         self.error = error
 
 
+def tree_to_save(tree: Any, rank: int, size: int) -> Any:
+    """A save's state dict as every saver takes it: Megatron-Core's leaves as ours, DTensors and plain tensor
+    leaves as sharded tensors keyed by tree path (:func:`shard_tensors`). This rank's tree alone may be wrong
+    (two leaves giving one key): among several ranks a :class:`RefusedState`, raised by the save's handshake
+    on every rank; alone, raised here."""
+    from .megatron_leaves import from_megatron_leaves
+
+    try:
+        return shard_tensors(from_megatron_leaves(tree), rank)
+    except Exception as e:
+        if size == 1:
+            raise
+        return RefusedState(e)
+
+
 def shard_tensors(tree: Any, rank: int) -> Any:
     """``tree`` with each DTensor leaf replaced by its factory (:func:`~.dtensors.shard_dtensors`) and
     each plain tensor leaf that can be stored by a :class:`PlainTensorFactory` replicated over the

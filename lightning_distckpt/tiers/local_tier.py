@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from lightning_distckpt.comm import Comm
 from lightning_distckpt.core.errors import ArgumentError, ArgumentTypeError
+from lightning_distckpt.core.plain_tensors import tree_to_save
 from lightning_distckpt.saving.async_save import AsyncSaver
 from lightning_distckpt.saving.priority import lower_thread
 from lightning_distckpt.tiers.context import TierContext
@@ -155,7 +156,10 @@ class LocalTier:
         self.wait()  # the room made (no rank writes before the leads enter the save's handshake)
         self._room_step = None
         store = NodeLocalStore.for_save(self._ctx.location(step), self._ctx.run)  # the run: in its commit marker
-        request = self._saver.save(sharded_state_dict, store, comm=self._ctx.comm)
+        # prepared as the durable save prepares it: plain tensors (a Trainer's callback scores, rank 0's alone)
+        # are stored tensors, not common state that would differ by rank
+        comm = self._ctx.comm
+        request = self._saver.save(tree_to_save(sharded_state_dict, comm.rank, comm.size), store, comm=comm)
         self._thread = threading.Thread(target=self._finish, args=(request, step), name="distckpt-local-tier",
                                         daemon=True)
         self._thread.start()
