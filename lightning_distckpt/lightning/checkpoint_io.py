@@ -107,7 +107,7 @@ class DistCheckpointIO(CheckpointIO):
         self._linked_before: List[str] = []
         # Synchronous collective saves reuse the last validated plan when no rank's layout changed
         # (one round trip instead of the records' gather and the plans' scatter; async saves: the saver's).
-        self._plan_cache = SavePlanCache()
+        self._plan_cache = SavePlanCache(self.extra_safe_globals)
         # Removals asked for while a background save is in flight (ModelCheckpoint drops the old
         # top-k right after saving the new one): done only once the new checkpoint is committed.
         self._deferred_removals: List[str] = []
@@ -126,7 +126,8 @@ class DistCheckpointIO(CheckpointIO):
         """A copy (``torch.save(trainer)``, ``deepcopy``, the spawn launcher) keeps the settings; the
         save in flight (a thread, a lock, a process group) and its deferred removals stay here."""
         state = dict(self.__dict__)
-        state.update(_saver=None, _pending=None, _deferred_removals=[], _plan_cache=SavePlanCache())
+        state.update(_saver=None, _pending=None, _deferred_removals=[],
+                     _plan_cache=SavePlanCache(self.extra_safe_globals))
         return state
 
     @classmethod
@@ -365,6 +366,7 @@ class DistCheckpointIO(CheckpointIO):
             # boundaries only look at the thread, with no round trip and no commit on their thread.
             self._saver = AsyncSaver(reserve_targets=True, max_staging_bytes=self.config.max_staging_bytes,
                                      commit_in_background=True)
+            self._saver.plan_cache = SavePlanCache(self.extra_safe_globals)  # the types our loads allow
         return self._saver
 
     def _storage(self, storage_options: Optional[Any]) -> StorageOptions:

@@ -10,7 +10,7 @@ import os
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -36,6 +36,7 @@ from ..storage.stores import open_store
 from ..storage.tensorstore_io import StorageOptions
 from ..core.gc_pause import gc_paused
 from .common_warning import warn_common_differs
+from .load_check import LoadCheck, warn_unloadable
 from .object_bytes import pickle_objects
 from .save_coordinate import CoordinatorOptions, coordinate_plan
 from .store_calls import agreed, discard_quietly, look_around_quietly, open_writer
@@ -114,16 +115,19 @@ class SavePlanCache:
     and also carries rank 0's staging directory name. Any change on any rank plans (and
     validates) from scratch, as without a cache.
 
-    ``hits`` / ``misses`` count reused and freshly made plans.
+    ``hits`` / ``misses`` count reused and freshly made plans. ``load_safe_globals``: the types the run's
+    loads allow beyond the defaults (``extra_safe_globals``), not warned about when the common state holds them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, load_safe_globals: Sequence[Any] = ()) -> None:
         self._key: Optional[tuple] = None  # this rank's records + group + options of the cached plan
         self._token: Optional[str] = None  # same on every rank for the same plan (that save's staging name)
         self._plan: Optional[SavePlan] = None
         self.hits = 0
         self.misses = 0
         self.warned_common: Set[Tuple[str, ...]] = set()  # common-state differences said (saving/common_warning.py)
+        # types a load (allowing ``load_safe_globals`` too) would refuse, said once (saving/load_check.py)
+        self.load_check = LoadCheck(load_safe_globals)
 
     def lookup(self, key: tuple) -> Optional[str]:
         """The plan's token when ``key`` matches this rank's cached plan, else None (local)."""
@@ -203,7 +207,7 @@ def _prepare(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str, Chec
     staging = handshakes[0].staging
     assert staging is not None  # rank 0 always names one
     try:
-        _look_around(comm, store, staging, local.common, handshakes, validate_access_integrity, plan_cache)
+        _look_around(comm, store, staging, local, handshakes, validate_access_integrity, plan_cache)
         reuse = token is not None and all(h.plan_token == token for h in handshakes)
         if plan_cache is not None and reuse:
             plan = plan_cache.reuse()
@@ -337,14 +341,18 @@ def _group_ranks(comm: Comm) -> Tuple[int, ...]:
     return tuple(comm.global_rank(i) for i in range(comm.size)) if comm.distributed else (0,)
 
 
-def _look_around(comm: Comm, store: CheckpointStore, staging: str, common: Any, handshakes: List[Handshake],
+def _look_around(comm: Comm, store: CheckpointStore, staging: str, local: LocalState, handshakes: List[Handshake],
                  validate_access_integrity: bool, plan_cache: Optional[SavePlanCache]) -> None:
-    """Warnings that need no agreement: leftovers of killed saves, common state differing by rank (once
-    per run and set of differences where the saves share a ``plan_cache``)."""
+    """Warnings that need no agreement: leftovers of killed saves, rank 0's pickles naming a type a load
+    refuses, common state differing by rank (once per run where the saves share a ``plan_cache``)."""
     if comm.rank == 0:
         look_around_quietly(store, staging)
+        pickles = [("common.pt", local.common_bytes or b"")] + [
+            (f"ShardedObject {local.objects[i].key!r}", data) for i, data in local.object_bytes.items()]
+        warn_unloadable(pickles, store.location, None if plan_cache is None else plan_cache.load_check)
     if validate_access_integrity and len({h.common_digest for h in handshakes}) > 1:
-        warn_common_differs(common, comm, store.location, None if plan_cache is None else plan_cache.warned_common)
+        warn_common_differs(local.common, comm, store.location,
+                            None if plan_cache is None else plan_cache.warned_common)
 
 
 def _plan(comm: Comm, target: str, records: RankRecords, handshakes: List[Handshake],
