@@ -65,6 +65,8 @@ def decide_aliases(groups: Sequence["RecordGroup"], even_keys: Iterable[str]) ->
     """alias -> target: the keys tied on every rank holding them, to the same target, with one global
     shape and dtype (the records carry each rank's tie, ``ShardRecord.tie``), both split evenly
     (``planning/even.py``) or neither."""
+    if not any(getattr(r, "tie", None) for g in groups for r in g.records.tensors):
+        return {}  # no record tied (most saves): nothing to decide
     even = set(even_keys)
     said: Dict[str, Optional[str]] = {}
     kind: Dict[str, Tuple[Any, ...]] = {}

@@ -73,11 +73,16 @@ def resolve_even(groups: Sequence[RecordGroup], size: int) -> Resolved:
     marked = [set(g.records.even) if g.records.even_over == size else set() for g in groups]
     if not any(marked) and not any(g.records.even for g in groups):
         return Resolved(list(groups), {}, frozenset())  # nothing marked (TP / PP / DP layouts)
-    entries: Dict[str, List[Tuple[int, int, bool]]] = {}  # key -> (group, source, marked)
+    entries: Dict[str, List[Tuple[int, int, bool]]] = {}  # key -> (group, source, marked) of its marked records
+    unmarked: Set[str] = set()  # keys with a record not marked: not even, whatever their marked records
     for gi, g in enumerate(groups):
+        marks = marked[gi]
         for source, r in enumerate(g.records.tensors):
-            entries.setdefault(r.key, []).append((gi, source, source in marked[gi]))
-    keys = {key for key, held in entries.items() if all(m for _, _, m in held) and _covers(groups, held, size)}
+            if source in marks:
+                entries.setdefault(r.key, []).append((gi, source, True))
+            else:
+                unmarked.add(r.key)
+    keys = {key for key, held in entries.items() if key not in unmarked and _covers(groups, held, size)}
     out: List[RecordGroup] = []
     derived: Set[int] = set()
     for gi, g in enumerate(groups):
@@ -104,12 +109,17 @@ def _covers(groups: Sequence[RecordGroup], held: List[Tuple[int, int, bool]], si
     rank describes the key), with one global shape and dtype. (Every rank is in exactly one
     group: distinct groups of ranks below n whose sizes add up to n hold each of them once.)"""
     first = groups[held[0][0]].records.tensors[held[0][1]]
-    if any((groups[gi].records.tensors[src].global_shape, groups[gi].records.tensors[src].dtype)
-           != (first.global_shape, first.dtype) for gi, src, _ in held):
-        return False
-    n = chunks_of(first.global_shape, size)
-    return len({gi for gi, _, _ in held}) == len(held) and all(groups[gi].ranks[-1] < n for gi, _, _ in held) \
-        and sum(len(groups[gi].ranks) for gi, _, _ in held) == n
+    shape, dtype = first.global_shape, first.dtype
+    n = chunks_of(shape, size)
+    groups_seen, ranks = set(), 0
+    for gi, src, _ in held:  # one pass (a key per tensor: thousands of calls)
+        g = groups[gi]
+        r = g.records.tensors[src]
+        if r.global_shape != shape or r.dtype != dtype or g.ranks[-1] >= n or gi in groups_seen:
+            return False
+        groups_seen.add(gi)
+        ranks += len(g.ranks)
+    return ranks == n
 
 
 def own_records(records: RankRecords, rank: int, size: int, even: Collection[str] = ()) -> RankRecords:

@@ -107,48 +107,61 @@ def plan_exchange(requests: Sequence[Sequence[ChunkRequest]], *, bucket_bytes: i
     needers, at most ``bucket_bytes`` per bucket).
     """
     size = len(requests)
-    needers: Dict[ChunkId, set] = defaultdict(set)
-    nbytes: Dict[ChunkId, int] = {}
+    # Each distinct chunk numbered once (a ChunkId's hash walks its nested tuples on every dict use):
+    # its needers (ascending: ranks are visited in order), bytes and sort key by number.
+    number: Dict[ChunkId, int] = {}
+    chunks: List[ChunkId] = []
+    nbytes: List[int] = []
+    needers: List[List[int]] = []
     requested = 0
     for rank, reqs in enumerate(requests):
         for chunk, n in reqs:  # ChunkRequests, or (chunk, nbytes) pairs as gathered
-            needers[chunk].add(rank)
-            nbytes[chunk] = n
+            i = number.get(chunk)
+            if i is None:
+                number[chunk] = len(chunks)
+                chunks.append(chunk)
+                nbytes.append(n)
+                needers.append([rank])
+            else:
+                nbytes[i] = n
+                if needers[i][-1] != rank:
+                    needers[i].append(rank)
             requested += n
 
     load = [0] * size
-    reader: Dict[ChunkId, int] = {}
-    in_order = sorted(needers, key=_sort_key)
+    reader = [0] * len(chunks)
+    sort_keys = [_sort_key(c) for c in chunks]
+    in_order = sorted(range(len(chunks)), key=sort_keys.__getitem__)
     # largest first, ties in chunk order (a stable sort of the sorted chunks: one sort key per chunk)
-    for c in sorted(in_order, key=nbytes.__getitem__, reverse=True):
-        who = needers[c]
+    for i in sorted(in_order, key=nbytes.__getitem__, reverse=True):
+        who = needers[i]
         if len(who) == 1:  # no choice (no tie to break): the only needer reads it
-            reader[c] = next(iter(who))
+            reader[i] = who[0]
         else:
-            start = _spread_start(c, size)
-            reader[c] = min(who, key=lambda rk: (load[rk], (rk - start) % size))
-        load[reader[c]] += nbytes[c]
+            start = _spread_start(chunks[i], size)
+            reader[i] = min(who, key=lambda rk: (load[rk], (rk - start) % size))
+        load[reader[i]] += nbytes[i]
 
     # Group into ops: big chunks alone, small ones bucketed by (reader, needers).
     per_src: Dict[int, List[ExchangeOp]] = defaultdict(list)
-    buckets: Dict[Tuple[int, Tuple[int, ...]], List[ChunkId]] = defaultdict(list)
-    for c in in_order:
-        who = tuple(sorted(needers[c]))
-        if nbytes[c] >= bucket_bytes:
-            per_src[reader[c]].append(_op(reader[c], [c], nbytes, who, size))
+    buckets: Dict[Tuple[int, Tuple[int, ...]], List[int]] = defaultdict(list)
+    for i in in_order:
+        who = tuple(needers[i])
+        if nbytes[i] >= bucket_bytes:
+            per_src[reader[i]].append(_op(reader[i], [i], chunks, nbytes, who, size))
         else:
-            buckets[(reader[c], who)].append(c)
-    for (src, who), chunks in sorted(buckets.items()):
-        current: List[ChunkId] = []
+            buckets[(reader[i], who)].append(i)
+    for (src, who), numbers in sorted(buckets.items()):
+        current: List[int] = []
         filled = 0  # bytes of ``current`` (a running sum: summing it per chunk was quadratic in its length)
-        for c in chunks:
-            if current and filled + nbytes[c] > bucket_bytes:
-                per_src[src].append(_op(src, current, nbytes, who, size))
+        for i in numbers:
+            if current and filled + nbytes[i] > bucket_bytes:
+                per_src[src].append(_op(src, current, chunks, nbytes, who, size))
                 current, filled = [], 0
-            current.append(c)
-            filled += nbytes[c]
+            current.append(i)
+            filled += nbytes[i]
         if current:
-            per_src[src].append(_op(src, current, nbytes, who, size))
+            per_src[src].append(_op(src, current, chunks, nbytes, who, size))
 
     # Interleave the readers: next op from the reader with the fewest bytes scheduled so far,
     # so every reader starts at once and they progress at the same pace.
@@ -165,7 +178,9 @@ def plan_exchange(requests: Sequence[Sequence[ChunkRequest]], *, bucket_bytes: i
     return plan
 
 
-def _op(src: int, chunks: List[ChunkId], nbytes: Dict[ChunkId, int], who: Tuple[int, ...], size: int) -> ExchangeOp:
+def _op(src: int, numbers: List[int], chunks: List[ChunkId], nbytes: List[int], who: Tuple[int, ...],
+        size: int) -> ExchangeOp:
+    """The op of the chunks numbered ``numbers`` (in :func:`plan_exchange`'s numbering)."""
     transport = LOCAL if len(who) == 1 else BROADCAST if len(who) == size else P2P
-    return ExchangeOp(src, tuple(chunks), tuple(nbytes[c] for c in chunks), who, transport)
+    return ExchangeOp(src, tuple([chunks[i] for i in numbers]), tuple([nbytes[i] for i in numbers]), who, transport)
 

@@ -150,11 +150,16 @@ def plan_record_groups(groups: Sequence[RecordGroup], world_size: int, balance_w
 
 def _even_load(groups: Sequence[RecordGroup], even: EvenKeys, world_size: int) -> List[int]:
     """Bytes each rank writes of the even keys' chunks (rank i chunk i)."""
-    load = np.zeros(world_size, dtype=np.int64)
+    # Keys counted per (global shape, dtype), then one numpy step per distinct pair: thousands of keys
+    # share a few shapes, and a numpy call per key costs microseconds.
+    alike: Dict[Tuple[Tuple[int, ...], str], int] = defaultdict(int)
     for chunks in even.values():
         r = groups[chunks[0][0]].records.tensors[chunks[0][1]]
-        numels = _even_numels(r.global_shape, world_size)
-        load[:len(numels)] += numels * element_size(r.dtype)
+        alike[(r.global_shape, r.dtype)] += 1
+    load = np.zeros(world_size, dtype=np.int64)
+    for (global_shape, dtype), keys in alike.items():
+        numels = _even_numels(global_shape, world_size)
+        load[:len(numels)] += numels * (element_size(dtype) * keys)
     return load.tolist()
 
 
@@ -290,14 +295,21 @@ def _plan_even_key(plan: SavePlan, key: str, even: _EvenPart, pack_max_bytes: in
     gshape, dtype = first.global_shape, first.dtype
     split = EvenSplit(size, _even_rule(gshape, size, element_size(dtype), pack_max_bytes))
     split.packed = packs.take_even(dtype, _even_numels(gshape, size), split.packed_from)
+    packed_at = None  # the pack offsets as ints, converted once per key, where a rank here needs one
     for gi, src in chunks:
         ranks = writers.get(gi)
         if ranks is None:
             ranks = writers[gi] = [rank for rank in even.groups[gi].ranks if rank not in even.derived]
         for rank in ranks:
             offset, shape = _even_box(gshape, rank, size)
-            packed = int(split.packed[rank - split.packed_from]) if rank >= split.packed_from else None
-            plan.writes.setdefault(rank, []).append(WriteItem(key, (offset, shape, None), rank, packed, src))
+            packed = None
+            if rank >= split.packed_from:
+                if packed_at is None:
+                    packed_at = split.packed.tolist()
+                packed = packed_at[rank - split.packed_from]
+            # WriteItem(...) without its Python-level __new__ (one per chunk listed here)
+            plan.writes.setdefault(rank, []).append(tuple.__new__(WriteItem, (key, (offset, shape, None), rank,
+                                                                              packed, src)))
     return TensorEntry(gshape, dtype, even=split)
 
 
