@@ -27,6 +27,7 @@ from .paths import MARKER_CAP, holds_nothing, read_inside
 from .safe_pickle import write_file_durable
 from .swap import NO_EXCHANGE_ENV, exchange_paths  # noqa: F401 (NO_EXCHANGE_ENV: tests set it)
 from .workers import KeptWorkers
+from .stock_checkpoints import is_stock_dcp_dir
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes,
                       target_of)
 
@@ -54,7 +55,9 @@ def _step(name: str) -> None:
 
 
 def check_target(target: str) -> None:
-    """Refuse to replace anything but a committed checkpoint of ours or an empty directory.
+    """Refuse to replace anything but a committed checkpoint of ours, an empty directory, or a stock DCP
+    checkpoint directory (:mod:`.stock_checkpoints`: Lightning's ``ModelParallelStrategy`` wrote it, a ``last.ckpt``
+    of a run moved to our strategy, which the stock strategy saves over too).
 
     Whatever else a directory holds (a ``data/`` folder included) may be a user's files: a save
     never removes them. Checked before anything is written, and again right before the swap."""
@@ -63,7 +66,7 @@ def check_target(target: str) -> None:
     if os.path.islink(target) or not os.path.isdir(target):
         raise CheckpointingError(f"checkpoint {target}: exists and is not a directory; refusing to replace it "
                                  "(a checkpoint is a directory: move it away, or save elsewhere)")
-    if os.listdir(target) and not is_our_committed_checkpoint(target):
+    if os.listdir(target) and not is_our_committed_checkpoint(target) and not is_stock_dcp_dir(target):
         raise CheckpointingError(
             f"checkpoint {target}: directory exists, is not empty and is not a committed lightning_distckpt "
             f"checkpoint; refusing to replace it (move its contents away, or save elsewhere)"

@@ -27,31 +27,41 @@ from .options import StorageOptions
 from .output_files import is_torch_archive, missing_dirs, remove_made_dirs
 from .paths import MARKER_CAP, TreeStats, holds_nothing, kind_of, local_location, read_inside, refuse_link, scan_tree
 from .safe_pickle import write_file_durable
+from .stock_checkpoints import is_stock_dcp_dir
 from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 
 logger = logging.getLogger(__name__)
 
-def _remove_dir(target: str) -> None:
+def _remove_dir(target: str, stock: bool = False) -> None:
     """Remove a checkpoint directory so that no step of it leaves a directory that says committed: the
     marker first, then the directory renamed to a staging name (the name is free at once) and removed.
     Interrupted (Ctrl-C in ``ModelCheckpoint``'s top-k removal), ``shutil.rmtree`` alone left a directory
     whose ``COMMITTED`` outlived some of its data: "committed (complete)" to ``inspect``, damaged to a load.
-    What is left now is an uncommitted staging directory, which ``clean`` removes."""
+    What is left now is an uncommitted staging directory, which ``clean`` removes. A ``stock`` DCP
+    directory (no marker of ours to tell it) is checked again once renamed, so that what is removed is
+    what was checked: something put into it meanwhile keeps it, back at its name."""
     try:
         os.remove(os.path.join(target, COMMIT_MARKER))
-    except FileNotFoundError:  # an empty directory, an incomplete one
+    except FileNotFoundError:  # an empty directory, an incomplete one, a stock DCP one
         pass
     aside = staging.new_staging_dir(target)
     os.rename(target, aside)
+    if stock and not is_stock_dcp_dir(aside):
+        where = aside if os.path.lexists(target) else target
+        if where == target:
+            os.rename(aside, target)
+        raise ArgumentError(f"remove {target}: something other than a DCP checkpoint's files appeared in it while "
+                            f"it was being removed; left as it is at {where}")
     shutil.rmtree(aside)
 
 
 def removable(path: str) -> bool:
-    """A checkpoint directory of ours or an empty directory, or a regular file that ``torch.save``
-    wrote (or an empty one)."""
+    """A checkpoint directory of ours, an empty directory or a stock DCP checkpoint directory (Lightning's
+    ``ModelParallelStrategy`` wrote it: a run moved to our strategy rotates past it), or a regular file that
+    ``torch.save`` wrote (or an empty one)."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
-            return is_checkpoint_dir(path) or not os.listdir(path)
+            return is_checkpoint_dir(path) or not os.listdir(path) or is_stock_dcp_dir(path)
         if os.path.isfile(path) and not os.path.islink(path):
             return os.path.getsize(path) == 0 or is_torch_archive(path)
     except OSError:
@@ -224,7 +234,7 @@ class LocalStore(CheckpointStore):
 
     def remove(self) -> bool:
         """The checkpoint at this location, if it is one: a directory of ours (or an empty one), a
-        ``torch.save`` file (a stock Lightning checkpoint), or a link (``save_last="link"`` made it:
+        ``torch.save`` file or a DCP directory (a stock Lightning checkpoint), or a link (``save_last="link"`` made it:
         the link only, never what it points at) to one of those or to nothing. Anything else (a
         user's directory or file at a path ``ModelCheckpoint`` tracks) is an ArgumentError naming
         it, and nothing is removed. False when nothing is there."""
@@ -238,10 +248,10 @@ class LocalStore(CheckpointStore):
                                     "leaving both as they are")
             os.remove(target)
         elif not removable(target):
-            raise ArgumentError(f"remove {target}: not a checkpoint of ours nor a torch.save file (what is there "
-                                "would be lost); leaving it as it is")
+            raise ArgumentError(f"remove {target}: not a checkpoint of ours, a torch.save file nor a DCP checkpoint "
+                                "(what is there would be lost); leaving it as it is")
         elif os.path.isdir(target):
-            _remove_dir(target)
+            _remove_dir(target, stock=not is_checkpoint_dir(target) and is_stock_dcp_dir(target))
         else:
             os.remove(target)
         return True
