@@ -14,7 +14,7 @@ Two parts, each round a fresh pair of processes (``torch.multiprocessing`` spawn
   rank 0 from a barrier to the end of the save.
 * **tiny**: ``--tiny`` tensors of 16 fp32 each, half split over the 2 ranks (global shape 32), half
   replicated, saved ``--tiny-repeats`` times (no plan cache: a fresh plan each) and loaded back
-  (default loader) into a template of the same layout; timed on rank 0 from a barrier.
+  (default loader) into a template of the same layout; timed on rank 0 from a barrier (wall and CPU).
 
 Each save is also timed in rank 0's CPU seconds (``_cpu``: ``time.process_time``, every thread of
 the process), which a busy machine inflates far less than wall time.
@@ -256,7 +256,7 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
             out[f"replicated.{i}"] = ldc.ShardedTensor.from_rank_offsets(f"replicated.{i}", t, replica_id=rank)
         return out
 
-    saved, tiny = tiny_sd(True), {"save": [], "save_cpu": [], "load": []}
+    saved, tiny = tiny_sd(True), {"save": [], "save_cpu": [], "load": [], "load_cpu": []}
     for i in range(args["tiny_repeats"]):
         path = os.path.join(root, f"tiny_{i}")
         barrier()
@@ -266,9 +266,10 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
         tiny["save_cpu"].append(time.process_time() - c0)  # rank 0's CPU seconds, all threads: less load-bound
         template = tiny_sd(False)
         barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loaded = ldc.load(template, path)
         tiny["load"].append(time.perf_counter() - t0)
+        tiny["load_cpu"].append(time.process_time() - c0)
         got = loaded[f"sharded.{half - 1}"]
         assert float(got[0]) == float((half - 1) * 2 + rank), "tiny load returned wrong values"
     res["tiny"] = tiny
