@@ -127,15 +127,17 @@ def test_an_interrupted_save_into_new_folders_takes_them_back(tmp_path):
     before = {json.dumps(what): entries for what, n, outcome, entries in results if n == 0}
     done = {json.dumps(what): entries for what, n, outcome, entries in results if outcome == 0}
     assert len(done) == len(before) == len(runs), results
-    interrupted = 0
+    interrupted = {json.dumps(what): 0 for what in runs}
     for what, n, outcome, entries in results:
         if n == 0 or outcome == 0:
             continue
-        interrupted += 1
+        interrupted[json.dumps(what)] += 1
         assert outcome == (143 if what[0] == "convert" else "interrupted"), (what, n, outcome, r.stderr[-3000:])
         # was: "a", "a/b" left, empty; or a committed ".distckpt-staging-..." beside the output
         assert entries in (before[json.dumps(what)], done[json.dumps(what)]), (what, n, entries)
-    assert interrupted >= 5 * len(runs)
+    # every kind of save stopped at several of its steps (how many of its fsyncs run in Python, and so can be
+    # stopped at, varies a little with the threads' timing: a count over all runs would depend on it)
+    assert min(interrupted.values()) >= 3, interrupted
 
 
 def test_a_failed_async_save_into_new_folders_takes_them_back(tmp_path, monkeypatch):
