@@ -27,8 +27,8 @@ from ..core.strict import StrictHandling
 from ..storage.paths import checkpoint_location
 from .foreign import foreign_writer
 from .restore_source import RestoreSource
-from .sharded import (AFTER_READING, build_on_all_ranks, describe_source, model_sharded_state_dict,
-                      optimizer_sharded_state, restore_optimizer)
+from .sharded import (AFTER_READING, build_on_all_ranks, describe_source, main_replicas_of_buffers,
+                      model_sharded_state_dict, optimizer_sharded_state, restore_optimizer)
 from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import TensorParallelStrategyMixin
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
@@ -114,7 +114,10 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
                 if not isinstance(obj, (Module, Optimizer)):  # its plain tensors rank 0's, as stock Fabric saves
                     value = rank_zero_tensors({name: value}, self.global_rank)[name]  # them (they may differ)
                 tree[name] = value
-            tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
+            tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)  # before the next step: the same on every rank
+            for name, obj in state.items():  # buffers the main replica's: they may differ by rank, stock saves rank 0's
+                if isinstance(obj, Module):
+                    tree[name] = main_replicas_of_buffers(tree[name], list(obj.parameters()))
             return tree
 
         return build_on_all_ranks(what, build)

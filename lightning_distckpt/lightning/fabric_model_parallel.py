@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, Dict, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -45,7 +45,7 @@ from .sharded import build_on_all_ranks, describe_source
 from .stock import tensors_metadata
 from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import DistCheckpointIOMixin
-from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest, rank_zero_tensors, template_from_manifest
+from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, leave_out, manifest, rank_zero_tensors, template_from_manifest
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
 
         def build() -> Dict[str, Any]:
             tree: Dict[str, Any] = {}
+            replicas: List[Tuple[Dict[Any, Any], Any]] = []
             for name, obj in state.items():
                 if isinstance(obj, Module):
                     value: Any = get_model_state_dict(obj)
@@ -110,11 +111,12 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
                     value = obj
                 if name in filter and isinstance(value, dict):
                     value = {k: v for k, v in value.items() if filter[name](k, v)}
-                # the rest's plain tensors rank 0's, as stock Fabric saves them (they may differ by rank)
-                tree[name] = shard_tree(value, (name,), self.global_rank, {}) if isinstance(obj, (Module, Optimizer)) \
-                    else rank_zero_tensors({name: value}, self.global_rank)[name]
+                # plain tensors rank 0's (buffers too), as stock Fabric saves them (they may differ by rank)
+                rank = self.global_rank
+                tree[name] = shard_tree(value, (name,), rank, {}, replicas) if isinstance(obj, (Module, Optimizer)) \
+                    else rank_zero_tensors({name: value}, rank)[name]
             tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL)
-            return tree
+            return leave_out(tree, replicas)
 
         return build_on_all_ranks(what, build)
 

@@ -62,7 +62,7 @@ from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import load_model_parallel_recovery
 from .snapshot_fence import BackgroundSnapshotMixin
 from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin
-from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, manifest, rank_zero_tensors
+from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, leave_out, manifest, put_value, rank_zero_tensors, value_at
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,16 @@ STRATEGY_NAME = "model_parallel_distckpt"
 Path = Tuple[Union[str, int], ...]
 
 
-def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor]) -> Any:
-    """``node`` with each DTensor replaced by its ShardedTensor (keyed by its path, sharing the local
-    tensor's memory; recorded in ``dtensors``) and each other tensor of 1-d or more by a whole one
-    replicated on every rank (stored from rank 0). Scalars and non-tensors stay common state.
-    Dicts and lists are copied (a bounded walk, :mod:`~lightning_distckpt.core.tree_walk`: a tree
-    nested too deep or containing itself is a FormatError naming the place); tuples are leaves."""
-
+def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor],
+               replicas: Optional[List[Tuple[Dict[Any, Any], Any]]] = None) -> Any:
+    """``node`` with each DTensor replaced by its ShardedTensor (keyed by its path, sharing the local tensor's
+    memory; recorded in ``dtensors``) and each other tensor of 1-d or more by a whole one replicated on every rank
+    (stored from rank 0: a save's ``replicas`` gets their places (dict, key) on other ranks, for ``leave_out``;
+    FSDP2 keeps the parameters equal on every rank, not the buffers). Scalars and non-tensors stay common state.
+    Dicts and lists are copied (a bounded walk, :mod:`~lightning_distckpt.core.tree_walk`: a tree nested too deep
+    or containing itself is a FormatError naming the place); tuples are leaves."""
     seen: Dict[tuple, torch.Tensor] = {}
+    plain: Dict[int, ShardedTensor] = {}  # the plain tensors' ShardedTensors by id
 
     def leaf(steps: Path, value: Any) -> Any:
         here = path + steps
@@ -87,11 +89,18 @@ def shard_tree(node: Any, path: Path, rank: int, dtensors: Dict[Path, DTensor]) 
             data = one_local(seen, st.data)
             return st if data is st.data else dataclasses.replace(st, data=data)
         if isinstance(value, torch.Tensor) and value.ndim > 0:
-            return ShardedTensor.from_rank_offsets(dtensor_key(here), one_local(seen, value.detach()), replica_id=rank)
+            st = ShardedTensor.from_rank_offsets(dtensor_key(here), one_local(seen, value.detach()), replica_id=rank)
+            return plain.setdefault(id(st), st)
         return value
 
+    def build(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
+        out = copy_containers(node, keys, results)
+        if replicas is not None and rank != 0 and isinstance(out, dict):  # in a list, any holder's
+            replicas.extend((out, k) for k, v in out.items() if id(v) in plain)
+        return out
+
     where = f"the checkpoint's {dtensor_key(path)!r}" if path else "the checkpoint"
-    return map_paths(node, leaf, copy_containers, where=where, types=(dict, list))
+    return map_paths(node, leaf, build, where=where, types=(dict, list))
 
 
 def on_sub_mesh(st: ShardedTensor, dt: DTensor) -> ShardedTensor:
@@ -135,16 +144,6 @@ def drop_unsaved_states(template: Dict[str, Any], optimizers: List[Path], stored
             gone = where + ("state", fqn)
             for place in [p for p in dtensors if p[:len(gone)] == gone]:
                 del dtensors[place]
-
-
-def value_at(tree: Any, path: Path) -> Any:
-    for step in path:
-        tree = tree[step]
-    return tree
-
-
-def put_value(tree: Any, path: Path, value: Any) -> None:
-    value_at(tree, path[:-1])[path[-1]] = value
 
 
 class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSnapshotMixin,
@@ -237,11 +236,12 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
         module's and optimizers' DTensor shards, the rest common state."""
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         tree = rank_zero_tensors(rest, self.global_rank)  # rank 0's, as stock saves them
+        replicas: List[Tuple[Dict[Any, Any], Any]] = []
         for entry in ("state_dict", "optimizer_states"):
             if entry in checkpoint:
-                tree[entry] = shard_tree(checkpoint[entry], (entry,), self.global_rank, {})
+                tree[entry] = shard_tree(checkpoint[entry], (entry,), self.global_rank, {}, replicas)
         tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL)
-        return tree
+        return leave_out(tree, replicas)  # plain tensors (buffers) rank 0's, as stock's full state dict saves them
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()

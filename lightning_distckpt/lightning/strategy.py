@@ -198,12 +198,12 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSna
         tree = rank_zero_tensors(rest, self.global_rank)  # rank 0's, as stock saves them
         assert self.lightning_module is not None
         tree["state_dict"] = self._state_dict_to_save(checkpoint, model_ssd)
+        if "optimizer_states" in checkpoint:
+            tree["optimizer_states"] = self._optimizer_states(model_ssd)
+        tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)  # before the next step: the same on every rank
         # Tensors that may differ by DP rank (buffers; a hook's dict) are the main replica's, as stock saves rank 0's.
         parameters = list(self.lightning_module.parameters()) if tree["state_dict"] is model_ssd else []
         tree["state_dict"] = main_replicas_of_buffers(tree["state_dict"], parameters)
-        if "optimizer_states" in checkpoint:
-            tree["optimizer_states"] = self._optimizer_states(model_ssd)
-        tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)
         return tree
 
     def _configure_launcher(self) -> None:

@@ -13,7 +13,7 @@ manifest, which comes from the checkpoint's common state and is checked as such.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -205,3 +205,23 @@ def template_from_manifest(man: Mapping[str, Any], metadata: Mapping[str, Sharde
     root: Dict[str, Any] = {}
     place_at(root, paths, leaves, where)
     return root
+
+
+def value_at(tree: Any, path: Tuple[Any, ...]) -> Any:
+    """The node at ``path`` (keys and positions) of ``tree``."""
+    for step in path:
+        tree = tree[step]
+    return tree
+
+
+def put_value(tree: Any, path: Tuple[Any, ...], value: Any) -> None:
+    value_at(tree, path[:-1])[path[-1]] = value
+
+
+def leave_out(tree: Dict[str, Any], places: Sequence[Tuple[Dict[Any, Any], Any]]) -> Dict[str, Any]:
+    """``tree`` (a save's), its entries at ``places`` (dict, key) left out: this rank's copies of replicated
+    tensors that may differ by rank (buffers), which the main replica (rank 0) saves, as stock saves rank 0's.
+    Called once the manifest is made, so that it is the same on every rank (it is common state)."""
+    for node, key in places:
+        del node[key]
+    return tree
