@@ -9,6 +9,7 @@ object store commits without a rename (:mod:`.s3`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -27,7 +28,7 @@ from .paths import MARKER_CAP, holds_nothing, read_inside
 from .safe_pickle import write_file_durable
 from .swap import NO_EXCHANGE_ENV, exchange_paths  # noqa: F401 (NO_EXCHANGE_ENV: tests set it)
 from .workers import KeptWorkers
-from .stock_checkpoints import is_stock_dcp_dir
+from .stock_checkpoints import is_stock_dcp_dir, is_stock_lightning_file
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes,
                       target_of)
 
@@ -55,13 +56,15 @@ def _step(name: str) -> None:
 
 
 def check_target(target: str) -> None:
-    """Refuse to replace anything but a committed checkpoint of ours, an empty directory, or a stock DCP
-    checkpoint directory (:mod:`.stock_checkpoints`: Lightning's ``ModelParallelStrategy`` wrote it, a ``last.ckpt``
-    of a run moved to our strategy, which the stock strategy saves over too).
+    """Refuse to replace anything but a committed checkpoint of ours, an empty directory, or a stock
+    Lightning checkpoint (:mod:`.stock_checkpoints`: a DCP directory ``ModelParallelStrategy`` wrote or a
+    file ``TorchCheckpointIO`` wrote; the ``last.ckpt`` of a run moved to ours, which stock saves over too).
 
     Whatever else a directory holds (a ``data/`` folder included) may be a user's files: a save
     never removes them. Checked before anything is written, and again right before the swap."""
     if not os.path.lexists(target) and recover_interrupted_commit(target) is None:
+        return
+    if is_stock_lightning_file(target):  # a stock DDP run's last.ckpt: stock would write over it too
         return
     if os.path.islink(target) or not os.path.isdir(target):
         raise CheckpointingError(f"checkpoint {target}: exists and is not a directory; refusing to replace it "
@@ -261,7 +264,7 @@ def _swap_in(staging: str, target: str, marker: bytes) -> None:
                 _put_back(olds, target)
                 raise
     for old in olds:  # the previous checkpoint, moved aside (unless a recovery removed it already)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
 
 
 def _swap_once(staging: str, target: str, attempt: int, olds: List[str]) -> None:
@@ -274,7 +277,7 @@ def _swap_once(staging: str, target: str, attempt: int, olds: List[str]) -> None
     check_target(target)  # re-check: something may have appeared while we wrote
     if exchange_paths(staging, target):
         _step("after_exchange")
-        shutil.rmtree(staging, ignore_errors=True)  # now holds the old checkpoint
+        _remove(staging)  # now holds the old checkpoint
         return
     olds.append(f"{staging}.old" + (str(attempt) if attempt else ""))
     os.rename(target, olds[-1])
@@ -368,5 +371,10 @@ def _is_moved_aside(path: str) -> bool:
 
 
 def _remove(path: str) -> bool:
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a replaced checkpoint: a directory, or a stock Lightning checkpoint file."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.remove(path)
     return not os.path.lexists(path)

@@ -91,8 +91,7 @@ if __name__ == "__main__":
             res[name + "_stock"] = {d: sorted(os.listdir(f"{root}/{d}")) for d in ("top1", "keep")}
         torch.distributed.barrier()
         try:
-            # a stock DDP last.ckpt (a torch.save file) is not replaced by a save of ours: see test_ddp_runs...
-            res[name] = fit(ours(), root, 4, resume=f"{root}/top1/last.ckpt", last=name == "mp")
+            res[name] = fit(ours(), root, 4, resume=f"{root}/top1/last.ckpt", last=True)
         except Exception as e:  # the other rank fails too (within the group's timeout): stop here
             res[name] = f"{type(e).__name__}: {e}"
             break
@@ -146,12 +145,11 @@ def test_model_parallel_run_rotates_past_stock_dcp_checkpoints(runs):
 def test_ddp_runs_rotate_past_stock_ckpt_files(runs, run):
     root, res = runs
     assert res.get(run + "_stock") == {"top1": ["epoch=0-step=2.ckpt", "last.ckpt"], "keep": ["epoch=0-step=2.ckpt"]}
-    assert res.get(run) == 4, res.get(run)
+    assert res.get(run) == 4, res.get(run)  # before: the first save of last.ckpt over the stock file was refused
     top1, keep = os.path.join(root, run, "top1"), os.path.join(root, run, "keep")
-    # the stock step-2 file rotated away; the stock last.ckpt (resumed from, save_last off here) stays a file:
-    # a save of ours does not replace a torch.save file (a user's file at a checkpoint's name looks the same)
+    # the stock step-2 file rotated away; the stock last.ckpt (a Lightning checkpoint file) replaced by ours
     assert sorted(os.listdir(top1)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
-    assert is_ours(os.path.join(top1, "epoch=0-step=4.ckpt")) and os.path.isfile(os.path.join(top1, "last.ckpt"))
+    assert is_ours(os.path.join(top1, "epoch=0-step=4.ckpt")) and is_ours(os.path.join(top1, "last.ckpt"))
     assert sorted(os.listdir(keep)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
     assert os.path.isfile(os.path.join(keep, "epoch=0-step=2.ckpt"))  # the stock file kept
 
@@ -248,3 +246,18 @@ def test_a_file_put_in_while_it_is_removed_keeps_it(stock_dir):
     assert digest(stock_dir) == before
     assert os.listdir(os.path.dirname(stock_dir)) == [os.path.basename(stock_dir)]
 
+
+
+def test_a_save_replaces_a_lightning_checkpoint_file_but_no_other_torch_file(tmp_path):
+    """What TorchCheckpointIO wrote (its pickle holds ``pytorch-lightning_version``) is replaced, at once and
+    whole; a torch.save file of anything else at a checkpoint's name stays the user's, refused and untouched."""
+    stock = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "pytorch-lightning_version": "2.6.0", "global_step": 2}, stock)
+    ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, str(stock))
+    assert is_ours(str(stock)) and sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # nothing left aside
+    mine = tmp_path / "mine.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "note": "pytorch-lightning is mentioned, not the key"}, mine)
+    before = digest(str(mine))
+    with pytest.raises(CheckpointingError, match="exists and is not a directory"):
+        ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(2))}, str(mine))
+    assert digest(str(mine)) == before
