@@ -215,3 +215,18 @@ def run_script(script: str, args: List[str], out: str, world_size: int, timeout:
     if code != 0 or errors:
         raise AssertionError(f"exit {code}\n" + "\n".join(errors) + f"\n{output[-12000:]}")
     return results
+
+
+def state_differences(got: Any, want: Any, where: str = "") -> List[str]:
+    """Where ``got`` differs from ``want`` (nested dicts, lists and tuples; tensors by dtype and bit-exact
+    values, anything else by type and ==), one line per difference naming its path."""
+    if isinstance(want, torch.Tensor):
+        same = isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+        return [] if same else [f"{where}: {got!r} != {want!r}"]
+    if isinstance(want, dict) and isinstance(got, dict):
+        if set(got) != set(want):
+            return [f"{where}: keys {sorted(map(str, got))} != {sorted(map(str, want))}"]
+        return [d for k in want for d in state_differences(got[k], want[k], f"{where}/{k}")]
+    if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)) and len(got) == len(want):
+        return [d for i, (g, w) in enumerate(zip(got, want)) for d in state_differences(g, w, f"{where}/{i}")]
+    return [] if type(got) is type(want) and got == want else [f"{where}: {got!r} != {want!r}"]

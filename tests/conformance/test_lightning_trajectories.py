@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import free_port, run_distributed
+from lightning_helpers import state_differences
 from lightning_distckpt.lightning import DistCheckpointIO, DistCheckpointStrategy
 
 HOWS = ("stock", "plugin", "strategy")
@@ -224,25 +225,12 @@ def _fits(rank: int, world: int, base: str, scenario: str, port: int) -> Dict[st
     return out
 
 
-def _differences(got: Any, want: Any, where: str = "") -> List[str]:
-    if isinstance(want, torch.Tensor):
-        same = isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
-        return [] if same else [f"{where}: {got!r} != {want!r}"]
-    if isinstance(want, dict) and isinstance(got, dict):
-        if set(got) != set(want):
-            return [f"{where}: keys {sorted(map(str, got))} != {sorted(map(str, want))}"]
-        return [d for k in want for d in _differences(got[k], want[k], f"{where}/{k}")]
-    if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)) and len(got) == len(want):
-        return [d for i, (g, w) in enumerate(zip(got, want)) for d in _differences(g, w, f"{where}/{i}")]
-    return [] if type(got) is type(want) and got == want else [f"{where}: {got!r} != {want!r}"]
-
-
 def _check(tmp_path, scenario: str) -> None:
     for rank, runs in enumerate(run_distributed(_fits, 2, str(tmp_path), scenario, free_port(), timeout_s=120)):
         stock = runs["stock"]
         assert len(stock["losses"]) > 3, stock["losses"]  # the resumed fit did train
         for how in HOWS[1:]:
-            diff = _differences(runs[how], stock)
+            diff = state_differences(runs[how], stock)
             assert not diff, f"rank {rank}, {how} vs stock:\n" + "\n".join(diff[:20])
 
 

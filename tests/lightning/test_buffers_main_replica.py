@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import free_port, run_distributed
+from lightning_helpers import state_differences
 
 GROUP_TIMEOUT_S = 30  # a hang guard only: every wait below is on a collective
 STEPS = 2
@@ -175,23 +176,12 @@ def ranks(tmp_path_factory):
     return run_distributed(_runs, 2, str(tmp_path_factory.mktemp("buffers")), free_port(), timeout_s=120)
 
 
-def _differences(got: Any, want: Any, where: str = "") -> List[str]:
-    if isinstance(want, torch.Tensor):
-        same = isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
-        return [] if same else [f"{where}: {got!r} != {want!r}"]
-    if isinstance(want, dict) and isinstance(got, dict):
-        if set(got) != set(want):
-            return [f"{where}: keys {sorted(map(str, got))} != {sorted(map(str, want))}"]
-        return [d for k in want for d in _differences(got[k], want[k], f"{where}/{k}")]
-    return [] if got == want else [f"{where}: {got!r} != {want!r}"]
-
-
 def _rank_zeros(ranks: List[Dict[str, Any]], how: str) -> None:
     """Every rank loaded what rank 0 had when it saved (the buffers differed by rank: the check means something)."""
     saved = [r[how]["saved"]["state"] for r in ranks]
     assert not torch.equal(saved[0]["bn.running_mean"], saved[1]["bn.running_mean"]), how
     for rank, runs in enumerate(ranks):
-        diff = _differences(runs[how]["loaded"]["state"], saved[0])
+        diff = state_differences(runs[how]["loaded"]["state"], saved[0])
         assert not diff, f"rank {rank}, {how}: not rank 0's state:\n" + "\n".join(diff)
 
 
@@ -202,7 +192,7 @@ def test_fabric_ddp_save_loads_rank_zeros_buffers_as_stock_fabric(ranks, how):
     _rank_zeros(ranks, "stock")
     _rank_zeros(ranks, how)
     for rank, runs in enumerate(ranks):
-        diff = _differences(runs[how]["loaded"], runs["stock"]["loaded"])
+        diff = state_differences(runs[how]["loaded"], runs["stock"]["loaded"])
         assert not diff, f"rank {rank}, {how} vs stock:\n" + "\n".join(diff)
 
 
@@ -211,7 +201,7 @@ def test_fabric_fsdp2_save_loads_rank_zeros_buffers_as_stock_full_state_dict(ran
     _rank_zeros(ranks, "stock_mp")
     _rank_zeros(ranks, "ours_mp")
     for rank, runs in enumerate(ranks):
-        diff = _differences(runs["ours_mp"]["loaded"], runs["stock_mp"]["loaded"])
+        diff = state_differences(runs["ours_mp"]["loaded"], runs["stock_mp"]["loaded"])
         assert not diff, f"rank {rank}, ours_mp vs stock_mp:\n" + "\n".join(diff)
 
 
@@ -221,7 +211,7 @@ def test_trainer_resume_restores_rank_zeros_buffers(ranks, how):
     and the parameters and Adam moments as they were (equal on every rank)."""
     _rank_zeros(ranks, how)
     for rank, runs in enumerate(ranks):
-        diff = _differences(runs[how]["loaded"]["moments"], ranks[0][how]["saved"]["moments"])
+        diff = state_differences(runs[how]["loaded"]["moments"], ranks[0][how]["saved"]["moments"])
         assert not diff, f"rank {rank}, {how}: moments:\n" + "\n".join(diff)
 
 
