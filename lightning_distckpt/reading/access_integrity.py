@@ -121,13 +121,17 @@ def _grid_problems(key: str, grid: Tuple[int, ...], accesses: List[Access]) -> L
                 f"ranks {ranks} (replica_id must differ)" for c, ranks in sorted(holders.items()) if len(ranks) > 1]
     if not all(shape):
         return problems  # an empty shard covers nothing: a grid of empty shards has nothing to cover
-    missing = [c for c in itertools.product(*(range(n) for n in grid)) if c not in holders]
-    for c in missing[:_SHOWN]:
+    inside = sum(1 for c in holders if len(c) == len(grid) and all(0 <= i < n for i, n in zip(c, grid)))
+    uncovered = math.prod(grid) - inside
+    # Only the first chunks of the grid are looked at: among any inside + _SHOWN of them at least _SHOWN (or all
+    # the uncovered) are uncovered, so a grid of billions of chunks (a wrong axis_fragmentations) costs nothing.
+    first = itertools.islice(itertools.product(*(range(n) for n in grid)), inside + _SHOWN)
+    for c in [c for c in first if c not in holders][:_SHOWN]:
         problems.append(f"{key!r}: region at offset {_offset(c, shape)} shape {shape} of global shape "
                         f"{accesses[0].record.global_shape} (chunk {c} of grid {grid}) is accessed by no rank as a "
                         f"main replica (replica_id 0); templates on ranks {sorted({a.record.rank for a in accesses})}")
-    if len(missing) > _SHOWN:
-        problems.append(f"{key!r}: ... and {len(missing) - _SHOWN} more chunks accessed by no rank")
+    if uncovered > _SHOWN:
+        problems.append(f"{key!r}: ... and {uncovered - _SHOWN} more chunks accessed by no rank")
     return problems
 
 

@@ -183,3 +183,15 @@ def test_remove_sharded_tensors_refuses_and_touches_nothing(tmp_path):
     assert set(ldc.load_plain_tensors(path)) == {"a.w", "b.w"}
     with pytest.raises(ldc.ArgumentTypeError, match="key_prefix"):
         ldc.remove_sharded_tensors(path, 3)
+
+
+def test_a_huge_grid_is_checked_by_counting_not_by_listing_every_chunk():
+    """A wrong axis_fragmentations (10^10 chunks, one accessed) is said with its count; only the first
+    chunks of the grid are listed (listing all of them was a hang)."""
+    from lightning_distckpt.planning.metadata import ShardRecord
+    from lightning_distckpt.reading.access_integrity import Access, _grid_problems
+
+    st = ldc.ShardedTensor.from_rank_offsets("w", torch.zeros(1, 1), (0, 0, 100000), (1, 0, 100000))
+    problems = _grid_problems("w", (100000, 100000), [Access(ShardRecord.of(st, 0), (100000, 100000), (0, 0))])
+    assert len(problems) == 21 and "chunk (0, 1) of grid (100000, 100000)" in problems[0]
+    assert problems[-1] == "'w': ... and 9999999979 more chunks accessed by no rank"
