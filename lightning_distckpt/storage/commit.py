@@ -277,13 +277,31 @@ def _swap_once(staging: str, target: str, attempt: int, olds: List[str]) -> None
     check_target(target)  # re-check: something may have appeared while we wrote
     if exchange_paths(staging, target):
         _step("after_exchange")
+        _recheck(staging, target, lambda: exchange_paths(staging, target))  # what the name held at the exchange
         _remove(staging)  # now holds the old checkpoint
         return
     olds.append(f"{staging}.old" + (str(attempt) if attempt else ""))
     os.rename(target, olds[-1])
+    _recheck(olds[-1], target, lambda: _put_back(olds, target))
     _step("after_first_rename")
     os.rename(staging, target)
     _step("after_rename_in")
+
+
+def _recheck(moved: str, target: str, put_back: Callable[[], Any]) -> None:
+    """What the swap moved out of ``target`` (to ``moved``) is what ``check_target`` lets a save replace:
+    the name may have been given to something else since that check. If not, ``put_back()`` and raise."""
+    try:
+        ok = is_stock_lightning_file(moved) or (os.path.isdir(moved) and not os.path.islink(moved) and (
+            not os.listdir(moved) or is_our_committed_checkpoint(moved) or is_stock_dcp_dir(moved)))
+    except OSError:
+        ok = False
+    if not ok:
+        put_back()  # an exchange back leaves our new checkpoint at ``moved``: what is not ours is at ``target``
+        where = moved if os.path.lexists(moved) and not is_our_committed_checkpoint(moved) else target
+        raise CheckpointingError(f"checkpoint {target}: changed between the check and the swap into place, to "
+                                 f"something a save does not replace; left at {where}, the new checkpoint not put "
+                                 "in place")
 
 
 def _put_back(olds: List[str], target: str) -> None:

@@ -37,16 +37,17 @@ def _remove_dir(target: str, stock: bool = False) -> None:
     marker first, then the directory renamed to a staging name (the name is free at once) and removed.
     Interrupted (Ctrl-C in ``ModelCheckpoint``'s top-k removal), ``shutil.rmtree`` alone left a directory
     whose ``COMMITTED`` outlived some of its data: "committed (complete)" to ``inspect``, damaged to a load.
-    What is left now is an uncommitted staging directory, which ``clean`` removes. A ``stock`` DCP
-    directory (no marker of ours to tell it) is checked again once renamed, so that what is removed is
-    what was checked: something put into it meanwhile keeps it, back at its name."""
+    What is left now is an uncommitted staging directory, which ``clean`` removes. A ``stock`` one (not
+    ours: a stock DCP directory or an empty one, no marker to tell it) is checked again once renamed, so
+    that what is removed is what was checked: something put into it meanwhile keeps it, back at its name."""
     try:
-        os.remove(os.path.join(target, COMMIT_MARKER))
-    except FileNotFoundError:  # an empty directory, an incomplete one, a stock DCP one
+        if not stock:  # none in a stock one: a file of that name put into it meanwhile is not ours to remove
+            os.remove(os.path.join(target, COMMIT_MARKER))
+    except FileNotFoundError:  # an empty directory, an incomplete one
         pass
     aside = staging.new_staging_dir(target)
     os.rename(target, aside)
-    if stock and not is_stock_dcp_dir(aside):
+    if stock and os.listdir(aside) and not is_stock_dcp_dir(aside):  # an empty directory stays removable
         where = aside if os.path.lexists(target) else target
         if where == target:
             os.rename(aside, target)
@@ -251,7 +252,9 @@ class LocalStore(CheckpointStore):
             raise ArgumentError(f"remove {target}: not a checkpoint of ours, a torch.save file nor a DCP checkpoint "
                                 "(what is there would be lost); leaving it as it is")
         elif os.path.isdir(target):
-            _remove_dir(target, stock=not is_checkpoint_dir(target) and is_stock_dcp_dir(target))
+            # anything not ours (a stock DCP directory, an empty one) is checked again once renamed aside: the
+            # name may hold something else by now (checked here a second time, a changed one was removed whole)
+            _remove_dir(target, stock=not is_checkpoint_dir(target))
         else:
             os.remove(target)
         return True

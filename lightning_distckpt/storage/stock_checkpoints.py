@@ -60,30 +60,55 @@ def is_stock_dcp_dir(path: str) -> bool:
 
 LIGHTNING_KEY = b"pytorch-lightning_version"  # written by every Trainer's dump_checkpoint
 _PICKLE_SCAN_CAP = 64 << 20  # bytes of data.pkl looked through (the tensors are records of their own)
+# The key as the whole of a pickled string (BINUNICODE, protocol 2 as torch.save writes; SHORT_BINUNICODE,
+# protocol 4+), its memo entry (BINPUT, LONG_BINPUT, MEMOIZE), then its value as Lightning writes it: a
+# version string ("2.4.0", "2.5.0rc1"). The key merely inside a longer string, or as a value in a user's
+# file, is no match: such a file stays the user's (a user's pickle holding the key with a version string
+# after it is taken for Lightning's, as Lightning itself would).
+_KEY_THEN_STRING = re.compile(
+    rb"(?:X\x19\x00\x00\x00|\x8c\x19)" + re.escape(LIGHTNING_KEY) + rb"(?:q.|r....|\x94)?"
+    rb"(?:X(?P<long>[\x03-\x40])\x00\x00\x00|\x8c(?P<short>[\x03-\x40]))", re.DOTALL)
+_VERSION = re.compile(rb"[0-9]+\.[0-9]+[0-9A-Za-z.+-]*")
+_OVERLAP = 128  # bytes kept from one block to the next: a match (key, memo, value) takes at most 104
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def is_stock_lightning_file(path: str) -> bool:
     """``path`` is a regular file (not a link) that Lightning's ``TorchCheckpointIO`` wrote (see the
-    module's docstring). Only the archive's directory and pickle are read, nothing unpickled; False on any doubt."""
+    module's docstring). Only the archive's directory and pickle are read, nothing unpickled; False on any
+    doubt. Opened once, never through a link and never waiting on a FIFO put at the name: what is read is
+    the file checked."""
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode) or not is_torch_archive(path):
-            return False
-        with zipfile.ZipFile(path) as archive:
-            pickle_name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
-            with archive.open(pickle_name) as f:
-                return _holds(f, LIGHTNING_KEY)
-    except (OSError, zipfile.BadZipFile, StopIteration, NotImplementedError, ValueError, EOFError):
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode) or f.read(4) != b"PK\x03\x04":
+                return False
+            with zipfile.ZipFile(f) as archive:
+                names = archive.namelist()
+                folders = {n.split("/", 1)[0] for n in names}
+                if len(folders) != 1 or not all("/" in n for n in names) or f"{folders.pop()}/data.pkl" not in names:
+                    return False  # not as torch.save writes (see output_files.is_torch_archive)
+                with archive.open(next(n for n in names if n.endswith("/data.pkl"))) as pickle_file:
+                    return _holds_key(pickle_file)
+    except Exception:  # noqa: BLE001 - a hostile archive (encrypted, a bad deflate stream, odd sizes) is doubt
         return False
 
 
-def _holds(f: "zipfile.ZipExtFile", needle: bytes) -> bool:
-    """``needle`` within the first :data:`_PICKLE_SCAN_CAP` bytes of ``f`` (read in blocks)."""
+def _holds_key(f: "zipfile.ZipExtFile") -> bool:
+    """Lightning's key and its version value (:data:`_KEY_THEN_STRING`) within the first
+    :data:`_PICKLE_SCAN_CAP` bytes of ``f`` (read in blocks)."""
     tail, seen = b"", 0
     while seen < _PICKLE_SCAN_CAP:
         block = f.read(1 << 20)
         if not block:
             return False
-        if needle in tail + block:
-            return True
-        tail, seen = block[-len(needle):], seen + len(block)
+        data = tail + block
+        for match in _KEY_THEN_STRING.finditer(data):
+            size = ord(match["long"] or match["short"])
+            if _VERSION.fullmatch(data[match.end():match.end() + size]) and match.end() + size <= len(data):
+                return True
+        tail, seen = data[-_OVERLAP:], seen + len(block)
     return False
