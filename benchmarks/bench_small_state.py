@@ -14,7 +14,8 @@ Two parts, each round a fresh pair of processes (``torch.multiprocessing`` spawn
   rank 0 from a barrier to the end of the save.
 * **tiny**: ``--tiny`` tensors of 16 fp32 each, half split over the 2 ranks (global shape 32), half
   replicated, saved ``--tiny-repeats`` times (no plan cache: a fresh plan each) and loaded back
-  (default loader) into a template of the same layout; timed on rank 0 from a barrier (wall and CPU).
+  (``--loader``: ``every_rank``, ``parallel`` or ``two_stage``, the default) into a template of the same
+  layout; timed on rank 0 from a barrier (wall and CPU).
 
 Each save is also timed in rank 0's CPU seconds (``_cpu``: ``time.process_time``, every thread of
 the process), which a busy machine inflates far less than wall time.
@@ -267,7 +268,7 @@ def _round(rank: int, args: Dict[str, Any], torch: Any, dist: Any) -> Dict[str, 
         template = tiny_sd(False)
         barrier()
         t0, c0 = time.perf_counter(), time.process_time()
-        loaded = ldc.load(template, path)
+        loaded = ldc.load(template, path, loader=args.get("loader"))
         tiny["load"].append(time.perf_counter() - t0)
         tiny["load_cpu"].append(time.process_time() - c0)
         got = loaded[f"sharded.{half - 1}"]
@@ -282,6 +283,8 @@ def run_round(args: argparse.Namespace, tree: str) -> Dict[str, Any]:
         out = os.path.join(tmp, "round.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--_round", out, "--_tree", tree,
                "--repeats", str(args.repeats), "--tiny", str(args.tiny), "--tiny-repeats", str(args.tiny_repeats)]
+        if args.loader:
+            cmd += ["--loader", args.loader]
         trace = os.path.join(tmp, "strace.txt")
         if args.phases:
             cmd.append("--phases")
@@ -315,7 +318,8 @@ def _fsyncs_between_markers(trace: str) -> Optional[float]:
     return fsyncs / saves if saves else None
 
 
-def _child(out: str, tree: str, repeats: int, tiny: int, tiny_repeats: int, count: bool, phases: bool) -> None:
+def _child(out: str, tree: str, repeats: int, tiny: int, tiny_repeats: int, count: bool, phases: bool,
+           loader: Optional[str] = None) -> None:
     """Entry of one round's interpreter: the library from ``tree``, two spawned ranks."""
     sys.path.insert(0, os.path.dirname(HERE))
     from benchmarks.common import free_port
@@ -325,7 +329,7 @@ def _child(out: str, tree: str, repeats: int, tiny: int, tiny_repeats: int, coun
 
     root = tempfile.mkdtemp(dir=os.path.dirname(out))
     params = {"dir": root, "repeats": repeats, "tiny": tiny, "tiny_repeats": tiny_repeats, "count": count,
-              "phases": phases}
+              "phases": phases, "loader": loader}
     mp.spawn(_worker, args=(free_port(), params, out), nprocs=2, join=True)
 
 
@@ -352,6 +356,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=8, help="saves of the 2 MB state per round (each contestant)")
     p.add_argument("--tiny", type=int, default=10000, help="tiny tensors")
     p.add_argument("--tiny-repeats", type=int, default=2)
+    p.add_argument("--loader", default=None, choices=("every_rank", "parallel", "two_stage"),
+                   help="the loader of the tiny loads (default: load's default)")
     p.add_argument("--ab", default=None, help="an older checkout to compare with, interleaved")
     p.add_argument("--count", action="store_true", help="count collectives and fsyncs per save")
     p.add_argument("--phases", action="store_true", help="time the steps of each save of ours, per rank")
@@ -361,7 +367,8 @@ def main() -> None:
     p.add_argument("--_tree", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args._round:
-        _child(args._round, args._tree, args.repeats, args.tiny, args.tiny_repeats, args.count, args.phases)
+        _child(args._round, args._tree, args.repeats, args.tiny, args.tiny_repeats, args.count, args.phases,
+               args.loader)
         return
     sys.path.insert(0, os.path.dirname(HERE))
     from benchmarks.common import fmt_table, run_header

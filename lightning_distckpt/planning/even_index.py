@@ -101,6 +101,19 @@ class EvenSplit:
         offsets = [(start,) + zeros for start in range(lo * rows, hi * rows, rows)]
         return list(zip(range(lo, hi), offsets, shapes, packed))
 
+    def chunk_at(self, global_shape: Tuple[int, ...], offset: Tuple[int, ...], shape: Tuple[int, ...]) -> Optional[int]:
+        """The chunk that is exactly the box ``offset``, ``shape`` (a rank's own shard, loaded as
+        saved), or None: what :meth:`chunks` would list alone for its rows, without listing it."""
+        g0 = global_shape[0]
+        rows = -(-g0 // self.over)
+        if rows == 0 or offset[0] < 0 or offset[0] % rows:
+            return None
+        i = offset[0] // rows
+        length = rows if (i + 1) * rows <= g0 else g0 - i * rows
+        if length <= 0 or shape[0] != length or any(offset[1:]) or tuple(shape[1:]) != tuple(global_shape[1:]):
+            return None
+        return i
+
     def rows_range(self, global_shape: Tuple[int, ...], start: int, stop: int) -> Tuple[int, int]:
         """The chunks holding rows [start, stop) of dim 0."""
         rows = self.rows(global_shape)
@@ -292,11 +305,13 @@ class PackedPlaces:
         self._path_of = path_of
         self._places: Dict[Tuple[int, str], Place] = {}
         self._even: List[Tuple[str, Any]] = []  # (key, entry) of even splits with packed chunks
+        self._even_keys: Dict[str, Any] = {}  # the same, by key (``shard``)
         self._asked: Set[int] = set()
         for key, entry in (index.tensors.items() if index is not None else ()):
             if entry.even is not None:
                 if entry.even.packed_from < chunks_count(entry.global_shape, entry.even.over):
                     self._even.append((key, entry))
+                    self._even_keys[key] = entry
                 continue
             for sh in entry.shards:
                 if sh.packed is not None:
@@ -311,6 +326,19 @@ class PackedPlaces:
                     self._places[(writer, self._path_of(key, i))] = (entry.dtype, packed, shape)
         # marked after: readers in other threads share these places (another may fill them again, alike)
         self._asked.add(writer)
+
+    def shard(self, writer: int, key: str, index: int) -> Optional[Place]:
+        """The place of stored shard ``index`` of ``key`` in ``writer``'s pack (None: not packed there),
+        as ``get((writer, path_of(key, index)))`` says, but an even split's chunk from its own rule
+        (chunk i is shard i of writer i): no other key's chunks listed, no per-writer pass over the keys."""
+        entry = self._even_keys.get(key)
+        if entry is None:
+            return self._places.get((writer, self._path_of(key, index)))
+        if index != writer:
+            return None
+        for _, _, shape, packed in entry.even.chunks(entry.global_shape, index, index + 1):
+            return None if packed is None else (entry.dtype, packed, shape)
+        return None
 
     def get(self, handle: Tuple[int, str], default: Optional[Place] = None) -> Optional[Place]:
         self._writer(handle[0])

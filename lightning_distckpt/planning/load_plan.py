@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, ShardingError
 from ..core.mapping import ShardedTensor, ShardedTensorFactory
@@ -150,6 +150,26 @@ def allowing_shape_mismatch(template: Any) -> Any:
         return leaf
 
     return map_leaves(allow, template)
+
+
+def whole_stored(request: ShardedTensor, entry: TensorEntry) -> Optional[Tuple[int, int]]:
+    """``(writer, index)`` of the stored shard that is exactly ``request``'s shard, where
+    :func:`plan_tensor_read` plans its one whole read (the global shape as saved, nothing
+    flattened); else None (plan it). Many small tensors loaded as saved: no plan objects per key."""
+    if request.flattened_range is not None or tuple(entry.global_shape) != tuple(request.global_shape):
+        return None
+    off, shape = request.global_offset, request.shard_shape
+    even = entry.even
+    if even is not None:
+        chunk = even.chunk_at(entry.global_shape, off, shape) if shape else None
+        return None if chunk is None else (chunk, chunk)  # chunk i is stored shard i, written by rank i
+    shards = entry.shards
+    if len(shards) != 1:
+        return None
+    s = shards[0]
+    if s.flat or tuple(s.offset) != tuple(off) or tuple(s.shape) != tuple(shape):
+        return None
+    return s.writer, s.index
 
 
 def plan_tensor_read(request: ShardedTensor, entry: TensorEntry,

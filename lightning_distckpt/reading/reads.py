@@ -9,14 +9,14 @@ copied into ``data`` afterwards (one host-to-device copy for a GPU parameter).
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..core.errors import CheckpointingError
 from ..core.mapping import ShardedObject, ShardedTensor
 from ..planning.flat_plan import BoxRead, FlatReadPlan, StridedView
-from ..planning.load_plan import plan_tensor_read
+from ..planning.load_plan import plan_tensor_read, whole_stored
 from ..storage.base import ShardRead, ShardReader
 from ..storage.safe_pickle import loads
 from .checkpoint import CheckpointSource
@@ -56,7 +56,12 @@ def read_shape(st: ShardedTensor) -> Tuple[int, ...]:
 def destination(st: ShardedTensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(tensor to return, CPU view in global-axes shape to read into). Reads land directly in the
     template's ``data`` when it is a contiguous CPU tensor; otherwise in a fresh CPU buffer."""
-    data = st.data.detach() if st.data is not None else None  # parameters (keep_vars) are written in place
+    data = st.data
+    if data is not None and type(data) is torch.Tensor and not data.requires_grad and data.device.type == "cpu" \
+            and data.is_contiguous():  # a plain CPU tensor: itself, no alias per key (thousands of small tensors)
+        shape = read_shape(st)
+        return data, data if data.shape == shape else data.view(shape)
+    data = data.detach() if data is not None else None  # parameters (keep_vars) are written in place
     if data is not None and data.device.type == "cpu" and data.is_contiguous():
         return st.data, data.view(read_shape(st))
     buf = allocate(read_shape(st), st.dtype, torch.device("cpu"), False, st.key)  # names the key if it fails
@@ -67,9 +72,20 @@ def read_targets(source: CheckpointSource, targets: Sequence[ReadTarget], reader
     """Read every target (concurrently, through ``reader``); returns bytes read."""
     reads: List[ShardRead] = []
     copies: List[_Copy] = []
+    entries, stored_key = source.index.tensors, source.index.stored_key
+    wholes: Dict[Tuple[int, ...], Tuple[slice, ...]] = {}  # shard shape -> the src selecting all of it
     for request, dest in targets:
-        plan = plan_tensor_read(request, source.index.tensors[request.key], source.path)
-        key = source.index.stored_key(request.key)  # an alias is read from its target's arrays (format 8)
+        entry = entries[request.key]
+        key = stored_key(request.key)  # an alias is read from its target's arrays (format 8)
+        whole = whole_stored(request, entry)
+        if whole is not None:  # a stored shard loaded as saved (plan_tensor_read's whole plan, not built)
+            shape = tuple(request.shard_shape)
+            src = wholes.get(shape)
+            if src is None:
+                src = wholes[shape] = tuple(slice(0, n) for n in shape)
+            reads.append(ShardRead(key, whole[0], whole[1], src, dest))
+            continue
+        plan = plan_tensor_read(request, entry, source.path)
         if plan.zero_fill:
             dest.zero_()
         if isinstance(plan, FlatReadPlan):

@@ -193,7 +193,7 @@ class TensorStoreIO(TensorStoreWrites):
                     not tensorstore and handle in self._metadata):
                 continue
             self._check_contained(writer)
-            packed = self._packed.get((writer, (key, index)))
+            packed = self._packed.shard(writer, key, index)
             if packed is not None:
                 views[handle] = ((writer, packed[0]), packed[1], packed[2])
                 pack_keys.setdefault((writer, packed[0]), []).append((key, packed[1] + math.prod(packed[2])))
@@ -232,7 +232,7 @@ class TensorStoreIO(TensorStoreWrites):
     def read_into(self, reads: Iterable[ShardRead]) -> int:
         """Perform the :class:`ShardRead` s; each ``dest`` (a CPU tensor view) receives
         ``stored[src]`` converted to its dtype. Returns bytes read. Packed shards: :func:`pack_runs`."""
-        places = [(r, self._packed.get((r.writer, (r.key, r.index)))) for r in reads]
+        places = [(r, self._packed.shard(r.writer, r.key, r.index)) for r in reads]
         plain, packed = [r for r, p in places if p is None], [(r, p) for r, p in places if p is not None]
         session, plain = self._start_direct(plain)
         try:
