@@ -105,18 +105,61 @@ def is_rank_dir_name(name: str) -> bool:
 
 
 def is_checkpoint_dir(path: str) -> bool:
-    """A directory that this library wrote (committed or not), by our own markers only: the commit
-    marker, a ``metadata.json`` naming our format, or a ``data/rank_NNNNN/`` tree. A folder that
-    merely holds a ``data/`` folder (a directory of checkpoints beside the training data, say) is not."""
-    if _is_regular_file(os.path.join(path, COMMIT_MARKER)) or _names_our_format(os.path.join(path, METADATA_FILE)):
+    """A directory that this library wrote (committed or not), by our own markers only: a commit marker
+    of ours (:func:`is_our_marker`), a ``metadata.json`` naming our format, or (a save torn before
+    either) nothing but our entries around a ``data/`` of rank stores (:func:`_only_rank_stores`). A file
+    merely named ``COMMITTED``, a ``data/rank_00000/`` of a user's files, a folder holding a ``data/``
+    folder (checkpoints beside the training data, say) are not: what is ours is removed whole."""
+    if is_our_marker(path) or _names_our_format(os.path.join(path, METADATA_FILE)):
         return True
-    data = os.path.join(path, DATA_DIR)
     try:
-        if os.path.islink(data) or not os.path.isdir(data):
-            return False
-        return any(_RANK_DIR.fullmatch(n) and os.path.isdir(os.path.join(data, n)) for n in os.listdir(data))
+        top = os.listdir(path)
+        return DATA_DIR in top and set(top) <= _OUR_ENTRIES and _only_rank_stores(os.path.join(path, DATA_DIR))
     except OSError:
         return False
+
+
+#: The fields every commit marker this library wrote holds, from its first version on (later ones added
+#: the checksums; a relayout keeps its source's and sets ``committed_unix``; a tier adds its run).
+_MARKER_ALWAYS = ("bytes", "world_size", "committed_unix")
+#: What a save writes in a checkpoint directory (``.writing``: a staging directory's owner notes).
+_OUR_ENTRIES = frozenset({DATA_DIR, COMMON_FILE, METADATA_FILE, COMMIT_MARKER, ".writing"})
+#: A rank store's own entries: an OCDBT database's ``manifest.ocdbt`` and ``d/``, the zarr layout's
+#: ``t/``, ``p/``, ``o/`` folders; tensorstore writes each file through a ``<name>.__lock`` beside it.
+_STORE_DIRS = frozenset({"d", "t", "p", "o"})
+
+
+def is_our_marker(path: str) -> bool:
+    """``path`` holds a commit marker of ours: a regular file ``COMMITTED`` holding a JSON object with
+    the fields every version wrote, each of its type (a file a user named so, empty or not, is not)."""
+    marker_file = os.path.join(path, COMMIT_MARKER)
+    if not _is_regular_file(marker_file):  # a FIFO is never opened
+        return False
+    try:
+        marker = parse_marker(read_inside(marker_file, COMMIT_MARKER, max_bytes=MARKER_CAP), marker_file)
+    except (OSError, CheckpointingError):
+        return False
+    return all(name in marker for name in _MARKER_ALWAYS)
+
+
+def _only_rank_stores(data: str) -> bool:
+    """``data`` is a directory (no link) holding rank stores only (``rank_NNNNN/``, each empty or holding
+    only a store's own entries), at least one."""
+    if os.path.islink(data) or not os.path.isdir(data):
+        return False
+    names = os.listdir(data)
+    return bool(names) and all(_RANK_DIR.fullmatch(n) and _is_store(os.path.join(data, n)) for n in names)
+
+
+def _is_store(store: str) -> bool:
+    if os.path.islink(store) or not os.path.isdir(store):
+        return False
+    for name in os.listdir(store):
+        mode = os.lstat(os.path.join(store, name)).st_mode
+        if not (stat.S_ISDIR(mode) and name in _STORE_DIRS or stat.S_ISREG(mode) and (
+                name == "manifest.ocdbt" or name.endswith(".__lock"))):
+            return False
+    return True
 
 
 def _names_our_format(metadata_file: str) -> bool:
@@ -198,6 +241,15 @@ def _read_committed(given: str, path: str, verify: bool) -> Tuple[Dict[str, Any]
             raise FormatError(f"checkpoint {path}: cannot read {name}: {e.strerror or e}") from None
     marker = parse_marker(raw[COMMIT_MARKER], f"checkpoint {path}: {COMMIT_MARKER}")
     return marker, check_metadata(raw[METADATA_FILE], marker, path, verify)
+
+
+def found_there(path: str) -> str:
+    """What is at ``path`` that is not ours, in a few words, for a refusal to remove it."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return "a file"
+    if os.path.lexists(os.path.join(path, COMMIT_MARKER)) and not is_our_marker(path):
+        return f"its {COMMIT_MARKER} is not a commit marker of ours; {_what_is_there(path)}"
+    return _what_is_there(path)
 
 
 def _what_is_there(path: str) -> str:

@@ -21,8 +21,8 @@ from . import commit as commit_mod
 from . import staging
 from .committed import describe_missing
 from .integrity import check_writer_store, store_bytes
-from .layout import (COMMIT_MARKER, COMMON_FILE, DATA_DIR, FILE_CAPS, METADATA_FILE, MetadataFile, is_checkpoint_dir,
-                     is_committed, is_rank_dir_name, open_metadata, rank_dir)
+from .layout import (COMMIT_MARKER, COMMON_FILE, DATA_DIR, FILE_CAPS, METADATA_FILE, MetadataFile, found_there,
+                     is_checkpoint_dir, is_committed, is_rank_dir_name, open_metadata, rank_dir)
 from .options import StorageOptions
 from .output_files import is_torch_archive, missing_dirs, remove_made_dirs
 from .paths import MARKER_CAP, TreeStats, holds_nothing, kind_of, local_location, read_inside, refuse_link, scan_tree
@@ -250,7 +250,7 @@ class LocalStore(CheckpointStore):
             os.remove(target)
         elif not removable(target):
             raise ArgumentError(f"remove {target}: not a checkpoint of ours, a torch.save file nor a DCP checkpoint "
-                                "(what is there would be lost); leaving it as it is")
+                                f"({found_there(target)}: what is there would be lost); leaving it as it is")
         elif os.path.isdir(target):
             # anything not ours (a stock DCP directory, an empty one) is checked again once renamed aside: the
             # name may hold something else by now (checked here a second time, a changed one was removed whole)

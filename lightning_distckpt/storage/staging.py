@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Set, Tuple
 
 from ..core.errors import CheckpointingError, FormatError, naming_file
-from .layout import COMMIT_MARKER, is_committed, parse_json
+from .layout import COMMIT_MARKER, is_committed, is_our_committed_checkpoint, is_our_marker, parse_json
 from .paths import MARKER_CAP, holds_nothing, read_inside
 
 logger = logging.getLogger(__name__)
@@ -301,9 +301,10 @@ class Leftover:
 
 
 def _superseded(path: str, target: str) -> bool:
-    """``target`` holds a committed checkpoint committed no earlier than the one in ``path``."""
+    """``target`` holds a committed checkpoint of ours committed no earlier than the one in ``path`` (a
+    user's directory there holding files named ``COMMITTED`` and ``metadata.json`` supersedes nothing)."""
     mine = commit_time(path)
-    if mine is None or os.path.islink(target) or not is_committed(target):
+    if mine is None or os.path.islink(target) or not (is_our_committed_checkpoint(target) and is_our_marker(target)):
         return False
     theirs = commit_time(target)
     return theirs is not None and theirs >= mine
