@@ -271,6 +271,9 @@ class CheckpointIndex:
         even_ok = isinstance(version, int) and version >= EVEN_SINCE
         # the common entries checked and built without naming their fields; the rest (and any fault) below
         fast = fast_tensor_entries(tensors, even_ok, data.get("world_size"), rank_stores, MAX_TENSOR_BYTES)
+        if len(fast) == len(tensors):  # every entry built (and checked) there, in the index's order: no loop per key
+            index.tensors.update(fast)
+            tensors = {}
         for key, e in tensors.items():
             if type(key) is str and key in fast:
                 index.tensors[key] = fast[key]

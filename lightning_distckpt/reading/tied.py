@@ -25,6 +25,9 @@ def tie_groups(tensors: Sequence[ShardedTensor],
     as the caller had it (before meta tensors were dropped; None for none); by default their ``data`` now."""
     ids = data_ids if data_ids is not None else [id(t.data) if isinstance(t.data, torch.Tensor) else None
                                                  for t in tensors]
+    held = [i for i in ids[:len(tensors)] if i is not None]
+    if len(set(held)) == len(held):  # no tensor under two keys (almost every template): no list per position
+        return []
     by_id: Dict[int, List[int]] = {}
     for pos, ident in enumerate(ids):
         if ident is not None and pos < len(tensors):

@@ -311,7 +311,8 @@ def _distinct_rows(rows: np.ndarray) -> np.ndarray:
 def _widths(raw: bytes) -> Tuple[int, int, bool]:
     """(bytes a decoded character of ``raw`` takes, bytes a character of its strings takes, whether its
     strings are all ASCII): json decodes the whole text to one str, whose width its widest character sets."""
-    if raw.isascii():
+    ascii_text = raw.isascii()
+    if ascii_text:
         width = 1
     elif json.detect_encoding(raw) != "utf-8":  # UTF-16 / 32 (or a BOM): not ours, taken at its widest
         width = 4
@@ -319,6 +320,8 @@ def _widths(raw: bytes) -> Tuple[int, int, bool]:
         top = int(np.frombuffer(raw, dtype=np.uint8).max())
         width = 4 if top >= 0xF0 else 2 if top >= 0xC4 else 1  # lead bytes of U+10000.. and U+0100..
     strings = width
-    if b"\\u" in raw:
+    # a one-byte search runs ~80x faster than a two-byte one (1 ms for a 1.3 MB index): \u only where \ is
+    escapes = b"\\" in raw and b"\\u" in raw
+    if escapes:
         strings = 4 if _HIGH_SURROGATE.search(raw) else max(strings, 2)
-    return width, strings, raw.isascii() and b"\\u" not in raw
+    return width, strings, ascii_text and not escapes
