@@ -191,7 +191,10 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
             whole = template_from_manifest(man, tensors_metadata(source), target)
             template.update({k: v for k, v in whole.items() if k not in state})
         else:
-            log.warning("checkpoint %s was not saved by lightning_distckpt (no manifest); loading by key", target)
+            # ldc.save's own directories, DCP and other foreign checkpoints: no Lightning manifest, nothing wrong
+            # (a key the state asks for and the checkpoint lacks is still refused by the strict load)
+            log.info("checkpoint %s has no Lightning / Fabric manifest (saved by ldc.save or another tool); "
+                     "loading by key", target)
         return StoredLayout(template, {})
 
     def _trainer_layout(self, target: str, source: RestoreSource, saved: SavedCheckpoint, template: Dict[str, Any],

@@ -171,6 +171,10 @@ def gather_nodes(options: TierOptions, comm: Comm) -> Tuple[NodeMap, str]:
                                 f"share the local directory {root!r}; put '{NODE_PLACEHOLDER}' in local_dir")
     nodes = NodeMap(tuple(names))
     if comm.rank == 0 and options.replicas > nodes.copies(options.replicas):
-        logger.warning("local tier: replicas=%d asked, but only %d other node(s): keeping %d partner copies",
-                       options.replicas, len(nodes.names) - 1, nodes.copies(options.replicas))
+        # One node (a single-host job with the default replicas=1): partner copies cannot exist and a lost
+        # node loses the job anyway, so there is nothing to fix: said at INFO. Several nodes but fewer than
+        # asked: a lost node may take copies the user counted on, a WARNING.
+        level = logging.WARNING if len(nodes.names) > 1 else logging.INFO
+        logger.log(level, "local tier: replicas=%d asked, but only %d other node(s): keeping %d partner copies",
+                   options.replicas, len(nodes.names) - 1, nodes.copies(options.replicas))
     return nodes, local_root(options, names[comm.rank])
