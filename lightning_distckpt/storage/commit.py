@@ -28,6 +28,7 @@ from .paths import MARKER_CAP, holds_nothing, read_inside
 from .safe_pickle import write_file_durable
 from .swap import NO_EXCHANGE_ENV, exchange_paths  # noqa: F401 (NO_EXCHANGE_ENV: tests set it)
 from .workers import KeptWorkers
+from .output_files import is_torch_archive
 from .stock_checkpoints import is_stock_dcp_dir, is_stock_lightning_file
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes,
                       target_of)
@@ -67,8 +68,9 @@ def check_target(target: str) -> None:
     if is_stock_lightning_file(target):  # a stock DDP run's last.ckpt: stock would write over it too
         return
     if os.path.islink(target) or not os.path.isdir(target):
-        raise CheckpointingError(f"checkpoint {target}: exists and is not a directory; refusing to replace it "
-                                 "(a checkpoint is a directory: move it away, or save elsewhere)")
+        what = "a torch.save file, not a Trainer's (fabric.save's, a user's): " if is_torch_archive(target) else ""
+        raise CheckpointingError(f"checkpoint {target}: exists and is not a directory ({what}a checkpoint of ours is "
+                                 "a directory); refusing to replace it: move it away, or save elsewhere")
     if os.listdir(target) and not is_our_committed_checkpoint(target) and not is_stock_dcp_dir(target):
         raise CheckpointingError(
             f"checkpoint {target}: directory exists, is not empty and is not a committed lightning_distckpt "
@@ -388,8 +390,7 @@ def _is_moved_aside(path: str) -> bool:
     return os.path.basename(path).rpartition(STAGING_TAG)[2].partition(".")[2].startswith("old")
 
 
-def _remove(path: str) -> bool:
-    """Remove a replaced checkpoint: a directory, or a stock Lightning checkpoint file."""
+def _remove(path: str) -> bool:  # a replaced checkpoint: a directory, or a stock Lightning checkpoint file
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     else:

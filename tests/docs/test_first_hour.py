@@ -64,6 +64,7 @@ def test_save_onto_a_file_says_a_checkpoint_is_a_directory(tmp_path):
     msg = str(e.value)
     assert str(target) in msg and "exists and is not a directory" in msg
     assert "move it away, or save elsewhere" in msg
+    assert "a torch.save file, not a Trainer's (fabric.save's, a user's)" in msg  # what it is, why it stays
     assert torch.equal(torch.load(target)["w"], torch.ones(2))  # untouched
 
 
