@@ -56,6 +56,25 @@ def _remove_dir(target: str, stock: bool = False) -> None:
     shutil.rmtree(aside)
 
 
+def _remove_file(target: str) -> None:
+    """Remove a checkpoint file (a ``torch.save`` file or an empty one) checked by :func:`removable`: renamed
+    aside first and checked again there, so that what is removed is what was checked (a user's file put at
+    the name meanwhile goes back to it, or stays at the aside name, and is named)."""
+    aside = staging.new_staging_dir(target)
+    os.rename(target, aside)
+    try:
+        ok = stat.S_ISREG(os.lstat(aside).st_mode) and (os.path.getsize(aside) == 0 or is_torch_archive(aside))
+    except OSError:
+        ok = False
+    if not ok:
+        where = target if not os.path.lexists(target) else aside
+        if where == target:
+            os.rename(aside, target)
+        raise ArgumentError(f"remove {target}: something other than a checkpoint file was put at its name while it "
+                            f"was being removed; left as it is at {where}")
+    os.remove(aside)
+
+
 def removable(path: str) -> bool:
     """A checkpoint directory of ours, an empty directory or a stock DCP checkpoint directory (Lightning's
     ``ModelParallelStrategy`` wrote it: a run moved to our strategy rotates past it), or a regular file that
@@ -256,7 +275,7 @@ class LocalStore(CheckpointStore):
             # name may hold something else by now (checked here a second time, a changed one was removed whole)
             _remove_dir(target, stock=not is_checkpoint_dir(target))
         else:
-            os.remove(target)
+            _remove_file(target)
         return True
 
     def _scope(self) -> Tuple[str, Optional[str]]:

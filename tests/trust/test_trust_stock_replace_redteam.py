@@ -290,3 +290,22 @@ def test_clean_leaves_a_stock_directory_and_file(tmp_path):
     before = digest(str(tmp_path))
     assert clean(str(tmp_path), older_than_s=0.0, dry_run=False) == []
     assert digest(str(tmp_path)) == before
+
+
+def test_a_file_changed_after_the_removal_check_is_kept(tmp_path, monkeypatch):
+    """A user's file put at a torch.save checkpoint's name right after ``remove_checkpoint`` found it removable.
+    Before: removed by name, whatever the name held by then."""
+    target = tmp_path / "epoch=0-step=2.ckpt"
+    torch.save({"state_dict": {}}, target)
+    real_removable = local_store.removable
+
+    def removable_then_replace(path):
+        found = real_removable(path)
+        with open(path, "w") as f:  # the user's notes, under the checkpoint's name
+            f.write("mine")
+        return found
+
+    monkeypatch.setattr(local_store, "removable", removable_then_replace)
+    with pytest.raises(ArgumentError, match="other than a checkpoint file was put at its name"):
+        DistCheckpointIO().remove_checkpoint(str(target))
+    assert target.read_text() == "mine" and os.listdir(tmp_path) == [target.name]  # back at its name, nothing aside
