@@ -36,11 +36,10 @@ from ..core.errors import ArgumentTypeError, CheckpointingError
 from ..tiers import LocalTier, TierOptions
 from .model_checkpoint import DistModelCheckpoint
 from .sharded import tree_or_failing
+from .tiers_marker import MARKER_NAME, _marker_folder, _read_marker, _run_of, _touch_marker, is_s3, remove_marker
 
 log = logging.getLogger(__name__)
 
-#: The file in the TierCheckpoint's folder that says local saves were made here.
-MARKER_NAME = "tiers-last.json"
 
 
 def is_tier_marker(path: Any) -> bool:
@@ -70,6 +69,7 @@ class TierCheckpoint(DistModelCheckpoint):
         self.options = options
         self.local_tier: Optional[LocalTier] = None
         self._last_local_step = -1
+        self._marker_run = False  # the tier's run is the one setup found in the marker
         self._marker_seen = False  # the marker exists (this process wrote or found it): no look per local save
         self._staging_reserved = True  # on_train_start clears it: the snapshot memory is reserved once per fit
 
@@ -86,14 +86,35 @@ class TierCheckpoint(DistModelCheckpoint):
             raise CheckpointingError(f"TierCheckpoint needs DistCheckpointStrategy (the local tier holds its sharded "
                                      f"checkpoints), got {type(trainer.strategy).__name__}")
         if self.local_tier is None:
-            self.local_tier = LocalTier(self.options, run=_rank0_agreed(trainer, lambda: self._run(trainer)))
+            run, self._marker_run = _rank0_agreed(trainer, lambda: self._run(trainer))
+            self.local_tier = LocalTier(self.options, run=run)
 
-    def _run(self, trainer: Any) -> Optional[str]:
+    def _run(self, trainer: Any) -> Tuple[Optional[str], bool]:
         """The run this Trainer continues (:class:`LocalTier`'s ``run``): the marker's; a new one without a
-        marker; None (any step, as before runs were recorded) for a marker written without one."""
+        marker; None (any step, as before runs were recorded) for a marker written without one. With it,
+        whether it is the marker's (a fit that then does not resume from the marker starts a new run)."""
         marker = self.marker_path(trainer)
         data = _read_marker(marker) if marker is not None else None
-        return uuid.uuid4().hex if data is None else _run_of(data)
+        return (uuid.uuid4().hex, False) if data is None else (_run_of(data), True)
+
+    def _start_new_run(self, trainer: Any) -> None:
+        """Collective, as a fit trains: one that did not resume from the marker (a fresh start, an explicit
+        checkpoint) is a new run even where the marker names one (an earlier job's, given this folder): its
+        saves never count as that run's, nor that run's steps as its own. The marker goes (rank 0; its first
+        local save writes its own), so ``ckpt_path="last"`` never resumes the earlier run's steps."""
+        marker = self.marker_path(trainer)
+        resumed = trainer.ckpt_path is not None and marker is not None and is_tier_marker(trainer.ckpt_path) \
+            and os.path.normpath(str(trainer.ckpt_path)) == os.path.normpath(marker)
+        if self.local_tier is None or not self._marker_run or resumed or marker is None:
+            return
+        old, run = self.local_tier.run, _rank0_agreed(trainer, lambda: uuid.uuid4().hex)
+        self.local_tier.start_run(run)
+        self._marker_run, self._marker_seen = False, False
+        if _rank0_agreed(trainer, lambda: remove_marker(marker, old)):
+            log.warning("tiers: this fit does not resume from %s (ckpt_path=%r): it starts a new run, and the local "
+                        "steps of run %s in %s are not resumed; the marker is removed (its first local save writes "
+                        "this run's). Give each job its own checkpoint folder and local_dir", marker,
+                        trainer.ckpt_path, old, self.options.local_dir)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """The step training starts (or resumes) from needs no local save: with gradient accumulation,
@@ -101,6 +122,8 @@ class TierCheckpoint(DistModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._last_local_step = trainer.global_step
         self._staging_reserved = False
+        if not self._skip(trainer):
+            self._start_new_run(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Ahead of a local save: its room made as the step starts (:meth:`_begin_local`); once per fit,
@@ -249,65 +272,6 @@ def _rank0_agreed(trainer: Any, what: Callable[[], Any]) -> Any:
     if error is not None:
         raise CheckpointingError(f"tiers: {error}")
     return value
-
-
-def is_s3(path: str) -> bool:
-    return path.startswith("s3://")
-
-
-def _marker_folder(marker: str) -> Any:
-    """The object store of the ``s3://`` folder holding ``marker``."""
-    from ..storage.s3 import ObjectStore
-    from ..storage.options import StorageOptions
-
-    return ObjectStore(marker[:-len(MARKER_NAME)].rstrip("/"), StorageOptions())
-
-
-def _run_of(marker_data: bytes) -> Optional[str]:
-    """The run a marker names; None for one written before runs were recorded, or not a marker of ours."""
-    try:
-        run = json.loads(marker_data).get("run")
-    except (ValueError, AttributeError):  # written by hand, or damaged
-        return None
-    return run if isinstance(run, str) else None
-
-
-def _read_marker(marker: str) -> Optional[bytes]:
-    """The marker's bytes (at most 64 KiB: it is ~200), None where there is none (a link is none of ours);
-    one that cannot be read is an error, not none (a new run would never resume the marker's run's steps)."""
-    try:
-        if is_s3(marker):
-            return _marker_folder(marker).read(MARKER_NAME)
-        if os.path.islink(marker) or not os.path.isfile(marker):
-            return None
-        with open(marker, "rb") as f:
-            return f.read(1 << 16)
-    except (OSError, CheckpointingError) as e:
-        raise CheckpointingError(f"reading the marker {marker} failed ({e}): the run whose local steps "
-                                 "this Trainer continues is unknown") from None
-
-
-def _touch_marker(marker: str) -> bool:
-    """Whether the marker exists; if so its modification time is made now (the newest ``last`` candidate).
-    Every rank alone, before any process group exists: the S3 object written again with its own bytes
-    (identical concurrent writes are harmless), fsspec's cached listing dropped (``modified`` asks S3 again)."""
-    if not is_s3(marker):
-        if os.path.islink(marker) or not os.path.isfile(marker):  # a link's target is not ours to touch
-            return False
-        os.utime(marker, follow_symlinks=False)
-        return True
-    folder = _marker_folder(marker)
-    data = folder.read(MARKER_NAME)
-    if data is None:
-        return False
-    folder.write(MARKER_NAME, data)
-    try:
-        from lightning.fabric.utilities.cloud_io import get_filesystem
-
-        get_filesystem(marker).invalidate_cache()
-    except Exception as e:  # noqa: BLE001 - without s3fs Lightning cannot resolve "last" on S3 at all
-        log.debug("tiers: dropping fsspec's cache for %s failed: %s", marker, e)
-    return True
 
 
 def tier_callback(trainer: Any) -> Optional[TierCheckpoint]:

@@ -12,6 +12,7 @@ A tier whose group a newer tier took is finished (its background work first) and
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
@@ -127,6 +128,17 @@ class LocalTier:
     def run(self) -> Optional[str]:
         """The run this tier saves as and recovers (rank 0's ``run``)."""
         return self._ctx.run
+
+    def start_run(self, run: Optional[str]) -> None:
+        """Collective (waits for the background work, as :meth:`wait`). From now on saves record ``run`` and
+        only its steps are recovered: a job that found another run's name (the Trainer's marker of another
+        job) and does not resume it."""
+        self._check_open()
+        _check_run(run)
+        self.wait()
+        self._ctx = dataclasses.replace(self._ctx, run=run)
+        self._ready.clear()
+        self._holdings = None
 
     @property
     def root(self) -> str:
