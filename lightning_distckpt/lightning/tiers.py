@@ -36,7 +36,8 @@ from ..core.errors import ArgumentTypeError, CheckpointingError
 from ..tiers import LocalTier, TierOptions
 from .model_checkpoint import DistModelCheckpoint
 from .sharded import tree_or_failing
-from .tiers_marker import MARKER_NAME, _marker_folder, _read_marker, _run_of, _touch_marker, is_s3, remove_marker
+from .tiers_marker import (MARKER_NAME, _marker_folder, _read_marker, _run_of, _touch_marker, is_s3, remove_marker,
+                           resumes_run)
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,11 @@ class TierCheckpoint(DistModelCheckpoint):
         saves never count as that run's, nor that run's steps as its own. The marker goes (rank 0; its first
         local save writes its own), so ``ckpt_path="last"`` never resumes the earlier run's steps."""
         marker = self.marker_path(trainer)
-        resumed = trainer.ckpt_path is not None and marker is not None and is_tier_marker(trainer.ckpt_path) \
-            and os.path.normpath(str(trainer.ckpt_path)) == os.path.normpath(marker)
-        if self.local_tier is None or not self._marker_run or resumed or marker is None:
+        if self.local_tier is None or not self._marker_run or marker is None:
+            return
+        # rank 0's view: Lightning resolved ckpt_path on each rank alone, and the branches below are collective
+        if _rank0_agreed(trainer, lambda: resumes_run(trainer.ckpt_path, marker)):
+            self._marker_run = False  # the run is this job's own now: a later fit of this Trainer continues it
             return
         old, run = self.local_tier.run, _rank0_agreed(trainer, lambda: uuid.uuid4().hex)
         self.local_tier.start_run(run)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 from typing import Any, Optional
 
 from ..core.errors import CheckpointingError
+from .slurm_requeue import is_requeue_save
 
 log = logging.getLogger("lightning_distckpt.lightning.tiers")
 
@@ -72,6 +74,22 @@ def _touch_marker(marker: str) -> bool:
     except Exception as e:  # noqa: BLE001 - without s3fs Lightning cannot resolve "last" on S3 at all
         log.debug("tiers: dropping fsspec's cache for %s failed: %s", marker, e)
     return True
+
+
+def resumes_run(ckpt_path: Any, marker: str) -> bool:
+    """Whether a fit from ``ckpt_path`` (as Lightning resolved it) continues the run ``marker`` names: the marker
+    itself however it was spelled (relative, through a linked folder, a ``Path``), or the checkpoint Lightning's
+    SLURM auto-requeue saved and resumes from (``hpc_ckpt_<N>.ckpt``: the same job, requeued)."""
+    if ckpt_path is None:
+        return False
+    path = os.fspath(ckpt_path) if isinstance(ckpt_path, os.PathLike) else str(ckpt_path)
+    if is_requeue_save(path):
+        return True
+    if os.path.basename(path) != MARKER_NAME:
+        return False
+    if is_s3(path) or is_s3(marker):  # no links in a bucket; "//" and "/./" are spelling
+        return is_s3(path) and is_s3(marker) and posixpath.normpath(path[5:]) == posixpath.normpath(marker[5:])
+    return os.path.realpath(path) == os.path.realpath(marker)
 
 
 def remove_marker(marker: str, run: Optional[str]) -> bool:
