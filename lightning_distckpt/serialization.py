@@ -188,13 +188,7 @@ def load(
     where = shared.path if shared is not None else getattr(checkpoint_dir, "location", checkpoint_dir)
     if validate_access_integrity:  # Megatron-Core's check of the templates, on every rank before anything is read
         check_access_integrity(from_megatron_leaves(sharded_state_dict), comm, str(where))
-    try:
-        sharded_state_dict = shard_tensors(from_megatron_leaves(sharded_state_dict), comm.rank)
-    except Exception as e:  # this rank's template alone may be wrong (two leaves giving one key)
-        if comm.size == 1:
-            raise
-        # the others would wait for this rank in the loader's first collective: it fails there, on every rank
-        opener = functools.partial(_raise, e)
+    sharded_state_dict, opener = _sharded_template(sharded_state_dict, comm, opener)
     if not common:
         opener = _template_only(opener)
     opener = located(with_cast(opener, cast), str(where))  # named alike by every rank when one cannot open it
@@ -203,6 +197,18 @@ def load(
     if strict.returns_keys:
         return state, missing, unexpected
     return state
+
+
+def _sharded_template(template: Any, comm: Any, opener: Any) -> Tuple[Any, Any]:
+    """``template`` with Megatron-Core's leaves as ours and DTensors / plain tensors as sharded tensors, and
+    ``opener``. This rank's template alone may be wrong (two leaves giving one key): the others would wait for
+    it in the loader's first collective, so the opener raises the error there, on every rank."""
+    try:
+        return shard_tensors(from_megatron_leaves(template), comm.rank), opener
+    except Exception as e:
+        if comm.size == 1:
+            raise
+        return template, functools.partial(_raise, e)
 
 
 def _raise(error: BaseException) -> Any:

@@ -103,13 +103,11 @@ class DistCheckpointIO(CheckpointIO):
         self.extra_safe_globals = tuple(extra_safe_globals) + self.config.safe_global_types
         self._saver: Optional[AsyncSaver] = None  # made on the first async save, local or collective
         self._pending: Optional[AsyncSaveRequest] = None
-        # Links to the pending save's target when issued: a failure repoints those made since, not a user's own
-        self._linked_before: List[str] = []
+        self._linked_before: List[str] = []  # links to the pending save's target: a failure repoints only newer
         # Synchronous collective saves reuse the last validated plan when no rank's layout changed
         # (one round trip instead of the records' gather and the plans' scatter; async saves: the saver's).
         self._plan_cache = SavePlanCache(self.extra_safe_globals)
-        # Removals asked for while a background save is in flight (ModelCheckpoint drops the old
-        # top-k right after saving the new one): done only once the new checkpoint is committed.
+        # Removals asked for during a background save (ModelCheckpoint's old top-k): done once it commits
         self._deferred_removals: List[str] = []
         self.step_boundary_commits = 0  # background saves committed by finalize_if_done
         # Our strategies turn background saves off between their teardown and their next run: a save
