@@ -205,13 +205,13 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
     def _staged_bytes_estimate(self) -> Tuple[int, bool]:
         """What a save stages on this rank (see :func:`shard_tree`): the local shards of its DTensors
         (parameters and optimizer moments), each shared among the ranks holding a replica of it, and
-        its plain tensors, replicated on every rank; and whether any is on an accelerator."""
+        on rank 0 its plain tensors (rank 0 writes them); and whether any is on an accelerator."""
         assert self.lightning_module is not None
         tensors = [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
         tensors += [v for o in self._raw_optimizers() for st in o.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return staged_share([_held(t, self.global_rank, self.world_size) for t in tensors],
-                            self.checkpoint_io.config.balance_writes)
+        held = [_held(t, self.global_rank, self.world_size) for t in tensors]  # plain ones: rank 0 writes them
+        return staged_share([h for h in held if h[2] or h[1] > 1], self.checkpoint_io.config.balance_writes)
 
     # -- save and load ---------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -383,9 +383,9 @@ def _by_name(restored: Dict[str, Any]) -> Dict[str, Any]:
 
 def _held(t: torch.Tensor, rank: int, world_size: int) -> Held:
     """``t`` as :func:`shard_tree` describes it here: a DTensor's local shard, replicated over its ``Replicate()`` dims
-    and a sub-mesh's copies (main at coordinates 0, on rank 0's sub-mesh); a plain tensor everywhere (main: rank 0)."""
+    and a sub-mesh's copies (main at coordinates 0, on rank 0's sub-mesh); a plain tensor written by rank 0 alone."""
     if not isinstance(t, DTensor):
-        return t.detach(), world_size, rank == 0
+        return t.detach(), 1, rank == 0
     mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate()
     dims = [i for i, p in enumerate(t.placements) if isinstance(p, Replicate)]
     replicas = math.prod(mesh.size(i) for i in dims) * max(1, world_size // mesh.size())  # and the sub-mesh's copies
