@@ -32,6 +32,7 @@ import shlex
 import shutil
 import socket
 import stat
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ OWNERS_DIR = ".writing"
 # _live_owners does not count (a pid reused by a later container), yet an async save in a
 # thread of this process is as live as any.
 _OWN_STAGING: Set[str] = set()
+_OWN_LOCK = threading.Lock()  # saves in several threads (an async save's, a local tier's) note theirs at once
 _MAX_NOTE_BYTES = 1 << 16  # a note is ~100 bytes: more is not one of ours
 
 
@@ -109,7 +111,8 @@ def target_of(staging: str) -> str:
 def discard(staging: Optional[str]) -> None:
     """Remove an uncommitted staging directory (after a failed save)."""
     if staging and is_staging_dir(staging):
-        _OWN_STAGING.discard(os.path.abspath(staging))
+        with _OWN_LOCK:
+            _OWN_STAGING.discard(os.path.abspath(staging))
         shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -138,9 +141,9 @@ def parent_lock(parent: str, exclusive: bool) -> Iterator[None]:
 
 def write_owner_note(staging: str, rank: int) -> None:
     """Record that this process is writing into ``staging`` (a hint for ``clean``; not fsync'd)."""
-    for gone in [p for p in _OWN_STAGING if not os.path.lexists(p)]:  # committed or discarded elsewhere
-        _OWN_STAGING.discard(gone)
-    _OWN_STAGING.add(os.path.abspath(staging))
+    with _OWN_LOCK:  # iterated here while another thread's save adds or discards its own
+        _OWN_STAGING.difference_update([p for p in _OWN_STAGING if not os.path.lexists(p)])  # committed elsewhere
+        _OWN_STAGING.add(os.path.abspath(staging))
     notes = os.path.join(staging, OWNERS_DIR)
     os.makedirs(notes, exist_ok=True)
     note = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "started_unix": time.time()}
@@ -152,14 +155,17 @@ def write_owner_note(staging: str, rank: int) -> None:
 def remove_owner_notes(staging: str) -> None:
     """Called by the commit once its marker is durable, before the rename (committed checkpoints
     hold no notes): every rank's note stays until then, so ``clean`` sees the save as running."""
-    _OWN_STAGING.discard(os.path.abspath(staging))
+    with _OWN_LOCK:
+        _OWN_STAGING.discard(os.path.abspath(staging))
     shutil.rmtree(os.path.join(staging, OWNERS_DIR), ignore_errors=True)
 
 
 def live_owner_pids(staging: str) -> Tuple[int, ...]:
     """Processes on this host writing into ``staging`` (this one included) that still run."""
     pids = set(_live_owners(staging))
-    if os.path.abspath(staging) in _OWN_STAGING:
+    with _OWN_LOCK:
+        own = os.path.abspath(staging) in _OWN_STAGING
+    if own:
         pids.add(os.getpid())
     return tuple(sorted(pids))
 
