@@ -49,10 +49,6 @@ class SafetensorsFile:
         self._start = header.data_start
         self._crcs = recorded_crcs(header.metadata, path)  # a file we wrote: each tensor's CRC-32C
 
-    def close(self) -> None:
-        """Close the file (tensors already read, and ``mapped`` views, stay valid)."""
-        self._file.close()
-
     def __del__(self) -> None:  # the file lives as long as its reader: closed with it, not left to the GC
         file = getattr(self, "_file", None)
         if file is not None:
