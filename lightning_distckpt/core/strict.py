@@ -12,6 +12,7 @@ from .errors import ArgumentError, MissingKeysError
 from .shown import quoted
 
 logger = logging.getLogger(__name__)
+_COMPILED = "_orig_mod."  # torch.compile's OptimizedModule holds the module under this name
 # How each entry point skips keys its template asks for but the checkpoint lacks.
 SKIP_HINT = ("to skip them: load(..., strict=StrictHandling.LOG_UNEXPECTED / LOG_ALL / RETURN_ALL / IGNORE_ALL); "
              "load_module_weights / fabric.load: strict=False; a Trainer under our strategies: "
@@ -136,10 +137,20 @@ def check_keys(strict: StrictHandling, checkpoint_dir: str, missing: Iterable[st
 
 def _close_keys(unexpected: AbstractSet[str], stored: Collection[str], shown: int = 5) -> str:
     """The checkpoint's keys close to the first unexpected ones (a misspelled or renamed template
-    key): `` Did you mean: 'a.weight' for 'a.wieght'?``; "" when none is close."""
-    pairs = []
+    key): `` Did you mean: 'a.weight' for 'a.wieght'?``; "" when none is close. A key that differs only
+    by ``torch.compile``'s ``_orig_mod.`` (a submodule compiled on one side only) is named as such: its
+    plain spelling is too far from the compiled one for a close match of short keys."""
+    uncompiled = {k.replace(_COMPILED, ""): k for k in stored if _COMPILED in k}
+    stored_set = set(stored)
+    pairs, compiled = [], False
     for key in sorted(unexpected)[:shown]:
-        close = difflib.get_close_matches(key, stored, 1, 0.8) if stored else []
+        match = uncompiled.get(key) or (key.replace(_COMPILED, "") if _COMPILED in key else None)
+        if match is not None and match in stored_set:
+            close, compiled = [match], True
+        else:
+            close = difflib.get_close_matches(key, stored, 1, 0.8) if stored else []
         if close:
             pairs.append(f"{quoted(close[0])} for {quoted(key)}")
-    return f" Did you mean: {', '.join(pairs)}? (checkpoint keys)" if pairs else ""
+    hint = (f" ({_COMPILED!r} is what torch.compile adds to a compiled submodule's keys: compile the same "
+            "submodules as the saved model, or the whole model, which Lightning and Fabric unwrap)") if compiled else ""
+    return f" Did you mean: {', '.join(pairs)}? (checkpoint keys){hint}" if pairs else ""
