@@ -27,7 +27,7 @@ from typing import Collection, List, Optional
 
 from ..core.errors import ArgumentError
 from ..storage.committed import committed_siblings
-from ..storage.local_store import removable
+from ..storage.local_store import describe_refused, removable
 from ..storage.swap import swap_into_place
 
 logger = logging.getLogger(__name__)
@@ -108,36 +108,41 @@ def repoint_last_links(failed_target: str, linked_before: Optional[Collection[st
 
 def link_last(filepath: str, linkpath: str) -> None:
     """Point ``linkpath`` at ``filepath`` (relative, as ``ModelCheckpoint`` links), replacing what is there
-    atomically: a link or a ``torch.save`` file by a rename over it, a directory (a ``save_last=True``
-    checkpoint) by ``renameat2(RENAME_EXCHANGE)`` with the new link, then removed (where the file system
+    atomically: a link by a rename over it, a file or a directory (a ``save_last=True`` checkpoint) by
+    ``renameat2(RENAME_EXCHANGE)`` with the new link, then removed once checked again (where the file system
     has no exchange: renamed aside first). Anything but a link, a checkpoint of ours, an empty directory or
-    a ``torch.save`` file there is an ArgumentError naming it, and stays (Lightning removed whatever was
-    there). Another job linking the same name at once is fine: the later rename wins."""
+    file, or a stock Lightning checkpoint (a file ``TorchCheckpointIO`` wrote, a DCP directory) there is an
+    ArgumentError naming it, and stays (Lightning removed whatever was there; a user's ``torch.save`` file
+    too). Another job linking the same name at once is fine: the later rename wins."""
     folder = os.path.dirname(os.path.abspath(linkpath))
     tmp = os.path.join(folder, f".{os.path.basename(linkpath)}.{secrets.token_hex(6)}.tmp")
     if os.path.lexists(linkpath) and not os.path.islink(linkpath) and not removable(linkpath):
-        raise ArgumentError(f"ModelCheckpoint: {linkpath} is not a checkpoint (what is there would be lost); not "
-                            f"replaced by a link to {filepath}: move it away")
+        raise ArgumentError(f"ModelCheckpoint: {linkpath} is not a checkpoint ({describe_refused(linkpath)}: what "
+                            f"is there would be lost); not replaced by a link to {filepath}: move it away")
     os.symlink(os.path.relpath(filepath, folder), tmp)
     old = None
     try:
-        if not (os.path.isdir(linkpath) and not os.path.islink(linkpath)):
+        if os.path.islink(linkpath) or not os.path.lexists(linkpath):
             os.replace(tmp, linkpath)
-        else:  # a rename cannot replace a directory: swapped (the old one put back if the link cannot be made)
+        else:  # swapped, not renamed over: what comes out is checked again (the old one put back if need be)
             old = swap_into_place(tmp, linkpath, f"{tmp}.old")
     finally:
-        _remove_replaced(tmp)  # the directory exchanged out, or our link where the rename failed
+        _remove_replaced(tmp)  # what was exchanged out, or our link where the rename failed
     if old is not None and old != tmp:
         _remove_replaced(old)
 
 
 def _remove_replaced(path: str) -> None:
-    """Remove what :func:`link_last` moved out of the way: a link (never its target), a file, or a
-    directory that is still one it may remove (checked again: it was checked before it was moved)."""
-    if os.path.islink(path) or os.path.isfile(path):
+    """Remove what :func:`link_last` moved out of the way: a link (never its target), or a file or
+    directory that is still one it may remove (checked again: it was checked before it was moved, and
+    the name may have held something else by the time of the swap)."""
+    if os.path.islink(path):
         os.remove(path)
-    elif os.path.isdir(path):
-        if removable(path):
+    elif os.path.lexists(path):
+        if not removable(path):
+            logger.warning("%s: replaced by a link, it is not a checkpoint (%s); left here", path,
+                           describe_refused(path))
+        elif os.path.isdir(path):
             shutil.rmtree(path)
         else:
-            logger.warning("%s: replaced by a link, it is not a checkpoint of ours; left here", path)
+            os.remove(path)

@@ -27,7 +27,7 @@ from .options import StorageOptions
 from .output_files import is_torch_archive, missing_dirs, remove_made_dirs
 from .paths import MARKER_CAP, TreeStats, holds_nothing, kind_of, local_location, read_inside, refuse_link, scan_tree
 from .safe_pickle import write_file_durable
-from .stock_checkpoints import is_stock_dcp_dir
+from .stock_checkpoints import is_stock_dcp_dir, is_stock_lightning_file
 from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 
 logger = logging.getLogger(__name__)
@@ -57,36 +57,51 @@ def _remove_dir(target: str, stock: bool = False) -> None:
 
 
 def _remove_file(target: str) -> None:
-    """Remove a checkpoint file (a ``torch.save`` file or an empty one) checked by :func:`removable`: renamed
-    aside first and checked again there, so that what is removed is what was checked (a user's file put at
-    the name meanwhile goes back to it, or stays at the aside name, and is named)."""
+    """Remove a checkpoint file checked by :func:`removable` (a stock Lightning checkpoint file or an empty
+    one): renamed aside first and checked again there, so that what is removed is what was checked (a user's
+    file put at the name meanwhile goes back to it, or stays at the aside name, and is named)."""
     aside = staging.new_staging_dir(target)
     os.rename(target, aside)
-    try:
-        ok = stat.S_ISREG(os.lstat(aside).st_mode) and (os.path.getsize(aside) == 0 or is_torch_archive(aside))
-    except OSError:
-        ok = False
-    if not ok:
+    if not _removable_file(aside):
         where = target if not os.path.lexists(target) else aside
         if where == target:
             os.rename(aside, target)
         raise ArgumentError(f"remove {target}: something other than a checkpoint file was put at its name while it "
-                            f"was being removed; left as it is at {where}")
+                            f"was being removed ({describe_refused(where)}); left as it is at {where}")
     os.remove(aside)
+
+
+def _removable_file(path: str) -> bool:
+    """A regular file (not a link) that a removal may delete: a stock Lightning checkpoint file
+    (:func:`.stock_checkpoints.is_stock_lightning_file`: stock DDP's ``epoch=...ckpt``, which a run moved from
+    stock to ours rotates past) or an empty one (a torn stock save). Any other ``torch.save`` file
+    (``torch.save(model.state_dict(), ...)``, ``fabric.save``'s, a data set's tensors) is a user's, as it is
+    to a save's target check (``commit.check_target``)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and (st.st_size == 0 or is_stock_lightning_file(path))
+
+
+def describe_refused(path: str) -> str:
+    """What is at ``path`` that a removal or relinking refuses, in a few words (:func:`.layout.found_there`; a
+    ``torch.save`` file that no Trainer wrote said to be one, as a save's refusal says it)."""
+    if os.path.isfile(path) and not os.path.islink(path) and is_torch_archive(path):
+        return "a torch.save file, not a Trainer's (fabric.save's, a user's)"
+    return found_there(path)
 
 
 def removable(path: str) -> bool:
     """A checkpoint directory of ours, an empty directory or a stock DCP checkpoint directory (Lightning's
     ``ModelParallelStrategy`` wrote it: a run moved to our strategy rotates past it), or a regular file that
-    ``torch.save`` wrote (or an empty one)."""
+    is a stock Lightning checkpoint (or an empty one: :func:`_removable_file`)."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
             return is_checkpoint_dir(path) or not os.listdir(path) or is_stock_dcp_dir(path)
-        if os.path.isfile(path) and not os.path.islink(path):
-            return os.path.getsize(path) == 0 or is_torch_archive(path)
     except OSError:
         return False
-    return False
+    return _removable_file(path)
 
 
 class LocalStore(CheckpointStore):
@@ -253,23 +268,23 @@ class LocalStore(CheckpointStore):
         return is_committed(self.location)
 
     def remove(self) -> bool:
-        """The checkpoint at this location, if it is one: a directory of ours (or an empty one), a
-        ``torch.save`` file or a DCP directory (a stock Lightning checkpoint), or a link (``save_last="link"`` made it:
-        the link only, never what it points at) to one of those or to nothing. Anything else (a
-        user's directory or file at a path ``ModelCheckpoint`` tracks) is an ArgumentError naming
-        it, and nothing is removed. False when nothing is there."""
+        """The checkpoint at this location, if it is one: a directory of ours (or an empty one), a stock
+        Lightning checkpoint (a file ``TorchCheckpointIO`` wrote, or an empty file; a DCP directory), or a link
+        (``save_last="link"`` made it: the link only, never what it points at) to one of those or to nothing.
+        Anything else (a user's directory or file at a path ``ModelCheckpoint`` tracks, a ``torch.save`` file
+        of theirs included) is an ArgumentError naming it, and nothing is removed. False when nothing is there."""
         target = self.location
         if not os.path.lexists(target):
             return False
         if os.path.islink(target):
             dest = os.path.realpath(target)
             if os.path.lexists(dest) and not removable(dest):
-                raise ArgumentError(f"remove {target}: a link to {dest}, which is not a checkpoint; "
-                                    "leaving both as they are")
+                raise ArgumentError(f"remove {target}: a link to {dest}, which is not a checkpoint "
+                                    f"({describe_refused(dest)}); leaving both as they are")
             os.remove(target)
         elif not removable(target):
-            raise ArgumentError(f"remove {target}: not a checkpoint of ours, a torch.save file nor a DCP checkpoint "
-                                f"({found_there(target)}: what is there would be lost); leaving it as it is")
+            raise ArgumentError(f"remove {target}: not a checkpoint of ours nor a stock Lightning checkpoint "
+                                f"({describe_refused(target)}: what is there would be lost); leaving it as it is")
         elif os.path.isdir(target):
             # anything not ours (a stock DCP directory, an empty one) is checked again once renamed aside: the
             # name may hold something else by now (checked here a second time, a changed one was removed whole)

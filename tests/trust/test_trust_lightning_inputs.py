@@ -1,7 +1,7 @@
 """Hostile or mistaken input at the Lightning layer: what a red-team probe found.
 
 * ``DistCheckpointIO.remove_checkpoint`` (``ModelCheckpoint``'s top-k removal) removes a checkpoint of
-  ours, an empty directory, a ``torch.save`` file, or a link (the link only) to one of those or to
+  ours, an empty directory, a stock Lightning checkpoint file, or a link (the link only) to one of those or to
   nothing; a user's directory or file at that path is an ArgumentError and stays, as does a link's
   target.
 * A checkpoint whose manifest (read from its common state) has a kind that is no string, or an
@@ -55,7 +55,7 @@ def test_remove_checkpoint_removes_only_checkpoints_and_links(tmp_path):
     io.remove_checkpoint(dangling)
     assert not os.path.lexists(dangling)
     stock = tmp_path / "stock.ckpt"
-    torch.save({"state_dict": {"w": torch.ones(2)}}, stock)  # a stock Lightning checkpoint file
+    torch.save({"state_dict": {"w": torch.ones(2)}, "pytorch-lightning_version": "2.6.0"}, stock)  # stock's
     io.remove_checkpoint(stock)
     empty = tmp_path / "empty"
     empty.mkdir()

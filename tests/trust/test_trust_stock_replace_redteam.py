@@ -293,10 +293,10 @@ def test_clean_leaves_a_stock_directory_and_file(tmp_path):
 
 
 def test_a_file_changed_after_the_removal_check_is_kept(tmp_path, monkeypatch):
-    """A user's file put at a torch.save checkpoint's name right after ``remove_checkpoint`` found it removable.
+    """A user's file put at a stock Lightning file's name right after ``remove_checkpoint`` found it removable.
     Before: removed by name, whatever the name held by then."""
     target = tmp_path / "epoch=0-step=2.ckpt"
-    torch.save({"state_dict": {}}, target)
+    stock_file(target)
     real_removable = local_store.removable
 
     def removable_then_replace(path):
