@@ -29,7 +29,7 @@ from .safe_pickle import write_file_durable
 from .swap import NO_EXCHANGE_ENV, exchange_paths  # noqa: F401 (NO_EXCHANGE_ENV: tests set it)
 from .workers import KeptWorkers
 from .output_files import is_torch_archive
-from .stock_checkpoints import is_stock_dcp_dir, is_stock_lightning_file
+from .stock_checkpoints import USER_TORCH_FILE, is_stock_dcp_dir, is_stock_lightning_file
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_staging_dir, live_owner_pids, remove_owner_notes,
                       target_of)
 
@@ -68,7 +68,7 @@ def check_target(target: str) -> None:
     if is_stock_lightning_file(target):  # a stock DDP run's last.ckpt: stock would write over it too
         return
     if os.path.islink(target) or not os.path.isdir(target):
-        what = "a torch.save file, not a Trainer's (fabric.save's, a user's): " if is_torch_archive(target) else ""
+        what = f"{USER_TORCH_FILE}: " if is_torch_archive(target) else ""
         raise CheckpointingError(f"checkpoint {target}: exists and is not a directory ({what}a checkpoint of ours is "
                                  "a directory); refusing to replace it: move it away, or save elsewhere")
     if os.listdir(target) and not is_our_committed_checkpoint(target) and not is_stock_dcp_dir(target):

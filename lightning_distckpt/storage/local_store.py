@@ -27,7 +27,7 @@ from .options import StorageOptions
 from .output_files import is_torch_archive, missing_dirs, remove_made_dirs
 from .paths import MARKER_CAP, TreeStats, holds_nothing, kind_of, local_location, read_inside, refuse_link, scan_tree
 from .safe_pickle import write_file_durable
-from .stock_checkpoints import is_stock_dcp_dir, is_stock_lightning_file
+from .stock_checkpoints import USER_TORCH_FILE, is_stock_dcp_dir, is_stock_lightning_file
 from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def describe_refused(path: str) -> str:
     """What is at ``path`` that a removal or relinking refuses, in a few words (:func:`.layout.found_there`; a
     ``torch.save`` file that no Trainer wrote said to be one, as a save's refusal says it)."""
     if os.path.isfile(path) and not os.path.islink(path) and is_torch_archive(path):
-        return "a torch.save file, not a Trainer's (fabric.save's, a user's)"
+        return USER_TORCH_FILE
     return found_there(path)
 
 

@@ -28,6 +28,8 @@ from .output_files import is_torch_archive
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint.filesystem's _metadata_fn
 LIGHTNING_META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 _DISTCP = re.compile(r"__[0-9]+_[0-9]+\.distcp")  # FileSystemWriter: f"__{rank}_{n}.distcp"
+#: what a torch.save file that is no stock Lightning checkpoint is called when a save or removal refuses it
+USER_TORCH_FILE = "a torch.save file, not a Trainer's (fabric.save's, a user's)"
 
 
 def _stock_name(name: str) -> bool:
