@@ -14,8 +14,10 @@ epoch, global_step, loops, callbacks, hyperparameters); its entries join the com
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -27,11 +29,13 @@ from ...core.shown import shown
 from ...core.errors import CheckpointingError, FormatError, ShardingError
 from ...planning.metadata import CheckpointIndex, StoredShard, TensorEntry, dtype_name
 from ...storage.base import ShardRead
-from ...storage.paths import model_root
+from ...storage.paths import PICKLE_CAP, model_root
 from ...storage.safe_pickle import load_file, loads, torch_message
 from ...storage.zip_records import check_records
 from .dcp_chunks import SAFETENSORS_FORMAT, ChunkLayout, chunk_layout, read_pieces, safetensors_at
 from .dcp_metadata import METADATA_NAME, DcpChunk, DcpItem, DcpMetadata, read_metadata
+from .dcp_safetensors import resolve_safetensors
+from .dcp_transforms import chunk_limit, decompressed
 from .model_files import check_model_file, open_model_file
 from .tensor_files import KeyMap, check_key, map_key
 
@@ -69,6 +73,7 @@ class DcpSource:
                              | {item.file for item in meta.objects.values()})
         self._sizes: Dict[str, int] = {}
         self._full_paths = {rel: self._checked_file(rel) for rel in self._files}
+        resolve_safetensors(meta, self._full_paths, self.open_file)  # DCP's SAFETENSORS format: raw byte ranges
         self._check_ranges(meta)
         self._lightning_meta = self._optional_file(LIGHTNING_META_NAME)
         self._objects: Dict[str, Tuple[str, DcpItem]] = {}  # key -> (fqn, item)
@@ -177,7 +182,13 @@ class DcpSource:
     def reader(self) -> "DcpReader":
         return DcpReader(self)
 
-    def read_item(self, f: BinaryIO, item: DcpItem) -> bytes:
+    def read_item(self, f: BinaryIO, item: DcpItem, limit: Optional[int] = None, what: str = "item") -> bytes:
+        """The item's bytes, decompressed when DCP compressed it (to at most ``limit`` bytes; None: an
+        object's, at most ``PICKLE_CAP``); ``what``: the item, for errors."""
+        if item.transforms:
+            where = f"{shown(self._full_paths[item.file])}: {what} (zstd-compressed at bytes [{item.offset}, " \
+                    f"{item.offset + item.length}))"
+            return decompressed(f, item.offset, item.length, PICKLE_CAP.limit() if limit is None else limit, where)
         f.seek(item.offset)
         data = f.read(item.length)
         if len(data) != item.length:
@@ -197,7 +208,7 @@ class DcpSource:
             out.update(meta)
         for key, (fqn, item) in self._objects.items():
             with self.open_file(self._full_paths[item.file]) as f:
-                blob = self.read_item(f, item)
+                blob = self.read_item(f, item, None, f"object {fqn!r}")
             out[key] = loads(blob, f"{shown(self._full_paths[item.file])}: object {fqn!r}", extra_safe_globals)
         return out
 
@@ -242,6 +253,7 @@ class DcpReader:
         stored = self._source.stored_chunk(key, index)
         chunk = stored.chunk
         what = f"{self._source.full_path(chunk.item.file)}: tensor {stored.fqn!r} chunk at {list(chunk.offset)}"
+        f, stored = self.plain(f, stored, f"tensor {stored.fqn!r} chunk at {list(chunk.offset)}")
         if (key, index) not in self._layouts:
             self._layouts[(key, index)] = self.checked_layout(f, stored, what)
         layout = self._layouts[(key, index)]
@@ -255,10 +267,22 @@ class DcpReader:
         except RuntimeError as e:  # a destination that cannot take the values
             raise CheckpointingError(f"{what}: copying into the destination failed: {e}") from None
 
+    def plain(self, f: BinaryIO, stored: _StoredChunk, what: str) -> Tuple[BinaryIO, _StoredChunk]:
+        """``f`` and ``stored`` as they are, or, for a compressed chunk, its decompressed archive (in memory:
+        zstd has no random access) and the chunk as the whole of it."""
+        item = stored.chunk.item
+        if not item.transforms:
+            return f, stored
+        data = self._source.read_item(f, item, chunk_limit(math.prod(stored.chunk.shape), stored.dtype.itemsize), what)
+        plain = DcpItem(item.file, 0, len(data))
+        return io.BytesIO(data), dataclasses.replace(stored, chunk=dataclasses.replace(stored.chunk, item=plain))
+
     @staticmethod
     def checked_layout(f: BinaryIO, stored: _StoredChunk, what: str) -> Optional[ChunkLayout]:
         """The chunk's layout as stored (None: read it whole), refused when its shape is not the chunk's."""
         chunk = stored.chunk
+        if chunk.item.raw:  # DCP's SAFETENSORS format: the elements themselves, checked against the header
+            return ChunkLayout(chunk.item.offset, chunk.item.length, stored.dtype, chunk.shape, 0)
         layout = chunk_layout(f, chunk.item.offset, chunk.item.length, what)
         if layout is not None and layout.shape != chunk.shape:
             raise FormatError(f"{what}: holds a tensor of shape {layout.shape}, expected {chunk.shape}")
@@ -269,6 +293,7 @@ class DcpReader:
     def check_stored(self, f: BinaryIO, stored: _StoredChunk, what: str) -> None:
         """Refuse a chunk whose stored item holds a tensor of another shape, reading no tensor bytes
         where its layout allows (else the item whole)."""
+        f, stored = self.plain(f, stored, f"tensor {stored.fqn!r} chunk at {list(stored.chunk.offset)}")
         if self.checked_layout(f, stored, what) is None:
             self._load_whole(f, stored, what)  # checks the shape too
 

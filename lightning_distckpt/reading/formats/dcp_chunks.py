@@ -29,11 +29,13 @@ from ...storage.zip_records import crc32, data_start, following
 
 # DCP's FileSystemWriter(serialization_format=SAFETENSORS) appends one safetensors file to each
 # .distcp file and records every tensor of it at the file's start, with the tensor's byte count as
-# length (torch's own FileSystemReader cannot read it either: HuggingFaceStorageReader does).
+# length; such files are read as that (.dcp_safetensors). A chunk found at a safetensors file's start
+# otherwise (.metadata recording the file's tensors apart, or through transforms: that format combined
+# with compression, which torch's FileSystemReader cannot read either) is refused with this reason.
 SAFETENSORS_FORMAT = ("the chunk is in a safetensors file, as DCP's FileSystemWriter(serialization_format="
-                      "SAFETENSORS) writes it, not a torch.save'd tensor; lightning_distckpt reads DCP's default "
-                      "format only (re-save with serialization_format=TORCH_SAVE, or read it with torch's "
-                      "HuggingFaceStorageReader)")
+                      "SAFETENSORS) writes it, but .metadata does not record it as that format does (every tensor "
+                      "of the file at the safetensors file's start, without transforms such as compression); "
+                      "re-save with serialization_format=TORCH_SAVE, or without _extensions")
 
 
 def safetensors_at(f: BinaryIO, start: int) -> bool:

@@ -28,6 +28,7 @@ import torch
 from ...core.errors import FormatError, UnsafeContentError
 from ...storage.paths import ANYWHERE, METADATA_CAP
 from ...storage.pickle_scan import check_hashed
+from .dcp_transforms import ZSTD_RATIO, checked_transforms
 from .model_files import read_model_file
 from .tensor_files import check_shape
 
@@ -69,12 +70,13 @@ def _mcore_classes() -> Dict[str, type]:
 
 @dataclass(frozen=True)
 class DcpItem:
-    """Where one stored item lives: ``length`` bytes at ``offset`` of file ``file`` (relative to
-    the checkpoint directory)."""
+    """Where one stored item lives: ``length`` bytes at ``offset`` of ``file`` (relative to the checkpoint)."""
 
     file: str
     offset: int
     length: int
+    transforms: Tuple[str, ...] = ()  # DCP's stream transforms: ('stream.zstd/1',) when compressed
+    raw: bool = False  # the chunk's elements, row-major (DCP's SAFETENSORS format), not a torch.save archive
 
 
 @dataclass(frozen=True)
@@ -346,14 +348,12 @@ def _storage_items(storage_data: Dict[Any, Any], index_cls: type, info_cls: type
                               "MetadataIndex -> _StorageInfo")
         offset = None if index.offset is None else _ints(index.offset, f"{index.fqn!r} offset", path)
         where = f"{path}: {index.fqn!r}" + ("" if offset is None else f" chunk at {list(offset)}")
-        if getattr(info, "transform_descriptors", None):
-            raise FormatError(f"{where} is stored through transforms {shown_value(info.transform_descriptors)} "
-                              "(DCP extensions such as compression), which lightning_distckpt cannot read")
+        transforms = checked_transforms(getattr(info, "transform_descriptors", None), where)  # zstd or none
         rel, start, length = getattr(info, "relative_path", None), getattr(info, "offset", None), \
             getattr(info, "length", None)
         if not isinstance(rel, str) or type(start) is not int or type(length) is not int or start < 0 or length < 0:
             raise FormatError(f"{where}: malformed storage record {shown_value(info)}")
-        out[(index.fqn, offset)] = DcpItem(rel, start, length)
+        out[(index.fqn, offset)] = DcpItem(rel, start, length, transforms)
     return out
 
 
@@ -392,7 +392,7 @@ def _tensor(entry: Any, fqn: str, items: Dict[_ItemKey, DcpItem], path: str) -> 
         # at least its elements' bytes. A claim beyond the item's bytes would size a reader's buffers
         # by the claim, not by what is stored (the items themselves are checked against the files' sizes).
         claimed = math.prod(sizes) * dtype.itemsize
-        if claimed > item.length:
+        if claimed > item.length * (ZSTD_RATIO if item.transforms else 1):  # zstd inflates at most ZSTD_RATIO x
             raise FormatError(f"{path}: {fqn!r} chunk at {list(offset)} of shape {list(sizes)} claims {claimed} "
                               f"bytes of {dtype} but its stored item ({item.file!r}) holds {item.length} bytes")
         out.chunks.append(DcpChunk(offset, sizes, item))

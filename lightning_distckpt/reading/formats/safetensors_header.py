@@ -65,12 +65,13 @@ def read_header(path: str, root: str = ANYWHERE) -> List[HeaderEntry]:
         return read_open_header(f, path).entries
 
 
-def read_open_header(f: BinaryIO, path: str) -> Header:
+def read_open_header(f: BinaryIO, path: str, start: int = 0) -> Header:
     """The checked header of the safetensors file open as ``f`` (named ``path``): as :func:`read_header`,
     and the data section must hold the tensors back to back from its start to its end, as the format
-    (and its own reader) requires."""
-    size = os.fstat(f.fileno()).st_size
-    head = os.pread(f.fileno(), 8, 0)
+    (and its own reader) requires. ``start``: where the safetensors file begins in ``f`` (it runs to
+    the end of ``f``: DCP's SAFETENSORS format appends one to each ``.distcp`` file)."""
+    size = os.fstat(f.fileno()).st_size - start
+    head = os.pread(f.fileno(), 8, start)
     if len(head) < 8:
         raise FormatError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length")
     (n,) = struct.unpack("<Q", head)
@@ -78,7 +79,7 @@ def read_open_header(f: BinaryIO, path: str) -> Header:
         raise FormatError(
             f"{path}: safetensors header length {n} does not fit the file of {size} bytes "
             f"(truncated or not a safetensors file)")
-    raw = os.pread(f.fileno(), n, 8)
+    raw = os.pread(f.fileno(), n, start + 8)
     if len(raw) != n:
         raise FormatError(f"{path}: the file ends inside its safetensors header (cut short while it was read)")
     # nesting checked before parsing (a header nests 3 levels; a deep one must not drive json into
@@ -94,7 +95,7 @@ def read_open_header(f: BinaryIO, path: str) -> Header:
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise FormatError(f"{path}: the safetensors header's __metadata__ must map strings to strings")
-    return Header(entries, metadata, 8 + n)
+    return Header(entries, metadata, start + 8 + n)
 
 
 def _check_packed(path: str, entries: List[HeaderEntry], data_bytes: int) -> None:

@@ -1,0 +1,91 @@
+"""Chunks of a DCP checkpoint written in DCP's SAFETENSORS format.
+
+``FileSystemWriter(path, serialization_format=SerializationFormat.SAFETENSORS)`` writes each rank's
+objects (``torch.save``d bytes) first and then appends one safetensors file holding the rank's tensor
+chunks, one entry per fully qualified name, with ``__metadata__["DCP_SHARDING_INFO"]`` giving each
+chunk's ``saved_offsets``. Its ``.metadata`` records every chunk at the start of that safetensors
+file with the chunk's byte count as length (torch's ``FileSystemReader`` cannot read it back).
+
+:func:`resolve_safetensors` finds such files (every tensor item of the file at one offset, where a
+safetensors file begins), checks the header (:mod:`.safetensors_header`: offsets in bounds, packed,
+dtypes known) against ``.metadata`` (each chunk named once, of the dtype, shape, offsets and byte
+count ``.metadata`` declares; no entry left over) and points each chunk at its own bytes, marked
+``raw``: the reader then reads the pieces it needs from them directly. Safetensors records no
+checksum: the bytes are read as stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import BinaryIO, Callable, Dict, List, Tuple
+
+from ...core.errors import FormatError
+from ...core.shown import shown
+from ...storage.layout import parse_json
+from .dcp_chunks import safetensors_at
+from .dcp_metadata import DcpChunk, DcpMetadata, DcpTensor
+from .safetensors_header import Header, read_open_header
+
+SHARDING_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
+
+# (fqn, the tensor, its list holding the chunk, the chunk's position there)
+_Placed = Tuple[str, DcpTensor, List[DcpChunk], int]
+
+
+def resolve_safetensors(meta: DcpMetadata, full_paths: Dict[str, str], open_file: Callable[[str], BinaryIO]) -> None:
+    """Point each chunk stored in DCP's SAFETENSORS format at its own bytes (``raw`` items), in place;
+    other files are left as they are. A header that does not match ``.metadata`` is a FormatError
+    naming the file and the tensor."""
+    by_file: Dict[str, List[_Placed]] = defaultdict(list)
+    for fqn, tensor in meta.tensors.items():
+        for chunks in (tensor.chunks, tensor.stored_empty):
+            for i, chunk in enumerate(chunks):
+                by_file[chunk.item.file].append((fqn, tensor, chunks, i))
+    for rel, placed in by_file.items():
+        items = [chunks[i].item for _, _, chunks, i in placed]
+        starts = {item.offset for item in items}
+        if len(starts) != 1 or any(item.transforms for item in items):
+            continue  # DCP's default format: each chunk a torch.save archive of its own
+        full = full_paths[rel]
+        with open_file(full) as f:
+            if not safetensors_at(f, items[0].offset):
+                continue
+            header = read_open_header(f, shown(full), items[0].offset)
+        _point_at_entries(shown(full), placed, header)
+
+
+def _sharding_info(where: str, header: Header) -> Dict[str, object]:
+    """The header's ``DCP_SHARDING_INFO``: ``{fqn: {"saved_offsets": [...]}}``."""
+    text = (header.metadata or {}).get(SHARDING_KEY)
+    if text is None:
+        raise FormatError(f"{where}: the safetensors header holds no {SHARDING_KEY} in its __metadata__, which DCP's "
+                          "SAFETENSORS format writes (not a DCP checkpoint's file)")
+    info = parse_json(text.encode(), f"{where}: {SHARDING_KEY}")
+    if not isinstance(info, dict):
+        raise FormatError(f"{where}: {SHARDING_KEY} must be a JSON object, got {type(info).__name__}")
+    return info
+
+
+def _point_at_entries(where: str, placed: List[_Placed], header: Header) -> None:
+    entries = {e.name: e for e in header.entries}
+    info = _sharding_info(where, header)
+    for fqn, tensor, chunks, i in placed:
+        chunk = chunks[i]
+        what = f"{where}: tensor {fqn!r} chunk at {list(chunk.offset)}"
+        entry = entries.pop(fqn, None)
+        if entry is None:
+            raise FormatError(f"{what}: the file's safetensors header has no entry {fqn!r} (or .metadata places "
+                              "two chunks of it in this file, where DCP's SAFETENSORS format stores one)")
+        saved = info.get(fqn)
+        offsets = saved.get("saved_offsets") if isinstance(saved, dict) else None
+        if entry.dtype != tensor.dtype or entry.shape != chunk.shape or offsets != list(chunk.offset) \
+                or entry.end - entry.begin != chunk.item.length:
+            raise FormatError(f"{what}: the safetensors header stores it as {entry.dtype} {list(entry.shape)} at "
+                              f"offsets {str(offsets)[:100]} ({entry.end - entry.begin} bytes), but .metadata declares "
+                              f"{tensor.dtype} {list(chunk.shape)} ({chunk.item.length} bytes)")
+        item = dataclasses.replace(chunk.item, offset=header.data_start + entry.begin, raw=True)
+        chunks[i] = dataclasses.replace(chunk, item=item)
+    if entries:
+        raise FormatError(f"{where}: its safetensors header holds {sorted(entries)[:3]}, which .metadata does not "
+                          "place in this file")
