@@ -49,6 +49,7 @@ from ..saving.background_snapshot import Selector
 from ..saving.save import SavePlanCache, prepare_save, write_and_commit
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, unknown_argument
 from .last_link import links_to_target, repoint_last_links
+from .plugin_strategy_check import tell_strategy
 from .fabric_checkpoint import fabric_checkpoint
 from .foreign import TRAINER_RESUMES_NEWEST, foreign_advice, foreign_writer, refuse_file_inside
 from .restore_source import RestoreSource
@@ -67,9 +68,8 @@ LIGHTNING_NOT_FOUND = "Checkpoint file not found"
 
 @contextlib.contextmanager
 def lightning_not_found(path: Any) -> Iterator[None]:
-    """A missing checkpoint raised in the block gets Lightning's words first, with the path as given
-    (``Checkpoint file not found: last.ckpt``): code and tests written against ``TorchCheckpointIO``
-    match them; ours (where a committed checkpoint is, Megatron-Core's "does not exist") follow."""
+    """A missing checkpoint raised in the block gets Lightning's words first, with the path as given (``Checkpoint
+    file not found: last.ckpt``): code and tests written against ``TorchCheckpointIO`` match them; ours follow."""
     try:
         yield
     except CheckpointNotFoundError as e:
@@ -107,8 +107,7 @@ class DistCheckpointIO(CheckpointIO):
         # Synchronous collective saves reuse the last validated plan when no rank's layout changed
         # (one round trip instead of the records' gather and the plans' scatter; async saves: the saver's).
         self._plan_cache = SavePlanCache(self.extra_safe_globals)
-        # Removals asked for during a background save (ModelCheckpoint's old top-k): done once it commits
-        self._deferred_removals: List[str] = []
+        self._deferred_removals: List[str] = []  # asked for during a background save (old top-k): done once it commits
         self.step_boundary_commits = 0  # background saves committed by finalize_if_done
         # Our strategies turn background saves off between their teardown and their next run: a save
         # then (trainer.save_checkpoint() after fit, the spawn launcher's last weights) has no later
@@ -140,14 +139,14 @@ class DistCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         """Save a Lightning checkpoint dict to the directory ``path``, from this process alone.
 
-        ``storage_options`` may be a :class:`StorageOptions` or a mapping of some of its fields,
-        overriding the configured ones for this save. With ``async_save`` the :class:`AsyncSaver`
-        snapshots the tensors and writes them in the background, as a group of one; the next save,
-        load or teardown commits it (or raises its error).
+        ``storage_options`` may be a :class:`StorageOptions` or a mapping of some of its fields, overriding the
+        configured ones for this save. With ``async_save`` the :class:`AsyncSaver` snapshots the tensors and writes
+        them in the background, as a group of one; the next save, load or teardown commits it (or raises its error).
         """
+        target = checkpoint_location(path, "path")
+        tell_strategy(self, "save", target)  # a strategy that cannot resume what we write: said once
         self.wait()
         storage = self._storage(storage_options)
-        target = checkpoint_location(path, "path")
         tree = plain_to_sharded(checkpoint)
         tree[MANIFEST_KEY] = manifest(tree, KIND_PLAIN)
         if self._in_background(target):
@@ -219,6 +218,7 @@ class DistCheckpointIO(CheckpointIO):
         """Remove a checkpoint directory (or the link ``save_last="link"`` made, not its target); an
         ``s3://`` checkpoint: its commit marker, then its versions (``ModelCheckpoint``'s top-k)."""
         target = checkpoint_location(path, "path")
+        tell_strategy(self, "remove", target)  # a strategy that saves without us (ModelCheckpoint rotates its files)
         if self._pending is not None:
             self._deferred_removals.append(target)
             logger.debug("removal of %s deferred until the background save commits", target)
