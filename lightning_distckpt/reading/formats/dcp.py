@@ -161,7 +161,8 @@ class DcpSource:
                 raise FormatError(f"{shown(self._full_paths[item.file])}: {what} is stored at bytes "
                                   f"[{item.offset}, {item.offset + item.length}) but the file has "
                                   f"{sizes[item.file]} bytes (truncated?)")
-            by_file[item.file].append((item.offset, item.offset + item.length, what))
+            if item.length:  # an empty item holds no byte to share (DCP's SAFETENSORS format: an empty tensor)
+                by_file[item.file].append((item.offset, item.offset + item.length, what))
         for rel, ranges in by_file.items():
             ranges.sort()
             # sorted by start, ranges are disjoint when each pair of neighbours is

@@ -51,7 +51,15 @@ def resolve_safetensors(meta: DcpMetadata, full_paths: Dict[str, str], open_file
         with open_file(full) as f:
             if not safetensors_at(f, items[0].offset):
                 continue
-            header = read_open_header(f, shown(full), items[0].offset)
+            try:
+                header = read_open_header(f, shown(full), items[0].offset)
+            except FormatError as e:  # the file's one chunk damaged into a header's start, or a forged header
+                fqn, _, chunks, i = placed[0]
+                more = f" (and {len(placed) - 1} more)" if len(placed) > 1 else ""
+                why = str(e).removeprefix(f"{shown(full)}: ")
+                raise FormatError(f"{shown(full)}: tensor {fqn!r} chunk at {list(chunks[i].offset)}{more}: its stored "
+                                  f"bytes begin a safetensors file (DCP's SAFETENSORS format), which is not sound: "
+                                  f"{why}") from None
         _point_at_entries(shown(full), placed, header)
 
 
@@ -61,7 +69,8 @@ def _sharding_info(where: str, header: Header) -> Dict[str, object]:
     if text is None:
         raise FormatError(f"{where}: the safetensors header holds no {SHARDING_KEY} in its __metadata__, which DCP's "
                           "SAFETENSORS format writes (not a DCP checkpoint's file)")
-    info = parse_json(text.encode(), f"{where}: {SHARDING_KEY}")
+    # a name given twice is read as the last by some readers, the first by others: refused
+    info = parse_json(text.encode(), f"{where}: {SHARDING_KEY}", unique_keys=True)
     if not isinstance(info, dict):
         raise FormatError(f"{where}: {SHARDING_KEY} must be a JSON object, got {type(info).__name__}")
     return info
