@@ -231,7 +231,7 @@ class MegatronSource(DcpSource):
         the element's copies (one with main-replica saving); the first is the value."""
         fqn, item = self._object_items[(key, index)]
         with self.open_file(self.full_path(item.file)) as f:
-            blob = self.read_item(f, item)
+            blob = self.read_item(f, item, None, f"ShardedObject {fqn!r}")
         where = f"{self.full_path(item.file)}: ShardedObject {fqn!r}"
         value = loads(blob, where, self._extra_safe_globals)
         if not isinstance(value, list) or not value:
