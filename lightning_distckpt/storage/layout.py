@@ -33,6 +33,7 @@ from ..core.shown import shown
 from ..core.errors import CheckpointingError, FormatError, IncompleteCheckpointError, ShardingError, not_found
 from .checksums import check_sha256, warn_no_checksums
 from .inside import inside_hint
+from .stock_checkpoints import dcp_hf_shards_hint
 # JSON from disk is parsed by json_bounds.parse_json (nesting and memory bounded before parsing); its
 # names stay importable from here.
 from .json_bounds import (MAX_JSON_DEPTH, PARSE_FLOOR, PARSE_RATIO, JsonShape,  # noqa: F401
@@ -231,7 +232,8 @@ def _read_committed(given: str, path: str, verify: bool) -> Tuple[Dict[str, Any]
         # "is not a distributed checkpoint": Megatron-Core's words, for scrapers of its logs
         what = ("incomplete checkpoint: the save did not finish (no commit marker)" if is_checkpoint_dir(path) else
                 f"not a lightning_distckpt checkpoint (no metadata.json / commit marker): {given} is not a "
-                f"distributed checkpoint ({_what_is_there(path)}){inside_hint(given)}{holding_hint(given)}")
+                f"distributed checkpoint ({_what_is_there(path)}){inside_hint(given)}{holding_hint(given)}"
+                f"{dcp_hf_shards_hint(path)}")
         raise IncompleteCheckpointError(f"checkpoint {given}: {what}")
     raw = {}
     for name in (COMMIT_MARKER, METADATA_FILE):

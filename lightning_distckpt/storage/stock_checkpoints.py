@@ -114,3 +114,23 @@ def _holds_key(f: "zipfile.ZipExtFile") -> bool:
                 return True
         tail, seen = data[-_OVERLAP:], seen + len(block)
     return False
+
+
+# torch.distributed.checkpoint.HuggingFaceStorageWriter(save_distributed=True): each rank's shards, named so
+_HF_SHARD = re.compile(r"shard-[0-9]{5}-model-[0-9]{5}-of-[0-9]{5}\.safetensors")
+
+
+def dcp_hf_shards_hint(path: str) -> str:
+    """``"; its shard-...safetensors files are ..."`` for a directory holding only the unconsolidated shards
+    torch's ``HuggingFaceStorageWriter(save_distributed=True)`` writes (each file a rank's pieces of the
+    tensors, not a Hugging Face model directory), "" otherwise: what to do instead."""
+    try:
+        names = [n for n in os.listdir(path) if not n.startswith(".")]
+    except OSError:
+        return ""
+    if not names or not all(_HF_SHARD.fullmatch(n) for n in names):
+        return ""
+    return ("; its shard-NNNNN-model-NNNNN-of-NNNNN.safetensors files are the unconsolidated shards of torch's "
+            "HuggingFaceStorageWriter(save_distributed=True), each a rank's pieces of the tensors: save with "
+            "enable_consolidation=True (the model files it writes beside them load), or consolidate them with "
+            "torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files")

@@ -150,6 +150,35 @@ def test_hugging_face_storage_writer_output_loads(tmp_path):
     assert all(_same(ours[k], theirs[k]) and _same(ours[k], v) for k, v in state.items())
 
 
+def _save_hf_distributed(rank, world, root):
+    """Each rank writes its shards of two DTensors through ``HuggingFaceStorageWriter(save_distributed=True)``,
+    once without and once with consolidation."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [Shard(0)]),
+             "b": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])}
+    for name, consolidate in (("shards", False), ("consolidated", True)):
+        writer = dcp.HuggingFaceStorageWriter(os.path.join(root, name), save_distributed=True,
+                                              enable_consolidation=consolidate)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=writer)
+
+
+def test_hugging_face_storage_writer_distributed_shards(tmp_path):
+    """``HuggingFaceStorageWriter(save_distributed=True)`` on 2 ranks: with ``enable_consolidation=True`` its
+    model files load as a Hugging Face directory; without, its directory holds only each rank's pieces of the
+    tensors (``shard-...safetensors``), refused with what to do (consolidate), never read as whole tensors."""
+    run_distributed(_save_hf_distributed, 2, str(tmp_path))
+    out = ldc.load_plain_tensors(str(tmp_path / "consolidated"))
+    assert torch.equal(out["w"], torch.arange(32.0).reshape(8, 4)) and torch.equal(out["b"], torch.arange(4.0))
+    with pytest.raises(CheckpointingError, match=r"unconsolidated shards of torch's HuggingFaceStorageWriter"
+                                                 r"\(save_distributed=True\).*enable_consolidation=True"):
+        ldc.load_plain_tensors(str(tmp_path / "shards"))
+
+
 def _quiet_save(state, writer):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
