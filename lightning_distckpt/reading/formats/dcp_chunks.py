@@ -40,11 +40,12 @@ SAFETENSORS_FORMAT = ("the chunk is in a safetensors file, as DCP's FileSystemWr
 
 def safetensors_at(f: BinaryIO, start: int) -> bool:
     """Whether the bytes at ``start`` of the seekable file ``f`` begin a safetensors file: an 8-byte
-    little-endian header length that fits the file, then the header's JSON object."""
+    little-endian header length that fits the file, then the header's JSON object. The header may end
+    the file: a safetensors file of an empty tensor alone holds no data bytes (of a bool scalar, one)."""
     size = f.seek(0, io.SEEK_END)
     f.seek(start)
     head = f.read(10)
-    return len(head) == 10 and head[8:10] == b'{"' and 0 < int.from_bytes(head[:8], "little") <= size - start - 10
+    return len(head) == 10 and head[8:10] == b'{"' and 0 < int.from_bytes(head[:8], "little") <= size - start - 8
 
 
 class RangeFile(io.RawIOBase):
