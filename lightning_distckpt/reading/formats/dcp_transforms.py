@@ -9,11 +9,11 @@ What the decompressed item may hold is bounded before it is made: a tensor chunk
 of the chunk's own elements (DCP clones a chunk to its numel before saving), so its archive holds
 the chunk's bytes plus a few kB of zip records and ``data.pkl`` (:data:`ARCHIVE_MARGIN`); an
 object, at most what a pickled state may (``PICKLE_CAP``). The frame's declared content size, when
-the frame records one, is checked first; the output is then produced from small slices of the input
-so that a frame decompressing past the bound (a decompression bomb) is refused after producing at
-most the bound plus :data:`BOMB_SLACK`. A frame cut short, or followed by other bytes inside the
-item, is refused. Only what torch's own ``ZStandard`` writes is read: any other transform name
-(which torch would resolve through its extension registry, running that extension's code) is refused.
+the frame records one, is checked first; zstd then decompresses into a buffer of at most the bound
+and fails a frame that would write past it (a decompression bomb): nothing beyond the bound is
+produced. A frame cut short, or followed by other bytes inside the item, is refused. Only what
+torch's own ``ZStandard`` writes is read: any other transform name (which torch would resolve
+through its extension registry, running that extension's code) is refused.
 
 Checked: zstd's frame structure and, where the writer recorded one, its content checksum (torch's
 writer records none); then the decompressed ``torch.save`` archive as any DCP chunk is (its zip
@@ -30,13 +30,9 @@ ZSTD = "stream.zstd"  # torch.distributed.checkpoint._extension.ZStandard.regist
 # Beyond a chunk's element bytes, what its torch.save archive holds: data.pkl (hundreds of bytes),
 # the zip records' headers, 64-byte alignment, the central directory.
 ARCHIVE_MARGIN = 64 << 10
-# A zstd block yields at most 128 KiB from at least 4 input bytes (so a frame at most ZSTD_RATIO times its
-# size, which bounds what .metadata may claim of a compressed item): input is fed in slices no larger
-# than the remaining output budget / this ratio (at least _MIN_SLICE), so one slice overshoots the
-# bound by at most _MIN_SLICE * ratio plus a block.
+# A zstd block yields at most 128 KiB from at least 4 input bytes: a frame inflates at most this many
+# times its size, which bounds what .metadata may claim of a compressed item.
 ZSTD_RATIO = (128 << 10) // 4
-_MIN_SLICE, _MAX_SLICE = 256, 4 << 20
-BOMB_SLACK = _MIN_SLICE * ZSTD_RATIO + (128 << 10)
 
 
 def checked_transforms(value: Any, where: str) -> Tuple[str, ...]:
@@ -68,42 +64,47 @@ def _zstandard(where: str) -> Any:
 def decompressed(f: BinaryIO, offset: int, length: int, limit: int, where: str) -> bytes:
     """The decompressed bytes of the one zstd frame that is ``[offset, offset + length)`` of ``f``;
     a FormatError naming ``where`` when it is no whole frame, has bytes after it, or decompresses to
-    more than ``limit`` bytes (refused having produced at most ``limit + BOMB_SLACK``)."""
+    more than ``limit`` bytes."""
     zstd = _zstandard(where)
     f.seek(offset)
-    head = f.read(min(length, 18))  # a frame header is at most 18 bytes
+    item = f.read(length)
+    if len(item) != length:
+        raise FormatError(f"{where}: the file ends inside the item's zstd frame (truncated?)")
     try:
-        declared = zstd.get_frame_parameters(head).content_size
+        declared = zstd.get_frame_parameters(item[:18]).content_size  # a frame header is at most 18 bytes
     except zstd.ZstdError as e:
         raise FormatError(f"{where}: not a zstd frame as DCP's ZStandard extension writes ({e})") from None
     if declared != zstd.CONTENTSIZE_UNKNOWN and declared > limit:
         raise FormatError(f"{where}: its zstd frame declares {declared} bytes, more than the {limit} the item "
                           "can hold; refused before decompressing (damaged or hostile)")
-    # zstandard's one-shot decompress() neither bounds an undeclared frame's output while it runs nor
-    # notices bytes after such a frame, and its stream_reader() returns a truncated frame's output without
-    # an error: a decompressobj fed bounded slices reports both (eof, unused_data).
-    inflater = zstd.ZstdDecompressor().decompressobj()
-    out, done, f_pos = [], 0, offset
     try:
-        while f_pos < offset + length and not inflater.eof:
-            size = min(max((limit - done) // ZSTD_RATIO, _MIN_SLICE), _MAX_SLICE, offset + length - f_pos)
-            f.seek(f_pos)
-            piece = f.read(size)
-            if len(piece) != size:
-                raise FormatError(f"{where}: the file ends inside the item's zstd frame (truncated?)")
-            f_pos += size
-            out.append(inflater.decompress(piece))
-            done += len(out[-1])
-            if done > limit:
-                raise FormatError(f"{where}: its zstd frame decompresses to more than the {limit} bytes the item can "
-                                  "hold (a decompression bomb, or metadata that does not match the data); refused")
+        # One call, bounded: its output buffer is the declared size (checked above) or, undeclared, ``limit``;
+        # a frame that would write past it, is cut short, or lies about its size fails.
+        out = zstd.ZstdDecompressor().decompress(item, max_output_size=limit, allow_extra_data=False)
+        # That call does not see bytes after an undeclared frame, nor after one declaring 0 bytes (and
+        # python-zstandard has no public ZSTD_findFrameCompressedSize): the frame just decoded is walked.
+        rest = len(item) - _frame_end(zstd, item)
     except zstd.ZstdError as e:
-        raise FormatError(f"{where}: damaged zstd frame ({e})") from None
-    if not inflater.eof:
-        raise FormatError(f"{where}: the item ends inside its zstd frame (truncated or damaged)")
-    if f_pos < offset + length or inflater.unused_data:
+        raise FormatError(f"{where}: damaged zstd frame, or one decompressing to more than the {limit} bytes the "
+                          f"item can hold (a decompression bomb, or metadata that does not match the data): "
+                          f"{e}") from None
+    if rest:
         raise FormatError(f"{where}: bytes follow the item's zstd frame inside the item (DCP writes one frame)")
-    return b"".join(out)
+    return out
+
+
+def _frame_end(zstd: Any, frame: bytes) -> int:
+    """Where the zstd frame at the start of ``frame`` ends (RFC 8878, 3.1.1): its header, then blocks (a
+    3-byte header each: last-block bit, type, size; an RLE block holds 1 byte, others ``size``) up to the
+    last, then a 4-byte checksum if the header says so. Only for a frame libzstd has just decoded whole,
+    so every header read here is one it accepted; a few thousand blocks for a GB of output."""
+    pos = zstd.frame_header_size(frame)
+    while pos + 3 <= len(frame):
+        header = int.from_bytes(frame[pos:pos + 3], "little")
+        pos += 3 + (1 if (header >> 1) & 3 == 1 else header >> 3)
+        if header & 1:
+            return pos + (4 if zstd.get_frame_parameters(frame[:18]).has_checksum else 0)
+    raise zstd.ZstdError("its blocks run past the item")  # not for a frame libzstd decoded: a guard
 
 
 def chunk_limit(numel: int, itemsize: int) -> int:
