@@ -13,7 +13,7 @@ import pickletools
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..core.errors import FormatError
+from ..core.errors import FormatError, UnsafeContentError
 
 MAX_HASHED_DEPTH = 1000  # hashing recurses in C (about 100,000 levels crash); real keys nest a few levels
 MIN_PLACES, PLACES_PER_OPCODE = 1 << 20, 16  # a tree without sharing has a place per opcode at most
@@ -40,10 +40,12 @@ def _own(stack: List[Any]) -> List[Any]:
 class Scan:
     """The unpickler's stack, marks and memo, as records; what is refused, and where."""
 
-    __slots__ = ("where", "limit", "stack", "marks", "memo", "offset")
+    __slots__ = ("where", "limit", "stack", "marks", "memo", "offset", "bytes_call_only")
 
-    def __init__(self, where: str, limit: int) -> None:
+    def __init__(self, where: str, limit: int, bytes_call_only: bool = True) -> None:
         self.where, self.limit, self.offset = where, limit, 0  # offset: where the bytes scanned now start
+        self.bytes_call_only = bytes_call_only  # builtins.bytes only as bytes() (_bytes_call); False: the
+        # user allowed the type, which then loads as torch's unpickler has it
         self.stack: List[Any] = []
         self.marks: List[int] = []
         self.memo: Dict[Any, List[Any]] = {}
@@ -162,8 +164,7 @@ _U4 = struct.Struct("<I").unpack_from
 def scan_opcodes(scan: Scan, data: bytes, pos: int, end: int) -> Tuple[int, bool]:  # noqa: C901 - a branch per kind
     """Follow the opcodes of ``data`` from ``pos`` while one starts before ``end`` (the bytes a header takes
     past it are there, or ``data`` ends); the position after STOP and True, or where it stopped and False
-    (a line op whose end is not in ``data`` yet stops at its start). One loop, the commonest opcodes first:
-    the cost of a check that runs before every load of a common.pt."""
+    (a line op whose end is not in ``data`` yet stops at its start). The commonest opcodes first (module doc)."""
     stack, marks, memo, kinds, widths, pushed = scan.stack, scan.marks, scan.memo, _KIND, _WIDTH, _PUSHED
     push, code, leaf, whats, takes = stack.append, 0, _LEAF, _WHAT_BY_CODE, _TAKES_BY_CODE
     push_k, get_k, put_k, sized_k, mark_k, fill_k, made_k, build_k, short_k, memoize_k, mark_made_k, skip_k, \
@@ -176,8 +177,14 @@ def scan_opcodes(scan: Scan, data: bytes, pos: int, end: int) -> Tuple[int, bool
                 push(pushed[code])
                 pos += widths[code]
             elif kind == get_k:
-                push(memo[data[pos + 1] if code == 104 else _U4(data, pos + 1)[0]])  # 104: BINGET
-                pos += widths[code]
+                top, after = memo[data[pos + 1] if code == 104 else _U4(data, pos + 1)[0]], pos + widths[code]
+                if top is _BYTES:  # (104: BINGET) builtins.bytes again: called as bytes() right here, or refused
+                    after = _bytes_call(scan, data, pos, after)
+                    if after < 0:
+                        return pos, False
+                else:
+                    push(top)
+                pos = after
             elif kind == put_k:
                 top = stack[-1]
                 if top is leaf or top is _EMPTY_TUPLE:  # a memo entry reaches it again: a record of its own
@@ -249,13 +256,17 @@ def _rare(scan: Scan, data: bytes, pos: int, code: int) -> int:
         stack.append(_LEAF)
         return pos + width + length
     if _OPS[code].arg is not None and _OPS[code].arg.n == -1:  # a line (GLOBAL and INST: two)
-        after = pos + 1
+        after, lines = pos + 1, []
         for _ in range(2 if name in ("GLOBAL", "INST") else 1):
             nl = data.find(b"\n", after)
             if nl < 0:
                 return -1
             line, after = data[after:nl], nl + 1
+            lines.append(line)
         key = int(line) if line.strip().isdigit() else None
+        if (name == "GET" and scan.memo.get(key) is _BYTES) or (name == "GLOBAL" and scan.bytes_call_only
+                                                                 and tuple(lines) in _BYTES_NAMES):
+            return _bytes_call(scan, data, pos, after)
         if name == "GET":
             stack.append(scan.memo[key])
         elif name == "PUT":
@@ -282,3 +293,39 @@ def _rare(scan: Scan, data: bytes, pos: int, code: int) -> int:
     elif name == "DUP":
         stack.append(_own(stack))
     return pos + 1
+
+
+# builtins.bytes as a GLOBAL spells it (protocol 2 writes Python 2's module; torch's unpickler maps it)
+_BYTES_NAMES = {(b"builtins", b"bytes"), (b"__builtin__", b"bytes")}
+# The memo entry of builtins.bytes (a leaf's record, never on the stack): each GET of it is checked as the GLOBAL
+_BYTES: List[Any] = [1, 1, None, False]
+_BINPUT, _LONG_BINPUT, _EMPTY_TUPLE_OP, _REDUCE = b"q"[0], b"r"[0], b")"[0], b"R"[0]
+
+
+def _bytes_call(scan: Scan, data: bytes, start: int, pos: int) -> int:
+    """builtins.bytes pushed by the opcode at ``start`` (a GLOBAL or a GET of its memo entry), which ends at
+    ``pos``: loaded only as protocol 2 writes ``b""``, a call with no argument (BINPUT or LONG_BINPUT of it,
+    then EMPTY_TUPLE, REDUCE). Anything else (arguments: ``bytes(10**12)`` allocates a terabyte, an iterable
+    runs through; NEWOBJ, BUILD, the type kept as a value) is an UnsafeContentError. The position after the
+    REDUCE, with the call's result pushed, or -1 where ``data`` ends first (nothing changed)."""
+    key = None
+    if pos < len(data) and data[pos] in (_BINPUT, _LONG_BINPUT):
+        width = 2 if data[pos] == _BINPUT else 5
+        if pos + width > len(data):
+            return -1
+        key = data[pos + 1] if width == 2 else _U4(data, pos + 1)[0]
+        pos += width
+    if pos + 2 > len(data):
+        return -1
+    if data[pos] != _EMPTY_TUPLE_OP or data[pos + 1] != _REDUCE:
+        raise UnsafeContentError(
+            f"{scan.where}: refused to deserialize builtins.bytes (at byte {scan.offset + start}): it loads only "
+            "called with no argument, as protocol 2 writes b''; a call with arguments (bytes(10**12) allocates a "
+            "terabyte) or any other use of the type is refused before unpickling (loading runs no code). If the "
+            "checkpoint is trusted, allow the type with the extra_safe_globals=[bytes] argument of "
+            "lightning_distckpt.load / load_common_state_dict / DistCheckpointIO(...), the checkpoint config's "
+            "safe_globals: ['bytes'], or for every load in the process torch.serialization.add_safe_globals([bytes])")
+    if key is not None:
+        scan.memo[key] = _BYTES
+    scan.stack.append(scan.made([_LEAF, _EMPTY_TUPLE], "a constructor's arguments"))  # as its opcodes made it
+    return pos + 2

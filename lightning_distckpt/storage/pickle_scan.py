@@ -13,7 +13,9 @@ follow the opcodes (:mod:`.pickle_opcodes`) with a record per object (how deep i
 it reaches counted at every path: what hashing it visits), build nothing, and refuse, with a FormatError
 naming the file, a tuple, frozenset or constructed object nested deeper than :data:`MAX_HASHED_DEPTH` or reaching more
 than max(:data:`MIN_PLACES`, :data:`PLACES_PER_OPCODE` x its opcodes) places, a constructor's argument
-or dict key or set item as deep, and an object filled in (``BUILD``) after a tuple took it. A pickle
+or dict key or set item as deep, and an object filled in (``BUILD``) after a tuple took it. ``builtins.bytes``
+passes only called with no argument (protocol 2's ``b""``; the loader allows that call and no other): any
+other use is an UnsafeContentError, unless ``bytes_call_only=False`` (the user allowed the type). A pickle
 that is no pickle (truncated, an unknown opcode, a length past its end) is a FormatError too: the reads
 are bounded by the bytes present. Our own unpickler (DCP's ``.metadata``) calls :func:`check_hashed`
 on the objects themselves before each hash.
@@ -30,9 +32,9 @@ from ..core.gc_pause import gc_paused
 from .pickle_opcodes import HEADER_BYTES, MAX_HASHED_DEPTH, MIN_PLACES, PLACES_PER_OPCODE, Scan, scan_opcodes
 
 
-def check_pickle_bytes(data: bytes, where: str) -> None:
+def check_pickle_bytes(data: bytes, where: str, bytes_call_only: bool = True) -> None:
     """:func:`check_pickle` of the one pickle at the start of ``data`` (in memory)."""
-    scan = Scan(where, max(MIN_PLACES, PLACES_PER_OPCODE * len(data)))
+    scan = Scan(where, max(MIN_PLACES, PLACES_PER_OPCODE * len(data)), bytes_call_only)
     with gc_paused():  # a record per container, in no cycle: see gc_paused (half the scan's time otherwise)
         pos, stopped = scan_opcodes(scan, data, 0, len(data))
     if not stopped:
@@ -43,12 +45,12 @@ def check_pickle_bytes(data: bytes, where: str) -> None:
 _WINDOW, _MAX_WINDOW = 1 << 16, 1 << 22  # a stream is read a window at a time: what a pickle's size is unknown
 
 
-def check_pickle(f: BinaryIO, where: str, size: int) -> None:
+def check_pickle(f: BinaryIO, where: str, size: int, bytes_call_only: bool = True) -> None:
     """Scan the one pickle at ``f``'s position (``size`` bytes of it at most, read up to its STOP), as the
     module says; ``f`` is left after it. FormatError naming ``where`` when it is refused or no pickle. The
     bytes a string or bytes value holds past what was read are skipped, not read (a length claiming 4 GB
     in a short file reads nothing more)."""
-    scan = Scan(where, max(MIN_PLACES, PLACES_PER_OPCODE * size))
+    scan = Scan(where, max(MIN_PLACES, PLACES_PER_OPCODE * size), bytes_call_only)
     base = f.tell()  # where data[0] is; f is at base + len(data)
     stop, data, pos, window = base + size, b"", 0, _WINDOW
     while True:
@@ -70,7 +72,7 @@ def check_pickle(f: BinaryIO, where: str, size: int) -> None:
         window = min(2 * window, _MAX_WINDOW)
 
 
-def check_archive_pickle(source: Any, where: str) -> None:
+def check_archive_pickle(source: Any, where: str, bytes_call_only: bool = True) -> None:
     """:func:`check_pickle_bytes` of the ``data.pkl`` of the ``torch.save`` zip archive ``source`` (a path or
     a seekable file, left where it was)."""
     import zipfile
@@ -88,9 +90,10 @@ def check_archive_pickle(source: Any, where: str) -> None:
                 if info.compress_type == zipfile.ZIP_STORED and not info.CRC:
                     # torch.save without CRC-32s (torch.utils.serialization.config.save.compute_crc32 = False)
                     # records 0, which zipfile's reader takes for a damaged record; torch reads it as stored
-                    check_pickle_bytes(_record_bytes(f, archive, info, where), what)
+                    check_pickle_bytes(_record_bytes(f, archive, info, where), what, bytes_call_only)
                     continue
-                check_pickle_bytes(archive.read(info), what)  # whole, as torch reads it (inflation checked)
+                # whole, as torch reads it (inflation checked)
+                check_pickle_bytes(archive.read(info), what, bytes_call_only)
     except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as e:  # check_records said what is wrong first
         raise FormatError(f"{where}: not a readable torch.save archive: {type(e).__name__}: {e}") from None
     finally:
@@ -98,7 +101,7 @@ def check_archive_pickle(source: Any, where: str) -> None:
             source.seek(position)
 
 
-def check_stream_pickles(f: BinaryIO, where: str, count: int = 5) -> None:
+def check_stream_pickles(f: BinaryIO, where: str, count: int = 5, bytes_call_only: bool = True) -> None:
     """:func:`check_pickle` of the first ``count`` pickles at ``f``'s position, one after another (torch's
     pre-1.6 format: magic number, protocol, system info, the object, its storages' keys), within the bytes
     left; ``f`` is left where it was."""
@@ -109,7 +112,7 @@ def check_stream_pickles(f: BinaryIO, where: str, count: int = 5) -> None:
         for _ in range(count):
             if f.tell() >= end:
                 break
-            check_pickle(f, where, end - f.tell())
+            check_pickle(f, where, end - f.tell(), bytes_call_only)
     finally:
         f.seek(position)
 

@@ -112,13 +112,15 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
     UnpicklingError) is an UnsafeContentError; anything else that fails is a damaged archive. A zip
     archive's records are checked first (:mod:`.zip_records`): torch reads damaged ones as values."""
     zipped = mmap or _is_zip_buffer(source)
+    call_only = not _bytes_trusted(extra_safe_globals)  # b"" (a call of bytes()) loads; no other call of bytes
     if zipped:
         check_records(source, where)
-        check_archive_pickle(source, where)  # nothing torch's unpickler would hash without bound
+        check_archive_pickle(source, where, call_only)  # nothing torch's unpickler would hash without bound
     elif hasattr(source, "read"):
-        check_stream_pickles(source, where)
+        check_stream_pickles(source, where, bytes_call_only=call_only)
+    allowed = default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)
     try:
-        with _allowed(default_safe_globals(omegaconf=omegaconf) + list(extra_safe_globals)):
+        with _allowed(allowed + [_EMPTY_BYTES] if call_only else allowed):
             # mapped, torch takes each storage's claimed bytes unchecked (unmapped, it checks them)
             mapped = mmap and check_storage_sizes(source, where)
             payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped or None)
@@ -137,6 +139,30 @@ def _safe_load(source: Any, where: str, extra_safe_globals: Sequence[Any], omega
     # collects omegaconf nodes: their interpolations would run resolvers when read (omegaconf_check.py).
     check_loaded_tree(payload, where)
     return payload
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``builtins.bytes`` as a load allows it: ``bytes()``, how protocol 2 (``torch.save``'s) writes ``b""``
+    (a non-empty value is ``_codecs.encode(str, "latin1")``, which torch allows). The pre-scan lets no other
+    call through (:func:`~.pickle_opcodes._bytes_call`); this refuses one all the same: while a load of ours
+    runs it is in torch's process-wide allow-list, which other threads' ``torch.load`` calls read too."""
+    if args:
+        raise pickle.UnpicklingError("builtins.bytes called with arguments: only bytes() (b'') loads")
+    return b""
+
+
+#: how torch's weights-only unpickler is given it: under the name the pickle's GLOBAL spells
+_EMPTY_BYTES = (_empty_bytes, "builtins.bytes")
+
+
+def _bytes_trusted(extra: Sequence[Any]) -> bool:
+    """Whether the user allowed ``builtins.bytes`` (``extra_safe_globals`` or torch's process-wide list): it
+    then loads as torch's unpickler has it, calls with arguments included, and :data:`_EMPTY_BYTES` stays out
+    of the list (torch would take either of two entries of one name)."""
+    for g in list(extra) + list(torch.serialization.get_safe_globals()):
+        if g is bytes or (isinstance(g, tuple) and len(g) == 2 and g[1] == "builtins.bytes" and g != _EMPTY_BYTES):
+            return True
+    return False
 
 
 def check_loaded_tree(tree: Any, where: str) -> None:
