@@ -24,6 +24,7 @@ from .store import error_said, ours
 from .chunk_checksums import chunk_crcs
 from .commit import fsync_dir
 from . import direct_write, page_cache
+from .landed_commit import Arrays, Objects, landed_whole, retried_over_itself
 from .layout import object_path, pack_path, rank_dir, tensor_path
 from .packs import build_pack, source_numpy
 
@@ -151,7 +152,7 @@ class TensorStoreWrites:
             os.makedirs(rank_dir(self.root, writer), exist_ok=True)
         txn = ts.Transaction(atomic=self.options.layout == "ocdbt")  # the zarr layout: many files, not atomic
         try:
-            nbytes, pending = self._stage_writes(txn, writer, tensors, objects)
+            nbytes, pending, staged = self._stage_writes(txn, writer, tensors, objects)
         except BaseException:
             txn.abort()
             raise
@@ -174,7 +175,8 @@ class TensorStoreWrites:
                 try:
                     committing.result()
                 except Exception as e:
-                    errors.append(f"committing rank {writer}'s store: {error_said(self.store, e)}")
+                    if not self._landed(writer, e, *staged):
+                        errors.append(f"committing rank {writer}'s store: {error_said(self.store, e)}")
                 else:
                     try:  # what the store's context left unsynced (LocalStore: an OCDBT store's files)
                         synced = self.store.make_durable(rank_dir(self.root, writer), self.options,
@@ -193,6 +195,14 @@ class TensorStoreWrites:
                                      + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
         return nbytes, list(synced or ())
 
+    def _landed(self, writer: int, error: BaseException, arrays: Arrays, objects: Objects) -> bool:
+        """Whether a failed commit of ``writer``'s store is one the object store carried out but answered
+        as failed, retried by tensorstore over itself, and everything of it reads back as written
+        (:mod:`.landed_commit`): then the write succeeded."""
+        kvstore = self.write_kvstore_spec(writer)
+        return retried_over_itself(error, kvstore, self.files) and landed_whole(kvstore, self.context, arrays,
+                                                                                  objects)
+
     def _sync_dirs(self, writer: int) -> None:
         """fsync ``data/``, which holds the entry of ``writer``'s store (made before the transaction):
         the commit does not walk the rank stores. Inside an OCDBT store, its commit fsyncs its two
@@ -208,9 +218,10 @@ class TensorStoreWrites:
                 and direct_write.supported(rank_dir(self.root, writer)))
 
     def _stage_writes(self, txn: Any, writer: int, tensors: Sequence[ShardWrite],
-                      objects: Sequence[ObjectWrite]) -> Tuple[int, List[Tuple[str, Any]]]:
+                      objects: Sequence[ObjectWrite]) -> Tuple[int, List[Tuple[str, Any]], Tuple[Arrays, Objects]]:
         """Open every array of the call in ``txn`` and start its writes (nothing reaches the store
-        before the commit); returns the bytes and the ``(what, future)`` of each write."""
+        before the commit); returns the bytes, the ``(what, future)`` of each write, and what a landed
+        commit must hold (:mod:`.landed_commit`)."""
         arrays: List[Tuple[str, str, np.ndarray, torch.dtype, Optional[int]]] = []  # what, path, data, dtype, chunk
         packs: Dict[torch.dtype, List[ShardWrite]] = {}
         for w in tensors:
@@ -223,7 +234,7 @@ class TensorStoreWrites:
             # Small chunks: a reader of a few packed shards fetches about what it needs.
             arrays.append((f"the pack of small {ts_dtype(dtype)} shards", pack_path(ts_dtype(dtype)),
                            build_pack(dtype, members), dtype, min(PACK_CHUNK_BYTES, self.options.chunk_bytes)))
-        opens, ours = [], []
+        opens, ours, created = [], [], []
         direct = self._direct_writes(writer)
         for what, path, arr, dtype, chunk_bytes in arrays:
             spec = self.create_spec(writer, path, dtype, arr.shape, chunk_bytes)
@@ -236,6 +247,7 @@ class TensorStoreWrites:
                 continue
             how = {"open": True, "assume_metadata": True} if own else {"create": True}
             opens.append((what, ts.open(spec, context=self.context, transaction=txn, **how), arr, own))
+            created += [] if own else [(spec, arr)]
         writes, nbytes, crcs = [], 0, []
         for key, fut, arr, own in opens:
             # Checksummed just before the array is written (the write copies it out of the cache the checksum filled)
@@ -254,9 +266,10 @@ class TensorStoreWrites:
         writes += [(f"{what} (its zarr.json)", ts.open(self.create_spec(writer, path, dtype, arr.shape, None, c),
                                                        create=True, context=self.context, transaction=txn))
                    for (what, path, arr, dtype), c in zip(ours, crcs)]
+        framed = [(object_path(key, index), frame_object(blob, self.token)) for key, index, blob in objects]
         if objects:
             kv = ts.KvStore.open(self.write_kvstore_spec(writer), context=self.context, transaction=txn).result()
-            for key, index, blob in objects:
-                writes.append((repr(key), kv.write(object_path(key, index), frame_object(blob, self.token))))
+            for (key, _, blob), (path, frame) in zip(objects, framed):
+                writes.append((repr(key), kv.write(path, frame)))
                 nbytes += len(blob)
-        return nbytes, writes
+        return nbytes, writes, (created, framed)

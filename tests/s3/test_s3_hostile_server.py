@@ -383,9 +383,10 @@ def test_an_answer_that_never_finishes_is_bounded(bucket, proxied, monkeypatch, 
 
 
 # -- a write that landed, answered as failed ------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="tensorstore's OCDBT over s3: a manifest PUT that landed but was answered "
-                   "500 is retried as a conflict, and the array creations (if-not-exists) then fail ALREADY_EXISTS")
 def test_a_manifest_put_that_landed_but_was_answered_500_is_retried(bucket, proxied):
+    """A manifest PUT stored, then answered 500: tensorstore's retry fails ALREADY_EXISTS against its own first
+    attempt; that attempt reads back whole (``storage/landed_commit.py``), so the save commits and loads
+    bit-exact (more cases: ``test_s3_landed_writes.py``)."""
     hits = {"n": 0}
 
     def lost(method: str, path: str, ans: Answer) -> None:
