@@ -19,25 +19,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import zstandard  # the test extra installs it (not a runtime dependency)
-from torch.distributed.checkpoint._extension import ZStandard
-from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 import lightning_distckpt as ldc
+from dcp_variant_writers import save_variant, variant_writer
 from dist_utils import run_distributed
 from lightning_distckpt.core.errors import CheckpointingError, FormatError
 from test_dcp_conformance_depth import OBJECTS, _flat_tensors, _same, plain_state
-
-
-def _writer(path, kind):
-    if kind == "zstd":
-        return dcp.FileSystemWriter(path, _extensions=[ZStandard()])
-    return dcp.FileSystemWriter(path, serialization_format=SerializationFormat.SAFETENSORS)
-
-
-def _save(state, path, kind):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no_dist's deprecation note
-        dcp.save(state, storage_writer=_writer(path, kind), no_dist=True)
 
 
 def _contiguous(value):
@@ -57,7 +44,7 @@ def test_every_dtype_shape_and_object_loads_bit_exact(tmp_path, kind):
     load bit-exactly (``load``, ``load_plain_tensors``, ``load_common_state_dict``); for zstd the values
     are torch's own ``dcp.load``'s too."""
     path = str(tmp_path / kind)
-    _save(plain_state() if kind == "zstd" else _contiguous(plain_state()), path, kind)
+    save_variant(plain_state() if kind == "zstd" else _contiguous(plain_state()), path, kind)
     want = {k: v for k, v in _flat_tensors().items() if kind == "zstd" or v.dtype != torch.complex128}
     template = {k: torch.zeros_like(v) for k, v in want.items()}
     template.update({k: 0 for k in OBJECTS})
@@ -92,7 +79,7 @@ def _save_2(rank, world, paths):
                        "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
                        "rep": distribute_tensor(full["rep"], mesh, [Replicate()])}, "step": 3}
     for kind, path in paths.items():
-        dcp.save(state, storage_writer=_writer(path, kind))
+        dcp.save(state, storage_writer=variant_writer(path, kind))
     torch.distributed.barrier()
 
 
@@ -226,7 +213,7 @@ def _zeros_frame(nbytes, declared):
 
 def _saved(tmp_path, kind="zstd"):
     path = str(tmp_path / kind)
-    _save(STATE, path, kind)
+    save_variant(STATE, path, kind)
     return path
 
 

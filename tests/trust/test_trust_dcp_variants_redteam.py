@@ -20,33 +20,19 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import zstandard  # the test extra installs it
-from torch.distributed.checkpoint._extension import ZStandard
-from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 
 import lightning_distckpt as ldc  # noqa: E402
+from dcp_variant_writers import save_variant, variant_writer  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
 from lightning_distckpt.core.errors import CheckpointingError, FormatError, UnsafeContentError  # noqa: E402
 from trust.hostile import edit_dcp_metadata  # noqa: E402
 
 STATE = {"w": torch.randn(16, 8, generator=torch.Generator().manual_seed(3)), "ids": torch.arange(50), "step": 4,
          "note": {"text": "hello", "n": [1, 2]}}
-
-
-def _writer(path, kind):
-    if kind == "zstd":
-        return dcp.FileSystemWriter(path, _extensions=[ZStandard()])
-    return dcp.FileSystemWriter(path, serialization_format=SerializationFormat.SAFETENSORS)
-
-
-def _save(state, path, kind):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no_dist's deprecation note
-        dcp.save(state, storage_writer=_writer(path, kind), no_dist=True)
-    return path
 
 
 def _info(path, fqn):
@@ -93,7 +79,7 @@ def test_safetensors_format_with_several_empty_tensors_in_one_file_loads(tmp_pat
     overlap of stored bytes; the checkpoint loads bit-exactly (it was refused as forged metadata)."""
     state = {"a": torch.zeros(0), "b": torch.zeros(0, 3), "w": torch.arange(6.0),
              "c": torch.ones(2, 0, dtype=torch.int32)}
-    path = _save(state, str(tmp_path / "st"), "safetensors")
+    path = save_variant(state, str(tmp_path / "st"), "safetensors")
     plain = ldc.load_plain_tensors(path)
     assert plain.keys() == state.keys()
     assert all(plain[k].dtype == v.dtype and torch.equal(plain[k], v) for k, v in state.items())
@@ -127,7 +113,7 @@ def _sharding_twice(text):
 def test_sharding_info_naming_a_tensor_twice_is_refused(tmp_path):
     """``DCP_SHARDING_INFO`` naming a tensor twice (readers disagree on which one counts: the first or the last):
     refused naming the file and the key, as a duplicate in the safetensors header itself is."""
-    path = _save(STATE, str(tmp_path / "st"), "safetensors")
+    path = save_variant(STATE, str(tmp_path / "st"), "safetensors")
     _edit_header(path, _sharding_twice)
     with pytest.raises(FormatError, match=r"__0_0\.distcp: DCP_SHARDING_INFO.*'w'"):
         ldc.load_plain_tensors(path)
@@ -135,7 +121,7 @@ def test_sharding_info_naming_a_tensor_twice_is_refused(tmp_path):
 
 def test_a_header_length_past_the_file_is_refused(tmp_path):
     """A SAFETENSORS-format file whose header length points past the file's end: refused naming file and key."""
-    path = _save(STATE, str(tmp_path / "st"), "safetensors")
+    path = save_variant(STATE, str(tmp_path / "st"), "safetensors")
     start = _info(path, "w").offset
     with open(os.path.join(path, "__0_0.distcp"), "r+b") as f:
         f.seek(start)
@@ -169,7 +155,7 @@ def test_a_default_format_chunk_beginning_like_a_safetensors_file_is_refused_nam
 def test_a_huge_zstd_window_is_refused_with_bounded_memory(tmp_path):
     """A frame asking for a 2 GiB window (and no content size) in place of a chunk: a FormatError naming the file
     and key, the process's peak RSS growing by far less than the window (measured in a fresh process)."""
-    path = _save(STATE, str(tmp_path / "z"), "zstd")
+    path = save_variant(STATE, str(tmp_path / "z"), "zstd")
     _append_item(path, "ids", _raw_frame(31))
     script = textwrap.dedent(f"""
         import resource, torch, lightning_distckpt as ldc
@@ -220,7 +206,7 @@ def test_odd_zstd_frames_in_an_object_are_refused_everywhere(tmp_path, name):
     """An object item holding zstd frames torch's writer never makes (a skippable frame, two frames, a frame
     needing a dictionary, a window past zstd's default bound): ``load_common_state_dict`` refuses it naming the
     file and the object, ``ldc.validate`` reports it, the CLI's ``validate`` fails naming it."""
-    path = _save(STATE, str(tmp_path / "z"), "zstd")
+    path = save_variant(STATE, str(tmp_path / "z"), "zstd")
     _append_item(path, "step", _object_blob(name, _object_bytes(path, "step")))
     with pytest.raises(FormatError, match=r"__0_0\.distcp: object 'step'"):
         ldc.load_common_state_dict(path)
@@ -243,7 +229,7 @@ class _RunsCode:
 def test_a_compressed_object_with_code_runs_no_code(tmp_path):
     """A compressed object item whose pickle calls ``os.makedirs``: refused as unsafe, naming the object;
     the directory it names is not made."""
-    path = _save(STATE, str(tmp_path / "z"), "zstd")
+    path = save_variant(STATE, str(tmp_path / "z"), "zstd")
     marker = str(tmp_path / "code_ran")
     buf = io.BytesIO()
     torch.save(_RunsCode(marker), buf)
@@ -259,7 +245,7 @@ def test_a_compressed_object_bomb_stays_within_the_pickle_cap(tmp_path, monkeypa
     """A 256 MiB zstd frame of zeros (no content size) as an object: refused under the pickle cap
     (``LIGHTNING_DISTCKPT_MAX_COMMON_BYTES``, set to 4 MiB here) naming the object, the process's peak RSS
     growing by far less than the frame's content."""
-    path = _save(STATE, str(tmp_path / "z"), "zstd")
+    path = save_variant(STATE, str(tmp_path / "z"), "zstd")
     zeros = io.BytesIO()
     writer = zstandard.ZstdCompressor().stream_writer(zeros, size=-1, closefd=False)
     for _ in range(16):
@@ -278,7 +264,7 @@ def test_a_compressed_object_bomb_stays_within_the_pickle_cap(tmp_path, monkeypa
 def test_a_compressed_chunk_holding_another_tensor_is_refused(tmp_path, stored):
     """A compressed chunk whose archive (well formed, its frame valid) holds another dtype, another shape or no
     tensor at all: refused naming the file and key, never converted or reshaped into the destination."""
-    path = _save(STATE, str(tmp_path / "z"), "zstd")
+    path = save_variant(STATE, str(tmp_path / "z"), "zstd")
     value = {"float64": STATE["w"].double(), "shape 8x16": STATE["w"].reshape(8, 16), "a dict": {"w": 1}}[stored]
     buf = io.BytesIO()
     torch.save(value, buf)
@@ -290,7 +276,7 @@ def test_a_compressed_chunk_holding_another_tensor_is_refused(tmp_path, stored):
 def test_one_compressed_item_named_by_two_chunks_is_refused(tmp_path):
     """Two chunks of a tensor pointing at the same compressed item (one stored chunk loaded as both): refused."""
     state = {"m": torch.arange(32.0).reshape(4, 8)}
-    path = _save(state, str(tmp_path / "z"), "zstd")
+    path = save_variant(state, str(tmp_path / "z"), "zstd")
 
     def split(meta):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -321,7 +307,7 @@ def _save_2(rank, world, paths):
     state = {"rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
              "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]), "step": 3}
     for kind, path in paths.items():
-        dcp.save(state, storage_writer=_writer(path, kind))
+        dcp.save(state, storage_writer=variant_writer(path, kind))
     torch.distributed.barrier()
 
 
