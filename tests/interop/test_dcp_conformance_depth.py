@@ -64,10 +64,9 @@ def _same(a, b):
                                                                       b.view(-1).view(torch.uint8) if b.numel() else b)
 
 
-def test_plain_variety_written_by_dcp_loads_bit_exact(tmp_path):
-    path = str(tmp_path / "plain")
-    dcp.save(plain_state(), checkpoint_id=path, no_dist=True)
-    want = _flat_tensors()
+def check_variety_loads(path, want):
+    """``ldc.load`` into a template of ``want`` (and OBJECTS), ``load_plain_tensors`` and
+    ``load_common_state_dict`` of ``path`` give ``want`` and OBJECTS bit-exact; returns the load's state."""
     template = {k: torch.zeros_like(v) for k, v in want.items()}
     template.update({k: 0 for k in OBJECTS})
     out = ldc.load(template, path)
@@ -76,6 +75,13 @@ def test_plain_variety_written_by_dcp_loads_bit_exact(tmp_path):
     plain = ldc.load_plain_tensors(path)
     assert plain.keys() == want.keys() and all(_same(plain[k], v) for k, v in want.items())
     assert ldc.load_common_state_dict(path) == OBJECTS
+    return out
+
+
+def test_plain_variety_written_by_dcp_loads_bit_exact(tmp_path):
+    path = str(tmp_path / "plain")
+    dcp.save(plain_state(), checkpoint_id=path, no_dist=True)
+    check_variety_loads(path, _flat_tensors())
 
 
 # ---------------------------------------------------------------- DTensors written by 4 ranks, read by 1 and 2

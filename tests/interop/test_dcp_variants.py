@@ -24,7 +24,7 @@ import lightning_distckpt as ldc
 from dcp_variant_writers import save_variant, variant_writer
 from dist_utils import run_distributed
 from lightning_distckpt.core.errors import CheckpointingError, FormatError
-from test_dcp_conformance_depth import OBJECTS, _flat_tensors, _same, plain_state
+from test_dcp_conformance_depth import _flat_tensors, _same, check_variety_loads, plain_state
 
 
 def _contiguous(value):
@@ -46,14 +46,7 @@ def test_every_dtype_shape_and_object_loads_bit_exact(tmp_path, kind):
     path = str(tmp_path / kind)
     save_variant(plain_state() if kind == "zstd" else _contiguous(plain_state()), path, kind)
     want = {k: v for k, v in _flat_tensors().items() if kind == "zstd" or v.dtype != torch.complex128}
-    template = {k: torch.zeros_like(v) for k, v in want.items()}
-    template.update({k: 0 for k in OBJECTS})
-    out = ldc.load(template, path)
-    assert [k for k, v in want.items() if not _same(out[k], v)] == []
-    assert {k: out[k] for k in OBJECTS} == OBJECTS
-    plain = ldc.load_plain_tensors(path)
-    assert plain.keys() == want.keys() and all(_same(plain[k], v) for k, v in want.items())
-    assert ldc.load_common_state_dict(path) == OBJECTS
+    out = check_variety_loads(path, want)
     if kind == "zstd":
         theirs = {k: torch.zeros_like(v) for k, v in want.items()}
         dcp.load(theirs, storage_reader=dcp.FileSystemReader(path), no_dist=True)
