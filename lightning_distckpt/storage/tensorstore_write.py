@@ -199,9 +199,8 @@ class TensorStoreWrites:
         """Whether a failed commit of ``writer``'s store is one the object store carried out but answered
         as failed, retried by tensorstore over itself, and everything of it reads back as written
         (:mod:`.landed_commit`): then the write succeeded."""
-        kvstore = self.write_kvstore_spec(writer)
-        return retried_over_itself(error, kvstore, self.files) and landed_whole(kvstore, self.context, arrays,
-                                                                                  objects)
+        return retried_over_itself(error, self.files) and landed_whole(self.write_kvstore_spec(writer), self.context,
+                                                                        arrays, objects)
 
     def _sync_dirs(self, writer: int) -> None:
         """fsync ``data/``, which holds the entry of ``writer``'s store (made before the transaction):

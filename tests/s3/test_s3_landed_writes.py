@@ -56,6 +56,20 @@ def test_a_manifest_put_that_landed_but_failed_is_retried_and_loads(bucket, prox
     check(ldc.load(template(), url), 4)
 
 
+@pytest.mark.parametrize("times", [1, None])
+def test_a_zarr_json_put_that_landed_but_failed_is_retried_and_loads(bucket, proxied, times):
+    """The zarr layout: an array's ``zarr.json`` PUT (written only if absent) stored, then answered 500, once or
+    every time: its retry fails ALREADY_EXISTS against itself; the store reads back whole, the save commits and
+    loads bit-exact."""
+    rule, hits = _landed_then_failed("/zarr.json", "500", times)
+    proxied(rule=rule)
+    url = f"s3://{bucket}/ck"
+    got = run_bounded(lambda: ldc.save(state(4), url, storage=ldc.StorageOptions(layout="zarr")), _SAFETY_S)
+    assert "error" not in got, got
+    assert hits["n"] >= 1
+    check(ldc.load(template(), url), 4)
+
+
 def test_a_data_object_put_that_landed_but_failed_is_retried_and_loads(bucket, proxied):
     """The first PUT of an OCDBT data object (``d/...``, written unconditionally) stored, then answered 500:
     sent again, the save commits and loads bit-exact."""
