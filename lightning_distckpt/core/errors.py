@@ -145,6 +145,17 @@ class UnsafeContentError(FormatError):
     """Stored content would need code to run or a type that is not allowed to deserialize."""
 
 
+def allow_type_advice(name: str) -> str:
+    """How a user who trusts a checkpoint allows the refused type ``name``: the argument of our calls, the
+    Lightning plugin's and the YAML config's, and torch's process-wide list, which also serves calls without
+    such an argument (Megatron-Core-shaped ones)."""
+    return (f"If the checkpoint is trusted, allow the type with the extra_safe_globals=[{name}] argument of "
+            f"lightning_distckpt.load / load_common_state_dict / DistCheckpointIO(...) (the plugin the Lightning / "
+            f"Fabric strategies use), or the checkpoint config's safe_globals: ['{name}'] (YAML; a strategy's "
+            f"checkpoint: section), or for every load in the process, calls without that argument included, "
+            f"torch.serialization.add_safe_globals([{name}])")
+
+
 class MissingKeysError(CheckpointingError, KeyError):
     """Keys asked for are not in the checkpoint (or, in strict modes, keys in it were not asked for)."""
 

@@ -13,7 +13,7 @@ import pickletools
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..core.errors import FormatError, UnsafeContentError
+from ..core.errors import FormatError, UnsafeContentError, allow_type_advice
 
 MAX_HASHED_DEPTH = 1000  # hashing recurses in C (about 100,000 levels crash); real keys nest a few levels
 MIN_PLACES, PLACES_PER_OPCODE = 1 << 20, 16  # a tree without sharing has a place per opcode at most
@@ -321,10 +321,8 @@ def _bytes_call(scan: Scan, data: bytes, start: int, pos: int) -> int:
         raise UnsafeContentError(
             f"{scan.where}: refused to deserialize builtins.bytes (at byte {scan.offset + start}): it loads only "
             "called with no argument, as protocol 2 writes b''; a call with arguments (bytes(10**12) allocates a "
-            "terabyte) or any other use of the type is refused before unpickling (loading runs no code). If the "
-            "checkpoint is trusted, allow the type with the extra_safe_globals=[bytes] argument of "
-            "lightning_distckpt.load / load_common_state_dict / DistCheckpointIO(...), the checkpoint config's "
-            "safe_globals: ['bytes'], or for every load in the process torch.serialization.add_safe_globals([bytes])")
+            f"terabyte) or any other use of the type is refused before unpickling (loading runs no code). "
+            f"{allow_type_advice('bytes')}")
     if key is not None:
         scan.memo[key] = _BYTES
     scan.stack.append(scan.made([_LEAF, _EMPTY_TUPLE], "a constructor's arguments"))  # as its opcodes made it

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from ..core.errors import FormatError, UnsafeContentError, naming_file
+from ..core.errors import FormatError, UnsafeContentError, allow_type_advice, naming_file
 from ..core.tree_walk import check_tree, fold
 from .omegaconf_check import check_nodes, node_type
 from .file_kind import HEAD_BYTES, not_a_torch_file, starts_with_legacy_magic
@@ -256,12 +256,7 @@ def _refusal(e: BaseException) -> str:
         return (f"refused to deserialize {name}: the file holds {_NOT_DENSE[name]}; dense (strided) tensors only "
                 f"(densify it before saving, e.g. tensor.to_padded_tensor(0) or one tensor per component)")
     return (f"refused to deserialize {name}: only tensors, containers, primitives and allow-listed types load "
-            f"(loading runs no code). If the checkpoint is trusted, allow the type with the "
-            f"extra_safe_globals=[{name}] argument of lightning_distckpt.load / load_common_state_dict / "
-            f"DistCheckpointIO(...) (the plugin the Lightning / Fabric strategies use), or the checkpoint "
-            f"config's safe_globals: ['{name}'] (YAML; a strategy's checkpoint: section), or for every "
-            f"load in the process, calls without that argument included, "
-            f"torch.serialization.add_safe_globals([{name}])")
+            f"(loading runs no code). {allow_type_advice(name)}")
 
 
 # torch's advice to load with weights_only=False (which runs whatever code the file names) and the
