@@ -246,7 +246,8 @@ class TensorStoreWrites:
                 continue
             how = {"open": True, "assume_metadata": True} if own else {"create": True}
             opens.append((what, ts.open(spec, context=self.context, transaction=txn, **how), arr, own))
-            created += [] if own else [(spec, arr)]
+            if not own:  # what a landed commit must hold (landed_commit)
+                created.append((spec, arr))
         writes, nbytes, crcs = [], 0, []
         for key, fut, arr, own in opens:
             # Checksummed just before the array is written (the write copies it out of the cache the checksum filled)
