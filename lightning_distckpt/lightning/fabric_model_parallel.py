@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from ..comm import get_comm
 from ..core.dtensors import restore_dtensor
 from ..core.plain_tensors import shard_tensors
-from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
+from ..core.errors import CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..optim.restore_checks import load_checked
 from ..storage.paths import checkpoint_location
@@ -170,12 +170,14 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
                         strict: bool = True, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Collective load into the modules and optimizers of ``state`` (in place, any mesh); returns
         what the checkpoint holds beyond ``state``. Without ``state``: the whole checkpoint, each
-        tensor whole, read by this process alone."""
+        tensor whole, read by this process alone. A module alone (``fabric.load_raw``): its weights from
+        one full state-dict file, as the stock strategy loads it; an optimizer alone is refused, as there."""
         target = os.fspath(self.broadcast(checkpoint_location(path, "path")))
         if not state:
             return self.checkpoint_io.load_checkpoint(target)
         if isinstance(state, (Module, Optimizer)):
-            raise ArgumentTypeError(f"{type(self).__name__}.load_checkpoint: pass a dict such as {{'model': model}}")
+            # fabric.load_raw: a module from one full state-dict file (weights-only), an optimizer refused, as stock
+            return super().load_checkpoint(target, state, strict=strict, **stock_weights_only(super().load_checkpoint))
         extra = self.checkpoint_io.extra_safe_globals
         self.checkpoint_io.wait()  # a background save (of this path, maybe) commits before anything is opened
         dcp = self.checkpoint_io.open_source(target) if is_lightning_dcp(target) else None

@@ -16,6 +16,11 @@ the test itself chose neither a checkpoint plugin nor a strategy of its own kind
 * ``stock_ddp``: Lightning's own ``DDPStrategy`` where the strategy modes put ours (the Trainer's only;
   no lightning_distckpt in it): the baseline of the strategy modes, which tells failures of a DDP
   strategy on one process (where stock picks ``SingleDeviceStrategy``) from failures of ours.
+* ``model_parallel``: no plugin or DDP replacement; instead a test module's own name
+  ``ModelParallelStrategy`` (Lightning's, Trainer's or Fabric's) is rebound to our subclass
+  (``DistCheckpointModelParallelStrategy`` / ``FabricDistCheckpointModelParallelStrategy``) before its
+  tests run, and ``Trainer(strategy="model_parallel")`` gets ``"model_parallel_distckpt"``. Its baseline
+  is ``stock`` on the same tests (``SUITE=model_parallel``).
 
 ``LDC_PEER_READTHROUGH=1`` also routes ``torch.load`` / Lightning's ``pl_load`` of a checkpoint
 directory to ``DistCheckpointIO().load_checkpoint`` and makes ``os.path.isfile`` true for one: it
@@ -40,7 +45,7 @@ MODE = os.environ.get("LDC_PEER_MODE", "stock")
 READTHROUGH = os.environ.get("LDC_PEER_READTHROUGH", "0") == "1"
 RESULTS = os.environ.get("LDC_PEER_RESULTS")
 MODES = ("stock", "plugin", "async", "lightning_async", "stock_async", "strategy", "strategy_async",
-         "strategy_async_bg", "stock_ddp")
+         "strategy_async_bg", "stock_ddp", "model_parallel")
 PLUGIN_MODES = ("plugin", "async", "lightning_async", "stock_async")
 #: Strategies the ``strategy`` modes replace (by name): the default and DDP on CPU.
 DDP_NAMES = {None: None, "auto": None, "ddp": None, "ddp_spawn": "spawn", "ddp_fork": "fork",
@@ -112,6 +117,11 @@ def _start_method(strategy: Any) -> Dict[str, Any]:
 
 def inject(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """``kwargs`` of a ``Trainer(...)`` with this mode's plugin or strategy added."""
+    if MODE == "model_parallel":
+        if kwargs.get("strategy") == "model_parallel":
+            _injected.append("model_parallel")
+            return dict(kwargs, strategy="model_parallel_distckpt")
+        return kwargs
     if MODE == "stock" or _own_checkpoint_io(kwargs):
         return kwargs
     strategy = kwargs.get("strategy")
@@ -172,10 +182,43 @@ def _patch_fabric() -> None:
             _injected.append("strategy")
         original(self, *args, **kwargs)
         # Made now, in this process: a spawned worker unpickles the strategy without this harness.
-        if MODE != "stock":
+        if MODE in PLUGIN_MODES or MODE.startswith("strategy"):
             self.strategy.checkpoint_io  # noqa: B018
 
     Fabric.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _patch_model_parallel() -> None:
+    """``model_parallel`` mode: each construction of our ModelParallel subclasses counts as injected."""
+    from lightning_distckpt.lightning import (DistCheckpointModelParallelStrategy,
+                                              FabricDistCheckpointModelParallelStrategy)
+
+    for cls in (DistCheckpointModelParallelStrategy, FabricDistCheckpointModelParallelStrategy):
+        def wrap(original: Any) -> Any:
+            @functools.wraps(original)
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                _injected.append("model_parallel")
+                original(self, *args, **kwargs)
+            return __init__
+        cls.__init__ = wrap(cls.__init__)  # type: ignore[method-assign]
+
+
+def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
+    """``model_parallel`` mode: rebind a test module's ``ModelParallelStrategy`` (Lightning's) to ours."""
+    if MODE != "model_parallel":
+        return
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricStock
+    from lightning.pytorch.strategies import ModelParallelStrategy as TrainerStock
+
+    from lightning_distckpt.lightning import (DistCheckpointModelParallelStrategy,
+                                              FabricDistCheckpointModelParallelStrategy)
+
+    ours = {TrainerStock: DistCheckpointModelParallelStrategy, FabricStock: FabricDistCheckpointModelParallelStrategy}
+    for item in items:
+        module = item.getparent(pytest.Module)
+        names = vars(module.obj) if module is not None else {}
+        if names.get("ModelParallelStrategy") in ours:
+            names["ModelParallelStrategy"] = ours[names["ModelParallelStrategy"]]
 
 
 def _patch_trainer() -> None:
@@ -238,6 +281,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"LDC_PEER_MODE={MODE!r}: one of {MODES}")
     _patch_trainer()
     _patch_fabric()
+    if MODE == "model_parallel":
+        _patch_model_parallel()
     if READTHROUGH:
         _patch_readthrough()
 

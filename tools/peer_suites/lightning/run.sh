@@ -31,15 +31,23 @@ CALLBACKS="$(printf 'tests_pytorch/callbacks/test_%s.py ' callbacks early_stoppi
   model_checkpoint_step_interval_val_metric pruning stochastic_weight_avg timer weight_averaging)"
 RESUME_TESTS="tests_pytorch/models/test_restore.py tests_pytorch/trainer/connectors/test_checkpoint_connector.py \
 $CALLBACKS tests_fabric/utilities/test_load.py"
+# SUITE=model_parallel: Lightning's ModelParallelStrategy tests (Trainer's and Fabric's, unit and integration)
+# against our subclasses; modes stock (baseline) and model_parallel; result files model_parallel_<mode>.
+MP_TESTS="$(printf 'tests_%s/strategies/test_model_parallel%s.py ' pytorch '' pytorch _integration fabric '' \
+  fabric _integration)"
 SUITE="${SUITE:-checkpointing}"
 case "$SUITE" in
   checkpointing) PREFIX="" ;;
   resume) PREFIX="resume_"; TESTS="${TESTS:-$RESUME_TESTS}" ;;
-  *) echo "SUITE=$SUITE: checkpointing or resume" >&2; exit 2 ;;
+  model_parallel) PREFIX="model_parallel_"; TESTS="${TESTS:-$MP_TESTS}" ;;
+  *) echo "SUITE=$SUITE: checkpointing, resume or model_parallel" >&2; exit 2 ;;
 esac
 TESTS="${TESTS:-tests_pytorch/checkpointing tests_pytorch/plugins/test_checkpoint_io_plugin.py tests_pytorch/plugins/test_async_checkpoint.py tests_fabric/strategies/test_strategy.py tests_fabric/strategies/test_single_device.py tests_fabric/strategies/test_ddp.py tests_fabric/strategies/test_ddp_integration.py $FABRIC_SAVE_LOAD}"
 MODES=("$@")
-[ ${#MODES[@]} -eq 0 ] && MODES=(stock plugin async lightning_async stock_async strategy strategy_async)
+if [ ${#MODES[@]} -eq 0 ]; then
+  if [ "$SUITE" = model_parallel ]; then MODES=(stock model_parallel)
+  else MODES=(stock plugin async lightning_async stock_async strategy strategy_async); fi
+fi
 mkdir -p "$OUT"
 RAN=()
 if [ -n "${LDC_REV:-}" ]; then
