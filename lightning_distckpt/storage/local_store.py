@@ -33,27 +33,44 @@ from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
 logger = logging.getLogger(__name__)
 
 def _remove_dir(target: str, stock: bool = False) -> None:
-    """Remove a checkpoint directory so that no step of it leaves a directory that says committed: the
-    marker first, then the directory renamed to a staging name (the name is free at once) and removed.
+    """Remove a checkpoint directory checked by :func:`removable` so that what is removed is what was checked,
+    and no step of it leaves, at a checkpoint name, a directory that says committed. It is renamed first to a
+    removal's aside name (:func:`.staging.removal_aside`: the name is free at once) and checked again there:
+    a directory of ours (:func:`is_checkpoint_dir`), or a ``stock`` one (a stock DCP directory or an empty
+    one, no marker to tell it). Only then go its marker and the rest. Whatever else was put at the name
+    between the check and the rename (a user's directory) goes back to it, or stays at the aside name when
+    the name is taken again, and is named; before, it was removed whole, its ``COMMITTED`` file first.
     Interrupted (Ctrl-C in ``ModelCheckpoint``'s top-k removal), ``shutil.rmtree`` alone left a directory
     whose ``COMMITTED`` outlived some of its data: "committed (complete)" to ``inspect``, damaged to a load.
-    What is left now is an uncommitted staging directory, which ``clean`` removes. A ``stock`` one (not
-    ours: a stock DCP directory or an empty one, no marker to tell it) is checked again once renamed, so
-    that what is removed is what was checked: something put into it meanwhile keeps it, back at its name."""
-    try:
-        if not stock:  # none in a stock one: a file of that name put into it meanwhile is not ours to remove
-            os.remove(os.path.join(target, COMMIT_MARKER))
-    except FileNotFoundError:  # an empty directory, an incomplete one
-        pass
-    aside = staging.new_staging_dir(target)
+    What is left now is at the aside name, which ``clean`` removes and nothing recovers into place."""
+    aside = staging.removal_aside(target)
     os.rename(target, aside)
-    if stock and os.listdir(aside) and not is_stock_dcp_dir(aside):  # an empty directory stays removable
-        where = aside if os.path.lexists(target) else target
-        if where == target:
-            os.rename(aside, target)
-        raise ArgumentError(f"remove {target}: something other than a DCP checkpoint's files appeared in it while "
-                            f"it was being removed; left as it is at {where}")
+    if stock:  # an empty directory stays removable
+        still = not os.listdir(aside) or is_stock_dcp_dir(aside)
+    else:
+        still = is_checkpoint_dir(aside)
+    if not still:
+        where = _put_back(aside, target)
+        what = ("something other than a DCP checkpoint's files appeared in it" if stock else
+                f"something other than a checkpoint of ours was put at its name ({describe_refused(where)})")
+        raise ArgumentError(f"remove {target}: {what} while it was being removed; left as it is at {where}")
+    if not stock:  # none in a stock one: a file of that name in it is not a marker of ours
+        try:  # first: an interrupted rmtree then leaves nothing that says committed
+            os.remove(os.path.join(aside, COMMIT_MARKER))
+        except FileNotFoundError:  # an incomplete one
+            pass
     shutil.rmtree(aside)
+
+
+def _put_back(aside: str, target: str) -> str:
+    """Rename ``aside`` (what a removal found not to remove) back to ``target`` when nothing is there; where it is."""
+    if os.path.lexists(target):
+        return aside
+    try:
+        os.rename(aside, target)
+    except OSError:  # something (not empty) took the name meanwhile: never replaced
+        return aside
+    return target
 
 
 def _remove_file(target: str) -> None:
@@ -282,13 +299,13 @@ class LocalStore(CheckpointStore):
                 raise ArgumentError(f"remove {target}: a link to {dest}, which is not a checkpoint "
                                     f"({describe_refused(dest)}); leaving both as they are")
             os.remove(target)
-        elif not removable(target):
+            return True
+        ours = is_checkpoint_dir(target)  # (what the name holds may change at any time: all is checked again aside)
+        if not removable(target):
             raise ArgumentError(f"remove {target}: not a checkpoint of ours nor a stock Lightning checkpoint "
                                 f"({describe_refused(target)}: what is there would be lost); leaving it as it is")
-        elif os.path.isdir(target):
-            # anything not ours (a stock DCP directory, an empty one) is checked again once renamed aside: the
-            # name may hold something else by now (checked here a second time, a changed one was removed whole)
-            _remove_dir(target, stock=not is_checkpoint_dir(target))
+        if ours or os.path.isdir(target):
+            _remove_dir(target, stock=not ours)
         else:
             _remove_file(target)
         return True
@@ -315,7 +332,8 @@ class LocalStore(CheckpointStore):
                 if owners:
                     raise LeftoverChanged(f"{leftover.path}: a save on this host (pid {owners[0]}) is writing into it; "
                                           "not removed")
-                if is_committed(leftover.path) and not leftover.committed:
+                if (is_committed(leftover.path) and not leftover.committed
+                        and not staging.is_removal_aside(leftover.path)):  # (one being removed is committed)
                     raise LeftoverChanged(f"{leftover.path}: committed meanwhile by a save that was still running; "
                                           "not removed")
             try:

@@ -56,8 +56,12 @@ _MAX_NOTE_BYTES = 1 << 16  # a note is ~100 bytes: more is not one of ours
 
 _NAME_MAX = 255  # bytes in one file name (ext4, xfs, NFS, Lustre)
 _SUFFIX_ROOM = 8  # ".oldN": a commit moves the previous checkpoint aside under its staging name plus this
+# A removal's aside name ends so (storage/local_store.py: _remove_dir): a committed checkpoint there is one being
+# removed, never a stranded commit to recover, however the removal was interrupted
+REMOVAL_SUFFIX = ".removed"
 # ".distckpt-staging-<base32 of the target's name>-<12 hex digits>", optionally ".old<N>" (moved aside)
-_ENCODED = re.compile(r"\.distckpt-staging-([a-z2-7]+)-[0-9a-f]{12}(?:\.old[0-9]*)?\Z")
+# or ".removed" (being removed)
+_ENCODED = re.compile(r"\.distckpt-staging-([a-z2-7]+)-[0-9a-f]{12}(?:\.old[0-9]*|\.removed)?\Z")
 
 
 def _encode_name(name: str) -> str:
@@ -91,9 +95,20 @@ def new_staging_dir(target: str) -> str:
     return os.path.join(parent, encoded)
 
 
+def removal_aside(target: str) -> str:
+    """A fresh name beside ``target`` that a removal renames it to before removing it: a staging name
+    (``clean`` finds and removes what an interruption left there) ending in :data:`REMOVAL_SUFFIX`."""
+    return new_staging_dir(target) + REMOVAL_SUFFIX
+
+
+def is_removal_aside(path: str) -> bool:
+    """A name :func:`removal_aside` made: what is there is being removed, committed or not."""
+    return is_staging_dir(path) and os.path.basename(os.path.normpath(path)).endswith(REMOVAL_SUFFIX)
+
+
 def is_staging_dir(path: str) -> bool:
     """A staging directory's name, in either form (``.distckpt-staging-<base32>-<id>``, or the older
-    ``.NAME.distckpt-staging-<id>``), with or without a ``.old<N>`` suffix."""
+    ``.NAME.distckpt-staging-<id>``), with or without a ``.old<N>`` or ``.removed`` suffix."""
     base = os.path.basename(os.path.normpath(path))
     return base.startswith(".") and STAGING_TAG in base
 
@@ -296,6 +311,8 @@ class Leftover:
             return "a save is writing into it (pid " + ", ".join(map(str, self.live_owner_pids)) + " on this host)"
         if verdict == "recent":
             return f"changed {self.idle_s:.0f} s ago (< --older-than {older_than_s:.0f} s): a save may still be running"
+        if is_removal_aside(self.path):
+            return f"left by an interrupted removal of {name}, idle {self.idle_s:.0f} s"
         return "superseded by the committed checkpoint at its target" if self.committed else \
             f"uncommitted, idle {self.idle_s:.0f} s"
 
@@ -338,7 +355,8 @@ def find_leftovers(parent: str, target_name: Optional[str] = None, exclude: Sequ
             continue
         # Owners and the marker first: a commit that removes its notes after its marker is durable
         # is then seen with one or the other (or both), never with neither.
-        owners, committed = live_owner_pids(path), is_committed(path)
+        # (a removal's aside is uncommitted to clean whatever it holds: never recovered into place nor kept)
+        owners, committed = live_owner_pids(path), is_committed(path) and not is_removal_aside(name)
         try:
             nbytes, newest = size_and_newest_mtime(path)
         except OSError:  # vanished: someone else cleaned or committed it
