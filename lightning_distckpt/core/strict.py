@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import logging
 from enum import Enum
-from typing import AbstractSet, Collection, Iterable, Set, Tuple
+from typing import AbstractSet, Collection, Iterable, Optional, Set, Tuple
 
 from .errors import ArgumentError, MissingKeysError
 from .shown import quoted
@@ -104,35 +104,57 @@ def mismatch_message(missing: AbstractSet[str], unexpected: AbstractSet[str], un
     return " ".join(titles) + "\n" + " ".join(bodies)
 
 
-def _listed(keys: AbstractSet[str]) -> str:
-    """``str(sorted(keys))``, each key :func:`quoted`: escaped as ``repr`` does, a long one cut short."""
-    return f"[{', '.join(quoted(k) for k in sorted(keys))}]"
+def _listed(keys: AbstractSet[str], shown: int = 10) -> str:
+    """``str(sorted(keys))``, each key :func:`quoted`: escaped as ``repr`` does, a long one cut short;
+    past ``shown`` keys, the first ones and how many there are (a renamed prefix may miss thousands)."""
+    first = sorted(keys)[:shown]
+    more = f", ... ({len(keys)} in all)" if len(keys) > shown else ""
+    return f"[{', '.join(quoted(k) for k in first)}{more}]"
 
 
 def check_keys(strict: StrictHandling, checkpoint_dir: str, missing: Iterable[str], unexpected_any_rank: Iterable[str],
-               unexpected_mine: Iterable[str], stored: Collection[str] = ()) -> Tuple[Set[str], Set[str]]:
+               unexpected_mine: Iterable[str], stored: Collection[str] = (),
+               unasked: Optional[AbstractSet[str]] = None) -> Tuple[Set[str], Set[str]]:
     """Apply ``strict`` to a load's key mismatch: raise (the same on every rank: every rank passes
-    the same ``missing`` and ``unexpected_any_rank``) or log (this rank's own) as the mode says.
+    the same ``missing``, ``unexpected_any_rank`` and ``unasked``) or log (this rank's own) as the mode says.
     Returns ``(missing, unexpected_mine)`` as ``load`` returns them: empty where the mode does not
     report a set (``missing`` outside ``LOG_ALL`` / ``RAISE_ALL`` / ``RETURN_ALL``, both under
-    ``IGNORE_ALL``). ``stored``: the checkpoint's keys, for the close ones an error suggests."""
+    ``IGNORE_ALL``). ``stored``: the checkpoint's keys, for the close ones an error suggests.
+    ``unasked``: the checkpoint's keys no rank asks for, where known (None: the ranks ask for
+    different keys and the mode did not compare them), which a refusal names beside the keys it
+    refuses, as torch's ``load_state_dict`` names both sides."""
     missing = set(missing) if strict.needs_missing else set()
     every, mine = set(unexpected_any_rank), set(unexpected_mine)
     where = f"checkpoint {checkpoint_dir}"
     if strict is StrictHandling.IGNORE_ALL:
         return set(), set()
     if (every and not strict.skips_unexpected) or (missing and strict is StrictHandling.RAISE_ALL):
-        shown = missing if strict is StrictHandling.RAISE_ALL else set()
+        refused = missing if strict is StrictHandling.RAISE_ALL else set()
+        shown, other = refused, ""
+        if every and not refused:  # the checkpoint's side of the mismatch, which this mode does not refuse
+            shown, other = _other_side(strict, unasked)
         hint = "" if not every else f" ({SKIP_HINT})"
-        close = _close_keys(every, stored)
-        if every and stored and not close and not shown:  # a renamed layer: nothing to guess; where to look
+        # a close key is one the template does not ask for already: not a layer both sides have
+        close = _close_keys(every, stored if unasked is None else unasked)
+        if every and stored and not close and not refused:  # a renamed layer: nothing to guess; where to look
             close = f" The checkpoint's keys: python -m lightning_distckpt inspect {checkpoint_dir}"
-        raise MissingKeysError(f"{where}: {mismatch_message(shown, every, 'of all ranks')} "
+        raise MissingKeysError(f"{where}: {mismatch_message(shown, every, 'of all ranks')}{other} "
                                f"[strict={strict.value}]{hint}{close}")
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and (missing or mine):
         kept = " (skipped: their template values are kept)" if mine else ""
         logger.warning("%s: %s%s", where, mismatch_message(missing, mine, "for this rank"), kept)
     return missing, mine
+
+
+def _other_side(strict: StrictHandling, unasked: Optional[AbstractSet[str]]) -> Tuple[Set[str], str]:
+    """What a refusal of keys the checkpoint lacks says of the checkpoint's keys no rank asks for,
+    under a mode that does not refuse those: ``(keys to list as missing, a note)``."""
+    if unasked is None:
+        return set(), (" The checkpoint's keys no rank asks for are not listed: the ranks ask for different "
+                       "keys (strict=raise_all compares them).")
+    if not unasked:
+        return set(), " Every key of the checkpoint is asked for: the template has entries the checkpoint lacks."
+    return set(unasked), f" (Missing keys are listed to show both sides; strict={strict.value} does not refuse them.)"
 
 
 def _close_keys(unexpected: AbstractSet[str], stored: Collection[str], shown: int = 5) -> str:

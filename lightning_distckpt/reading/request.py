@@ -152,7 +152,9 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
         mine -= tied_to_stored(req.tensors, req.tied, source.index.tensors.keys())
     # the place asked for where known (every rank says the same, whether it opened it or not), else what was opened
     where = location or (source.path if source is not None else "the checkpoint")
-    digest = _keys_digest(asked) if strict.needs_missing else None
+    # also where a mode may refuse absent keys: the refusal names the checkpoint's keys no rank asks for
+    # when all ranks ask alike (their digests agree)
+    digest = _keys_digest(asked) if strict.needs_missing or not strict.skips_unexpected else None
     setup = None if source is None else (content_id(source), source.path, strict.value, *(loader or LoaderSetup()))
     # a digest of what must be equal everywhere (not the path, which may differ for one checkpoint) and
     # the exchange group travel; the details (paths are long, ranks many) only when a digest differs
@@ -175,8 +177,11 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
             received = comm.gather_from(senders, sorted(asked) if comm.rank in senders else None)
             found = sorted(stored.difference(*received.values())) if comm.rank == 0 else None
             missing = set(comm.broadcast_object(found))
-    missing, unexpected = check_keys(strict, source.path, missing, every, mine,
-                                     stored=list(source.index.tensors) + list(source.index.objects) if every else ())
+    stored_keys = list(source.index.tensors) + list(source.index.objects) if every else []
+    unasked = missing if strict.needs_missing else None
+    if every and unasked is None and len({d for d, _ in gathered}) == 1:  # every rank asks alike: no exchange
+        unasked = set(stored_keys) - asked
+    missing, unexpected = check_keys(strict, source.path, missing, every, mine, stored=stored_keys, unasked=unasked)
     return KeyMatch(absent, missing, unexpected)
 
 

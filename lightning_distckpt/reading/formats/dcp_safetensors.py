@@ -11,7 +11,8 @@ safetensors file begins), checks the header (:mod:`.safetensors_header`: offsets
 dtypes known) against ``.metadata`` (each chunk named once, of the dtype, shape, offsets and byte
 count ``.metadata`` declares; no entry left over) and points each chunk at its own bytes, marked
 ``raw``: the reader then reads the pieces it needs from them directly. Safetensors records no
-checksum: the bytes are read as stored.
+checksum: the bytes are read as stored. That format with ``_extensions=[ZStandard()]``, which torch's
+own reader cannot read back, is refused naming the combination (:func:`_refuse_compressed`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ...core.errors import FormatError
 from ...core.shown import shown
 from ...storage.layout import parse_json
 from .dcp_chunks import safetensors_at
-from .dcp_metadata import DcpChunk, DcpMetadata, DcpTensor
+from .dcp_metadata import DcpChunk, DcpItem, DcpMetadata, DcpTensor
 from .safetensors_header import Header, read_open_header
 
 SHARDING_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
@@ -45,9 +46,12 @@ def resolve_safetensors(meta: DcpMetadata, full_paths: Dict[str, str], open_file
     for rel, placed in by_file.items():
         items = [chunks[i].item for _, _, chunks, i in placed]
         starts = {item.offset for item in items}
-        if len(starts) != 1 or any(item.transforms for item in items):
-            continue  # DCP's default format: each chunk a torch.save archive of its own
         full = full_paths[rel]
+        compressed = any(item.transforms for item in items)
+        if compressed:
+            _refuse_compressed(shown(full), items, open_file(full))
+        if len(starts) != 1 or compressed:
+            continue  # DCP's default format: each chunk a torch.save archive of its own
         with open_file(full) as f:
             if not safetensors_at(f, items[0].offset):
                 continue
@@ -61,6 +65,25 @@ def resolve_safetensors(meta: DcpMetadata, full_paths: Dict[str, str], open_file
                                   f"bytes begin a safetensors file (DCP's SAFETENSORS format), which is not sound: "
                                   f"{why}") from None
         _point_at_entries(shown(full), placed, header)
+
+
+def _refuse_compressed(where: str, items: List[DcpItem], f: BinaryIO) -> None:
+    """Refuse what ``FileSystemWriter(serialization_format=SAFETENSORS, _extensions=[ZStandard()])``
+    writes (torch 2.13): each tensor item an empty zstd frame of a few bytes, recorded with the
+    tensor's byte count as its length (so the items' ranges overlap), then the rank's safetensors
+    file, uncompressed, after the last frame. torch's ``FileSystemReader`` cannot read it back (its
+    zstd decoder meets the next frame or the safetensors header). Closes ``f``."""
+    with f:
+        last = max(item.offset for item in items)
+        # an empty zstd frame is 9 to 18 bytes: the safetensors file begins a few bytes past the last one
+        # (in DCP's TORCH_SAVE format compressed, a frame of a torch.save archive is there instead)
+        if not any(safetensors_at(f, last + gap) for gap in range(1, 32)):
+            return
+    raise FormatError(f"{where}: written by DCP's FileSystemWriter(serialization_format=SerializationFormat."
+                      "SAFETENSORS, _extensions=[ZStandard()]), which stores each tensor as an empty zstd frame "
+                      "before an uncompressed safetensors file; torch's FileSystemReader cannot read that "
+                      "combination back either. Re-save with serialization_format=TORCH_SAVE (compressed with "
+                      "_extensions=[ZStandard()] or not), or SAFETENSORS without _extensions")
 
 
 def _sharding_info(where: str, header: Header) -> Dict[str, object]:
