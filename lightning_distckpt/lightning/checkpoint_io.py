@@ -51,7 +51,7 @@ from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, un
 from .last_link import links_to_target, repoint_last_links
 from .plugin_strategy_check import tell_strategy
 from .fabric_checkpoint import fabric_checkpoint
-from .foreign import TRAINER_RESUMES_NEWEST, foreign_advice, foreign_writer, refuse_file_inside
+from .foreign import NOT_FOUND_ADVICE, TRAINER_RESUMES_NEWEST, foreign_advice, foreign_writer, refuse_file_inside
 from .restore_source import RestoreSource
 from .slurm_requeue import is_requeue_save
 from .stock import open_torch_file, tensors_metadata
@@ -69,13 +69,13 @@ LIGHTNING_NOT_FOUND = "Checkpoint file not found"
 @contextlib.contextmanager
 def lightning_not_found(path: Any) -> Iterator[None]:
     """A missing checkpoint raised in the block gets Lightning's words first, with the path as given (``Checkpoint
-    file not found: last.ckpt``): code and tests written against ``TorchCheckpointIO`` match them; ours follow."""
+    file not found: last.ckpt``): code written for ``TorchCheckpointIO`` matches them; ours and what to do follow."""
     try:
         yield
     except CheckpointNotFoundError as e:
         if str(e).startswith(LIGHTNING_NOT_FOUND):  # a nested block said it already
             raise
-        raise CheckpointNotFoundError(f"{LIGHTNING_NOT_FOUND}: {path}; {e}") from None
+        raise CheckpointNotFoundError(f"{LIGHTNING_NOT_FOUND}: {path}; {e}; {NOT_FOUND_ADVICE}") from None
 
 
 class DistCheckpointIO(CheckpointIO):

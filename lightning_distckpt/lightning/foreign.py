@@ -42,6 +42,8 @@ def foreign_advice(path: str) -> str:
 
 
 TRAINER_RESUMES_NEWEST = "(a Trainer: ckpt_path=\"last\" resumes from the newest in ModelCheckpoint's dirpath)"
+#: What to do about a checkpoint path with nothing at it (the hints before it say where committed ones are).
+NOT_FOUND_ADVICE = f"check the path {TRAINER_RESUMES_NEWEST}"
 
 
 def fabric_writer(kind: Optional[str]) -> str:
