@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
+from contextvars import ContextVar
 from enum import Enum
-from typing import AbstractSet, Collection, Iterable, Optional, Set, Tuple
+from typing import AbstractSet, Collection, FrozenSet, Iterable, Iterator, Optional, Set, Tuple
 
 from .errors import ArgumentError, MissingKeysError
 from .shown import quoted
@@ -17,6 +19,15 @@ _COMPILED = "_orig_mod."  # torch.compile's OptimizedModule holds the module und
 SKIP_HINT = ("to skip them: load(..., strict=StrictHandling.LOG_UNEXPECTED / LOG_ALL / RETURN_ALL / IGNORE_ALL); "
              "load_module_weights / fabric.load: strict=False; a Trainer under our strategies: "
              "LightningModule.strict_loading = False, or the checkpoint config's strict: log_all")
+# What a refusal of a module's checkpoint weights it does not ask for says (Lightning's strict_loading).
+UNUSED_LABEL = ("[strict_loading=True / fabric.load(strict=True): every module weight of the checkpoint must be "
+                "used, as load_state_dict(strict=True) requires]")
+UNUSED_HINT = ("to leave them unused: LightningModule.strict_loading = False or fabric.load(..., strict=False) (they "
+               "are logged), or set the checkpoint config's strict (e.g. assume_ok_unexpected: Megatron-Core's "
+               "meaning, which does not look for them)")
+# The checkpoint's keys of the module entries whose unasked ones a load refuses (None: none refused); set by
+# :func:`refusing_unused` around one load, read by the key match (reading/request.py), which every rank makes.
+_REFUSED_UNUSED: ContextVar[Optional[FrozenSet[str]]] = ContextVar("ldc_refused_unused", default=None)
 
 
 class StrictHandling(Enum):
@@ -91,6 +102,24 @@ class StrictHandling(Enum):
         return self in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
+@contextlib.contextmanager
+def refusing_unused(stored_keys: Optional[AbstractSet[str]]) -> Iterator[None]:
+    """Within the block, a load refuses those of ``stored_keys`` (a checkpoint's keys, the same on every rank: a
+    module's entries) that no rank asks for, whatever the mode's Megatron-Core meaning: Lightning's
+    ``strict_loading`` / Fabric's ``strict=True`` for a module, scoped to its weights. None: nothing more refused.
+    A context (not an argument of ``load``, whose signature is Megatron-Core's), set by the strategies."""
+    token = _REFUSED_UNUSED.set(None if stored_keys is None else frozenset(stored_keys))
+    try:
+        yield
+    finally:
+        _REFUSED_UNUSED.reset(token)
+
+
+def refused_unused() -> Optional[FrozenSet[str]]:
+    """The keys :func:`refusing_unused` set for the load in progress (None: none)."""
+    return _REFUSED_UNUSED.get()
+
+
 def mismatch_message(missing: AbstractSet[str], unexpected: AbstractSet[str], unexpected_whose: str) -> str:
     """Megatron-Core's wording of a key mismatch (log scrapers look for "Missing keys" /
     "Unexpected keys"), each set sorted; a checkpoint's keys are anyone's: each is :func:`quoted`."""
@@ -114,7 +143,8 @@ def _listed(keys: AbstractSet[str], shown: int = 10) -> str:
 
 def check_keys(strict: StrictHandling, checkpoint_dir: str, missing: Iterable[str], unexpected_any_rank: Iterable[str],
                unexpected_mine: Iterable[str], stored: Collection[str] = (),
-               unasked: Optional[AbstractSet[str]] = None) -> Tuple[Set[str], Set[str]]:
+               unasked: Optional[AbstractSet[str]] = None,
+               unused: AbstractSet[str] = frozenset()) -> Tuple[Set[str], Set[str]]:
     """Apply ``strict`` to a load's key mismatch: raise (the same on every rank: every rank passes
     the same ``missing``, ``unexpected_any_rank`` and ``unasked``) or log (this rank's own) as the mode says.
     Returns ``(missing, unexpected_mine)`` as ``load`` returns them: empty where the mode does not
@@ -122,24 +152,28 @@ def check_keys(strict: StrictHandling, checkpoint_dir: str, missing: Iterable[st
     ``IGNORE_ALL``). ``stored``: the checkpoint's keys, for the close ones an error suggests.
     ``unasked``: the checkpoint's keys no rank asks for, where known (None: the ranks ask for
     different keys and the mode did not compare them), which a refusal names beside the keys it
-    refuses, as torch's ``load_state_dict`` names both sides."""
+    refuses, as torch's ``load_state_dict`` names both sides. ``unused``: those of them that are refused
+    whatever ``strict`` says (a module's weights under Lightning's ``strict_loading``, :func:`refusing_unused`)."""
     missing = set(missing) if strict.needs_missing else set()
     every, mine = set(unexpected_any_rank), set(unexpected_mine)
     where = f"checkpoint {checkpoint_dir}"
     if strict is StrictHandling.IGNORE_ALL:
         return set(), set()
-    if (every and not strict.skips_unexpected) or (missing and strict is StrictHandling.RAISE_ALL):
-        refused = missing if strict is StrictHandling.RAISE_ALL else set()
+    refused = (missing if strict is StrictHandling.RAISE_ALL else set()) | set(unused)
+    if (every and not strict.skips_unexpected) or refused:
         shown, other = refused, ""
         if every and not refused:  # the checkpoint's side of the mismatch, which this mode does not refuse
             shown, other = _other_side(strict, unasked)
-        hint = "" if not every else f" ({SKIP_HINT})"
+        hint = f" ({SKIP_HINT})" if every else f" ({UNUSED_HINT})" if unused else ""
+        label = f"[strict={strict.value}]" if every or not unused or strict is StrictHandling.RAISE_ALL else ""
+        if unused and strict is not StrictHandling.RAISE_ALL:  # refused by Lightning's flag, not by the mode
+            label = f"{label} {UNUSED_LABEL}".strip()
         # a close key is one the template does not ask for already: not a layer both sides have
         close = _close_keys(every, stored if unasked is None else unasked)
-        if every and stored and not close and not refused:  # a renamed layer: nothing to guess; where to look
+        if every and stored and not close and refused <= unused:  # a renamed layer: nothing to guess; where to look
             close = f" The checkpoint's keys: python -m lightning_distckpt inspect {checkpoint_dir}"
         raise MissingKeysError(f"{where}: {mismatch_message(shown, every, 'of all ranks')}{other} "
-                               f"[strict={strict.value}]{hint}{close}")
+                               f"{label}{hint}{close}")
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) and (missing or mine):
         kept = " (skipped: their template values are kept)" if mine else ""
         logger.warning("%s: %s%s", where, mismatch_message(missing, mine, "for this rank"), kept)

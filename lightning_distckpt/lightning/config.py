@@ -64,7 +64,10 @@ class DistCheckpointConfig:
             them (off: each shard's main replica writes it).
         validate_access_integrity: check before writing that the shards tile every tensor exactly once.
         strict: key-mismatch handling on load, a :class:`~lightning_distckpt.StrictHandling` value
-            (e.g. ``assume_ok_unexpected``, ``log_all``, ``raise_all``, ``ignore_all``).
+            (e.g. ``assume_ok_unexpected``, ``log_all``, ``raise_all``, ``ignore_all``), in Megatron-Core's
+            meaning. ``null`` (the default): ``assume_ok_unexpected``, and the strategies load a module as
+            Lightning does: with ``strict_loading`` / ``fabric.load(strict=True)``, a checkpoint's module
+            weights the module does not ask for are refused too (docs/lightning.md "Strictness").
         loader: which loader reads checkpoints: ``every_rank`` (each rank reads what it needs),
             ``parallel`` (each unique chunk read once, exchanged), ``two_stage`` (read once per
             data-parallel group and broadcast within it; the strategies pass their DP group), or
@@ -99,7 +102,7 @@ class DistCheckpointConfig:
     storage: StorageOptions = field(default_factory=StorageOptions)
     balance_writes: bool = True
     validate_access_integrity: bool = True
-    strict: str = StrictHandling.ASSUME_OK_UNEXPECTED.value
+    strict: Optional[str] = None  # None: as Lightning (see above); a mode the user set keeps Megatron-Core's meaning
     loader: Optional[str] = None
     async_save: bool = False
     max_staging_bytes: Optional[int] = None
@@ -112,7 +115,8 @@ class DistCheckpointConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         try:
-            self.strict = StrictHandling.parse(self.strict).value
+            if self.strict is not None:
+                self.strict = StrictHandling.parse(self.strict).value
         except ValueError as e:
             # YAML's `strict: false` arrives as 'False': Lightning's words, not a mode's
             word = str(self.strict).strip()
@@ -143,7 +147,8 @@ class DistCheckpointConfig:
 
     @property
     def strict_handling(self) -> StrictHandling:
-        return StrictHandling.parse(self.strict)
+        """The configured mode; ``assume_ok_unexpected`` where ``strict`` is left at its default (None)."""
+        return StrictHandling.ASSUME_OK_UNEXPECTED if self.strict is None else StrictHandling.parse(self.strict)
 
     @property
     def storage_options(self) -> StorageOptions:

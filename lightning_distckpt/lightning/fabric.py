@@ -22,9 +22,10 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ..core.errors import ArgumentTypeError, CheckpointingError, MissingKeysError
+from ..core.errors import ArgumentError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..storage.paths import checkpoint_location
+from .fabric_raw import check_state_arg, load_raw_module, load_raw_optimizer
 from .foreign import foreign_writer
 from .restore_source import RestoreSource
 from .sharded import (AFTER_READING, build_on_all_ranks, describe_source, main_replicas_of_buffers,
@@ -96,6 +97,7 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         filter = filter or {}
 
         def build() -> Dict[str, Any]:
+            check_state_arg(state, type(self).__name__)
             modules = self._module_ssds(state)
             tree: Dict[str, Any] = {}
             for name, obj in state.items():
@@ -127,24 +129,22 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         """Collective load into the objects of ``state`` (in place); returns what the checkpoint holds
         beyond ``state``. ``strict=False`` skips entries missing from the checkpoint (keeping their
         current values), per the configured handling otherwise. Without ``state``: the whole
-        checkpoint, each tensor whole, read by this process alone."""
+        checkpoint, each tensor whole, read by this process alone. A module or optimizer alone
+        (``fabric.load_raw``): one state-dict file, read safely (:mod:`.fabric_raw`)."""
+        if isinstance(state, (Module, Optimizer)):  # fabric.load_raw: one state-dict file, as stock loads it
+            self._load_raw(path, state, strict)
+            return {}
         target = checkpoint_location(path, "path")
         if not state:
             return self.checkpoint_io.load_checkpoint(target)
-        if isinstance(state, (Module, Optimizer)):
-            raise ArgumentTypeError(
-                "FabricDistCheckpointStrategy loads into a state dict, not a bare module or optimizer (as "
-                "fabric.load_raw(path, obj) passes): call fabric.load(path, {'model': model}) with the keys the "
-                "checkpoint was saved under, or, for a module's weights in one process, "
-                "lightning_distckpt.lightning.load_module_weights(module, path, entry='model')")
         handling = self.checkpoint_io.config.strict_handling if strict else StrictHandling.LOG_ALL
         # A background save of this path (fabric.save just before) commits first: opened before it, the
         # load failed on the placeholder or on the older checkpoint its commit replaced under the reads.
         self.checkpoint_io.wait()
         # Opened once: the checks and the template read the metadata and common state the load reuses.
         source, layout = build_on_all_ranks(f"load from {target}", lambda: self._load_template(target, state))
-        loaded = self.checkpoint_io.load_sharded(layout.template, source, strict=handling,
-                                                 data_parallel_group=self.parallel_state.dp_group)
+        loaded = self._load_modules(layout.template, source, self._module_entries(source, state), strict,
+                                    strict=handling, data_parallel_group=self.parallel_state.dp_group)
         if REST_KEY in layout.template:
             loaded = place_stored_tensors(loaded, layout, target)
             for name, obj in state.items():
@@ -156,6 +156,25 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         if strict and absent:
             raise MissingKeysError(f"checkpoint {target}: has no entry {absent} (load with strict=False to skip them)")
         return apply_loaded(state, loaded, strict)
+
+    def _load_raw(self, path: Any, obj: Union[Module, Optimizer], strict: bool) -> None:
+        """``fabric.load_raw(path, obj)``: a module's (this rank's TP slices) or an optimizer's state from one
+        state-dict file, as stock Fabric DDP loads it; collective (the outcome agreed)."""
+        target, extra = checkpoint_location(path, "path"), self.checkpoint_io.extra_safe_globals
+        if isinstance(obj, Module):
+            return load_raw_module(_unwrap(obj), target, self.parallel_state, strict, extra)
+        if self.parallel_state.tp_size > 1:  # the file's moments are whole, the parameters TP shards
+            raise ArgumentError(f"fabric.load_raw({target!r}, optimizer): a bare optimizer loads under "
+                                "tensor_parallel_size=1 only; save and load it with fabric.save / fabric.load")
+        return load_raw_optimizer(obj, target, extra)
+
+    def _module_entries(self, source: RestoreSource, state: Mapping[str, Any]) -> List[str]:
+        """Where the modules of ``state`` sit in the checkpoint: under their names, or a Trainer's ``state_dict``
+        where :meth:`_template` reads a Trainer's checkpoint into the state's one module."""
+        modules = [name for name, obj in state.items() if isinstance(obj, Module)]
+        asked = [name for name, obj in state.items() if isinstance(obj, (Module, Optimizer))]
+        saved = describe_source(source, self.checkpoint_io.extra_safe_globals)
+        return ["state_dict"] if asked and saved.by_trainer and not set(asked) & saved.entries else modules
 
     def _load_template(self, target: str, state: Mapping[str, Any]) -> Tuple[RestoreSource, StoredLayout]:
         """The checkpoint opened, and the template for ``fabric.load(target, state)``: the state's

@@ -37,6 +37,8 @@ from ..core.errors import CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..optim.restore_checks import load_checked
 from ..storage.paths import checkpoint_location
+from .fabric_raw import check_state_arg, load_raw_sharded_module
+from .sharded_only import sharded_only
 from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .model_parallel import (Path, drop_unsaved_states, is_lightning_dcp, put_value, refusal, shard_tree,
@@ -66,7 +68,8 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
     distributed checkpoints (any world size or DP x TP mesh on load).
 
     Args:
-        parallelize_fn / data_parallel_size / tensor_parallel_size / process_group_backend / timeout: as
+        parallelize_fn / data_parallel_size / tensor_parallel_size / process_group_backend / timeout /
+            save_distributed_checkpoint (True only, :func:`~.sharded_only.sharded_only`): as
             :class:`lightning.fabric.strategies.ModelParallelStrategy`.
         checkpoint: checkpoint settings (:class:`DistCheckpointConfig`, mapping, or YAML path).
     """
@@ -76,9 +79,10 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
                  tensor_parallel_size: Union[Literal["auto"], int] = "auto",
                  checkpoint: Optional[Union[str, Dict[str, Any], DistCheckpointConfig]] = None,
                  process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = default_pg_timeout) -> None:
+                 timeout: Optional[timedelta] = default_pg_timeout, save_distributed_checkpoint: bool = True) -> None:
         super().__init__(parallelize_fn, data_parallel_size=data_parallel_size,
-                         tensor_parallel_size=tensor_parallel_size, save_distributed_checkpoint=True,
+                         tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=sharded_only(self, save_distributed_checkpoint),
                          process_group_backend=process_group_backend, timeout=timeout)
         self._checkpoint_config: DistCheckpointConfig = load_checkpoint_config(checkpoint)
         self._checkpoint_io: Optional[CheckpointIO] = None
@@ -98,6 +102,7 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
         filter = filter or {}
 
         def build() -> Dict[str, Any]:
+            check_state_arg(state, type(self).__name__)
             tree: Dict[str, Any] = {}
             replicas: List[Tuple[Dict[Any, Any], Any]] = []
             for name, obj in state.items():
@@ -171,13 +176,16 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
         """Collective load into the modules and optimizers of ``state`` (in place, any mesh); returns
         what the checkpoint holds beyond ``state``. Without ``state``: the whole checkpoint, each
         tensor whole, read by this process alone. A module alone (``fabric.load_raw``): its weights from
-        one full state-dict file, as the stock strategy loads it; an optimizer alone is refused, as there."""
+        one full state-dict file, as the stock strategy loads it, read safely (:mod:`.fabric_raw`); an
+        optimizer alone is refused, as there."""
         target = os.fspath(self.broadcast(checkpoint_location(path, "path")))
         if not state:
             return self.checkpoint_io.load_checkpoint(target)
-        if isinstance(state, (Module, Optimizer)):
-            # fabric.load_raw: a module from one full state-dict file (weights-only), an optimizer refused, as stock
-            return super().load_checkpoint(target, state, strict=strict, **stock_weights_only(super().load_checkpoint))
+        if isinstance(state, Optimizer):  # fabric.load_raw of an optimizer: refused, as stock refuses it
+            return super().load_checkpoint(target, state, strict=strict)
+        if isinstance(state, Module):  # fabric.load_raw: one full state-dict file, read safely, into the DTensors
+            load_raw_sharded_module(state, target, strict, self.checkpoint_io.extra_safe_globals)
+            return {}
         extra = self.checkpoint_io.extra_safe_globals
         self.checkpoint_io.wait()  # a background save (of this path, maybe) commits before anything is opened
         dcp = self.checkpoint_io.open_source(target) if is_lightning_dcp(target) else None
@@ -209,5 +217,6 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
             return source, out
 
         source, template = build_on_all_ranks(f"load from {target}", build)
-        loaded = self.checkpoint_io.load_sharded(template, source, strict=handling)
+        modules = [name for name, obj in state.items() if isinstance(obj, Module)]
+        loaded = self._load_modules(template, source, modules, strict, strict=handling)
         return self.apply_state(state, loaded, dtensors, handling, strict, target)

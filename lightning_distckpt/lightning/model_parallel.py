@@ -55,6 +55,7 @@ from .async_warmup import AsyncWarmupMixin, Held, staged_share
 from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .sharded import AFTER_READING, build_on_all_ranks, describe_source, tree_or_failing
+from .sharded_only import sharded_only
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, StoredLayout, is_tree_path_layout, place_stored_tensors,
                     rekey_template, restore_param_keys)
 from .strategy import warn_async_link_last
@@ -150,13 +151,12 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
                                           AsyncCommitHooksMixin, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format.
 
-    ``Trainer(strategy=DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
-    devices=4)``, or ``strategy="model_parallel_distckpt"`` (DP = the number of nodes, TP = the
-    devices per node, as the stock strategy's ``"auto"``). Every rank saves and loads its own shards.
+    ``Trainer(strategy=DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2), devices=4)``,
+    or ``strategy="model_parallel_distckpt"`` (DP = the nodes, TP = the devices per node, as stock's ``"auto"``).
 
     Args:
-        data_parallel_size / tensor_parallel_size / process_group_backend / timeout: as
-            :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+        data_parallel_size / tensor_parallel_size / process_group_backend / timeout / save_distributed_checkpoint: as
+            :class:`~lightning.pytorch.strategies.ModelParallelStrategy`; only True taken: each rank saves its shards.
         checkpoint: checkpoint settings (:class:`DistCheckpointConfig`, mapping, or YAML path), e.g.
             ``{"async_save": True}``; a ``DistCheckpointIO`` plugin given to the Trainer takes precedence.
     """
@@ -167,9 +167,9 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
                  tensor_parallel_size: Union[Literal["auto"], int] = "auto",
                  checkpoint: Optional[Union[str, Dict[str, Any], DistCheckpointConfig]] = None,
                  process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = default_pg_timeout) -> None:
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
-                         save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+                 timeout: Optional[timedelta] = default_pg_timeout, save_distributed_checkpoint: bool = True) -> None:
+        super().__init__(data_parallel_size, tensor_parallel_size, sharded_only(self, save_distributed_checkpoint),
+                         process_group_backend, timeout)  # stock's order: (dp, tp, save_distributed_checkpoint, ...)
         self._checkpoint_config: DistCheckpointConfig = load_checkpoint_config(checkpoint)
 
     @classmethod
@@ -325,7 +325,7 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
                                   entries, ("state_dict/", "optimizer_states/"), extra), source
 
         layout, source = build_on_all_ranks(f"load from {path}", build)
-        loaded = self.checkpoint_io.load_sharded(layout.template, source, strict=strict)
+        loaded = self._load_modules(layout.template, source, ["state_dict"], self._strict_loading(), strict=strict)
         loaded.pop(MANIFEST_KEY, None)
         for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
             put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))

@@ -8,19 +8,21 @@ their bases; the mixin takes its own two arguments and hands every other one to 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Type, TypeVar, Union
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Type, TypeVar, Union
 
 from lightning.fabric.plugins import CheckpointIO
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
-from ..core.strict import StrictHandling
+from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, FormatError
+from ..core.strict import StrictHandling, refusing_unused
+from ..reading.checkpoint import CheckpointSource
 from ..storage.paths import checkpoint_location
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
 from .parallel import ParallelState, check_strategy_args, register_strategy_names
-from .sharded import build_on_all_ranks, check_describable
+from .sharded import build_on_all_ranks, check_describable, describe_source
+from .tree import manifest_paths
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,25 @@ def dist_checkpoint_io(owner: str, io: Optional[CheckpointIO], config: DistCheck
             "set async_save: true in its config instead of wrapping it)"
         )
     return io
+
+
+def module_entry_keys(source: CheckpointSource, entries: Sequence[str],
+                      extra_safe_globals: Sequence[Any] = ()) -> FrozenSet[str]:
+    """The checkpoint's stored keys in its module entries ``entries`` (a Trainer's ``state_dict``, a Fabric
+    state's module names): where its manifest places them (our layouts), else keys under an entry by tree path
+    (``state_dict/layer.weight``: a ``torch.save`` file, the plugin's or a ModelParallel directory) or by a
+    Fabric module's prefix (``model.``: a factory's expansions and ShardedObjects, which no manifest lists).
+    From the checkpoint's metadata and common state only: the same on every rank."""
+    try:
+        man = describe_source(source, extra_safe_globals).manifest
+        placed = manifest_paths(man, source.path) if man is not None else {}
+    except FormatError:  # refused by the load's own checks where it matters; here: keys by name only
+        placed = {}
+    prefixes = tuple(f"{entry}{sep}" for entry in entries for sep in "/.")
+    firsts = {("d", entry) for entry in entries}
+    keys = [*source.index.tensors, *source.index.objects]
+    return frozenset(k for k in keys if (bool(placed[k]) and placed[k][0] in firsts if k in placed
+                                         else k.startswith(prefixes)))
 
 
 class DistCheckpointIOMixin:
@@ -73,6 +94,23 @@ class DistCheckpointIOMixin:
         if module is not None and not getattr(module, "strict_loading", True) and not strict.skips_unexpected:
             return StrictHandling.LOG_ALL
         return strict
+
+    def _strict_loading(self) -> bool:
+        """Lightning's ``LightningModule.strict_loading`` (True without a module). Trainer strategies only."""
+        return bool(getattr(getattr(self, "lightning_module", None), "strict_loading", True))
+
+    def _load_modules(self, template: Dict[str, Any], source: CheckpointSource, entries: Sequence[str],
+                      lightning_strict: bool, **kwargs: Any) -> Dict[str, Any]:
+        """Collective: ``checkpoint_io.load_sharded(template, source, **kwargs)``. Where the config's ``strict``
+        is left at its default and ``lightning_strict`` (Lightning's ``strict_loading``, Fabric's ``strict``), the
+        checkpoint's keys in the module entries ``entries`` that no rank asks for are refused as stock's
+        ``load_state_dict(strict=True)`` refuses them (both sides named, on every rank alike); other entries
+        keep the mode's handling. A ``strict`` the user set keeps its Megatron-Core meaning."""
+        io = self.checkpoint_io
+        as_lightning = lightning_strict and io.config.strict is None
+        keys = module_entry_keys(source, entries, io.extra_safe_globals) if as_lightning else None
+        with refusing_unused(keys):
+            return io.load_sharded(template, source, **kwargs)
 
 
 class SavedTogetherMixin:

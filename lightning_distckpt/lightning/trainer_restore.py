@@ -128,8 +128,8 @@ def load_before_setup(strategy: "DistCheckpointStrategy", path: str, fitting: bo
         return source, weights, layout, by_path, saved.kind == KIND_MODEL_PARALLEL
 
     source, weights, layout, by_path, by_name = build_on_all_ranks(f"load from {path}", build)
-    loaded = strategy.checkpoint_io.load_sharded(layout.template, weights, strict=strict,
-                                                 data_parallel_group=strategy.parallel_state.dp_group)
+    loaded = strategy._load_modules(layout.template, weights, ["state_dict"], strategy._strict_loading(), strict=strict,
+                                    data_parallel_group=strategy.parallel_state.dp_group)
     if REST_KEY in layout.template:
         loaded = place_stored_tensors(loaded, layout, path)
     loaded.pop(MANIFEST_KEY, None)

@@ -15,7 +15,7 @@ from ..core.errors import ArgumentError, ShardingError, ValidationError
 from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
 from ..core.state_dict import apply_factories, collect, merge, merge_factories, replace_leaves, split_common
-from ..core.strict import StrictHandling, check_keys
+from ..core.strict import StrictHandling, check_keys, refused_unused
 from ..core.tree_paths import Steps
 from ..planning.groups import representatives
 from .checkpoint import CheckpointSource, content_id
@@ -136,7 +136,9 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     Ranks exchange their absent keys (usually none) and, where ``strict`` looks for missing keys, a
     digest of the keys they ask for, not the keys: when all digests agree (data parallelism, FSDP),
     every rank finds the missing keys from its own; otherwise only the first rank of each distinct
-    digest sends its keys, to rank 0, which names the missing ones.
+    digest sends its keys, to rank 0, which names the missing ones. Under
+    :func:`~lightning_distckpt.core.strict.refusing_unused` (Lightning's ``strict_loading`` for a module)
+    the same is done in any mode, and those of the keys it names that no rank asks for are refused.
 
     The same exchange checks that the ranks load alike (:func:`check_alike`): one checkpoint, one
     ``strict`` mode, one ``loader`` protocol (what the loader's collectives depend on). ``location``: where the
@@ -152,10 +154,15 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
         mine -= tied_to_stored(req.tensors, req.tied, source.index.tensors.keys())
     # the place asked for where known (every rank says the same, whether it opened it or not), else what was opened
     where = location or (source.path if source is not None else "the checkpoint")
+    # a module's keys of the checkpoint that no rank may leave unused (Lightning's strict_loading): found as
+    # the *_ALL modes find missing keys, over the same exchange
+    scoped = refused_unused()
+    looks = strict.needs_missing or scoped is not None
     # also where a mode may refuse absent keys: the refusal names the checkpoint's keys no rank asks for
     # when all ranks ask alike (their digests agree)
-    digest = _keys_digest(asked) if strict.needs_missing or not strict.skips_unexpected else None
-    setup = None if source is None else (content_id(source), source.path, strict.value, *(loader or LoaderSetup()))
+    digest = _keys_digest(asked) if looks or not strict.skips_unexpected else None
+    mode = strict.value if scoped is None else f"{strict.value} with strict_loading"  # the ranks must agree on both
+    setup = None if source is None else (content_id(source), source.path, mode, *(loader or LoaderSetup()))
     # a digest of what must be equal everywhere (not the path, which may differ for one checkpoint) and
     # the exchange group travel; the details (paths are long, ranks many) only when a digest differs
     alike = None if setup is None else (_keys_digest({repr((setup[0], *setup[2:4]))}), setup[4])
@@ -168,7 +175,7 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     every = {k for _, m in gathered for k in m}
     absent = every | lacking  # skipped by the reads
     missing: Set[str] = set()
-    if strict.needs_missing:
+    if looks:
         stored = set(source.index.tensors) | set(source.index.objects)
         senders = [ranks[0] for ranks in representatives([d for d, _ in gathered]).values()]
         if len(senders) == 1:
@@ -178,10 +185,12 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
             found = sorted(stored.difference(*received.values())) if comm.rank == 0 else None
             missing = set(comm.broadcast_object(found))
     stored_keys = list(source.index.tensors) + list(source.index.objects) if every else []
-    unasked = missing if strict.needs_missing else None
+    unasked = missing if looks else None
     if every and unasked is None and len({d for d, _ in gathered}) == 1:  # every rank asks alike: no exchange
         unasked = set(stored_keys) - asked
-    missing, unexpected = check_keys(strict, source.path, missing, every, mine, stored=stored_keys, unasked=unasked)
+    unused = missing & scoped if scoped is not None else set()
+    missing, unexpected = check_keys(strict, source.path, missing, every, mine, stored=stored_keys, unasked=unasked,
+                                     unused=unused)
     return KeyMatch(absent, missing, unexpected)
 
 

@@ -161,15 +161,16 @@ def test_an_extra_layer_names_no_checkpoint_key_as_a_close_match(fits):
 
 
 def test_a_missing_layer_is_refused_under_raise_all_naming_it(fits):
-    """A module lacking a saved layer: stock refuses it; our default (Megatron-Core's
-    assume_ok_unexpected) does not look for such keys and resumes; strict: raise_all refuses it
-    naming the same keys as stock."""
+    """A module lacking a saved layer: stock refuses it; so do our default (the config's strict left
+    unset: Lightning's strict_loading / fabric.load(strict=True) refuse a module's unused weights;
+    before, Megatron-Core's assume_ok_unexpected resumed silently) and strict: raise_all, naming
+    the same keys as stock."""
     stock = fits["stock/missing"]
     want = _torchs(stock["message"], "Unexpected key(s) in state_dict")
     assert want == {"head.weight", "head.bias"}, stock
-    assert fits["ours/missing"] == {"type": None} and fits["fabric/missing"] == {"type": None}
-    strict = fits["ours_raise_all/missing"]
-    assert strict["type"] == "MissingKeysError" and _sides(strict) == (want, set()), strict
+    for kind, prefix in (("ours", ""), ("ours_raise_all", ""), ("fabric", "model.")):
+        strict = fits[f"{kind}/missing"]
+        assert strict["type"] == "MissingKeysError" and _sides(strict, prefix) == (want, set()), (kind, strict)
     assert fits["plugin/missing"] == stock
 
 

@@ -182,9 +182,11 @@ def test_a_str_of_settings_where_a_config_is_expected(tmp_path, monkeypatch):
 
 
 def test_fabric_load_raw_names_what_to_call(tmp_path):
+    """fabric.load_raw of our checkpoint directory (it loads one state-dict file, as stock's): refused naming the
+    directory, with the calls that load it."""
     (r,) = _run(FABRIC_LOAD_RAW, tmp_path / "ckpt", cwd=tmp_path)
-    assert r["type"] == "ArgumentTypeError", r
-    assert "not a bare module or optimizer (as fabric.load_raw(path, obj) passes)" in r["message"]
+    assert r["type"] == "ArgumentError", r
+    assert "must be a single file containing the full state dict, and it is a directory" in r["message"]
     assert "fabric.load(path, {'model': model})" in r["message"] and "load_module_weights" in r["message"]
 
 
