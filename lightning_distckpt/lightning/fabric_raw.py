@@ -58,8 +58,9 @@ def raw_file(target: str) -> str:
     file is needed / a FileNotFoundError). Checked in each rank's agreed read: ranks may see different
     files."""
     if os.path.isdir(target):
-        raise ArgumentError(f"fabric.load_raw({target!r}, obj): the given path must be a single file containing the "
-                            f"full state dict, and it is a directory; {_DIRECTORY_FIX}")
+        # the first words are stock's (code and tests written for its ValueError match them)
+        raise ArgumentError(f"The given path must be a single file containing the full state dict: fabric.load_raw("
+                            f"{target!r}, obj) was given a directory; {_DIRECTORY_FIX}")
     if not os.path.lexists(target):
         raise CheckpointNotFoundError(f"fabric.load_raw({target!r}, obj): file {target} does not exist")
     return target
@@ -92,10 +93,10 @@ def load_raw_sharded_module(module: nn.Module, path: str, strict: bool, extra_sa
     into the module's DTensors. Strict as stock: a key of the module missing from the file is a
     ``KeyError`` naming it; keys the module lacks are ignored."""
     where = f"fabric.load_raw({path!r}, module)"
-    expected = get_model_state_dict(module)  # sharded DTensors (their shape is the global one), no gathering
 
     def read() -> Dict[str, torch.Tensor]:
-        file = open_file(raw_file(path), extra_safe_globals)
+        file = open_file(raw_file(path), extra_safe_globals)  # the path first, as stock checks it first
+        expected = get_model_state_dict(module)  # sharded DTensors (their shape is the global one), no gathering
         full = {name: file.read(name, tuple(slice(None) for _ in file.shape_dtype(name)[0])) for name in file.names()}
         _check_entries(where, full, expected, _nested(full))
         missing = [k for k in expected if k not in full]

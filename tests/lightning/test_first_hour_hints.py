@@ -186,7 +186,8 @@ def test_fabric_load_raw_names_what_to_call(tmp_path):
     directory, with the calls that load it."""
     (r,) = _run(FABRIC_LOAD_RAW, tmp_path / "ckpt", cwd=tmp_path)
     assert r["type"] == "ArgumentError", r
-    assert "must be a single file containing the full state dict, and it is a directory" in r["message"]
+    assert "The given path must be a single file containing the full state dict" in r["message"]
+    assert "was given a directory" in r["message"]
     assert "fabric.load(path, {'model': model})" in r["message"] and "load_module_weights" in r["message"]
 
 
