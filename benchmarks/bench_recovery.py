@@ -27,6 +27,14 @@ tier (``/dev/shm``) stays in memory as it would on a surviving node. The restart
 with ``ckpt_path="last"``; its clock starts just before the launch and stops on each rank when its
 first batch starts.
 
+``--durable-store s3`` puts ``durable``'s ``DistModelCheckpoint`` folder and ``tiers``' ``TierCheckpoint``
+folder at ``s3://bench-recovery/...`` on moto's S3 server, started by the orchestrator on 127.0.0.1
+(``common.moto_s3``). No page-cache drop there: moto keeps the objects in its own memory, so an S3
+restore measures the S3 protocol path (HTTP, a Python server sharing these cores), not a disk. ``stock``
+stays on the local directory: Lightning's ``ModelCheckpoint`` writes ``s3://`` through s3fs, but its
+``ckpt_path="last"`` does not find it there (``_find_last_checkpoints`` drops the protocol from the
+listed paths; Lightning-AI/pytorch-lightning#18261), so its restart would start from step 0.
+
 Reported per contestant (slowest rank): steps redone (fail step - step resumed from), recovery s
 (launch to first step), restore s (inside the strategy's load hooks: agreeing on the point, fetching,
 reading), restore CPU s (the same hooks' process CPU seconds, summed over the ranks: steadier than wall
@@ -40,6 +48,7 @@ saves), and lost s = recovery s + steps redone x ``none``'s mean step time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -52,7 +61,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 CONTESTANTS = ("none", "stock", "durable", "tiers")
+BUCKET = "bench-recovery"
 WORLD, RANKS_PER_NODE = 4, 2
+
+
+def _durable_dir(args: argparse.Namespace, contestant: str) -> str:
+    """The contestant's durable folder: under the durable root (a directory or an s3:// URL); stock's
+    always in the work directory (Lightning's "last" does not resolve on s3://: the module docstring)."""
+    root = args.work if contestant == "stock" else args.durable_root
+    return os.path.join(root, contestant, "checkpoints")
 
 
 # -- the training script (run by the orchestrator below, re-run by Lightning for ranks 1..3) -------
@@ -204,7 +221,7 @@ def _script(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     GPTState, TimedDDP, TimedDist, TimedTierCheckpoint, Clock = _parts(args)
-    durable_dir = os.path.join(args.work, args.contestant, "checkpoints")
+    durable_dir = _durable_dir(args, args.contestant)  # a folder or an s3:// URL
     every = dict(dirpath=durable_dir, every_n_train_steps=args.durable_every, save_top_k=0, save_last=True)
     callbacks: List[Any] = [Clock()]
     if args.contestant == "none":
@@ -221,8 +238,9 @@ def _script(args: argparse.Namespace) -> None:
         strategy = TimedDist(process_group_backend="gloo", checkpoint={"tiers": tiers})
         callbacks.append(TimedTierCheckpoint(TierOptions(**tiers), dirpath=durable_dir))
     trainer = Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=args.fail_at + 50, logger=False,
-                      enable_checkpointing=args.contestant != "none", enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=os.path.join(args.work, args.contestant))
+                      enable_checkpointing=args.contestant != "none", enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
+                      default_root_dir=os.path.join(args.work, args.contestant))
     model = GPTState(int(args.size_mib * 2**20))
     trainer.fit(model, ckpt_path="last" if args.phase == "restart" else None)
     raise RuntimeError("the run ended before the failure step")  # Clock exits the process first
@@ -237,7 +255,8 @@ def _launch(args: argparse.Namespace, phase: str, name: str, out: str) -> List[D
 
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--contestant", name, "--work", args.work,
-           "--local-root", args.local_root, "--size-mib", str(args.size_mib), "--fail-at", str(args.fail_at),
+           "--local-root", args.local_root, "--durable-root", args.durable_root,
+           "--size-mib", str(args.size_mib), "--fail-at", str(args.fail_at),
            "--durable-every", str(args.durable_every), "--local-every", str(args.local_every),
            "--t0", repr(time.time()), "--out", out]
     subprocess.run(cmd, env=env, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL,
@@ -260,8 +279,8 @@ def _contestant(args: argparse.Namespace, name: str) -> Dict[str, Any]:
         return res
     if name == "tiers" and not args.keep_node:
         shutil.rmtree(os.path.join(args.local_root, "node1"))  # node 1 is lost with its local tier
-    durable = os.path.join(args.work, name, "checkpoints")
-    if os.path.isdir(durable):
+    durable = _durable_dir(args, name)
+    if os.path.isdir(durable):  # an s3:// one is no directory: moto keeps its objects in memory
         drop_page_cache(durable)
     if name == "tiers" and args.local_cold:
         drop_page_cache(args.local_root)
@@ -310,11 +329,14 @@ def _args(argv: List[str] | None) -> argparse.Namespace:
     p.add_argument("--local-cold", action="store_true",
                    help="drop the local tiers' files from the page cache before the restart too (a disk local tier "
                         "whose node's cache is gone; /dev/shm cannot be dropped)")
+    p.add_argument("--durable-store", choices=("dir", "s3"), default="dir",
+                   help="where durable checkpoints go: a directory (default) or s3:// on moto's server on loopback")
     p.add_argument("--dir", default=None, help="where durable checkpoints go (default: a temp dir in the cwd)")
     p.add_argument("--json", default=None, help="write raw results and the table here")
     p.add_argument("--timeout", type=float, default=600, help="seconds one launch may take")
     p.add_argument("--verbose", action="store_true", help="show the runs' stderr")
-    for flag in ("--phase", "--contestant", "--work", "--local-root", "--out"):  # the script's, set by the orchestrator
+    # the script's, set by the orchestrator
+    for flag in ("--phase", "--contestant", "--work", "--local-root", "--durable-root", "--out"):
         p.add_argument(flag, default=None, help=argparse.SUPPRESS)
     p.add_argument("--t0", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -328,7 +350,7 @@ def main(argv: List[str] | None = None) -> int:
     if args.phase is not None:
         _script(args)
         return 0
-    from benchmarks.common import run_header
+    from benchmarks.common import moto_s3, run_header
 
     names = [x for x in args.contestants.split(",") if x]
     unknown = sorted(set(names) - set(CONTESTANTS))
@@ -340,19 +362,27 @@ def main(argv: List[str] | None = None) -> int:
     args.local_root = tempfile.mkdtemp(prefix="bench_recovery_local_", dir=base)
     started, load_before = time.time(), os.getloadavg()
     results = []
+    s3 = args.durable_store == "s3"
+    args.durable_root = f"s3://{BUCKET}/{os.path.basename(args.work)}" if s3 else args.work
     try:
-        for name in names:
-            res = _contestant(args, name)
-            print(f"{name:8s} run {res['run_s']:6.2f}s ({res['run_cpu_s']:6.2f} CPU s) blocked {res['blocked_s']:5.2f}s"
-                  + (f" resumed at {res['resumed_step']} recovery {res['recovery_s']:5.2f}s" if "recovery_s" in res else ""),
-                  flush=True)
-            results.append(res)
+        with moto_s3(BUCKET) if s3 else contextlib.nullcontext():
+            for name in names:
+                res = _contestant(args, name)
+                resumed = (f" resumed at {res['resumed_step']} recovery {res['recovery_s']:5.2f}s"
+                           if "recovery_s" in res else "")
+                print(f"{name:8s} run {res['run_s']:6.2f}s ({res['run_cpu_s']:6.2f} CPU s) "
+                      f"blocked {res['blocked_s']:5.2f}s" + resumed, flush=True)
+                results.append(res)
     finally:
         shutil.rmtree(args.local_root, ignore_errors=True)
         if own:
             shutil.rmtree(args.work, ignore_errors=True)
     load_after = os.getloadavg()
     table = _table(results)
+    if s3:  # what "durable" means in this table
+        table += (f"\n\ndurable store: s3://{BUCKET}/ on moto's server on 127.0.0.1 (objects in its memory, no "
+                  "page-cache drop); stock's in a local directory (its \"last\" is not found on s3://); "
+                  f"local tiers in {base}")
     print(table)
     print(f"\nload average (1, 5, 15 min) before: {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f}, "
           f"after: {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f} on {os.cpu_count()} CPUs")

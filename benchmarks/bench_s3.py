@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (LocalTensor, fmt_table, free_port, local_state, machine_summary,  # noqa: E402
-                               timed_collective, unique_bytes)
+                               moto_s3, timed_collective, unique_bytes)
 
 BUCKET = "bench-s3"
 CONTESTANTS = ("ours", "dcp")
@@ -154,24 +153,11 @@ def main() -> None:
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/s3_<time>.json)")
     args = p.parse_args()
     args.contestants = args.contestants.split(",")
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for key, value in (("AWS_ENDPOINT_URL", f"http://{host}:{port}"), ("AWS_ACCESS_KEY_ID", "bench"),
-                       ("AWS_SECRET_ACCESS_KEY", "bench"), ("AWS_REGION", "us-east-1")):
-        os.environ[key] = value  # seen by the spawned ranks
-    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(Bucket=BUCKET)
-    load_before = os.getloadavg()
-    try:
+    with moto_s3(BUCKET):  # the AWS environment points at it: seen by the spawned ranks
+        load_before = os.getloadavg()
         out = mp.Manager().dict()
         mp.spawn(_worker, args=(args.world, free_port(), args, out), nprocs=args.world, join=True)
         results = list(out["results"])
-    finally:
-        server.stop()
     state = unique_bytes(int(args.size_mib * 2**20))
     table, med = summarize(results, state)
     header = (f"state {state / 2**20:.0f} MiB on {args.world} ranks (tp), moto server on loopback, medians of "

@@ -245,3 +245,34 @@ def codec_checksums() -> Iterator[None]:
         yield
     finally:
         TensorStoreIO.own_checksums = ours  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str) -> Iterator[str]:
+    """moto's S3 server (``moto[server]``, the one the tests use) on 127.0.0.1 in this process, with
+    ``bucket`` made; yields the endpoint URL. The AWS environment points at it for the block (seen by
+    processes started inside it) and is restored after; the server stops with the block."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()  # returns once the socket listens
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        yield endpoint
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
