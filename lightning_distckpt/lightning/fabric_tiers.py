@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from lightning.fabric.wrappers import (_FabricDataLoader, _FabricModule, _FabricOptimizer, _unwrap_compiled,
                                        _unwrap_objects)
+from torch.nn import Module
 from torch.optim import Optimizer
 
 from ..core.errors import ArgumentError, CheckpointingError, MissingKeysError
@@ -114,8 +115,10 @@ class FabricTiers:
             self.strategy.load_checkpoint(durable.path, state, strict=strict)
 
         fits = model_parallel and handling.skips_unexpected
+        # fabric.load's refusal of the module weights no rank asks for (strict=True), on the same entries
+        modules = ([name for name, obj in state.items() if isinstance(obj, Module)], strict)
         out = load_like_durable(io, self.tier, template, point, handling, adjust=adjust if fits else None,
-                                durable_reader=durable_reader)
+                                durable_reader=durable_reader, modules=modules)
         point = self.tier.last_point or point  # another step where every local copy of this one was damaged
         if read_durable(self.tier):  # its checkpoint (a torch.save file, say) restored as fabric.load restores it
             return point

@@ -23,18 +23,22 @@ system for it), and so does the connector's lookup: ``pip install s3fs``.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
 from typing import Any, Dict, List, Optional, Set
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 from ..core.errors import CheckpointingError
 from ..storage.layout import COMMIT_MARKER, parse_marker
 from ..storage.paths import checkpoint_location
 from ..storage.stores import open_store
 from .last_link import link_last
+
+log = logging.getLogger(__name__)
 
 
 class DistModelCheckpoint(ModelCheckpoint):
@@ -51,15 +55,9 @@ class DistModelCheckpoint(ModelCheckpoint):
 
     def _find_last_checkpoints(self, trainer: Any) -> Set[str]:
         dirpath = None if self.dirpath is None else str(self.dirpath)
-        # \Z, not $ (which also matches before a final newline: "last.ckpt\n" is no name we save to). The
-        # version counter names the next ones last-v1.ckpt, last-v2.ckpt (a ModelCheckpoint whose last.ckpt is
-        # another's: changed arguments, a second callback), which Lightning's own listing counts as last ones
-        last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-v?[0-9]+)?{re.escape(self.FILE_EXTENSION)}\Z")
         dirpath = dirpath if dirpath is not None else self._default_dir(trainer)
-        # the store finishes interrupted commits of last*.ckpt, and lists what Lightning cannot (None: it can)
-        store = None if dirpath is None else open_store(dirpath)
-        found = None if store is None else store.last_checkpoints(self.CHECKPOINT_NAME_LAST, last)
-        return super()._find_last_checkpoints(trainer) if found is None else set(_newest(store, found))
+        found = None if dirpath is None else committed_last(dirpath, self.CHECKPOINT_NAME_LAST, self.FILE_EXTENSION)
+        return super()._find_last_checkpoints(trainer) if found is None else set(found)
 
     def _default_dir(self, trainer: Any) -> Optional[str]:
         """Where ``ModelCheckpoint`` saves when no ``dirpath`` was given (its own private resolution)."""
@@ -84,6 +82,52 @@ class DistModelCheckpoint(ModelCheckpoint):
         if error is not None:
             raise CheckpointingError(f"ModelCheckpoint(save_last='link'): linking {linkpath} to {filepath} failed: "
                                      f"{error}")
+
+
+def committed_last(dirpath: str, name_last: str, extension: str) -> Optional[List[str]]:
+    """The commit markers of the newest committed last checkpoints (``last.ckpt``, ``last-v1.ckpt``, ...) in
+    the object store folder ``dirpath``; None for a local folder (Lightning lists it), whose interrupted
+    commits of last checkpoints are finished first."""
+    # \Z, not $ (which also matches before a final newline: "last.ckpt\n" is no name we save to). The
+    # version counter names the next ones last-v1.ckpt, last-v2.ckpt (a ModelCheckpoint whose last.ckpt is
+    # another's: changed arguments, a second callback), which Lightning's own listing counts as last ones
+    last = re.compile(rf"^{re.escape(name_last)}(-v?[0-9]+)?{re.escape(extension)}\Z")
+    # the store finishes interrupted commits of last*.ckpt, and lists what Lightning cannot (None: it can)
+    store = open_store(dirpath)
+    found = store.last_checkpoints(name_last, last)
+    return None if found is None else _newest(store, found)
+
+
+def warn_last_not_found(trainer: Any) -> None:
+    """On global rank 0 of a fit that started from scratch: for each of the Trainer's ``ModelCheckpoint``\\ s
+    that lists its folder as Lightning does (stock, not :class:`DistModelCheckpoint`) while that folder is in
+    an object store (``s3://``) holding committed last checkpoints, warn naming the newest and how to resume.
+    Lightning's ``ckpt_path="last"`` cannot find them there (issue #18261) and starts from scratch with only
+    "there is no last checkpoint available"; what the user passed is not known here, so this says what is
+    there and never resumes from it. Called as the strategies start training and at the plugin's first save."""
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.ckpt_path is not None:
+        return
+    if not trainer.is_global_zero:
+        return
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        lists_itself = getattr(type(callback), "_find_last_checkpoints", None) is ModelCheckpoint._find_last_checkpoints
+        if not lists_itself or dirpath is None or "://" not in str(dirpath):
+            continue
+        try:
+            found = committed_last(str(dirpath), callback.CHECKPOINT_NAME_LAST, callback.FILE_EXTENSION)
+        except CheckpointingError as e:  # a warning's look: the saves report the store's failures themselves
+            log.debug("could not list the last checkpoints in %s: %s", dirpath, e)
+            continue
+        if found:
+            newest = " or ".join(f'"{m[:-len(COMMIT_MARKER)].rstrip("/")}"' for m in sorted(found))
+            log.warning(
+                f"{type(callback).__name__}(dirpath={str(dirpath)!r}): this fit started from scratch, but that folder "
+                f"holds {newest}, committed by an earlier run. Lightning's ModelCheckpoint does not find checkpoints "
+                f"in an object store for ckpt_path=\"last\" (Lightning issue #18261: it starts from scratch). To "
+                f"resume, pass fit(ckpt_path={newest.split(' or ')[0]}), or use "
+                "lightning_distckpt.lightning.DistModelCheckpoint (the same arguments), which finds it for "
+                "ckpt_path=\"last\".")
 
 
 def _newest(store: Any, markers: List[str]) -> List[str]:

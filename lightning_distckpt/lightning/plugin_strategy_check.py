@@ -21,6 +21,8 @@ import logging
 import sys
 from typing import Any, Optional
 
+from .model_checkpoint import warn_last_not_found
+
 logger = logging.getLogger(__name__)
 
 #: How many frames above the plugin's method to look for the strategy: Lightning's Strategy method calls
@@ -102,6 +104,8 @@ def tell_strategy(plugin: Any, action: str, path: str) -> None:
     if strategy is None or (type(strategy), action) in told:
         return
     told.add((type(strategy), action))
+    if action == "save":  # the plugin's first save: its Trainer's s3:// folders holding what "last" did not find
+        warn_last_not_found(getattr(getattr(strategy, "lightning_module", None), "_trainer", None))
     advice = advice_on_save(strategy, path) if action == "save" else advice_on_remove(strategy)
     if advice is not None:
         logger.warning(advice)

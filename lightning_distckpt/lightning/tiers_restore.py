@@ -7,10 +7,11 @@ a partner's copy over torch.distributed, or durable storage, shard by shard)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..core.errors import CheckpointingError, IncompleteCheckpointError
 from ..core.dtensors import restore_dtensor
@@ -21,6 +22,7 @@ from ..tiers import LocalTier, RecoveryPoint
 from ..tiers.recover import DurableReader
 from .sharded import build_on_all_ranks, restore_optimizers_agreed
 from .tiers import durable_candidates, tier_callback
+from .tp_strategy import refusing_module_keys
 from .trainer_restore import OPTIMIZER_ENTRY, is_optimizer_key, load_before_setup, view
 from .tree import MANIFEST_KEY
 
@@ -31,6 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: Fits a load's template to the stored tensor keys of the checkpoint it reads (in place).
 Adjust = Callable[[Dict[str, Any], Any], None]
+#: A restore's module entries in the checkpoint and Lightning's strictness for them (``strict_loading``,
+#: ``fabric.load``'s ``strict``): as a durable restore hands them to ``_load_modules``.
+Modules = Tuple[Sequence[str], bool]
 
 @dataclass
 class DeferredTierOptimizerStates:
@@ -64,10 +69,12 @@ class DeferredTierOptimizerStates:
 
 def tier_load(strategy: Any, tier: LocalTier, template: Dict[str, Any], point: RecoveryPoint,
               keep: Optional[Callable[[str], bool]] = None, adjust: Optional[Adjust] = None,
-              durable_reader: Optional[DurableReader] = None) -> Dict[str, Any]:
-    """Collective :func:`load_like_durable` with the strategy's load settings."""
+              durable_reader: Optional[DurableReader] = None, modules: bool = False) -> Dict[str, Any]:
+    """Collective :func:`load_like_durable` with the strategy's load settings; ``modules``: the load reads the
+    module's weights (Lightning's ``state_dict`` entry, under the module's ``strict_loading``)."""
+    scope = (["state_dict"], strategy._strict_loading()) if modules else None
     return load_like_durable(strategy.checkpoint_io, tier, template, point, strategy._strict_handling(), keep, adjust,
-                             durable_reader)
+                             durable_reader, scope)
 
 
 def read_durable(tier: LocalTier) -> bool:
@@ -78,7 +85,8 @@ def read_durable(tier: LocalTier) -> bool:
 
 def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point: RecoveryPoint,
                       handling: StrictHandling, keep: Optional[Callable[[str], bool]] = None,
-                      adjust: Optional[Adjust] = None, durable_reader: Optional[DurableReader] = None) -> Any:
+                      adjust: Optional[Adjust] = None, durable_reader: Optional[DurableReader] = None,
+                      modules: Optional[Modules] = None) -> Any:
     """Collective :meth:`LocalTier.load` of ``template``, read as ``io.load_sharded`` reads a durable
     checkpoint, so that a local point restores exactly what the same checkpoint would restore from durable
     storage: ``handling`` as it is, the config's ``allow_shape_mismatch`` and ``cast``, and, for a non-strict
@@ -87,13 +95,18 @@ def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point:
     the other part's keys). ``adjust(template, stored_tensor_keys)``: the template fitted to the checkpoint
     read (:func:`~.model_parallel.drop_unsaved_states`), before each read. ``durable_reader``: the strategy's own
     restore of a durable point the load falls back to (every local copy damaged); its value is returned as it is
-    (:func:`read_durable` says so), as ``ckpt_path=<that checkpoint>`` would have restored it."""
+    (:func:`read_durable` says so), as ``ckpt_path=<that checkpoint>`` would have restored it. ``modules``: the
+    module entries and Lightning's strictness, refusing the point's module weights no rank asks for as the durable
+    restore refuses them (:func:`~.tp_strategy.refusing_module_keys`, the same on every rank)."""
     loaded_into = allowing_shape_mismatch(template) if io.config.allow_shape_mismatch else template
     fallback: List[Any] = [None]
+    scopes = contextlib.ExitStack()  # the refusal of the copy read, set as it is opened, for its load
 
     def prepare(source: Any) -> Any:
         if keep is not None:
             source = view(source, keep)
+        if modules is not None:  # from the copy's metadata and common state: the same keys on every rank
+            scopes.enter_context(refusing_module_keys(io, source, *modules))
         for tree in {id(t): t for t in (template, loaded_into)}.values():
             if adjust is not None:
                 adjust(tree, source.index.tensors)
@@ -102,8 +115,9 @@ def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point:
         fallback[0] = split_common(template)[1] if handling.skips_unexpected else None
         return source
 
-    out = tier.load(loaded_into, point, prepare=prepare, durable_reader=durable_reader, strict=handling,
-                    extra_safe_globals=io.extra_safe_globals, cast=io.config.cast)
+    with scopes:  # a later copy's (another after damage) replaces it; a durable_reader sets its own
+        out = tier.load(loaded_into, point, prepare=prepare, durable_reader=durable_reader, strict=handling,
+                        extra_safe_globals=io.extra_safe_globals, cast=io.config.cast)
     if durable_reader is not None and read_durable(tier):
         return out
     loaded = out[0] if isinstance(out, tuple) else out
@@ -178,7 +192,7 @@ def load_model_parallel_recovery(strategy: "DistCheckpointModelParallelStrategy"
     fits = strategy._strict_handling().skips_unexpected
     # Every local copy damaged: the durable checkpoint restored as ckpt_path=<it> restores it (any layout).
     out = tier_load(strategy, tier, template, point, adjust=adjust if fits else None,
-                    durable_reader=lambda durable: strategy.load_checkpoint(durable.path))
+                    durable_reader=lambda durable: strategy.load_checkpoint(durable.path), modules=True)
     if read_durable(tier):
         return out
     loaded = dict(out)
@@ -197,7 +211,8 @@ def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier,
     # plugin's directory, a weights-only one: re-keyed, its writer checked, its optimizer state deferred as there).
     # load_before_setup restores the optimizers when fitting and the strategy restores them: as restore_optimizers.
     out = tier_load(strategy, tier, template, point, keep=lambda key: not is_optimizer_key(key),
-                    durable_reader=lambda durable: load_before_setup(strategy, str(durable.path), restore_optimizers))
+                    durable_reader=lambda durable: load_before_setup(strategy, str(durable.path), restore_optimizers),
+                    modules=True)
     if read_durable(tier):
         return out
     checkpoint = dict(out)

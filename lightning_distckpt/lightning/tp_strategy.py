@@ -8,7 +8,7 @@ their bases; the mixin takes its own two arguments and hands every other one to 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Type, TypeVar, Union
+from typing import Any, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Type, TypeVar, Union
 
 from lightning.fabric.plugins import CheckpointIO
 from torch.nn import Module
@@ -20,6 +20,7 @@ from ..reading.checkpoint import CheckpointSource
 from ..storage.paths import checkpoint_location
 from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
+from .model_checkpoint import warn_last_not_found
 from .parallel import ParallelState, check_strategy_args, register_strategy_names
 from .sharded import build_on_all_ranks, check_describable, describe_source
 from .tree import manifest_paths
@@ -59,6 +60,17 @@ def module_entry_keys(source: CheckpointSource, entries: Sequence[str],
     keys = [*source.index.tensors, *source.index.objects]
     return frozenset(k for k in keys if (bool(placed[k]) and placed[k][0] in firsts if k in placed
                                          else k.startswith(prefixes)))
+
+
+def refusing_module_keys(io: DistCheckpointIO, source: CheckpointSource, entries: Sequence[str],
+                         lightning_strict: bool) -> ContextManager[None]:
+    """Around a load of ``source`` by ``io``: where the config's ``strict`` is left at its default and
+    ``lightning_strict`` (Lightning's ``strict_loading``, Fabric's ``strict``), the checkpoint's keys in the module
+    entries ``entries`` that no rank asks for are refused (:func:`~..core.strict.refusing_unused`); else nothing more.
+    Every restore of module weights takes it: a durable one (:meth:`DistCheckpointIOMixin._load_modules`) and a
+    local tier's (:mod:`.tiers_restore`), so a resume refuses alike whichever tier holds the step."""
+    as_lightning = lightning_strict and io.config.strict is None
+    return refusing_unused(module_entry_keys(source, entries, io.extra_safe_globals) if as_lightning else None)
 
 
 class DistCheckpointIOMixin:
@@ -107,9 +119,7 @@ class DistCheckpointIOMixin:
         ``load_state_dict(strict=True)`` refuses them (both sides named, on every rank alike); other entries
         keep the mode's handling. A ``strict`` the user set keeps its Megatron-Core meaning."""
         io = self.checkpoint_io
-        as_lightning = lightning_strict and io.config.strict is None
-        keys = module_entry_keys(source, entries, io.extra_safe_globals) if as_lightning else None
-        with refusing_unused(keys):
+        with refusing_module_keys(io, source, entries, lightning_strict):
             return io.load_sharded(template, source, **kwargs)
 
 
@@ -166,6 +176,12 @@ class AsyncCommitHooksMixin(DistCheckpointIOMixin):
         """Commit a finished async save at the step boundary, without waiting for an unfinished one."""
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         self.checkpoint_io.finalize_if_done()
+
+    def on_train_start(self) -> None:
+        """Once restored (``trainer.ckpt_path`` final on either side of setup): a fit from scratch beside
+        committed last checkpoints that a stock ``ModelCheckpoint`` cannot find for ``"last"`` says so."""
+        super().on_train_start()  # type: ignore[misc]
+        warn_last_not_found(getattr(self.lightning_module, "_trainer", None))  # type: ignore[attr-defined]
 
     def on_train_end(self) -> None:
         """The end of training waits for (and commits) the last async save."""
