@@ -208,8 +208,8 @@ def _sparse_pending() -> List[Any]:
     (and empties) as it ends. The replay above is no ``torch.load``: the meta sparse tensors it left there were
     checked by the thread's next ``torch.load`` (ours after the replay, or a user's after our refusal), which
     failed copying meta data ("Cannot copy out of meta tensor") where torch checks them: with
-    ``check_sparse_tensor_invariants`` on, and on every weights-only load from torch 2.15 (a thread-local
-    list there, a module global before)."""
+    ``check_sparse_tensor_invariants`` on, and on every weights-only load from torch 2.14 (a thread-local
+    list in later releases, a module global in 2.13 and 2.14)."""
     import torch._utils as tu
 
     get = getattr(tu, "_get_sparse_tensors_to_validate", None)

@@ -1,8 +1,9 @@
-"""Behaviour that torch releases change under us. torch 2.15 checks every sparse tensor a weights-only
+"""Behaviour that torch releases change under us. torch 2.14 checks every sparse tensor a weights-only
 ``torch.load`` rebuilt (before: only with ``torch.sparse.check_sparse_tensor_invariants`` on), from a list
 its unpickler fills. Our size check replays a ``torch.save`` file's pickle with that unpickler on the meta
 device (storage/zip_records.py) and left its meta sparse tensors in the list, so the thread's next
-``torch.load`` failed on them. Here the invariants check is turned on: torch 2.13 then does what 2.15 does."""
+``torch.load`` failed on them. Here the invariants check is turned on: torch 2.13 then does what 2.14 does
+(the whole suite also passes on 2.14.1)."""
 
 import pickle
 import warnings
