@@ -179,13 +179,13 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
         one full state-dict file, as the stock strategy loads it, read safely (:mod:`.fabric_raw`); an
         optimizer alone is refused, as there."""
         target = os.fspath(self.broadcast(checkpoint_location(path, "path")))
-        if not state:
-            return self.checkpoint_io.load_checkpoint(target)
         if isinstance(state, Optimizer):  # fabric.load_raw of an optimizer: refused, as stock refuses it
             return super().load_checkpoint(target, state, strict=strict)
-        if isinstance(state, Module):  # fabric.load_raw: one full state-dict file, read safely, into the DTensors
+        if isinstance(state, Module):  # fabric.load_raw (before `not state`: an empty nn.Sequential is falsy)
             load_raw_sharded_module(state, target, strict, self.checkpoint_io.extra_safe_globals)
             return {}
+        if not state:
+            return self.checkpoint_io.load_checkpoint(target)
         extra = self.checkpoint_io.extra_safe_globals
         self.checkpoint_io.wait()  # a background save (of this path, maybe) commits before anything is opened
         dcp = self.checkpoint_io.open_source(target) if is_lightning_dcp(target) else None

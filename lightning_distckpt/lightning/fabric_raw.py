@@ -89,26 +89,26 @@ def load_raw_module(module: nn.Module, path: str, ps: ParallelState, strict: boo
 
 def load_raw_sharded_module(module: nn.Module, path: str, strict: bool, extra_safe_globals: Sequence[Any]) -> None:
     """Collective: the ModelParallel strategy's ``fabric.load_raw(path, module)``: every rank reads the
-    full state dict (memory-mapped) and torch's ``set_model_state_dict(full_state_dict=True)`` puts it
-    into the module's DTensors. Strict as stock: a key of the module missing from the file is a
-    ``KeyError`` naming it; keys the module lacks are ignored."""
+    file's tensors the module has, whole, and torch's ``set_model_state_dict(full_state_dict=True)`` puts
+    them into the module's DTensors. Strict as stock: a key of the module missing from the file is a
+    ``KeyError`` naming it; keys the module lacks are ignored (never read: stock's file is memory-mapped)."""
     where = f"fabric.load_raw({path!r}, module)"
 
     def read() -> Dict[str, torch.Tensor]:
         file = open_file(raw_file(path), extra_safe_globals)  # the path first, as stock checks it first
         expected = get_model_state_dict(module)  # sharded DTensors (their shape is the global one), no gathering
-        full = {name: file.read(name, tuple(slice(None) for _ in file.shape_dtype(name)[0])) for name in file.names()}
-        _check_entries(where, full, expected, _nested(full))
-        missing = [k for k in expected if k not in full]
+        held = {name: file.shape_dtype(name)[0] for name in file.names()}  # from the header: nothing read yet
+        _check_entries(where, held, expected, _nested(held))
+        missing = [k for k in expected if k not in held]
         if strict and missing:
             raise MissingKeysError(f"{where}: the model contains the key(s) {missing} that the file does not hold "
-                                   f"(it holds {_shown(full)}){_hint(full, missing)}; to load the others, pass "
+                                   f"(it holds {_shown(held)}){_hint(held, missing)}; to load the others, pass "
                                    "strict=False")
         for key, value in expected.items():
-            if key in full and tuple(full[key].shape) != tuple(value.shape):
-                raise ShardingError(f"{where}: tensor {key!r} has shape {tuple(full[key].shape)} in the file, the "
+            if key in held and tuple(held[key]) != tuple(value.shape):
+                raise ShardingError(f"{where}: tensor {key!r} has shape {tuple(held[key])} in the file, the "
                                     f"model's has {tuple(value.shape)}")
-        return {k: v for k, v in full.items() if k in expected}
+        return {k: file.read(k, tuple(slice(None) for _ in shape)) for k, shape in held.items() if k in expected}
 
     state = build_on_all_ranks(where, read, failed="failed")
     options = StateDictOptions(full_state_dict=True, strict=strict)

@@ -116,7 +116,8 @@ def warn_last_not_found(trainer: Any) -> None:
             continue
         try:
             found = committed_last(str(dirpath), callback.CHECKPOINT_NAME_LAST, callback.FILE_EXTENSION)
-        except CheckpointingError as e:  # a warning's look: the saves report the store's failures themselves
+        except Exception as e:  # noqa: BLE001 a warning's look, on rank 0 alone: it must not fail the fit there
+            # while the other ranks go on (the saves report the store's failures themselves, on every rank)
             log.debug("could not list the last checkpoints in %s: %s", dirpath, e)
             continue
         if found:
