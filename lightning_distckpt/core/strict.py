@@ -25,9 +25,11 @@ UNUSED_LABEL = ("[strict_loading=True / fabric.load(strict=True): every module w
 UNUSED_HINT = ("to leave them unused: LightningModule.strict_loading = False or fabric.load(..., strict=False) (they "
                "are logged), or set the checkpoint config's strict (e.g. assume_ok_unexpected: Megatron-Core's "
                "meaning, which does not look for them)")
-# The checkpoint's keys of the module entries whose unasked ones a load refuses (None: none refused); set by
-# :func:`refusing_unused` around one load, read by the key match (reading/request.py), which every rank makes.
-_REFUSED_UNUSED: ContextVar[Optional[FrozenSet[str]]] = ContextVar("ldc_refused_unused", default=None)
+# The checkpoint's keys of the module entries whose unasked ones a load refuses (None: none refused), and where
+# a deferred refusal collects them; set by :func:`refusing_unused` around one load, read by the key match
+# (reading/request.py), which every rank makes.
+_REFUSED_UNUSED: ContextVar[Optional[Tuple[FrozenSet[str], Optional[Set[str]]]]] = ContextVar("ldc_refused_unused",
+                                                                                          default=None)
 
 
 class StrictHandling(Enum):
@@ -103,12 +105,15 @@ class StrictHandling(Enum):
 
 
 @contextlib.contextmanager
-def refusing_unused(stored_keys: Optional[AbstractSet[str]]) -> Iterator[None]:
+def refusing_unused(stored_keys: Optional[AbstractSet[str]], found: Optional[Set[str]] = None) -> Iterator[None]:
     """Within the block, a load refuses those of ``stored_keys`` (a checkpoint's keys, the same on every rank: a
     module's entries) that no rank asks for, whatever the mode's Megatron-Core meaning: Lightning's
     ``strict_loading`` / Fabric's ``strict=True`` for a module, scoped to its weights. None: nothing more refused.
+    ``found``: the refusal is deferred: the load adds those keys to ``found`` (the same on every rank) and its
+    caller refuses the ones still there after the user's hooks (:func:`refuse_unused`), as stock's
+    ``load_state_dict(strict=True)`` sees the checkpoint only after ``on_load_checkpoint`` and its pre-hooks.
     A context (not an argument of ``load``, whose signature is Megatron-Core's), set by the strategies."""
-    token = _REFUSED_UNUSED.set(None if stored_keys is None else frozenset(stored_keys))
+    token = _REFUSED_UNUSED.set(None if stored_keys is None else (frozenset(stored_keys), found))
     try:
         yield
     finally:
@@ -117,7 +122,23 @@ def refusing_unused(stored_keys: Optional[AbstractSet[str]]) -> Iterator[None]:
 
 def refused_unused() -> Optional[FrozenSet[str]]:
     """The keys :func:`refusing_unused` set for the load in progress (None: none)."""
-    return _REFUSED_UNUSED.get()
+    scope = _REFUSED_UNUSED.get()
+    return None if scope is None else scope[0]
+
+
+def deferred_unused() -> Optional[Set[str]]:
+    """Where the load in progress collects the unused keys it leaves to its caller to refuse (None: it refuses
+    them itself)."""
+    scope = _REFUSED_UNUSED.get()
+    return None if scope is None else scope[1]
+
+
+def refuse_unused(checkpoint_dir: str, unused: AbstractSet[str]) -> None:
+    """Refuse a checkpoint's module weights no rank asks for (a deferred :func:`refusing_unused`), in the words
+    the load itself refuses them with; nothing when ``unused`` is empty."""
+    if unused:
+        check_keys(StrictHandling.ASSUME_OK_UNEXPECTED, checkpoint_dir, (), (), (), unasked=set(unused),
+                   unused=set(unused))
 
 
 def mismatch_message(missing: AbstractSet[str], unexpected: AbstractSet[str], unexpected_whose: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple, Union
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.types import _Stateful
@@ -32,6 +32,7 @@ from .sharded import (AFTER_READING, build_on_all_ranks, describe_source, main_r
                       model_sharded_state_dict, optimizer_sharded_state, restore_optimizer)
 from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import TensorParallelStrategyMixin
+from .unused_weights import UnusedWeights, insert_placeholders, placeholders, refusing_placeholders
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys, tensors_metadata)
 from .tree import (KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest, rank_zero_tensors,
@@ -143,8 +144,16 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         self.checkpoint_io.wait()
         # Opened once: the checks and the template read the metadata and common state the load reuses.
         source, layout = build_on_all_ranks(f"load from {target}", lambda: self._load_template(target, state))
-        loaded = self._load_modules(layout.template, source, self._module_entries(source, state), strict,
-                                    strict=handling, data_parallel_group=self.parallel_state.dp_group)
+        entries = self._module_entries(source, state)
+        # a module's weights no rank asks for: refused by its load_state_dict (after its pre-hooks), as stock's
+        found: Optional[Set[str]] = set() if entries != ["state_dict"] else None
+        loaded = self._load_modules(layout.template, source, entries, strict, found, strict=handling,
+                                    data_parallel_group=self.parallel_state.dp_group)
+        unused = UnusedWeights(target)
+        for name in entries if found else ():  # named from the manifest, before it leaves the common state
+            if isinstance(loaded.get(name), dict):
+                insert_placeholders(unused, name, loaded[name], placeholders(source, found, name,
+                                                                             self.checkpoint_io.extra_safe_globals))
         if REST_KEY in layout.template:
             loaded = place_stored_tensors(loaded, layout, target)
             for name, obj in state.items():
@@ -155,7 +164,7 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         absent = [name for name in state if name not in loaded and name not in layout.template]
         if strict and absent:
             raise MissingKeysError(f"checkpoint {target}: has no entry {absent} (load with strict=False to skip them)")
-        return apply_loaded(state, loaded, strict)
+        return apply_loaded(state, loaded, strict, unused)
 
     def _load_raw(self, path: Any, obj: Union[Module, Optimizer], strict: bool) -> None:
         """``fabric.load_raw(path, obj)``: a module's (this rank's TP slices) or an optimizer's state from one
@@ -240,24 +249,29 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         return layout
 
 
-def apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool) -> Dict[str, Any]:
+def apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool,
+                 unused: Optional[UnusedWeights] = None) -> Dict[str, Any]:
     """Collective: put each entry of ``loaded`` into the object of ``state`` it belongs to (modules,
     optimizers, stateful objects in place; plain values replaced); returns the entries ``state`` has no
     place for. The outcome is agreed: an object that refuses its value on one rank (a stateful object's
     ``load_state_dict`` raising there, a ``merge_fn`` giving it another shape) fails every rank, not that
-    rank alone while the others wait for it in their next collective (``fabric.load``'s barrier)."""
-    return build_on_all_ranks("restore of the loaded state", lambda: _apply_loaded(state, loaded, strict),
+    rank alone while the others wait for it in their next collective (``fabric.load``'s barrier). ``unused``:
+    the placeholders of a module's weights no rank asked for, refused by its ``load_state_dict``
+    (:mod:`.unused_weights`)."""
+    return build_on_all_ranks("restore of the loaded state", lambda: _apply_loaded(state, loaded, strict, unused),
                               failed=AFTER_READING)
 
 
-def _apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool) -> Dict[str, Any]:
+def _apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool,
+                  unused: Optional[UnusedWeights]) -> Dict[str, Any]:
     """:func:`apply_loaded`'s work, on this rank."""
     for name, obj in list(state.items()):
         if name not in loaded:
             continue
         value = loaded.pop(name)
         if isinstance(obj, Module):
-            _unwrap(obj).load_state_dict(value, strict=strict)
+            with refusing_placeholders(_unwrap(obj), unused, name, strict):
+                _unwrap(obj).load_state_dict(value, strict=strict)
         elif isinstance(obj, Optimizer):
             restore_optimizer(obj, value)
         elif isinstance(obj, _Stateful):

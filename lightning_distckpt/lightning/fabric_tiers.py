@@ -29,6 +29,7 @@ from ..core.errors import ArgumentError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling
 from ..tiers import LocalTier, RecoveryPoint, TierOptions
 from .fabric import apply_loaded
+from .unused_weights import UnusedWeights
 from .model_parallel import drop_unsaved_states
 from .sharded import build_on_all_ranks, optimizer_sharded_state
 from .tiers_restore import load_like_durable, read_durable
@@ -117,8 +118,10 @@ class FabricTiers:
         fits = model_parallel and handling.skips_unexpected
         # fabric.load's refusal of the module weights no rank asks for (strict=True), on the same entries
         modules = ([name for name, obj in state.items() if isinstance(obj, Module)], strict)
+        # refused by load_state_dict, as there; named alike on every rank (each reads its node's copy)
+        unused = None if model_parallel else UnusedWeights(f"local step {point.step}")
         out = load_like_durable(io, self.tier, template, point, handling, adjust=adjust if fits else None,
-                                durable_reader=durable_reader, modules=modules)
+                                durable_reader=durable_reader, modules=modules, unused=unused)
         point = self.tier.last_point or point  # another step where every local copy of this one was damaged
         if read_durable(self.tier):  # its checkpoint (a torch.save file, say) restored as fabric.load restores it
             return point
@@ -131,7 +134,7 @@ class FabricTiers:
         if strict and absent:  # as fabric.load refuses them
             raise MissingKeysError(f"local step {point.step}: has no entry {absent} (restore with strict=False to "
                                    "skip them)")
-        apply_loaded(state, loaded, strict)
+        apply_loaded(state, loaded, strict, unused)
         return point
 
     def _template(self, state: Dict[str, Any]) -> Dict[str, Any]:

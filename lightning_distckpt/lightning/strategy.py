@@ -33,6 +33,7 @@ from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin, TensorParall
 from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import DeferredTierOptimizerStates, load_recovery_point
 from .trainer_restore import DeferredOptimizerStates, load_before_setup, restore_after_setup
+from .unused_weights import refusing_placeholders
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest, rank_zero_tensors
 
 log = logging.getLogger(__name__)
@@ -231,8 +232,16 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSna
         factory's ``merge_fn`` giving it another shape) raised alone, and the others waited for it in
         setup's collectives. Now every rank raises that rank's error, before setup."""
         load = super().load_model_state_dict
-        build_on_all_ranks("restore of the module's weights", lambda: load(checkpoint, strict=strict),
-                           failed=AFTER_READING)
+        # the checkpoint's module weights no rank asked for: refused here, where stock refuses them (after
+        # on_load_checkpoint and the module's load_state_dict pre-hooks), unless a hook dropped them
+        unused, self._unused_weights = getattr(self, "_unused_weights", None), None
+        assert self.lightning_module is not None
+        module = self.lightning_module
+
+        def restore() -> None:
+            with refusing_placeholders(module, unused, "state_dict", strict):
+                load(checkpoint, strict=strict)
+        build_on_all_ranks("restore of the module's weights", restore, failed=AFTER_READING)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Collective: the optimizer state :meth:`load_checkpoint` left for after setup, in place.

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..core.errors import CheckpointingError, IncompleteCheckpointError
 from ..core.dtensors import restore_dtensor
@@ -23,6 +23,7 @@ from ..tiers.recover import DurableReader
 from .sharded import build_on_all_ranks, restore_optimizers_agreed
 from .tiers import durable_candidates, tier_callback
 from .tp_strategy import refusing_module_keys
+from .unused_weights import UnusedWeights, insert_placeholders, placeholders
 from .trainer_restore import OPTIMIZER_ENTRY, is_optimizer_key, load_before_setup, view
 from .tree import MANIFEST_KEY
 
@@ -69,12 +70,13 @@ class DeferredTierOptimizerStates:
 
 def tier_load(strategy: Any, tier: LocalTier, template: Dict[str, Any], point: RecoveryPoint,
               keep: Optional[Callable[[str], bool]] = None, adjust: Optional[Adjust] = None,
-              durable_reader: Optional[DurableReader] = None, modules: bool = False) -> Dict[str, Any]:
+              durable_reader: Optional[DurableReader] = None, modules: bool = False,
+              unused: Optional[UnusedWeights] = None) -> Dict[str, Any]:
     """Collective :func:`load_like_durable` with the strategy's load settings; ``modules``: the load reads the
     module's weights (Lightning's ``state_dict`` entry, under the module's ``strict_loading``)."""
     scope = (["state_dict"], strategy._strict_loading()) if modules else None
     return load_like_durable(strategy.checkpoint_io, tier, template, point, strategy._strict_handling(), keep, adjust,
-                             durable_reader, scope)
+                             durable_reader, scope, unused)
 
 
 def read_durable(tier: LocalTier) -> bool:
@@ -86,7 +88,7 @@ def read_durable(tier: LocalTier) -> bool:
 def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point: RecoveryPoint,
                       handling: StrictHandling, keep: Optional[Callable[[str], bool]] = None,
                       adjust: Optional[Adjust] = None, durable_reader: Optional[DurableReader] = None,
-                      modules: Optional[Modules] = None) -> Any:
+                      modules: Optional[Modules] = None, unused: Optional[UnusedWeights] = None) -> Any:
     """Collective :meth:`LocalTier.load` of ``template``, read as ``io.load_sharded`` reads a durable
     checkpoint, so that a local point restores exactly what the same checkpoint would restore from durable
     storage: ``handling`` as it is, the config's ``allow_shape_mismatch`` and ``cast``, and, for a non-strict
@@ -97,16 +99,21 @@ def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point:
     restore of a durable point the load falls back to (every local copy damaged); its value is returned as it is
     (:func:`read_durable` says so), as ``ckpt_path=<that checkpoint>`` would have restored it. ``modules``: the
     module entries and Lightning's strictness, refusing the point's module weights no rank asks for as the durable
-    restore refuses them (:func:`~.tp_strategy.refusing_module_keys`, the same on every rank)."""
+    restore refuses them (:func:`~.tp_strategy.refusing_module_keys`, the same on every rank); ``unused``: that
+    refusal left to the module's ``load_state_dict``, after the user's hooks, as the durable one (placeholders put
+    into the loaded module entries and recorded there, :mod:`.unused_weights`)."""
     loaded_into = allowing_shape_mismatch(template) if io.config.allow_shape_mismatch else template
     fallback: List[Any] = [None]
     scopes = contextlib.ExitStack()  # the refusal of the copy read, set as it is opened, for its load
+    found: Optional[Set[str]] = set() if unused is not None else None
+    opened: List[Any] = [None]
 
     def prepare(source: Any) -> Any:
         if keep is not None:
             source = view(source, keep)
         if modules is not None:  # from the copy's metadata and common state: the same keys on every rank
-            scopes.enter_context(refusing_module_keys(io, source, *modules))
+            opened[0] = source
+            scopes.enter_context(refusing_module_keys(io, source, *modules, found))
         for tree in {id(t): t for t in (template, loaded_into)}.values():
             if adjust is not None:
                 adjust(tree, source.index.tensors)
@@ -121,7 +128,12 @@ def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point:
     if durable_reader is not None and read_durable(tier):
         return out
     loaded = out[0] if isinstance(out, tuple) else out
-    return merge(fallback[0], loaded) if isinstance(fallback[0], dict) else loaded
+    loaded = merge(fallback[0], loaded) if isinstance(fallback[0], dict) else loaded
+    for entry in modules[0] if found and modules is not None else ():
+        if isinstance(loaded.get(entry), dict):  # named from the copy's manifest, still in its common state
+            insert_placeholders(unused, entry, loaded[entry], placeholders(opened[0], found, entry,
+                                                                           io.extra_safe_globals))
+    return loaded
 
 
 def durable_step(strategy: Any, path: str) -> Optional[int]:
@@ -210,11 +222,13 @@ def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier,
     # Every local copy damaged: the durable checkpoint restored as ckpt_path=<it> restores it (a torch.save file, the
     # plugin's directory, a weights-only one: re-keyed, its writer checked, its optimizer state deferred as there).
     # load_before_setup restores the optimizers when fitting and the strategy restores them: as restore_optimizers.
+    unused = UnusedWeights(f"local step {point.step}")  # named alike on every rank (each reads its node's copy)
     out = tier_load(strategy, tier, template, point, keep=lambda key: not is_optimizer_key(key),
                     durable_reader=lambda durable: load_before_setup(strategy, str(durable.path), restore_optimizers),
-                    modules=True)
+                    modules=True, unused=unused)
     if read_durable(tier):
         return out
+    strategy._unused_weights = unused  # refused by load_model_state_dict, after the user's hooks
     checkpoint = dict(out)
     point = tier.last_point or point  # another step where every local copy of this one was damaged
     checkpoint.pop(MANIFEST_KEY, None)

@@ -8,7 +8,7 @@ their bases; the mixin takes its own two arguments and hands every other one to 
 from __future__ import annotations
 
 import logging
-from typing import Any, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Type, TypeVar, Union
+from typing import Any, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Set, Type, TypeVar, Union
 
 from lightning.fabric.plugins import CheckpointIO
 from torch.nn import Module
@@ -63,14 +63,16 @@ def module_entry_keys(source: CheckpointSource, entries: Sequence[str],
 
 
 def refusing_module_keys(io: DistCheckpointIO, source: CheckpointSource, entries: Sequence[str],
-                         lightning_strict: bool) -> ContextManager[None]:
+                         lightning_strict: bool, found: Optional[Set[str]] = None) -> ContextManager[None]:
     """Around a load of ``source`` by ``io``: where the config's ``strict`` is left at its default and
     ``lightning_strict`` (Lightning's ``strict_loading``, Fabric's ``strict``), the checkpoint's keys in the module
     entries ``entries`` that no rank asks for are refused (:func:`~..core.strict.refusing_unused`); else nothing more.
     Every restore of module weights takes it: a durable one (:meth:`DistCheckpointIOMixin._load_modules`) and a
-    local tier's (:mod:`.tiers_restore`), so a resume refuses alike whichever tier holds the step."""
+    local tier's (:mod:`.tiers_restore`), so a resume refuses alike whichever tier holds the step. ``found``: the
+    refusal is left to the caller, after the user's hooks (:mod:`.unused_weights`); the keys are added there."""
     as_lightning = lightning_strict and io.config.strict is None
-    return refusing_unused(module_entry_keys(source, entries, io.extra_safe_globals) if as_lightning else None)
+    return refusing_unused(module_entry_keys(source, entries, io.extra_safe_globals) if as_lightning else None,
+                           found)
 
 
 class DistCheckpointIOMixin:
@@ -112,14 +114,15 @@ class DistCheckpointIOMixin:
         return bool(getattr(getattr(self, "lightning_module", None), "strict_loading", True))
 
     def _load_modules(self, template: Dict[str, Any], source: CheckpointSource, entries: Sequence[str],
-                      lightning_strict: bool, **kwargs: Any) -> Dict[str, Any]:
+                      lightning_strict: bool, found: Optional[Set[str]] = None, **kwargs: Any) -> Dict[str, Any]:
         """Collective: ``checkpoint_io.load_sharded(template, source, **kwargs)``. Where the config's ``strict``
         is left at its default and ``lightning_strict`` (Lightning's ``strict_loading``, Fabric's ``strict``), the
         checkpoint's keys in the module entries ``entries`` that no rank asks for are refused as stock's
         ``load_state_dict(strict=True)`` refuses them (both sides named, on every rank alike); other entries
-        keep the mode's handling. A ``strict`` the user set keeps its Megatron-Core meaning."""
+        keep the mode's handling. A ``strict`` the user set keeps its Megatron-Core meaning. ``found``: those keys
+        are added there, refused by the caller after the user's hooks (:mod:`.unused_weights`)."""
         io = self.checkpoint_io
-        with refusing_module_keys(io, source, entries, lightning_strict):
+        with refusing_module_keys(io, source, entries, lightning_strict, found):
             return io.load_sharded(template, source, **kwargs)
 
 

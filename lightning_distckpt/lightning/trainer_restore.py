@@ -23,7 +23,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
 from ..core.errors import CheckpointingError, MissingKeysError
 from .foreign import WEIGHTS_ADVICE, WEIGHTS_ONLY, fabric_writer, foreign_advice, foreign_writer
@@ -32,6 +32,7 @@ from .sharded import build_on_all_ranks, describe_source, restore_optimizers_agr
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
 from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY
+from .unused_weights import UnusedWeights, insert_placeholders, placeholders
 
 if TYPE_CHECKING:
     from .strategy import DistCheckpointStrategy
@@ -128,11 +129,17 @@ def load_before_setup(strategy: "DistCheckpointStrategy", path: str, fitting: bo
         return source, weights, layout, by_path, saved.kind == KIND_MODEL_PARALLEL
 
     source, weights, layout, by_path, by_name = build_on_all_ranks(f"load from {path}", build)
-    loaded = strategy._load_modules(layout.template, weights, ["state_dict"], strategy._strict_loading(), strict=strict,
-                                    data_parallel_group=strategy.parallel_state.dp_group)
+    found: Set[str] = set()  # the module weights no rank asks for: refused after the user's hooks, as stock does
+    loaded = strategy._load_modules(layout.template, weights, ["state_dict"], strategy._strict_loading(), found,
+                                    strict=strict, data_parallel_group=strategy.parallel_state.dp_group)
+    # named from the manifest before it leaves the common state; the same on every rank (found over the load's
+    # key exchange): alike everywhere
+    unused = placeholders(weights, found, "state_dict", extra) if found else {}
     if REST_KEY in layout.template:
         loaded = place_stored_tensors(loaded, layout, path)
     loaded.pop(MANIFEST_KEY, None)
+    strategy._unused_weights = UnusedWeights(path)
+    insert_placeholders(strategy._unused_weights, "state_dict", loaded["state_dict"], unused)
     # A new top level: the optimizer part of the common state stays as read, for the second read.
     checkpoint = dict(loaded)
     stored = checkpoint.pop(OPTIMIZER_ENTRY, None)

@@ -15,7 +15,7 @@ from ..core.errors import ArgumentError, ShardingError, ValidationError
 from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
 from ..core.state_dict import apply_factories, collect, merge, merge_factories, replace_leaves, split_common
-from ..core.strict import StrictHandling, check_keys, refused_unused
+from ..core.strict import StrictHandling, check_keys, deferred_unused, refused_unused
 from ..core.tree_paths import Steps
 from ..planning.groups import representatives
 from .checkpoint import CheckpointSource, content_id
@@ -189,6 +189,10 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     if every and unasked is None and len({d for d, _ in gathered}) == 1:  # every rank asks alike: no exchange
         unasked = set(stored_keys) - asked
     unused = missing & scoped if scoped is not None else set()
+    deferred = deferred_unused()
+    if deferred is not None:  # refused by the caller, once the user's hooks had their say (as stock refuses them)
+        deferred.update(unused)
+        unused = set()
     missing, unexpected = check_keys(strict, source.path, missing, every, mine, stored=stored_keys, unasked=unasked,
                                      unused=unused)
     return KeyMatch(absent, missing, unexpected)
