@@ -66,8 +66,9 @@ class DistCheckpointConfig:
         strict: key-mismatch handling on load, a :class:`~lightning_distckpt.StrictHandling` value
             (e.g. ``assume_ok_unexpected``, ``log_all``, ``raise_all``, ``ignore_all``), in Megatron-Core's
             meaning. ``null`` (the default): ``assume_ok_unexpected``, and the strategies load a module as
-            Lightning does: with ``strict_loading`` / ``fabric.load(strict=True)``, a checkpoint's module
-            weights the module does not ask for are refused too (docs/lightning.md "Strictness").
+            their stock ones do: with ``strict_loading`` / ``fabric.load(strict=True)``, a checkpoint's module
+            weights the module does not ask for are refused too, except under the ModelParallel subclasses,
+            which leave them unread as stock's do (docs/lightning.md "Strictness").
         loader: which loader reads checkpoints: ``every_rank`` (each rank reads what it needs),
             ``parallel`` (each unique chunk read once, exchanged), ``two_stage`` (read once per
             data-parallel group and broadcast within it; the strategies pass their DP group), or

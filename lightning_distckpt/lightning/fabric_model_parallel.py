@@ -74,6 +74,8 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
         checkpoint: checkpoint settings (:class:`DistCheckpointConfig`, mapping, or YAML path).
     """
 
+    refuses_unused_weights = False  # as stock ModelParallelStrategy: a checkpoint's extra layer is left unread
+
     def __init__(self, parallelize_fn: Callable[[Any, Any], Any],
                  data_parallel_size: Union[Literal["auto"], int] = "auto",
                  tensor_parallel_size: Union[Literal["auto"], int] = "auto",

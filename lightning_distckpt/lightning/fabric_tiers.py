@@ -116,8 +116,10 @@ class FabricTiers:
             self.strategy.load_checkpoint(durable.path, state, strict=strict)
 
         fits = model_parallel and handling.skips_unexpected
-        # fabric.load's refusal of the module weights no rank asks for (strict=True), on the same entries
-        modules = ([name for name, obj in state.items() if isinstance(obj, Module)], strict)
+        # fabric.load's refusal of the module weights no rank asks for (strict=True), on the same entries (none
+        # where the strategy, as its stock one, leaves them unread)
+        refuses = strict and getattr(self.strategy, "refuses_unused_weights", True)
+        modules = ([name for name, obj in state.items() if isinstance(obj, Module)], refuses)
         # refused by load_state_dict, as there; named alike on every rank (each reads its node's copy)
         unused = None if model_parallel else UnusedWeights(f"local step {point.step}")
         out = load_like_durable(io, self.tier, template, point, handling, adjust=adjust if fits else None,

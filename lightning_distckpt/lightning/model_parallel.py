@@ -149,10 +149,9 @@ def drop_unsaved_states(template: Dict[str, Any], optimizers: List[Path], stored
 
 class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSnapshotMixin,
                                           AsyncCommitHooksMixin, ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format.
-
-    ``Trainer(strategy=DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2), devices=4)``,
-    or ``strategy="model_parallel_distckpt"`` (DP = the nodes, TP = the devices per node, as stock's ``"auto"``).
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format. ``Trainer(strategy=
+    DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2), devices=4)``, or ``strategy=
+    "model_parallel_distckpt"`` (DP = the nodes, TP = the devices per node, as stock's ``"auto"``).
 
     Args:
         data_parallel_size / tensor_parallel_size / process_group_backend / timeout / save_distributed_checkpoint: as
@@ -162,6 +161,7 @@ class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, 
     """
 
     strategy_name = STRATEGY_NAME
+    refuses_unused_weights = False  # as stock ModelParallelStrategy: a checkpoint's extra layer is left unread
 
     def __init__(self, data_parallel_size: Union[Literal["auto"], int] = "auto",
                  tensor_parallel_size: Union[Literal["auto"], int] = "auto",

@@ -74,7 +74,7 @@ def tier_load(strategy: Any, tier: LocalTier, template: Dict[str, Any], point: R
               unused: Optional[UnusedWeights] = None) -> Dict[str, Any]:
     """Collective :func:`load_like_durable` with the strategy's load settings; ``modules``: the load reads the
     module's weights (Lightning's ``state_dict`` entry, under the module's ``strict_loading``)."""
-    scope = (["state_dict"], strategy._strict_loading()) if modules else None
+    scope = (["state_dict"], strategy._strict_loading() and strategy.refuses_unused_weights) if modules else None
     return load_like_durable(strategy.checkpoint_io, tier, template, point, strategy._strict_handling(), keep, adjust,
                              durable_reader, scope, unused)
 

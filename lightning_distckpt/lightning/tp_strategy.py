@@ -109,6 +109,11 @@ class DistCheckpointIOMixin:
             return StrictHandling.LOG_ALL
         return strict
 
+    #: Lightning's strictness refuses a checkpoint's module weights the module does not ask for, as stock DDP's
+    #: ``load_state_dict(strict=True)`` does; False where the stock strategy never looks for them (ModelParallel:
+    #: DCP reads only the keys the module asks for, so a checkpoint's extra layer is left unread there too).
+    refuses_unused_weights = True
+
     def _strict_loading(self) -> bool:
         """Lightning's ``LightningModule.strict_loading`` (True without a module). Trainer strategies only."""
         return bool(getattr(getattr(self, "lightning_module", None), "strict_loading", True))
@@ -122,7 +127,7 @@ class DistCheckpointIOMixin:
         keep the mode's handling. A ``strict`` the user set keeps its Megatron-Core meaning. ``found``: those keys
         are added there, refused by the caller after the user's hooks (:mod:`.unused_weights`)."""
         io = self.checkpoint_io
-        with refusing_module_keys(io, source, entries, lightning_strict, found):
+        with refusing_module_keys(io, source, entries, lightning_strict and self.refuses_unused_weights, found):
             return io.load_sharded(template, source, **kwargs)
 
 

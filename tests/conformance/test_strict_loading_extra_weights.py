@@ -6,7 +6,9 @@ pair: saved by a module with a LayerNorm ``norm`` (TPMLP(extra_layer=True)), res
 Under our strategies with the config's ``strict`` left at its default, the extra weights are refused on
 every rank alike naming both sides; ``strict_loading = False`` / ``strict=False`` loads the rest; a
 ``strict`` the user set keeps Megatron-Core's meaning (``assume_ok_unexpected`` does not look for them);
-entries that are not the module's (a user's extra tensor entry, a callback's state) are not refused.
+entries that are not the module's (a user's extra tensor entry, a callback's state) are not refused. Under
+the ModelParallel subclasses, beside stock ModelParallelStrategy (Trainer's and Fabric's), whose DCP load
+reads only the keys the module asks for: the extra layer is left unread, as there.
 """
 
 import json
@@ -28,9 +30,9 @@ RUNS = textwrap.dedent('''
     warnings.filterwarnings("ignore")
     import torch
     from lightning.fabric import Fabric
-    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP, ModelParallelStrategy as FabricMP
     from lightning.pytorch import Trainer
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
     from lightning_distckpt.lightning import (DistCheckpointIO, DistCheckpointModelParallelStrategy,
                                              DistCheckpointStrategy, FabricDistCheckpointStrategy)
@@ -78,6 +80,7 @@ RUNS = textwrap.dedent('''
         "ours_config_assume": (lambda: DistCheckpointStrategy(checkpoint={"strict": "assume_ok_unexpected"}), Saved),
         "model_parallel": (lambda: DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
                            Sharded),
+        "stock_model_parallel": (lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), Sharded),
     }
     root, out = sys.argv[1], sys.argv[2]
     res = {}
@@ -93,7 +96,7 @@ RUNS = textwrap.dedent('''
         saved = cls(extra_layer=True)
         t.fit(saved)
         t.save_checkpoint(ck)
-        want = {k: v.tolist() for k, v in full_weights(saved).items()} if kind != "model_parallel" else {}
+        want = {k: v.tolist() for k, v in full_weights(saved).items()} if "model_parallel" not in kind else {}
 
         def resume(extra, lenient=False):
             model = cls(extra_layer=extra)
@@ -101,7 +104,7 @@ RUNS = textwrap.dedent('''
             # max_steps=1 reached: nothing trained after the restore. Non-strict: test, as the optimizer's
             # param groups no longer fit (stock's optimizer.load_state_dict refuses them)
             (trainer(strategy()).test if lenient else trainer(strategy()).fit)(model, ckpt_path=ck)
-            if kind == "model_parallel":
+            if "model_parallel" in kind:
                 return {}
             got = {k: v.tolist() for k, v in full_weights(model).items()}
             return {"restored": all(got[k] == want[k] for k in got)}
@@ -117,7 +120,9 @@ RUNS = textwrap.dedent('''
                "fabric_config_assume": lambda: FabricDistCheckpointStrategy(
                    checkpoint={"strict": "assume_ok_unexpected"}),
                "fabric_model_parallel": lambda: FabricDistCheckpointModelParallelStrategy(
-                   parallelize, data_parallel_size=2, tensor_parallel_size=1)}
+                   parallelize, data_parallel_size=2, tensor_parallel_size=1),
+               "fabric_stock_model_parallel": lambda: FabricMP(parallelize, data_parallel_size=2,
+                                                               tensor_parallel_size=1)}
     for kind, strategy in FABRICS.items():
         fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy())
         fabric.launch()
@@ -159,17 +164,16 @@ def runs(tmp_path_factory):
 NORM = {"norm.weight", "norm.bias"}
 
 
-@pytest.mark.parametrize("kind", ["ours", "ours_tp2", "model_parallel"])
+@pytest.mark.parametrize("kind", ["ours", "ours_tp2"])
 def test_a_trainer_resume_refuses_the_checkpoints_extra_module_weights_as_stock(runs, kind):
     """Before: resumed silently (assume_ok_unexpected never looks at checkpoint keys no rank asks for).
     Now: refused as stock DDP refuses them (torch's "Unexpected key(s)"), naming the same keys, with the
-    way out; under TP 2 (sharded keys) and the ModelParallel subclass (keys by path) alike."""
+    way out; under TP 2 (sharded keys) alike."""
     stock = runs["stock/missing"]
     assert stock["type"] == "RuntimeError" and _torchs(stock["message"], "Unexpected key(s) in state_dict") == NORM
     ours = runs[f"{kind}/missing"]
     assert ours["type"] == "MissingKeysError", ours
-    prefix = "state_dict/" if kind == "model_parallel" else ""
-    assert _ours(ours["message"], "Missing keys (for all ranks)") == {prefix + k for k in NORM}, ours
+    assert _ours(ours["message"], "Missing keys (for all ranks)") == NORM, ours
     assert "Unexpected keys" not in ours["message"], ours  # the module's every key is in the checkpoint
     assert "strict_loading=True" in ours["message"] and "strict_loading = False" in ours["message"], ours
     assert runs["plugin/missing"]["type"] == "RuntimeError"  # the plugin: Lightning calls load_state_dict itself
@@ -199,16 +203,29 @@ def test_a_strict_the_user_set_keeps_megatron_cores_meaning(runs):
     assert runs["fabric_config_assume/missing"] == {"type": None, "rest": ["extra"]}
 
 
-@pytest.mark.parametrize("kind", ["fabric", "fabric_model_parallel"])
+def test_model_parallel_leaves_the_extra_layer_unread_as_stock_model_parallel(runs):
+    """Stock ``ModelParallelStrategy`` (Trainer's and Fabric's) never refuses a checkpoint's layer the module
+    lacks (its DCP load reads only what the module asks for): the ModelParallel subclasses do the same. In the
+    Trainer both then fail alike on the optimizer, whose saved param groups held that layer's parameters
+    (torch's optimizer.load_state_dict), naming no module key; Fabric's load (no optimizer here) succeeds."""
+    stock, ours = runs["stock_model_parallel/missing"], runs["model_parallel/missing"]
+    group = "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+    assert stock["type"] == "ValueError" and stock["message"] == group, stock
+    assert ours["type"] == "CheckpointingError" and group in ours["message"], ours  # agreed over the ranks
+    assert "norm." not in ours["message"] and "Missing keys" not in ours["message"], ours
+    assert runs["fabric_stock_model_parallel/missing"]["type"] is None, runs["fabric_stock_model_parallel/missing"]
+    assert runs["fabric_model_parallel/missing"] == {"type": None, "rest": ["extra"]}
+
+
+@pytest.mark.parametrize("kind", ["fabric"])
 def test_fabric_load_strict_refuses_the_checkpoints_extra_module_weights_as_stock(runs, kind):
     """``fabric.load(path, state)`` (strict=True): refused as stock Fabric's DDP refuses them, naming them under
     the module's entry; ``strict=False`` loads and returns the rest; the same module loads."""
     stock = runs["fabric_stock/missing"]
     assert stock["type"] == "RuntimeError" and _torchs(stock["message"], "Unexpected key(s) in state_dict") == NORM
     ours = runs[f"{kind}/missing"]
-    prefix = "model." if kind == "fabric" else "model/"
     assert ours["type"] == "MissingKeysError", ours
-    assert _ours(ours["message"], "Missing keys (for all ranks)") == {prefix + k for k in NORM}, ours
+    assert _ours(ours["message"], "Missing keys (for all ranks)") == {"model." + k for k in NORM}, ours
     assert "strict=False" in ours["message"], ours
     for case in ("lenient", "same"):
         assert runs[f"fabric_stock/{case}"]["type"] is None, runs[f"fabric_stock/{case}"]
