@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
 import torch
 from torch.nn import Module
 
-from ..core.errors import FormatError
+from ..core.errors import FormatError, MissingKeysError
 from ..core.strict import refuse_unused
 from ..reading.checkpoint import CheckpointSource
 from ..storage.chunk_reads import torch_dtype
@@ -97,10 +97,28 @@ def refusing_placeholders(module: Module, unused: Optional[UnusedWeights], entry
         incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys
                                            if k not in unused.names[entry]]
 
-    handle = module.register_load_state_dict_post_hook(take_placeholders)
+    def refuse_left_out(_: Module, state_dict: Dict[str, Any], prefix: str, *__: Any) -> None:
+        # registered last on the root: after the user's pre-hooks, before anything is copied. A placeholder at a
+        # name the module's own state dict has (its sharded_state_dict leaves that tensor out) would be copied
+        # from a meta tensor; stock loads the stored value, which this read did not: say so
+        own = set(module.state_dict(keep_vars=True))
+        names = unused.names[entry]
+        left_out = sorted(n for n, v in state_dict.items() if n in names and n[len(prefix):] in own
+                          and isinstance(v, torch.Tensor) and v.is_meta)
+        if left_out:
+            raise MissingKeysError(
+                f"checkpoint {unused.path}: its module weights {sorted(names[n] for n in left_out)} were not read: "
+                f"{type(module).__name__}.sharded_state_dict() leaves out {left_out}, which its state_dict() and "
+                "load_state_dict(strict=True) have (stock Lightning loads them from the checkpoint). Describe them in "
+                "sharded_state_dict() to restore them, or set strict_loading = False / fabric.load(..., strict=False) "
+                "to keep the module's own values")
+
+    handles = [module.register_load_state_dict_post_hook(take_placeholders),
+               module.register_load_state_dict_pre_hook(refuse_left_out)]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if strict:
         refuse_unused(unused.path, set(left))
