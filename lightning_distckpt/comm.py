@@ -19,6 +19,8 @@ from .core.errors import (TRACEBACK_SECTION, ArgumentError, CheckpointingError, 
 #: Pickled objects up to this size travel in :meth:`Comm.all_gather_object`'s first exchange.
 SMALL_OBJECT_BYTES = 1024
 _SIZE_BYTES = 8  # each rank's pickled size, first in what it sends
+#: The tag of :meth:`Comm.close_connections`' receive (and those below it, one per gloo context): no op sends it.
+_CLOSING_TAG = 2**31 - 1
 
 #: What torch raises when a collective fails (``DistBackendError`` derives from RuntimeError).
 _TORCH_ERRORS = (RuntimeError, ValueError)
@@ -231,6 +233,36 @@ class Comm:
             # with the group's timeout when a rank is gone.
             with self._mapped("barrier"):
                 dist.all_reduce(torch.zeros(1), group=self.group)
+
+    def close_connections(self, device: torch.device) -> bool:
+        """Break this rank's connections in the group, as the group's timeout would, at once: every rank
+        waiting on this one in a message over ``device`` fails now (:class:`CollectiveError`), and so does every
+        later collective of this rank's over the group. For a rank that cannot take its part in messages it
+        owes (no memory for them) and would otherwise leave its partners waiting until the timeout.
+
+        Gloo only (CPU messages): gloo's ``abort`` does nothing, but a receive whose wait times out closes the
+        connections of its gloo context ("Application timeout caused pair closure"); so one receive that
+        nothing matches (a tag no op uses) is waited on for a millisecond, in each of the group's contexts.
+        Returns whether the connections were closed (False elsewhere: the partners wait for the timeout)."""
+        if not self.distributed or device.type != "cpu":
+            return False
+        try:
+            backend = (self.group or dist.group.WORLD)._get_backend(device)
+        except _TORCH_ERRORS:
+            return False
+        if not isinstance(backend, dist.ProcessGroupGloo):
+            return False
+        contexts = max(1, len(getattr(backend.options, "devices", ()) or ()))  # a tag picks context tag % count
+        closed = True
+        for k in range(contexts):
+            work = dist.irecv(torch.empty(1, dtype=torch.uint8), group_src=(self.rank + 1) % self.size,
+                              group=self.group, tag=_CLOSING_TAG - k)
+            try:
+                work.wait(timedelta(milliseconds=1))
+                closed = False  # matched: cannot be (no op uses the tag)
+            except _TORCH_ERRORS:
+                pass  # the timeout, as intended: the context's connections are closed
+        return closed
 
 
 def comm_device(group: Optional[dist.ProcessGroup]) -> torch.device:

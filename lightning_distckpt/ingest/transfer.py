@@ -13,8 +13,10 @@ buffer that cannot be allocated, on any rank (the caller tried the largest first
 broadcasts in flight take memory meanwhile): it is allocated again once the broadcasts in flight are
 finished; if even alone it cannot be, this rank's transfer fails (recorded, its shards dropped) and it
 takes part in the remaining broadcasts with one spare buffer (:meth:`Transfer._spare`), so that every
-rank raises at the end instead of waiting for it. What remains: a rank that cannot allocate even that
-spare, nor borrow enough bytes (rank 0: the source tensor it sends; the others: a shard), leaves alone.
+rank raises at the end instead of waiting for it. A rank that cannot allocate even that spare, nor borrow
+enough bytes (rank 0: the source tensor it sends; the others: a shard), closes its connections in the group
+(``exchange_guard.left_alone``) and raises its failure: the others fail at once (CollectiveError), as they
+would at the group's timeout. What remains: on other backends than gloo, they wait for that timeout.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from ..comm import Comm, Pending
-from ..core.errors import FormatError
+from ..core.errors import CheckpointingError, FormatError
 from ..core.shown import quoted
 from ..core.tensor_bytes import byte_view
+from ..reading.exchange_guard import left_alone
 from .plan import Manifest, Need, SendItem, SendOp, check_source_tensor, cut, describe_source
 
 
@@ -196,9 +199,12 @@ class Transfer:
             del own, usable  # the others' memory back
             try:
                 spare = torch.zeros(op.nbytes, dtype=torch.uint8, device=self.device)
-            except Exception:
-                if borrowed is None:
-                    raise
+            except Exception as e:
+                if borrowed is None:  # cannot take part: the others must not wait for this rank
+                    spare_error = CheckpointingError(f"allocating a spare {op.nbytes / 2**20:.1f} MiB on "
+                                                     f"{self.device} failed: {type(e).__name__}: {_first_line(e)}")
+                    raise left_alone(self.comm, self.device, CheckpointingError("; ".join(self.errors[:3])),
+                                     spare_error) from e
                 spare = borrowed
             self._spare_buffer = spare
         return spare[:op.nbytes]
@@ -264,3 +270,7 @@ class Transfer:
 
 def _slices(offset: Sequence[int], shape: Sequence[int]) -> tuple:
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:300] if str(e).strip() else ""

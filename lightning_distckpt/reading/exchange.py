@@ -353,7 +353,7 @@ class ChunkExchange:
                 if next_admit <= j:  # no room even alone, though there was when tried: the load fails
                     self.errors.append(failure)  # (every earlier op is done) reported on every rank at the end
                     self.results.clear()  # dropped: the copies made for further requests give memory back
-                    take_part(self.comm, self.op_index[j:], self.my_ops[j:], self.dest, self.device)
+                    take_part(self.comm, self.op_index[j:], self.my_ops[j:], self.dest, self.device, failure)
                     break
                 while next_admit < n and fits(next_admit) and admit_next():
                     pass  # read ahead

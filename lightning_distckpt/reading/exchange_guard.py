@@ -18,8 +18,12 @@ failing rank alone raised. So:
   this rank's results are dropped and it takes part in its remaining ops with one spare buffer
   (:func:`take_part`), so every rank raises the failure at the end.
 
-What remains: a rank that can then neither allocate that spare buffer nor borrow a destination's bytes large
-enough for a message ends the exchange alone; its partners fail at the group's timeout.
+A rank that can then neither allocate that spare buffer nor borrow a destination's bytes large enough for a
+message cannot take part: it closes its connections in the group (:meth:`Comm.close_connections`), as the
+group's timeout would, and raises its failure; its partners fail at once with a CollectiveError (whose message
+names the rank), not at the timeout. The group is left unusable, as a timeout leaves it. What remains: on other
+backends than gloo (NCCL: a spare on the accelerator) nothing closes the connections, and the partners fail at
+the group's timeout.
 """
 
 from __future__ import annotations
@@ -144,12 +148,13 @@ def start_thread(target: Callable[[], None], name: str) -> Optional[threading.Th
 
 
 def take_part(comm: Comm, tags: Sequence[int], ops: Sequence[ExchangeOp], dest: Dict[ChunkId, torch.Tensor],
-              device: torch.device) -> None:
+              device: torch.device, failure: Optional[BaseException]) -> None:
     """This rank's part in the communication of ``ops`` (in plan order, with their message tags) once its
-    load has failed: nothing is read or copied, each message goes from or into one spare buffer (garbage:
-    every rank raises at the end), one op at a time (a valid schedule: each rank waits only for ops that
-    every rank posts in the same order). The spare is allocated, or else borrowed from the destination of
-    one of ``ops``' chunks (its values are lost anyway; a direct read's is left alone, being read into)."""
+    load has failed (``failure``): nothing is read or copied, each message goes from or into one spare buffer
+    (garbage: every rank raises at the end), one op at a time (a valid schedule: each rank waits only for ops
+    that every rank posts in the same order). The spare is allocated, or else borrowed from the destination of
+    one of ``ops``' chunks (its values are lost anyway; a direct read's is left alone, being read into).
+    Without either, this rank leaves the exchange: see :func:`left_alone`."""
     dest = {c: dest[c] for op in ops for c in op.chunks if c in dest}
     spare: Optional[torch.Tensor] = None
     for index, op in zip(tags, ops):
@@ -157,7 +162,11 @@ def take_part(comm: Comm, tags: Sequence[int], ops: Sequence[ExchangeOp], dest: 
             continue
         if spare is None or spare.numel() < op.nbytes:
             spare = None  # freed before a larger one is tried
-            spare = _spare(op, dest, device)
+            try:
+                spare = _spare(op, dest, device)
+            except Exception as e:  # no memory even for the spare
+                raise left_alone(comm, device, failure, stage_error(
+                    f"allocating a spare {op.nbytes / 2**20:.1f} MiB on {device}", (c[0] for c in op.chunks), e)) from e
         message = spare[:op.nbytes]
         if op.transport == BROADCAST:
             works = [comm.broadcast_tensor(message, op.src)]
@@ -178,3 +187,15 @@ def _spare(op: ExchangeOp, dest: Dict[ChunkId, torch.Tensor], device: torch.devi
         if largest is None or largest.numel() < op.nbytes:
             raise
         return largest
+
+
+def left_alone(comm: Comm, device: torch.device, failure: Optional[BaseException],
+               spare: BaseException) -> CheckpointingError:
+    """The error of a rank whose part failed (``failure``) and that cannot take part in its remaining messages
+    (``spare``: no buffer for them), once it closed its connections in the group so that its partners fail now
+    (:meth:`Comm.close_connections`) rather than wait for it until the group's timeout."""
+    closed = comm.close_connections(device)
+    then = ("closed its connections in the group so that the other ranks fail now, not at its timeout (the group "
+            "is no longer usable)" if closed else "left the exchange: the other ranks fail at the group's timeout")
+    return CheckpointingError(f"rank {comm.rank}: {failure}; then, without memory to take part in its remaining "
+                              f"messages ({spare}), it {then}")
