@@ -246,6 +246,7 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
                                  for i, n in enumerate(optimizers)],
                                 ("state_dict/", "optimizer_states/"), self.checkpoint_io.extra_safe_globals)
         layout.optimizer_sources.update({n: ("optimizer_states", i) for i, n in enumerate(optimizers)})
+        layout.module_sources[modules[0]] = "state_dict"
         return layout
 
 

@@ -8,12 +8,15 @@ Both name each tensor by its ``/``-joined path in the saved dict: a Trainer chec
 module's sharded keys (``fc1.weight``, ``optimizer_states.0.state.exp_avg.fc1.weight``). Here the
 template's ShardedTensors are re-keyed to the stored names (their data, the parameters and the
 optimizer state themselves, stays), so every rank reads only its slices, and the result is put
-back in the shape the strategies restore from. Every other stored tensor (a callback's score, a
+back in the shape the strategies restore from. A tensor nested in a module's non-tensor value (extra
+state ``{"n": 3, "t": tensor}``, stored as ``state_dict/sub._extra_state/t``) is read whole into its place
+there, as stock hands it to ``set_extra_state``. Every other stored tensor (a callback's score, a
 Fabric entry's tensors) is read whole into its place in the common state.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -23,7 +26,7 @@ import torch
 from ..core.errors import CheckpointingError
 from ..core.mapping import LocalNonpersistentObject, ShardedTensor
 from ..optim.sharded_optimizer import NO_STATE, TEMPLATE_STATE, stored_param_groups
-from ..core.state_dict import iter_leaves, map_leaves
+from ..core.state_dict import iter_leaves, map_leaves, merge
 from ..planning.metadata import dtype_from_name
 from ..reading.checkpoint import CheckpointSource
 from ..reading.formats.detect import is_safetensors
@@ -145,6 +148,52 @@ def optimizer_renames(entry: OptimizerEntry, stored: Set[str]) -> Dict[str, str]
     return out
 
 
+def with_nested_tensors(module_ssd: Dict[str, Any], entry: ModuleEntry, stored: Mapping[str, ShardedTensor],
+                        paths: TreePaths) -> Dict[str, Any]:
+    """``module_ssd`` asking for each stored tensor nested in one of its non-tensor values (a module's extra state
+    ``{"n": 3, "t": tensor}`` is stored as ``state_dict/sub._extra_state/t``): a whole ShardedTensor of the stored
+    shape and dtype, keyed by its stored name, at its place in a copy of that value. Stock hands
+    ``set_extra_state`` the stored tensor; the template's own (the module's current one, a common leaf) would
+    otherwise come back in its place and the stored one go unread. Only values the module's state dict has,
+    as containers on the whole way down, are asked for: any other stored tensor is left as before (unread,
+    refused by a strict load). The module's own containers are not changed."""
+    top = ("d", entry.file_prefix[:-1])
+    out = dict(module_ssd)
+    copied: Set[int] = set()  # the containers copied so far (two tensors in one extra state: copied once)
+    for key, steps in paths.items():
+        if key not in stored or len(steps) < 3 or tuple(steps[0]) != top or steps[1][0] != "d":
+            continue
+        name = steps[1][1]
+        if not isinstance(out.get(name), (dict, list)):  # a ShardedTensor, or nothing of the module's there
+            continue
+        meta = stored[key]
+        whole = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))
+        _put_copied(out, steps[1:], whole, copied)
+    return out
+
+
+def _put_copied(root: Dict[str, Any], steps: Tuple[Step, ...], leaf: Any, copied: Set[int]) -> None:
+    """Put ``leaf`` at ``steps`` under ``root``, copying each container on the way that is not a copy yet; where
+    the way does not lead through containers of the stored kinds (or past a list's end), nothing is put."""
+    node: Any = root
+    for i, (kind, k) in enumerate(steps):
+        fits = (kind == "d" and isinstance(node, dict)) or \
+            (kind == "l" and isinstance(node, list) and isinstance(k, int) and 0 <= k < len(node))
+        if not fits or (kind == "d" and i < len(steps) - 1 and k not in node):
+            return
+        if i == len(steps) - 1:
+            node[k] = leaf
+            return
+        child = node[k]
+        if not isinstance(child, (dict, list)):
+            return
+        if id(child) not in copied:
+            child = dict(child) if isinstance(child, dict) else list(child)
+            copied.add(id(child))
+            node[k] = child
+        node = child
+
+
 @dataclass
 class StoredLayout:
     """The template :func:`rekey_template` made, and where each stored tensor read whole goes."""
@@ -154,6 +203,9 @@ class StoredLayout:
     # template entry of an optimizer -> where its stored param groups sit in the loaded tree, when
     # not in the entry itself (a Trainer's optimizer_states/<i> read into a Fabric state's optimizer)
     optimizer_sources: Dict[str, Tuple[Union[str, int], ...]] = field(default_factory=dict)
+    # template entry of a module -> the saved dict's entry its state dict was read from, when another (a Trainer's
+    # state_dict read into a Fabric state's module): its common values (extra state's non-tensor parts) go there too
+    module_sources: Dict[str, str] = field(default_factory=dict)
 
     def stored_optimizer(self, loaded: Mapping[str, Any], name: str) -> Dict[str, Any]:
         """The optimizer entry ``name`` of ``loaded``, with the stored param groups and by-index state."""
@@ -216,9 +268,11 @@ def rekey_template(source: "RestoreSource", template: Dict[str, Any], modules: M
     ``skip_prefixes`` whole under :data:`REST_KEY`. ``modules`` maps template entries to their layout.
     ``source``: the checkpoint the restore opened (:meth:`DistCheckpointIO.open_source`), not opened again."""
     stored = tensors_metadata(source)
+    stored_paths = _stored_paths(source, extra_safe_globals)
     renames: Dict[str, str] = {}
     for name, entry in modules.items():
         renames.update(module_renames(template[name], entry))
+        template[name] = with_nested_tensors(template[name], entry, stored, stored_paths)
     for opt in optimizers:
         renames.update(optimizer_renames(opt, set(stored)))
 
@@ -228,7 +282,7 @@ def rekey_template(source: "RestoreSource", template: Dict[str, Any], modules: M
         return leaf
 
     out = map_leaves(rekey, template)
-    paths = {key: steps for key, steps in _stored_paths(source, extra_safe_globals).items()
+    paths = {key: steps for key, steps in stored_paths.items()
              if key in stored and not any(key.startswith(p) for p in skip_prefixes)}
     out[REST_KEY] = {key: ShardedTensor.from_rank_offsets(
         key, torch.empty(stored[key].global_shape, dtype=stored[key].dtype)) for key in paths}
@@ -239,6 +293,16 @@ def place_stored_tensors(loaded: Dict[str, Any], layout: StoredLayout, where: st
     """Put the tensors read under :data:`REST_KEY` back at their paths in ``loaded`` (drops the manifest)."""
     loaded.pop(MANIFEST_KEY, None)
     place_at(loaded, layout.rest_paths, loaded.pop(REST_KEY, {}), where)
+    for name, saved in layout.module_sources.items():
+        stored, own = loaded.get(saved), layout.template.get(name)
+        if not (isinstance(stored, dict) and isinstance(own, dict)):
+            continue
+        entry = loaded.setdefault(name, {})
+        for key, value in stored.items():  # the module's own names only: the rest stays where it was saved
+            if key in own and isinstance(entry, dict):
+                # the stored values win over the template's (a non-strict load's fallback), as the common
+                # state wins for a module read from its own entry; the tensors read into the entry stay
+                entry[key] = merge(entry[key], copy.deepcopy(value)) if key in entry else copy.deepcopy(value)
     return loaded
 
 
