@@ -125,6 +125,30 @@ def run_ranks(script: str, argv: List[str], environ: Dict[str, str], world_size:
     return code, output
 
 
+def agreed_outcomes(root: str, text: str, *argv: str, with_tests_path: bool = False) -> dict:
+    """Write ``text`` as a script in ``root`` and run it on 2 ranks with ``root`` and an output prefix (then
+    ``argv``); each rank writes ``<out>.rank<LOCAL_RANK>.json``. Returns rank 0's outcomes, checked to equal
+    rank 1's (what a test of an agreed error or restore asks). ``with_tests_path``: the script imports
+    ``tests/`` modules (lightning_helpers)."""
+    import json
+
+    script, out = os.path.join(root, "runs.py"), os.path.join(root, "out")
+    with open(script, "w") as f:
+        f.write(text)
+    env = script_env()
+    if with_tests_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
+                                                          env.get("PYTHONPATH")]))
+    code, output = run_ranks(script, [root, out, *argv], env, 2, 600)
+    assert code == 0, output[-8000:]
+    ranks = []
+    for rank in range(2):
+        with open(f"{out}.rank{rank}.json") as f:
+            ranks.append(json.load(f))
+    assert ranks[0] == ranks[1], "the ranks' outcomes differ"
+    return ranks[0]
+
+
 def _run_subprocess(script: str, argv: List[str], environ: Dict[str, str], timeout: float,
                     cwd: str) -> Tuple[int, str]:
     proc = subprocess.run([sys.executable, script, *argv], env=environ, capture_output=True, text=True,

@@ -11,11 +11,10 @@ Trainer under DistCheckpointStrategy (TP 1, TP 2), DDP + DistCheckpointIO (Light
 FabricDistCheckpointStrategy; strict and not; a dict extra state and a bare tensor one.
 """
 
-import json
 
 import pytest
 
-from script_ranks import run_ranks, script_env
+from script_ranks import agreed_outcomes
 
 RUNS = r'''import json, os, sys, warnings
 warnings.filterwarnings("ignore")
@@ -150,18 +149,7 @@ def runs(tmp_path_factory):
     """Every rank's outcome of each save / restore pair (one 2-rank run serves every test here)."""
     import lightning_distckpt
     print("lightning_distckpt from", lightning_distckpt.__file__)
-    root = tmp_path_factory.mktemp("runs")
-    script = root / "runs.py"
-    script.write_text(RUNS)
-    out = str(root / "out")
-    code, output = run_ranks(str(script), [str(root), out], script_env(), 2, 600)
-    assert code == 0, output[-8000:]
-    ranks = []
-    for rank in range(2):
-        with open(f"{out}.rank{rank}.json") as f:
-            ranks.append(json.load(f))
-    assert ranks[0] == ranks[1], "the ranks' outcomes differ"
-    return ranks[0]
+    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS)
 
 
 def _stored(runs, kind):

@@ -9,7 +9,6 @@ layer, a submodule compiled on one side only.
 which torch's own reader cannot read back: refused naming the combination and what to do.
 """
 
-import json
 import os
 import re
 import textwrap
@@ -23,7 +22,7 @@ import lightning_distckpt as ldc
 
 from dcp_variant_writers import save_variant
 from dist_utils import run_distributed
-from script_ranks import run_ranks, script_env
+from script_ranks import agreed_outcomes
 
 FITS = textwrap.dedent('''
     import json, os, sys, warnings
@@ -90,18 +89,7 @@ FITS = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory):
     """Every rank's outcome of each save-then-resume pair (the same run serves every test here)."""
-    root = tmp_path_factory.mktemp("fits")
-    script = root / "fits.py"
-    script.write_text(FITS)
-    out = str(root / "out")
-    code, output = run_ranks(str(script), [str(root), out], script_env(), 2, 600)
-    assert code == 0, output[-8000:]
-    ranks = []
-    for rank in range(2):
-        with open(f"{out}.rank{rank}.json") as f:
-            ranks.append(json.load(f))
-    assert ranks[0] == ranks[1], "the ranks' errors differ"  # agreed on all ranks
-    return ranks[0]
+    return agreed_outcomes(str(tmp_path_factory.mktemp("fits")), FITS)  # agreed on all ranks
 
 
 def _ours(text: str, title: str) -> set:

@@ -11,8 +11,6 @@ the ModelParallel subclasses, beside stock ModelParallelStrategy (Trainer's and 
 reads only the keys the module asks for: the extra layer is left unread, as there.
 """
 
-import json
-import os
 import textwrap
 
 import pytest
@@ -23,7 +21,7 @@ from lightning_distckpt.lightning import DistCheckpointConfig, load_checkpoint_c
 
 from conformance.test_mismatch_errors_both_sides import _ours, _torchs
 from dist_utils import run_distributed
-from script_ranks import run_ranks, script_env
+from script_ranks import agreed_outcomes
 
 RUNS = textwrap.dedent('''
     import json, os, sys, warnings
@@ -144,21 +142,7 @@ RUNS = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every rank's outcome of each save-then-resume pair (one 2-rank run serves every test here)."""
-    root = tmp_path_factory.mktemp("runs")
-    script = root / "runs.py"
-    script.write_text(RUNS)
-    out = str(root / "out")
-    env = script_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)),
-                                                      env.get("PYTHONPATH")]))  # tests/: lightning_helpers
-    code, output = run_ranks(str(script), [str(root), out], env, 2, 600)
-    assert code == 0, output[-8000:]
-    ranks = []
-    for rank in range(2):
-        with open(f"{out}.rank{rank}.json") as f:
-            ranks.append(json.load(f))
-    assert ranks[0] == ranks[1], "the ranks' outcomes differ"  # refused on every rank alike
-    return ranks[0]
+    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS, with_tests_path=True)  # refused alike
 
 
 NORM = {"norm.weight", "norm.bias"}

@@ -9,13 +9,11 @@ refused at the read, before the hooks ran). A callback's ``on_load_checkpoint`` 
 stock, so its drop does not save a strict resume there: refused by both.
 """
 
-import json
-import os
 
 import pytest
 
 from conformance.test_mismatch_errors_both_sides import _ours, _torchs
-from script_ranks import run_ranks, script_env
+from script_ranks import agreed_outcomes
 
 RUNS = '''import json, os, sys, warnings
 warnings.filterwarnings("ignore")
@@ -120,21 +118,7 @@ def runs(tmp_path_factory):
     """Every rank's outcome of each save-then-resume pair (one 2-rank run serves every test here)."""
     import lightning_distckpt
     print("lightning_distckpt from", lightning_distckpt.__file__)
-    root = tmp_path_factory.mktemp("runs")
-    script = root / "runs.py"
-    script.write_text(RUNS)
-    out = str(root / "out")
-    env = script_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)),
-                                                      env.get("PYTHONPATH")]))  # tests/: lightning_helpers
-    code, output = run_ranks(str(script), [str(root), out], env, 2, 600)
-    assert code == 0, output[-8000:]
-    ranks = []
-    for rank in range(2):
-        with open(f"{out}.rank{rank}.json") as f:
-            ranks.append(json.load(f))
-    assert ranks[0] == ranks[1], "the ranks' outcomes differ"  # refused on every rank alike
-    return ranks[0]
+    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS, with_tests_path=True)
 
 
 NORM = {"norm.weight", "norm.bias"}

@@ -9,12 +9,10 @@ does (the read leaves a stored tensor unread: a parameter its sharded_state_dict
 rank, naming the tensors and why.
 """
 
-import json
-import os
 
 import pytest
 
-from script_ranks import run_ranks, script_env
+from script_ranks import agreed_outcomes
 
 RUNS = r'''import json, os, sys, warnings
 warnings.filterwarnings("ignore")
@@ -128,22 +126,8 @@ def runs(tmp_path_factory):
     """Every rank's outcome of each save / resume pair (one 2-rank run serves every test here)."""
     import lightning_distckpt
     print("lightning_distckpt from", lightning_distckpt.__file__)
-    root = tmp_path_factory.mktemp("runs")
-    script = root / "runs.py"
-    script.write_text(RUNS)
-    out = str(root / "out")
-    env = script_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)),
-                                                      env.get("PYTHONPATH")]))  # tests/: lightning_helpers
     cases = "nonpersist,xs_tensor,xs_dict,tied,compiled,frozen_out"
-    code, output = run_ranks(str(script), [str(root), out, cases], env, 2, 600)
-    assert code == 0, output[-8000:]
-    ranks = []
-    for rank in range(2):
-        with open(f"{out}.rank{rank}.json") as f:
-            ranks.append(json.load(f))
-    assert ranks[0] == ranks[1], "the ranks' outcomes differ"
-    return ranks[0]
+    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS, cases, with_tests_path=True)
 
 
 @pytest.mark.parametrize("how", ["fit", "test"])
