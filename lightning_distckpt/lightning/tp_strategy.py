@@ -8,13 +8,13 @@ their bases; the mixin takes its own two arguments and hands every other one to 
 from __future__ import annotations
 
 import logging
-from typing import Any, ContextManager, Dict, FrozenSet, List, Optional, Sequence, Set, Type, TypeVar, Union
+from typing import Any, ContextManager, Dict, List, Optional, Sequence, Set, Type, TypeVar, Union
 
 from lightning.fabric.plugins import CheckpointIO
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError, FormatError
+from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointingError
 from ..core.strict import StrictHandling, refusing_unused
 from ..reading.checkpoint import CheckpointSource
 from ..storage.paths import checkpoint_location
@@ -22,8 +22,8 @@ from .checkpoint_io import DistCheckpointIO
 from .config import ConfigLike, DistCheckpointConfig, load_checkpoint_config, load_strategy_config
 from .model_checkpoint import warn_last_not_found
 from .parallel import ParallelState, check_strategy_args, register_strategy_names
-from .sharded import build_on_all_ranks, check_describable, describe_source
-from .tree import manifest_paths
+from .sharded import build_on_all_ranks, check_describable
+from .unused_weights import module_entry_keys
 
 log = logging.getLogger(__name__)
 
@@ -41,25 +41,6 @@ def dist_checkpoint_io(owner: str, io: Optional[CheckpointIO], config: DistCheck
             "set async_save: true in its config instead of wrapping it)"
         )
     return io
-
-
-def module_entry_keys(source: CheckpointSource, entries: Sequence[str],
-                      extra_safe_globals: Sequence[Any] = ()) -> FrozenSet[str]:
-    """The checkpoint's stored keys in its module entries ``entries`` (a Trainer's ``state_dict``, a Fabric
-    state's module names): where its manifest places them (our layouts), else keys under an entry by tree path
-    (``state_dict/layer.weight``: a ``torch.save`` file, the plugin's or a ModelParallel directory) or by a
-    Fabric module's prefix (``model.``: a factory's expansions and ShardedObjects, which no manifest lists).
-    From the checkpoint's metadata and common state only: the same on every rank."""
-    try:
-        man = describe_source(source, extra_safe_globals).manifest
-        placed = manifest_paths(man, source.path) if man is not None else {}
-    except FormatError:  # refused by the load's own checks where it matters; here: keys by name only
-        placed = {}
-    prefixes = tuple(f"{entry}{sep}" for entry in entries for sep in "/.")
-    firsts = {("d", entry) for entry in entries}
-    keys = [*source.index.tensors, *source.index.objects]
-    return frozenset(k for k in keys if (bool(placed[k]) and placed[k][0] in firsts if k in placed
-                                         else k.startswith(prefixes)))
 
 
 def refusing_module_keys(io: DistCheckpointIO, source: CheckpointSource, entries: Sequence[str],

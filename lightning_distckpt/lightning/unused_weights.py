@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set
 
 import torch
 from torch.nn import Module
@@ -39,16 +39,37 @@ class UnusedWeights:
         return {names[k] for k in unexpected if k in names}
 
 
+def module_entry_keys(source: CheckpointSource, entries: Sequence[str],
+                      extra_safe_globals: Sequence[Any] = ()) -> FrozenSet[str]:
+    """The checkpoint's stored keys in its module entries ``entries`` (a Trainer's ``state_dict``, a Fabric
+    state's module names): where its manifest places them (our layouts), else keys under an entry by tree path
+    (``state_dict/layer.weight``: a ``torch.save`` file, the plugin's or a ModelParallel directory) or by a
+    Fabric module's prefix (``model.``: a factory's expansions and ShardedObjects, which no manifest lists).
+    From the checkpoint's metadata and common state only: the same on every rank."""
+    placed = _manifest_places(source, extra_safe_globals)
+    prefixes = tuple(f"{entry}{sep}" for entry in entries for sep in "/.")
+    firsts = {("d", entry) for entry in entries}
+    keys = [*source.index.tensors, *source.index.objects]
+    return frozenset(k for k in keys if (bool(placed[k]) and placed[k][0] in firsts if k in placed
+                                         else k.startswith(prefixes)))
+
+
+def _manifest_places(source: CheckpointSource, extra_safe_globals: Sequence[Any]) -> Dict[str, Any]:
+    """Stored key -> its path in the saved tree, where the checkpoint's manifest places it (our layouts); {} for
+    others, or where the manifest is refused (by the load's own checks where it matters: here keys go by name)."""
+    try:
+        man = describe_source(source, extra_safe_globals).manifest
+        return manifest_paths(man, source.path) if man is not None else {}
+    except FormatError:
+        return {}
+
+
 def placeholders(source: CheckpointSource, found: Set[str], entry: str,
                  extra_safe_globals: Sequence[Any] = ()) -> Dict[str, Any]:
     """stored key -> (state-dict name, placeholder) for those of ``found`` (stored keys no rank asks for) in the
     module entry ``entry``: the name where the manifest places the key at ``entry``'s first level, else the key
     without ``entry/`` or ``entry.``. A key that has no such name is refused now, as the read would have."""
-    try:
-        man = describe_source(source, extra_safe_globals).manifest
-        placed = manifest_paths(man, source.path) if man is not None else {}
-    except FormatError:
-        placed = {}
+    placed = _manifest_places(source, extra_safe_globals)
     out: Dict[str, Any] = {}
     for key in sorted(found):
         steps = placed.get(key)

@@ -80,9 +80,7 @@ def _remove_file(target: str) -> None:
     aside = staging.new_staging_dir(target)
     os.rename(target, aside)
     if not _removable_file(aside):
-        where = target if not os.path.lexists(target) else aside
-        if where == target:
-            os.rename(aside, target)
+        where = _put_back(aside, target)
         raise ArgumentError(f"remove {target}: something other than a checkpoint file was put at its name while it "
                             f"was being removed ({describe_refused(where)}); left as it is at {where}")
     os.remove(aside)
