@@ -125,20 +125,36 @@ def run_ranks(script: str, argv: List[str], environ: Dict[str, str], world_size:
     return code, output
 
 
-def agreed_outcomes(root: str, text: str, *argv: str, with_tests_path: bool = False) -> dict:
+def outcome(call) -> dict:
+    """In a rank script: ``{"type": None, **what call() returned}``, or the error it raised (type and message)."""
+    try:
+        got = call()
+        return {"type": None, **(got or {})}
+    except Exception as e:  # the outcome under test
+        return {"type": type(e).__name__, "message": str(e)}
+
+
+def write_outcomes(out: str, res: dict) -> None:
+    """In a rank script: this rank's outcomes where :func:`agreed_outcomes` reads them."""
+    import json
+
+    with open(out + ".rank" + os.environ["LOCAL_RANK"] + ".json", "w") as f:
+        json.dump(res, f)
+
+
+def agreed_outcomes(root: str, text: str, *argv: str) -> dict:
     """Write ``text`` as a script in ``root`` and run it on 2 ranks with ``root`` and an output prefix (then
-    ``argv``); each rank writes ``<out>.rank<LOCAL_RANK>.json``. Returns rank 0's outcomes, checked to equal
-    rank 1's (what a test of an agreed error or restore asks). ``with_tests_path``: the script imports
-    ``tests/`` modules (lightning_helpers)."""
+    ``argv``); each rank writes ``<out>.rank<LOCAL_RANK>.json`` (:func:`write_outcomes`; the script imports
+    ``tests/`` modules). Returns rank 0's outcomes, checked to equal rank 1's (what a test of an agreed error
+    or restore asks)."""
     import json
 
     script, out = os.path.join(root, "runs.py"), os.path.join(root, "out")
     with open(script, "w") as f:
         f.write(text)
     env = script_env()
-    if with_tests_path:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
-                                                          env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
+                                                      env.get("PYTHONPATH")]))
     code, output = run_ranks(script, [root, out, *argv], env, 2, 600)
     assert code == 0, output[-8000:]
     ranks = []

@@ -79,6 +79,8 @@ def show(x):
         return [show(v) for v in x]
     return x
 
+from script_ranks import write_outcomes
+
 def outcome(call):
     try:
         return {"type": None, "got": show(call())}
@@ -139,8 +141,7 @@ for kind in ("dict", "tensor"):
                 fabric.load(os.path.join(root, f"{kind}_fabric_ours"), {"model": fabric.setup_module(model)})
                 return model.sub.got
             res[f"{kind}/fabric_ours<-fabric_ours/strict"] = outcome(own)
-with open(out + ".rank" + os.environ["LOCAL_RANK"] + ".json", "w") as f:
-    json.dump(res, f)
+write_outcomes(out, res)
 '''
 
 

@@ -59,6 +59,8 @@ FITS = textwrap.dedent('''
                   "ours_raise_all": lambda: DistCheckpointStrategy(checkpoint={"strict": "raise_all"})}
     root, out = sys.argv[1], sys.argv[2]
     res = {}
+    from script_ranks import write_outcomes
+
     def outcome(call):
         try:
             call()
@@ -81,8 +83,7 @@ FITS = textwrap.dedent('''
     for name, kw in VARIANTS.items():
         model = fabric.setup_module(Net(**kw))
         res["fabric/" + name] = outcome(lambda: fabric.load(ck, {"model": model}))
-    with open(out + ".rank" + os.environ["LOCAL_RANK"] + ".json", "w") as f:
-        json.dump(res, f)
+    write_outcomes(out, res)
 ''')
 
 

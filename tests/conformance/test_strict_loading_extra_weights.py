@@ -63,12 +63,7 @@ RUNS = textwrap.dedent('''
             fully_shard(layer, mesh=mesh["data_parallel"])
         return model
 
-    def outcome(call):
-        try:
-            got = call()
-            return {"type": None, **(got or {})}
-        except Exception as e:
-            return {"type": type(e).__name__, "message": str(e)}
+    from script_ranks import outcome, write_outcomes
 
     STRATEGIES = {
         "stock": (lambda: DDPStrategy(), Saved),
@@ -134,15 +129,14 @@ RUNS = textwrap.dedent('''
             trainer_file = os.path.join(root, "stock.ckpt")
             res[kind + "/trainer_file"] = outcome(
                 lambda: fabric.load(trainer_file, {"model": fabric.setup_module(configured(SGDMLP()))}) and {})
-    with open(out + ".rank" + os.environ["LOCAL_RANK"] + ".json", "w") as f:
-        json.dump(res, f)
+    write_outcomes(out, res)
 ''')
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every rank's outcome of each save-then-resume pair (one 2-rank run serves every test here)."""
-    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS, with_tests_path=True)  # refused alike
+    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS)  # refused alike
 
 
 NORM = {"norm.weight", "norm.bias"}

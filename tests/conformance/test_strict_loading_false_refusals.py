@@ -55,12 +55,7 @@ class CbPop(Callback):
     def on_load_checkpoint(self, trainer, pl_module, checkpoint):
         drop_norm(checkpoint["state_dict"])
 
-def outcome(call):
-    try:
-        got = call()
-        return {"type": None, **(got or {})}
-    except Exception as e:
-        return {"type": type(e).__name__, "message": str(e)}
+from script_ranks import outcome, write_outcomes
 
 root, out = sys.argv[1], sys.argv[2]
 res = {}
@@ -108,8 +103,7 @@ for kind, strategy in {"fabric": FabricDistCheckpointStrategy, "fabric_stock": F
     load = lambda *a: {"rest": sorted(fabric.load(ck, {"model": fabric.setup_module(Plain(*a))}))}  # noqa: E731
     res[kind + "/prehook"] = outcome(lambda: load(False, True))
     res[kind + "/plain"] = outcome(lambda: load(False))
-with open(out + ".rank" + os.environ["LOCAL_RANK"] + ".json", "w") as f:
-    json.dump(res, f)
+write_outcomes(out, res)
 '''
 
 
@@ -118,7 +112,7 @@ def runs(tmp_path_factory):
     """Every rank's outcome of each save-then-resume pair (one 2-rank run serves every test here)."""
     import lightning_distckpt
     print("lightning_distckpt from", lightning_distckpt.__file__)
-    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS, with_tests_path=True)
+    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS)
 
 
 NORM = {"norm.weight", "norm.bias"}

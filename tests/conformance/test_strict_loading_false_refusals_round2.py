@@ -86,12 +86,7 @@ def make(v, extra=False):
         return FrozenOut(v, extra)
     return Plain(v, extra)
 
-def outcome(call):
-    try:
-        got = call()
-        return {"type": None, **(got or {})}
-    except Exception as e:
-        return {"type": type(e).__name__, "message": str(e)}
+from script_ranks import outcome, write_outcomes
 
 root, out = sys.argv[1], sys.argv[2]
 cases = sys.argv[3].split(",")
@@ -116,8 +111,7 @@ for v in cases:
                     sd = {k: v.tolist() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
                     return {"extra": repr(getattr(m, "got_extra", None)), "sd": sd}
                 res[f"{v}/{kind}<-{saver}/{how}"] = outcome(run)
-with open(out + ".rank" + os.environ["LOCAL_RANK"] + ".json", "w") as f:
-    json.dump(res, f)
+write_outcomes(out, res)
 '''
 
 
@@ -127,7 +121,7 @@ def runs(tmp_path_factory):
     import lightning_distckpt
     print("lightning_distckpt from", lightning_distckpt.__file__)
     cases = "nonpersist,xs_tensor,xs_dict,tied,compiled,frozen_out"
-    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS, cases, with_tests_path=True)
+    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS, cases)
 
 
 @pytest.mark.parametrize("how", ["fit", "test"])

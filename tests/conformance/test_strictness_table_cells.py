@@ -127,6 +127,8 @@ RUNS = textwrap.dedent('''
     def same(got, want):
         return sorted(k for k in got if k in want and got[k] == want[k])
 
+    from script_ranks import write_outcomes
+
     def outcome(call):
         logs.clear()
         try:
@@ -216,8 +218,7 @@ RUNS = textwrap.dedent('''
                 fabric.load(os.path.join(root, writer + "_xs"), {"model": fabric.setup_module(m)}, strict=strict)
                 return {"got": show(m.sub.got)}
             res[f"xs/{reader}<-{writer}/{'strict' if strict else 'lenient'}"] = outcome(load)
-    with open(out + ".rank" + os.environ["LOCAL_RANK"] + ".json", "w") as f:
-        json.dump(res, f)
+    write_outcomes(out, res)
 ''')
 
 
@@ -226,7 +227,7 @@ def runs(tmp_path_factory):
     """Every rank's outcome of each save-then-resume pair (one 2-rank run serves every test here)."""
     import lightning_distckpt
     print("lightning_distckpt from", lightning_distckpt.__file__)
-    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS, with_tests_path=True)
+    return agreed_outcomes(str(tmp_path_factory.mktemp("runs")), RUNS)
 
 
 NORM = {"norm.weight", "norm.bias"}
