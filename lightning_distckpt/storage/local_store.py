@@ -26,6 +26,7 @@ from .layout import (COMMIT_MARKER, COMMON_FILE, DATA_DIR, FILE_CAPS, METADATA_F
 from .options import StorageOptions
 from .output_files import is_torch_archive, missing_dirs, remove_made_dirs
 from .paths import MARKER_CAP, TreeStats, holds_nothing, kind_of, local_location, read_inside, refuse_link, scan_tree
+from .removal_aside import mark_removing, ours_to_clean, remove_marked
 from .safe_pickle import write_file_durable
 from .stock_checkpoints import USER_TORCH_FILE, is_stock_dcp_dir, is_stock_lightning_file
 from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
@@ -42,7 +43,8 @@ def _remove_dir(target: str, stock: bool = False) -> None:
     the name is taken again, and is named; before, it was removed whole, its ``COMMITTED`` file first.
     Interrupted (Ctrl-C in ``ModelCheckpoint``'s top-k removal), ``shutil.rmtree`` alone left a directory
     whose ``COMMITTED`` outlived some of its data: "committed (complete)" to ``inspect``, damaged to a load.
-    What is left now is at the aside name, which ``clean`` removes and nothing recovers into place."""
+    What is left now is at the aside name, which ``clean`` removes (:mod:`.removal_aside`: only what is ours)
+    and nothing recovers into place."""
     aside = staging.removal_aside(target)
     os.rename(target, aside)
     if stock:  # an empty directory stays removable
@@ -54,12 +56,10 @@ def _remove_dir(target: str, stock: bool = False) -> None:
         what = ("something other than a DCP checkpoint's files appeared in it" if stock else
                 f"something other than a checkpoint of ours was put at its name ({describe_refused(where)})")
         raise ArgumentError(f"remove {target}: {what} while it was being removed; left as it is at {where}")
-    if not stock:  # none in a stock one: a file of that name in it is not a marker of ours
-        try:  # first: an interrupted rmtree then leaves nothing that says committed
-            os.remove(os.path.join(aside, COMMIT_MARKER))
-        except FileNotFoundError:  # an incomplete one
-            pass
-    shutil.rmtree(aside)
+    mark_removing(aside)  # what clean may remove there is ours (a user's directory left aside holds no note)
+    # the marker first (none in a stock one: a file of that name there is not ours): an interruption then
+    # leaves nothing that says committed
+    remove_marked(aside, first=None if stock else COMMIT_MARKER)
 
 
 def _put_back(aside: str, target: str) -> str:
@@ -323,17 +323,20 @@ class LocalStore(CheckpointStore):
         """Gone already (its commit renamed it into place, or another clean) is fine. A staging
         directory is checked again under its parent's exclusive lock (``staging.parent_lock``), the
         listing it was found in being unlocked: LeftoverChanged, nothing removed, where a save on
-        this host now writes into it (one that was making it when listed) or it is now committed."""
+        this host now writes into it (one that was making it when listed) or it is now committed, or a
+        removal's aside holds what is not ours (:func:`.removal_aside.ours_to_clean`)."""
         with staging.parent_lock(os.path.dirname(os.path.abspath(leftover.path)), exclusive=True):
             if isinstance(leftover, staging.Leftover) and leftover.link_to is None:
                 owners = staging.live_owner_pids(leftover.path)
                 if owners:
                     raise LeftoverChanged(f"{leftover.path}: a save on this host (pid {owners[0]}) is writing into it; "
                                           "not removed")
-                if (is_committed(leftover.path) and not leftover.committed
-                        and not staging.is_removal_aside(leftover.path)):  # (one being removed is committed)
-                    raise LeftoverChanged(f"{leftover.path}: committed meanwhile by a save that was still running; "
-                                          "not removed")
+                if not staging.is_removal_aside(leftover.path):  # (one being removed is committed)
+                    if is_committed(leftover.path) and not leftover.committed:
+                        raise LeftoverChanged(f"{leftover.path}: committed meanwhile by a save that was still "
+                                              "running; not removed")
+                elif os.path.lexists(leftover.path) and not ours_to_clean(leftover.path):
+                    raise LeftoverChanged(f"{leftover.path}: not a removal's leftover of ours; not removed")
             try:
                 shutil.rmtree(leftover.path)
             except FileNotFoundError:

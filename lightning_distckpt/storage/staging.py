@@ -9,12 +9,11 @@ huge version that does not exist. The older form, ``.NAME.distckpt-staging-<id>`
 and names too long to encode), is still recognised, so its leftovers are found, cleaned and recovered.
 
 While a save writes, every rank keeps a small owner note in it (``.writing/rank_NNNNN.json``: host,
-pid, start time). The notes let :func:`find_leftovers`
-tell a save that is still running on this host (an async save waiting to be finalized, say) from
-one whose process is gone. The commit removes them only once its marker is durable and before the
-rename, so a staging directory is never without both (``clean`` keeps one that holds the marker
-while it is the only committed copy or newer than its target) and a committed checkpoint never
-holds notes. File-system queries only; no collectives.
+pid, start time). The notes let :func:`find_leftovers` tell a save that is still running on this
+host (an async save waiting to be finalized, say) from one whose process is gone. The commit removes
+them only once its marker is durable and before the rename, so a staging directory is never without
+both (``clean`` keeps one that holds the marker while it is the only committed copy or newer than
+its target) and a committed checkpoint never holds notes. File-system queries only; no collectives.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from typing import Iterator, List, Optional, Sequence, Set, Tuple
 from ..core.errors import CheckpointingError, FormatError, naming_file
 from .layout import COMMIT_MARKER, is_committed, is_our_committed_checkpoint, is_our_marker, parse_json
 from .paths import MARKER_CAP, holds_nothing, read_inside
+from .removal_aside import ours_to_clean
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _MAX_NOTE_BYTES = 1 << 16  # a note is ~100 bytes: more is not one of ours
 
 
 _NAME_MAX = 255  # bytes in one file name (ext4, xfs, NFS, Lustre)
-_SUFFIX_ROOM = 8  # ".oldN": a commit moves the previous checkpoint aside under its staging name plus this
+_SUFFIX_ROOM = 8  # for what is appended to a staging name: ".old" to ".old7" (commit._SWAP_TRIES) or ".removed"
 # A removal's aside name ends so (storage/local_store.py: _remove_dir): a committed checkpoint there is one being
 # removed, never a stranded commit to recover, however the removal was interrupted
 REMOVAL_SUFFIX = ".removed"
@@ -85,13 +85,15 @@ def _decode_name(text: str) -> Optional[str]:
 def new_staging_dir(target: str) -> str:
     """A fresh staging path beside ``target`` (same file system, so the final rename is atomic), its
     name ``.distckpt-staging-<target's name in base32>-<id>``. A name too long to encode within a file
-    name's 255 bytes keeps the older form, ``.NAME.distckpt-staging-<id>`` (never refused here: rank 0
-    names the staging directory before the ranks agree on anything)."""
+    name's 255 bytes keeps the older form, ``.NAME.distckpt-staging-<id>``, its id shortened (to 4 hex
+    digits at least) so that a suffix (``.old<N>``, ``.removed``) still fits: names of 217-224 bytes
+    (never refused here: rank 0 names the staging directory before the ranks agree on anything)."""
     parent, name = os.path.split(os.path.abspath(target))
     uid = uuid.uuid4().hex[:12]
     encoded = f"{STAGING_TAG}{_encode_name(name)}-{uid}"
     if len(os.fsencode(encoded)) + _SUFFIX_ROOM > _NAME_MAX:
-        encoded = f".{name}{STAGING_TAG}{uid}"
+        room = _NAME_MAX - _SUFFIX_ROOM - len(os.fsencode(f".{name}{STAGING_TAG}"))
+        encoded = f".{name}{STAGING_TAG}{uid[:max(4, room)]}"
     return os.path.join(parent, encoded)
 
 
@@ -269,6 +271,8 @@ class Leftover:
     link_to: Optional[str] = None  # set when the name is a symbolic link: never followed nor removed
     # committed, and its target holds a committed checkpoint at least as new: this copy is not needed
     superseded: bool = False
+    # a removal's aside holding what is not ours (removal_aside.ours_to_clean): a user's directory, never removed
+    foreign: bool = False
 
     @property
     def recoverable(self) -> bool:
@@ -277,13 +281,13 @@ class Leftover:
         return self.committed and self.link_to is None and not is_committed(self.target)
 
     def verdict(self, older_than_s: float) -> str:
-        """``"remove"``, or why it is kept: ``"link"``, ``"recover"``, ``"newer"``, ``"in-progress"``
-        or ``"recent"``. A copy holding the commit marker is never removed unless its target holds a
-        committed checkpoint at least as new: it is then the only committed copy (``"recover"``), or
-        a commit that has not swapped it in yet, running or killed (``"newer"``: a newer save of the
-        target supersedes it)."""
-        if self.link_to is not None:
-            return "link"
+        """``"remove"``, or why it is kept: ``"link"``, ``"not-ours"`` (:attr:`foreign`), ``"recover"``,
+        ``"newer"``, ``"in-progress"`` or ``"recent"``. A copy holding the commit marker is never removed
+        unless its target holds a committed checkpoint at least as new: it is then the only committed copy
+        (``"recover"``), or a commit that has not swapped it in yet, running or killed (``"newer"``: a newer
+        save of the target supersedes it)."""
+        if self.link_to is not None or self.foreign:  # never removed
+            return "not-ours" if self.foreign else "link"
         if self.committed and not self.superseded:
             return "recover" if self.recoverable else "newer"
         if self.live_owner_pids:
@@ -297,6 +301,9 @@ class Leftover:
         name = os.path.basename(self.target)
         if verdict == "link":
             return f"refused: a symbolic link (to {self.link_to}); links are not followed and not removed"
+        if verdict == "not-ours":
+            return (f"refused: not a checkpoint of ours but what a removal of {name} found at that name and could "
+                    f"not put back (the name was taken again); never removed: move it where it belongs")
         if verdict == "recover" and self.stranded:  # not recovered: dry run, or its commit still runs here
             return (f"holds a committed checkpoint and {name} is missing (or an empty placeholder): "
                     + (f"a save on this host (pid {self.live_owner_pids[0]}) is renaming it into place"
@@ -354,15 +361,16 @@ def find_leftovers(parent: str, target_name: Optional[str] = None, exclude: Sequ
         if not os.path.isdir(path):
             continue
         # Owners and the marker first: a commit that removes its notes after its marker is durable
-        # is then seen with one or the other (or both), never with neither.
-        # (a removal's aside is uncommitted to clean whatever it holds: never recovered into place nor kept)
+        # is then seen with one or the other (or both), never with neither. A removal's aside is uncommitted
+        # whatever it holds (never recovered into place nor kept), and removed only if it holds what is ours.
         owners, committed = live_owner_pids(path), is_committed(path) and not is_removal_aside(name)
+        foreign = is_removal_aside(name) and not ours_to_clean(path)
         try:
             nbytes, newest = size_and_newest_mtime(path)
         except OSError:  # vanished: someone else cleaned or committed it
             continue
         found.append(Leftover(path, target, nbytes, max(0.0, now - newest), committed, owners,
-                              superseded=committed and _superseded(path, target)))
+                              superseded=committed and _superseded(path, target), foreign=foreign))
     return sorted(found, key=lambda lo: -lo.idle_s)
 
 
