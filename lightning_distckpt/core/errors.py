@@ -110,13 +110,16 @@ class ValidationError(CheckpointingError):
     """The ranks' shards do not describe a consistent checkpoint (gaps, overlaps, disagreements)."""
 
 
-class IncompleteCheckpointError(CheckpointingError):
-    """The directory holds no committed checkpoint (a save that did not finish, or no checkpoint)."""
+class IncompleteCheckpointError(CheckpointingError, ValueError):
+    """The directory holds no committed checkpoint (a save that did not finish, or no checkpoint). A
+    ValueError too: Lightning's ModelParallelStrategy (Trainer's and Fabric's) raises ``ValueError`` ("does
+    not point to a valid checkpoint") for such a path, and code that resumes under it catches that."""
 
 
 class CheckpointNotFoundError(IncompleteCheckpointError, FileNotFoundError):
     """Nothing is at the checkpoint path: the directory does not exist. A FileNotFoundError too, as
-    Lightning's CheckpointIO contract has it; the message says "does not exist", Megatron-Core's words."""
+    Lightning's CheckpointIO contract has it (and a ValueError, as stock ModelParallelStrategy raises for
+    it); the message says "does not exist", Megatron-Core's words."""
 
 
 @contextlib.contextmanager

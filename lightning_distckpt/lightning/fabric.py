@@ -133,7 +133,7 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         checkpoint, each tensor whole, read by this process alone. A module or optimizer alone
         (``fabric.load_raw``): one state-dict file, read safely (:mod:`.fabric_raw`)."""
         if isinstance(state, (Module, Optimizer)):  # fabric.load_raw: one state-dict file, as stock loads it
-            self._load_raw(path, state, strict)
+            self._load_raw(path, state, strict, weights_only)
             return {}
         target = checkpoint_location(path, "path")
         if not state:
@@ -166,16 +166,16 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
             raise MissingKeysError(f"checkpoint {target}: has no entry {absent} (load with strict=False to skip them)")
         return apply_loaded(state, loaded, strict, unused)
 
-    def _load_raw(self, path: Any, obj: Union[Module, Optimizer], strict: bool) -> None:
+    def _load_raw(self, path: Any, obj: Union[Module, Optimizer], strict: bool, weights_only: Optional[bool]) -> None:
         """``fabric.load_raw(path, obj)``: a module's (this rank's TP slices) or an optimizer's state from one
         state-dict file, as stock Fabric DDP loads it; collective (the outcome agreed)."""
         target, extra = checkpoint_location(path, "path"), self.checkpoint_io.extra_safe_globals
         if isinstance(obj, Module):
-            return load_raw_module(_unwrap(obj), target, self.parallel_state, strict, extra)
+            return load_raw_module(_unwrap(obj), target, self.parallel_state, strict, extra, weights_only)
         if self.parallel_state.tp_size > 1:  # the file's moments are whole, the parameters TP shards
             raise ArgumentError(f"fabric.load_raw({target!r}, optimizer): a bare optimizer loads under "
                                 "tensor_parallel_size=1 only; save and load it with fabric.save / fabric.load")
-        return load_raw_optimizer(obj, target, extra)
+        return load_raw_optimizer(obj, target, extra, weights_only)
 
     def _module_entries(self, source: RestoreSource, state: Mapping[str, Any]) -> List[str]:
         """Where the modules of ``state`` sit in the checkpoint: under their names, or a Trainer's ``state_dict``

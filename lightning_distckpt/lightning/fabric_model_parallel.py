@@ -178,13 +178,13 @@ class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, D
         """Collective load into the modules and optimizers of ``state`` (in place, any mesh); returns
         what the checkpoint holds beyond ``state``. Without ``state``: the whole checkpoint, each
         tensor whole, read by this process alone. A module alone (``fabric.load_raw``): its weights from
-        one full state-dict file, as the stock strategy loads it, read safely (:mod:`.fabric_raw`); an
-        optimizer alone is refused, as there."""
+        one full state-dict file, as the stock strategy loads it, read safely (:mod:`.fabric_raw`: ``weights_only``
+        never widens what is unpickled); an optimizer alone is refused, as there."""
         target = os.fspath(self.broadcast(checkpoint_location(path, "path")))
         if isinstance(state, Optimizer):  # fabric.load_raw of an optimizer: refused, as stock refuses it
             return super().load_checkpoint(target, state, strict=strict)
         if isinstance(state, Module):  # fabric.load_raw (before `not state`: an empty nn.Sequential is falsy)
-            load_raw_sharded_module(state, target, strict, self.checkpoint_io.extra_safe_globals)
+            load_raw_sharded_module(state, target, strict, self.checkpoint_io.extra_safe_globals, weights_only)
             return {}
         if not state:
             return self.checkpoint_io.load_checkpoint(target)

@@ -11,13 +11,16 @@ Stock semantics kept: a module under the DDP strategy loads as ``module.load_sta
 the ModelParallel strategy the full state dict goes into the DTensor-sharded module through torch's
 ``set_model_state_dict(full_state_dict=True)`` (strict: no key missing; keys the module lacks are
 ignored, as stock ignores them); an optimizer loads as ``optimizer.load_state_dict`` under DDP and is
-refused under ModelParallel (``NotImplementedError``, as stock).
+refused under ModelParallel (``NotImplementedError``, as stock). ``weights_only`` is taken as stock's
+``fabric.load_raw(path, obj, strict, weights_only=...)`` takes it, but never widens what is unpickled
+(loading runs no code): with ``weights_only=False`` a refused type's error says so, and how to allow it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -25,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.optim import Optimizer
 
 from ..core.errors import ArgumentError, ArgumentTypeError, CheckpointNotFoundError, FormatError, MissingKeysError, \
-    ShardingError
+    ShardingError, UnsafeContentError
 from ..core.strict import StrictHandling
 from ..optim.restore_checks import load_checked
 from ..reading.formats import detect
@@ -66,13 +69,30 @@ def raw_file(target: str) -> str:
     return target
 
 
+@contextlib.contextmanager
+def runs_no_code(weights_only: Any, where: str) -> Iterator[None]:
+    """``fabric.load_raw``'s ``weights_only`` (None or a bool, as stock's): the reads in the block stay
+    weights-only whatever it says; a type refused under ``weights_only=False`` (which stock's ``torch.load``
+    would have built, running the file's code) says that the flag is not honoured, then how to allow it."""
+    if weights_only is not None and not isinstance(weights_only, bool):
+        raise ArgumentTypeError(f"{where}: weights_only must be None, True or False, got {weights_only!r}")
+    try:
+        yield
+    except UnsafeContentError as e:
+        if weights_only is not False:
+            raise
+        raise UnsafeContentError(f"{e}. weights_only=False is not honoured: lightning_distckpt's loading runs no "
+                                 "code, so only the types allowed as said above are unpickled") from None
+
+
 def load_raw_module(module: nn.Module, path: str, ps: ParallelState, strict: bool,
-                    extra_safe_globals: Sequence[Any]) -> None:
+                    extra_safe_globals: Sequence[Any], weights_only: Optional[bool] = None) -> None:
     """Collective: the DDP strategy's ``fabric.load_raw(path, module)``: each rank reads the slices of
     its shards (``module.sharded_state_dict()``, or whole tensors) from the file; strict as
-    ``load_state_dict``'s. Agreed over the group."""
+    ``load_state_dict``'s (``weights_only``: see :func:`runs_no_code`). Agreed over the group."""
     where = f"fabric.load_raw({path!r}, module)"
 
+    @runs_no_code(weights_only, where)
     def load() -> None:
         source = detect(raw_file(path), _flat_names, extra_safe_globals)
         if source is None:  # raw_file let only a file through, and detect opens every file or says why not
@@ -87,13 +107,16 @@ def load_raw_module(module: nn.Module, path: str, ps: ParallelState, strict: boo
     build_on_all_ranks(where, load, failed="failed")
 
 
-def load_raw_sharded_module(module: nn.Module, path: str, strict: bool, extra_safe_globals: Sequence[Any]) -> None:
+def load_raw_sharded_module(module: nn.Module, path: str, strict: bool, extra_safe_globals: Sequence[Any],
+                            weights_only: Optional[bool] = None) -> None:
     """Collective: the ModelParallel strategy's ``fabric.load_raw(path, module)``: every rank reads the
     file's tensors the module has, whole, and torch's ``set_model_state_dict(full_state_dict=True)`` puts
     them into the module's DTensors. Strict as stock: a key of the module missing from the file is a
-    ``KeyError`` naming it; keys the module lacks are ignored (never read: stock's file is memory-mapped)."""
+    ``KeyError`` naming it; keys the module lacks are ignored (never read: stock's file is memory-mapped).
+    ``weights_only``: see :func:`runs_no_code`."""
     where = f"fabric.load_raw({path!r}, module)"
 
+    @runs_no_code(weights_only, where)
     def read() -> Dict[str, torch.Tensor]:
         file = open_file(raw_file(path), extra_safe_globals)  # the path first, as stock checks it first
         expected = get_model_state_dict(module)  # sharded DTensors (their shape is the global one), no gathering
@@ -115,12 +138,15 @@ def load_raw_sharded_module(module: nn.Module, path: str, strict: bool, extra_sa
     build_on_all_ranks(where, lambda: set_model_state_dict(module, state, options=options), failed=AFTER_READING)
 
 
-def load_raw_optimizer(optimizer: Optimizer, path: str, extra_safe_globals: Sequence[Any]) -> None:
+def load_raw_optimizer(optimizer: Optimizer, path: str, extra_safe_globals: Sequence[Any],
+                       weights_only: Optional[bool] = None) -> None:
     """Collective: the DDP strategy's ``fabric.load_raw(path, optimizer)``: ``optimizer.load_state_dict``
     of the file's ``optimizer.state_dict()``, with the param-group checks every optimizer load of ours
-    makes (:func:`~..optim.restore_checks.load_checked`). Agreed over the group."""
+    makes (:func:`~..optim.restore_checks.load_checked`; ``weights_only``: see :func:`runs_no_code`).
+    Agreed over the group."""
     where = f"fabric.load_raw({path!r}, optimizer)"
 
+    @runs_no_code(weights_only, where)
     def load() -> None:
         payload = load_file(raw_file(path), extra_safe_globals)
         check_torch_payload(path, payload)  # dense CPU tensors, shapes and views within the file's budget

@@ -229,11 +229,12 @@ def _read_committed(given: str, path: str, verify: bool) -> Tuple[Dict[str, Any]
                 refuse_special(os.path.join(path, name), f"checkpoint {path}:")
         from .committed import holding_hint  # committed imports this module
 
+        holding = holding_hint(given)  # names the checkpoints inside: the listing would name them twice
+        listed = "" if holding else f" ({_what_is_there(path)})"
         # "is not a distributed checkpoint": Megatron-Core's words, for scrapers of its logs
         what = ("incomplete checkpoint: the save did not finish (no commit marker)" if is_checkpoint_dir(path) else
                 f"not a lightning_distckpt checkpoint (no metadata.json / commit marker): {given} is not a "
-                f"distributed checkpoint ({_what_is_there(path)}){inside_hint(given)}{holding_hint(given)}"
-                f"{dcp_hf_shards_hint(path)}")
+                f"distributed checkpoint{listed}{inside_hint(given)}{holding}{dcp_hf_shards_hint(path)}")
         raise IncompleteCheckpointError(f"checkpoint {given}: {what}")
     raw = {}
     for name in (COMMIT_MARKER, METADATA_FILE):
