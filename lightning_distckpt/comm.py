@@ -12,12 +12,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 import torch
 import torch.distributed as dist
 
+from .comm_bytes import (SMALL_BYTES, all_gather_bytes, broadcast_bytes, recv_bytes, released, scatter_bytes,
+                         send_bytes)
 from .core.errors import (TRACEBACK_SECTION, ArgumentError, CheckpointingError, CollectiveError, RankFailure,
                           error_class)
 
 
 #: Pickled objects up to this size travel in :meth:`Comm.all_gather_object`'s first exchange.
-SMALL_OBJECT_BYTES = 1024
+SMALL_OBJECT_BYTES = SMALL_BYTES
 _SIZE_BYTES = 8  # each rank's pickled size, first in what it sends
 #: The tag of :meth:`Comm.close_connections`' receive (and those below it, one per gloo context): no op sends it.
 _CLOSING_TAG = 2**31 - 1
@@ -150,31 +152,22 @@ class Comm:
             head[:_SIZE_BYTES] = len(data).to_bytes(_SIZE_BYTES, "little")
             if len(data) <= SMALL_OBJECT_BYTES:
                 head[_SIZE_BYTES:_SIZE_BYTES + len(data)] = data
-            heads = self._all_gather_bytes(torch.frombuffer(head, dtype=torch.uint8), device)
+            heads = all_gather_bytes(self.group, self.size, head, device)
             sizes = [int.from_bytes(h[:_SIZE_BYTES], "little") for h in heads]
             if max(sizes) <= SMALL_OBJECT_BYTES:
                 return [pickle.loads(h[_SIZE_BYTES:_SIZE_BYTES + n]) for h, n in zip(heads, sizes)]
             padded = bytearray(max(sizes))
             padded[:len(data)] = data
-            rest = self._all_gather_bytes(torch.frombuffer(padded, dtype=torch.uint8), device)
+            rest = all_gather_bytes(self.group, self.size, padded, device)
             return [pickle.loads(b[:n]) for b, n in zip(rest, sizes)]
-
-    def _all_gather_bytes(self, mine: torch.Tensor, device: torch.device) -> List[memoryview]:
-        """Every rank's ``mine`` (a CPU byte tensor, the same size on every rank), in rank order."""
-        if device.type != "cpu":
-            mine = mine.to(device)
-        out = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(out, mine, group=self.group)
-        return [memoryview(t.cpu().numpy()) for t in out]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Broadcast from group rank ``src``."""
         if not self.distributed:
             return obj
-        box = [obj]
         with self._mapped(f"broadcast_object from rank {src}"):
-            dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
-        return box[0]
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == src else None
+            return pickle.loads(broadcast_bytes(self.group, data, src, comm_device(self.group)))
 
     def gather_from(self, senders: Sequence[int], obj: Any, dst: int = 0) -> Dict[int, Any]:
         """Collective over ``senders`` and ``dst`` (group ranks): each sender's ``obj`` reaches
@@ -187,14 +180,13 @@ class Comm:
                 if src == dst:
                     out[src] = obj
                     continue
-                box: List[Any] = [None]
                 with self._mapped(f"recv_object_list from rank {src}"):
-                    dist.recv_object_list(box, group=self.group, group_src=src)
-                out[src] = box[0]
+                    out[src] = pickle.loads(recv_bytes(self.group, src, comm_device(self.group)))
             return out
         if self.rank in senders:
             with self._mapped(f"send_object_list to rank {dst}"):
-                dist.send_object_list([obj], group=self.group, group_dst=dst)
+                data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                send_bytes(self.group, data, dst, comm_device(self.group))
         return {}
 
     def scatter_object(self, parts: Optional[List[Any]], src: int = 0) -> Any:
@@ -202,10 +194,10 @@ class Comm:
         None) and each rank gets its own. Every rank receives as many bytes as the largest part."""
         if not self.distributed:
             return None if parts is None else parts[0]
-        out: List[Any] = [None]
         with self._mapped(f"scatter_object from rank {src}"):
-            dist.scatter_object_list(out, parts if self.rank == src else None, group=self.group, group_src=src)
-        return out[0]
+            data = [pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL) for p in parts] \
+                if self.rank == src and parts is not None else None
+            return pickle.loads(scatter_bytes(self.group, self.rank, data, src, comm_device(self.group)))
 
     def agree(self, what: str, error: Optional[BaseException] = None, payload: Any = None, *,
               default: Type[CheckpointingError] = CheckpointingError) -> List[Any]:
@@ -232,7 +224,8 @@ class Comm:
             # An all_reduce rather than dist.barrier: it works the same on every backend and fails
             # with the group's timeout when a rank is gone.
             with self._mapped("barrier"):
-                dist.all_reduce(torch.zeros(1), group=self.group)
+                flag = torch.zeros(1, device=comm_device(self.group))
+                released(lambda: dist.all_reduce(flag, group=self.group), [flag])
 
     def close_connections(self, device: torch.device) -> bool:
         """Break this rank's connections in the group, as the group's timeout would, at once: every rank

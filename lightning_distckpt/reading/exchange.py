@@ -21,6 +21,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from ..comm import Comm, Pending
+from ..comm_bytes import backend_refs, settle
 from ..core.tensor_bytes import byte_view
 from ..planning.exchange_plan import BROADCAST, LOCAL, ChunkId, ExchangeOp, ExchangePlan
 from .buckets import gather_bytes, scatter_bytes
@@ -45,6 +46,7 @@ class _Slot:
     extra: int = 0  # bytes allocated for this op
     read: Optional["Future[None]"] = None  # set once this op's chunks are read
     works: List[Pending] = field(default_factory=list)
+    refs: Optional[int] = None  # references to ``comm`` before its messages (comm_bytes.settle)
 
 
 class ChunkExchange:
@@ -163,6 +165,7 @@ class ChunkExchange:
     def post(self, slot: _Slot) -> None:
         """Start the op's communication (main thread, in plan order on every rank)."""
         op, me, comm = slot.op, self.comm.rank, self.comm
+        slot.refs = backend_refs(slot.comm)
         if op.src == me:
             t0 = time.perf_counter()
             assert slot.read is not None
@@ -202,8 +205,9 @@ class ChunkExchange:
         """Wait for the op's communication, copy into the destinations, free its buffers."""
         op = slot.op
         t0 = time.perf_counter()
-        for w in slot.works:
-            w.wait()
+        while slot.works:  # none left referenced (a loop variable would keep one): then the backend lets go of
+            slot.works.pop().wait()  # the message before Python may (comm_bytes.settle)
+        settle(slot.comm, slot.refs)
         t1 = time.perf_counter()
         self.stats.comm_s += t1 - t0
         try:
@@ -266,20 +270,15 @@ class ChunkExchange:
         (no buffers: nothing to count against the in-flight bound); return them."""
         direct = [k for k, op in enumerate(self.my_ops)
                   if op.transport == LOCAL and all(cpu_direct(self.dest[c]) for c in op.chunks)]
-        taken = [self.my_ops[k] for k in direct]
-        keep = sorted(set(range(len(self.my_ops))) - set(direct))
-        self.my_ops = [self.my_ops[k] for k in keep]
-        self.op_index = [self.op_index[k] for k in keep]
+        taken, keep = [self.my_ops[k] for k in direct], sorted(set(range(len(self.my_ops))) - set(direct))
+        self.my_ops, self.op_index = [self.my_ops[k] for k in keep], [self.op_index[k] for k in keep]
         return taken
 
     def _read_direct(self, ops: Sequence[ExchangeOp]) -> ReadOutcome:
         t0 = time.perf_counter()
         try:
-            targets = []
-            for op in ops:
-                for c in op.chunks:
-                    st = self.local[c][0].tensor
-                    targets.append(ReadTarget(st, self.dest[c].view(read_shape(st))))
+            sts = [(self.local[c][0].tensor, c) for op in ops for c in op.chunks]
+            targets = [ReadTarget(st, self.dest[c].view(read_shape(st))) for st, c in sts]
             return ReadOutcome(read_targets(self.source, targets, self.source.reader()) if targets else 0,
                                time.perf_counter() - t0, None)
         except Exception as e:  # reported on every rank at the end

@@ -1,0 +1,151 @@
+"""Bytes between ranks over tensors this module owns until the backend has let go of them.
+
+Why not torch's object collectives (``broadcast_object_list``, ``send_object_list``, ...): gloo's worker
+thread holds a collective's tensors for a moment after the collective returns. When Python drops its last
+reference first (a temporary inside torch's function), torch keeps the tensor's Python object alive for the
+worker, whose release of it then needs the GIL; if that release falls into interpreter shutdown, Python ends
+the worker thread inside C++ and the process aborts ("terminate called without an active exception",
+pytorch/pytorch#179291): a program whose last act was a save or a load exits with SIGABRT after all its work
+succeeded. Here every tensor handed to a CPU collective is kept until the backend's count of references to
+it is back where it was (:func:`released`), so the worker's release never needs the GIL.
+
+Each message is a fixed head (the payload's size, then the payload itself when it fits in
+:data:`SMALL_BYTES`) and, for a larger payload only, a second message of exactly its bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+#: Payloads up to this size travel in the head: one message (a save's handshakes are a few hundred bytes).
+SMALL_BYTES = 1024
+_SIZE = 8  # a size field: little-endian, unsigned
+#: A bound on waiting for the backend to let go (the wait ends as soon as it has: microseconds); past it
+#: the collective returns anyway, as it would without the wait.
+_MAX_WAIT_S = 1.0
+
+
+def released(op: Callable[[], Any], tensors: Sequence[torch.Tensor]) -> Any:
+    """Run ``op``, a blocking collective on ``tensors``, and return its result once the backend holds no
+    more references to them than before (:func:`settle`)."""
+    before = [backend_refs(t) for t in tensors]
+    result = op()
+    for t, count in zip(tensors, before):
+        settle(t, count)
+    return result
+
+
+def backend_refs(t: Optional[torch.Tensor]) -> Optional[int]:
+    """How many references ``t``'s tensor has (torch's private count; None where it is not kept or where
+    the wait is left to the backend: a collective on another device completes asynchronously)."""
+    if t is None or t.device.type != "cpu" or not hasattr(t, "_use_count"):
+        return None
+    return t._use_count()
+
+
+def settle(t: Optional[torch.Tensor], count: Optional[int]) -> None:
+    """Wait until ``t`` has no more references than ``count`` (:func:`backend_refs` before its operations,
+    all of which have completed and whose works the caller no longer holds): the backend has let go of it."""
+    if count is None or t is None:
+        return
+    deadline = None
+    while t._use_count() > count:
+        now = time.monotonic()
+        deadline = deadline or now + _MAX_WAIT_S
+        if now > deadline:
+            logger.warning("a collective's tensor (%d bytes) is still referenced %d times (%d before it) after %.1f s; "
+                           "going on", t.nbytes, t._use_count(), count, _MAX_WAIT_S)
+            return
+        time.sleep(0)  # lets the worker run (and take the GIL, should it need it)
+
+
+def _head(data: Optional[bytes], *sizes: int) -> bytearray:
+    """A head: ``sizes`` (each :data:`_SIZE` bytes), then ``data`` when it fits."""
+    head = bytearray(_SIZE * len(sizes) + SMALL_BYTES)
+    for k, n in enumerate(sizes):
+        head[k * _SIZE:(k + 1) * _SIZE] = n.to_bytes(_SIZE, "little")
+    if data is not None and len(data) <= SMALL_BYTES:
+        head[_SIZE * len(sizes):_SIZE * len(sizes) + len(data)] = data
+    return head
+
+
+def _size(head: bytes, k: int = 0) -> int:
+    return int.from_bytes(head[k * _SIZE:(k + 1) * _SIZE], "little")
+
+
+def _tensor(buf: bytearray, device: torch.device) -> torch.Tensor:
+    t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _bytes(t: torch.Tensor, n: int, offset: int = 0) -> memoryview:
+    """``n`` bytes of ``t`` from ``offset``, without a copy on the CPU."""
+    return memoryview(t.cpu().numpy())[offset:offset + n]
+
+
+def all_gather_bytes(group: Any, size: int, mine: bytearray, device: torch.device) -> List[memoryview]:
+    """Every rank's ``mine`` (the same length on every rank), in rank order."""
+    src = _tensor(mine, device)
+    out = [torch.empty_like(src) for _ in range(size)]
+    released(lambda: dist.all_gather(out, src, group=group), [src, *out])
+    return [_bytes(t, len(mine)) for t in out]
+
+
+def broadcast_bytes(group: Any, data: Optional[bytes], src: int, device: torch.device) -> memoryview:
+    """``data`` of group rank ``src`` (the others pass None) on every rank."""
+    head = _tensor(_head(data, len(data) if data is not None else 0), device)
+    released(lambda: dist.broadcast(head, group_src=src, group=group), [head])
+    n = _size(_bytes(head, _SIZE))
+    if n <= SMALL_BYTES:
+        return _bytes(head, n, _SIZE)
+    body = _tensor(bytearray(data), device) if data is not None else torch.empty(n, dtype=torch.uint8, device=device)
+    released(lambda: dist.broadcast(body, group_src=src, group=group), [body])
+    return _bytes(body, n)
+
+
+def send_bytes(group: Any, data: bytes, dst: int, device: torch.device) -> None:
+    """Send ``data`` to group rank ``dst`` (which takes it with :func:`recv_bytes`)."""
+    head = _tensor(_head(data, len(data)), device)
+    released(lambda: dist.send(head, group_dst=dst, group=group), [head])
+    if len(data) > SMALL_BYTES:
+        body = _tensor(bytearray(data), device)
+        released(lambda: dist.send(body, group_dst=dst, group=group), [body])
+
+
+def recv_bytes(group: Any, src: int, device: torch.device) -> memoryview:
+    """What group rank ``src`` sends with :func:`send_bytes`."""
+    head = torch.empty(_SIZE + SMALL_BYTES, dtype=torch.uint8, device=device)
+    released(lambda: dist.recv(head, group_src=src, group=group), [head])
+    n = _size(_bytes(head, _SIZE))
+    if n <= SMALL_BYTES:
+        return _bytes(head, n, _SIZE)
+    body = torch.empty(n, dtype=torch.uint8, device=device)
+    released(lambda: dist.recv(body, group_src=src, group=group), [body])
+    return _bytes(body, n)
+
+
+def scatter_bytes(group: Any, rank: int, parts: Optional[Sequence[bytes]], src: int,
+                  device: torch.device) -> memoryview:
+    """Group rank ``src`` passes one payload per rank (the others None); each rank gets its own. A second
+    message, padded to the largest payload, carries them when any is larger than :data:`SMALL_BYTES`."""
+    largest = max(map(len, parts)) if parts is not None else 0
+    heads = [_tensor(_head(p, len(p), largest), device) for p in parts] if rank == src and parts is not None else None
+    head = torch.empty(2 * _SIZE + SMALL_BYTES, dtype=torch.uint8, device=device)
+    released(lambda: dist.scatter(head, heads, group_src=src, group=group), [head, *(heads or [])])
+    meta = _bytes(head, 2 * _SIZE)
+    n, largest = _size(meta, 0), _size(meta, 1)
+    if largest <= SMALL_BYTES:
+        return _bytes(head, n, 2 * _SIZE)
+    bodies = None
+    if rank == src and parts is not None:
+        bodies = [_tensor(bytearray(p) + bytearray(largest - len(p)), device) for p in parts]
+    body = torch.empty(largest, dtype=torch.uint8, device=device)
+    released(lambda: dist.scatter(body, bodies, group_src=src, group=group), [body, *(bodies or [])])
+    return _bytes(body, n)
