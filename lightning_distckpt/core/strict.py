@@ -30,6 +30,7 @@ UNUSED_HINT = ("to leave them unused: LightningModule.strict_loading = False or 
 # (reading/request.py), which every rank makes.
 _REFUSED_UNUSED: ContextVar[Optional[Tuple[FrozenSet[str], Optional[Set[str]]]]] = ContextVar("ldc_refused_unused",
                                                                                           default=None)
+_DEFERRED_ABSENT: ContextVar[Optional[Set[str]]] = ContextVar("ldc_deferred_absent", default=None)
 
 
 class StrictHandling(Enum):
@@ -131,6 +132,25 @@ def deferred_unused() -> Optional[Set[str]]:
     them itself)."""
     scope = _REFUSED_UNUSED.get()
     return None if scope is None else scope[1]
+
+
+@contextlib.contextmanager
+def deferring_absent(held: Set[str]) -> Iterator[None]:
+    """Within the block, a load whose module weights no rank asks for are left to its caller
+    (:func:`refusing_unused` with ``found``) does not refuse the keys asked for but absent from the checkpoint
+    either: it adds them (every rank's, the same everywhere) to ``held`` and skips them. A user's hook may rename
+    one of those weights onto them (a renamed layer), as stock's ``load_state_dict`` checks its missing keys only
+    after ``on_load_checkpoint`` and its pre-hooks; the caller refuses the ones no hook filled."""
+    token = _DEFERRED_ABSENT.set(held)
+    try:
+        yield
+    finally:
+        _DEFERRED_ABSENT.reset(token)
+
+
+def deferred_absent() -> Optional[Set[str]]:
+    """Where the load in progress puts the absent keys it leaves to its caller (:func:`deferring_absent`)."""
+    return _DEFERRED_ABSENT.get()
 
 
 def refuse_unused(checkpoint_dir: str, unused: AbstractSet[str]) -> None:

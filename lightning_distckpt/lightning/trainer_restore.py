@@ -26,13 +26,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
 from ..core.errors import CheckpointingError, MissingKeysError
+from ..core.mapping import ShardedTensor
+from ..core.strict import StrictHandling, check_keys, deferring_absent
 from .foreign import WEIGHTS_ADVICE, WEIGHTS_ONLY, fabric_writer, foreign_advice, foreign_writer
 from .restore_source import RestoreSource
 from .sharded import build_on_all_ranks, describe_source, restore_optimizers_agreed
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
 from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY
-from .unused_weights import UnusedWeights, insert_placeholders, placeholders
+from .unused_weights import UnusedWeights, hold_absent, insert_placeholders, placeholders
 
 if TYPE_CHECKING:
     from .strategy import DistCheckpointStrategy
@@ -130,16 +132,28 @@ def load_before_setup(strategy: "DistCheckpointStrategy", path: str, fitting: bo
 
     source, weights, layout, by_path, by_name = build_on_all_ranks(f"load from {path}", build)
     found: Set[str] = set()  # the module weights no rank asks for: refused after the user's hooks, as stock does
-    loaded = strategy._load_modules(layout.template, weights, ["state_dict"], strategy._strict_loading(), found,
-                                    strict=strict, data_parallel_group=strategy.parallel_state.dp_group)
+    held: Set[str] = set()  # the module's keys the checkpoint lacks, where it has such weights: checked after them
+    dp_group = strategy.parallel_state.dp_group
+    # found under strict_loading = False too: a hook may rename them onto the module's keys (left unused, logged)
+    with deferring_absent(held):
+        loaded = strategy._load_modules(layout.template, weights, ["state_dict"], True, found, strict=strict,
+                                        data_parallel_group=dp_group)
     # named from the manifest before it leaves the common state; the same on every rank (found over the load's
     # key exchange): alike everywhere
     unused = placeholders(weights, found, "state_dict", extra) if found else {}
     if REST_KEY in layout.template:
         loaded = place_stored_tensors(loaded, layout, path)
     loaded.pop(MANIFEST_KEY, None)
-    strategy._unused_weights = UnusedWeights(path)
+
+    def read(template: Dict[str, Any]) -> Dict[str, Any]:  # collective: a placeholder a hook moved
+        return strategy.checkpoint_io.load_sharded({"state_dict": template}, weights, strict=StrictHandling.
+                                                   ASSUME_OK_UNEXPECTED, data_parallel_group=dp_group)["state_dict"]
+    module_template = layout.template["state_dict"]
+    strategy._unused_weights = UnusedWeights(path, read=read, templates={
+        name: st for name, st in module_template.items() if isinstance(st, ShardedTensor)})
     insert_placeholders(strategy._unused_weights, "state_dict", loaded["state_dict"], unused)
+    hold_absent(strategy._unused_weights, loaded["state_dict"], module_template, held,
+                lambda keys: check_keys(strict, path, (), keys, keys, unasked=set(found)))
     # A new top level: the optimizer part of the common state stays as read, for the second read.
     checkpoint = dict(loaded)
     stored = checkpoint.pop(OPTIMIZER_ENTRY, None)

@@ -12,26 +12,38 @@ hooks, and those placeholders it would call unexpected are refused in the read's
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set
 
 import torch
 from torch.nn import Module
 
-from ..core.errors import FormatError, MissingKeysError
-from ..core.strict import refuse_unused
+from ..comm import get_comm
+from ..core.errors import CheckpointingError, FormatError, MissingKeysError
+from ..core.mapping import ShardedTensor
+from ..core.strict import StrictHandling, check_keys, refuse_unused
 from ..reading.checkpoint import CheckpointSource
 from ..storage.chunk_reads import torch_dtype
 from .sharded import describe_source
 from .tree import manifest_paths
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class UnusedWeights:
-    """The placeholders of one load: state-dict name -> stored key, per module entry."""
+    """The placeholders of one load: state-dict name -> stored key, per module entry. ``read``: a collective read
+    of ``{name: ShardedTensor}`` (our strategy's load of the opened checkpoint), for placeholders a user's hook
+    moved onto the module's keys; ``templates``: the module's ShardedTensor of each state-dict name it read into."""
 
     path: str
     names: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    read: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
+    templates: Dict[str, ShardedTensor] = field(default_factory=dict)
+    stored_of: Dict[int, str] = field(default_factory=dict)  # id of a placeholder -> its stored key
+    kept: List[Any] = field(default_factory=list)  # the placeholders themselves: their ids stay theirs
+    held: Dict[str, str] = field(default_factory=dict)  # the module's names the checkpoint lacks -> their keys
 
     def refused(self, entry: str, unexpected: Sequence[str]) -> Set[str]:
         """The stored keys of ``entry``'s placeholders among a ``load_state_dict``'s ``unexpected`` keys."""
@@ -99,13 +111,122 @@ def insert_placeholders(unused: UnusedWeights, entry: str, state_dict: Dict[str,
     for key, (name, value) in found.items():
         state_dict[name] = value
         names[name] = key
+        if isinstance(value, torch.Tensor):
+            unused.stored_of[id(value)] = key
+            unused.kept.append(value)
+
+
+def hold_absent(unused: UnusedWeights, state_dict: Dict[str, Any], template: Dict[str, Any], held: Set[str],
+                refuse: Callable[[Set[str]], None]) -> None:
+    """The module's keys the checkpoint lacks, left by the read for after the user's hooks
+    (:func:`~..core.strict.deferring_absent`): their names leave the loaded ``state_dict``, so the module's
+    ``load_state_dict(strict=True)`` reports them missing, as stock's does, unless a hook moved a placeholder
+    there. A key that is no first-level ShardedTensor of ``template`` (the module's entry) has no name a hook
+    could fill: ``refuse`` gets those (the read's own refusal)."""
+    named = {v.key: k for k, v in template.items() if isinstance(v, ShardedTensor)}
+    unnamed = {k for k in held if k not in named}
+    if unnamed:
+        refuse(unnamed)
+    for key in held:
+        state_dict.pop(named[key], None)
+        unused.held[named[key]] = key
+
+
+class AgreedInHook(Exception):
+    """The agreement in :func:`refusing_placeholders`'s hook failed: every rank raised ``error`` there, or in the
+    agreement it was waiting in instead (a rank whose own hook raised first), so the caller agrees no further."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _left_out(module: Module, unused: UnusedWeights, entry: str, state_dict: Dict[str, Any], prefix: str) -> None:
+    """Refuse a placeholder at a name the module's own state dict has (its sharded_state_dict leaves that tensor
+    out): it would be copied from a meta tensor, where stock loads the stored value, which this read did not."""
+    own = set(module.state_dict(keep_vars=True))
+    names = unused.names[entry]
+    left_out = sorted(n for n, v in state_dict.items() if n in names and n[len(prefix):] in own
+                      and isinstance(v, torch.Tensor) and v.is_meta and unused.stored_of.get(id(v)) == names[n])
+    if left_out:
+        raise MissingKeysError(
+            f"checkpoint {unused.path}: its module weights {sorted(names[n] for n in left_out)} were not read: "
+            f"{type(module).__name__}.sharded_state_dict() leaves out {left_out}, which its state_dict() and "
+            "load_state_dict(strict=True) have (stock Lightning loads them from the checkpoint). Describe them in "
+            "sharded_state_dict() to restore them, or set strict_loading = False / fabric.load(..., strict=False) "
+            "to keep the module's own values")
+
+
+def _moved(module: Module, unused: UnusedWeights, entry: str, state_dict: Dict[str, Any],
+           prefix: str) -> Dict[str, str]:
+    """name -> stored key of the placeholders a user's hook moved onto the module's own keys (a renamed layer),
+    each checked against the module's tensor there: a ShardedTensor it describes, of the stored shape and dtype."""
+    own = set(module.state_dict(keep_vars=True))
+    moved: Dict[str, str] = {}
+    for name, value in state_dict.items():
+        key = unused.stored_of.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if key is None or name[len(prefix):] not in own or unused.names[entry].get(name) == key:
+            continue  # not a placeholder, not the module's key, or a placeholder still at its own name
+        st = unused.templates.get(name[len(prefix):])
+        if st is None:
+            raise MissingKeysError(f"checkpoint {unused.path}: a hook put its weight {key!r} at {name!r}, which "
+                                   f"{type(module).__name__}.sharded_state_dict() does not describe as a "
+                                   "ShardedTensor of its own: it cannot be read there; rename the key in "
+                                   "sharded_state_dict() instead")
+        if tuple(value.shape) != tuple(st.global_shape) or value.dtype != st.dtype:
+            raise MissingKeysError(f"checkpoint {unused.path}: a hook put its weight {key!r} (shape "
+                                   f"{tuple(value.shape)}, {value.dtype}) at {name!r}, whose tensor in "
+                                   f"{type(module).__name__} is of shape {tuple(st.global_shape)}, {st.dtype}")
+        moved[name] = key
+    return moved
+
+
+def _read_moved(module: Module, unused: UnusedWeights, entry: str, state_dict: Dict[str, Any], prefix: str) -> None:
+    """Collective, in the module's root ``load_state_dict`` pre-hook (after the user's): the placeholders the
+    hooks moved onto module keys are read from the checkpoint under their stored keys, each into a tensor
+    shaped as the module's shard there, and put in their place; the outcome agreed first (every rank runs the
+    same hooks: ranks whose hooks moved different ones, or failed, raise alike; none waits)."""
+    if unused.read is None:  # a restore that reads no placeholder (Fabric's, a tier's): no collective here
+        _left_out(module, unused, entry, state_dict, prefix)
+        return
+    error: Optional[Exception] = None
+    moved: Dict[str, str] = {}
+    try:
+        _left_out(module, unused, entry, state_dict, prefix)
+        moved = _moved(module, unused, entry, state_dict, prefix)
+    except Exception as e:  # agreed below
+        error = e
+    try:
+        gathered = get_comm().agree(f"restore of the module's weights from {unused.path} failed", error,
+                                    sorted(moved.items()))
+    except Exception as e:  # every rank raises it, in this agreement or the one it met
+        raise AgreedInHook(e) from e
+    if any(g != gathered[0] for g in gathered):
+        shown = "; ".join(f"rank {r}: {dict(g)}" for r, g in enumerate(gathered))
+        raise AgreedInHook(CheckpointingError(
+            f"checkpoint {unused.path}: the ranks' load_state_dict hooks moved different stored weights onto the "
+            f"module's keys ({shown}): every rank must rename alike; nothing was read"))
+    if not moved or unused.read is None:
+        return
+    template = {name: _into_fresh(unused.templates[name[len(prefix):]], key) for name, key in moved.items()}
+    loaded = unused.read(template)
+    for name in moved:
+        state_dict[name] = loaded[name]
+
+
+def _into_fresh(st: ShardedTensor, key: str) -> ShardedTensor:
+    """The module's ShardedTensor ``st`` read from the stored ``key`` into a tensor of its own (the module's
+    tensor is copied by load_state_dict, as stock copies)."""
+    return replace(st, key=key, data=None if st.data is None else torch.empty_like(st.data))
 
 
 @contextlib.contextmanager
 def refusing_placeholders(module: Module, unused: Optional[UnusedWeights], entry: str, strict: bool) -> Iterator[None]:
-    """Around ``module.load_state_dict`` (stock's own call, after the user's hooks): the placeholders it finds
-    unexpected are taken off its list and, where ``strict``, refused in the read's words once it returned; what
-    else it finds is its own (torch's error, as stock)."""
+    """Around ``module.load_state_dict`` (stock's own call, after ``on_load_checkpoint``): once the user's
+    pre-hooks on the module ran, the placeholders they moved onto its keys are read (:func:`_read_moved`); those
+    it finds unexpected are taken off its list and, where ``strict``, refused in the read's words once it
+    returned (left unused, logged, where not); what else it finds is its own (torch's error, as stock: with
+    keys missing too, the placeholders stay on its list, as stock names both sides)."""
     if unused is None or not unused.names.get(entry):
         yield
         return
@@ -113,29 +234,20 @@ def refusing_placeholders(module: Module, unused: Optional[UnusedWeights], entry
 
     def take_placeholders(_: Module, incompatible: Any) -> None:
         # torch lets a post-hook edit the lists before its strict check
-        mine = unused.refused(entry, incompatible.unexpected_keys)
-        left.extend(mine)
+        left.extend(unused.refused(entry, incompatible.unexpected_keys))
         incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys
                                            if k not in unused.names[entry]]
+        absent = {unused.held[k] for k in incompatible.missing_keys if k in unused.held}
+        if strict and absent:  # no hook filled them: refused in the read's words (both sides, close keys)
+            check_keys(StrictHandling.ASSUME_OK_UNEXPECTED, unused.path, (), absent, absent, stored=sorted(left),
+                       unasked=set(left))
 
-    def refuse_left_out(_: Module, state_dict: Dict[str, Any], prefix: str, *__: Any) -> None:
-        # registered last on the root: after the user's pre-hooks, before anything is copied. A placeholder at a
-        # name the module's own state dict has (its sharded_state_dict leaves that tensor out) would be copied
-        # from a meta tensor; stock loads the stored value, which this read did not: say so
-        own = set(module.state_dict(keep_vars=True))
-        names = unused.names[entry]
-        left_out = sorted(n for n, v in state_dict.items() if n in names and n[len(prefix):] in own
-                          and isinstance(v, torch.Tensor) and v.is_meta)
-        if left_out:
-            raise MissingKeysError(
-                f"checkpoint {unused.path}: its module weights {sorted(names[n] for n in left_out)} were not read: "
-                f"{type(module).__name__}.sharded_state_dict() leaves out {left_out}, which its state_dict() and "
-                "load_state_dict(strict=True) have (stock Lightning loads them from the checkpoint). Describe them in "
-                "sharded_state_dict() to restore them, or set strict_loading = False / fabric.load(..., strict=False) "
-                "to keep the module's own values")
+    def read_moved(_: Module, state_dict: Dict[str, Any], prefix: str, *__: Any) -> None:
+        # registered last on the root: after the user's pre-hooks there, before anything is copied
+        _read_moved(module, unused, entry, state_dict, prefix)
 
     handles = [module.register_load_state_dict_post_hook(take_placeholders),
-               module.register_load_state_dict_pre_hook(refuse_left_out)]
+               module.register_load_state_dict_pre_hook(read_moved)]
     try:
         yield
     finally:
@@ -143,3 +255,6 @@ def refusing_placeholders(module: Module, unused: Optional[UnusedWeights], entry
             handle.remove()
     if strict:
         refuse_unused(unused.path, set(left))
+    elif left:
+        log.warning("checkpoint %s: its module weights %s are left unused (strict_loading = False)", unused.path,
+                    sorted(left))

@@ -15,7 +15,7 @@ from ..core.errors import ArgumentError, ShardingError, ValidationError
 from ..core.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from ..core.plain_tensors import PlainTensorFactory
 from ..core.state_dict import apply_factories, collect, merge, merge_factories, replace_leaves, split_common
-from ..core.strict import StrictHandling, check_keys, deferred_unused, refused_unused
+from ..core.strict import StrictHandling, check_keys, deferred_absent, deferred_unused, refused_unused
 from ..core.tree_paths import Steps
 from ..planning.groups import representatives
 from .checkpoint import CheckpointSource, content_id
@@ -192,6 +192,12 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     deferred = deferred_unused()
     if deferred is not None:  # refused by the caller, once the user's hooks had their say (as stock refuses them)
         deferred.update(unused)
+        held = deferred_absent()
+        if held is not None and unused and every and not strict.skips_unexpected:
+            # a hook may rename one of those unused weights onto a key the checkpoint lacks: the caller checks
+            # them after the hooks too (every rank's keys, so every rank decides alike); the reads skip them
+            held.update(every)
+            every, mine = set(), set()
         unused = set()
     missing, unexpected = check_keys(strict, source.path, missing, every, mine, stored=stored_keys, unasked=unasked,
                                      unused=unused)
