@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
-from ..core.errors import CheckpointingError
+from ..core.errors import CheckpointingError, FormatError
 from ..core.mapping import LocalNonpersistentObject, ShardedTensor
 from ..optim.sharded_optimizer import NO_STATE, TEMPLATE_STATE, stored_param_groups
 from ..core.state_dict import iter_leaves, map_leaves, merge
@@ -32,6 +33,7 @@ from ..reading.checkpoint import CheckpointSource
 from ..reading.formats.detect import is_safetensors
 from ..reading.formats.files import TorchFile
 from ..reading.formats.tensor_files import IndexedFile, TensorFileSource
+from ..reading.plain_tensors import MAX_PADDING
 from ..serialization import load_common_state_dict
 from ..storage.safe_pickle import load_file
 from .tree import KIND_PLAIN, MANIFEST_KEY, Step, iter_tensor_leaves, key_of, manifest_paths, place_at
@@ -149,49 +151,65 @@ def optimizer_renames(entry: OptimizerEntry, stored: Set[str]) -> Dict[str, str]
 
 
 def with_nested_tensors(module_ssd: Dict[str, Any], entry: ModuleEntry, stored: Mapping[str, ShardedTensor],
-                        paths: TreePaths) -> Dict[str, Any]:
+                        paths: TreePaths, where: str = "the checkpoint") -> Dict[str, Any]:
     """``module_ssd`` asking for each stored tensor nested in one of its non-tensor values (a module's extra state
     ``{"n": 3, "t": tensor}`` is stored as ``state_dict/sub._extra_state/t``): a whole ShardedTensor of the stored
     shape and dtype, keyed by its stored name, at its place in a copy of that value. Stock hands
-    ``set_extra_state`` the stored tensor; the template's own (the module's current one, a common leaf) would
-    otherwise come back in its place and the stored one go unread. Only values the module's state dict has,
-    as containers on the whole way down, are asked for: any other stored tensor is left as before (unread,
-    refused by a strict load). The module's own containers are not changed."""
+    ``set_extra_state`` the stored value; the template's own (the module's current one, a common leaf) would
+    otherwise come back in its place and the stored one go unread. The stored value's shape wins over the
+    module's fresh one: a dict key or list position the fresh value lacks (a key added after the first step, a
+    per-step list that grew) is created, a fresh leaf where the stored value has a container is replaced (the
+    common state fills in the stored non-tensor parts). Only values the module's state dict has that are
+    containers, or a module's extra state of any kind but a ShardedTensor, are asked for: any other stored
+    tensor is left as before (unread, refused by a strict load). The module's own containers are not changed.
+    Raises FormatError naming ``where`` for list positions needing more than MAX_PADDING empty slots."""
     top = ("d", entry.file_prefix[:-1])
     out = dict(module_ssd)
-    copied: Set[int] = set()  # the containers copied so far (two tensors in one extra state: copied once)
+    copied: Set[int] = set()  # the containers copied or made so far (two tensors in one extra state: copied once)
+    padded = 0
     for key, steps in paths.items():
         if key not in stored or len(steps) < 3 or tuple(steps[0]) != top or steps[1][0] != "d":
             continue
         name = steps[1][1]
-        if not isinstance(out.get(name), (dict, list)):  # a ShardedTensor, or nothing of the module's there
-            continue
+        own = out.get(name, None)
+        extra = isinstance(name, str) and name.endswith(_EXTRA_STATE_KEY_SUFFIX) and name in out
+        if not isinstance(own, (dict, list)) and not (extra and not isinstance(own, ShardedTensor)):
+            continue  # a module tensor, or nothing of the module's there
         meta = stored[key]
         whole = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))
-        _put_copied(out, steps[1:], whole, copied)
+        padded += _put_grown(out, steps[1:], whole, copied)
+        if padded > MAX_PADDING:  # a manifest's path (not a real list's) may name any position
+            raise FormatError(f"checkpoint {where}: stored extra state puts tensors at list positions needing more "
+                              f"than {MAX_PADDING} empty slots before them (at {key!r}); not a list a module saved")
     return out
 
 
-def _put_copied(root: Dict[str, Any], steps: Tuple[Step, ...], leaf: Any, copied: Set[int]) -> None:
-    """Put ``leaf`` at ``steps`` under ``root``, copying each container on the way that is not a copy yet; where
-    the way does not lead through containers of the stored kinds (or past a list's end), nothing is put."""
+def _put_grown(root: Dict[str, Any], steps: Tuple[Step, ...], leaf: Any, copied: Set[int]) -> int:
+    """Put ``leaf`` at ``steps`` under ``root``, copying each container on the way that is not a copy yet, and
+    making the dicts, lists and list slots (None) the way lacks; a fresh leaf on the way is replaced by the
+    stored kind of container. Returns the list slots padded. Nothing is put where the way leads through a tuple
+    (stock's tuples are common values as a whole) or a ShardedTensor (a tensor the template reads itself)."""
+    if any(kind not in ("d", "l") or (kind == "l" and not (isinstance(k, int) and k >= 0)) for kind, k in steps):
+        return 0
     node: Any = root
+    padded = 0
     for i, (kind, k) in enumerate(steps):
-        fits = (kind == "d" and isinstance(node, dict)) or \
-            (kind == "l" and isinstance(node, list) and isinstance(k, int) and 0 <= k < len(node))
-        if not fits or (kind == "d" and i < len(steps) - 1 and k not in node):
-            return
+        if kind == "l" and k >= len(node):
+            padded += k + 1 - len(node)
+            node.extend([None] * (k + 1 - len(node)))
         if i == len(steps) - 1:
             node[k] = leaf
-            return
-        child = node[k]
-        if not isinstance(child, (dict, list)):
-            return
-        if id(child) not in copied:
-            child = dict(child) if isinstance(child, dict) else list(child)
+            return padded
+        child = node.get(k) if kind == "d" else node[k]
+        want = dict if steps[i + 1][0] == "d" else list
+        if isinstance(child, ShardedTensor):
+            return padded
+        if not isinstance(child, want) or id(child) not in copied:
+            child = want(child) if isinstance(child, want) else want()
             copied.add(id(child))
             node[k] = child
         node = child
+    return padded
 
 
 @dataclass
@@ -272,7 +290,7 @@ def rekey_template(source: "RestoreSource", template: Dict[str, Any], modules: M
     renames: Dict[str, str] = {}
     for name, entry in modules.items():
         renames.update(module_renames(template[name], entry))
-        template[name] = with_nested_tensors(template[name], entry, stored, stored_paths)
+        template[name] = with_nested_tensors(template[name], entry, stored, stored_paths, source.path)
     for opt in optimizers:
         renames.update(optimizer_renames(opt, set(stored)))
 
