@@ -45,7 +45,7 @@ def remove_marked(aside: str, first: Optional[str] = None) -> None:
         if stat.S_ISDIR(mode):
             shutil.rmtree(path)
         else:
-            os.remove(path)
+            os.unlink(path)  # (as rmtree unlinks)
         if name == first:
             from .commit import _step  # (commit imports staging, which imports this module)
 
