@@ -178,7 +178,10 @@ def last(root: str) -> str:
 def script_preamble() -> str:
     """The first lines of a rank script: this folder importable, Python's warnings off, the rank."""
     return (f"import os\nimport sys\nimport warnings\n\nsys.path.insert(0, {TESTS!r})\n"
-            "warnings.simplefilter('ignore')\nrank = int(os.environ['LOCAL_RANK'])\n")
+            "warnings.simplefilter('ignore')\n"
+            # Lightning's subprocess launcher (LDC_TEST_SCRIPT_LAUNCH=subprocess) sets LOCAL_RANK in the ranks it
+            # starts only: the script it was started from, without one, is rank 0
+            "rank = int(os.environ.get('LOCAL_RANK', '0'))\n")
 
 
 def run_trainer_script(tmp_path: Any, script: str, argv: Sequence[str],

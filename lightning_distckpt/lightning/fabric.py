@@ -12,6 +12,7 @@ In a custom loop::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple, Union
@@ -23,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ..core.errors import ArgumentError, CheckpointingError, MissingKeysError
-from ..core.strict import StrictHandling
+from ..comm import get_comm
+from ..core.strict import StrictHandling, check_keys, deferring_absent
 from ..storage.paths import checkpoint_location
 from .fabric_raw import check_state_arg, load_raw_module, load_raw_optimizer
 from .foreign import foreign_writer
@@ -32,7 +34,8 @@ from .sharded import (AFTER_READING, build_on_all_ranks, describe_source, main_r
                       model_sharded_state_dict, optimizer_sharded_state, restore_optimizer)
 from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import TensorParallelStrategyMixin
-from .unused_weights import UnusedWeights, insert_placeholders, placeholders, refusing_placeholders
+from .unused_weights import (AgreedInHook, UnusedWeights, hold_absent, insert_placeholders, module_templates,
+                             placeholders, refusing_placeholders)
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys, tensors_metadata)
 from .tree import (KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest, rank_zero_tensors,
@@ -145,15 +148,25 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         # Opened once: the checks and the template read the metadata and common state the load reuses.
         source, layout = build_on_all_ranks(f"load from {target}", lambda: self._load_template(target, state))
         entries = self._module_entries(source, state)
-        # a module's weights no rank asks for: refused by its load_state_dict (after its pre-hooks), as stock's
+        # a module's weights no rank asks for: refused by its load_state_dict (after its pre-hooks), as stock's;
+        # found under strict=False too, where a pre-hook may rename them onto the module's keys (else logged)
         found: Optional[Set[str]] = set() if entries != ["state_dict"] else None
-        loaded = self._load_modules(layout.template, source, entries, strict, found, strict=handling,
-                                    data_parallel_group=self.parallel_state.dp_group)
-        unused = UnusedWeights(target)
+        held: Set[str] = set()  # the module's keys the checkpoint lacks, where it has such weights: checked after
+        dp_group = self.parallel_state.dp_group
+        with deferring_absent(held) if found is not None else contextlib.nullcontext():
+            loaded = self._load_modules(layout.template, source, entries, strict or found is not None, found,
+                                        strict=handling, data_parallel_group=dp_group)
+
+        def read(entry: str, template: Dict[str, Any]) -> Dict[str, Any]:  # collective: a placeholder a hook moved
+            return self.checkpoint_io.load_sharded({entry: template}, source, strict=StrictHandling.
+                                                   ASSUME_OK_UNEXPECTED, data_parallel_group=dp_group)[entry]
+        unused = UnusedWeights(target, read=read, templates=module_templates(layout.template, entries))
         for name in entries if found else ():  # named from the manifest, before it leaves the common state
             if isinstance(loaded.get(name), dict):
                 insert_placeholders(unused, name, loaded[name], placeholders(source, found, name,
                                                                              self.checkpoint_io.extra_safe_globals))
+        hold_absent(unused, loaded, held, lambda keys: check_keys(handling, target, (), keys, keys,
+                                                                  unasked=set(found or ())))
         if REST_KEY in layout.template:
             loaded = place_stored_tensors(loaded, layout, target)
             for name, obj in state.items():
@@ -259,8 +272,16 @@ def apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool,
     rank alone while the others wait for it in their next collective (``fabric.load``'s barrier). ``unused``:
     the placeholders of a module's weights no rank asked for, refused by its ``load_state_dict``
     (:mod:`.unused_weights`)."""
-    return build_on_all_ranks("restore of the loaded state", lambda: _apply_loaded(state, loaded, strict, unused),
-                              failed=AFTER_READING)
+    error: Optional[Exception] = None
+    rest: Dict[str, Any] = {}
+    try:
+        rest = _apply_loaded(state, loaded, strict, unused)
+    except AgreedInHook as e:  # agreed already (a hook's placeholder reads): every rank raises it, none waits
+        raise e.error from None
+    except Exception as e:  # agreed below
+        error = e
+    get_comm().agree(f"restore of the loaded state {AFTER_READING}", error)
+    return rest
 
 
 def _apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool,

@@ -26,7 +26,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
 from ..core.errors import CheckpointingError, MissingKeysError
-from ..core.mapping import ShardedTensor
 from ..core.strict import StrictHandling, check_keys, deferring_absent
 from .foreign import WEIGHTS_ADVICE, WEIGHTS_ONLY, fabric_writer, foreign_advice, foreign_writer
 from .restore_source import RestoreSource
@@ -34,7 +33,7 @@ from .sharded import build_on_all_ranks, describe_source, restore_optimizers_agr
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
 from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY
-from .unused_weights import UnusedWeights, hold_absent, insert_placeholders, placeholders
+from .unused_weights import UnusedWeights, hold_absent, insert_placeholders, module_templates, placeholders
 
 if TYPE_CHECKING:
     from .strategy import DistCheckpointStrategy
@@ -145,14 +144,13 @@ def load_before_setup(strategy: "DistCheckpointStrategy", path: str, fitting: bo
         loaded = place_stored_tensors(loaded, layout, path)
     loaded.pop(MANIFEST_KEY, None)
 
-    def read(template: Dict[str, Any]) -> Dict[str, Any]:  # collective: a placeholder a hook moved
-        return strategy.checkpoint_io.load_sharded({"state_dict": template}, weights, strict=StrictHandling.
-                                                   ASSUME_OK_UNEXPECTED, data_parallel_group=dp_group)["state_dict"]
-    module_template = layout.template["state_dict"]
-    strategy._unused_weights = UnusedWeights(path, read=read, templates={
-        name: st for name, st in module_template.items() if isinstance(st, ShardedTensor)})
+    def read(entry: str, template: Dict[str, Any]) -> Dict[str, Any]:  # collective: a placeholder a hook moved
+        return strategy.checkpoint_io.load_sharded({entry: template}, weights, strict=StrictHandling.
+                                                   ASSUME_OK_UNEXPECTED, data_parallel_group=dp_group)[entry]
+    strategy._unused_weights = UnusedWeights(path, read=read,
+                                             templates=module_templates(layout.template, ["state_dict"]))
     insert_placeholders(strategy._unused_weights, "state_dict", loaded["state_dict"], unused)
-    hold_absent(strategy._unused_weights, loaded["state_dict"], module_template, held,
+    hold_absent(strategy._unused_weights, loaded, held,
                 lambda keys: check_keys(strict, path, (), keys, keys, unasked=set(found)))
     # A new top level: the optimizer part of the common state stays as read, for the second read.
     checkpoint = dict(loaded)

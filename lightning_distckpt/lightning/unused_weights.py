@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.nn import Module
@@ -33,17 +33,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class UnusedWeights:
-    """The placeholders of one load: state-dict name -> stored key, per module entry. ``read``: a collective read
-    of ``{name: ShardedTensor}`` (our strategy's load of the opened checkpoint), for placeholders a user's hook
-    moved onto the module's keys; ``templates``: the module's ShardedTensor of each state-dict name it read into."""
+    """The placeholders of one load: state-dict name -> stored key, per module entry. ``read(entry, template)``:
+    a collective read of ``{name: ShardedTensor}`` into that module entry (our strategy's load of the opened
+    checkpoint), for placeholders a user's hook moved onto the module's keys (None: this restore reads none);
+    ``templates``: per entry, the module's ShardedTensor of each state-dict name it read into."""
 
     path: str
     names: Dict[str, Dict[str, str]] = field(default_factory=dict)
-    read: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
-    templates: Dict[str, ShardedTensor] = field(default_factory=dict)
+    read: Optional[Callable[[str, Dict[str, Any]], Dict[str, Any]]] = None
+    templates: Dict[str, Dict[str, ShardedTensor]] = field(default_factory=dict)
     stored_of: Dict[int, str] = field(default_factory=dict)  # id of a placeholder -> its stored key
     kept: List[Any] = field(default_factory=list)  # the placeholders themselves: their ids stay theirs
-    held: Dict[str, str] = field(default_factory=dict)  # the module's names the checkpoint lacks -> their keys
+    # per entry, the module's names the checkpoint lacks -> their keys
+    held: Dict[str, Dict[str, str]] = field(default_factory=dict)
 
     def refused(self, entry: str, unexpected: Sequence[str]) -> Set[str]:
         """The stored keys of ``entry``'s placeholders among a ``load_state_dict``'s ``unexpected`` keys."""
@@ -116,20 +118,29 @@ def insert_placeholders(unused: UnusedWeights, entry: str, state_dict: Dict[str,
             unused.kept.append(value)
 
 
-def hold_absent(unused: UnusedWeights, state_dict: Dict[str, Any], template: Dict[str, Any], held: Set[str],
+def module_templates(template: Dict[str, Any], entries: Sequence[str]) -> Dict[str, Dict[str, ShardedTensor]]:
+    """Per module entry of a load's ``template``, its first-level ShardedTensors by state-dict name
+    (:attr:`UnusedWeights.templates`)."""
+    return {entry: {name: st for name, st in template[entry].items() if isinstance(st, ShardedTensor)}
+            for entry in entries if isinstance(template.get(entry), dict)}
+
+
+def hold_absent(unused: UnusedWeights, loaded: Dict[str, Any], held: Set[str],
                 refuse: Callable[[Set[str]], None]) -> None:
     """The module's keys the checkpoint lacks, left by the read for after the user's hooks
-    (:func:`~..core.strict.deferring_absent`): their names leave the loaded ``state_dict``, so the module's
-    ``load_state_dict(strict=True)`` reports them missing, as stock's does, unless a hook moved a placeholder
-    there. A key that is no first-level ShardedTensor of ``template`` (the module's entry) has no name a hook
-    could fill: ``refuse`` gets those (the read's own refusal)."""
-    named = {v.key: k for k, v in template.items() if isinstance(v, ShardedTensor)}
+    (:func:`~..core.strict.deferring_absent`): their names leave the loaded state dict of their module entry
+    (``loaded[entry]``), so the module's ``load_state_dict(strict=True)`` reports them missing, as stock's does,
+    unless a hook moved a placeholder there. A key that is no first-level ShardedTensor of a module entry
+    (:attr:`UnusedWeights.templates`) has no name a hook could fill: ``refuse`` gets those (the read's own
+    refusal)."""
+    named = {st.key: (entry, name) for entry, sts in unused.templates.items() for name, st in sts.items()}
     unnamed = {k for k in held if k not in named}
     if unnamed:
         refuse(unnamed)
     for key in held:
-        state_dict.pop(named[key], None)
-        unused.held[named[key]] = key
+        entry, name = named[key]
+        loaded[entry].pop(name, None)
+        unused.held.setdefault(entry, {})[name] = key
 
 
 class AgreedInHook(Exception):
@@ -141,64 +152,90 @@ class AgreedInHook(Exception):
         self.error = error
 
 
-def _left_out(module: Module, unused: UnusedWeights, entry: str, state_dict: Dict[str, Any], prefix: str) -> None:
-    """Refuse a placeholder at a name the module's own state dict has (its sharded_state_dict leaves that tensor
-    out): it would be copied from a meta tensor, where stock loads the stored value, which this read did not."""
-    own = set(module.state_dict(keep_vars=True))
-    names = unused.names[entry]
-    left_out = sorted(n for n, v in state_dict.items() if n in names and n[len(prefix):] in own
-                      and isinstance(v, torch.Tensor) and v.is_meta and unused.stored_of.get(id(v)) == names[n])
-    if left_out:
-        raise MissingKeysError(
-            f"checkpoint {unused.path}: its module weights {sorted(names[n] for n in left_out)} were not read: "
-            f"{type(module).__name__}.sharded_state_dict() leaves out {left_out}, which its state_dict() and "
-            "load_state_dict(strict=True) have (stock Lightning loads them from the checkpoint). Describe them in "
-            "sharded_state_dict() to restore them, or set strict_loading = False / fabric.load(..., strict=False) "
-            "to keep the module's own values")
+@dataclass
+class _Found:
+    """What the stand-in hooks of one ``load_state_dict`` found (:func:`_stand_in`)."""
+
+    moved: Dict[str, Tuple[str, torch.Tensor]] = field(default_factory=dict)  # name -> (stored key, its tensor)
+    left_out: List[str] = field(default_factory=list)  # placeholders at their own names (not read)
+    errors: List[Exception] = field(default_factory=list)
 
 
-def _moved(module: Module, unused: UnusedWeights, entry: str, state_dict: Dict[str, Any],
-           prefix: str) -> Dict[str, str]:
-    """name -> stored key of the placeholders a user's hook moved onto the module's own keys (a renamed layer),
-    each checked against the module's tensor there: a ShardedTensor it describes, of the stored shape and dtype."""
-    own = set(module.state_dict(keep_vars=True))
-    moved: Dict[str, str] = {}
-    for name, value in state_dict.items():
+def _own_tensors(mod: Module) -> Dict[str, torch.Tensor]:
+    """The tensors ``mod._load_from_state_dict`` copies into: its own parameters and persistent buffers."""
+    buffers = {k: v for k, v in mod.named_buffers(recurse=False) if k not in mod._non_persistent_buffers_set}
+    return {k: v for k, v in [*mod.named_parameters(recurse=False), *buffers.items()] if v is not None}
+
+
+def _stand_in(unused: UnusedWeights, entry: str, strict: bool, found: _Found, mod: Module,
+              state_dict: Dict[str, Any], prefix: str) -> None:
+    """A ``load_state_dict`` pre-hook registered last on the module and each submodule (after the user's there,
+    before that module's tensors are copied; torch hands a submodule only its own prefix's keys): a placeholder
+    at one of this module's own names is replaced by the module's tensor there (copied onto itself) and
+    recorded: one a hook moved there is read after every module's hooks ran (:func:`_read_moved`), checked here
+    against the module's ShardedTensor; one still at its own name (``sharded_state_dict`` left it out, so it was
+    not read) is refused where ``strict``, else the module keeps its own value."""
+    for local, own in _own_tensors(mod).items():
+        name = prefix + local
+        value = state_dict.get(name)
         key = unused.stored_of.get(id(value)) if isinstance(value, torch.Tensor) else None
-        if key is None or name[len(prefix):] not in own or unused.names[entry].get(name) == key:
-            continue  # not a placeholder, not the module's key, or a placeholder still at its own name
-        st = unused.templates.get(name[len(prefix):])
-        if st is None:
-            raise MissingKeysError(f"checkpoint {unused.path}: a hook put its weight {key!r} at {name!r}, which "
-                                   f"{type(module).__name__}.sharded_state_dict() does not describe as a "
-                                   "ShardedTensor of its own: it cannot be read there; rename the key in "
-                                   "sharded_state_dict() instead")
-        if tuple(value.shape) != tuple(st.global_shape) or value.dtype != st.dtype:
-            raise MissingKeysError(f"checkpoint {unused.path}: a hook put its weight {key!r} (shape "
-                                   f"{tuple(value.shape)}, {value.dtype}) at {name!r}, whose tensor in "
-                                   f"{type(module).__name__} is of shape {tuple(st.global_shape)}, {st.dtype}")
-        moved[name] = key
-    return moved
+        if key is None:
+            continue
+        state_dict[name] = own
+        if unused.names[entry].get(name) == key:
+            found.left_out.append(name)
+            continue
+        st = unused.templates.get(entry, {}).get(name)
+        if st is None or st.data is None or tuple(st.data.shape) != tuple(own.shape):
+            found.errors.append(MissingKeysError(
+                f"checkpoint {unused.path}: a hook put its weight {key!r} at {name!r}, which the module's "
+                "sharded_state_dict() does not describe as a ShardedTensor of its own: it cannot be read there; "
+                "rename the key in sharded_state_dict() instead"))
+        elif tuple(value.shape) != tuple(st.global_shape) or value.dtype != st.dtype:
+            found.errors.append(MissingKeysError(
+                f"checkpoint {unused.path}: a hook put its weight {key!r} (shape {tuple(value.shape)}, "
+                f"{value.dtype}) at {name!r}, whose tensor in the module is of shape {tuple(st.global_shape)}, "
+                f"{st.dtype}"))
+        found.moved[name] = (key, own)
 
 
-def _read_moved(module: Module, unused: UnusedWeights, entry: str, state_dict: Dict[str, Any], prefix: str) -> None:
-    """Collective, in the module's root ``load_state_dict`` pre-hook (after the user's): the placeholders the
-    hooks moved onto module keys are read from the checkpoint under their stored keys, each into a tensor
-    shaped as the module's shard there, and put in their place; the outcome agreed first (every rank runs the
-    same hooks: ranks whose hooks moved different ones, or failed, raise alike; none waits)."""
-    if unused.read is None:  # a restore that reads no placeholder (Fabric's, a tier's): no collective here
-        _left_out(module, unused, entry, state_dict, prefix)
+def _left_out_error(module: Module, unused: UnusedWeights, entry: str, left_out: List[str]) -> MissingKeysError:
+    """The refusal of placeholders still at their own names, which the module's state dict has: its
+    sharded_state_dict leaves those tensors out, so they were not read, where stock loads the stored values."""
+    names = unused.names[entry]
+    return MissingKeysError(
+        f"checkpoint {unused.path}: its module weights {sorted(names[n] for n in left_out)} were not read: "
+        f"{type(module).__name__}.sharded_state_dict() leaves out {sorted(left_out)}, which its state_dict() and "
+        "load_state_dict(strict=True) have (stock Lightning loads them from the checkpoint). Describe them in "
+        "sharded_state_dict() to restore them, or set strict_loading = False / fabric.load(..., strict=False) "
+        "to keep the module's own values")
+
+
+def _read_moved(module: Module, unused: UnusedWeights, entry: str, strict: bool, found: _Found) -> None:
+    """Collective, in the module's root ``load_state_dict`` post-hook (every module's pre-hooks ran, nothing
+    checked yet): the placeholders the hooks moved onto module keys are read from the checkpoint under their
+    stored keys, each into a tensor shaped as the module's shard there, and copied into it, as stock copies;
+    the outcome agreed first (every rank runs the same hooks: ranks whose hooks moved different ones, or
+    failed, raise alike; none waits)."""
+    errors = list(found.errors)
+    if found.left_out and strict:
+        errors.insert(0, _left_out_error(module, unused, entry, found.left_out))
+    elif found.left_out:
+        log.warning("checkpoint %s: the module's %s keep their own values: its sharded_state_dict() leaves them "
+                    "out, so the stored ones were not read (strict=False)", unused.path, sorted(found.left_out))
+    moved = sorted((name, key) for name, (key, _) in found.moved.items())
+    if unused.read is None:  # a restore that reads no placeholder (a tier's): no collective here
+        if moved and not errors:
+            errors.append(CheckpointingError(
+                f"checkpoint {unused.path}: a load_state_dict hook moved its stored weights onto the module's keys "
+                f"({dict(moved)}), which this restore does not read; rename the keys in sharded_state_dict() "
+                "instead"))
+        if errors:
+            raise errors[0]
         return
-    error: Optional[Exception] = None
-    moved: Dict[str, str] = {}
     try:
-        _left_out(module, unused, entry, state_dict, prefix)
-        moved = _moved(module, unused, entry, state_dict, prefix)
-    except Exception as e:  # agreed below
-        error = e
-    try:
-        gathered = get_comm().agree(f"restore of the module's weights from {unused.path} failed", error,
-                                    sorted(moved.items()))
+        gathered = get_comm().agree(f"restore of the module's weights from {unused.path} failed",
+                                    errors[0] if errors else None, moved)
     except Exception as e:  # every rank raises it, in this agreement or the one it met
         raise AgreedInHook(e) from e
     if any(g != gathered[0] for g in gathered):
@@ -206,48 +243,54 @@ def _read_moved(module: Module, unused: UnusedWeights, entry: str, state_dict: D
         raise AgreedInHook(CheckpointingError(
             f"checkpoint {unused.path}: the ranks' load_state_dict hooks moved different stored weights onto the "
             f"module's keys ({shown}): every rank must rename alike; nothing was read"))
-    if not moved or unused.read is None:
+    if not moved:
         return
-    template = {name: _into_fresh(unused.templates[name[len(prefix):]], key) for name, key in moved.items()}
-    loaded = unused.read(template)
-    for name in moved:
-        state_dict[name] = loaded[name]
+    templates = unused.templates[entry]
+    loaded = unused.read(entry, {name: _into_fresh(templates[name], key) for name, key in moved})
+    with torch.no_grad():
+        for name, (_, own) in found.moved.items():
+            own.copy_(loaded[name])
 
 
 def _into_fresh(st: ShardedTensor, key: str) -> ShardedTensor:
-    """The module's ShardedTensor ``st`` read from the stored ``key`` into a tensor of its own (the module's
-    tensor is copied by load_state_dict, as stock copies)."""
+    """The module's ShardedTensor ``st`` read from the stored ``key`` into a tensor of its own (copied into the
+    module's tensor then, as stock copies)."""
     return replace(st, key=key, data=None if st.data is None else torch.empty_like(st.data))
 
 
 @contextlib.contextmanager
 def refusing_placeholders(module: Module, unused: Optional[UnusedWeights], entry: str, strict: bool) -> Iterator[None]:
-    """Around ``module.load_state_dict`` (stock's own call, after ``on_load_checkpoint``): once the user's
-    pre-hooks on the module ran, the placeholders they moved onto its keys are read (:func:`_read_moved`); those
-    it finds unexpected are taken off its list and, where ``strict``, refused in the read's words once it
-    returned (left unused, logged, where not); what else it finds is its own (torch's error, as stock: with
-    keys missing too, the placeholders stay on its list, as stock names both sides)."""
+    """Around ``module.load_state_dict`` (stock's own call, after ``on_load_checkpoint``): the placeholders the
+    user's pre-hooks (on the module or a submodule) moved onto its keys are read (:func:`_stand_in`,
+    :func:`_read_moved`); those it finds unexpected are taken off its list and, where ``strict``, refused in the
+    read's words once it returned (left unused, logged, where not); what else it finds is its own (torch's
+    error, as stock: with keys missing too, the placeholders stay on its list, as stock names both sides)."""
     if unused is None or not unused.names.get(entry):
         yield
         return
     left: List[str] = []
+    found = _Found()
+    held = unused.held.get(entry, {})
+
+    def read_moved(_: Module, __: Any) -> None:  # the root's post-hooks run once every module loaded
+        _read_moved(module, unused, entry, strict, found)
 
     def take_placeholders(_: Module, incompatible: Any) -> None:
         # torch lets a post-hook edit the lists before its strict check
         left.extend(unused.refused(entry, incompatible.unexpected_keys))
         incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys
                                            if k not in unused.names[entry]]
-        absent = {unused.held[k] for k in incompatible.missing_keys if k in unused.held}
+        absent = {held[k] for k in incompatible.missing_keys if k in held}
         if strict and absent:  # no hook filled them: refused in the read's words (both sides, close keys)
             check_keys(StrictHandling.ASSUME_OK_UNEXPECTED, unused.path, (), absent, absent, stored=sorted(left),
                        unasked=set(left))
 
-    def read_moved(_: Module, state_dict: Dict[str, Any], prefix: str, *__: Any) -> None:
-        # registered last on the root: after the user's pre-hooks there, before anything is copied
-        _read_moved(module, unused, entry, state_dict, prefix)
+    def stand_in(mod: Module, state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
+        _stand_in(unused, entry, strict, found, mod, state_dict, prefix)
 
-    handles = [module.register_load_state_dict_post_hook(take_placeholders),
-               module.register_load_state_dict_pre_hook(read_moved)]
+    handles = [mod.register_load_state_dict_pre_hook(stand_in) for mod in module.modules()]
+    handles += [module.register_load_state_dict_post_hook(read_moved),
+                module.register_load_state_dict_post_hook(take_placeholders)]
     try:
         yield
     finally:
