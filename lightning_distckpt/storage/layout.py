@@ -231,9 +231,11 @@ def _read_committed(given: str, path: str, verify: bool) -> Tuple[Dict[str, Any]
 
         holding = holding_hint(given)  # names the checkpoints inside: the listing would name them twice
         listed = "" if holding else f" ({_what_is_there(path)})"
-        # "is not a distributed checkpoint": Megatron-Core's words, for scrapers of its logs
+        # "is not a distributed checkpoint": Megatron-Core's words, "does not point to a valid checkpoint" Lightning
+        # ModelParallelStrategy's, for scrapers of their logs
         what = ("incomplete checkpoint: the save did not finish (no commit marker)" if is_checkpoint_dir(path) else
-                f"not a lightning_distckpt checkpoint (no metadata.json / commit marker): {given} is not a "
+                f"not a lightning_distckpt checkpoint (no metadata.json / commit marker: the path does not point to a "
+                f"valid checkpoint): {given} is not a "
                 f"distributed checkpoint{listed}{inside_hint(given)}{holding}{dcp_hf_shards_hint(path)}")
         raise IncompleteCheckpointError(f"checkpoint {given}: {what}")
     raw = {}
