@@ -7,7 +7,10 @@ worker, whose release of it then needs the GIL; if that release falls into inter
 the worker thread inside C++ and the process aborts ("terminate called without an active exception",
 pytorch/pytorch#179291): a program whose last act was a save or a load exits with SIGABRT after all its work
 succeeded. Here every tensor handed to a CPU collective is kept until the backend's count of references to
-it is back where it was (:func:`released`), so the worker's release never needs the GIL.
+it is back where it was (:func:`released`), so the worker's release never needs the GIL. Waiting for that
+after every collective would cost a scheduling round trip each (twice a small collective's time on a busy
+machine): a small tensor is kept instead (:class:`_Kept`) and let go once a later collective finds the
+backend done with it, or at the latest at interpreter exit (``atexit``, while threads may still run).
 
 Each message is a fixed head (the payload's size, then the payload itself when it fits in
 :data:`SMALL_BYTES`) and, for a larger payload only, a second message of exactly its bytes.
@@ -15,9 +18,13 @@ Each message is a fixed head (the payload's size, then the payload itself when i
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from collections import deque
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,13 +39,60 @@ _SIZE = 8  # a size field: little-endian, unsigned
 _MAX_WAIT_S = 1.0
 
 
+#: A tensor up to this size is kept after its collective (see above); a larger one is waited for at once
+#: (a transfer's time dwarfs the wait), so what is kept stays small.
+_KEEP_BYTES = 1 << 20
+_KEEP_COUNT = 256  # past this many kept, the oldest is waited for
+
+
+class _Kept:
+    """Small tensors of completed collectives, each with the count of references it had before its collective:
+    held until the backend is seen to have let go (then dropping it frees it here, with the GIL), or settled at
+    exit. Collectives run from several threads (a background save's commit): one lock."""
+
+    def __init__(self) -> None:
+        self._items: Deque[Tuple[torch.Tensor, int]] = deque()
+        self._lock = threading.Lock()
+        self._hooked_pid: Optional[int] = None
+
+    def add(self, items: Sequence[Tuple[torch.Tensor, int]]) -> None:
+        with self._lock:
+            kept = [(t, n) for t, n in self._items if t._use_count() > n]  # the rest are the backend's no more
+            kept.extend(items)
+            oldest, kept = kept[:max(0, len(kept) - _KEEP_COUNT)], kept[-_KEEP_COUNT:]
+            self._items = deque(kept)
+            if self._hooked_pid != os.getpid():  # once per process (a forked child inherits the flag only)
+                self._hooked_pid = os.getpid()
+                atexit.register(self.settle_all)
+        for t, n in oldest:
+            settle(t, n)
+
+    def settle_all(self) -> None:
+        with self._lock:
+            items, self._items = list(self._items), deque()
+        for t, n in items:
+            settle(t, n)
+
+
+_kept = _Kept()
+
+
 def released(op: Callable[[], Any], tensors: Sequence[torch.Tensor]) -> Any:
-    """Run ``op``, a blocking collective on ``tensors``, and return its result once the backend holds no
-    more references to them than before (:func:`settle`)."""
+    """Run ``op``, a blocking collective on ``tensors``, and return its result; each tensor is let go of only
+    once the backend holds no more references to it than before (:func:`settle` for a large one, at once;
+    a small one kept until then, see above)."""
     before = [backend_refs(t) for t in tensors]
     result = op()
+    small: List[Tuple[torch.Tensor, int]] = []
     for t, count in zip(tensors, before):
-        settle(t, count)
+        if count is None:
+            continue
+        if t.nbytes > _KEEP_BYTES:
+            settle(t, count)
+        elif t._use_count() > count:  # (most often the backend has let go already)
+            small.append((t, count))
+    if small:
+        _kept.add(small)
     return result
 
 

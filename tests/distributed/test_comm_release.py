@@ -59,19 +59,49 @@ def test_object_collectives_carry_every_size():
 
 
 def _counts_after_release(rank, world):
-    counts = []
-    for _ in range(300):
-        t = torch.ones(64)
+    from lightning_distckpt import comm_bytes
+
+    out = {"small": [], "large": []}
+    small = []
+    for i in range(300):
+        t = torch.ones(64)  # small: kept until the backend let go (or exit)
         released(lambda: dist.all_reduce(t), [t])
-        counts.append(t._use_count())  # Python's own reference, and the backend's none
-    return counts
+        kept = any(k is t for k, _ in comm_bytes._kept._items)
+        out["small"].append(t._use_count() == 1 or kept)  # let go by the backend, else kept: never dropped first
+        small.append(t)
+        if i % 30 == 0:
+            big = torch.ones(comm_bytes._KEEP_BYTES // 4 + 1)  # large: waited for at once
+            released(lambda: dist.all_reduce(big), [big])
+            out["large"].append(big._use_count())
+    comm_bytes._kept.settle_all()  # what exit does
+    out["settled"] = sorted({t._use_count() for t in small})
+    return out
 
 
-def test_released_returns_once_the_backend_let_go():
-    """After ``released`` (a real gloo all_reduce, 300 times), the tensor's only reference is Python's:
-    dropping it never leaves its release to gloo's worker thread."""
-    for counts in run_distributed(_counts_after_release, 2):
-        assert set(counts) == {1}
+def test_released_never_leaves_the_last_reference_to_the_backend():
+    """A real gloo all_reduce through ``released``, 300 times: when it returns, a small tensor is either let go
+    by the backend or kept by the module (never Python's last reference while gloo's worker holds one); a large
+    one has been waited for; after the exit-time settle every tensor's only reference is Python's."""
+    for out in run_distributed(_counts_after_release, 2):
+        assert all(out["small"])
+        assert set(out["large"]) == {1}
+        assert out["settled"] == [1]
+
+
+def test_every_collective_of_the_package_goes_through_comm_bytes():
+    """No module but comm.py / comm_bytes.py calls torch's collectives (whose object collectives drop their
+    tensors to the worker): the guarantee above covers every collective the library makes."""
+    import re
+    from pathlib import Path
+
+    import lightning_distckpt
+
+    pattern = re.compile(r"\bdist\.(all_reduce|all_gather\w*|broadcast\w*|barrier|send\w*|recv\w*|isend|irecv|"
+                         r"scatter\w*|gather\w*|reduce\w*)\(")
+    root = Path(lightning_distckpt.__file__).parent
+    calls = [f"{p.relative_to(root)}:{n}" for p in root.rglob("*.py") if p.name not in ("comm.py", "comm_bytes.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert calls == []
 
 
 EXIT_SCRIPT = textwrap.dedent("""
@@ -90,22 +120,6 @@ EXIT_SCRIPT = textwrap.dedent("""
     print("done", rank, flush=True)
     # no destroy_process_group: as a user's program that ends after a save, straight into interpreter exit
 """)
-
-
-def test_every_collective_of_the_package_goes_through_comm_bytes():
-    """No module but comm.py / comm_bytes.py calls torch's collectives (whose object collectives drop their
-    tensors to the worker): the guarantee above covers every collective the library makes."""
-    import re
-    from pathlib import Path
-
-    import lightning_distckpt
-
-    pattern = re.compile(r"\bdist\.(all_reduce|all_gather\w*|broadcast\w*|barrier|send\w*|recv\w*|isend|irecv|"
-                         r"scatter\w*|gather\w*|reduce\w*)\(")
-    root = Path(lightning_distckpt.__file__).parent
-    calls = [f"{p.relative_to(root)}:{n}" for p in root.rglob("*.py") if p.name not in ("comm.py", "comm_bytes.py")
-             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
-    assert calls == []
 
 
 @pytest.mark.parametrize("run", range(3))
