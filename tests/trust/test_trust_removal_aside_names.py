@@ -16,7 +16,6 @@ Real saves, real files, the real command line in a subprocess and a real kill of
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -34,6 +33,7 @@ from lightning_distckpt.storage.layout import COMMIT_MARKER, is_committed
 from lightning_distckpt.storage.local_store import LocalStore
 from lightning_distckpt.storage.store import LeftoverChanged
 from lightning_distckpt.storage.swap import NO_EXCHANGE_ENV
+from user_files import tree_digest, users_dir
 
 NAME_MAX = 255
 REFUSED = "refused: not a checkpoint of ours but what a removal of step=1 found at that name"
@@ -47,24 +47,6 @@ def save_ours(path, step: int = 1) -> str:
 
 def long_name(nbytes: int) -> str:
     return "c" * (nbytes - 7) + "-step=1"
-
-
-def users_dir(path) -> str:
-    """A user's folder: a file named like our marker, a ``data/`` folder of their own."""
-    os.makedirs(os.path.join(path, "data"))
-    for name, text in [("notes.txt", "mine"), (COMMIT_MARKER, "a user's file"), ("data/x.bin", "12345")]:
-        with open(os.path.join(path, name), "w") as f:
-            f.write(text)
-    return str(path)
-
-
-def tree_digest(root) -> dict:
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            full = os.path.join(dirpath, name)
-            out[os.path.relpath(full, root)] = hashlib.sha256(open(full, "rb").read()).hexdigest()
-    return out
 
 
 def cli_clean(directory, *extra: str) -> subprocess.CompletedProcess:

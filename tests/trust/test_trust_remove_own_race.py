@@ -13,7 +13,6 @@ commit that a load, ``inspect`` or ``clean`` renames back into place. The swaps 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 
@@ -27,32 +26,15 @@ from lightning_distckpt.core.errors import ArgumentError, CheckpointNotFoundErro
 from lightning_distckpt.lightning import DistCheckpointIO
 from lightning_distckpt.storage import local_store, staging
 from lightning_distckpt.storage.commit import recover_interrupted_commit
-from lightning_distckpt.storage.layout import COMMIT_MARKER, is_committed
+from lightning_distckpt.storage.layout import is_committed
 from lightning_distckpt.storage.stores import open_store
+from user_files import tree_digest, users_dir
 
 
 def save_ours(path) -> str:
     ldc.save({"w": ldc.ShardedTensor.from_rank_offsets("w", torch.arange(6.0)), "step": 1}, str(path))
     assert is_committed(str(path))
     return str(path)
-
-
-def users_dir(path) -> str:
-    """A user's folder, with a file named like our marker in it (the old removal deleted that one first)."""
-    os.makedirs(os.path.join(path, "data"))
-    for name, text in [("notes.txt", "mine"), (COMMIT_MARKER, "a user's file"), ("data/x.bin", "12345")]:
-        with open(os.path.join(path, name), "w") as f:
-            f.write(text)
-    return str(path)
-
-
-def tree_digest(root) -> dict:
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            full = os.path.join(dirpath, name)
-            out[os.path.relpath(full, root)] = hashlib.sha256(open(full, "rb").read()).hexdigest()
-    return out
 
 
 def loads(path) -> bool:
