@@ -160,7 +160,8 @@ class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallel
         def read(entry: str, template: Dict[str, Any]) -> Dict[str, Any]:  # collective: a placeholder a hook moved
             return self.checkpoint_io.load_sharded({entry: template}, source, strict=StrictHandling.
                                                    ASSUME_OK_UNEXPECTED, data_parallel_group=dp_group)[entry]
-        unused = UnusedWeights(target, read=read, templates=module_templates(layout.template, entries))
+        unused = UnusedWeights(target, read=read, templates=module_templates(layout.template, entries),
+                               lenient="fabric.load(..., strict=False)")
         for name in entries if found else ():  # named from the manifest, before it leaves the common state
             if isinstance(loaded.get(name), dict):
                 insert_placeholders(unused, name, loaded[name], placeholders(source, found, name,

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 from ..core.errors import CheckpointingError, IncompleteCheckpointError
 from ..core.dtensors import restore_dtensor
 from ..core.state_dict import merge, split_common
-from ..core.strict import StrictHandling
+from ..core.strict import StrictHandling, check_keys, deferring_absent
 from ..planning.load_plan import allowing_shape_mismatch
 from ..tiers import LocalTier, RecoveryPoint
 from ..tiers.recover import DurableReader
 from .sharded import build_on_all_ranks, restore_optimizers_agreed
 from .tiers import durable_candidates, tier_callback
 from .tp_strategy import refusing_module_keys
-from .unused_weights import UnusedWeights, insert_placeholders, placeholders
+from .unused_weights import UnusedWeights, hold_absent, insert_placeholders, module_templates, placeholders
 from .trainer_restore import OPTIMIZER_ENTRY, is_optimizer_key, load_before_setup, view
 from .tree import MANIFEST_KEY
 
@@ -74,7 +74,9 @@ def tier_load(strategy: Any, tier: LocalTier, template: Dict[str, Any], point: R
               unused: Optional[UnusedWeights] = None) -> Dict[str, Any]:
     """Collective :func:`load_like_durable` with the strategy's load settings; ``modules``: the load reads the
     module's weights (Lightning's ``state_dict`` entry, under the module's ``strict_loading``)."""
-    scope = (["state_dict"], strategy._strict_loading() and strategy.refuses_unused_weights) if modules else None
+    # with ``unused``, found however strict (as a durable restore finds them): a hook may rename them (else logged)
+    strict = (strategy._strict_loading() or unused is not None) and strategy.refuses_unused_weights
+    scope = (["state_dict"], strict) if modules else None
     return load_like_durable(strategy.checkpoint_io, tier, template, point, strategy._strict_handling(), keep, adjust,
                              durable_reader, scope, unused)
 
@@ -101,11 +103,13 @@ def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point:
     module entries and Lightning's strictness, refusing the point's module weights no rank asks for as the durable
     restore refuses them (:func:`~.tp_strategy.refusing_module_keys`, the same on every rank); ``unused``: that
     refusal left to the module's ``load_state_dict``, after the user's hooks, as the durable one (placeholders put
-    into the loaded module entries and recorded there, :mod:`.unused_weights`)."""
+    into the loaded module entries and recorded there, the module's keys the copy lacks held until the hooks ran,
+    :mod:`.unused_weights`)."""
     loaded_into = allowing_shape_mismatch(template) if io.config.allow_shape_mismatch else template
     fallback: List[Any] = [None]
     scopes = contextlib.ExitStack()  # the refusal of the copy read, set as it is opened, for its load
     found: Optional[Set[str]] = set() if unused is not None else None
+    held: Set[str] = set()  # the module's keys the copy lacks, where it has unused weights: checked after the hooks
     opened: List[Any] = [None]
 
     def prepare(source: Any) -> Any:
@@ -122,7 +126,8 @@ def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point:
         fallback[0] = split_common(template)[1] if handling.skips_unexpected else None
         return source
 
-    with scopes:  # a later copy's (another after damage) replaces it; a durable_reader sets its own
+    with scopes, deferring_absent(held) if found is not None else contextlib.nullcontext():
+        # a later copy's refusal (another after damage) replaces the first's; a durable_reader sets its own scopes
         out = tier.load(loaded_into, point, prepare=prepare, durable_reader=durable_reader, strict=handling,
                         extra_safe_globals=io.extra_safe_globals, cast=io.config.cast)
     if durable_reader is not None and read_durable(tier):
@@ -133,6 +138,10 @@ def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point:
         if isinstance(loaded.get(entry), dict):  # named from the copy's manifest, still in its common state
             insert_placeholders(unused, entry, loaded[entry], placeholders(opened[0], found, entry,
                                                                            io.extra_safe_globals))
+    if unused is not None and modules is not None:  # as the durable restore: the absent keys wait for the hooks
+        unused.templates = module_templates(template, modules[0])
+        hold_absent(unused, loaded, held, lambda keys: check_keys(handling, unused.path, (), keys, keys,
+                                                                  unasked=set(found or ())))
     return loaded
 
 
@@ -222,15 +231,23 @@ def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier,
     # Every local copy damaged: the durable checkpoint restored as ckpt_path=<it> restores it (a torch.save file, the
     # plugin's directory, a weights-only one: re-keyed, its writer checked, its optimizer state deferred as there).
     # load_before_setup restores the optimizers when fitting and the strategy restores them: as restore_optimizers.
-    unused = UnusedWeights(f"local step {point.step}")  # named alike on every rank (each reads its node's copy)
-    out = tier_load(strategy, tier, template, point, keep=lambda key: not is_optimizer_key(key),
+    def keep(key: str) -> bool:  # the weights' part, in both reads below
+        return not is_optimizer_key(key)
+    read_from: List[RecoveryPoint] = [point]
+
+    def read(entry: str, moved: Dict[str, Any]) -> Dict[str, Any]:  # collective: placeholders a hook moved
+        return load_like_durable(strategy.checkpoint_io, tier, {entry: moved}, read_from[0],
+                                 StrictHandling.ASSUME_OK_UNEXPECTED, keep)[entry]
+    # named alike on every rank (each reads its node's copy)
+    unused = UnusedWeights(f"local step {point.step}", read=read)
+    out = tier_load(strategy, tier, template, point, keep=keep,
                     durable_reader=lambda durable: load_before_setup(strategy, str(durable.path), restore_optimizers),
                     modules=True, unused=unused)
     if read_durable(tier):
         return out
     strategy._unused_weights = unused  # refused by load_model_state_dict, after the user's hooks
     checkpoint = dict(out)
-    point = tier.last_point or point  # another step where every local copy of this one was damaged
+    point = read_from[0] = tier.last_point or point  # another step where every local copy of this one was damaged
     checkpoint.pop(MANIFEST_KEY, None)
     stored = checkpoint.pop(OPTIMIZER_ENTRY, None)
     if restore_optimizers:

@@ -46,6 +46,7 @@ class UnusedWeights:
     kept: List[Any] = field(default_factory=list)  # the placeholders themselves: their ids stay theirs
     # per entry, the module's names the checkpoint lacks -> their keys
     held: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    lenient: str = "strict_loading = False"  # the non-strict load in its caller's words, for the warnings
 
     def refused(self, entry: str, unexpected: Sequence[str]) -> Set[str]:
         """The stored keys of ``entry``'s placeholders among a ``load_state_dict``'s ``unexpected`` keys."""
@@ -222,7 +223,7 @@ def _read_moved(module: Module, unused: UnusedWeights, entry: str, strict: bool,
         errors.insert(0, _left_out_error(module, unused, entry, found.left_out))
     elif found.left_out:
         log.warning("checkpoint %s: the module's %s keep their own values: its sharded_state_dict() leaves them "
-                    "out, so the stored ones were not read (strict=False)", unused.path, sorted(found.left_out))
+                    "out, so the stored ones were not read (%s)", unused.path, sorted(found.left_out), unused.lenient)
     moved = sorted((name, key) for name, (key, _) in found.moved.items())
     if unused.read is None:  # a restore that reads no placeholder (a tier's): no collective here
         if moved and not errors:
@@ -299,5 +300,5 @@ def refusing_placeholders(module: Module, unused: Optional[UnusedWeights], entry
     if strict:
         refuse_unused(unused.path, set(left))
     elif left:
-        log.warning("checkpoint %s: its module weights %s are left unused (strict_loading = False)", unused.path,
-                    sorted(left))
+        log.warning("checkpoint %s: its module weights %s are left unused (%s)", unused.path, sorted(left),
+                    unused.lenient)

@@ -192,6 +192,7 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
     deferred = deferred_unused()
     if deferred is not None:  # refused by the caller, once the user's hooks had their say (as stock refuses them)
         deferred.update(unused)
+        missing = missing - unused  # logged by the caller after the hooks, which may drop or rename them
         held = deferred_absent()
         if held is not None and unused and every and not strict.skips_unexpected:
             # a hook may rename one of those unused weights onto a key the checkpoint lacks: the caller checks
