@@ -116,15 +116,22 @@ class FabricTiers:
             self.strategy.load_checkpoint(durable.path, state, strict=strict)
 
         fits = model_parallel and handling.skips_unexpected
-        # fabric.load's refusal of the module weights no rank asks for (strict=True), on the same entries (none
-        # where the strategy, as its stock one, leaves them unread)
-        refuses = strict and getattr(self.strategy, "refuses_unused_weights", True)
+        read_from = [point]  # the step read: another where every local copy of this one was damaged
+
+        def read(entry: str, moved: Dict[str, Any]) -> Dict[str, Any]:  # collective: placeholders a hook moved
+            return load_like_durable(io, self.tier, {entry: moved}, read_from[0],
+                                     StrictHandling.ASSUME_OK_UNEXPECTED)[entry]
+        # refused by load_state_dict after the user's hooks, as fabric.load's; named alike on every rank (each
+        # reads its node's copy); none where the strategy, as its stock one, leaves those weights unread
+        unused = None if model_parallel else UnusedWeights(f"local step {point.step}", read=read,
+                                                           lenient="fabric.load(..., strict=False)")
+        # fabric.load's search for the module weights no rank asks for, on the same entries: with ``unused``
+        # found however strict (a hook may rename them, else refused or logged there)
+        refuses = (strict or unused is not None) and getattr(self.strategy, "refuses_unused_weights", True)
         modules = ([name for name, obj in state.items() if isinstance(obj, Module)], refuses)
-        # refused by load_state_dict, as there; named alike on every rank (each reads its node's copy)
-        unused = None if model_parallel else UnusedWeights(f"local step {point.step}")
         out = load_like_durable(io, self.tier, template, point, handling, adjust=adjust if fits else None,
                                 durable_reader=durable_reader, modules=modules, unused=unused)
-        point = self.tier.last_point or point  # another step where every local copy of this one was damaged
+        point = read_from[0] = self.tier.last_point or point
         if read_durable(self.tier):  # its checkpoint (a torch.save file, say) restored as fabric.load restores it
             return point
         loaded = dict(out)
