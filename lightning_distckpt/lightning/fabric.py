@@ -24,7 +24,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ..core.errors import ArgumentError, CheckpointingError, MissingKeysError
-from ..comm import get_comm
 from ..core.strict import StrictHandling, check_keys, deferring_absent
 from ..storage.paths import checkpoint_location
 from .fabric_raw import check_state_arg, load_raw_module, load_raw_optimizer
@@ -34,7 +33,7 @@ from .sharded import (AFTER_READING, build_on_all_ranks, describe_source, main_r
                       model_sharded_state_dict, optimizer_sharded_state, restore_optimizer)
 from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import TensorParallelStrategyMixin
-from .unused_weights import (AgreedInHook, UnusedWeights, hold_absent, insert_placeholders, module_templates,
+from .unused_weights import (UnusedWeights, hold_absent, insert_placeholders, module_templates,
                              placeholders, refusing_placeholders)
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys, tensors_metadata)
@@ -273,16 +272,8 @@ def apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool,
     rank alone while the others wait for it in their next collective (``fabric.load``'s barrier). ``unused``:
     the placeholders of a module's weights no rank asked for, refused by its ``load_state_dict``
     (:mod:`.unused_weights`)."""
-    error: Optional[Exception] = None
-    rest: Dict[str, Any] = {}
-    try:
-        rest = _apply_loaded(state, loaded, strict, unused)
-    except AgreedInHook as e:  # agreed already (a hook's placeholder reads): every rank raises it, none waits
-        raise e.error from None
-    except Exception as e:  # agreed below
-        error = e
-    get_comm().agree(f"restore of the loaded state {AFTER_READING}", error)
-    return rest
+    return build_on_all_ranks("restore of the loaded state", lambda: _apply_loaded(state, loaded, strict, unused),
+                              failed=AFTER_READING)
 
 
 def _apply_loaded(state: Dict[str, Any], loaded: Dict[str, Any], strict: bool,

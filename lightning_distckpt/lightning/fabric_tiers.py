@@ -32,7 +32,7 @@ from .fabric import apply_loaded
 from .unused_weights import UnusedWeights
 from .model_parallel import drop_unsaved_states
 from .sharded import build_on_all_ranks, optimizer_sharded_state
-from .tiers_restore import load_like_durable, read_durable
+from .tiers_restore import load_like_durable, moved_reader, read_durable
 from .tree import MANIFEST_KEY
 
 
@@ -117,13 +117,10 @@ class FabricTiers:
 
         fits = model_parallel and handling.skips_unexpected
         read_from = [point]  # the step read: another where every local copy of this one was damaged
-
-        def read(entry: str, moved: Dict[str, Any]) -> Dict[str, Any]:  # collective: placeholders a hook moved
-            return load_like_durable(io, self.tier, {entry: moved}, read_from[0],
-                                     StrictHandling.ASSUME_OK_UNEXPECTED)[entry]
         # refused by load_state_dict after the user's hooks, as fabric.load's; named alike on every rank (each
         # reads its node's copy); none where the strategy, as its stock one, leaves those weights unread
-        unused = None if model_parallel else UnusedWeights(f"local step {point.step}", read=read,
+        unused = None if model_parallel else UnusedWeights(f"local step {point.step}",
+                                                           read=moved_reader(io, self.tier, read_from),
                                                            lenient="fabric.load(..., strict=False)")
         # fabric.load's search for the module weights no rank asks for, on the same entries: with ``unused``
         # found however strict (a hook may rename them, else refused or logged there)

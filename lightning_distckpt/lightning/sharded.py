@@ -125,6 +125,16 @@ T = TypeVar("T")
 AFTER_READING = "failed after reading"  # build_on_all_ranks's words for a restore after a collective load
 
 
+class AlreadyAgreed(Exception):
+    """Raised inside a :func:`build_on_all_ranks` block by a step that agreed its outcome over the group itself
+    (a ``load_state_dict`` hook reading moved weights, :mod:`.unused_weights`): every rank raises ``error``
+    there, or in the agreement it met instead, so no further agreement is made (none would be matched)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def build_on_all_ranks(what: str, build: Callable[[], T], comm: Optional[Comm] = None, *,
                        failed: str = "failed before any I/O") -> T:
     """Run ``build`` (local work before a collective save/load, or after a load: the loaded values put
@@ -137,6 +147,8 @@ def build_on_all_ranks(what: str, build: Callable[[], T], comm: Optional[Comm] =
     error: Optional[Exception] = None
     try:
         result = build()
+    except AlreadyAgreed as e:  # every rank raises it already: none waits in the agreement below
+        raise e.error from None
     except Exception as e:  # reported collectively below
         error = e
     comm.agree(f"{what} {failed}", error)

@@ -33,7 +33,7 @@ from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin, TensorParall
 from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import DeferredTierOptimizerStates, load_recovery_point
 from .trainer_restore import DeferredOptimizerStates, load_before_setup, restore_after_setup
-from .unused_weights import AgreedInHook, refusing_placeholders
+from .unused_weights import refusing_placeholders
 from .tree import KIND_SHARDED, MANIFEST_KEY, manifest, rank_zero_tensors
 
 log = logging.getLogger(__name__)
@@ -238,15 +238,10 @@ class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSna
         assert self.lightning_module is not None
         module = self.lightning_module
 
-        error: Optional[Exception] = None
-        try:
+        def restore() -> None:
             with refusing_placeholders(module, unused, "state_dict", strict):
                 load(checkpoint, strict=strict)
-        except AgreedInHook as e:  # agreed already (a hook's placeholder reads): every rank raises it, none waits
-            raise e.error from None
-        except Exception as e:  # agreed below
-            error = e
-        get_comm().agree(f"restore of the module's weights {AFTER_READING}", error)
+        build_on_all_ranks("restore of the module's weights", restore, failed=AFTER_READING)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Collective: the optimizer state :meth:`load_checkpoint` left for after setup, in place.

@@ -87,6 +87,16 @@ def read_durable(tier: LocalTier) -> bool:
     return tier.last_point is not None and tier.last_point.source == "durable"
 
 
+def moved_reader(io: Any, tier: LocalTier, read_from: List[RecoveryPoint],
+                 keep: Optional[Callable[[str], bool]] = None) -> Callable[[str, Dict[str, Any]], Dict[str, Any]]:
+    """:attr:`UnusedWeights.read` of a local-tier restore: a collective read of the placeholders a hook moved,
+    from ``read_from[0]`` (the step the restore read: set again where every copy of the first was damaged)."""
+    def read(entry: str, moved: Dict[str, Any]) -> Dict[str, Any]:
+        return load_like_durable(io, tier, {entry: moved}, read_from[0], StrictHandling.ASSUME_OK_UNEXPECTED,
+                                 keep)[entry]
+    return read
+
+
 def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point: RecoveryPoint,
                       handling: StrictHandling, keep: Optional[Callable[[str], bool]] = None,
                       adjust: Optional[Adjust] = None, durable_reader: Optional[DurableReader] = None,
@@ -234,12 +244,8 @@ def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier,
     def keep(key: str) -> bool:  # the weights' part, in both reads below
         return not is_optimizer_key(key)
     read_from: List[RecoveryPoint] = [point]
-
-    def read(entry: str, moved: Dict[str, Any]) -> Dict[str, Any]:  # collective: placeholders a hook moved
-        return load_like_durable(strategy.checkpoint_io, tier, {entry: moved}, read_from[0],
-                                 StrictHandling.ASSUME_OK_UNEXPECTED, keep)[entry]
     # named alike on every rank (each reads its node's copy)
-    unused = UnusedWeights(f"local step {point.step}", read=read)
+    unused = UnusedWeights(f"local step {point.step}", read=moved_reader(strategy.checkpoint_io, tier, read_from, keep))
     out = tier_load(strategy, tier, template, point, keep=keep,
                     durable_reader=lambda durable: load_before_setup(strategy, str(durable.path), restore_optimizers),
                     modules=True, unused=unused)

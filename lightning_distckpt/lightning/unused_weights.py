@@ -25,7 +25,7 @@ from ..core.mapping import ShardedTensor
 from ..core.strict import StrictHandling, check_keys, refuse_unused
 from ..reading.checkpoint import CheckpointSource
 from ..storage.chunk_reads import torch_dtype
-from .sharded import describe_source
+from .sharded import AlreadyAgreed, describe_source
 from .tree import manifest_paths
 
 log = logging.getLogger(__name__)
@@ -144,15 +144,6 @@ def hold_absent(unused: UnusedWeights, loaded: Dict[str, Any], held: Set[str],
         unused.held.setdefault(entry, {})[name] = key
 
 
-class AgreedInHook(Exception):
-    """The agreement in :func:`refusing_placeholders`'s hook failed: every rank raised ``error`` there, or in the
-    agreement it was waiting in instead (a rank whose own hook raised first), so the caller agrees no further."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 @dataclass
 class _Found:
     """What the stand-in hooks of one ``load_state_dict`` found (:func:`_stand_in`)."""
@@ -238,10 +229,10 @@ def _read_moved(module: Module, unused: UnusedWeights, entry: str, strict: bool,
         gathered = get_comm().agree(f"restore of the module's weights from {unused.path} failed",
                                     errors[0] if errors else None, moved)
     except Exception as e:  # every rank raises it, in this agreement or the one it met
-        raise AgreedInHook(e) from e
+        raise AlreadyAgreed(e) from e
     if any(g != gathered[0] for g in gathered):
         shown = "; ".join(f"rank {r}: {dict(g)}" for r, g in enumerate(gathered))
-        raise AgreedInHook(CheckpointingError(
+        raise AlreadyAgreed(CheckpointingError(
             f"checkpoint {unused.path}: the ranks' load_state_dict hooks moved different stored weights onto the "
             f"module's keys ({shown}): every rank must rename alike; nothing was read"))
     if not moved:
