@@ -177,18 +177,19 @@ def with_nested_tensors(module_ssd: Dict[str, Any], entry: ModuleEntry, stored: 
             continue  # a module tensor, or nothing of the module's there
         meta = stored[key]
         whole = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))
-        padded += _put_grown(out, steps[1:], whole, copied)
-        if padded > MAX_PADDING:  # a manifest's path (not a real list's) may name any position
+        padded += _put_grown(out, steps[1:], whole, copied, MAX_PADDING - padded)
+        if padded > MAX_PADDING:  # a manifest's path (not a real list's) may name any position: refused unmade
             raise FormatError(f"checkpoint {where}: stored extra state puts tensors at list positions needing more "
                               f"than {MAX_PADDING} empty slots before them (at {key!r}); not a list a module saved")
     return out
 
 
-def _put_grown(root: Dict[str, Any], steps: Tuple[Step, ...], leaf: Any, copied: Set[int]) -> int:
+def _put_grown(root: Dict[str, Any], steps: Tuple[Step, ...], leaf: Any, copied: Set[int], room: int) -> int:
     """Put ``leaf`` at ``steps`` under ``root``, copying each container on the way that is not a copy yet, and
     making the dicts, lists and list slots (None) the way lacks; a fresh leaf on the way is replaced by the
-    stored kind of container. Returns the list slots padded. Nothing is put where the way leads through a tuple
-    (stock's tuples are common values as a whole) or a ShardedTensor (a tensor the template reads itself)."""
+    stored kind of container. Returns the list slots padded; past ``room`` slots, nothing more is made and more
+    than ``room`` is returned (the caller refuses). Nothing is put where the way leads through a tuple (stock's
+    tuples are common values as a whole) or a ShardedTensor (a tensor the template reads itself)."""
     if any(kind not in ("d", "l") or (kind == "l" and not (isinstance(k, int) and k >= 0)) for kind, k in steps):
         return 0
     node: Any = root
@@ -196,6 +197,8 @@ def _put_grown(root: Dict[str, Any], steps: Tuple[Step, ...], leaf: Any, copied:
     for i, (kind, k) in enumerate(steps):
         if kind == "l" and k >= len(node):
             padded += k + 1 - len(node)
+            if padded > room:  # checked before the list is made: a crafted position takes no memory
+                return padded
             node.extend([None] * (k + 1 - len(node)))
         if i == len(steps) - 1:
             node[k] = leaf
