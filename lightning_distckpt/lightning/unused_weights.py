@@ -132,12 +132,11 @@ def hold_absent(unused: UnusedWeights, loaded: Dict[str, Any], held: Set[str],
     (:func:`~..core.strict.deferring_absent`): their names leave the loaded state dict of their module entry
     (``loaded[entry]``), so the module's ``load_state_dict(strict=True)`` reports them missing, as stock's does,
     unless a hook moved a placeholder there. A key that is no first-level ShardedTensor of a module entry
-    (:attr:`UnusedWeights.templates`) has no name a hook could fill: ``refuse`` gets those (the read's own
-    refusal)."""
+    (:attr:`UnusedWeights.templates`) has no name a hook could fill: then ``refuse`` gets every held key (the
+    read's own refusal, as it would have been made)."""
     named = {st.key: (entry, name) for entry, sts in unused.templates.items() for name, st in sts.items()}
-    unnamed = {k for k in held if k not in named}
-    if unnamed:
-        refuse(unnamed)
+    if any(k not in named for k in held):  # refused now whatever the hooks do: with the rest, as the read refuses
+        refuse(set(held))  # (both sides named together: a compiled submodule's keys beside its optimizer state's)
     for key in held:
         entry, name = named[key]
         loaded[entry].pop(name, None)
