@@ -152,6 +152,15 @@ def all_gather_bytes(group: Any, size: int, mine: bytearray, device: torch.devic
     return [_bytes(t, len(mine)) for t in out]
 
 
+def all_gather_tensor(group: Any, tensor: torch.Tensor) -> List[torch.Tensor]:
+    """Every rank's ``tensor`` (contiguous, the same shape and dtype on every rank), in rank order: what
+    ``torch.distributed.nn.functional.all_gather`` gives without autograd, its tensors kept until the backend
+    has let go of them."""
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    released(lambda: dist.all_gather(out, tensor, group=group), [tensor, *out])
+    return out
+
+
 def broadcast_bytes(group: Any, data: Optional[bytes], src: int, device: torch.device) -> memoryview:
     """``data`` of group rank ``src`` (the others pass None) on every rank."""
     head = _tensor(_head(data, len(data) if data is not None else 0), device)

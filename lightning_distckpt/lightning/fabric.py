@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from ..core.errors import ArgumentError, CheckpointingError, MissingKeysError
 from ..core.strict import StrictHandling, check_keys, deferring_absent
 from ..storage.paths import checkpoint_location
+from .collectives import FabricCollectivesMixin
 from .fabric_raw import check_state_arg, load_raw_module, load_raw_optimizer
 from .foreign import foreign_writer
 from .restore_source import RestoreSource
@@ -58,7 +59,8 @@ def _strip(prefix: str, tree: Mapping[str, Any]) -> Dict[str, Any]:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in tree.items()}
 
 
-class FabricDistCheckpointStrategy(FabricBackgroundSnapshotMixin, TensorParallelStrategyMixin, DDPStrategy):
+class FabricDistCheckpointStrategy(FabricCollectivesMixin, FabricBackgroundSnapshotMixin, TensorParallelStrategyMixin,
+                                   DDPStrategy):
     """Fabric's DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
 
     ``fabric.save(path, state)`` / ``fabric.load(path, state)`` with modules (described by their

@@ -38,6 +38,7 @@ from ..core.strict import StrictHandling
 from ..optim.restore_checks import load_checked
 from ..storage.paths import checkpoint_location
 from .fabric_raw import check_state_arg, load_raw_sharded_module
+from .collectives import FabricCollectivesMixin
 from .sharded_only import sharded_only
 from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
@@ -62,8 +63,8 @@ def _owner(optimizer: Optimizer, state: Mapping[str, Any]) -> Module:
                              "save and load the module with its optimizer ({'model': model, 'optimizer': optimizer})")
 
 
-class FabricDistCheckpointModelParallelStrategy(FabricBackgroundSnapshotMixin, DistCheckpointIOMixin,
-                                                ModelParallelStrategy):
+class FabricDistCheckpointModelParallelStrategy(FabricCollectivesMixin, FabricBackgroundSnapshotMixin,
+                                                DistCheckpointIOMixin, ModelParallelStrategy):
     """Fabric's ``ModelParallelStrategy`` whose ``fabric.save`` / ``fabric.load`` write and read our
     distributed checkpoints (any world size or DP x TP mesh on load).
 

@@ -12,9 +12,8 @@ The module is parallelized in ``LightningModule.configure_model`` as under the s
   moment keyed ``optimizer_states/<i>/state/<fqn>/<name>``; scalars and param groups are common state.
 * everything else (loops, callbacks, schedulers, hyper-parameters): common state.
 
-Keys depend only on the module's names, never on the mesh, so a checkpoint resumes under any
-world size, DP x TP split or placement. A checkpoint read whole (``DistCheckpointIO``, ``convert``)
-is the stock Trainer dict: whole weights, optimizer state in torch's layout.
+Keys depend only on the module's names, never on the mesh, so a checkpoint resumes under any world size, DP x TP
+split or placement. Read whole (``DistCheckpointIO``, ``convert``) it is the stock Trainer dict.
 
 A checkpoint directory Lightning's own ``ModelParallelStrategy`` wrote (DCP files and ``meta.pt``) is
 read as that strategy reads it (resharded by ``torch.distributed.checkpoint``, ``meta.pt`` weights-only),
@@ -52,6 +51,7 @@ from ..registration import is_placeholder
 from ..storage.paths import checkpoint_location
 from .foreign import fabric_writer, foreign_writer
 from .async_warmup import AsyncWarmupMixin, Held, staged_share
+from .collectives import TrainerCollectivesMixin
 from .restore_source import RestoreSource
 from .config import DistCheckpointConfig, load_checkpoint_config
 from .sharded import AFTER_READING, build_on_all_ranks, describe_source, tree_or_failing
@@ -147,8 +147,8 @@ def drop_unsaved_states(template: Dict[str, Any], optimizers: List[Path], stored
                 del dtensors[place]
 
 
-class DistCheckpointModelParallelStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSnapshotMixin,
-                                          AsyncCommitHooksMixin, ModelParallelStrategy):
+class DistCheckpointModelParallelStrategy(TrainerCollectivesMixin, SavedTogetherMixin, AsyncWarmupMixin,
+                                          BackgroundSnapshotMixin, AsyncCommitHooksMixin, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 + tensor parallel) with our checkpoint format. ``Trainer(strategy=
     DistCheckpointModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2), devices=4)``, or ``strategy=
     "model_parallel_distckpt"`` (DP = the nodes, TP = the devices per node, as stock's ``"auto"``).

@@ -24,6 +24,7 @@ from ..core.errors import CheckpointingError
 from ..storage.paths import checkpoint_location
 from .async_warmup import AsyncWarmupMixin, staged_share
 from .checkpoint_io import lightning_not_found
+from .collectives import TrainerCollectivesMixin
 from .parallel import STRATEGY_NAME, ParallelState
 from .sharded import (AFTER_READING, all_whole, build_on_all_ranks, main_replicas_of_buffers,
                       model_sharded_state_dict, optimizer_sharded_state, replicated_state_dict, restore_optimizer,
@@ -55,8 +56,8 @@ def optimizer_prefix(index: int) -> str:
     return f"optimizer_states.{index}"
 
 
-class DistCheckpointStrategy(SavedTogetherMixin, AsyncWarmupMixin, BackgroundSnapshotMixin, AsyncCommitHooksMixin,
-                             TensorParallelStrategyMixin, DDPStrategy):
+class DistCheckpointStrategy(TrainerCollectivesMixin, SavedTogetherMixin, AsyncWarmupMixin, BackgroundSnapshotMixin,
+                             AsyncCommitHooksMixin, TensorParallelStrategyMixin, DDPStrategy):
     """DDP over the data-parallel group of a TP x DP grid, saving distributed checkpoints.
 
     ``Trainer(strategy=DistCheckpointStrategy(tensor_parallel_size=2), devices=4)`` runs TP 2 x DP 2;
