@@ -31,7 +31,7 @@ from .workers import KeptWorkers
 from .output_files import is_torch_archive
 from .stock_checkpoints import USER_TORCH_FILE, is_stock_dcp_dir, is_stock_lightning_file
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_removal_aside, is_staging_dir, live_owner_pids,
-                      remove_owner_notes, target_of)
+                      names_target, remove_owner_notes)
 
 logger = logging.getLogger(__name__)
 # For tests only: a comma-separated list of commit steps (see _step) at which the committing process
@@ -337,7 +337,7 @@ def _committed_copies(target: str) -> List[Tuple[float, str]]:
         if STAGING_TAG not in entry or not is_staging_dir(entry) or is_removal_aside(entry):  # (one being removed)
             continue
         path = os.path.join(parent, entry)
-        if os.path.basename(target_of(path)) != name or os.path.islink(path):
+        if not names_target(path, name) or os.path.islink(path):
             continue
         when = commit_time(path) if os.path.isdir(path) and is_our_committed_checkpoint(path) else None
         if when is not None:

@@ -158,7 +158,7 @@ class LocalStore(CheckpointStore):
         os.makedirs(parent, exist_ok=True)
         with staging.parent_lock(parent, exclusive=False):
             os.makedirs(os.path.join(staging_dir, DATA_DIR), exist_ok=True)
-            staging.write_owner_note(staging_dir, rank)
+            staging.write_owner_note(staging_dir, rank, self.location)
 
     def write_blob(self, staging_dir: str, name: str, data: bytes) -> None:
         """The file, durable. After ``metadata.json``, the last of a save's blobs (``saving/save_commit.py``
@@ -348,7 +348,7 @@ class LocalStore(CheckpointStore):
         checkpoint its commit moved aside removed (:func:`.commit.recover_interrupted_commit`)."""
         parent, name = self._scope()
         stranded = [lo for lo in staging.find_leftovers(parent, name)
-                    if lo.verdict(math.inf) == "recover" and holds_nothing(lo.target)]
+                    if lo.verdict(math.inf) == "recover" and lo.target is not None and holds_nothing(lo.target)]
         by_path = {lo.path: lo for lo in stranded}
         done_actions: List[Tuple[Any, str, str]] = []
         for target in sorted({lo.target for lo in stranded}):
@@ -368,7 +368,7 @@ class LocalStore(CheckpointStore):
         if not os.path.isdir(self.location):
             return None
         names = [n for n in os.listdir(self.location) if staging.is_staging_dir(n)]
-        targets = {staging.target_of(os.path.join(self.location, n)) for n in names}
+        targets = {t for t in (staging.target_of(os.path.join(self.location, n)) for n in names) if t is not None}
         for target in sorted(t for t in targets if matches.match(os.path.basename(t)) and holds_nothing(t)):
             commit_mod.recover_interrupted_commit(target)
         return None

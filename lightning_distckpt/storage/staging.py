@@ -1,12 +1,8 @@
 """Staging directories: where a save writes before its commit, and what saves that never committed
 (a killed job, a lost node) leave behind.
 
-A staging directory is a hidden sibling of its target, ``.distckpt-staging-<NAME in base32>-<id>``
-(same file system, so the commit is an atomic rename). The target's name is encoded, not spelled out,
-because Lightning scans checkpoint folders by name: its SLURM requeue resume takes every name holding
-``hpc_ckpt_`` and keeps its digits, so ``.hpc_ckpt_33.ckpt.distckpt-staging-<hex>`` would win as a
-huge version that does not exist. The older form, ``.NAME.distckpt-staging-<id>`` (earlier versions,
-and names too long to encode), is still recognised, so its leftovers are found, cleaned and recovered.
+A staging directory is a hidden sibling of its target (same file system, so the commit is an atomic
+rename); its name, in one of three forms, is made and read back by :mod:`.staging_names`.
 
 While a save writes, every rank keeps a small owner note in it (``.writing/rank_NNNNN.json``: host,
 pid, start time). The notes let :func:`find_leftovers` tell a save that is still running on this
@@ -18,22 +14,18 @@ its target) and a committed checkpoint never holds notes. File-system queries on
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import fcntl
 import json
 import logging
 import math
 import os
-import re
 import shlex
 import shutil
 import socket
 import stat
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -41,88 +33,17 @@ from ..core.errors import CheckpointingError, FormatError, naming_file
 from .layout import COMMIT_MARKER, is_committed, is_our_committed_checkpoint, is_our_marker, parse_json
 from .paths import MARKER_CAP, holds_nothing, read_inside
 from .removal_aside import ours_to_clean
+from .staging_names import (OWNERS_DIR, REMOVAL_SUFFIX, STAGING_TAG, is_removal_aside,  # noqa: F401 (importable
+                            is_staging_dir, names_target, new_staging_dir, removal_aside, target_of)  # from here)
 
 logger = logging.getLogger(__name__)
 
-STAGING_TAG = ".distckpt-staging-"
-OWNERS_DIR = ".writing"
 # Staging directories this process writes into: its own notes name its own pid, which
 # _live_owners does not count (a pid reused by a later container), yet an async save in a
 # thread of this process is as live as any.
 _OWN_STAGING: Set[str] = set()
 _OWN_LOCK = threading.Lock()  # saves in several threads (an async save's, a local tier's) note theirs at once
 _MAX_NOTE_BYTES = 1 << 16  # a note is ~100 bytes: more is not one of ours
-
-
-_NAME_MAX = 255  # bytes in one file name (ext4, xfs, NFS, Lustre)
-_SUFFIX_ROOM = 8  # for what is appended to a staging name: ".old" to ".old7" (commit._SWAP_TRIES) or ".removed"
-# A removal's aside name ends so (storage/local_store.py: _remove_dir): a committed checkpoint there is one being
-# removed, never a stranded commit to recover, however the removal was interrupted
-REMOVAL_SUFFIX = ".removed"
-# ".distckpt-staging-<base32 of the target's name>-<12 hex digits>", optionally ".old<N>" (moved aside)
-# or ".removed" (being removed)
-_ENCODED = re.compile(r"\.distckpt-staging-([a-z2-7]+)-[0-9a-f]{12}(?:\.old[0-9]*|\.removed)?\Z")
-
-
-def _encode_name(name: str) -> str:
-    """``name`` in lower-case base32 without padding: letters and 2-7 only, so no ``ckpt_``, no
-    ``.ckpt`` and no ``last`` prefix that Lightning's folder scans would match."""
-    return base64.b32encode(os.fsencode(name)).decode("ascii").rstrip("=").lower()
-
-
-def _decode_name(text: str) -> Optional[str]:
-    """The name :func:`_encode_name` encoded as ``text``; None when ``text`` is not such an encoding
-    (or decodes to something that is not one file name)."""
-    try:
-        name = os.fsdecode(base64.b32decode(text.upper() + "=" * (-len(text) % 8)))
-    except (binascii.Error, ValueError):
-        return None
-    if _encode_name(name) != text or name in ("", ".", "..") or "/" in name or "\0" in name:
-        return None
-    return name
-
-
-def new_staging_dir(target: str) -> str:
-    """A fresh staging path beside ``target`` (same file system, so the final rename is atomic), its
-    name ``.distckpt-staging-<target's name in base32>-<id>``. A name too long to encode within a file
-    name's 255 bytes keeps the older form, ``.NAME.distckpt-staging-<id>``, its id shortened (to 4 hex
-    digits at least) so that a suffix (``.old<N>``, ``.removed``) still fits: names of 217-224 bytes
-    (never refused here: rank 0 names the staging directory before the ranks agree on anything)."""
-    parent, name = os.path.split(os.path.abspath(target))
-    uid = uuid.uuid4().hex[:12]
-    encoded = f"{STAGING_TAG}{_encode_name(name)}-{uid}"
-    if len(os.fsencode(encoded)) + _SUFFIX_ROOM > _NAME_MAX:
-        room = _NAME_MAX - _SUFFIX_ROOM - len(os.fsencode(f".{name}{STAGING_TAG}"))
-        encoded = f".{name}{STAGING_TAG}{uid[:max(4, room)]}"
-    return os.path.join(parent, encoded)
-
-
-def removal_aside(target: str) -> str:
-    """A fresh name beside ``target`` that a removal renames it to before removing it: a staging name
-    (``clean`` finds and removes what an interruption left there) ending in :data:`REMOVAL_SUFFIX`."""
-    return new_staging_dir(target) + REMOVAL_SUFFIX
-
-
-def is_removal_aside(path: str) -> bool:
-    """A name :func:`removal_aside` made: what is there is being removed, committed or not."""
-    return is_staging_dir(path) and os.path.basename(os.path.normpath(path)).endswith(REMOVAL_SUFFIX)
-
-
-def is_staging_dir(path: str) -> bool:
-    """A staging directory's name, in either form (``.distckpt-staging-<base32>-<id>``, or the older
-    ``.NAME.distckpt-staging-<id>``), with or without a ``.old<N>`` or ``.removed`` suffix."""
-    base = os.path.basename(os.path.normpath(path))
-    return base.startswith(".") and STAGING_TAG in base
-
-
-def target_of(staging: str) -> str:
-    """The checkpoint path a staging directory (either form) was meant to become."""
-    parent, base = os.path.split(os.path.normpath(staging))
-    match = _ENCODED.match(base)
-    name = _decode_name(match.group(1)) if match else None
-    if name is None:  # the older form: the name spelled out before the tag
-        name = base[1 : base.rindex(STAGING_TAG)]
-    return os.path.join(parent, name)
 
 
 def discard(staging: Optional[str]) -> None:
@@ -156,14 +77,17 @@ def parent_lock(parent: str, exclusive: bool) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def write_owner_note(staging: str, rank: int) -> None:
-    """Record that this process is writing into ``staging`` (a hint for ``clean``; not fsync'd)."""
+def write_owner_note(staging: str, rank: int, target: Optional[str] = None) -> None:
+    """Record that this process is writing into ``staging`` (a hint for ``clean``; not fsync'd), and the
+    name of the ``target`` it is to become (what :func:`~.staging_names.target_of` reads back where the
+    staging name does not spell it)."""
     with _OWN_LOCK:  # iterated here while another thread's save adds or discards its own
         _OWN_STAGING.difference_update([p for p in _OWN_STAGING if not os.path.lexists(p)])  # committed elsewhere
         _OWN_STAGING.add(os.path.abspath(staging))
     notes = os.path.join(staging, OWNERS_DIR)
     os.makedirs(notes, exist_ok=True)
-    note = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "started_unix": time.time()}
+    note = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "started_unix": time.time(),
+            **({"target": os.path.basename(os.path.abspath(target))} if target else {})}
     path = os.path.join(notes, f"rank_{rank:05d}.json")
     with naming_file(path), open(path, "w") as f:
         json.dump(note, f)
@@ -263,7 +187,9 @@ class Leftover:
     """A staging directory found beside checkpoints, and what may be done with it."""
 
     path: str
-    target: str  # the checkpoint it was meant to become
+    # the checkpoint it was meant to become; None: a long name recorded only by its hash, whose notes are
+    # gone and whose target is missing (staging_names: kept while committed, never renamed by clean)
+    target: Optional[str]
     nbytes: int
     idle_s: float  # seconds since anything in it last changed
     committed: bool  # holds a complete checkpoint (metadata.json and COMMITTED)
@@ -278,7 +204,7 @@ class Leftover:
     def recoverable(self) -> bool:
         """A committed checkpoint whose target is missing or incomplete: the commit's rename was
         interrupted. It is the only copy: rename it into place, never delete it."""
-        return self.committed and self.link_to is None and not is_committed(self.target)
+        return self.committed and self.link_to is None and (self.target is None or not is_committed(self.target))
 
     def verdict(self, older_than_s: float) -> str:
         """``"remove"``, or why it is kept: ``"link"``, ``"not-ours"`` (:attr:`foreign`), ``"recover"``,
@@ -298,12 +224,15 @@ class Leftover:
 
     def reason(self, verdict: str, older_than_s: float) -> str:
         """Why ``clean`` keeps or removes this directory, in words (``verdict`` from :meth:`verdict`)."""
-        name = os.path.basename(self.target)
+        name = "its checkpoint" if self.target is None else os.path.basename(self.target)
         if verdict == "link":
             return f"refused: a symbolic link (to {self.link_to}); links are not followed and not removed"
         if verdict == "not-ours":
             return (f"refused: not a checkpoint of ours but what a removal of {name} found at that name and could "
                     f"not put back (the name was taken again); never removed: move it where it belongs")
+        if verdict == "recover" and self.target is None:
+            return ("holds a committed checkpoint whose name (too long to spell in a staging name) was not recorded "
+                    "and is not beside it: the next save or load of that checkpoint renames it into place")
         if verdict == "recover" and self.stranded:  # not recovered: dry run, or its commit still runs here
             return (f"holds a committed checkpoint and {name} is missing (or an empty placeholder): "
                     + (f"a save on this host (pid {self.live_owner_pids[0]}) is renaming it into place"
@@ -327,12 +256,14 @@ class Leftover:
     def stranded(self) -> bool:
         """Nothing (or an async save's empty placeholder) is at the target this committed copy was meant to
         become: it awaits recovery."""
-        return holds_nothing(self.target)
+        return self.target is None or holds_nothing(self.target)
 
 
-def _superseded(path: str, target: str) -> bool:
+def _superseded(path: str, target: Optional[str]) -> bool:
     """``target`` holds a committed checkpoint of ours committed no earlier than the one in ``path`` (a
     user's directory there holding files named ``COMMITTED`` and ``metadata.json`` supersedes nothing)."""
+    if target is None:  # its target is missing: nothing there supersedes it
+        return False
     mine = commit_time(path)
     if mine is None or os.path.islink(target) or not (is_our_committed_checkpoint(target) and is_our_marker(target)):
         return False
@@ -352,9 +283,9 @@ def find_leftovers(parent: str, target_name: Optional[str] = None, exclude: Sequ
         path = os.path.join(parent, name)
         if not is_staging_dir(name) or os.path.abspath(path) in skip:
             continue
-        target = target_of(path)
-        if target_name is not None and os.path.basename(target) != target_name:
+        if target_name is not None and not names_target(path, target_name):
             continue
+        target = os.path.join(parent, target_name) if target_name is not None else target_of(path)
         if os.path.islink(path):  # not ours to follow: whatever it points at is left alone
             found.append(Leftover(path, target, 0, 0.0, False, (), link_to=os.readlink(path)))
             continue

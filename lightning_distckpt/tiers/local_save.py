@@ -19,7 +19,7 @@ from typing import Any, Optional, Tuple
 from lightning_distckpt.core.errors import ArgumentError, CheckpointingError, SaveFailedError
 from lightning_distckpt.saving.async_save import AsyncSaveRequest
 from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, rank_dir
-from lightning_distckpt.storage.staging import discard, is_staging_dir, live_owner_pids, target_of
+from lightning_distckpt.storage.staging import discard, is_staging_dir, live_owner_pids, names_target
 from lightning_distckpt.tiers.context import TMP_PREFIX, TierContext, test_point
 from lightning_distckpt.tiers.node_store import (NodeLocalStore, check_data_dir, committed_steps, remove_step,
                                                   tier_tmp_dirs, uncommitted_dirs, write_note)
@@ -157,7 +157,8 @@ def prune(ctx: TierContext, step: int, keep: int) -> None:
     for path in uncommitted_dirs(ctx.root):
         # The staging directory of the save of ``step`` is being written by this node's ranks, whose
         # owner notes may not exist yet: only an earlier save's may go.
-        if is_staging_dir(path) and os.path.normpath(target_of(path)) == current:
+        if is_staging_dir(path) and os.path.dirname(os.path.normpath(path)) == os.path.dirname(current) \
+                and names_target(path, os.path.basename(current)):
             continue
         if not live_owner_pids(path):
             shutil.rmtree(path, ignore_errors=True)

@@ -24,7 +24,7 @@ from lightning_distckpt.cli.clean import clean
 from lightning_distckpt.cli.main import main
 from lightning_distckpt.core.errors import ArgumentError, CheckpointNotFoundError
 from lightning_distckpt.lightning import DistCheckpointIO
-from lightning_distckpt.storage import local_store, staging
+from lightning_distckpt.storage import local_store, staging, staging_names
 from lightning_distckpt.storage.commit import recover_interrupted_commit
 from lightning_distckpt.storage.layout import is_committed
 from lightning_distckpt.storage.stores import open_store
@@ -62,14 +62,14 @@ def swap_at(monkeypatch, seam: str, target: str, moved: str, mine: str) -> None:
 
         monkeypatch.setattr(local_store, "removable", removable_then_swap)
     else:
-        real_new = staging.new_staging_dir
+        real_new = staging_names.new_staging_dir
 
         def swap_then_name(path):
             if os.path.abspath(path) == target and os.path.lexists(mine):
                 swap()
             return real_new(path)
 
-        monkeypatch.setattr(staging, "new_staging_dir", swap_then_name)
+        monkeypatch.setattr(staging_names, "new_staging_dir", swap_then_name)
 
 
 @pytest.mark.parametrize("seam", ["after_the_check", "before_the_rename"])
