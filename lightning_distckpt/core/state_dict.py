@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Un
 
 from .errors import FormatError, ShardingError
 from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor, ShardedTensorFactory
-from .tree_walk import MAX_DEPTH, fold, walk_paths
+from .tree_walk import MAX_DEPTH, fold, rebuilt_tuple, walk_paths
 
 Path = Tuple[Union[str, int], ...]
 SHARDED_TYPES = (ShardedTensor, ShardedObject, ShardedTensorFactory, LocalNonpersistentObject)
@@ -28,10 +28,10 @@ def map_leaves(fn: Callable[[Any], Any], tree: Any, where: str = "the state dict
 
 
 def _rebuild(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
-    """A plain dict, list or tuple of ``results`` in the place of ``node``."""
+    """A plain dict, a list or a tuple of ``node``'s own type (a namedtuple stays one) of ``results``."""
     if keys is not None:
         return dict(zip(keys, results))
-    return results if isinstance(node, list) else tuple(results)
+    return results if isinstance(node, list) else rebuilt_tuple(node, results)
 
 
 _EMPTY = object()  # split_common: nothing of this side here
@@ -180,7 +180,7 @@ def replace_leaves(tree: Any, fn: Callable[[Any], Any], where: str = "the state 
 
 
 def _replace_node(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
-    return tuple(results) if isinstance(node, tuple) else _assign(node, keys, results)
+    return rebuilt_tuple(node, results) if isinstance(node, tuple) else _assign(node, keys, results)
 
 
 def collect(tree: Any) -> Dict[str, List[Any]]:

@@ -80,6 +80,10 @@ class _Walk:
         return self.error(f"{self.where}: the container at {_show(path)} contains itself (a reference cycle); "
                           "refused")
 
+    def not_rebuilt(self, path: Path, e: NotRebuilt) -> CheckpointingError:
+        return self.error(f"{self.where}: the value at {_show(path)}: {e}; refused rather than given back as "
+                          "another type")
+
     def check(self, path: Callable[[], Path]) -> None:
         """The places walked so far within the rule for the nodes stored so far."""
         limits = self.limits
@@ -106,15 +110,44 @@ def _count(n: int) -> str:
     return str(n) if n < 10**15 else f"about 2**{n.bit_length() - 1}"
 
 
+class NotRebuilt(TypeError):
+    """A tuple of a type that cannot be made again from its items (raised by :func:`rebuilt_tuple`; the
+    walks raise their own error naming the place instead)."""
+
+
+def rebuilt_tuple(node: Tuple[Any, ...], results: List[Any]) -> Tuple[Any, ...]:
+    """A tuple of ``results`` of ``node``'s own type: a namedtuple stays that namedtuple (``_make``), a
+    ``torch.return_types`` / structseq its type, a plain tuple a plain tuple. A subclass whose items are
+    all unchanged is ``node`` itself (tuples are immutable: sharing it changes nothing). Raises
+    :class:`NotRebuilt` for a subclass that cannot be made from its items: handing back a plain tuple
+    in its place would be a silently wrong value."""
+    kind = type(node)
+    if kind is tuple:
+        return tuple(results)
+    if len(results) == len(node) and all(a is b for a, b in zip(results, node)):
+        return node
+    make = getattr(kind, "_make", None)
+    try:
+        out = make(results) if callable(make) and hasattr(kind, "_fields") else kind(results)
+    except Exception as e:  # a subclass's own constructor: anything it raises means "not from items"
+        raise NotRebuilt(f"a {kind.__module__}.{kind.__qualname__} (a tuple subclass) cannot be made again from "
+                         f"its {len(results)} items: {type(e).__name__}: {e}") from None
+    if type(out) is not kind or len(out) != len(results):
+        raise NotRebuilt(f"a {kind.__module__}.{kind.__qualname__} (a tuple subclass) made from its {len(results)} "
+                         f"items is not one of {len(results)} items")
+    return out
+
+
 def keep_or_copy(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
     """A ``Build`` for :func:`fold` / :func:`map_paths`: ``node`` itself when none of its children
-    changed, else a copy holding the new ones (dicts as plain dicts, lists as lists, tuples as tuples)."""
+    changed, else a copy holding the new ones (dicts as plain dicts, lists as lists, tuples as tuples
+    of their own type: :func:`rebuilt_tuple`)."""
     old = node.values() if keys is not None else node
     if all(a is b for a, b in zip(results, old)):
         return node
     if keys is not None:
         return dict(zip(keys, results))
-    return results if isinstance(node, list) else tuple(results)
+    return results if isinstance(node, list) else rebuilt_tuple(node, results)
 
 
 def copy_containers(node: Any, keys: Optional[List[Any]], results: List[Any]) -> Any:
@@ -175,7 +208,10 @@ def fold(tree: Any, leaf: Callable[[Any], Any], build: Build, *, where: str = "t
             below = max(below, seen[3])
         if walk.places > quiet or walk.stored > quiet:
             walk.check(lambda: tuple(keys_on_stack))
-        result = build(node, list(node) if isinstance(node, dict) else None, results)
+        try:
+            result = build(node, list(node) if isinstance(node, dict) else None, results)
+        except NotRebuilt as e:
+            raise walk.not_rebuilt(tuple(keys_on_stack), e) from None
         memo[id(node)] = (node, result, walk.places - start + 1, below + 1)
         return result
 
@@ -246,7 +282,12 @@ def map_paths(tree: Any, leaf: Callable[[Path, Any], Any], build: Optional[Build
             else:
                 results.append(down(child, here, first and id(child) not in seen))
         open_ids.discard(id(node))
-        return None if build is None else build(node, list(node) if isinstance(node, dict) else None, results)
+        if build is None:
+            return None
+        try:
+            return build(node, list(node) if isinstance(node, dict) else None, results)
+        except NotRebuilt as e:
+            raise walk.not_rebuilt(path, e) from None
 
     with gc_paused():
         return down(tree, (), True)

@@ -36,7 +36,7 @@ from ..reading.formats.tensor_files import IndexedFile, TensorFileSource
 from ..reading.plain_tensors import MAX_PADDING
 from ..serialization import load_common_state_dict
 from ..storage.safe_pickle import load_file
-from .tree import KIND_PLAIN, MANIFEST_KEY, Step, iter_tensor_leaves, key_of, manifest_paths, place_at
+from .tree import KIND_PLAIN, MANIFEST_KEY, TREE_TYPES, Step, iter_tensor_leaves, key_of, manifest_paths, place_at
 
 if TYPE_CHECKING:  # checkpoint_io opens torch.save files with open_torch_file: imported for the types only
     from .restore_source import RestoreSource
@@ -265,7 +265,8 @@ def open_torch_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> Option
     if not os.path.isfile(path) or is_safetensors(path):
         return None
     payload = load_file(path, extra_safe_globals)
-    file = TorchFile.from_payload(path, payload)
+    # a tuple is common state whole, tensors and all (as the strategies save it): its tensors have no tree path
+    file = TorchFile.from_payload(path, payload, TREE_TYPES)
     source = TensorFileSource(path, [IndexedFile(file, None)], common=file.common)
     return source, {key_of(steps): steps for steps, _ in iter_tensor_leaves(payload)}
 

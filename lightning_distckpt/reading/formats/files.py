@@ -13,7 +13,7 @@ import torch
 
 from ...core.errors import FormatError
 from ...core.tensor_bytes import numpy_view
-from ...core.tree_walk import fold, walk_paths
+from ...core.tree_walk import CONTAINERS, fold, rebuilt_tuple, walk_paths
 from ...storage.checksums import verification_enabled
 from ...storage.safetensors_crcs import check_tensor, recorded_crcs
 from ...storage.paths import ANYWHERE, INFLATED_FACTOR, INFLATED_FLOOR
@@ -127,21 +127,23 @@ class TorchFile:
         self._take(path, load_file(path, extra_safe_globals, root))
 
     @classmethod
-    def from_payload(cls, path: str, payload: Any) -> "TorchFile":
+    def from_payload(cls, path: str, payload: Any, containers: Tuple[type, ...] = CONTAINERS) -> "TorchFile":
         """The file at ``path`` already unpickled (by ``load_file``) as ``payload``: a restore that
-        needs the payload itself too unpickles the file once."""
+        needs the payload itself too unpickles the file once. Only tensors reached through ``containers``
+        are named (a Lightning restore passes dicts and lists: a tuple, tensors and all, stays in the common
+        state as it was, as a checkpoint the strategies write keeps it)."""
         file = cls.__new__(cls)
-        file._take(path, payload)
+        file._take(path, payload, containers)
         return file
 
-    def _take(self, path: str, payload: Any) -> None:
+    def _take(self, path: str, payload: Any, containers: Tuple[type, ...] = CONTAINERS) -> None:
         self.path = path
         self.tensors: Dict[str, torch.Tensor] = {}
         # A plain state dict: a dict of name -> tensor and nothing else (what the rank-0 API takes).
         self.payload_type = type(payload).__name__
         self.is_state_dict = isinstance(payload, dict) and all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in payload.items())
-        self.common = _split_tensors(payload, path, self.tensors)
+        self.common = _split_tensors(payload, path, self.tensors, containers)
 
     def names(self) -> List[str]:
         return list(self.tensors)
@@ -159,13 +161,22 @@ _DROP = object()
 VIEW_BUDGET_FLOOR, VIEW_BUDGET_FACTOR = INFLATED_FLOOR, INFLATED_FACTOR
 
 
-def _split_tensors(payload: Any, path: str, out: Dict[str, torch.Tensor]) -> Any:
-    """Move the tensor leaves of ``payload`` into ``out``, each named by its path (``/``-joined; a
-    tensor under two paths, tied weights, under both); return what is left (containers left empty
-    are dropped, except at the top). Bounded walks (:mod:`~lightning_distckpt.core.tree_walk`): a
-    tree too deep, cyclic or shared beyond what the file stores is a FormatError naming ``path``."""
-    kept = fold(payload, _kept_leaf, _kept_node, where=f"{path}: torch.save payload")
-    out.update(check_torch_payload(path, payload))
+def _split_tensors(payload: Any, path: str, out: Dict[str, torch.Tensor],
+                   containers: Tuple[type, ...] = CONTAINERS) -> Any:
+    """Move the tensor leaves of ``payload`` reached through ``containers`` into ``out``, each named by
+    its path (``/``-joined; a tensor under two paths, tied weights, under both); return what is left
+    (containers left empty are dropped, except at the top; other values, tensors inside, as they are).
+    Every tensor of the file is checked (:func:`check_torch_payload`), kept in the common state or not.
+    Bounded walks (:mod:`~lightning_distckpt.core.tree_walk`): a tree too deep, cyclic or shared beyond
+    what the file stores is a FormatError naming ``path``."""
+    where = f"{path}: torch.save payload"
+    kept = fold(payload, _kept_leaf, _kept_node, where=where, types=containers)
+    tensors = check_torch_payload(path, payload)
+    if containers != CONTAINERS:  # only those named through ``containers``; the rest stay in their values
+        named = {"/".join(map(str, p)) for p, leaf in walk_paths(payload, where=where, types=containers)
+                 if isinstance(leaf, torch.Tensor)}
+        tensors = {name: t for name, t in tensors.items() if name in named}
+    out.update(tensors)
     if kept is _DROP:
         return {} if isinstance(payload, dict) else None
     return kept
@@ -202,7 +213,7 @@ def _kept_node(node: Any, keys: Optional[List[Any]], parts: List[Any]) -> Any:
     if node and all(p is _DROP for p in parts):
         return _DROP
     rest = [None if p is _DROP else p for p in parts]
-    return type(node)(rest) if isinstance(node, tuple) else rest
+    return rebuilt_tuple(node, rest) if isinstance(node, tuple) else rest  # a namedtuple stays one
 
 
 def _check_kind(path: str, name: str, t: torch.Tensor) -> None:
