@@ -168,7 +168,8 @@ class FabricDistCheckpointStrategy(FabricCollectivesMixin, FabricBackgroundSnaps
                 insert_placeholders(unused, name, loaded[name], placeholders(source, found, name,
                                                                              self.checkpoint_io.extra_safe_globals))
         hold_absent(unused, loaded, held, lambda keys: check_keys(handling, target, (), keys, keys,
-                                                                  unasked=set(found or ())))
+                                                                  unasked=set(found or ())),
+                    strict=not handling.skips_unexpected)
         if REST_KEY in layout.template:
             loaded = place_stored_tensors(loaded, layout, target)
             for name, obj in state.items():

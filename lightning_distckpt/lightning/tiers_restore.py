@@ -151,7 +151,8 @@ def load_like_durable(io: Any, tier: LocalTier, template: Dict[str, Any], point:
     if unused is not None and modules is not None:  # as the durable restore: the absent keys wait for the hooks
         unused.templates = module_templates(template, modules[0])
         hold_absent(unused, loaded, held, lambda keys: check_keys(handling, unused.path, (), keys, keys,
-                                                                  unasked=set(found or ())))
+                                                                  unasked=set(found or ())),
+                    strict=not handling.skips_unexpected)
     return loaded
 
 

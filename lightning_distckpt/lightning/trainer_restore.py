@@ -151,7 +151,8 @@ def load_before_setup(strategy: "DistCheckpointStrategy", path: str, fitting: bo
                                              templates=module_templates(layout.template, ["state_dict"]))
     insert_placeholders(strategy._unused_weights, "state_dict", loaded["state_dict"], unused)
     hold_absent(strategy._unused_weights, loaded, held,
-                lambda keys: check_keys(strict, path, (), keys, keys, unasked=set(found)))
+                lambda keys: check_keys(strict, path, (), keys, keys, unasked=set(found)),
+                strict=not strict.skips_unexpected)
     # A new top level: the optimizer part of the common state stays as read, for the second read.
     checkpoint = dict(loaded)
     stored = checkpoint.pop(OPTIMIZER_ENTRY, None)

@@ -83,15 +83,20 @@ def placeholders(source: CheckpointSource, found: Set[str], entry: str,
                  extra_safe_globals: Sequence[Any] = ()) -> Dict[str, Any]:
     """stored key -> (state-dict name, placeholder) for those of ``found`` (stored keys no rank asks for) in the
     module entry ``entry``: the name where the manifest places the key at ``entry``'s first level, else the key
-    without ``entry/`` or ``entry.``. A key that has no such name is refused now, as the read would have."""
+    without ``entry/`` or ``entry.``. A key of ``entry`` that has no such name is refused now, as the read would
+    have; the keys of other entries (another module of a Fabric state) are theirs, left out here."""
     placed = _manifest_places(source, extra_safe_globals)
     out: Dict[str, Any] = {}
     for key in sorted(found):
         steps = placed.get(key)
         if steps is not None:
-            name = steps[1][1] if len(steps) == 2 and tuple(steps[0]) == ("d", entry) else None
+            if not steps or tuple(steps[0]) != ("d", entry):
+                continue
+            name = steps[1][1] if len(steps) == 2 else None
         else:
             name = next((key[len(entry) + 1:] for sep in "/." if key.startswith(entry + sep)), None)
+            if name is None:
+                continue
         if not isinstance(name, str):  # no state-dict name a hook could drop: refused as the read refuses it
             refuse_unused(source.path, found)
         out[key] = (name, _placeholder(source, key))
@@ -127,17 +132,20 @@ def module_templates(template: Dict[str, Any], entries: Sequence[str]) -> Dict[s
 
 
 def hold_absent(unused: UnusedWeights, loaded: Dict[str, Any], held: Set[str],
-                refuse: Callable[[Set[str]], None]) -> None:
+                refuse: Callable[[Set[str]], None], strict: bool = True) -> None:
     """The module's keys the checkpoint lacks, left by the read for after the user's hooks
     (:func:`~..core.strict.deferring_absent`): their names leave the loaded state dict of their module entry
-    (``loaded[entry]``), so the module's ``load_state_dict(strict=True)`` reports them missing, as stock's does,
-    unless a hook moved a placeholder there. A key that is no first-level ShardedTensor of a module entry
-    (:attr:`UnusedWeights.templates`) has no name a hook could fill: then ``refuse`` gets every held key (the
-    read's own refusal, as it would have been made)."""
+    (``loaded[entry]``), so the module's ``load_state_dict`` reports them missing, as stock's does, unless a hook
+    moved a placeholder there (a ``strict`` one refuses them, a non-strict one names them in its warning,
+    :func:`refusing_placeholders`). A key that is no first-level ShardedTensor of a module entry
+    (:attr:`UnusedWeights.templates`) has no name a hook could fill: where ``strict``, ``refuse`` gets every held
+    key (the read's own refusal, as it would have been made); else those keys alone (logged by the read's mode:
+    no hook can change them)."""
     named = {st.key: (entry, name) for entry, sts in unused.templates.items() for name, st in sts.items()}
-    if any(k not in named for k in held):  # refused now whatever the hooks do: with the rest, as the read refuses
-        refuse(set(held))  # (both sides named together: a compiled submodule's keys beside its optimizer state's)
-    for key in held:
+    unnamed = {k for k in held if k not in named}
+    if unnamed:  # refused now whatever the hooks do: with the rest, as the read refuses
+        refuse(set(held) if strict else unnamed)  # (both sides together: a compiled submodule's beside its optimizer's)
+    for key in set(held) - unnamed:
         entry, name = named[key]
         loaded[entry].pop(name, None)
         unused.held.setdefault(entry, {})[name] = key
@@ -255,13 +263,18 @@ def refusing_placeholders(module: Module, unused: Optional[UnusedWeights], entry
     user's pre-hooks (on the module or a submodule) moved onto its keys are read (:func:`_stand_in`,
     :func:`_read_moved`); those it finds unexpected are taken off its list and, where ``strict``, refused in the
     read's words once it returned (left unused, logged, where not); what else it finds is its own (torch's
-    error, as stock: with keys missing too, the placeholders stay on its list, as stock names both sides)."""
-    if unused is None or not unused.names.get(entry):
+    error, as stock: with keys missing too, the placeholders stay on its list, as stock names both sides). The
+    module's keys the checkpoint lacks (:func:`hold_absent`) that no hook filled are refused with them where
+    ``strict``; else named once, with the unused weights, in one warning in the caller's words (a key a hook
+    filled is named nowhere: stock says nothing of either)."""
+    names, held = (unused.names.get(entry), unused.held.get(entry)) if unused is not None else (None, None)
+    if unused is None or not (names or (held and not strict)):  # strict: torch refuses a held-only entry's keys
         yield
         return
+    names, held = names or {}, held or {}
     left: List[str] = []
+    kept: Set[str] = set()  # held keys no hook filled (non-strict: they keep the module's own values)
     found = _Found()
-    held = unused.held.get(entry, {})
 
     def read_moved(_: Module, __: Any) -> None:  # the root's post-hooks run once every module loaded
         _read_moved(module, unused, entry, strict, found)
@@ -269,19 +282,19 @@ def refusing_placeholders(module: Module, unused: Optional[UnusedWeights], entry
     def take_placeholders(_: Module, incompatible: Any) -> None:
         # torch lets a post-hook edit the lists before its strict check
         left.extend(unused.refused(entry, incompatible.unexpected_keys))
-        incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys
-                                           if k not in unused.names[entry]]
+        incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys if k not in names]
         absent = {held[k] for k in incompatible.missing_keys if k in held}
         if strict and absent:  # no hook filled them: refused in the read's words (both sides, close keys)
             check_keys(StrictHandling.ASSUME_OK_UNEXPECTED, unused.path, (), absent, absent, stored=sorted(left),
                        unasked=set(left))
+        kept.update(absent)
 
     def stand_in(mod: Module, state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
         _stand_in(unused, entry, strict, found, mod, state_dict, prefix)
 
-    handles = [mod.register_load_state_dict_pre_hook(stand_in) for mod in module.modules()]
-    handles += [module.register_load_state_dict_post_hook(read_moved),
-                module.register_load_state_dict_post_hook(take_placeholders)]
+    handles = [mod.register_load_state_dict_pre_hook(stand_in) for mod in module.modules()] if names else []
+    handles += [module.register_load_state_dict_post_hook(read_moved)] if names else []
+    handles += [module.register_load_state_dict_post_hook(take_placeholders)]
     try:
         yield
     finally:
@@ -289,6 +302,14 @@ def refusing_placeholders(module: Module, unused: Optional[UnusedWeights], entry
             handle.remove()
     if strict:
         refuse_unused(unused.path, set(left))
-    elif left:
-        log.warning("checkpoint %s: its module weights %s are left unused (%s)", unused.path, sorted(left),
-                    unused.lenient)
+    elif left or kept:
+        _warn_lenient(unused, sorted(left), sorted(kept))
+
+
+def _warn_lenient(unused: UnusedWeights, left: List[str], kept: List[str]) -> None:
+    """A non-strict load's one warning once the module's hooks ran: the module's keys the checkpoint lacks that no
+    hook filled (``kept``: they keep the module's own values) and the checkpoint's module weights left unused
+    (``left``), each named once, in the caller's words (:attr:`UnusedWeights.lenient`)."""
+    said = ([f"the module's keys {kept} are not in it and keep their own values"] if kept else []) + (
+        [f"its module weights {left} are left unused"] if left else [])
+    log.warning("checkpoint %s: %s (%s)", unused.path, "; ".join(said), unused.lenient)

@@ -194,9 +194,10 @@ def match_keys(source: Optional[CheckpointSource], req: LoadRequest, comm: Comm,
         deferred.update(unused)
         missing = missing - unused  # logged by the caller after the hooks, which may drop or rename them
         held = deferred_absent()
-        if held is not None and unused and every and not strict.skips_unexpected:
+        if held is not None and unused and every:
             # a hook may rename one of those unused weights onto a key the checkpoint lacks: the caller checks
-            # them after the hooks too (every rank's keys, so every rank decides alike); the reads skip them
+            # them after the hooks too (every rank's keys, so every rank decides alike; a non-strict load names
+            # there the ones no hook filled, not here before the hooks ran); the reads skip them
             held.update(every)
             every, mine = set(), set()
         unused = set()
