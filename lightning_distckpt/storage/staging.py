@@ -315,7 +315,14 @@ def warn_about_leftovers(target: str, own_staging: str) -> None:
         logger.warning("checkpoint %s: another save to it is running on this host (pid %s, writing %s): whichever "
                        "commits last replaces the other's checkpoint; give each job its own folder", target,
                        ", ".join(map(str, running[0].live_owner_pids)), running[0].path)
-    leftovers = [lo for lo in found if not lo.live_owner_pids]
+    idle = [lo for lo in found if not lo.live_owner_pids]
+    # a symbolic link, or a user's directory a removal put aside: not a save's, and clean leaves them alone
+    alien = [lo for lo in idle if lo.verdict(math.inf) in ("link", "not-ours")]
+    if alien:
+        logger.warning("checkpoint %s: %s beside it %s not ours (%s) and left alone, by clean too", target,
+                       ", ".join(os.path.basename(lo.path) for lo in alien), "is" if len(alien) == 1 else "are",
+                       alien[0].reason(alien[0].verdict(math.inf), math.inf))
+    leftovers = [lo for lo in idle if lo not in alien]
     if not leftovers:
         return
     kept = [lo for lo in leftovers if lo.verdict(math.inf) in ("recover", "newer")]

@@ -137,3 +137,29 @@ def test_loading_a_link_to_a_save_that_never_committed_names_the_good_checkpoint
     # a committed copy stranded by an interrupted rename is renamed into place by the load
     os.rename(tmp_path / "step=2.ckpt", new_staging_dir(str(tmp_path / "step=2.ckpt")))
     assert torch.equal(ldc.load(template, tmp_path / "step=2.ckpt")["w"], torch.arange(4096.0))
+
+
+def test_next_save_does_not_count_what_is_not_ours_as_its_leftovers(tmp_path, caplog, capsys):
+    """A user's directory left at a removal's aside name and a symbolic link at a staging name: the next save
+    names them as not ours and left alone (clean leaves them too), and does not count them as staging directories
+    of earlier saves for clean to remove (before: "2 staging directories of earlier saves ... Remove them with
+    clean", which refuses both)."""
+    from lightning_distckpt.storage.staging import removal_aside
+    from user_files import tree_digest, users_dir
+
+    target = tmp_path / "ck"
+    mine = users_dir(removal_aside(str(target)))
+    kept = tree_digest(mine)
+    link = new_staging_dir(str(target))
+    os.symlink(str(tmp_path / "elsewhere"), link)
+    with caplog.at_level("WARNING", logger="lightning_distckpt"):
+        ldc.save(good_state(), target)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    said = warnings[0]
+    assert os.path.basename(mine) in said and os.path.basename(link) in said and "not ours" in said, said
+    assert "never committed" not in said and "Remove them" not in said, said
+    actions = clean(capsys, tmp_path, "--older-than", "0")
+    assert {actions[os.path.basename(p)]["action"] for p in (mine, link)} == {"kept"}, actions
+    assert tree_digest(mine) == kept and os.path.islink(link)
+    assert torch.equal(ldc.load_plain_tensors(target)["w"], torch.arange(4096.0))
