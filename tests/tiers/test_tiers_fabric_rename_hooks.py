@@ -3,13 +3,16 @@ the saved layer, beside the durable ``fabric.load`` of the same step.
 
 One real 2-rank run (forked as torchrun would start them; each rank its own simulated node, each saving its node's
 copy): a module with a LayerNorm ``norm`` saved at step 1 by ``fabric.save`` (durable) and ``FabricTiers.save``
-(local), under ``FabricDistCheckpointStrategy`` at TP 1 and 2; then restored into a module whose LayerNorm is
-``post``, with (``pre``) a pre-hook renaming ``norm.*`` onto ``post.*`` or (``none``) no hook, strict and not, from
-the durable checkpoint (``fabric.load``) and from the local tier (``FabricTiers.restore``). The local restore must
-end as the durable one: the saved values bit-exact under the new names (was: strict refused before the hooks ran,
-non-strict kept the fresh layer silently), the same refusal, and a non-strict unused layer named in Fabric's words.
+(local), under ``FabricDistCheckpointStrategy`` at TP 1 and 2 and under ``FabricDistCheckpointModelParallelStrategy``
+(FSDP2 over both ranks); then restored into a module whose LayerNorm is ``post``, with (``pre``) a pre-hook renaming
+``norm.*`` onto ``post.*`` or (``none``) no hook, strict and not, from the durable checkpoint (``fabric.load``) and
+from the local tier (``FabricTiers.restore``). The local restore must end as the durable one: the saved values
+bit-exact under the new names (was: strict refused before the hooks ran, non-strict kept the fresh layer silently),
+the same refusal, and a non-strict unused layer named in Fabric's words. (Under the FSDP2 strategy the durable load
+itself plans by the module's keys, as stock ``ModelParallelStrategy``'s does: the tier matches it there.)
 """
 
+import re
 import textwrap
 
 import pytest
@@ -22,7 +25,7 @@ RUNS = textwrap.dedent('''
     import torch
     from lightning.fabric import Fabric
     import lightning_distckpt
-    from lightning_distckpt.lightning import FabricDistCheckpointStrategy
+    from lightning_distckpt.lightning import FabricDistCheckpointModelParallelStrategy, FabricDistCheckpointStrategy
     from lightning_distckpt.lightning.fabric_tiers import FabricTiers
     from lightning_distckpt.lightning.parallel import module_sharded_state_dict, parallel_state_of
     from script_ranks import outcome, write_outcomes
@@ -42,7 +45,7 @@ RUNS = textwrap.dedent('''
         for key in [k for k in sd if k.startswith(prefix + "norm.")]:
             sd[prefix + "post." + key[len(prefix + "norm."):]] = sd.pop(key)
 
-    class Net(torch.nn.Module):
+    class PlainNet(torch.nn.Module):
         """fc then a LayerNorm: ``norm`` with values unlike a fresh one's (saved), or ``post`` (restored)."""
         def __init__(self, saved, hook="none"):
             super().__init__()
@@ -59,11 +62,23 @@ RUNS = textwrap.dedent('''
                 if hook == "pre":
                     self._register_load_state_dict_pre_hook(lambda sd, prefix, *a: rename(sd, prefix))
 
+    class Net(PlainNet):
         def sharded_state_dict(self, prefix=""):  # under TP 2 a module describes its tensors: all replicated here
             return module_sharded_state_dict(self, prefix, replica_id=parallel_state_of(self).replicated_id)
 
-    def values(module):
-        return {k: v.tolist() for k, v in module.state_dict().items()}
+    def values(module):  # whole (collective for FSDP2's DTensors)
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist()
+                for k, v in module.state_dict().items()}
+
+    def fsdp(model, mesh):
+        from torch.distributed.fsdp import fully_shard
+        return fully_shard(model, mesh=mesh["data_parallel"])
+
+    def strategy(kind, where):  # mp: FSDP2 over both ranks, the module's own state dict (no sharded_state_dict)
+        if kind == "mp":
+            return FabricDistCheckpointModelParallelStrategy(fsdp, data_parallel_size=2, tensor_parallel_size=1,
+                                                             checkpoint=tier_config(where))
+        return FabricDistCheckpointStrategy(tensor_parallel_size=int(kind[2:]), checkpoint=tier_config(where))
 
     def words(message, durable):  # each rank may name its own node's copy; the durable load names its path
         return re.sub(r"/node\\d/", "/node?/", message.replace(durable, "<durable>"))
@@ -72,12 +87,12 @@ RUNS = textwrap.dedent('''
     res = {"package": os.path.dirname(lightning_distckpt.__file__)}
     fresh = torch.nn.LayerNorm(4)
     res["fresh_post"] = {"post.weight": fresh.weight.tolist(), "post.bias": fresh.bias.tolist()}
-    for kind, tp in (("tp1", 1), ("tp2", 2)):
+    for kind in ("tp1", "tp2", "mp"):
         where = os.path.join(root, kind)
-        fabric = Fabric(accelerator="cpu", devices=2,
-                        strategy=FabricDistCheckpointStrategy(tensor_parallel_size=tp, checkpoint=tier_config(where)))
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy(kind, where))
         fabric.launch()
-        saved = Net(True)
+        Model = PlainNet if kind == "mp" else Net
+        saved = Model(True)
         state = {"model": fabric.setup_module(saved), "step": 1}
         durable = os.path.join(where, "durable")
         fabric.save(durable, state)
@@ -88,7 +103,7 @@ RUNS = textwrap.dedent('''
         res[f"{kind}/saved"] = {k.replace("norm.", "post."): v for k, v in values(saved).items()}
 
         def restore(how, hook, strict):
-            model = Net(False, hook)
+            model = Model(False, hook)
             state = {"model": fabric.setup_module(model), "step": 0}
             start = len(SAID.lines)
             point = None
@@ -163,3 +178,35 @@ def test_without_a_hook_a_lenient_restore_keeps_post_fresh_in_fabrics_words(runs
     for got in (durable, tier):
         assert len(got["said"]) == 1, got["said"]
         assert "fabric.load(..., strict=False)" in got["said"][0] and "strict_loading" not in got["said"][0], got
+
+
+def _same_words(outcome):
+    """``outcome`` with the checkpoint it names (the durable path, or a node's local step) as one word."""
+    def words(text):
+        return re.sub(r"\S*/local/node\?/step_\d+", "<checkpoint>", text).replace("<durable>", "<checkpoint>")
+    out = dict(outcome)
+    if "message" in out:
+        out["message"] = words(out["message"])
+    if "said" in out:
+        out["said"] = [words(line) for line in out["said"]]
+    return out
+
+
+@pytest.mark.parametrize("hook", ["pre", "none"])
+@pytest.mark.parametrize("strict", STRICTS)
+def test_model_parallel_restores_from_the_local_tier_as_its_durable_load(runs, hook, strict):
+    """FSDP2 (FabricDistCheckpointModelParallelStrategy): the local restore ends as fabric.load of the durable
+    checkpoint of the same step, hook or not, strict or not: the same values bit for bit, the same error in the
+    same words, the same warnings about norm.*. Under this strategy the read plans by the module's own keys (as
+    stock ModelParallelStrategy's DCP load does), so a renaming pre-hook finds nothing to rename: strict refuses
+    the checkpoint's norm.* beside the module's post.*, non-strict keeps post.* fresh and says so."""
+    durable, tier = runs[f"mp/durable/{hook}/{strict}"], runs[f"mp/tier/{hook}/{strict}"]
+    want = _same_words(durable if durable["type"] is not None else {**durable, "point": [1, "local"]})
+    assert _same_words(tier) == want, (tier, durable)
+    if strict == "strict":
+        assert durable["type"] == "MissingKeysError" and "model/norm.weight" in durable["message"], durable
+    else:
+        saved = runs["mp/saved"]
+        assert durable["values"] == {**{k: v for k, v in saved.items() if k.startswith("fc.")},
+                                     **runs["fresh_post"]}, durable
+        assert len(durable["said"]) == 1 and "model/post.weight" in durable["said"][0], durable
