@@ -30,6 +30,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from ..comm import Comm, Pending
+from ..comm_bytes import backend_refs, settle
 from ..core.errors import CheckpointingError, FormatError
 from ..core.shown import quoted
 from ..core.tensor_bytes import byte_view
@@ -58,9 +59,11 @@ class TransferStats:
 class _Posted:
     op: SendOp
     buffer: torch.Tensor
-    work: Pending
+    work: Optional[Pending]  # None once waited for
     extra: int
     direct: Optional[str] = None  # name of the shard the buffer is (received straight into it)
+    message: Optional[torch.Tensor] = None  # the bytes the backend was given (a view of ``buffer``)
+    refs: Optional[int] = None  # references to ``message`` before its broadcast (comm_bytes.settle)
 
 
 @dataclass
@@ -136,10 +139,12 @@ class Transfer:
         self._extra += extra
         self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self._inflight)
         self.stats.peak_extra_bytes = max(self.stats.peak_extra_bytes, self._extra)
-        work = self.comm.broadcast_tensor(byte_view(buffer), 0)
+        message = byte_view(buffer)
+        refs = backend_refs(message)
+        work = self.comm.broadcast_tensor(message, 0)
         self.stats.ops += 1
         self.stats.bytes_moved += op.nbytes
-        return _Posted(op, buffer, work, extra, direct)
+        return _Posted(op, buffer, work, extra, direct, message, refs)
 
     def _buffer(self, op: SendOp, pending: Deque[_Posted]) -> "tuple[torch.Tensor, int, Optional[str]]":
         """The op's buffer: :meth:`_fill` (rank 0) or :meth:`_receive_buffer`. One that cannot be allocated
@@ -225,7 +230,15 @@ class Transfer:
         return torch.empty(op.nbytes, dtype=torch.uint8, device=self.device), op.nbytes, None
 
     def _finish(self, posted: _Posted) -> None:
-        posted.work.wait()
+        work, posted.work = posted.work, None
+        assert work is not None
+        work.wait()
+        # gloo's worker lets go of the message a moment after the wait: until it has, memory this rank frees
+        # (a failed rank's shards, dropped for its spare buffer) is not given back, and a process ending then
+        # may abort (comm_bytes). None left referenced here: then wait for the backend.
+        del work
+        settle(posted.message, posted.refs)
+        posted.message = None
         if self.source is None and posted.direct is None and not self._failed:
             for item in posted.op.items:
                 box = posted.buffer[item.start:item.start + item.nbytes].view(item.dtype).view(item.shape)
