@@ -19,6 +19,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from lightning_distckpt.comm import Comm, Pending
+from lightning_distckpt.comm_bytes import backend_refs, settle
 from lightning_distckpt.core.errors import CheckpointingError, FormatError
 
 Manifest = List[Tuple[str, int]]  # (relative path, size) of each file of an item
@@ -217,6 +218,7 @@ def _round(comm: Comm, pieces: List[Piece], sources: Dict[Tuple[int, str], str],
     maps = _Mapped()
     mine: List[Tuple[int, Piece, torch.Tensor]] = []
     pending: List[Pending] = []
+    refs: List[Optional[int]] = []  # each view's references before its message (comm_bytes.settle)
     received = 0
     try:
         error: Optional[Exception] = None
@@ -234,13 +236,19 @@ def _round(comm: Comm, pieces: List[Piece], sources: Dict[Tuple[int, str], str],
                 f"local tier: mapping {path} to transfer it failed: {type(e).__name__}: {e}")
         comm.agree("local tier: transferring the local copies failed", error)
         for tag, p, view in mine:
+            refs.append(backend_refs(view))
             if p.dst == comm.rank:
                 pending.append(comm.irecv(view, p.src, tag=tag))
                 received += p.length
             else:
                 pending.append(comm.isend(view, p.dst, tag=tag))
-        for work in pending:
-            work.wait()
+        for i in range(len(pending)):  # (no loop variable left holding the last work: settle waits on it)
+            pending[i].wait()
+        pending.clear()
+        # gloo lets go of a message's tensor a moment after its wait: a view still held cannot be unmapped
+        # (maps.close leaves it mapped), and its release at exit would need the GIL (comm_bytes).
+        for (_, _, view), count in zip(mine, refs):
+            settle(view, count)
     finally:
         mine.clear()
         pending.clear()  # the works hold the tensors over the maps: released before unmapping

@@ -76,6 +76,8 @@ def fsync(fd):
         os.kill(os.getpid(), sig[0])
     return real(fd)
 os.fsync = fsync
+# Ctrl-C as in a terminal: a process started in the background (`cmd &`, as CI may be) inherits SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def listed(root):  # a rank store's files by kind only (an OCDBT store's file names differ by run)
     entries = (os.path.relpath(os.path.join(d, n), root) for d, ds, fs in os.walk(root) for n in ds + fs)
     return sorted({re.sub(r"(/data/rank_[0-9]+/[^/]+)/.*", r"\\1/...", e) for e in entries})
@@ -268,6 +270,7 @@ def fsync(fd):
         os.kill(os.getpid(), sig[0])
     return real(fd)
 os.fsync = fsync
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even when started with `&`
 class Arm(Callback):  # user callbacks run before ModelCheckpoint's own hooks
     def __init__(self, n):
         self.n = n
