@@ -116,7 +116,9 @@ def _shown_value(value: Any) -> str:
     if isinstance(value, type):
         return f"the class {value.__name__}"
     if isinstance(value, (str, os.PathLike)):
-        return f"{type(value).__name__} {os.fspath(value)!r:.80}"
+        # a path is shown whole (a cut one is no help finding the file); only a long str is cut, visibly
+        text = repr(os.fspath(value))
+        return f"{type(value).__name__} {text if len(text) <= 300 else text[:300] + '...'}"
     return f"an instance of {type(value).__name__}"
 
 
