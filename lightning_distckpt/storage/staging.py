@@ -24,6 +24,7 @@ import shlex
 import shutil
 import socket
 import stat
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -51,7 +52,29 @@ def discard(staging: Optional[str]) -> None:
     if staging and is_staging_dir(staging):
         with _OWN_LOCK:
             _OWN_STAGING.discard(os.path.abspath(staging))
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_tree(staging)
+
+
+def _remove_tree(path: str) -> None:
+    """``rmtree`` that says when it could not: a failed save's staging directory left behind silently
+    looks like a killed save's to ``clean`` and is a checkpoint's worth of space. Tried twice (an entry
+    made while the first walk ran, e.g. by a helper thread still closing a file, is gone the second time)."""
+    errors: List[str] = []
+    if sys.version_info >= (3, 12):  # onerror is deprecated there
+        said = {"onexc": lambda _f, where, e: errors.append(f"{where}: {e}")}
+    else:
+        said = {"onerror": lambda _f, where, info: errors.append(f"{where}: {info[1]}")}
+    for _ in range(2):
+        errors.clear()
+        shutil.rmtree(path, **said)
+        if not os.path.lexists(path):
+            return
+    try:
+        left = sorted(os.listdir(path))[:8]
+    except OSError as e:
+        left = [f"(unlistable: {e})"]
+    logger.warning("could not remove the staging directory %s of a failed save (`clean` removes it once no save "
+                   "writes there): %s; left in it: %s", path, "; ".join(errors[:3]) or "no error reported", left)
 
 
 @contextlib.contextmanager
