@@ -178,13 +178,19 @@ def _parts(args: argparse.Namespace) -> Tuple[Any, ...]:
 
         def __init__(self) -> None:
             self.record: Dict[str, Any] = {}
+            self.marks: Dict[str, Any] = {}
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            # where "start s" goes: launch, imports and the process group before this; then setup and restore
+            self.marks = {"setup_s": time.time() - args.t0, "setup_cpu_s": time.process_time()}
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             now = time.time()
             if not self.record:
                 self.record = {"to_first_step_s": now - args.t0, "first_step": trainer.global_step,
                                "cpu_first": time.process_time(), "restore_s": trainer.strategy.restore_s,
-                               "restore_cpu_s": getattr(trainer.strategy, "restore_cpu_s", 0.0), "t_first": now}
+                               "restore_cpu_s": getattr(trainer.strategy, "restore_cpu_s", 0.0), "t_first": now,
+                               **self.marks}
                 if args.phase == "restart":
                     self._exit(trainer)
             if trainer.global_step == args.fail_at:
