@@ -166,10 +166,12 @@ def failures(args: argparse.Namespace, res: Dict[str, Any]) -> None:
     res["failures_global_step"] = t.global_step
     res["good_ckpt_intact"] = os.path.isfile(os.path.join(path, "COMMITTED"))
     res["leftovers"] = sorted(n for n in os.listdir(os.path.dirname(path)) if n != "ckpt")
-    # what each holds, for the failure message (one was seen once under a loaded full run: which rank's files?)
     res["leftover_trees"] = {n: sorted(os.path.relpath(os.path.join(d, f), os.path.dirname(path))
                                        for d, _, fs in os.walk(os.path.join(os.path.dirname(path), n)) for f in fs)
-                             for n in res["leftovers"]}
+                             for n in res["leftovers"]}  # what each holds, for the failure message
+    # Every rank has looked before rank 0 saves "plain" beside "ckpt": a rank still listing the folder saw that
+    # save's staging directory as a leftover (a loaded run, once: `.distckpt-staging-obwgc2lo-...`, "plain")
+    t.strategy.barrier()
     # A checkpoint the plugin wrote under a rank-0-only strategy is read by its tensors' paths; one that
     # lacks what the module holds is refused naming the stored keys, on every rank.
     plain = os.path.join(args.dir, "fail", "plain")
