@@ -57,18 +57,16 @@ def discard(staging: Optional[str]) -> None:
 
 def _remove_tree(path: str) -> None:
     """``rmtree`` that says when it could not: a failed save's staging directory left behind silently
-    looks like a killed save's to ``clean`` and is a checkpoint's worth of space. Tried twice (an entry
-    made while the first walk ran, e.g. by a helper thread still closing a file, is gone the second time)."""
+    looks like a killed save's to ``clean`` and is a checkpoint's worth of space. Removes all it can (as
+    ``ignore_errors``), noting each failure with its full path (an error rmtree raises names the entry alone)."""
     errors: List[str] = []
     if sys.version_info >= (3, 12):  # onerror is deprecated there
         said = {"onexc": lambda _f, where, e: errors.append(f"{where}: {e}")}
     else:
         said = {"onerror": lambda _f, where, info: errors.append(f"{where}: {info[1]}")}
-    for _ in range(2):
-        errors.clear()
-        shutil.rmtree(path, **said)
-        if not os.path.lexists(path):
-            return
+    shutil.rmtree(path, **said)
+    if not os.path.lexists(path):
+        return
     try:
         left = sorted(os.listdir(path))[:8]
     except OSError as e:
