@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -28,8 +29,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+_RANDOM = random.SystemRandom()  # not the seeded module state forked children share
+_PORT_BAND = 2000  # ports per xdist worker, below the kernel's ephemeral range (32768-60999 by default)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback port free now, for a test's process group or server. Not one the kernel hands out (bind to
+    port 0): between this check and the TCPStore's listen, any connection of another test running at the same
+    time (xdist workers) could take such a port as its source port (seen: EADDRINUSE, then the other rank's
+    120 s connect timeout). So a port from this xdist worker's own band below the ephemeral range."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = 20000 + (index % 6) * _PORT_BAND
+    for _ in range(200):
+        port = base + _RANDOM.randrange(_PORT_BAND)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the band is full: any port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
