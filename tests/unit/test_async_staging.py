@@ -47,3 +47,38 @@ def test_snapshot_reuses_the_pool():
     first = {s.key: s.data.data_ptr() for s in pool.stage(plan.staged)}
     pool.prepare(plan)  # the next save of the same layout
     assert {s.key: s.data.data_ptr() for s in pool.stage(plan.staged)} == first
+
+
+def test_a_changed_layout_is_laid_out_anew_and_copied_exactly():
+    """The next save takes the last save's buffers only for the same shards in the same order with the same
+    shapes and dtypes: a shard reshaped, retyped, added or reordered gets buffers of its own shape."""
+    shards = _shards()
+    pool = StagingPool()
+    pool.prepare(plan_staging(shards, None))
+    pool.stage(plan_staging(shards, None).staged)
+    big = max(pool.nbytes, 1 << 16)
+    changes = {
+        "reshaped": [w._replace(data=torch.randn(4, 3)) if w.key == "param" else w for w in shards],
+        "retyped": [w._replace(data=w.data.double()) if w.key == "half" else w for w in shards],
+        "reordered": list(reversed(shards)),
+        "added": shards + [ShardWrite("new", 0, torch.arange(6.0))],
+    }
+    for name, changed in changes.items():
+        plan = plan_staging(changed, None)
+        pool.prepare(plan)
+        assert pool.nbytes <= big, name
+        staged = pool.stage(plan.staged)
+        for s, src in zip(staged, changed):
+            want = src.data.detach().resolve_conj().resolve_neg()
+            assert s.key == src.key and s.data.shape == want.shape and s.data.dtype == want.dtype, (name, s.key)
+            assert torch.equal(s.data, want), (name, s.key)
+
+
+def test_release_lets_go_of_the_pool():
+    """Released, the pool keeps no view of its memory (a kept view would keep the memory)."""
+    shards = _shards()
+    pool = StagingPool()
+    pool.prepare(plan_staging(shards, None))
+    pool.stage(plan_staging(shards, None).staged)
+    pool.release()
+    assert pool.nbytes == 0 and not pool.views and pool._placement is None
