@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import threading
 from concurrent.futures import Future
@@ -29,6 +28,7 @@ from .safe_pickle import write_file_durable
 from .swap import NO_EXCHANGE_ENV, exchange_paths  # noqa: F401 (NO_EXCHANGE_ENV: tests set it)
 from .workers import KeptWorkers
 from .output_files import is_torch_archive
+from .remove_tree import remove_tree
 from .stock_checkpoints import USER_TORCH_FILE, is_stock_dcp_dir, is_stock_lightning_file
 from .staging import (OWNERS_DIR, STAGING_TAG, commit_time, is_removal_aside, is_staging_dir, live_owner_pids,
                       names_target, remove_owner_notes)
@@ -392,7 +392,7 @@ def _is_moved_aside(path: str) -> bool:
 
 def _remove(path: str) -> bool:  # a replaced checkpoint: a directory, or a stock Lightning checkpoint file
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
+        return remove_tree(path, f"the previous checkpoint {path}, replaced by a new one")
     else:
         with contextlib.suppress(OSError):
             os.remove(path)

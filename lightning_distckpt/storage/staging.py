@@ -24,7 +24,6 @@ import shlex
 import shutil
 import socket
 import stat
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from ..core.errors import CheckpointingError, FormatError, naming_file
 from .layout import COMMIT_MARKER, is_committed, is_our_committed_checkpoint, is_our_marker, parse_json
 from .paths import MARKER_CAP, holds_nothing, read_inside
 from .removal_aside import ours_to_clean
+from .remove_tree import remove_tree
 from .staging_names import (OWNERS_DIR, REMOVAL_SUFFIX, STAGING_TAG, is_removal_aside,  # noqa: F401 (importable
                             is_staging_dir, names_target, new_staging_dir, removal_aside, target_of)  # from here)
 
@@ -52,27 +52,8 @@ def discard(staging: Optional[str]) -> None:
     if staging and is_staging_dir(staging):
         with _OWN_LOCK:
             _OWN_STAGING.discard(os.path.abspath(staging))
-        _remove_tree(staging)
-
-
-def _remove_tree(path: str) -> None:
-    """``rmtree`` that says when it could not: a failed save's staging directory left behind silently
-    looks like a killed save's to ``clean`` and is a checkpoint's worth of space. Removes all it can (as
-    ``ignore_errors``), noting each failure with its full path (an error rmtree raises names the entry alone)."""
-    errors: List[str] = []
-    if sys.version_info >= (3, 12):  # onerror is deprecated there
-        said = {"onexc": lambda _f, where, e: errors.append(f"{where}: {e}")}
-    else:
-        said = {"onerror": lambda _f, where, info: errors.append(f"{where}: {info[1]}")}
-    shutil.rmtree(path, **said)
-    if not os.path.lexists(path):
-        return
-    try:
-        left = sorted(os.listdir(path))[:8]
-    except OSError as e:
-        left = [f"(unlistable: {e})"]
-    logger.warning("could not remove the staging directory %s of a failed save (`clean` removes it once no save "
-                   "writes there): %s; left in it: %s", path, "; ".join(errors[:3]) or "no error reported", left)
+        remove_tree(staging, f"the staging directory {staging} of a failed save (`clean` removes it once no save "
+                    "writes there)")
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from typing import Any, Optional, Tuple
 from lightning_distckpt.core.errors import ArgumentError, CheckpointingError, SaveFailedError
 from lightning_distckpt.saving.async_save import AsyncSaveRequest
 from lightning_distckpt.storage.layout import COMMIT_MARKER, COMMON_FILE, DATA_DIR, METADATA_FILE, rank_dir
+from lightning_distckpt.storage.remove_tree import remove_tree
 from lightning_distckpt.storage.staging import discard, is_staging_dir, live_owner_pids, names_target
 from lightning_distckpt.tiers.context import TMP_PREFIX, TierContext, test_point
 from lightning_distckpt.tiers.node_store import (NodeLocalStore, check_data_dir, committed_steps, remove_step,
@@ -161,9 +162,9 @@ def prune(ctx: TierContext, step: int, keep: int) -> None:
                 and names_target(path, os.path.basename(current)):
             continue
         if not live_owner_pids(path):
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path, f"the local tier's unfinished save {path}")
     for path in tier_tmp_dirs(ctx.root, TMP_PREFIX):
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path, f"the local tier's temporary directory {path}")
     if drop:
         logger.debug("local tier: node %s removed steps %s", ctx.node, [s.step for s in drop])
 

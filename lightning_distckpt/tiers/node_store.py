@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from lightning_distckpt.storage.layout import COMMIT_MARKER, DATA_DIR, is_commit
 from lightning_distckpt.storage.local_store import LocalStore
 from lightning_distckpt.storage.options import StorageOptions
 from lightning_distckpt.storage.paths import kind_of, read_inside, refuse_link
+from lightning_distckpt.storage.remove_tree import remove_tree
 from lightning_distckpt.storage.safe_pickle import write_file_durable
 from lightning_distckpt.storage.staging import is_staging_dir
 from lightning_distckpt.storage.stores import register_store
@@ -179,7 +179,7 @@ def remove_step(path: str) -> None:
         os.remove(os.path.join(path, COMMIT_MARKER))
     except FileNotFoundError:
         pass
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path, f"the local tier's step directory {path}")
 
 
 class NodeLocalStore(LocalStore):
