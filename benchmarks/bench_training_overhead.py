@@ -42,7 +42,9 @@ wall times stretch with the load, CPU seconds much less. Rounds are interleaved 
 every size and contestant once, the order rotated each round); medians over rounds with a 90%
 bootstrap interval (rounds resampled, fixed seed); ``s lost per ckpt`` = (fit s - its baseline's
 fit s) / checkpoints, the interval from resampling rounds in pairs. ``--py-spy DIR`` records each
-run's ranks (collapsed stacks, thread ids, idle frames, GIL held marked) for profiling.
+run's ranks (collapsed stacks, thread ids, idle frames, GIL held marked) for profiling;
+``BENCH_PROFILE_SAVES=DIR`` writes a cProfile of each rank's ``trainer.save_checkpoint`` calls there
+(``saves_rank<N>.prof``, all of a fit's saves together).
 
 ``training thread page faults`` are the training thread's minor faults over the fit (slowest rank),
 ``state copy s`` the time one rank takes to copy its parameters and optimizer state once into
@@ -178,11 +180,23 @@ def _recorder() -> Any:
             self.faults0 = _thread_faults()
             save = trainer.save_checkpoint
 
+            profile_dir = os.environ.get("BENCH_PROFILE_SAVES")  # a cProfile of the saves per rank, there
+            prof = None
+            if profile_dir:
+                import cProfile
+
+                prof = cProfile.Profile()
+
             def timed(*a: Any, **k: Any) -> Any:
                 t = time.perf_counter()
+                if prof is not None:
+                    prof.enable()
                 try:
                     return save(*a, **k)
                 finally:
+                    if prof is not None:
+                        prof.disable()
+                        prof.dump_stats(os.path.join(profile_dir, f"saves_rank{trainer.global_rank}.prof"))
                     self.saves.append(time.perf_counter() - t)
 
             trainer.save_checkpoint = timed  # what ModelCheckpoint calls
