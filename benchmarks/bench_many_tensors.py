@@ -4,10 +4,10 @@
 
 State: ``--tensors`` fp32 tensors of ``--numel`` elements each on ``--world`` gloo CPU processes;
 even-numbered ones split along dim 0 over the ranks (ShardedTensors, rank r holds chunk r), odd ones
-replicated (every rank the same data, rank 0's replica the main one). Saved once with
-``lightning_distckpt.save``; then, per repeat (the order of the contestants rotates), each
-contestant loads cold (the page cache of every file of the checkpoint dropped first, as
-``common.drop_page_cache`` does) and then warm:
+replicated (every rank the same data, rank 0's replica the main one). Saved with
+``lightning_distckpt.save``, then saved again over itself (``save_over_s``: as a save of ``last`` does);
+then, per repeat (the order of the contestants rotates), each contestant loads cold (the page cache of
+every file of the checkpoint dropped first, as ``common.drop_page_cache`` does) and then warm:
 
 * ``every_rank`` / ``parallel`` / ``two_stage``: ``lightning_distckpt.load`` with that loader,
   in place into a zeroed template;
@@ -92,6 +92,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
         dest = {k: torch.zeros_like(t) for k, t in mine.items()}
         ckpt, ref = os.path.join(args.dir, "ckpt"), os.path.join(args.dir, "ref.pt")
         save_s = _timed(lambda: ldc.save(_sharded(full, mine, rank, world), ckpt))
+        # again over it, as a save of `last` does: the target is checked before writing and at the swap
+        save_over_s = _timed(lambda: ldc.save(_sharded(full, mine, rank, world), ckpt))
         if rank == 0:
             with open(ref, "wb") as f:
                 torch.save(full, f)
@@ -130,6 +132,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                         raise AssertionError(f"{name} ({how}) loaded wrong values")
         if rank == 0:
             out["save_s"] = save_s
+            out["save_over_s"] = save_over_s
             out["times"] = times
     finally:
         dist.destroy_process_group()
@@ -160,7 +163,7 @@ def main(argv: List[str] | None = None) -> int:
             out = manager.dict()
             mp.start_processes(_worker, args=(args.world, free_port(), args, out), nprocs=args.world,
                                join=True, start_method="spawn")
-            save_s, times = out["save_s"], dict(out["times"])
+            save_s, save_over_s, times = out["save_s"], out["save_over_s"], dict(out["times"])
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     load_after = os.getloadavg()
@@ -168,7 +171,8 @@ def main(argv: List[str] | None = None) -> int:
     rows = [[n, f"{m['cold']:.3f}", f"{m['warm']:.3f}", f"{m['cold'] / med['torch']['cold']:.2f}x"]
             for n, m in med.items()]
     table = fmt_table(["loader", "cold load s", "warm load s", "cold / torch.load cold"], rows)
-    print(f"{args.tensors} tensors of {args.numel} fp32 on {args.world} ranks (code: {code}); save {save_s:.3f} s")
+    print(f"{args.tensors} tensors of {args.numel} fp32 on {args.world} ranks (code: {code}); save {save_s:.3f} s, "
+          f"again over it {save_over_s:.3f} s")
     print(table)
     print(f"load average (1, 5, 15 min) before: {' '.join(f'{x:.1f}' for x in load_before)}, after: "
           f"{' '.join(f'{x:.1f}' for x in load_after)} on {os.cpu_count()} CPUs")
@@ -179,7 +183,8 @@ def main(argv: List[str] | None = None) -> int:
             json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "code": code,
                        "machine": machine_summary(), "loadavg_before": load_before, "loadavg_after": load_after,
                        "seconds": round(time.time() - started, 1), "args": {k: v for k, v in vars(args).items()},
-                       "save_s": save_s, "times": times, "medians": med, "table": table}, f, indent=1)
+                       "save_s": save_s, "save_over_s": save_over_s, "times": times, "medians": med, "table": table},
+                      f, indent=1)
     return 0
 
 
