@@ -172,10 +172,8 @@ def _names_our_format(metadata_file: str) -> bool:
     is ours: known from its first bytes where they are ours as a save writes them, else parsed whole. A save
     over a checkpoint asks this twice (before writing, and at the swap), and a 10,000-tensor checkpoint's
     index is 1.5 MB, 30 ms a parse; an index that begins as ours and is damaged further on is ours too."""
-    if not _is_regular_file(metadata_file):  # a FIFO is never opened
-        return False
     try:
-        fd = open_regular(metadata_file, METADATA_FILE)
+        fd = open_regular(metadata_file, METADATA_FILE)  # a link, FIFO or device: refused before it is opened
         try:
             METADATA_CAP.check(os.fstat(fd).st_size, metadata_file, METADATA_FILE)
             if os.read(fd, len(_OUR_HEAD)) == _OUR_HEAD:
