@@ -56,7 +56,7 @@ from .restore_source import RestoreSource
 from .slurm_requeue import is_requeue_save
 from .stock import open_torch_file, tensors_metadata
 from .tree import (KIND_MODEL_PARALLEL, KIND_PLAIN, KIND_SHARDED, MANIFEST_KEY, manifest, plain_to_sharded,
-                   template_from_manifest, torch_optimizer_states)
+                   template_from_manifest, torch_optimizer_states, without_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class DistCheckpointIO(CheckpointIO):
         template = template_from_manifest(man, tensors_metadata(source), target)
         state, _, _ = EveryRankLoader().load(template, source, LOCAL, StrictHandling.ASSUME_OK_UNEXPECTED,
                                              self.extra_safe_globals)
-        state.pop(MANIFEST_KEY, None)
+        state = without_manifest(state, target)
         # The strategies key optimizer state by parameter name; a stock strategy restores torch's layout.
         kind = man.get("kind")
         return (torch_optimizer_states(state) if kind in (KIND_SHARDED, KIND_MODEL_PARALLEL) else state), kind

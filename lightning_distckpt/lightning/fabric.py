@@ -39,7 +39,7 @@ from .unused_weights import (UnusedWeights, hold_absent, insert_placeholders, mo
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys, tensors_metadata)
 from .tree import (KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY, manifest, rank_zero_tensors,
-                   template_from_manifest)
+                   template_from_manifest, without_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class FabricDistCheckpointStrategy(FabricCollectivesMixin, FabricBackgroundSnaps
                 if isinstance(obj, Optimizer) and name in loaded:
                     loaded[name] = restore_param_keys(layout.stored_optimizer(loaded, name), loaded[name]["param_keys"],
                                                       target)
-        loaded.pop(MANIFEST_KEY, None)
+        loaded = without_manifest(loaded, target)  # its dicts' keys in the saved order, as torch.load gives them
         absent = [name for name in state if name not in loaded and name not in layout.template]
         if strict and absent:
             raise MissingKeysError(f"checkpoint {target}: has no entry {absent} (load with strict=False to skip them)")

@@ -48,7 +48,8 @@ from .sharded import build_on_all_ranks, describe_source
 from .stock import tensors_metadata
 from .snapshot_fence import FabricBackgroundSnapshotMixin
 from .tp_strategy import DistCheckpointIOMixin
-from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, leave_out, manifest, rank_zero_tensors, template_from_manifest
+from .tree import (KIND_MODEL_PARALLEL, MANIFEST_KEY, leave_out, manifest, rank_zero_tensors, template_from_manifest,
+                   without_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class FabricDistCheckpointModelParallelStrategy(FabricCollectivesMixin, FabricBa
         replaced); returns what ``state`` has no place for. ``dtensors``: the template's DTensors by place;
         ``handling`` / ``strict``: the load's strictness (``strict``: Fabric's flag); ``where`` names the checkpoint
         in errors."""
-        loaded.pop(MANIFEST_KEY, None)
+        loaded = without_manifest(loaded, where)  # its dicts' keys in the saved order, as torch.load gives them
         for place, dt in dtensors.items():
             put_value(loaded, place, restore_dtensor(dt, value_at(loaded, place)))
         absent = [name for name in state if name not in loaded]

@@ -63,7 +63,8 @@ from .tiers import is_tier_marker, with_tier_callback
 from .tiers_restore import load_model_parallel_recovery
 from .snapshot_fence import BackgroundSnapshotMixin
 from .tp_strategy import AsyncCommitHooksMixin, SavedTogetherMixin
-from .tree import KIND_MODEL_PARALLEL, MANIFEST_KEY, leave_out, manifest, put_value, rank_zero_tensors, value_at
+from .tree import (KIND_MODEL_PARALLEL, MANIFEST_KEY, leave_out, manifest, put_value, rank_zero_tensors, value_at,
+                   without_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +241,7 @@ class DistCheckpointModelParallelStrategy(TrainerCollectivesMixin, SavedTogether
         for entry in ("state_dict", "optimizer_states"):
             if entry in checkpoint:
                 tree[entry] = shard_tree(checkpoint[entry], (entry,), self.global_rank, {}, replicas)
-        tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL)
+        tree[MANIFEST_KEY] = manifest(tree, KIND_MODEL_PARALLEL, ordered_as=checkpoint)
         return leave_out(tree, replicas)  # plain tensors (buffers) rank 0's, as stock's full state dict saves them
 
     def _configure_launcher(self) -> None:
@@ -314,8 +315,7 @@ class DistCheckpointModelParallelStrategy(TrainerCollectivesMixin, SavedTogether
                     kept = range(len(template.get("optimizer_states", [])))
                     drop_unsaved_states(template, [("optimizer_states", i) for i in kept], source.index.tensors,
                                         dtensors)
-                # Plain tensors (an optimizer's 0-d step) keyed by path, as a save stores them and a local tier's
-                # load (lightning_distckpt.load) reads them: a strict load names them from either.
+                # Plain tensors (an optimizer's 0-d step) keyed by path as saves store them (strict loads name them)
                 return StoredLayout(shard_tensors(template, self.global_rank), {}), source
             # A stock .ckpt or the plugin's directory: the same names, but optimizer state by index.
             orders.extend(_param_order(s) for s in template.get("optimizer_states", []))
@@ -326,7 +326,7 @@ class DistCheckpointModelParallelStrategy(TrainerCollectivesMixin, SavedTogether
 
         layout, source = build_on_all_ranks(f"load from {path}", build)
         loaded = self._load_modules(layout.template, source, ["state_dict"], self._strict_loading(), strict=strict)
-        loaded.pop(MANIFEST_KEY, None)
+        loaded = without_manifest(loaded, path)  # its dicts' keys in the saved order, as torch.load gives them
         for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
             put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))
         if REST_KEY in layout.template:

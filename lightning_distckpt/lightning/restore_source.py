@@ -4,7 +4,7 @@ one read of its common state."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..reading.checkpoint import CheckpointSource
 from .stock import TreePaths
@@ -15,13 +15,16 @@ class RestoreSource:
     when it was opened, and its common state is read and unpickled on the first ask only, so the
     checks a strategy makes before the load (who wrote it, what it holds) and the load itself share
     them. Any other attribute is the opened source's. ``tree_paths``: a ``torch.save`` file's tensors
-    by typed path in its tree (:func:`~.stock.open_torch_file`); None for a directory."""
+    by typed path in its tree (:func:`~.stock.open_torch_file`), and ``key_orders`` the key order of its dicts
+    a restore would change (:mod:`.key_order`); None for a directory (its manifest has them)."""
 
-    def __init__(self, source: CheckpointSource, tree_paths: Optional[TreePaths] = None) -> None:
+    def __init__(self, source: CheckpointSource, tree_paths: Optional[TreePaths] = None,
+                 key_orders: Optional[List[List[Any]]] = None) -> None:
         self.source = source
         self.path: str = source.path
         self.index = source.index
         self.tree_paths = tree_paths
+        self.key_orders = key_orders
         self._common: Dict[Tuple[Any, ...], Any] = {}
 
     def reader(self) -> Any:

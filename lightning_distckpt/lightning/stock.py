@@ -36,6 +36,7 @@ from ..reading.formats.tensor_files import IndexedFile, TensorFileSource
 from ..reading.plain_tensors import MAX_PADDING
 from ..serialization import load_common_state_dict
 from ..storage.safe_pickle import load_file
+from .key_order import ORDERS_KEY, common_first, key_orders, restore_key_orders
 from .tree import KIND_PLAIN, MANIFEST_KEY, TREE_TYPES, Step, iter_tensor_leaves, key_of, manifest_paths, place_at
 
 if TYPE_CHECKING:  # checkpoint_io opens torch.save files with open_torch_file: imported for the types only
@@ -227,6 +228,8 @@ class StoredLayout:
     # template entry of a module -> the saved dict's entry its state dict was read from, when another (a Trainer's
     # state_dict read into a Fabric state's module): its common values (extra state's non-tensor parts) go there too
     module_sources: Dict[str, str] = field(default_factory=dict)
+    # the saved key order of the dicts placing the tensors back would change (key_order.py), restored after
+    key_orders: List[List[Any]] = field(default_factory=list)
 
     def stored_optimizer(self, loaded: Mapping[str, Any], name: str) -> Dict[str, Any]:
         """The optimizer entry ``name`` of ``loaded``, with the stored param groups and by-index state."""
@@ -257,18 +260,21 @@ def tensors_metadata(source: CheckpointSource) -> Dict[str, ShardedTensor]:
     return out
 
 
-def open_torch_file(path: str, extra_safe_globals: Sequence[Any] = ()) -> Optional[Tuple[CheckpointSource, TreePaths]]:
+def open_torch_file(path: str, extra_safe_globals: Sequence[Any] = ()
+                    ) -> Optional[Tuple[CheckpointSource, TreePaths, List[List[Any]]]]:
     """A ``torch.save`` file opened for a restore, unpickled once: the source
     :func:`~lightning_distckpt.reading.checkpoint.open_checkpoint` gives for it (same checks, same
-    errors), and the typed path of each tensor in the file's tree (where :func:`rekey_template`
-    puts back the tensors read whole). None for anything else (a directory, a ``.safetensors`` file)."""
+    errors), the typed path of each tensor in the file's tree (where :func:`rekey_template`
+    puts back the tensors read whole), and its dicts' key orders that putting them back would change.
+    None for anything else (a directory, a ``.safetensors`` file)."""
     if not os.path.isfile(path) or is_safetensors(path):
         return None
     payload = load_file(path, extra_safe_globals)
     # a tuple is common state whole, tensors and all (as the strategies save it): its tensors have no tree path
     file = TorchFile.from_payload(path, payload, TREE_TYPES)
     source = TensorFileSource(path, [IndexedFile(file, None)], common=file.common)
-    return source, {key_of(steps): steps for steps, _ in iter_tensor_leaves(payload)}
+    paths = {key_of(steps): steps for steps, _ in iter_tensor_leaves(payload)}  # the bounded walk key_orders needs
+    return source, paths, key_orders(payload, lambda steps, tensor: True)  # every one is named (a tuple's aside)
 
 
 def _stored_paths(source: "RestoreSource", extra_safe_globals: Sequence[Any]) -> TreePaths:
@@ -278,9 +284,21 @@ def _stored_paths(source: "RestoreSource", extra_safe_globals: Sequence[Any]) ->
         return source.tree_paths
     if os.path.isfile(source.path):  # another file (.safetensors): refused as no torch.save archive, as before
         return {key_of(steps): steps for steps, _ in iter_tensor_leaves(load_file(source.path, extra_safe_globals))}
-    common = source.load_common(extra_safe_globals)
-    man = common.get(MANIFEST_KEY) if isinstance(common, dict) else None
+    man = _manifest(source, extra_safe_globals)
     return manifest_paths(man, source.path) if man is not None else {}
+
+
+def _manifest(source: "RestoreSource", extra_safe_globals: Sequence[Any]) -> Any:
+    common = source.load_common(extra_safe_globals)
+    return common.get(MANIFEST_KEY) if isinstance(common, dict) else None
+
+
+def _stored_orders(source: "RestoreSource", extra_safe_globals: Sequence[Any]) -> List[List[Any]]:
+    """The saved key orders: a ``torch.save`` file's own (taken when it was opened), or a directory's manifest's."""
+    if getattr(source, "key_orders", None) is not None or os.path.isfile(source.path):
+        return getattr(source, "key_orders", None) or []
+    man = _manifest(source, extra_safe_globals)
+    return man.get(ORDERS_KEY, []) if isinstance(man, Mapping) else []
 
 
 def rekey_template(source: "RestoreSource", template: Dict[str, Any], modules: Mapping[str, ModuleEntry],
@@ -308,7 +326,7 @@ def rekey_template(source: "RestoreSource", template: Dict[str, Any], modules: M
              if key in stored and not any(key.startswith(p) for p in skip_prefixes)}
     out[REST_KEY] = {key: ShardedTensor.from_rank_offsets(
         key, torch.empty(stored[key].global_shape, dtype=stored[key].dtype)) for key in paths}
-    return StoredLayout(out, paths)
+    return StoredLayout(out, paths, key_orders=_stored_orders(source, extra_safe_globals))
 
 
 def place_stored_tensors(loaded: Dict[str, Any], layout: StoredLayout, where: str) -> Dict[str, Any]:
@@ -325,6 +343,12 @@ def place_stored_tensors(loaded: Dict[str, Any], layout: StoredLayout, where: st
                 # the stored values win over the template's (a non-strict load's fallback), as the common
                 # state wins for a module read from its own entry; the tensors read into the entry stay
                 entry[key] = merge(entry[key], copy.deepcopy(value)) if key in entry else copy.deepcopy(value)
+                common_first(entry[key], value)  # as a merge into the common state orders it (restored below)
+    # a module read from another entry (a Trainer's state_dict into a Fabric module) keeps its saved order there too
+    moved = [[[["d", name]] + steps[1:], keys] for name, saved in layout.module_sources.items()
+             for steps, keys in (o for o in layout.key_orders if isinstance(o, list) and len(o) == 2)
+             if isinstance(steps, list) and steps[:1] == [["d", saved]]]
+    restore_key_orders(loaded, {ORDERS_KEY: layout.key_orders + moved}, where)
     return loaded
 
 

@@ -202,7 +202,7 @@ class DistCheckpointStrategy(TrainerCollectivesMixin, SavedTogetherMixin, AsyncW
         tree["state_dict"] = self._state_dict_to_save(checkpoint, model_ssd)
         if "optimizer_states" in checkpoint:
             tree["optimizer_states"] = self._optimizer_states(model_ssd)
-        tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED)  # before the next step: the same on every rank
+        tree[MANIFEST_KEY] = manifest(tree, KIND_SHARDED, ordered_as=checkpoint)  # before the next step: alike on all
         # Tensors that may differ by DP rank (buffers; a hook's dict) are the main replica's, as stock saves rank 0's.
         parameters = list(self.lightning_module.parameters()) if tree["state_dict"] is model_ssd else []
         tree["state_dict"] = main_replicas_of_buffers(tree["state_dict"], parameters)

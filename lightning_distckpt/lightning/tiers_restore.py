@@ -25,7 +25,7 @@ from .tiers import durable_candidates, tier_callback
 from .tp_strategy import refusing_module_keys
 from .unused_weights import UnusedWeights, hold_absent, insert_placeholders, module_templates, placeholders
 from .trainer_restore import OPTIMIZER_ENTRY, is_optimizer_key, load_before_setup, view
-from .tree import MANIFEST_KEY
+from .tree import without_manifest
 
 if TYPE_CHECKING:
     from .model_parallel import DistCheckpointModelParallelStrategy
@@ -227,8 +227,7 @@ def load_model_parallel_recovery(strategy: "DistCheckpointModelParallelStrategy"
                     durable_reader=lambda durable: strategy.load_checkpoint(durable.path), modules=True)
     if read_durable(tier):
         return out
-    loaded = dict(out)
-    loaded.pop(MANIFEST_KEY, None)
+    loaded = without_manifest(dict(out), f"local step {point.step}")
     for where, dt in dtensors.items():  # the loaded local shards, back in their DTensors
         put_value(loaded, where, restore_dtensor(dt, value_at(loaded, where)))
     return strategy.set_states(loaded, optimizers)
@@ -255,7 +254,7 @@ def load_local_before_setup(strategy: "DistCheckpointStrategy", tier: LocalTier,
     strategy._unused_weights = unused  # refused by load_model_state_dict, after the user's hooks
     checkpoint = dict(out)
     point = read_from[0] = tier.last_point or point  # another step where every local copy of this one was damaged
-    checkpoint.pop(MANIFEST_KEY, None)
+    checkpoint = without_manifest(checkpoint, f"local step {point.step}")  # in the saved key order
     stored = checkpoint.pop(OPTIMIZER_ENTRY, None)
     if restore_optimizers:
         count = len(stored) if isinstance(stored, (list, tuple, dict)) else 0

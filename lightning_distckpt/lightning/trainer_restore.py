@@ -32,7 +32,7 @@ from .restore_source import RestoreSource
 from .sharded import build_on_all_ranks, describe_source, restore_optimizers_agreed
 from .stock import (REST_KEY, ModuleEntry, OptimizerEntry, SavedCheckpoint, StoredLayout, is_tree_path_layout,
                     place_stored_tensors, rekey_template, restore_param_keys)
-from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, MANIFEST_KEY
+from .tree import KIND_MODEL_PARALLEL, KIND_SHARDED, without_manifest
 from .unused_weights import UnusedWeights, hold_absent, insert_placeholders, module_templates, placeholders
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def load_before_setup(strategy: "DistCheckpointStrategy", path: str, fitting: bo
     unused = placeholders(weights, found, "state_dict", extra) if found else {}
     if REST_KEY in layout.template:
         loaded = place_stored_tensors(loaded, layout, path)
-    loaded.pop(MANIFEST_KEY, None)
+    loaded = without_manifest(loaded, path)  # its dicts' keys in the saved order, as torch.load gives them
 
     def read(entry: str, template: Dict[str, Any]) -> Dict[str, Any]:  # collective: a placeholder a hook moved
         return strategy.checkpoint_io.load_sharded({entry: template}, weights, strict=StrictHandling.

@@ -25,6 +25,7 @@ from ..core.tree_paths import (PICKLED_KEYS, Step, Steps, free_place, key_by_pat
                                steps_from_json)
 from ..core.tree_walk import copy_containers, fold, walk_paths
 from ..reading.plain_tensors import MAX_LIST_INDEX, MAX_PADDING
+from .key_order import ORDERS_KEY, in_saved_order, key_orders, restore_key_orders
 
 MANIFEST_KEY = "__distckpt__"
 MANIFEST_VERSION = 1
@@ -88,8 +89,7 @@ def rank_zero_tensors(rest: Dict[str, Any], rank: int) -> Dict[str, Any]:
 
     def leave_out(steps: Steps, node: Any) -> Optional[LocalNonpersistentObject]:
         # exactly the leaves shard_tensors would store as tensors; the rest is common state, rank 0's
-        stored = type(node) in (torch.Tensor, torch.nn.Parameter) and storable_key(steps, node) is not None
-        return LocalNonpersistentObject(node) if stored else None
+        return LocalNonpersistentObject(node) if plain_stored(steps, node) else None
 
     return key_by_path(rest, leave_out, "the checkpoint")
 
@@ -109,16 +109,42 @@ def whole_dtensor(key: str, dt: DTensor) -> torch.Tensor:
     )
 
 
-def manifest(tree: Any, kind: str) -> Dict[str, Any]:
+def manifest(tree: Dict[str, Any], kind: str, ordered_as: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """Where each ShardedTensor and DTensor of ``tree`` sits (factories' expansions are not listed:
-    they can only be put back by their ``merge_fn``)."""
+    they can only be put back by their ``merge_fn``), and the key order of the dicts a load would
+    reorder (:mod:`.key_order`). ``ordered_as``: the checkpoint dict ``tree`` was built from, whose key
+    order ``tree``'s own keys take first (in place: the strategies build their entries out of order)."""
+    if ordered_as is not None:
+        in_saved_order(tree, ordered_as)
     paths: List[Tuple[List[Step], str]] = []
     for steps, node in walk_paths(tree, where="the checkpoint", types=TREE_TYPES, step=step_of):
         if isinstance(node, ShardedTensor) and node.flattened_range is None:
             paths.append((list(steps), node.key))
         elif isinstance(node, DTensor):  # saved under its tree path (core/dtensors.py): readable whole
             paths.append((list(steps), key_of(steps)))
-    return {"version": MANIFEST_VERSION, "kind": kind, "tensor_paths": paths}
+    out = {"version": MANIFEST_VERSION, "kind": kind, "tensor_paths": paths}
+    orders = key_orders(tree, stored_as_tensor)  # after the bounded walk above: no cycle, not too deep
+    if orders:
+        out[ORDERS_KEY] = orders
+    return out
+
+
+def plain_stored(steps: Sequence[Any], node: Any) -> bool:
+    """Whether a save stores the leaf ``node`` at ``steps``, a plain tensor, as a tensor keyed by its path
+    (:func:`~lightning_distckpt.core.plain_tensors.shard_tensors` keys it), else as common state."""
+    return type(node) in (torch.Tensor, torch.nn.Parameter) and storable_key(tuple(steps), node) is not None
+
+
+def stored_as_tensor(steps: Sequence[Any], tensor: torch.Tensor) -> bool:
+    """Whether a save stores the tensor leaf at ``steps`` as a tensor (a DTensor always), else as common state."""
+    return isinstance(tensor, DTensor) or plain_stored(steps, tensor)
+
+
+def without_manifest(state: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """``state``, a checkpoint read whole, with its manifest taken out and its dicts' keys in the order
+    the manifest recorded (in place)."""
+    restore_key_orders(state, state.pop(MANIFEST_KEY, None), where)
+    return state
 
 
 def torch_optimizer_states(tree: Any) -> Any:

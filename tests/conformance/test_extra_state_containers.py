@@ -15,9 +15,9 @@ became a plain tuple in every checkpoint our strategies wrote, and reading one f
 (as our strategies save them), and every walk that rebuilds a tuple keeps its type, or refuses one it cannot make
 again naming its place.
 
-Not compared: the order of a dict's keys. A dict holding tensors beside other values comes back with its
-tensors' entries first or last (the checkpoint keeps the tensors apart from the common state and puts them back
-by path), where stock keeps the saved order; every key and value is the same.
+The order of each dict's keys is compared too. A dict holding tensors before other values came back with its
+tensors' entries last (or first: the checkpoint keeps the tensors apart from the common state and puts them back
+by path), where stock keeps the saved order; now the manifest keeps that order, and a stock file gives its own.
 
 One real 2-rank run per group of kinds (forked as torchrun would start them): saves with stock DDP, our strategy
 and the plugin, then restores each way beside stock DDP restoring the stock file, strict and not; Fabric likewise.
@@ -131,8 +131,8 @@ def show(x):
     if isinstance(x, torch.Tensor):
         ints = {torch.float64: torch.int64, torch.float32: torch.int32}
         return {"tensor": str(x.dtype), "bits": (x.view(ints[x.dtype]) if x.is_floating_point() else x).tolist()}
-    if isinstance(x, dict):  # entries in a set order: a dict's key order is not compared (module docstring)
-        return {"dict": sorted(([show(k), show(v)] for k, v in x.items()), key=json.dumps)}
+    if isinstance(x, dict):  # in its order: a dict's key order is compared too (module docstring)
+        return {"dict": [[show(k), show(v)] for k, v in x.items()]}
     if isinstance(x, (list, tuple)):
         return {type(x).__name__: [show(v) for v in x]}
     if isinstance(x, (set, frozenset)):

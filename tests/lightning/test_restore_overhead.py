@@ -192,7 +192,8 @@ def test_torch_file_opened_once_is_the_source_open_checkpoint_gives(tmp_path):
                "loops": {"step": 2}, "pairs": (torch.zeros(1), 5), "empty": {}}
     torch.save(payload, tmp_path / "f.ckpt")
     path = str(tmp_path / "f.ckpt")
-    source, paths = open_torch_file(path)
+    source, paths, orders = open_torch_file(path)
+    assert orders == [[[], list(payload)]]  # its tensors' entries come first: a restore keeps the file's order
     ours, theirs = source._files[0], TorchFile(path)
     assert type(ours) is TorchFile and set(vars(ours)) == set(vars(theirs))
     assert set(theirs.tensors) - set(ours.tensors) == {"pairs/0"} and ours.tensors.keys() <= theirs.tensors.keys()
