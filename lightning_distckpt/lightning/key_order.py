@@ -13,7 +13,7 @@ checkpoint without the record reads as before (the merge's order); a reader that
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
 
@@ -33,10 +33,17 @@ def in_saved_order(tree: Dict[Any, Any], like: Mapping[Any, Any]) -> None:
     """Put ``tree``'s keys (in place) in the order of ``like``'s, the dict it was built from; keys
     ``like`` does not have go last, in their order (the strategies build the module's and optimizers'
     entries after the rest)."""
-    first = [k for k in like if k in tree]
-    items = [(k, tree[k]) for k in first] + [(k, v) for k, v in tree.items() if k not in like]
-    tree.clear()
-    tree.update(items)
+    _put_first(tree, [k for k in like if k in tree])
+
+
+def _put_first(node: Dict[Any, Any], first: List[Any]) -> None:
+    """``node``'s keys ``first`` (all in it, each once) first in that order, the rest after in theirs: in place."""
+    if list(node)[:len(first)] == first:
+        return
+    ahead = set(first)
+    items = [(k, node[k]) for k in first] + [(k, v) for k, v in node.items() if k not in ahead]
+    node.clear()
+    node.update(items)
 
 
 def key_orders(tree: Any, plain_moves: PlainMoves) -> List[List[Any]]:
@@ -84,19 +91,20 @@ def common_first(merged: Any, common: Any) -> None:
         seen.add((id(m), id(c)))
         if isinstance(m, dict) and isinstance(c, dict):
             stack.extend((m[k], c[k]) for k in c if k in m)
-            if list(m)[:len(c)] != list(c):
-                items = [(k, m[k]) for k in c if k in m] + [(k, v) for k, v in m.items() if k not in c]
-                m.clear()
-                m.update(items)
+            _put_first(m, [k for k in c if k in m])
         elif isinstance(m, list) and isinstance(c, list):
             stack.extend(zip(m, c))
 
 
-def restore_key_orders(state: Dict[Any, Any], man: Any, where: str) -> None:
-    """Put the dicts of ``state`` (a checkpoint read whole) in the key order ``man`` recorded, in place.
+def recorded_orders(man: Any) -> Any:
+    """The key orders a manifest read from a checkpoint records (unchecked: :func:`restore_key_orders` checks)."""
+    return man.get(ORDERS_KEY, []) if isinstance(man, Mapping) else []
+
+
+def restore_key_orders(state: Dict[Any, Any], entries: Any, where: str) -> None:
+    """Put the dicts of ``state`` (a checkpoint read) in the key orders ``entries`` record, in place.
     A dict not there (left out of the read) is skipped; a key not listed stays after the listed ones.
-    The record comes from the checkpoint's common state: a malformed one is a FormatError naming ``where``."""
-    entries = man.get(ORDERS_KEY, []) if isinstance(man, Mapping) else []
+    The record comes from the checkpoint: a malformed one is a FormatError naming ``where``."""
     if not isinstance(entries, list) or len(entries) > MAX_ORDERS:
         raise FormatError(f"checkpoint {where}: manifest {ORDERS_KEY} must be a list of at most {MAX_ORDERS} "
                           f"entries, got {entries!r:.200}")
@@ -128,9 +136,7 @@ def _checked(entry: Any, where: str) -> Tuple[Steps, List[Any]]:
 
 def _reorder(node: Dict[Any, Any], keys: List[Any], where: str) -> None:
     try:
-        order: Optional[Dict[Any, None]] = dict.fromkeys(k for k in keys if k in node)
+        first = list(dict.fromkeys(k for k in keys if k in node))  # each once, as a dict has it
     except TypeError as e:  # a tuple key holding something unhashable: not written by us
         raise FormatError(f"checkpoint {where}: manifest {ORDERS_KEY} has a key that cannot be one ({e})") from None
-    items = [(k, node[k]) for k in order] + [(k, v) for k, v in node.items() if k not in order]
-    node.clear()
-    node.update(items)
+    _put_first(node, first)

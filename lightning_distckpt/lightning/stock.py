@@ -36,7 +36,7 @@ from ..reading.formats.tensor_files import IndexedFile, TensorFileSource
 from ..reading.plain_tensors import MAX_PADDING
 from ..serialization import load_common_state_dict
 from ..storage.safe_pickle import load_file
-from .key_order import ORDERS_KEY, common_first, key_orders, restore_key_orders
+from .key_order import common_first, key_orders, recorded_orders, restore_key_orders
 from .tree import KIND_PLAIN, MANIFEST_KEY, TREE_TYPES, Step, iter_tensor_leaves, key_of, manifest_paths, place_at
 
 if TYPE_CHECKING:  # checkpoint_io opens torch.save files with open_torch_file: imported for the types only
@@ -295,10 +295,10 @@ def _manifest(source: "RestoreSource", extra_safe_globals: Sequence[Any]) -> Any
 
 def _stored_orders(source: "RestoreSource", extra_safe_globals: Sequence[Any]) -> List[List[Any]]:
     """The saved key orders: a ``torch.save`` file's own (taken when it was opened), or a directory's manifest's."""
-    if getattr(source, "key_orders", None) is not None or os.path.isfile(source.path):
-        return getattr(source, "key_orders", None) or []
-    man = _manifest(source, extra_safe_globals)
-    return man.get(ORDERS_KEY, []) if isinstance(man, Mapping) else []
+    own = getattr(source, "key_orders", None)
+    if own is not None or os.path.isfile(source.path):
+        return own or []
+    return recorded_orders(_manifest(source, extra_safe_globals))
 
 
 def rekey_template(source: "RestoreSource", template: Dict[str, Any], modules: Mapping[str, ModuleEntry],
@@ -348,7 +348,7 @@ def place_stored_tensors(loaded: Dict[str, Any], layout: StoredLayout, where: st
     moved = [[[["d", name]] + steps[1:], keys] for name, saved in layout.module_sources.items()
              for steps, keys in (o for o in layout.key_orders if isinstance(o, list) and len(o) == 2)
              if isinstance(steps, list) and steps[:1] == [["d", saved]]]
-    restore_key_orders(loaded, {ORDERS_KEY: layout.key_orders + moved}, where)
+    restore_key_orders(loaded, layout.key_orders + moved, where)
     return loaded
 
 

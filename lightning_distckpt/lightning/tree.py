@@ -25,7 +25,7 @@ from ..core.tree_paths import (PICKLED_KEYS, Step, Steps, free_place, key_by_pat
                                steps_from_json)
 from ..core.tree_walk import copy_containers, fold, walk_paths
 from ..reading.plain_tensors import MAX_LIST_INDEX, MAX_PADDING
-from .key_order import ORDERS_KEY, in_saved_order, key_orders, restore_key_orders
+from .key_order import ORDERS_KEY, in_saved_order, key_orders, recorded_orders, restore_key_orders
 
 MANIFEST_KEY = "__distckpt__"
 MANIFEST_VERSION = 1
@@ -143,7 +143,7 @@ def stored_as_tensor(steps: Sequence[Any], tensor: torch.Tensor) -> bool:
 def without_manifest(state: Dict[str, Any], where: str) -> Dict[str, Any]:
     """``state``, a checkpoint read whole, with its manifest taken out and its dicts' keys in the order
     the manifest recorded (in place)."""
-    restore_key_orders(state, state.pop(MANIFEST_KEY, None), where)
+    restore_key_orders(state, recorded_orders(state.pop(MANIFEST_KEY, None)), where)
     return state
 
 

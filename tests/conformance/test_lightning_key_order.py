@@ -138,7 +138,7 @@ def test_reordering_walks_a_shared_subtree_once():
     common_first(merged, {"k": shared})
     assert list(merged) == ["k", "t"]
     state = {"k": shared}
-    restore_key_orders(state, {ORDERS_KEY: [[[["d", "k"]] + [["l", 0]] * 41, ["a", "b"]]]}, "x")
+    restore_key_orders(state, [[[["d", "k"]] + [["l", 0]] * 41, ["a", "b"]]], "x")
     inner = state["k"]
     for _ in range(41):
         inner = inner[0]
