@@ -8,6 +8,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# What a launcher sets. A Trainer or Fabric run in the pytest process sets some of them (Lightning's
+# environment picks a MASTER_PORT and writes it to os.environ); a later test's ranks would inherit a port
+# that may be taken by then (seen: EADDRINUSE in a test run alone passing).
+LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GLOBAL_RANK", "NODE_RANK",
+                 "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_launcher_vars():
+    before = {k: os.environ[k] for k in LAUNCHER_VARS if k in os.environ}
+    yield
+    for k in LAUNCHER_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(before)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog):
     caplog.set_level(logging.INFO, logger="lightning_distckpt")

@@ -107,7 +107,8 @@ def run_ranks(script: str, argv: List[str], environ: Dict[str, str], world_size:
     cwd = cwd or os.getcwd()
     if os.environ.get(LAUNCH_ENV) == "subprocess":
         return _run_subprocess(script, argv, environ, timeout, cwd)
-    env = {**environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": environ.get("MASTER_PORT") or str(free_port()),
+    inherited = {k: v for k, v in environ.items() if k not in LAUNCHER_VARS}  # never a port picked for another run
+    env = {**inherited, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(world_size), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world_size)}
     logdir = tempfile.mkdtemp(prefix="script_ranks_")
     logs = [os.path.join(logdir, f"rank{r}.log") for r in range(world_size)]

@@ -13,7 +13,7 @@ import torch
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.cli import main as cli_main
-from script_ranks import run_ranks
+from script_ranks import run_ranks, script_env
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "lightning_model_parallel")
 CKPT = os.path.join(HERE, "ckpt")
@@ -72,7 +72,7 @@ def test_model_parallel_strategy_resumes_it_under_tensor_parallel(tmp_path):
     """``fit(ckpt_path=...)`` under DistCheckpointModelParallelStrategy (TP 2, DP 1) on 2 CPU processes:
     at train start every weight and Adam state equals the writer's, the step is restored, training goes on."""
     result = tmp_path / "result.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = script_env()
     code, output = run_ranks(os.path.join(HERE, "model.py"), ["resume", CKPT, str(result)], env, 2, timeout=600,
                              cwd=str(tmp_path))  # forked, as torchrun starts ranks; the timeout bounds a hang
     assert code == 0, output[-6000:]

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 import lightning_distckpt as ldc
 from dist_utils import run_distributed
 from lightning_distckpt.core.errors import FormatError, UnsafeContentError
-from script_ranks import run_ranks
+from script_ranks import run_ranks, script_env
 
 
 def full_tensors():
@@ -239,7 +239,7 @@ def lightning_ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("lightning")
     script = root / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = script_env()
     code, output = run_ranks(str(script), [str(root)], env, 2, timeout=600)  # forked, as torchrun starts ranks
     assert code == 0, output[-6000:]
     return str(root / "ckpt"), torch.load(root / "full.pt", weights_only=True)
