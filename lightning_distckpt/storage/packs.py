@@ -4,9 +4,10 @@ is built for writing and how a packed shard is seen when reading."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -53,6 +54,14 @@ _ML_DTYPES: Dict[torch.dtype, Tuple[Any, torch.dtype]] = {
 }
 _ML_TORCH = {np.dtype(numpy_dtype): (dtype, np.int16 if via == torch.int16 else np.uint8)
              for dtype, (numpy_dtype, via) in _ML_DTYPES.items()}
+
+
+def settle(futures: Iterable[Any]) -> None:
+    """Wait for every one of ``futures`` (tensorstore's) to end, whatever its outcome: a read or write still
+    running holds memory a caller may free or reuse once we raise (the caller's error is the one raised)."""
+    for fut in futures:
+        with contextlib.suppress(Exception):
+            fut.result()
 
 
 def as_tensor(arr: np.ndarray) -> torch.Tensor:

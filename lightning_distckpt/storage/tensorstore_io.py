@@ -7,14 +7,13 @@ Performance notes (measured with ``benchmarks/``, see docs/benchmarks.md):
 * writes hand tensorstore the tensor's memory (``can_reference_source_data_indefinitely``): no
   staging copy; with the cache pool at 0 bytes nothing is retained after the write returns;
 * every chunk is stored, zeros included (``store_data_equal_to_fill_value``): no compare-with-fill
-  scan, and a missing chunk can be told from a zero one;
-* reads refuse missing chunks (``fill_missing_data_reads=False``) instead of returning zeros;
+  scan; reads refuse missing chunks (``fill_missing_data_reads=False``) instead of returning zeros;
 * arrays are created and opened concurrently (one future each): one by one cost ~0.3 ms each;
 * small shards (norms, biases: at most ``pack_max_bytes``) are packed into one 1-D array per
   rank and dtype (``p/<dtype>``, :mod:`.packs`): creating an array costs ~0.15-0.2 ms each;
 * OCDBT data files are bounded (``data_file_bytes``, 64 MiB): one huge ``writev`` per batch, as
   OCDBT does by default, was slower and far more variable than bounded files written concurrently;
-* chunk checksums are ours, in each array's zarr.json (:mod:`.chunk_checksums`); the write path
+* chunk checksums are ours, in each array's zarr.json (:mod:`.chunk_checksums`); writes
   (:mod:`.tensorstore_write`): one transaction, one OCDBT commit per store and call.
 """
 
@@ -41,7 +40,7 @@ from .layout import object_path, pack_path, rank_dir, tensor_path
 from .paths import PICKLE_CAP, dir_identity
 from .save_token import token_now_at
 from ..planning.even_index import PackedPlaces, Place
-from .packs import copy_out, landing, pack_runs, packed_view, to_numpy
+from .packs import copy_out, landing, pack_runs, packed_view, settle, to_numpy
 from .tensorstore_write import TensorStoreWrites
 from .store import asked, error_said, still_committed
 
@@ -55,18 +54,17 @@ _PREFETCH_BYTES = 512 << 20  # of chunks read whole, asked of the device before 
 
 
 class TensorStoreIO(TensorStoreWrites):
-    """Reads and writes stored shards and objects of one checkpoint directory
-    (:class:`~lightning_distckpt.storage.base.ShardWriter` and ``ShardReader``), in the key-value
-    store its :class:`~lightning_distckpt.storage.store.CheckpointStore` gives."""
+    """Reads and writes stored shards and objects of one checkpoint directory (``ShardWriter`` and
+    ``ShardReader``), in the key-value store its :class:`~lightning_distckpt.storage.store.CheckpointStore` gives."""
 
     backend: ClassVar[str] = "tensorstore"
 
     def __init__(self, checkpoint_dir: str, options: StorageOptions = StorageOptions(),
                  index: Optional["CheckpointIndex"] = None, check_sizes: bool = True,
                  store: Optional["CheckpointStore"] = None) -> None:
-        """``index``: the checkpoint's index, needed to read packed shards (a reader of a format 2
-        checkpoint passes it; a writer does not). A reader checks each store it reads before it
-        opens it (no links; with ``check_sizes``, no more bytes claimed by the index than stored).
+        """``index``: the checkpoint's index, needed to read packed shards (a reader passes it, a writer
+        does not). A reader checks each store before it opens it (no links; with ``check_sizes``, no more
+        bytes claimed by the index than stored).
         ``store``: whose key-value store holds the arrays (default: the one serving ``checkpoint_dir``)."""
         if store is None:
             from .stores import open_store  # the stores open this class
@@ -235,9 +233,9 @@ class TensorStoreIO(TensorStoreWrites):
         places = [(r, self._packed.shard(r.writer, r.key, r.index)) for r in reads]
         plain, packed = [r for r, p in places if p is None], [(r, p) for r, p in places if p is not None]
         session, plain = self._start_direct(plain)
+        nbytes, futures, casts = 0, [], []  # futures: tensorstore's reads into the destinations, run while ours do
         try:
             crcs = [self._crcs.get((r.writer, tensor_path(r.key, r.index))) for r in plain]
-            nbytes, futures, casts = 0, [], []  # tensorstore's reads: they run while ours do
             for key, writer, index, src, dest in (r for r, c in zip(plain, crcs) if c is None):
                 store = self.open_array(writer, key, index)[src]
                 into = dest if ts_dtype(dest.dtype) == store.dtype.name else landing(store.dtype.name, dest, casts)
@@ -252,6 +250,9 @@ class TensorStoreIO(TensorStoreWrites):
                 self.open_array(r.writer, r.key, r.index), c, tuple(r.src), r.dest,
                 self.chunk_file(r.writer, r.key, r.index))
                 for r, c in zip(plain, crcs) if c is not None], self.verify)
+        except BaseException:  # (a later array failing to open): none may write into a destination after we raise
+            settle(fut for _, fut in futures)
+            raise
         finally:  # (on failures too: the direct reads write into the destinations until they end)
             got, failed = session.finish() if session is not None else (0, [])
         nbytes, errors = nbytes + more + got, errors + failed
