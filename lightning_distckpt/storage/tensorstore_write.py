@@ -26,7 +26,7 @@ from .commit import fsync_dir
 from . import direct_write, page_cache
 from .landed_commit import Arrays, Objects, landed_whole, retried_over_itself
 from .layout import object_path, pack_path, rank_dir, tensor_path
-from .packs import build_pack, source_numpy
+from .packs import build_pack, settle, source_numpy
 
 PACK_CHUNK_BYTES = 1024 * 1024  # chunks of pack arrays
 PART_BYTES = 32 * 1024 * 1024  # arrays per commit of a write in parts (OCDBT on files)
@@ -248,7 +248,18 @@ class TensorStoreWrites:
             opens.append((what, ts.open(spec, context=self.context, transaction=txn, **how), arr, own))
             if not own:  # what a landed commit must hold (landed_commit)
                 created.append((spec, arr))
-        writes, nbytes, crcs = [], 0, []
+        writes: List[Tuple[str, Any]] = []
+        try:
+            return self._start_writes(txn, writer, opens, ours, created, objects, writes)
+        except BaseException:  # (an array that cannot be created): the writes started read the caller's
+            settle(w for _, w in writes)  # tensors (referenced, not copied): none may run on once we raise
+            raise
+
+    def _start_writes(self, txn: Any, writer: int, opens: List[Tuple[str, Any, np.ndarray, Any]],
+                      checksummed: List[Tuple[str, str, np.ndarray, torch.dtype]], created: Arrays,
+                      objects: Sequence[ObjectWrite], writes: List[Tuple[str, Any]]) -> Tuple[int, Any, Any]:
+        """:meth:`_stage_writes`' second half: start each array's write (appended to ``writes`` as it starts)."""
+        nbytes, crcs = 0, []
         for key, fut, arr, own in opens:
             # Checksummed just before the array is written (the write copies it out of the cache the checksum filled)
             crcs += [chunk_crcs(arr, self._chunk_rows(arr))] if own else []
@@ -265,7 +276,7 @@ class TensorStoreWrites:
             nbytes += arr.nbytes
         writes += [(f"{what} (its zarr.json)", ts.open(self.create_spec(writer, path, dtype, arr.shape, None, c),
                                                        create=True, context=self.context, transaction=txn))
-                   for (what, path, arr, dtype), c in zip(ours, crcs)]
+                   for (what, path, arr, dtype), c in zip(checksummed, crcs)]
         framed = [(object_path(key, index), frame_object(blob, self.token)) for key, index, blob in objects]
         if objects:
             kv = ts.KvStore.open(self.write_kvstore_spec(writer), context=self.context, transaction=txn).result()
