@@ -1,3 +1,4 @@
+import faulthandler
 import logging
 import os
 import sys
@@ -55,3 +56,15 @@ def pytest_collection_modifyitems(config, items):
         parts = os.path.relpath(str(item.path), tests_dir).split(os.sep)
         if len(parts) > 1 and parts[0] in FOLDER_MARKERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which points it at stderr
+def pytest_configure(config):
+    """``LDC_CRASH_DIR``: each process's (xdist worker's) Python stacks, every thread's, written to a file of
+    its own there if it dies of a fatal signal. xdist reports only "node down" for a worker that segfaults;
+    .ci/run prints these files when the run fails."""
+    crash_dir = os.environ.get("LDC_CRASH_DIR")
+    if crash_dir:
+        name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        config.ldc_crash_file = open(os.path.join(crash_dir, f"{name}.txt"), "w")  # open until the process ends
+        faulthandler.enable(file=config.ldc_crash_file, all_threads=True)
