@@ -9,11 +9,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# What a launcher sets. A Trainer or Fabric run in the pytest process sets some of them (Lightning's
-# environment picks a MASTER_PORT and writes it to os.environ); a later test's ranks would inherit a port
-# that may be taken by then (seen: EADDRINUSE in a test run alone passing).
-LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GLOBAL_RANK", "NODE_RANK",
-                 "LOCAL_WORLD_SIZE", "GROUP_RANK")
+# What a launcher sets (script_ranks.LAUNCHER_VARS). A Trainer or Fabric run in the pytest process sets some
+# of them (Lightning's environment picks a MASTER_PORT and writes it to os.environ); a later test's ranks
+# would inherit a port that may be taken by then (seen: EADDRINUSE in a test run alone passing).
+from script_ranks import LAUNCHER_VARS  # noqa: E402  (tests/ is on sys.path from the line above)
 
 
 @pytest.fixture(autouse=True)

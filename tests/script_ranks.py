@@ -29,7 +29,7 @@ from dist_utils import free_port, fork_server_context
 
 LAUNCH_ENV = "LDC_TEST_SCRIPT_LAUNCH"
 LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "LOCAL_WORLD_SIZE")
+                 "LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK")
 
 
 def script_env() -> Dict[str, str]:

@@ -5,7 +5,6 @@ store's directories fsync'd, so a call returns with everything it wrote durable.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
@@ -186,9 +185,7 @@ class TensorStoreWrites:
                             f"{self.store!r}.make_durable failed: {type(e).__name__}: {e}"
                         errors.append(f"making rank {writer}'s store durable: {said}")
         except BaseException:  # Ctrl-C / SIGTERM (cli.main) mid-way: tensorstore still writes. The caller
-            for w in running:  # removes the staging directory: not while files are still being made in it
-                with contextlib.suppress(Exception):
-                    w.result()
+            settle(running)  # removes the staging directory: not while files are still being made in it
             raise
         if errors:
             raise CheckpointingError(f"checkpoint {self.root}: writing failed for {'; '.join(errors[:5])}"
