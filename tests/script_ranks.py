@@ -12,6 +12,7 @@ with its own ``sys.argv`` and ``sys.path[0]``; its stdout and stderr go to a log
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import runpy
@@ -49,6 +50,7 @@ def _rank_main(script: str, argv: List[str], environ: Dict[str, str], cwd: str, 
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    faulthandler.enable(all_threads=True)  # a rank dying of a signal (native code) shows its stacks in its log
     if environ.get("PYTHONWARNINGS") == "ignore":  # read at interpreter start, which this process skipped
         warnings.simplefilter("ignore")
     sys.argv = [script, *argv]
