@@ -107,7 +107,8 @@ def _fsyncs_off() -> Iterator[None]:
     def unsynced(self: Any, options: Any) -> Any:
         import tensorstore as ts
 
-        return ts.Context({**context(self, options).spec.to_json(), "file_io_sync": False})
+        ours = context(self, options)  # (its parent holds the executors: storage/ts_context.py)
+        return ts.Context({**ours.spec.to_json(), "file_io_sync": False}, parent=ours.parent)
 
     LocalStore.ts_context = unsynced  # type: ignore[method-assign]
     os.fsync = lambda fd: None

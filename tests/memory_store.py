@@ -136,8 +136,9 @@ class MemoryStore(CheckpointStore):
         return {"driver": "memory", "path": _key(path) + "/"}
 
     def ts_context(self, options: StorageOptions) -> ts.Context:
-        return ts.Context({"data_copy_concurrency": {"limit": options.io_concurrency},
-                           "cache_pool": {"total_bytes_limit": 0}}, parent=_CONTEXT)
+        # the executor is _CONTEXT's (tensorstore's default), kept for the process: a context's own is freed racily
+        # (lightning_distckpt/storage/ts_context.py)
+        return ts.Context({"cache_pool": {"total_bytes_limit": 0}}, parent=_CONTEXT)
 
     # -- versions
     def exists(self) -> bool:

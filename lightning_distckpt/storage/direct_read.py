@@ -31,6 +31,7 @@ from ..core.errors import FormatError
 from .chunk_checksums import attribute_crcs, chunk_count
 from .chunk_reads import ChunkLocation, ChunkTask, DirectReader, Geometry, advise_willneed, torch_dtype
 from .paths import kind_of
+from .ts_context import child_context
 
 DIRECT_ENV = "LIGHTNING_DISTCKPT_DIRECT_READS"
 _PLAIN = [{"configuration": {"endian": "little"}, "name": "bytes"}]
@@ -77,7 +78,8 @@ def ocdbt_locations(store_dir: str) -> Optional[Dict[str, Optional[ChunkLocation
     None for a small value kept inline in the index), or None when the database cannot be listed
     so (tensorstore reads it)."""
     try:
-        base = ts.KvStore.open({"driver": "file", "path": store_dir.rstrip("/") + "/"}).result()
+        base = ts.KvStore.open({"driver": "file", "path": store_dir.rstrip("/") + "/"},
+                               context=child_context({})).result()
         manifest = ts.ocdbt.dump(base).result()
         versions = manifest.get("versions") or []
         if not versions:

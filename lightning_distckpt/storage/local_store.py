@@ -30,6 +30,7 @@ from .removal_aside import mark_removing, ours_to_clean, remove_marked
 from .safe_pickle import write_file_durable
 from .stock_checkpoints import USER_TORCH_FILE, is_stock_dcp_dir, is_stock_lightning_file
 from .store import CheckpointStore, LeftoverChanged, StorageFacts, WriterStore
+from .ts_context import child_context
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +271,7 @@ class LocalStore(CheckpointStore):
         # save's time); the zarr layout's commit fsyncs its files one after another. Unsynced here,
         # the writer makes the store durable after the commit instead (make_durable: every file at once).
         spec["file_io_sync"] = False
-        return ts.Context(spec)
+        return child_context(spec)  # executors shared for the process (storage/ts_context.py)
 
     def make_durable(self, store_dir: str, options: StorageOptions,
                      known_durable: AbstractSet[str] = frozenset()) -> List[str]:

@@ -35,6 +35,7 @@ from .options import StorageOptions
 from .paths import MARKER_CAP, SizeCap
 from .kv_probe import ends_before, holds_byte, read_past
 from .s3_reads import object_size, read_bounded, what_is_there
+from .ts_context import child_context
 from .s3_url import (answer_timeout, context_spec, explain, kvstore_spec, list_timeout, nameable, no_answer,
                      parse_s3_url, unended_listing)
 
@@ -79,7 +80,7 @@ class ObjectStore:
         self.options = options
         spec = kvstore_spec(self.url, options)
         try:  # no request yet: only the spec is checked
-            self._kv = ts.KvStore.open(spec, context=ts.Context(context_spec(options))).result()
+            self._kv = ts.KvStore.open(spec, context=child_context(context_spec(options))).result()
         except Exception as e:
             raise self._error("opening the store", e) from None
 

@@ -19,6 +19,7 @@ from .options import StorageOptions
 from .s3_reads import first_larger
 from .s3_url import S3_READ_COALESCING, S3_SCHEME, context_spec, explain_io, kvstore_spec, parse_s3_url
 from .store import CheckpointStore, StorageFacts, WriterStore
+from .ts_context import child_context
 
 
 class S3Store(CheckpointStore):
@@ -130,7 +131,7 @@ class S3Store(CheckpointStore):
         return kvstore_spec(path, self.options)
 
     def ts_context(self, options: StorageOptions) -> ts.Context:
-        return ts.Context(context_spec(options))
+        return child_context(context_spec(options))
 
     def said(self, error: BaseException) -> str:
         """A failed request of tensorstore's (a chunk's read, an OCDBT node's write) in our words, naming the

@@ -346,7 +346,8 @@ class CheckpointStore(ABC):
     @abstractmethod
     def ts_context(self, options: StorageOptions) -> ts.Context:
         """A fresh tensorstore context for one reader or writer with ``options`` (their concurrency, no
-        cache)."""
+        cache), made by :func:`~.ts_context.child_context`: its thread-pool executors must outlive it
+        (tensorstore frees them racily, see :mod:`.ts_context`)."""
 
     def said(self, error: BaseException) -> str:
         """How an error of tensorstore's own reads or writes through :meth:`kvstore_spec` reads in a message: as

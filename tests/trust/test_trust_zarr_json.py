@@ -17,6 +17,7 @@ import lightning_distckpt as ldc
 from lightning_distckpt import validate
 from lightning_distckpt.storage.layout import COMMIT_MARKER, METADATA_FILE, rank_dir
 from lightning_distckpt.storage.tensorstore_io import TensorStoreIO
+from lightning_distckpt.storage.ts_context import child_context
 from lightning_distckpt.reading.checkpoint import OpenedCheckpoint
 from dist_utils import run_distributed
 
@@ -295,7 +296,7 @@ def test_s3_checkpoints_check_their_zarr_json_too(s3_endpoint, monkeypatch, arra
     ldc.save(state(), url, storage=options)
     version = json.loads(client.get_object(Bucket=bucket, Key="ck/COMMITTED")["Body"].read())["version"]
     base = kvstore_spec(f"{url}/{version}/data/rank_00000", options)
-    kv = ts.KvStore.open({"driver": "ocdbt", "base": base}, context=ts.Context(context_spec(options))).result()
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": base}, context=child_context(context_spec(options))).result()
     meta = json.loads(bytes(kv.read(f"{array_path}/zarr.json").result().value))
     kv.write(f"{array_path}/zarr.json", json.dumps(edit(meta)).encode()).result()
     with pytest.raises(ldc.FormatError, match="zarr.json") as e:
