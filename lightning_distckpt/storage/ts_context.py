@@ -17,31 +17,26 @@ OCDBT database, so a checkpoint replaced between two loads is read afresh.
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping
 
 import tensorstore as ts
 
 EXECUTORS = ("file_io_concurrency", "data_copy_concurrency")  # the resources that own a task group
 
-_lock = threading.Lock()  # (lru_cache alone may make two parents for one key when threads race)
-
-
-@functools.lru_cache(maxsize=None)
-def _parent(limits: Tuple[Tuple[str, Optional[str]], ...]) -> ts.Context:
-    """The process's context holding the executors of ``limits`` ((resource, its JSON spec or None
-    for tensorstore's default)); one per distinct set, never freed (there are only a few)."""
-    return ts.Context({name: json.loads(text) for name, text in limits if text is not None})
+_parents: Dict[str, ts.Context] = {}  # the executors' settings (JSON) -> the context holding them, never freed
+_lock = threading.Lock()  # (two readers opened at once on other threads make one parent, not two)
 
 
 def child_context(spec: Mapping[str, Any]) -> ts.Context:
     """A tensorstore context of ``spec`` whose executor resources (``file_io_concurrency``,
     ``data_copy_concurrency``, as ``spec`` sets them or tensorstore's defaults) are the ones this
     process keeps for those settings; every other resource of ``spec`` is the new context's own."""
-    own: Dict[str, Any] = {k: v for k, v in spec.items() if k not in EXECUTORS}
-    limits = tuple((name, json.dumps(spec[name], sort_keys=True) if name in spec else None) for name in EXECUTORS)
+    executors = {k: spec[k] for k in EXECUTORS if k in spec}
+    key = json.dumps(executors, sort_keys=True)
     with _lock:
-        parent = _parent(limits)
-    return ts.Context(own, parent=parent)
+        parent = _parents.get(key)
+        if parent is None:
+            parent = _parents[key] = ts.Context(executors)
+    return ts.Context({k: v for k, v in spec.items() if k not in EXECUTORS}, parent=parent)
