@@ -41,6 +41,9 @@ class _Worker(threading.Thread):
                 future.set_result(fn(*args))
             except BaseException as e:  # the caller's result() raises it
                 future.set_exception(e)
+            # Let go of the task before waiting for the next: kept, its closure (a save's whole plan, the
+            # tensors it wrote) lived until the next task came, and every collection scanned it meanwhile.
+            del item, future, fn, args
 
     def stop(self) -> None:
         """Stop every thread of this pool (after the work already queued) and wait for them."""

@@ -1,9 +1,11 @@
 """Kept helper threads (storage/workers.py): work runs and its errors reach the caller; the threads
 are daemons with a stop() that ends them (the convention Lightning's test suites enforce for threads
-a test leaves behind), and the pool starts new ones after; a forked child gets threads of its own."""
+a test leaves behind), and the pool starts new ones after; a forked child gets threads of its own; a
+thread lets go of its task once done, not when the next one comes."""
 
 import multiprocessing
 import threading
+import weakref
 
 import pytest
 
@@ -30,6 +32,22 @@ def test_threads_left_behind_are_daemons_that_stop():
     assert pool.submit(sum, [3, 4]).result() == 7  # new threads after a stop
     pool.stop()
     assert set(threading.enumerate()) <= before
+
+
+class _Held:
+    """Something a task's closure holds (a save's plan, in the library)."""
+
+
+def test_a_finished_task_is_let_go_of_before_the_next_one_comes():
+    pool = KeptWorkers("test-workers", 1)
+    held, freed = _Held(), threading.Event()
+    weakref.finalize(held, freed.set)
+    expected = id(held)
+    assert pool.submit(id, held).result() == expected
+    del held  # now only the worker's references to the task (its arguments) keep it alive
+    # an event, not a clock: set the moment the worker drops the task; never set while it keeps it
+    assert freed.wait(timeout=60), "the idle worker still holds its last task's closure"
+    pool.stop()
 
 
 def _child(pool, q):
