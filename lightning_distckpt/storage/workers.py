@@ -35,12 +35,11 @@ class _Worker(threading.Thread):
             if item is _STOP:
                 return
             future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # the caller's result() raises it
-                future.set_exception(e)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the caller's result() raises it
+                    future.set_exception(e)
             # Let go of the task before waiting for the next: kept, its closure (a save's whole plan, the
             # tensors it wrote) lived until the next task came, and every collection scanned it meanwhile.
             del item, future, fn, args

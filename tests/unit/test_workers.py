@@ -50,6 +50,21 @@ def test_a_finished_task_is_let_go_of_before_the_next_one_comes():
     pool.stop()
 
 
+def test_a_cancelled_task_is_let_go_of_too():
+    pool = KeptWorkers("test-workers", 1)
+    gate = threading.Event()
+    first = pool.submit(gate.wait)  # the one thread busy: the next task waits in the queue
+    held, freed = _Held(), threading.Event()
+    weakref.finalize(held, freed.set)
+    second = pool.submit(id, held)
+    assert second.cancel()
+    del held
+    gate.set()
+    assert first.result() is True
+    assert freed.wait(timeout=60), "the idle worker still holds the cancelled task"
+    pool.stop()
+
+
 def _child(pool, q):
     q.put(pool.submit(sum, [5, 6]).result())
 
